@@ -1,0 +1,40 @@
+# CMake helpers: one call adds a kiln library, one adds a test binary; both share the torch PCH.
+
+# The precompiled header is built once, in this object library, and reused by every C++ target.
+add_library(kiln_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/pch.cpp)
+target_link_libraries(kiln_pch PUBLIC torch)
+target_compile_definitions(kiln_pch PUBLIC KILN_WITH_CUDA=${KILN_WITH_CUDA})
+if(KILN_PCH)
+  target_precompile_headers(kiln_pch PRIVATE ${PROJECT_SOURCE_DIR}/cmake/pch.h)
+endif()
+
+function(kiln_use_pch target)
+  if(KILN_PCH)
+    target_precompile_headers(${target} REUSE_FROM kiln_pch)
+  endif()
+endfunction()
+
+# kiln_add_library(<name> SOURCES ... [CUDA_SOURCES ...] PUBLIC ... PRIVATE ...)
+function(kiln_add_library name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;CUDA_SOURCES;PUBLIC;PRIVATE" ${ARGN})
+  set(srcs ${ARG_SOURCES})
+  if(KILN_WITH_CUDA)
+    list(APPEND srcs ${ARG_CUDA_SOURCES})
+  endif()
+  add_library(${name} STATIC ${srcs})
+  target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_compile_definitions(${name} PUBLIC KILN_WITH_CUDA=${KILN_WITH_CUDA})
+  target_link_libraries(${name} PUBLIC torch ${ARG_PUBLIC} PRIVATE ${ARG_PRIVATE})
+  target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>)
+  set_source_files_properties(${ARG_CUDA_SOURCES} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
+  kiln_use_pch(${name})
+endfunction()
+
+# kiln_add_test(<name> LABEL cpu|cuda|mpi SOURCES ... LIBS ...): one gtest binary, one ctest per test case.
+function(kiln_add_test name)
+  cmake_parse_arguments(ARG "" "LABEL" "SOURCES;LIBS" ${ARGN})
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE ${ARG_LIBS} kiln_test_util GTest::gtest GTest::gtest_main)
+  kiln_use_pch(${name})
+  gtest_discover_tests(${name} PROPERTIES LABELS ${ARG_LABEL} DISCOVERY_TIMEOUT 60)
+endfunction()

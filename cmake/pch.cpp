@@ -1,0 +1,1 @@
+// Translation unit that owns the precompiled header build (see cmake/kiln.cmake).

@@ -1,0 +1,59 @@
+// Strict YAML reading: key tracking, locations and error messages with file, line and key path.
+#include "core/yaml_util.h"
+
+namespace kiln::yaml {
+
+YAML::Node load_file(const std::string& path) {
+  try {
+    return YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    KILN_FAIL("config: cannot open file (path=", path, "); check the path");
+  } catch (const YAML::ParserException& e) {
+    KILN_FAIL("config: ", path, ":", e.mark.line + 1, ": YAML syntax error: ", e.msg);
+  }
+}
+
+MapReader::MapReader(YAML::Node node, std::string file, std::string path)
+    : node_(std::move(node)), file_(std::move(file)), path_(std::move(path)),
+      locations_(std::make_shared<Locations>()) {
+  KILN_CHECK(node_.IsMap() || !node_.IsDefined() || node_.IsNull(), where(),
+             ": expected a mapping of keys to values");
+}
+
+void MapReader::mark(const std::string& key) {
+  known_.insert(key);
+  if (std::as_const(node_)[key].IsDefined()) (*locations_)[key_path(key)] = where(key);
+}
+
+MapReader MapReader::child(const std::string& key) {
+  mark(key);
+  MapReader c(std::as_const(node_)[key], file_, key_path(key));
+  c.locations_ = locations_;
+  return c;
+}
+
+std::string MapReader::where(const std::string& key) const {
+  YAML::Mark m = (!key.empty() && std::as_const(node_)[key].IsDefined()) ? std::as_const(node_)[key].Mark() : node_.Mark();
+  std::string loc = file_;
+  if (m.line >= 0) loc += ":" + std::to_string(m.line + 1);
+  std::string p = key.empty() ? path_ : key_path(key);
+  return p.empty() ? loc : loc + ": " + p;
+}
+
+void MapReader::fail(const std::string& key, const std::string& msg) const {
+  KILN_FAIL("config: ", where(key), ": ", msg);
+}
+
+void MapReader::finish() const {
+  if (!node_.IsMap()) return;
+  for (const auto& kv : node_) {
+    std::string key = kv.first.as<std::string>();
+    if (known_.count(key)) continue;
+    std::string list;
+    for (const auto& k : known_) list += (list.empty() ? "" : ", ") + k;
+    std::string loc = file_ + ":" + std::to_string(kv.first.Mark().line + 1);
+    KILN_FAIL("config: ", loc, ": ", key_path(key), ": unknown key; known keys are: ", list);
+  }
+}
+
+}  // namespace kiln::yaml

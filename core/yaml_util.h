@@ -1,0 +1,84 @@
+// Strict YAML reading for configs: every key is consumed or reported, and every error names the
+// file, the line and the key path ("configs/x.yaml:7: model.num_layers: expected ...").
+#pragma once
+#include <yaml-cpp/yaml.h>
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+
+namespace kiln::yaml {
+
+// Parses a YAML file; a syntax error names the file and line.
+YAML::Node load_file(const std::string& path);
+
+// Where each key was read from ("file:line: path.key"), for validation errors after parsing.
+using Locations = std::map<std::string, std::string>;
+
+// Reads the keys of one mapping node and rejects the ones nobody asked for.
+class MapReader {
+ public:
+  MapReader(YAML::Node node, std::string file, std::string path);
+
+  bool has(const std::string& key) const { return std::as_const(node_)[key].IsDefined(); }
+  // Reads `key` into `out` when present; leaves `out` untouched otherwise.
+  template <typename T>
+  void get(const std::string& key, T& out);
+  // Reads `key` into `out`; throws when absent.
+  template <typename T>
+  void require(const std::string& key, T& out) {
+    if (!has(key)) fail(key, "required key is missing");
+    get(key, out);
+  }
+  MapReader child(const std::string& key);
+  // Throws for the first key that was not read, listing the known keys.
+  void finish() const;
+  // "file:line: path.key" for key (or for this map when key is empty).
+  std::string where(const std::string& key = "") const;
+  std::string key_path(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+  [[noreturn]] void fail(const std::string& key, const std::string& msg) const;
+  // Records where every key read so far lives, under its full key path.
+  const Locations& locations() const { return *locations_; }
+
+ private:
+  YAML::Node node_;
+  std::string file_;
+  std::string path_;
+  std::set<std::string> known_;
+  std::shared_ptr<Locations> locations_;
+  void mark(const std::string& key);
+  template <typename T>
+  static const char* type_name();
+};
+
+template <typename T>
+const char* MapReader::type_name() {
+  if constexpr (std::is_same_v<T, bool>) return "a boolean";
+  else if constexpr (std::is_integral_v<T>) return "an integer";
+  else if constexpr (std::is_floating_point_v<T>) return "a number";
+  else if constexpr (std::is_same_v<T, std::string>) return "a string";
+  else return "a list";
+}
+
+template <typename T>
+void MapReader::get(const std::string& key, T& out) {
+  mark(key);
+  YAML::Node v = std::as_const(node_)[key];
+  if (!v.IsDefined()) return;
+  try {
+    if constexpr (std::is_same_v<T, std::string> || std::is_arithmetic_v<T>) {
+      KILN_CHECK(v.IsScalar(), where(key), ": expected ", type_name<T>(), ", got a ",
+                 v.IsMap() ? "mapping" : "sequence");
+    }
+    out = v.as<T>();
+  } catch (const YAML::BadConversion&) {
+    fail(key, str_cat("expected ", type_name<T>(), ", got '", YAML::Dump(v), "'"));
+  }
+}
+
+}  // namespace kiln::yaml

@@ -1,0 +1,87 @@
+// Strict YAML reading: unknown keys, wrong types and missing keys name the file, line and key path.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "core/yaml_util.h"
+#include "tests/test_util.h"
+
+namespace kiln {
+namespace {
+
+std::string write(const test::TempDir& dir, const std::string& text) {
+  std::string path = dir / "c.yaml";
+  std::ofstream(path) << text;
+  return path;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Yaml, ReadsKnownKeysAndNestedMaps) {
+  test::TempDir dir;
+  std::string path = write(dir, "a: 3\nb:\n  c: 2.5\n  d: [1, 2]\n");
+  yaml::MapReader r(yaml::load_file(path), path, "");
+  int64_t a = 0;
+  r.get("a", a);
+  auto b = r.child("b");
+  double c = 0;
+  std::vector<int64_t> d;
+  b.get("c", c);
+  b.get("d", d);
+  std::string missing = "keep";
+  r.get("missing", missing);
+  b.finish();
+  r.finish();
+  EXPECT_EQ(a, 3);
+  EXPECT_EQ(c, 2.5);
+  EXPECT_EQ(d, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(missing, "keep");
+}
+
+TEST(Yaml, UnknownKeyNamesPathAndLine) {
+  test::TempDir dir;
+  std::string path = write(dir, "a: 3\nb:\n  c: 2.5\n  typo: 1\n");
+  yaml::MapReader r(yaml::load_file(path), path, "");
+  int64_t a = 0;
+  double c = 0;
+  r.get("a", a);
+  auto b = r.child("b");
+  b.get("c", c);
+  std::string msg = error_of([&] { b.finish(); });
+  EXPECT_NE(msg.find("c.yaml:4"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("b.typo"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unknown key"), std::string::npos) << msg;
+}
+
+TEST(Yaml, WrongTypeNamesKeyAndLine) {
+  test::TempDir dir;
+  std::string path = write(dir, "x: 1\nn: abc\n");
+  yaml::MapReader r(yaml::load_file(path), path, "model");
+  int64_t n = 0;
+  std::string msg = error_of([&] { r.get("n", n); });
+  EXPECT_NE(msg.find("c.yaml:2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("model.n"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("expected an integer"), std::string::npos) << msg;
+}
+
+TEST(Yaml, MissingRequiredKeyAndSyntaxError) {
+  test::TempDir dir;
+  std::string path = write(dir, "x: 1\n");
+  yaml::MapReader r(yaml::load_file(path), path, "");
+  int64_t y = 0;
+  EXPECT_NE(error_of([&] { r.require("y", y); }).find("required key is missing"), std::string::npos);
+  std::string bad = write(dir, "a: [1, 2\nb: 3\n");
+  std::string msg = error_of([&] { yaml::load_file(bad); });
+  EXPECT_NE(msg.find("YAML syntax error"), std::string::npos) << msg;
+  EXPECT_NE(error_of([&] { yaml::load_file(dir / "nope.yaml"); }).find("cannot open"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kiln
