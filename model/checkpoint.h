@@ -1,0 +1,28 @@
+// Muse checkpoints on disk: HF tensor names (MUSE.md §4) in safetensors plus config.json.
+// Experts are stacked [E, ...] in memory and stored one tensor per expert.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/muse.h"
+
+namespace kiln::model {
+
+// Every tensor under its HF checkpoint name (experts split per expert), in checkpoint dtype:
+// the config's dtype, the router in F32. Tensors may stay on the model's device.
+std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model);
+
+// Writes config.json and model.safetensors (sharded above max_shard_bytes) into `dir`.
+void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_shard_bytes = 5ull << 30);
+
+// Reads `dir` (config.json + safetensors) into a model of `dtype` on `device`. Errors name the
+// file and tensor for missing, unexpected or wrongly shaped tensors.
+Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device);
+
+// "bf16" / "bfloat16" / "fp32" / "float32" / "fp64" / "float64" -> torch dtype.
+at::ScalarType parse_dtype(const std::string& name);
+
+}  // namespace kiln::model

@@ -1,0 +1,286 @@
+// The Muse forward pass (MUSE.md §3): embedding, sandwich-normed attention and latent-MoE blocks,
+// final norm, lm_head. Packed variable-length batches; routing capture and replay.
+#include "model/muse.h"
+
+#include <ATen/ATen.h>
+#include <torch/version.h>
+
+#include "core/error.h"
+#include "kernels/rms_norm.h"
+
+#define KILN_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace kiln::model {
+namespace {
+
+constexpr int64_t kQueryChunk = 1024;   // queries per attention block: bounds scores memory
+constexpr int64_t kGroupAlign = 16;     // grouped-GEMM row alignment per expert segment
+
+at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, const at::Tensor& h,
+                     const PackedBatch& batch, const at::Tensor& cos, const at::Tensor& sin,
+                     bool full) {
+  const int64_t T = h.size(0), hd = cfg.head_dim;
+  const int64_t group = cfg.num_q_heads / cfg.num_kv_heads;
+  at::Tensor q = apply_rope(at::linear(h, lw.q_proj).view({T, cfg.num_q_heads, hd}), cos, sin);
+  at::Tensor k = apply_rope(at::linear(h, lw.k_proj).view({T, cfg.num_kv_heads, hd}), cos, sin);
+  at::Tensor v = at::linear(h, lw.v_proj).view({T, cfg.num_kv_heads, hd});
+  std::vector<at::Tensor> outs;
+  outs.reserve(batch.num_sequences());
+  for (int64_t s = 0; s < batch.num_sequences(); ++s) {
+    const int64_t start = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - start;
+    if (n == 0) continue;
+    at::Tensor qs = q.narrow(0, start, n).transpose(0, 1);  // [Hq, n, hd]
+    at::Tensor ks = k.narrow(0, start, n).transpose(0, 1);  // [Hkv, n, hd]
+    at::Tensor vs = v.narrow(0, start, n).transpose(0, 1);
+    if (group > 1) {
+      ks = ks.repeat_interleave(group, 0);  // query head h reads KV head h / group
+      vs = vs.repeat_interleave(group, 0);
+    }
+    outs.push_back(sequence_attention(qs, ks, vs, full, cfg.sliding_window).transpose(0, 1));
+  }
+  at::Tensor o = (outs.size() == 1 ? outs[0] : at::cat(outs, 0)).reshape({T, cfg.q_size()});
+  return at::linear(o, lw.o_proj);
+}
+
+// SwiGLU experts over expert-sorted rows. zs [n, d_l] sorted by expert; counts [E] int64.
+// Returns W_down_e . (silu(W_gate_e . z) * (W_up_e . z)) for every row, [n, d_l].
+at::Tensor run_experts(const LayerWeights& lw, const at::Tensor& zs, const at::Tensor& sorted_experts,
+                       const at::Tensor& counts, const ForwardOptions& opt) {
+  const int64_t n = zs.size(0), E = counts.size(0);
+#if KILN_TORCH_AT_LEAST(2, 8)
+  // torch's grouped GEMM (CUDA, bf16) where it exists; otherwise a loop over non-empty experts.
+  if (opt.use_grouped_mm && zs.is_cuda() && zs.scalar_type() == at::kBFloat16) {
+    // Each expert's segment starts on a kGroupAlign boundary; the last segment runs to a static
+    // upper bound, so no host sync is needed. Padding rows are zero and never read back.
+    at::Tensor padded = at::div(counts + (kGroupAlign - 1), kGroupAlign, "floor") * kGroupAlign;
+    at::Tensor ends = at::cumsum(padded, 0);
+    at::Tensor pad_starts = ends - padded;
+    at::Tensor starts = at::cumsum(counts, 0) - counts;
+    const int64_t bound = n + E * (kGroupAlign - 1);
+    at::Tensor offs = ends.to(at::kInt);
+    offs.narrow(0, E - 1, 1).fill_(bound);
+    at::Tensor rows = at::arange(n, counts.options());
+    at::Tensor dest = pad_starts.index_select(0, sorted_experts) + rows - starts.index_select(0, sorted_experts);
+    at::Tensor zp = at::zeros({bound, zs.size(1)}, zs.options()).index_copy(0, dest, zs);
+    at::Tensor g = at::_grouped_mm(zp, lw.expert_gate.transpose(1, 2), offs);
+    at::Tensor u = at::_grouped_mm(zp, lw.expert_up.transpose(1, 2), offs);
+    at::Tensor y = at::_grouped_mm(at::silu(g) * u, lw.expert_down.transpose(1, 2), offs);
+    return y.index_select(0, dest);
+  }
+#endif
+  at::Tensor host_counts = counts.cpu();
+  const int64_t* c = host_counts.data_ptr<int64_t>();
+  std::vector<at::Tensor> parts;
+  int64_t start = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (c[e] == 0) continue;
+    at::Tensor seg = zs.narrow(0, start, c[e]);
+    at::Tensor g = at::linear(seg, lw.expert_gate[e]);
+    at::Tensor u = at::linear(seg, lw.expert_up[e]);
+    parts.push_back(at::linear(at::silu(g) * u, lw.expert_down[e]));
+    start += c[e];
+  }
+  KILN_CHECK(start == n, "latent_moe: expert counts do not cover the rows (rows=", n, ", counted=", start, ")");
+  return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+}
+
+struct MoeOut {
+  at::Tensor out;         // [T, d]
+  at::Tensor ids;         // [T, k] int64
+  at::Tensor balance;     // scalar
+};
+
+// route -> pool -> dispatch (sort by expert) -> experts -> per-expert norm -> FP32 combine -> unpool
+MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, const at::Tensor& h,
+                  const at::Tensor& replay, const ForwardOptions& opt) {
+  const int64_t T = h.size(0), k = cfg.top_k, E = cfg.num_experts;
+  at::Tensor logits = at::linear(h.to(lw.router.scalar_type()), lw.router);  // [T, E] fp32
+  const bool sigmoid = cfg.router_score == "sigmoid";
+  at::Tensor scores = sigmoid ? at::sigmoid(logits) : at::softmax(logits, -1);
+  at::Tensor ids;
+  if (replay.defined()) {
+    ids = replay;
+  } else {
+    at::Tensor select = scores.detach();
+    if (sigmoid && lw.router_bias.defined()) select = select + lw.router_bias;
+    ids = std::get<1>(at::topk(select, k, -1, /*largest=*/true, /*sorted=*/true));
+  }
+  at::Tensor w = scores.gather(1, ids);
+  w = w / w.sum(-1, true);  // renormalised over the chosen set, so gradients reach the router
+
+  at::Tensor z = at::linear(h, lw.pooler);  // [T, d_l]
+  at::Tensor flat = ids.reshape(-1);        // [T * k], slot order
+  auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
+  at::Tensor sorted_experts = std::get<0>(sorted), order = std::get<1>(sorted);
+  at::Tensor counts = at::bincount(flat, {}, E);
+  at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
+  at::Tensor ys = run_experts(lw, zs, sorted_experts, counts, opt);
+  ys = rms_norm(ys, lw.expert_norm.index_select(0, sorted_experts), cfg.rms_norm_eps);
+  at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
+  at::Tensor y = ys.index_select(0, inverse).view({T, k, -1});  // back to slot order
+  const auto acc = w.scalar_type();
+  at::Tensor m = (y.to(acc) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
+  MoeOut r;
+  r.out = at::linear(m.to(h.scalar_type()), lw.unpooler);
+  r.ids = ids;
+  at::Tensor f = counts.to(acc) / double(T * k);
+  r.balance = (f * scores.mean(0)).sum() * double(E);
+  return r;
+}
+
+}  // namespace
+
+at::ScalarType router_dtype(at::ScalarType dtype) { return acc_dtype(dtype); }
+
+at::Tensor sequence_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              bool full, int64_t window) {
+  const int64_t n = q.size(1);
+  const double scale = 1.0 / std::sqrt(double(q.size(2)));
+  std::vector<at::Tensor> blocks;
+  for (int64_t a = 0; a < n; a += kQueryChunk) {
+    const int64_t b = std::min(n, a + kQueryChunk);
+    const int64_t ka = full ? 0 : std::max<int64_t>(0, a - window + 1);
+    at::Tensor qc = q.narrow(1, a, b - a);
+    at::Tensor kc = k.narrow(1, ka, b - ka);
+    at::Tensor vc = v.narrow(1, ka, b - ka);
+    auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
+    at::Tensor qi = at::arange(a, b, idx).unsqueeze(1);
+    at::Tensor kj = at::arange(ka, b, idx).unsqueeze(0);
+    at::Tensor allowed = kj.le(qi);
+    if (!full) allowed = allowed.logical_and(kj.gt(qi - window));
+#if KILN_TORCH_AT_LEAST(2, 0)
+    if (q.is_cuda()) {
+      // Fused kernel on GPU; the explicit mask keeps window semantics identical to the CPU path.
+      blocks.push_back(at::scaled_dot_product_attention(qc.unsqueeze(0), kc.unsqueeze(0),
+                                                        vc.unsqueeze(0), allowed).squeeze(0));
+      continue;
+    }
+#endif
+    at::Tensor scores = at::matmul(qc, kc.transpose(1, 2)).to(acc_dtype(q.scalar_type())) * scale;
+    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+    at::Tensor p = at::softmax(scores, -1).to(q.scalar_type());
+    blocks.push_back(at::matmul(p, vc));
+  }
+  return blocks.size() == 1 ? blocks[0] : at::cat(blocks, 1);
+}
+
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return kernels::rms_norm(x, weight, eps);
+}
+
+std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, int64_t head_dim,
+                                              double theta, at::ScalarType dtype) {
+  // Angles in fp64 so that positions near 1M keep their precision.
+  auto opts = positions.options().dtype(at::kDouble);
+  at::Tensor inv_freq = at::pow(theta, at::arange(0, head_dim, 2, opts) / double(head_dim)).reciprocal();
+  at::Tensor ang = positions.to(at::kDouble).unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, hd/2]
+  ang = at::cat({ang, ang}, 1);
+  return {ang.cos().to(dtype), ang.sin().to(dtype)};
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)}, -1);
+  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+}
+
+PackedBatch PackedBatch::from_sequences(const std::vector<std::vector<int64_t>>& seqs, at::Device device) {
+  PackedBatch b;
+  b.cu_seqlens = {0};
+  std::vector<int64_t> flat;
+  for (const auto& s : seqs) {
+    flat.insert(flat.end(), s.begin(), s.end());
+    b.cu_seqlens.push_back(int64_t(flat.size()));
+  }
+  b.tokens = at::tensor(flat, at::kLong).to(device);
+  return b;
+}
+
+at::Tensor PackedBatch::positions() const {
+  std::vector<int64_t> pos(num_tokens());
+  for (int64_t s = 0; s < num_sequences(); ++s)
+    for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) pos[t] = t - cu_seqlens[s];
+  return at::tensor(pos, at::kLong).to(tokens.device());
+}
+
+Muse::Muse(ModelConfig cfg, Weights weights) : cfg_(std::move(cfg)), w_(std::move(weights)) {
+  cfg_.validate();
+  KILN_CHECK(int64_t(w_.layers.size()) == cfg_.num_layers, "model: weights have ", w_.layers.size(),
+             " layers but the config says num_layers=", cfg_.num_layers);
+}
+
+ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt) const {
+  const int64_t T = batch.num_tokens(), L = cfg_.num_layers, k = cfg_.top_k;
+  KILN_CHECK(T > 0, "forward: the batch holds no tokens; give at least one sequence with tokens");
+  KILN_CHECK(batch.tokens.dim() == 1 && batch.tokens.size(0) == T && batch.tokens.scalar_type() == at::kLong,
+             "forward: tokens must be int64 [", T, "] to match cu_seqlens (got ", batch.tokens.sizes(), " ",
+             batch.tokens.scalar_type(), ")");
+  for (int64_t s = 0; s < batch.num_sequences(); ++s)
+    KILN_CHECK(batch.cu_seqlens[s + 1] >= batch.cu_seqlens[s], "forward: cu_seqlens must not decrease (at ", s, ")");
+  const int64_t lo = batch.tokens.min().item<int64_t>(), hi = batch.tokens.max().item<int64_t>();
+  KILN_CHECK(lo >= 0 && hi < cfg_.vocab_size, "forward: token ids must lie in [0, vocab_size) (min=", lo,
+             ", max=", hi, ", vocab_size=", cfg_.vocab_size, ")");
+  if (opt.replay_routing.defined()) {
+    const auto& r = opt.replay_routing;
+    KILN_CHECK(r.dim() == 3 && r.size(0) == T && r.size(1) == L && r.size(2) == k && r.scalar_type() == at::kByte,
+               "forward: replay_routing must be uint8 [tokens=", T, ", layers=", L, ", k=", k, "] (got ",
+               r.sizes(), " ", r.scalar_type(), ")");
+    const int64_t max_id = r.max().item<int64_t>();
+    KILN_CHECK(max_id < cfg_.num_experts, "forward: replay_routing holds expert id ", max_id,
+               " but num_experts=", cfg_.num_experts);
+  }
+  at::Tensor replay = opt.replay_routing.defined() ? opt.replay_routing.to(device(), at::kLong) : at::Tensor();
+
+  auto [cos, sin] = rope_tables(batch.positions(), cfg_.head_dim, cfg_.rope_theta, dtype());
+  at::Tensor x = at::embedding(w_.embed, batch.tokens);  // [T, d]
+  std::vector<at::Tensor> routing;
+  at::Tensor balance = at::zeros({}, at::TensorOptions().dtype(router_dtype(dtype())).device(device()));
+  for (int64_t i = 0; i < L; ++i) {
+    const LayerWeights& lw = w_.layers[i];
+    const double eps = cfg_.rms_norm_eps;
+    at::Tensor a = attention(cfg_, lw, rms_norm(x, lw.input_norm, eps), batch, cos, sin,
+                             cfg_.is_full_attention(i));
+    x = x + rms_norm(a, lw.post_attn_norm, eps);
+    MoeOut moe = latent_moe(cfg_, lw, rms_norm(x, lw.pre_moe_norm, eps),
+                            replay.defined() ? replay.select(1, i) : at::Tensor(), opt);
+    x = x + rms_norm(moe.out, lw.post_moe_norm, eps);
+    routing.push_back(moe.ids);
+    balance = balance + moe.balance;
+  }
+  at::Tensor xn = rms_norm(x, w_.final_norm, cfg_.rms_norm_eps);
+
+  ForwardOutput out;
+  out.routing = at::stack(routing, 1).to(at::kByte);  // [T, L, k]
+  out.load_balance_loss = balance / double(L);
+  const auto acc = router_dtype(dtype());
+  if (opt.return_logits) out.logits = at::linear(xn, w_.lm_head).to(acc);
+  if (opt.targets.defined()) {
+    KILN_CHECK(opt.targets.dim() == 1 && opt.targets.size(0) == T, "forward: targets must be [", T,
+               "] (got ", opt.targets.sizes(), ")");
+    at::Tensor targets = opt.targets.to(device(), at::kLong);
+    at::Tensor ignored = targets.eq(opt.ignore_index);
+    at::Tensor safe = targets.masked_fill(ignored, 0);
+    const int64_t tmax = safe.max().item<int64_t>(), tmin = safe.min().item<int64_t>();
+    KILN_CHECK(tmin >= 0 && tmax < cfg_.vocab_size, "forward: targets must lie in [0, vocab_size) or equal ",
+               "ignore_index (min=", tmin, ", max=", tmax, ")");
+    std::vector<at::Tensor> lps;
+    const int64_t chunk = std::max<int64_t>(1, opt.logprob_chunk);
+    for (int64_t a = 0; a < T; a += chunk) {
+      const int64_t n = std::min(chunk, T - a);
+      // Only the chosen logit and the logsumexp are kept: no [T, V] log-softmax is built.
+      at::Tensor logits = out.logits.defined() ? out.logits.narrow(0, a, n)
+                                               : at::linear(xn.narrow(0, a, n), w_.lm_head).to(acc);
+      at::Tensor picked = logits.gather(1, safe.narrow(0, a, n).unsqueeze(1)).squeeze(1);
+      lps.push_back(picked - at::logsumexp(logits, {-1}));
+    }
+    at::Tensor lp = lps.size() == 1 ? lps[0] : at::cat(lps, 0);
+    out.logprobs = lp.masked_fill(ignored, 0.0);
+  }
+  return out;
+}
+
+}  // namespace kiln::model

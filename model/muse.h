@@ -1,0 +1,109 @@
+// The Muse latent-MoE model (MUSE.md §3), written once for trainer and rollout: weights, the
+// packed variable-length forward, log-probs of targets, routing capture and routing replay.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/config.h"
+
+namespace kiln::model {
+
+struct LayerWeights {
+  at::Tensor input_norm;      // [d]
+  at::Tensor q_proj;          // [num_q_heads * head_dim, d]
+  at::Tensor k_proj;          // [num_kv_heads * head_dim, d]
+  at::Tensor v_proj;          // [num_kv_heads * head_dim, d]
+  at::Tensor o_proj;          // [d, num_q_heads * head_dim]
+  at::Tensor post_attn_norm;  // [d]
+  at::Tensor pre_moe_norm;    // [d]
+  at::Tensor router;          // [E, d] fp32 (fp64 in fp64 runs)
+  at::Tensor router_bias;     // [E] fp32, sigmoid routers only: biases selection, not weights
+  at::Tensor pooler;          // [d_l, d]
+  at::Tensor expert_gate;     // [E, I, d_l]
+  at::Tensor expert_up;       // [E, I, d_l]
+  at::Tensor expert_down;     // [E, d_l, I]
+  at::Tensor expert_norm;     // [E, d_l]
+  at::Tensor unpooler;        // [d, d_l]
+  at::Tensor post_moe_norm;   // [d]
+};
+
+struct Weights {
+  at::Tensor embed;           // [V, d]
+  std::vector<LayerWeights> layers;
+  at::Tensor final_norm;      // [d]
+  at::Tensor lm_head;         // [V, d]
+};
+
+// Many sequences packed into one token dimension.
+struct PackedBatch {
+  at::Tensor tokens;          // [T] int64, on the model's device
+  std::vector<int64_t> cu_seqlens;  // [B + 1], cu_seqlens[0] = 0, cu_seqlens[B] = T
+  static PackedBatch from_sequences(const std::vector<std::vector<int64_t>>& seqs, at::Device device);
+  int64_t num_tokens() const { return cu_seqlens.back(); }
+  int64_t num_sequences() const { return int64_t(cu_seqlens.size()) - 1; }
+  at::Tensor positions() const;  // [T] int64: position of each token within its sequence
+};
+
+struct ForwardOptions {
+  bool return_logits = false;   // [T, V] fp32 logits (large: avoid for big vocabularies)
+  at::Tensor targets;           // [T] int64: when defined, return log p(targets[t] | tokens[<=t]);
+                                // entries equal to ignore_index give 0
+  int64_t ignore_index = -100;
+  at::Tensor replay_routing;    // [T, L, k] uint8: use these expert sets instead of own top-k
+  int64_t logprob_chunk = 2048; // tokens per lm_head chunk when computing log-probs
+  bool use_grouped_mm = true;   // torch's grouped GEMM for experts where available (CUDA, bf16)
+};
+
+struct ForwardOutput {
+  at::Tensor logits;            // [T, V] fp32, when asked
+  at::Tensor logprobs;          // [T] fp32 (fp64 in fp64 runs), when targets were given
+  at::Tensor routing;           // [T, L, k] uint8: the expert sets actually used
+  at::Tensor load_balance_loss; // scalar fp32: mean over layers of E * sum_i f_i * P_i
+};
+
+// Weight dtypes: the compute dtype of every matrix and norm, and of the router (fp32 unless fp64).
+at::ScalarType router_dtype(at::ScalarType dtype);
+
+class Muse {
+ public:
+  Muse(ModelConfig cfg, Weights weights);
+
+  // Random init: each tensor (each expert separately) from its own stream seeded by (seed, name),
+  // so the result does not depend on order, device or sharding.
+  static Muse init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device);
+
+  const ModelConfig& config() const { return cfg_; }
+  const Weights& weights() const { return w_; }
+  Weights& weights() { return w_; }
+  at::ScalarType dtype() const { return w_.embed.scalar_type(); }
+  at::Device device() const { return w_.embed.device(); }
+
+  // Every parameter under its in-memory name (experts stacked: "...mlp.experts.gate_proj" [E,I,d_l]).
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  void set_requires_grad(bool on);
+
+  ForwardOutput forward(const PackedBatch& batch, const ForwardOptions& opt = {}) const;
+
+ private:
+  ModelConfig cfg_;
+  Weights w_;
+};
+
+// Building blocks, exposed for the rollout engine and for tests.
+// RMSNorm, Llama convention: normalise in fp32 (fp64 for fp64 inputs), cast back, times weight.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// cos and sin tables [T, head_dim] (fp32, fp64 for fp64) for the given positions.
+std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, int64_t head_dim,
+                                              double theta, at::ScalarType dtype);
+// Causal attention of one sequence: q [H, n, hd], k/v [H, n, hd] (KV heads already repeated for
+// GQA). A window layer (full=false) lets query i see keys i-W < j <= i. Returns [H, n, hd].
+at::Tensor sequence_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool full,
+                              int64_t window);
+// x [T, H, head_dim] rotated by rotate-half RoPE (HF convention).
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace kiln::model

@@ -1,0 +1,255 @@
+// Muse weights: seeded random init, named parameters, HF-named checkpoint save and load.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <set>
+
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "model/checkpoint.h"
+
+namespace kiln::model {
+namespace {
+
+// Visits every tensor of the model under its in-memory name. `trainable` is false for buffers.
+void for_each_tensor(const Weights& w, const ModelConfig& cfg,
+                     const std::function<void(const std::string&, const at::Tensor&, bool)>& fn) {
+  fn("model.embed_tokens.weight", w.embed, true);
+  for (int64_t i = 0; i < int64_t(w.layers.size()); ++i) {
+    const LayerWeights& l = w.layers[i];
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    fn(p + "input_layernorm.weight", l.input_norm, true);
+    fn(p + "self_attn.q_proj.weight", l.q_proj, true);
+    fn(p + "self_attn.k_proj.weight", l.k_proj, true);
+    fn(p + "self_attn.v_proj.weight", l.v_proj, true);
+    fn(p + "self_attn.o_proj.weight", l.o_proj, true);
+    fn(p + "post_attention_layernorm.weight", l.post_attn_norm, true);
+    fn(p + "pre_moe_layernorm.weight", l.pre_moe_norm, true);
+    fn(p + "mlp.router.weight", l.router, true);
+    if (l.router_bias.defined()) fn(p + "mlp.router.e_score_correction_bias", l.router_bias, false);
+    fn(p + "mlp.pooler.weight", l.pooler, true);
+    fn(p + "mlp.experts.gate_proj.weight", l.expert_gate, true);
+    fn(p + "mlp.experts.up_proj.weight", l.expert_up, true);
+    fn(p + "mlp.experts.down_proj.weight", l.expert_down, true);
+    fn(p + "mlp.experts.norm.weight", l.expert_norm, true);
+    fn(p + "mlp.unpooler.weight", l.unpooler, true);
+    fn(p + "post_moe_layernorm.weight", l.post_moe_norm, true);
+  }
+  fn("model.norm.weight", w.final_norm, true);
+  fn("lm_head.weight", w.lm_head, true);
+}
+
+// The layer-tensor slots by their name suffix, so init and load fill the same fields.
+at::Tensor* layer_slot(LayerWeights& l, const std::string& suffix) {
+  static const std::vector<std::pair<const char*, at::Tensor LayerWeights::*>> slots = {
+      {"input_layernorm.weight", &LayerWeights::input_norm},
+      {"self_attn.q_proj.weight", &LayerWeights::q_proj},
+      {"self_attn.k_proj.weight", &LayerWeights::k_proj},
+      {"self_attn.v_proj.weight", &LayerWeights::v_proj},
+      {"self_attn.o_proj.weight", &LayerWeights::o_proj},
+      {"post_attention_layernorm.weight", &LayerWeights::post_attn_norm},
+      {"pre_moe_layernorm.weight", &LayerWeights::pre_moe_norm},
+      {"mlp.router.weight", &LayerWeights::router},
+      {"mlp.router.e_score_correction_bias", &LayerWeights::router_bias},
+      {"mlp.pooler.weight", &LayerWeights::pooler},
+      {"mlp.experts.gate_proj.weight", &LayerWeights::expert_gate},
+      {"mlp.experts.up_proj.weight", &LayerWeights::expert_up},
+      {"mlp.experts.down_proj.weight", &LayerWeights::expert_down},
+      {"mlp.experts.norm.weight", &LayerWeights::expert_norm},
+      {"mlp.unpooler.weight", &LayerWeights::unpooler},
+      {"post_moe_layernorm.weight", &LayerWeights::post_moe_norm},
+  };
+  for (const auto& [name, member] : slots)
+    if (suffix == name) return &(l.*member);
+  return nullptr;
+}
+
+bool is_expert_stack(const std::string& suffix) { return suffix.rfind("mlp.experts.", 0) == 0; }
+
+// Shapes of one layer's tensors (experts stacked), by suffix.
+std::vector<std::pair<std::string, std::vector<int64_t>>> layer_shapes(const ModelConfig& c) {
+  const int64_t d = c.hidden_size, dl = c.latent_size, E = c.num_experts, I = c.expert_ffn_size;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> s = {
+      {"input_layernorm.weight", {d}},
+      {"self_attn.q_proj.weight", {c.q_size(), d}},
+      {"self_attn.k_proj.weight", {c.kv_size(), d}},
+      {"self_attn.v_proj.weight", {c.kv_size(), d}},
+      {"self_attn.o_proj.weight", {d, c.q_size()}},
+      {"post_attention_layernorm.weight", {d}},
+      {"pre_moe_layernorm.weight", {d}},
+      {"mlp.router.weight", {E, d}},
+      {"mlp.pooler.weight", {dl, d}},
+      {"mlp.experts.gate_proj.weight", {E, I, dl}},
+      {"mlp.experts.up_proj.weight", {E, I, dl}},
+      {"mlp.experts.down_proj.weight", {E, dl, I}},
+      {"mlp.experts.norm.weight", {E, dl}},
+      {"mlp.unpooler.weight", {d, dl}},
+      {"post_moe_layernorm.weight", {d}},
+  };
+  if (c.router_score == "sigmoid") s.push_back({"mlp.router.e_score_correction_bias", {E}});
+  return s;
+}
+
+uint64_t stream_seed(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the name, then mixed with the seed
+  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
+  uint64_t z = h ^ (seed + 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+at::Tensor normal(const std::vector<int64_t>& shape, double std, uint64_t seed, const std::string& name) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(stream_seed(seed, name));
+  return at::empty(shape, at::kFloat).normal_(0.0, std, gen);
+}
+
+std::string expert_name(const std::string& layer_prefix, int64_t e, const std::string& suffix) {
+  // "mlp.experts.gate_proj.weight" -> "<prefix>mlp.experts.<e>.gate_proj.weight"
+  return layer_prefix + "mlp.experts." + std::to_string(e) + "." + suffix.substr(std::string("mlp.experts.").size());
+}
+
+at::ScalarType tensor_dtype(const std::string& suffix, at::ScalarType dtype) {
+  return suffix.rfind("mlp.router.", 0) == 0 ? router_dtype(dtype) : dtype;
+}
+
+}  // namespace
+
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
+  if (name == "fp32" || name == "float32") return at::kFloat;
+  if (name == "fp64" || name == "float64") return at::kDouble;
+  KILN_FAIL("dtype: unknown dtype '", name, "'; use bf16, fp32 or fp64");
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for_each_tensor(w_, cfg_, [&](const std::string& n, const at::Tensor& t, bool trainable) {
+    if (trainable) out.emplace_back(n, t);
+  });
+  return out;
+}
+
+void Muse::set_requires_grad(bool on) {
+  for (auto& [name, t] : named_parameters()) const_cast<at::Tensor&>(t).requires_grad_(on);
+}
+
+Muse Muse::init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device) {
+  cfg.validate();
+  const double std = cfg.init_std;
+  const double out_std = std / std::sqrt(2.0 * double(cfg.num_layers));  // residual-writing matrices
+  auto finish = [&](at::Tensor t, const std::string& suffix) {
+    return t.to(device, tensor_dtype(suffix, dtype)).contiguous();
+  };
+  Weights w;
+  w.embed = finish(normal({cfg.vocab_size, cfg.hidden_size}, std, seed, "model.embed_tokens.weight"), "");
+  w.lm_head = finish(normal({cfg.vocab_size, cfg.hidden_size}, std, seed, "lm_head.weight"), "");
+  w.final_norm = finish(at::ones({cfg.hidden_size}), "");
+  for (int64_t i = 0; i < cfg.num_layers; ++i) {
+    LayerWeights l;
+    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    for (const auto& [suffix, shape] : layer_shapes(cfg)) {
+      at::Tensor t;
+      const bool residual_out = suffix == "self_attn.o_proj.weight" || suffix == "mlp.experts.down_proj.weight" ||
+                                suffix == "mlp.unpooler.weight";
+      const double s = residual_out ? out_std : std;
+      if (suffix.find("norm") != std::string::npos) {
+        t = at::ones(shape);
+      } else if (suffix == "mlp.router.e_score_correction_bias") {
+        t = at::zeros(shape);
+      } else if (is_expert_stack(suffix)) {
+        std::vector<at::Tensor> experts;
+        std::vector<int64_t> one(shape.begin() + 1, shape.end());
+        for (int64_t e = 0; e < cfg.num_experts; ++e) experts.push_back(normal(one, s, seed, expert_name(prefix, e, suffix)));
+        t = at::stack(experts, 0);
+      } else {
+        t = normal(shape, s, seed, prefix + suffix);
+      }
+      *layer_slot(l, suffix) = finish(t, suffix);
+    }
+    w.layers.push_back(std::move(l));
+  }
+  return Muse(cfg, std::move(w));
+}
+
+std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model) {
+  const ModelConfig& cfg = model.config();
+  const at::ScalarType store = parse_dtype(cfg.dtype);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for_each_tensor(model.weights(), cfg, [&](const std::string& name, const at::Tensor& t, bool) {
+    const bool router = name.find(".mlp.router.") != std::string::npos;
+    at::Tensor v = t.detach().to(router ? at::kFloat : store);
+    const std::string marker = ".mlp.experts.";
+    const size_t at_pos = name.find(marker);
+    if (at_pos == std::string::npos) {
+      out.emplace_back(name, v);
+      return;
+    }
+    const std::string prefix = name.substr(0, at_pos + 1), suffix = name.substr(at_pos + 1);
+    for (int64_t e = 0; e < v.size(0); ++e) out.emplace_back(expert_name(prefix, e, suffix), v[e]);
+  });
+  return out;
+}
+
+void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_shard_bytes) {
+  std::filesystem::create_directories(dir);
+  std::vector<safetensors::NamedTensor> tensors;
+  for (auto& [name, t] : hf_tensors(model)) tensors.push_back({name, t});
+  safetensors::write_checkpoint(dir, tensors, max_shard_bytes);
+  const std::string cfg_path = dir + "/config.json", tmp = cfg_path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << model.config().to_json();
+    KILN_CHECK(f.good(), "checkpoint: cannot write ", tmp);
+  }
+  std::filesystem::rename(tmp, cfg_path);
+}
+
+Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device) {
+  ModelConfig cfg = ModelConfig::from_json_file(dir + "/config.json");
+  safetensors::Checkpoint ckpt = safetensors::Checkpoint::open(dir);
+  std::set<std::string> expected = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"};
+  for (int64_t i = 0; i < cfg.num_layers; ++i) {
+    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    for (const auto& [suffix, shape] : layer_shapes(cfg)) {
+      if (!is_expert_stack(suffix)) expected.insert(prefix + suffix);
+      else
+        for (int64_t e = 0; e < cfg.num_experts; ++e) expected.insert(expert_name(prefix, e, suffix));
+    }
+  }
+  ckpt.expect_names(expected);
+
+  auto load = [&](const std::string& name, const std::vector<int64_t>& shape, at::ScalarType t) {
+    const auto& info = ckpt.info(name);
+    KILN_CHECK(info.shape == shape, "checkpoint: tensor ", name, " in ", ckpt.path(), " has shape ",
+               at::IntArrayRef(info.shape), " but the config needs ", at::IntArrayRef(shape));
+    return ckpt.load(name, t).to(device);
+  };
+  Weights w;
+  const int64_t V = cfg.vocab_size, d = cfg.hidden_size;
+  w.embed = load("model.embed_tokens.weight", {V, d}, dtype);
+  w.lm_head = load("lm_head.weight", {V, d}, dtype);
+  w.final_norm = load("model.norm.weight", {d}, dtype);
+  for (int64_t i = 0; i < cfg.num_layers; ++i) {
+    LayerWeights l;
+    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    for (const auto& [suffix, shape] : layer_shapes(cfg)) {
+      const at::ScalarType t = tensor_dtype(suffix, dtype);
+      if (!is_expert_stack(suffix)) {
+        *layer_slot(l, suffix) = load(prefix + suffix, shape, t);
+        continue;
+      }
+      std::vector<int64_t> one(shape.begin() + 1, shape.end());
+      std::vector<at::Tensor> experts;
+      for (int64_t e = 0; e < cfg.num_experts; ++e) experts.push_back(load(expert_name(prefix, e, suffix), one, t));
+      *layer_slot(l, suffix) = at::stack(experts, 0);
+    }
+    w.layers.push_back(std::move(l));
+  }
+  return Muse(cfg, std::move(w));
+}
+
+}  // namespace kiln::model

@@ -1,0 +1,126 @@
+// Muse checkpoints: HF names and dtypes, save/load round trips (single and sharded), seeded init,
+// and clear errors for missing, unexpected and mis-shaped tensors.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "core/safetensors.h"
+#include "model/checkpoint.h"
+#include "tests/model/reference.h"
+#include "tests/test_util.h"
+
+namespace kiln {
+namespace {
+
+using model::Muse;
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+model::ForwardOutput run(const Muse& m) {
+  model::ForwardOptions opt;
+  opt.return_logits = true;
+  return m.forward(model::PackedBatch::from_sequences({{1, 2, 3, 4}, {5, 6, 7}}, m.device()), opt);
+}
+
+TEST(Checkpoint, HfNamesShapesAndDtypes) {
+  model::ModelConfig cfg = test::micro_config();
+  cfg.dtype = "bfloat16";
+  Muse m = Muse::init(cfg, 1, at::kFloat, at::kCPU);
+  test::TempDir dir;
+  model::save_checkpoint(m, dir.path());
+  auto ck = safetensors::Checkpoint::open(dir.path());
+  const auto& router = ck.info("model.layers.1.mlp.router.weight");
+  EXPECT_EQ(router.dtype, safetensors::DType::F32);
+  EXPECT_EQ(router.shape, (std::vector<int64_t>{4, 8}));
+  const auto& gate = ck.info("model.layers.0.mlp.experts.3.gate_proj.weight");
+  EXPECT_EQ(gate.dtype, safetensors::DType::BF16);
+  EXPECT_EQ(gate.shape, (std::vector<int64_t>{6, 4}));
+  EXPECT_EQ(ck.info("model.layers.0.mlp.experts.3.down_proj.weight").shape, (std::vector<int64_t>{4, 6}));
+  EXPECT_EQ(ck.info("model.layers.0.mlp.experts.0.norm.weight").shape, (std::vector<int64_t>{4}));
+  EXPECT_EQ(ck.info("model.layers.0.mlp.pooler.weight").shape, (std::vector<int64_t>{4, 8}));
+  EXPECT_EQ(ck.info("model.layers.0.mlp.unpooler.weight").shape, (std::vector<int64_t>{8, 4}));
+  EXPECT_EQ(ck.info("model.layers.1.self_attn.k_proj.weight").shape, (std::vector<int64_t>{4, 8}));
+  EXPECT_TRUE(ck.contains("model.layers.1.pre_moe_layernorm.weight"));
+  EXPECT_TRUE(ck.contains("lm_head.weight"));
+  // 3 global + 2 layers x (11 non-expert + 4 experts x 4 tensors)
+  EXPECT_EQ(ck.names().size(), 3u + 2u * (11u + 16u));
+  EXPECT_TRUE(std::filesystem::exists(dir / "config.json"));
+}
+
+TEST(Checkpoint, RoundTripIsExactSingleAndSharded) {
+  Muse m = Muse::init(test::micro_config(), 2, at::kFloat, at::kCPU);
+  auto before = run(m);
+  for (uint64_t shard : {uint64_t(5) << 30, uint64_t(600)}) {
+    test::TempDir dir;
+    model::save_checkpoint(m, dir.path(), shard);
+    if (shard < 1000) EXPECT_TRUE(std::filesystem::exists(dir / "model.safetensors.index.json"));
+    Muse back = model::load_checkpoint(dir.path(), at::kFloat, at::kCPU);
+    auto a = m.named_parameters(), b = back.named_parameters();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].first, b[i].first);
+      EXPECT_TRUE(test::all_equal(a[i].second, b[i].second)) << a[i].first;
+    }
+    auto after = run(back);
+    EXPECT_TRUE(test::all_equal(after.logits, before.logits));
+    EXPECT_TRUE(test::all_equal(after.routing, before.routing));
+  }
+}
+
+TEST(Checkpoint, InitIsSeededPerTensor) {
+  Muse a = Muse::init(test::micro_config(), 5, at::kFloat, at::kCPU);
+  Muse b = Muse::init(test::micro_config(), 5, at::kFloat, at::kCPU);
+  Muse c = Muse::init(test::micro_config(), 6, at::kFloat, at::kCPU);
+  EXPECT_TRUE(test::all_equal(a.weights().layers[1].expert_up, b.weights().layers[1].expert_up));
+  EXPECT_FALSE(at::equal(a.weights().layers[1].expert_up, c.weights().layers[1].expert_up));
+  // Experts are drawn independently: expert 0 of layer 0 differs from expert 1.
+  EXPECT_FALSE(at::equal(a.weights().layers[0].expert_gate[0], a.weights().layers[0].expert_gate[1]));
+  // Changing the number of experts leaves the shared experts' weights alone (sharding-stable).
+  model::ModelConfig more = test::micro_config();
+  more.num_experts = 6;
+  Muse d = Muse::init(more, 5, at::kFloat, at::kCPU);
+  EXPECT_TRUE(test::all_equal(d.weights().layers[0].expert_gate.narrow(0, 0, 4), a.weights().layers[0].expert_gate));
+}
+
+TEST(Checkpoint, MissingUnexpectedAndMisshapedTensorsAreNamed) {
+  Muse m = Muse::init(test::micro_config(), 2, at::kFloat, at::kCPU);
+  test::TempDir dir;
+  model::save_checkpoint(m, dir.path());
+  auto tensors = model::hf_tensors(m);
+  auto rewrite = [&](const std::function<void(std::vector<safetensors::NamedTensor>&)>& edit) {
+    std::vector<safetensors::NamedTensor> ts;
+    for (auto& [n, t] : tensors) ts.push_back({n, t});
+    edit(ts);
+    safetensors::write_file(dir / "model.safetensors", ts);
+    return error_of([&] { model::load_checkpoint(dir.path(), at::kFloat, at::kCPU); });
+  };
+  std::string msg = rewrite([](auto& ts) {
+    ts.erase(std::remove_if(ts.begin(), ts.end(), [](auto& t) { return t.name == "model.layers.1.mlp.experts.2.up_proj.weight"; }),
+             ts.end());
+  });
+  EXPECT_NE(msg.find("model.layers.1.mlp.experts.2.up_proj.weight"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("missing"), std::string::npos) << msg;
+  msg = rewrite([](auto& ts) { ts.push_back({"model.layers.0.mlp.shared_expert.weight", at::zeros({2})}); });
+  EXPECT_NE(msg.find("model.layers.0.mlp.shared_expert.weight"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unexpected"), std::string::npos) << msg;
+  msg = rewrite([](auto& ts) {
+    for (auto& t : ts)
+      if (t.name == "model.layers.0.mlp.pooler.weight") t.tensor = at::zeros({8, 4});
+  });
+  EXPECT_NE(msg.find("model.layers.0.mlp.pooler.weight"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("shape"), std::string::npos) << msg;
+  std::filesystem::remove(dir / "config.json");
+  EXPECT_NE(error_of([&] { model::load_checkpoint(dir.path(), at::kFloat, at::kCPU); }).find("config.json"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace kiln
