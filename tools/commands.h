@@ -1,0 +1,17 @@
+// The kiln subcommands: each registers its options on a CLI11 app and runs when chosen.
+#pragma once
+#include <functional>
+
+namespace CLI {
+class App;
+}
+
+namespace kiln::tools {
+
+// Each add_* registers one subcommand on `app` and returns the function that runs it.
+using Run = std::function<void()>;
+Run add_info(CLI::App& app);
+Run add_init(CLI::App& app);
+Run add_forward(CLI::App& app);
+
+}  // namespace kiln::tools

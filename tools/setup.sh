@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what kiln needs on Debian 12 (apt; skipped when already present) and builds it in build/.
+# Usage: tools/setup.sh [extra cmake args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(build-essential cmake ninja-build ccache pkg-config libtorch-dev libopenmpi-dev openmpi-bin
+          libhdf5-dev libyaml-cpp-dev libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev libfmt-dev
+          libspdlog-dev libcli11-dev nlohmann-json3-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+export CCACHE_DIR="${CCACHE_DIR:-$PWD/.cache/ccache}"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "$@"
+cmake --build build -j"$(nproc)"
