@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# End-to-end checks of the kiln command: help, info on the full config, init + forward on a
+# micro model (printed, safetensors and HDF5 output), and one-line errors with non-zero exits.
+set -uo pipefail
+kiln="$1"; src="$2"
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+fails=0
+check() {  # check <description> <expected substring> <command...>
+  local what="$1" want="$2"; shift 2
+  local out; out=$("$@" 2>&1); local rc=$?
+  if [[ "$out" != *"$want"* ]]; then echo "FAIL: $what: output lacks '$want' (rc=$rc):"; echo "$out" | head -20; fails=$((fails+1)); fi
+}
+check_fails() {  # check_fails <description> <expected substring> <command...>: non-zero exit, one clear line
+  local what="$1" want="$2"; shift 2
+  local out; out=$("$@" 2>&1); local rc=$?
+  if [ $rc -eq 0 ]; then echo "FAIL: $what: exited 0"; fails=$((fails+1)); fi
+  if [[ "$out" != *"$want"* ]]; then echo "FAIL: $what: error lacks '$want': $out"; fails=$((fails+1)); fi
+  if [ "$(echo "$out" | wc -l)" -ne 1 ]; then echo "FAIL: $what: error is not one line: $out"; fails=$((fails+1)); fi
+}
+
+check "help lists subcommands" "forward" "$kiln" --help
+for sub in info init forward; do check "$sub --help" "Usage" "$kiln" $sub --help; done
+info=$("$kiln" info "$src/configs/muse-spark-open-816b.yaml")
+for want in "experts                 798.86 B" "attention                13.52 B" "latent projections        4.16 B" \
+            "embedding + head          3.31 B" "46 sliding-window" "16 full attention" "active per token           42.78 B"; do
+  [[ "$info" == *"$want"* ]] || { echo "FAIL: info lacks '$want'"; echo "$info"; fails=$((fails+1)); }
+done
+
+cat > "$tmp/micro.yaml" <<'YAML'
+name: micro
+vocab_size: 32
+hidden_size: 16
+latent_size: 8
+num_layers: 2
+num_experts: 4
+top_k: 2
+expert_ffn_size: 8
+num_q_heads: 2
+num_kv_heads: 1
+head_dim: 8
+sliding_window: 4
+dtype: float32
+YAML
+check "init" "wrote micro" "$kiln" init "$tmp/micro.yaml" "$tmp/ckpt" --seed 3
+check "forward prints" "sequence 1" "$kiln" forward --model "$tmp/ckpt" --tokens "1,2,3,4" --tokens "5 6 7"
+printf '1 2 3\n\n4,5\n' > "$tmp/tokens.txt"
+check "forward to safetensors" "wrote log-probs of 5 tokens in 2 sequences" \
+  "$kiln" forward --model "$tmp/ckpt" --tokens-file "$tmp/tokens.txt" --out "$tmp/lp.safetensors"
+check "forward to hdf5" "wrote log-probs" "$kiln" forward --model "$tmp/ckpt" --tokens "1,2,3" --out "$tmp/lp.h5"
+[ -s "$tmp/lp.safetensors" ] || { echo "FAIL: no safetensors output"; fails=$((fails+1)); }
+[ -s "$tmp/lp.h5" ] || { echo "FAIL: no hdf5 output"; fails=$((fails+1)); }
+
+check_fails "missing config" "cannot open" "$kiln" info "$tmp/nope.yaml"
+echo "bogus_key: 1" >> "$tmp/micro.yaml"
+check_fails "unknown key" "bogus_key: unknown key" "$kiln" info "$tmp/micro.yaml"
+check_fails "token out of range" "vocab_size" "$kiln" forward --model "$tmp/ckpt" --tokens "1,99"
+check_fails "bad token text" "is not a token id" "$kiln" forward --model "$tmp/ckpt" --tokens "1,x"
+check_fails "missing checkpoint" "config.json" "$kiln" forward --model "$tmp/none" --tokens "1"
+check_fails "bad out suffix" "--out must end" "$kiln" forward --model "$tmp/ckpt" --tokens "1,2" --out "$tmp/x.txt"
+
+if [ $fails -eq 0 ]; then echo "cli: all checks passed"; else echo "cli: $fails checks failed"; exit 1; fi
