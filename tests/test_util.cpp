@@ -3,6 +3,9 @@
 
 #include <ATen/ATen.h>
 
+#include <ftw.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <sstream>
@@ -63,8 +66,10 @@ TempDir::TempDir() {
 }
 
 TempDir::~TempDir() {
-  std::error_code ec;
-  std::filesystem::remove_all(path_, ec);
+  // nftw, not std::filesystem::remove_all: torch 2.11's libtorch.so exports a remove_all that
+  // interposes libstdc++'s and crashes (seen on the H200 machine, 2026-11-29).
+  nftw(path_.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+       FTW_DEPTH | FTW_PHYS);
 }
 
 std::string source_path(const std::string& relative) {

@@ -13,5 +13,6 @@ using Run = std::function<void()>;
 Run add_info(CLI::App& app);
 Run add_init(CLI::App& app);
 Run add_forward(CLI::App& app);
+Run add_bench(CLI::App& app);
 
 }  // namespace kiln::tools

@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
       {"info", kiln::tools::add_info(app)},
       {"init", kiln::tools::add_init(app)},
       {"forward", kiln::tools::add_forward(app)},
+      {"bench", kiln::tools::add_bench(app)},
   };
   try {
     app.parse(argc, argv);

@@ -1,0 +1,55 @@
+// CUDA paths against their CPU references: the RMSNorm kernel on odd sizes in fp32 and bf16.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "kernels/rms_norm.h"
+#include "tests/test_util.h"
+
+namespace kiln {
+namespace {
+
+TEST(CudaRmsNorm, MatchesReferenceOnOddSizes) {
+  ASSERT_TRUE(at::hasCUDA()) << "the cuda label needs a GPU";
+  at::manual_seed(0);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (int64_t rows : {1, 19, 111}) {
+      for (int64_t cols : {1, 19, 111, 4097}) {
+        at::Tensor x = (at::randn({rows, cols}) * 3).to(dtype);
+        at::Tensor w = (at::rand({cols}) + 0.5).to(dtype);
+        at::Tensor ref = kernels::rms_norm_reference(x.to(at::kFloat), w.to(at::kFloat), 1e-6);
+        at::Tensor out = kernels::rms_norm_cuda(x.cuda(), w.cuda(), 1e-6);
+        const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;  // bf16: two roundings of 2^-8
+        EXPECT_TRUE(test::all_close(out.cpu(), ref, tol, tol))
+            << "dtype " << dtype << " rows " << rows << " cols " << cols;
+        // Same dtype on both sides: the kernel rounds exactly where the reference does, so only
+        // the fp32 sum order differs.
+        at::Tensor same = kernels::rms_norm_reference(x, w, 1e-6);
+        EXPECT_TRUE(test::all_close(out.cpu(), same, dtype == at::kFloat ? 1e-5 : 8e-3, 1e-5));
+      }
+    }
+  }
+}
+
+TEST(CudaRmsNorm, DispatchUsesKernelOnlyWithoutGrad) {
+  at::Tensor x = at::randn({5, 7}, at::kCUDA).requires_grad_(true);
+  at::Tensor w = at::ones({7}, at::kCUDA);
+  at::Tensor y = kernels::rms_norm(x, w, 1e-6);
+  ASSERT_TRUE(y.requires_grad());  // reference path: autograd intact
+  y.sum().backward();
+  EXPECT_TRUE(x.grad().defined());
+  at::NoGradGuard g;
+  KILN_EXPECT_CLOSE(kernels::rms_norm(x, w, 1e-6).cpu(), kernels::rms_norm_reference(x, w, 1e-6).cpu(), 1e-5, 1e-5);
+}
+
+TEST(CudaRmsNorm, NonContiguousInputAndErrors) {
+  at::Tensor x = at::randn({19, 38}, at::kCUDA).narrow(1, 3, 19);  // strided rows
+  at::Tensor w = at::rand({19}, at::kCUDA);
+  KILN_EXPECT_CLOSE(kernels::rms_norm_cuda(x, w, 1e-6).cpu(), kernels::rms_norm_reference(x, w, 1e-6).cpu(), 1e-5, 1e-5);
+  EXPECT_THROW(kernels::rms_norm_cuda(x, at::rand({18}, at::kCUDA), 1e-6), Error);
+  EXPECT_THROW(kernels::rms_norm_cuda(x, w.to(at::kBFloat16), 1e-6), Error);
+  EXPECT_THROW(kernels::rms_norm_cuda(x.cpu(), w.cpu(), 1e-6), Error);
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call: build kiln against torch's libtorch with CUDA, run the cuda tests (and the cpu
+# tests of the same build), then the benchmarks. Logs go to $OUT when set (the device tool).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/kiln-gpu}"; mkdir -p "$out"
+jobs=$(nproc)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PATH="/usr/local/cuda/bin:$PATH"
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step environment
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nvcc --version | tail -1
+torch_prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+python3 -c 'import torch;print("torch", torch.__version__, "cuda", torch.version.cuda)'
+cmake --version | head -1
+
+step configure
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
+  -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_CUDA_ARCHITECTURES=90a "$@" > "$out/configure.log" 2>&1 \
+  || { tail -40 "$out/configure.log"; exit 1; }
+grep -E "kiln:|Found (Torch|MPI|HDF5|GTest|CUDA)" "$out/configure.log"
+
+step build
+start=$(date +%s)
+cmake --build build-gpu -j"$jobs" > "$out/build.log" 2>&1 || { grep -E "error|FAILED" -A5 "$out/build.log" | head -60; exit 1; }
+echo "built in $(( $(date +%s) - start )) s"
+
+step "ctest -L cuda"
+(cd build-gpu && ctest -L cuda --output-on-failure -V 2>&1 | tee "$out/ctest-cuda.log" | grep -E "bf16|agreement|Passed|Failed|tests passed|FAIL|Error" )
+step "ctest -L cpu (same CUDA build)"
+(cd build-gpu && ctest -L cpu -j"$jobs" --output-on-failure 2>&1 | tee "$out/ctest-cpu.log" | tail -15)
+
+step "bench rmsnorm"
+./build-gpu/kiln bench rmsnorm --device cuda 2>&1 | tee "$out/bench-rmsnorm.txt"
+step "bench forward (muse-small)"
+./build-gpu/kiln bench forward --device cuda --config configs/muse-small.yaml --seqs 8 --len 1024 2>&1 | tee "$out/bench-forward.txt"
+step done
