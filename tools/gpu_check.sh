@@ -32,6 +32,15 @@ step "ctest -L cuda"
 step "ctest -L cpu (same CUDA build)"
 (cd build-gpu && ctest -L cpu -j"$jobs" --output-on-failure 2>&1 | tee "$out/ctest-cpu.log" | tail -15)
 
+step "interop: safetensors, h5py and a PyTorch re-implementation read kiln's files"
+tmp=$(mktemp -d)
+./build-gpu/kiln init configs/muse-tiny.yaml "$tmp/ckpt" --seed 5 > /dev/null
+for o in lp.safetensors lp.h5; do
+  ./build-gpu/kiln forward --model "$tmp/ckpt" --tokens "72,101,108,108,111,32,49,43,50,61,51" --tokens "7" \
+    --tokens "$(seq -s, 40 100)" --out "$tmp/$o" > /dev/null
+done
+python3 tests/interop/check_outputs.py "$tmp/ckpt" "$tmp/lp.safetensors" "$tmp/lp.h5" 2>&1 | tee "$out/interop.txt"
+
 step "bench rmsnorm"
 ./build-gpu/kiln bench rmsnorm --device cuda 2>&1 | tee "$out/bench-rmsnorm.txt"
 step "bench forward (muse-small)"
