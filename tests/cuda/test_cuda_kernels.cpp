@@ -14,7 +14,9 @@ TEST(CudaRmsNorm, MatchesReferenceOnOddSizes) {
   at::manual_seed(0);
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     for (int64_t rows : {1, 19, 111}) {
-      for (int64_t cols : {1, 19, 111, 4097}) {
+      // Odd widths take the scalar path; multiples of 16 bytes the vector path with 1..16 chunks
+      // per thread, and 65536 falls back to scalar again.
+      for (int64_t cols : {1, 19, 111, 4097, 8, 1024, 8192, 32768, 65536}) {
         at::Tensor x = (at::randn({rows, cols}) * 3).to(dtype);
         at::Tensor w = (at::rand({cols}) + 0.5).to(dtype);
         at::Tensor ref = kernels::rms_norm_reference(x.to(at::kFloat), w.to(at::kFloat), 1e-6);
@@ -28,6 +30,16 @@ TEST(CudaRmsNorm, MatchesReferenceOnOddSizes) {
         EXPECT_TRUE(test::all_close(out.cpu(), same, dtype == at::kFloat ? 1e-5 : 8e-3, 1e-5));
       }
     }
+  }
+}
+
+TEST(CudaRmsNorm, UnalignedPointersTakeTheScalarPath) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    at::Tensor flat = at::randn({19 * 1024 + 1}, at::TensorOptions().dtype(dtype).device(at::kCUDA));
+    at::Tensor x = flat.narrow(0, 1, 19 * 1024).view({19, 1024});  // contiguous, data 2 or 4 bytes off
+    at::Tensor w = at::rand({1024}, at::TensorOptions().dtype(dtype).device(at::kCUDA));
+    const double tol = dtype == at::kFloat ? 1e-5 : 8e-3;
+    KILN_EXPECT_CLOSE(kernels::rms_norm_cuda(x, w, 1e-6).cpu(), kernels::rms_norm_reference(x, w, 1e-6).cpu(), tol, 1e-5);
   }
 }
 
