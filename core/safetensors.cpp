@@ -7,7 +7,6 @@
 #include <nlohmann/json.hpp>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <torch/version.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,12 +19,9 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/torch_version.h"
 
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-#define KILN_TORCH_HAS_FLOAT8 1
-#else
-#define KILN_TORCH_HAS_FLOAT8 0
-#endif
+#define KILN_TORCH_HAS_FLOAT8 KILN_TORCH_AT_LEAST(2, 1)
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "kiln safetensors I/O assumes a little-endian host (tensor bytes are written as they lie in memory)"

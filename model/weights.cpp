@@ -15,7 +15,7 @@ namespace kiln::model {
 namespace {
 
 // Visits every tensor of the model under its in-memory name. `trainable` is false for buffers.
-void for_each_tensor(const Weights& w, const ModelConfig& cfg,
+void for_each_tensor(const Weights& w,
                      const std::function<void(const std::string&, const at::Tensor&, bool)>& fn) {
   fn("model.embed_tokens.weight", w.embed, true);
   for (int64_t i = 0; i < int64_t(w.layers.size()); ++i) {
@@ -127,14 +127,14 @@ at::ScalarType parse_dtype(const std::string& name) {
 
 std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for_each_tensor(w_, cfg_, [&](const std::string& n, const at::Tensor& t, bool trainable) {
+  for_each_tensor(w_, [&](const std::string& n, const at::Tensor& t, bool trainable) {
     if (trainable) out.emplace_back(n, t);
   });
   return out;
 }
 
 void Muse::set_requires_grad(bool on) {
-  for (auto& [name, t] : named_parameters()) const_cast<at::Tensor&>(t).requires_grad_(on);
+  for (auto [name, t] : named_parameters()) t.requires_grad_(on);  // handles share the weights
 }
 
 Muse Muse::init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device) {
@@ -179,7 +179,7 @@ std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model) {
   const ModelConfig& cfg = model.config();
   const at::ScalarType store = parse_dtype(cfg.dtype);
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for_each_tensor(model.weights(), cfg, [&](const std::string& name, const at::Tensor& t, bool) {
+  for_each_tensor(model.weights(), [&](const std::string& name, const at::Tensor& t, bool) {
     const bool router = name.find(".mlp.router.") != std::string::npos;
     at::Tensor v = t.detach().to(router ? at::kFloat : store);
     const std::string marker = ".mlp.experts.";
