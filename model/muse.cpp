@@ -3,13 +3,11 @@
 #include "model/muse.h"
 
 #include <ATen/ATen.h>
-#include <torch/version.h>
 
 #include "core/error.h"
+#include "core/torch_version.h"
 #include "kernels/rms_norm.h"
 
-#define KILN_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace kiln::model {
 namespace {
@@ -19,30 +17,32 @@ constexpr int64_t kGroupAlign = 16;     // grouped-GEMM row alignment per expert
 
 at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, const at::Tensor& h,
+at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
                      const PackedBatch& batch, const at::Tensor& cos, const at::Tensor& sin,
-                     bool full) {
+                     AttentionBackend* backend) {
   const int64_t T = h.size(0), hd = cfg.head_dim;
   const int64_t group = cfg.num_q_heads / cfg.num_kv_heads;
+  const bool full = cfg.is_full_attention(layer);
   at::Tensor q = apply_rope(at::linear(h, lw.q_proj).view({T, cfg.num_q_heads, hd}), cos, sin);
   at::Tensor k = apply_rope(at::linear(h, lw.k_proj).view({T, cfg.num_kv_heads, hd}), cos, sin);
   at::Tensor v = at::linear(h, lw.v_proj).view({T, cfg.num_kv_heads, hd});
-  std::vector<at::Tensor> outs;
-  outs.reserve(batch.num_sequences());
-  for (int64_t s = 0; s < batch.num_sequences(); ++s) {
-    const int64_t start = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - start;
-    if (n == 0) continue;
-    at::Tensor qs = q.narrow(0, start, n).transpose(0, 1);  // [Hq, n, hd]
-    at::Tensor ks = k.narrow(0, start, n).transpose(0, 1);  // [Hkv, n, hd]
-    at::Tensor vs = v.narrow(0, start, n).transpose(0, 1);
-    if (group > 1) {
-      ks = ks.repeat_interleave(group, 0);  // query head h reads KV head h / group
-      vs = vs.repeat_interleave(group, 0);
+  at::Tensor o;
+  if (backend) {
+    o = backend->attend(layer, full, batch, q, k, v);
+  } else {
+    std::vector<at::Tensor> outs;
+    outs.reserve(batch.num_sequences());
+    for (int64_t s = 0; s < batch.num_sequences(); ++s) {
+      const int64_t start = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - start;
+      if (n == 0) continue;
+      at::Tensor qs = q.narrow(0, start, n).transpose(0, 1);  // [Hq, n, hd]
+      at::Tensor ks = expand_kv_heads(k.narrow(0, start, n).transpose(0, 1), group);
+      at::Tensor vs = expand_kv_heads(v.narrow(0, start, n).transpose(0, 1), group);
+      outs.push_back(sequence_attention(qs, ks, vs, full, cfg.sliding_window).transpose(0, 1));
     }
-    outs.push_back(sequence_attention(qs, ks, vs, full, cfg.sliding_window).transpose(0, 1));
+    o = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
   }
-  at::Tensor o = (outs.size() == 1 ? outs[0] : at::cat(outs, 0)).reshape({T, cfg.q_size()});
-  return at::linear(o, lw.o_proj);
+  return at::linear(o.reshape({T, cfg.q_size()}), lw.o_proj);
 }
 
 // SwiGLU experts over expert-sorted rows. zs [n, d_l] sorted by expert; counts [E] int64.
@@ -135,20 +135,24 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, const at::Tens
 
 at::ScalarType router_dtype(at::ScalarType dtype) { return acc_dtype(dtype); }
 
-at::Tensor sequence_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              bool full, int64_t window) {
+at::Tensor sequence_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool full,
+                              int64_t window, int64_t q_start, int64_t k_start) {
   const int64_t n = q.size(1);
+  KILN_CHECK(k_start <= q_start && k_start + k.size(1) >= q_start + n, "attention: keys at positions [",
+             k_start, ", ", k_start + k.size(1), ") do not cover queries at [", q_start, ", ", q_start + n, ")");
   const double scale = 1.0 / std::sqrt(double(q.size(2)));
+  auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
   std::vector<at::Tensor> blocks;
   for (int64_t a = 0; a < n; a += kQueryChunk) {
     const int64_t b = std::min(n, a + kQueryChunk);
-    const int64_t ka = full ? 0 : std::max<int64_t>(0, a - window + 1);
+    // Absolute positions: queries [qa, qb), keys [ka, qb).
+    const int64_t qa = q_start + a, qb = q_start + b;
+    const int64_t ka = full ? k_start : std::max(k_start, qa - window + 1);
     at::Tensor qc = q.narrow(1, a, b - a);
-    at::Tensor kc = k.narrow(1, ka, b - ka);
-    at::Tensor vc = v.narrow(1, ka, b - ka);
-    auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
-    at::Tensor qi = at::arange(a, b, idx).unsqueeze(1);
-    at::Tensor kj = at::arange(ka, b, idx).unsqueeze(0);
+    at::Tensor kc = k.narrow(1, ka - k_start, qb - ka);
+    at::Tensor vc = v.narrow(1, ka - k_start, qb - ka);
+    at::Tensor qi = at::arange(qa, qb, idx).unsqueeze(1);
+    at::Tensor kj = at::arange(ka, qb, idx).unsqueeze(0);
     at::Tensor allowed = kj.le(qi);
     if (!full) allowed = allowed.logical_and(kj.gt(qi - window));
 #if KILN_TORCH_AT_LEAST(2, 0)
@@ -167,6 +171,9 @@ at::Tensor sequence_attention(const at::Tensor& q, const at::Tensor& k, const at
   return blocks.size() == 1 ? blocks[0] : at::cat(blocks, 1);
 }
 
+at::Tensor expand_kv_heads(const at::Tensor& x, int64_t group) {
+  return group == 1 ? x : x.repeat_interleave(group, 0);
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return kernels::rms_norm(x, weight, eps);
@@ -203,7 +210,7 @@ PackedBatch PackedBatch::from_sequences(const std::vector<std::vector<int64_t>>&
 at::Tensor PackedBatch::positions() const {
   std::vector<int64_t> pos(num_tokens());
   for (int64_t s = 0; s < num_sequences(); ++s)
-    for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) pos[t] = t - cu_seqlens[s];
+    for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) pos[t] = start_position(s) + t - cu_seqlens[s];
   return at::tensor(pos, at::kLong).to(tokens.device());
 }
 
@@ -211,6 +218,10 @@ Muse::Muse(ModelConfig cfg, Weights weights) : cfg_(std::move(cfg)), w_(std::mov
   cfg_.validate();
   KILN_CHECK(int64_t(w_.layers.size()) == cfg_.num_layers, "model: weights have ", w_.layers.size(),
              " layers but the config says num_layers=", cfg_.num_layers);
+}
+
+at::Tensor Muse::logits(const at::Tensor& hidden) const {
+  return at::linear(hidden, w_.lm_head).to(router_dtype(dtype()));
 }
 
 ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt) const {
@@ -221,6 +232,12 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
              batch.tokens.scalar_type(), ")");
   for (int64_t s = 0; s < batch.num_sequences(); ++s)
     KILN_CHECK(batch.cu_seqlens[s + 1] >= batch.cu_seqlens[s], "forward: cu_seqlens must not decrease (at ", s, ")");
+  KILN_CHECK(batch.start_positions.empty() || int64_t(batch.start_positions.size()) == batch.num_sequences(),
+             "forward: start_positions must have one entry per sequence (got ", batch.start_positions.size(),
+             " for ", batch.num_sequences(), " sequences)");
+  for (int64_t s = 0; s < batch.num_sequences() && !opt.attention; ++s)
+    KILN_CHECK(batch.start_position(s) == 0, "forward: sequence ", s, " starts at position ",
+               batch.start_position(s), " but no AttentionBackend holds the positions before it");
   const int64_t lo = batch.tokens.min().item<int64_t>(), hi = batch.tokens.max().item<int64_t>();
   KILN_CHECK(lo >= 0 && hi < cfg_.vocab_size, "forward: token ids must lie in [0, vocab_size) (min=", lo,
              ", max=", hi, ", vocab_size=", cfg_.vocab_size, ")");
@@ -242,8 +259,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   for (int64_t i = 0; i < L; ++i) {
     const LayerWeights& lw = w_.layers[i];
     const double eps = cfg_.rms_norm_eps;
-    at::Tensor a = attention(cfg_, lw, rms_norm(x, lw.input_norm, eps), batch, cos, sin,
-                             cfg_.is_full_attention(i));
+    at::Tensor a = attention(cfg_, lw, i, rms_norm(x, lw.input_norm, eps), batch, cos, sin, opt.attention);
     x = x + rms_norm(a, lw.post_attn_norm, eps);
     MoeOut moe = latent_moe(cfg_, lw, rms_norm(x, lw.pre_moe_norm, eps),
                             replay.defined() ? replay.select(1, i) : at::Tensor(), opt);
@@ -256,8 +272,11 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   ForwardOutput out;
   out.routing = at::stack(routing, 1).to(at::kByte);  // [T, L, k]
   out.load_balance_loss = balance / double(L);
-  const auto acc = router_dtype(dtype());
-  if (opt.return_logits) out.logits = at::linear(xn, w_.lm_head).to(acc);
+  if (opt.skip_head) {
+    out.hidden = xn;
+    return out;
+  }
+  if (opt.return_logits) out.logits = logits(xn);
   if (opt.targets.defined()) {
     KILN_CHECK(opt.targets.dim() == 1 && opt.targets.size(0) == T, "forward: targets must be [", T,
                "] (got ", opt.targets.sizes(), ")");
@@ -272,8 +291,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
     for (int64_t a = 0; a < T; a += chunk) {
       const int64_t n = std::min(chunk, T - a);
       // Only the chosen logit and the logsumexp are kept: no [T, V] log-softmax is built.
-      at::Tensor logits = out.logits.defined() ? out.logits.narrow(0, a, n)
-                                               : at::linear(xn.narrow(0, a, n), w_.lm_head).to(acc);
+      at::Tensor logits = out.logits.defined() ? out.logits.narrow(0, a, n) : this->logits(xn.narrow(0, a, n));
       at::Tensor picked = logits.gather(1, safe.narrow(0, a, n).unsqueeze(1)).squeeze(1);
       lps.push_back(picked - at::logsumexp(logits, {-1}));
     }

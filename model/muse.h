@@ -42,10 +42,24 @@ struct Weights {
 struct PackedBatch {
   at::Tensor tokens;          // [T] int64, on the model's device
   std::vector<int64_t> cu_seqlens;  // [B + 1], cu_seqlens[0] = 0, cu_seqlens[B] = T
+  // [B] position of each sequence's first token here; empty means all 0. Non-zero starts need an
+  // AttentionBackend that holds the earlier positions (the rollout engine's KV cache).
+  std::vector<int64_t> start_positions;
   static PackedBatch from_sequences(const std::vector<std::vector<int64_t>>& seqs, at::Device device);
   int64_t num_tokens() const { return cu_seqlens.back(); }
   int64_t num_sequences() const { return int64_t(cu_seqlens.size()) - 1; }
-  at::Tensor positions() const;  // [T] int64: position of each token within its sequence
+  int64_t start_position(int64_t s) const { return start_positions.empty() ? 0 : start_positions[s]; }
+  at::Tensor positions() const;  // [T] int64: absolute position of each token in its sequence
+};
+
+// Where attention finds its keys and values. Without one, each sequence of the batch attends to
+// itself (training, scoring). The rollout engine supplies one backed by its paged KV cache.
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+  // q [T, Hq, hd], k and v [T, Hkv, hd]: the batch's new tokens, RoPE applied. Returns [T, Hq, hd].
+  virtual at::Tensor attend(int64_t layer, bool full, const PackedBatch& batch, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v) = 0;
 };
 
 struct ForwardOptions {
@@ -56,6 +70,9 @@ struct ForwardOptions {
   at::Tensor replay_routing;    // [T, L, k] uint8: use these expert sets instead of own top-k
   int64_t logprob_chunk = 2048; // tokens per lm_head chunk when computing log-probs
   bool use_grouped_mm = true;   // torch's grouped GEMM for experts where available (CUDA, bf16)
+  AttentionBackend* attention = nullptr;  // not owned; nullptr = self-attention within the batch
+  bool skip_head = false;       // stop after the final norm: return `hidden` only (rollout samples
+                                // from the rows it needs)
 };
 
 struct ForwardOutput {
@@ -63,6 +80,7 @@ struct ForwardOutput {
   at::Tensor logprobs;          // [T] fp32 (fp64 in fp64 runs), when targets were given
   at::Tensor routing;           // [T, L, k] uint8: the expert sets actually used
   at::Tensor load_balance_loss; // scalar fp32: mean over layers of E * sum_i f_i * P_i
+  at::Tensor hidden;            // [T, d] after the final norm, when skip_head
 };
 
 // Weight dtypes: the compute dtype of every matrix and norm, and of the router (fp32 unless fp64).
@@ -87,6 +105,8 @@ class Muse {
   void set_requires_grad(bool on);
 
   ForwardOutput forward(const PackedBatch& batch, const ForwardOptions& opt = {}) const;
+  // fp32 logits [rows, V] of final-normed hidden states (fp64 in fp64 runs).
+  at::Tensor logits(const at::Tensor& hidden) const;
 
  private:
   ModelConfig cfg_;
@@ -99,10 +119,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // cos and sin tables [T, head_dim] (fp32, fp64 for fp64) for the given positions.
 std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, int64_t head_dim,
                                               double theta, at::ScalarType dtype);
-// Causal attention of one sequence: q [H, n, hd], k/v [H, n, hd] (KV heads already repeated for
-// GQA). A window layer (full=false) lets query i see keys i-W < j <= i. Returns [H, n, hd].
+// Causal attention of one sequence: q [H, n, hd] at positions q_start.., k/v [H, m, hd] at positions
+// k_start.. (KV heads already repeated for GQA; keys must reach q_start + n - 1). A window layer
+// (full=false) lets the query at position i see keys at positions i-W < j <= i. Returns [H, n, hd].
 at::Tensor sequence_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool full,
-                              int64_t window);
+                              int64_t window, int64_t q_start = 0, int64_t k_start = 0);
+// [Hkv, n, hd] -> [Hq, n, hd]: query head h reads KV head h / group.
+at::Tensor expand_kv_heads(const at::Tensor& x, int64_t group);
 // x [T, H, head_dim] rotated by rotate-half RoPE (HF convention).
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
