@@ -1,0 +1,580 @@
+// Rollout engine implementation: block pools with reference counts and copy-on-write, the
+// scheduler (continuous batching, chunked prefill, preemption by recompute), the paged attention
+// backend that feeds model::Muse::forward, and sampling.
+#include "rollout/engine.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <map>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace kiln::rollout {
+namespace {
+
+uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// A pool of fixed-size KV blocks with reference counts (shared prompt blocks after a fork).
+class BlockPool {
+ public:
+  void init(int64_t num_blocks) {
+    refs_.assign(num_blocks, 0);
+    free_.clear();
+    for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
+  }
+  int64_t total() const { return int64_t(refs_.size()); }
+  int64_t num_free() const { return int64_t(free_.size()); }
+  int64_t used() const { return total() - num_free(); }
+  int64_t allocate() {
+    KILN_CHECK(!free_.empty(), "rollout: KV block pool exhausted (scheduler bug: blocks were not reserved)");
+    int64_t b = free_.back();
+    free_.pop_back();
+    refs_[b] = 1;
+    return b;
+  }
+  void retain(int64_t b) { ++refs_[b]; }
+  void release(int64_t b) {
+    if (--refs_[b] == 0) free_.push_back(b);
+  }
+  bool shared(int64_t b) const { return refs_[b] > 1; }
+
+ private:
+  std::vector<int64_t> refs_;
+  std::vector<int64_t> free_;
+};
+
+}  // namespace
+
+const char* finish_reason_name(FinishReason r) { return r == FinishReason::kStop ? "stop" : "length"; }
+
+uint64_t sample_stream_seed(uint64_t seed, int64_t sample, int64_t step) {
+  return mix(mix(mix(seed + 0x9e3779b97f4a7c15ull) ^ uint64_t(sample)) ^ uint64_t(step) * 0x2545f4914f6cdd1dull);
+}
+
+std::pair<int64_t, double> sample_token(const at::Tensor& logits, const SamplingParams& p, uint64_t stream_seed) {
+  at::Tensor l = logits.detach().to(at::kCPU, at::kDouble).contiguous();
+  const double* x = l.data_ptr<double>();
+  const int64_t V = l.numel();
+  if (p.temperature == 0) {
+    const int64_t id = std::max_element(x, x + V) - x;  // first maximum
+    const double mx = x[id];
+    double z = 0;
+    for (int64_t i = 0; i < V; ++i) z += std::exp(x[i] - mx);
+    return {id, -std::log(z)};
+  }
+  // Candidates by scaled logit, descending; ties broken by the lower id.
+  std::vector<int64_t> order(V);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x[a] > x[b]; });
+  int64_t keep = p.top_k > 0 ? std::min<int64_t>(p.top_k, V) : V;
+  std::vector<double> prob(keep);
+  const double mx = x[order[0]] / p.temperature;
+  double z = 0;
+  for (int64_t i = 0; i < keep; ++i) z += (prob[i] = std::exp(x[order[i]] / p.temperature - mx));
+  for (double& q : prob) q /= z;
+  if (p.top_p < 1.0) {
+    double mass = 0;
+    int64_t n = 0;
+    while (n < keep && mass < p.top_p) mass += prob[n++];
+    keep = std::max<int64_t>(n, 1);
+    double kept = std::accumulate(prob.begin(), prob.begin() + keep, 0.0);
+    for (int64_t i = 0; i < keep; ++i) prob[i] /= kept;
+  }
+  const double u = double(mix(stream_seed) >> 11) * 0x1p-53;  // uniform in [0, 1)
+  double c = 0;
+  int64_t pick = keep - 1;
+  for (int64_t i = 0; i < keep; ++i) {
+    c += prob[i];
+    if (u < c) {
+      pick = i;
+      break;
+    }
+  }
+  return {order[pick], std::log(prob[pick])};
+}
+
+void EngineConfig::validate() const {
+  KILN_CHECK(kv_cache_bytes > 0, "rollout config: kv_cache_bytes must be positive (got ", kv_cache_bytes, ")");
+  KILN_CHECK(block_size > 0, "rollout config: block_size must be positive (got ", block_size, ")");
+  KILN_CHECK(max_num_seqs > 0, "rollout config: max_num_seqs must be positive (got ", max_num_seqs, ")");
+  KILN_CHECK(max_batch_tokens > 0, "rollout config: max_batch_tokens must be positive (got ", max_batch_tokens, ")");
+  KILN_CHECK(prefill_chunk > 0, "rollout config: prefill_chunk must be positive (got ", prefill_chunk, ")");
+}
+
+// One sequence in the engine: a prompt being prefilled for its samples (a parent), or one sample.
+struct Seq {
+  int64_t request = 0;
+  int64_t sample = -1;              // -1: the shared-prefill parent of a request
+  std::vector<int64_t> tokens;      // prompt + generated
+  int64_t prompt_len = 0;
+  int64_t computed = 0;             // tokens whose K/V are in the cache
+  std::vector<int64_t> full_blocks; // logical block b -> pool block, positions [b*B, (b+1)*B)
+  std::vector<int64_t> ring;        // window ring slot -> pool block (-1: none yet)
+  std::vector<float> logprobs;
+  std::vector<uint8_t> routing;     // [tokens, L, k], filled as tokens are computed
+  bool finalizing = false;          // finished sampling; computing the last token's routing
+  FinishReason finish = FinishReason::kLength;
+  int64_t preemptions = 0;
+};
+
+struct RequestState {
+  Request request;
+  std::vector<Sample> samples;
+  int64_t done = 0;
+};
+
+// A scheduled piece of work for one step: `n` tokens of `seq` starting at position seq->computed.
+struct Work {
+  Seq* seq = nullptr;
+  int64_t start = 0;
+  int64_t n = 0;
+  at::Tensor read_full, read_window;    // cache rows of the positions attended to before `start`
+  at::Tensor write_full, write_window;  // cache rows of the new positions kept
+  int64_t window_lo = 0;                // first cached position window layers read
+  int64_t window_write_from = 0;        // first new position window layers keep
+};
+
+struct Engine::Impl : model::AttentionBackend {
+  model::Muse model;
+  model::ModelConfig cfg;
+  EngineConfig ec;
+  int64_t B, W, R;                       // block size, window, ring blocks per sequence
+  std::vector<int64_t> group_index;      // layer -> index within its group (full or window)
+  at::Tensor k_full, v_full;             // [n_full, blocks * B, Hkv, hd]
+  at::Tensor k_win, v_win;               // [n_window, blocks * B, Hkv, hd]
+  BlockPool full_pool, win_pool;
+  std::deque<std::unique_ptr<Seq>> waiting;
+  std::vector<std::unique_ptr<Seq>> running;  // admission order
+  std::map<int64_t, RequestState> requests;
+  int64_t next_request = 0;
+  std::vector<Work> work;                // the current step's schedule
+  EngineStats st;
+
+  Impl(const model::Muse& m, EngineConfig config) : model(clone(m)), cfg(m.config()), ec(config) {
+    ec.validate();
+    B = ec.block_size;
+    W = cfg.sliding_window;
+    R = (W + B - 1) / B + 1;
+    int64_t nf = 0, nw = 0;
+    for (int64_t i = 0; i < cfg.num_layers; ++i) group_index.push_back(cfg.is_full_attention(i) ? nf++ : nw++);
+    const int64_t elem = int64_t(c10::elementSize(model.dtype()));
+    const int64_t token_bytes = 2 * cfg.kv_size() * elem;  // K and V of one layer
+    st.full_block_bytes = nf * B * token_bytes;
+    st.window_block_bytes = nw * B * token_bytes;
+    st.window_ring_blocks = R;
+    const int64_t win_blocks = nw > 0 ? ec.max_num_seqs * R : 0;
+    const int64_t left = ec.kv_cache_bytes - win_blocks * st.window_block_bytes;
+    const int64_t full_blocks = left / st.full_block_bytes;
+    KILN_CHECK(full_blocks >= 1, "rollout: kv_cache_bytes=", ec.kv_cache_bytes, " cannot hold the window rings (",
+               win_blocks, " blocks of ", st.window_block_bytes, " bytes for max_num_seqs=", ec.max_num_seqs,
+               ") and one full-attention block of ", st.full_block_bytes, " bytes; raise kv_cache_bytes or lower max_num_seqs");
+    full_pool.init(full_blocks);
+    win_pool.init(win_blocks);
+    auto opts = at::TensorOptions().dtype(model.dtype()).device(model.device());
+    k_full = at::zeros({nf, full_blocks * B, cfg.num_kv_heads, cfg.head_dim}, opts);
+    v_full = at::zeros_like(k_full);
+    k_win = at::zeros({nw, win_blocks * B, cfg.num_kv_heads, cfg.head_dim}, opts);
+    v_win = at::zeros_like(k_win);
+    st.full_blocks_total = full_blocks;
+    st.window_blocks_total = win_blocks;
+  }
+
+  static model::Muse clone(const model::Muse& m) {
+    at::NoGradGuard g;
+    model::Weights w = m.weights();
+    auto c = [](at::Tensor& t) {
+      if (t.defined()) t = t.detach().clone();
+    };
+    c(w.embed);
+    c(w.lm_head);
+    c(w.final_norm);
+    for (auto& l : w.layers)
+      for (at::Tensor* t : {&l.input_norm, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.post_attn_norm,
+                            &l.pre_moe_norm, &l.router, &l.router_bias, &l.pooler, &l.expert_gate, &l.expert_up,
+                            &l.expert_down, &l.expert_norm, &l.unpooler, &l.post_moe_norm})
+        c(*t);
+    return model::Muse(m.config(), std::move(w));
+  }
+
+  // ---- blocks -------------------------------------------------------------------------------
+
+  void release(Seq& s) {
+    for (int64_t b : s.full_blocks) full_pool.release(b);
+    for (int64_t b : s.ring)
+      if (b >= 0) win_pool.release(b);
+    s.full_blocks.clear();
+    s.ring.clear();
+  }
+
+  int64_t first_window_write(int64_t start, int64_t n) const { return std::max(start, start + n - W); }
+
+  // Blocks (full, window) that computing positions [start, start + n) of s would take.
+  std::pair<int64_t, int64_t> blocks_needed(const Seq& s, int64_t start, int64_t n) const {
+    int64_t full = 0, win = 0;
+    const int64_t first = start / B, last = (start + n - 1) / B;
+    for (int64_t b = first; b <= last; ++b) {
+      if (b >= int64_t(s.full_blocks.size())) ++full;
+      else if (full_pool.shared(s.full_blocks[b])) ++full;  // copy on write
+    }
+    if (win_pool.total() > 0) {
+      std::vector<bool> seen(R, false);
+      for (int64_t b = first_window_write(start, n) / B; b <= last; ++b) {
+        const int64_t slot = b % R;
+        if (seen[slot]) continue;
+        seen[slot] = true;
+        if (slot >= int64_t(s.ring.size()) || s.ring[slot] < 0 || win_pool.shared(s.ring[slot])) ++win;
+      }
+    }
+    return {full, win};
+  }
+
+  // Gives s its own writable blocks for positions [start, start + n); copies shared ones.
+  void make_writable(Seq& s, int64_t start, int64_t n) {
+    const int64_t first = start / B, last = (start + n - 1) / B;
+    for (int64_t b = first; b <= last; ++b) {
+      if (b >= int64_t(s.full_blocks.size())) {
+        s.full_blocks.push_back(full_pool.allocate());
+      } else if (full_pool.shared(s.full_blocks[b])) {
+        const int64_t fresh = full_pool.allocate();
+        copy_block(k_full, v_full, s.full_blocks[b], fresh);
+        full_pool.release(s.full_blocks[b]);
+        s.full_blocks[b] = fresh;
+      }
+    }
+    if (win_pool.total() == 0) return;
+    if (s.ring.empty()) s.ring.assign(R, -1);
+    for (int64_t b = first_window_write(start, n) / B; b <= last; ++b) {
+      int64_t& slot = s.ring[b % R];
+      if (slot < 0) {
+        slot = win_pool.allocate();
+      } else if (win_pool.shared(slot)) {
+        const int64_t fresh = win_pool.allocate();
+        copy_block(k_win, v_win, slot, fresh);
+        win_pool.release(slot);
+        slot = fresh;
+      }
+    }
+  }
+
+  void copy_block(at::Tensor& k, at::Tensor& v, int64_t from, int64_t to) {
+    k.narrow(1, to * B, B).copy_(k.narrow(1, from * B, B));
+    v.narrow(1, to * B, B).copy_(v.narrow(1, from * B, B));
+  }
+
+  at::Tensor rows(const Seq& s, int64_t lo, int64_t hi, bool full) const {
+    std::vector<int64_t> r;
+    r.reserve(std::max<int64_t>(0, hi - lo));
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t block = full ? s.full_blocks[p / B] : s.ring[(p / B) % R];
+      r.push_back(block * B + p % B);
+    }
+    return at::tensor(r, at::kLong).to(model.device());
+  }
+
+  // ---- scheduling -----------------------------------------------------------------------------
+
+  void preempt(std::unique_ptr<Seq> s) {
+    release(*s);
+    s->computed = 0;
+    s->preemptions++;
+    st.preemptions++;
+    waiting.push_front(std::move(s));
+  }
+
+  // Reserves blocks for n tokens of running[i], preempting the newest other sequences as needed.
+  // Returns false when running[i] itself had to go back to the queue.
+  bool reserve(size_t i, int64_t n) {
+    while (true) {
+      Seq& s = *running[i];
+      auto [full, win] = blocks_needed(s, s.computed, n);
+      if (full <= full_pool.num_free() && win <= win_pool.num_free()) {
+        make_writable(s, s.computed, n);
+        return true;
+      }
+      std::unique_ptr<Seq> victim = std::move(running.back());
+      running.pop_back();
+      const bool self = i == running.size();
+      preempt(std::move(victim));
+      if (self) return false;
+    }
+  }
+
+  void schedule() {
+    work.clear();
+    int64_t budget = ec.max_batch_tokens;
+    // Admit queued sequences while there is room; a prompt counts as the n samples it becomes.
+    auto slots = [&](const Seq& s) { return s.sample == -1 ? requests.at(s.request).request.params.n : 1; };
+    int64_t used = 0;
+    for (const auto& s : running) used += slots(*s);
+    while (!waiting.empty() && (running.empty() || used + slots(*waiting.front()) <= ec.max_num_seqs)) {
+      used += slots(*waiting.front());
+      running.push_back(std::move(waiting.front()));
+      waiting.pop_front();
+    }
+    for (size_t i = 0; i < running.size() && budget > 0; ++i) {
+      Seq& s = *running[i];
+      const int64_t pending = int64_t(s.tokens.size()) - s.computed;
+      const int64_t n = std::min({pending, ec.prefill_chunk, budget});
+      if (n <= 0) continue;
+      if (!reserve(i, n)) break;
+      budget -= n;
+      Work w;
+      w.seq = &s;
+      w.start = s.computed;
+      w.n = n;
+      work.push_back(std::move(w));
+    }
+    // Sequences preempted after being scheduled drop out (their blocks are gone).
+    work.erase(std::remove_if(work.begin(), work.end(), [&](const Work& w) {
+                 return std::none_of(running.begin(), running.end(), [&](const auto& r) { return r.get() == w.seq; });
+               }),
+               work.end());
+    for (Work& w : work) {
+      Seq& s = *w.seq;
+      w.window_lo = std::max<int64_t>(0, w.start - W + 1);
+      w.window_write_from = first_window_write(w.start, w.n);
+      w.read_full = rows(s, 0, w.start, true);
+      w.write_full = rows(s, w.start, w.start + w.n, true);
+      if (win_pool.total() > 0) {
+        w.read_window = rows(s, w.window_lo, w.start, false);
+        w.write_window = rows(s, w.window_write_from, w.start + w.n, false);
+      }
+    }
+    st.peak_full_blocks = std::max(st.peak_full_blocks, full_pool.used());
+    st.peak_window_blocks = std::max(st.peak_window_blocks, win_pool.used());
+  }
+
+  // ---- attention over the cache (model::AttentionBackend) -------------------------------------
+
+  at::Tensor attend(int64_t layer, bool full, const model::PackedBatch& batch, const at::Tensor& q,
+                    const at::Tensor& k, const at::Tensor& v) override {
+    const int64_t g = group_index[layer], group = cfg.num_q_heads / cfg.num_kv_heads;
+    at::Tensor& kc = full ? k_full : k_win;
+    at::Tensor& vc = full ? v_full : v_win;
+    at::Tensor kl = kc[g], vl = vc[g];  // [blocks * B, Hkv, hd]
+    std::vector<at::Tensor> outs;
+    for (size_t i = 0; i < work.size(); ++i) {
+      const Work& w = work[i];
+      const int64_t off = batch.cu_seqlens[i];
+      at::Tensor kn = k.narrow(0, off, w.n), vn = v.narrow(0, off, w.n);
+      const at::Tensor& read = full ? w.read_full : w.read_window;
+      const int64_t lo = full ? 0 : w.window_lo;
+      at::Tensor keys = kn, values = vn;
+      if (read.numel() > 0) {
+        keys = at::cat({kl.index_select(0, read), kn}, 0);
+        values = at::cat({vl.index_select(0, read), vn}, 0);
+      }
+      at::Tensor qs = q.narrow(0, off, w.n).transpose(0, 1);
+      at::Tensor ks = model::expand_kv_heads(keys.transpose(0, 1), group);
+      at::Tensor vs = model::expand_kv_heads(values.transpose(0, 1), group);
+      outs.push_back(model::sequence_attention(qs, ks, vs, full, W, w.start, lo).transpose(0, 1));
+      // Keep the new keys: every position for full layers, the last W for window layers.
+      const int64_t keep_from = full ? w.start : w.window_write_from;
+      const at::Tensor& write = full ? w.write_full : w.write_window;
+      kl.index_copy_(0, write, kn.narrow(0, keep_from - w.start, write.numel()));
+      vl.index_copy_(0, write, vn.narrow(0, keep_from - w.start, write.numel()));
+    }
+    return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+  }
+
+  // ---- requests and steps ---------------------------------------------------------------------
+
+  int64_t add(const Request& r) {
+    const auto& p = r.params;
+    KILN_CHECK(!r.prompt.empty(), "rollout: request has an empty prompt; give at least one token");
+    for (size_t i = 0; i < r.prompt.size(); ++i)
+      KILN_CHECK(r.prompt[i] >= 0 && r.prompt[i] < cfg.vocab_size, "rollout: prompt token ", i, " is ", r.prompt[i],
+                 ", outside [0, vocab_size=", cfg.vocab_size, ")");
+    KILN_CHECK(p.n >= 1, "rollout: n must be at least 1 (got ", p.n, ")");
+    KILN_CHECK(p.max_tokens >= 1, "rollout: max_tokens must be at least 1 (got ", p.max_tokens, ")");
+    KILN_CHECK(p.temperature >= 0, "rollout: temperature must be >= 0 (got ", p.temperature, ")");
+    KILN_CHECK(p.top_p > 0 && p.top_p <= 1, "rollout: top_p must be in (0, 1] (got ", p.top_p, ")");
+    KILN_CHECK(p.top_k >= 0, "rollout: top_k must be >= 0 (got ", p.top_k, ")");
+    for (int64_t t : p.stop_token_ids)
+      KILN_CHECK(t >= 0 && t < cfg.vocab_size, "rollout: stop token ", t, " is outside [0, vocab_size=", cfg.vocab_size, ")");
+    const int64_t longest = int64_t(r.prompt.size()) + p.max_tokens;
+    KILN_CHECK(longest <= cfg.max_position_embeddings, "rollout: prompt (", r.prompt.size(), ") + max_tokens (",
+               p.max_tokens, ") exceeds max_position_embeddings=", cfg.max_position_embeddings);
+    const int64_t blocks = (longest + B - 1) / B;
+    KILN_CHECK(blocks <= full_pool.total(), "rollout: one sample of ", longest, " tokens needs ", blocks,
+               " KV blocks but the cache holds ", full_pool.total(), "; raise kv_cache_bytes");
+    const int64_t id = next_request++;
+    RequestState& rs = requests[id];
+    rs.request = r;
+    rs.samples.resize(p.n);
+    auto parent = std::make_unique<Seq>();
+    parent->request = id;
+    parent->tokens = r.prompt;
+    parent->prompt_len = int64_t(r.prompt.size());
+    waiting.push_back(std::move(parent));
+    return id;
+  }
+
+  // Appends one sampled token to a sample; marks it finalizing when it stops or hits max_tokens.
+  void append(Seq& s, const at::Tensor& logits) {
+    const SamplingParams& p = requests.at(s.request).request.params;
+    const int64_t step = int64_t(s.tokens.size()) - s.prompt_len;
+    auto [id, lp] = sample_token(logits, p, sample_stream_seed(p.seed, s.sample, step));
+    s.tokens.push_back(id);
+    s.logprobs.push_back(float(lp));
+    st.sampled_tokens++;
+    const bool stop = std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), id) != p.stop_token_ids.end();
+    if (stop || step + 1 >= p.max_tokens) {
+      s.finalizing = true;
+      s.finish = stop ? FinishReason::kStop : FinishReason::kLength;
+    }
+  }
+
+  std::vector<RequestOutput> step() {
+    at::NoGradGuard no_grad;
+    schedule();
+    std::vector<RequestOutput> finished;
+    if (work.empty()) {
+      KILN_CHECK(waiting.empty() && running.empty(), "rollout: nothing could be scheduled although ",
+                 waiting.size() + running.size(), " sequences wait; the KV cache is too small for one of them");
+      return finished;
+    }
+    model::PackedBatch batch;
+    batch.cu_seqlens = {0};
+    std::vector<int64_t> flat;
+    for (const Work& w : work) {
+      flat.insert(flat.end(), w.seq->tokens.begin() + w.start, w.seq->tokens.begin() + w.start + w.n);
+      batch.cu_seqlens.push_back(int64_t(flat.size()));
+      batch.start_positions.push_back(w.start);
+    }
+    batch.tokens = at::tensor(flat, at::kLong).to(model.device());
+    model::ForwardOptions opt;
+    opt.attention = this;
+    opt.skip_head = true;
+    model::ForwardOutput out = model.forward(batch, opt);
+    st.steps++;
+    st.model_tokens += batch.num_tokens();
+    at::Tensor routing = out.routing.cpu().contiguous();  // [T, L, k]
+    const int64_t per_token = cfg.num_layers * cfg.top_k;
+    // Rows whose next token gets sampled now: the last computed row of a complete sequence.
+    std::vector<int64_t> rows;
+    std::vector<Work*> ready;
+    for (size_t i = 0; i < work.size(); ++i) {
+      Work& w = work[i];
+      Seq& s = *w.seq;
+      const uint8_t* r = routing.data_ptr<uint8_t>() + batch.cu_seqlens[i] * per_token;
+      s.routing.resize(size_t(s.tokens.size() * per_token));
+      std::copy(r, r + w.n * per_token, s.routing.begin() + w.start * per_token);
+      s.computed += w.n;
+      if (s.computed == int64_t(s.tokens.size()) && !s.finalizing) {
+        rows.push_back(batch.cu_seqlens[i + 1] - 1);
+        ready.push_back(&w);
+      }
+    }
+    at::Tensor logits;
+    if (!rows.empty())
+      logits = model.logits(out.hidden.index_select(0, at::tensor(rows, at::kLong).to(model.device()))).cpu();
+    for (size_t j = 0; j < ready.size(); ++j) {
+      Seq& s = *ready[j]->seq;
+      if (s.sample >= 0) {
+        append(s, logits[j]);
+        continue;
+      }
+      // A prefilled prompt: fork its samples, which share its blocks until they write.
+      const int64_t n = requests.at(s.request).request.params.n;
+      for (int64_t k = 0; k < n; ++k) {
+        auto child = std::make_unique<Seq>(s);
+        child->sample = k;
+        for (int64_t b : child->full_blocks) full_pool.retain(b);
+        for (int64_t b : child->ring)
+          if (b >= 0) win_pool.retain(b);
+        append(*child, logits[j]);
+        running.push_back(std::move(child));
+      }
+      s.finalizing = true;  // the parent's work is done; released below
+      s.sample = -2;
+    }
+    // Retire parents that forked and samples whose last token's routing is now known.
+    for (auto it = running.begin(); it != running.end();) {
+      Seq& s = **it;
+      const bool complete = s.computed == int64_t(s.tokens.size());
+      if (s.sample == -2 || (s.finalizing && complete)) {
+        if (s.sample >= 0) {
+          RequestState& rs = requests.at(s.request);
+          Sample& out_s = rs.samples[s.sample];
+          out_s.tokens.assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
+          out_s.logprobs = s.logprobs;
+          out_s.finish = s.finish;
+          out_s.num_preemptions = s.preemptions;
+          out_s.routing = at::from_blob(s.routing.data(), {int64_t(s.tokens.size()), cfg.num_layers, cfg.top_k},
+                                        at::kByte).clone();
+          if (++rs.done == int64_t(rs.samples.size())) {
+            finished.push_back({s.request, std::move(rs.samples)});
+            requests.erase(s.request);
+          }
+        }
+        release(s);
+        it = running.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return finished;
+  }
+};
+
+Engine::Engine(const model::Muse& model, EngineConfig config) : impl_(std::make_unique<Impl>(model, config)) {}
+Engine::~Engine() = default;
+
+int64_t Engine::add_request(const Request& request) { return impl_->add(request); }
+std::vector<RequestOutput> Engine::step() { return impl_->step(); }
+bool Engine::has_unfinished() const { return !impl_->waiting.empty() || !impl_->running.empty(); }
+const model::Muse& Engine::model() const { return impl_->model; }
+
+std::vector<RequestOutput> Engine::generate(const std::vector<Request>& requests,
+                                            const std::function<void(int64_t, int64_t)>& progress) {
+  std::map<int64_t, size_t> slot;
+  int64_t total = 0, done = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    slot[add_request(requests[i])] = i;
+    total += requests[i].params.n;
+  }
+  std::vector<RequestOutput> out(requests.size());
+  while (has_unfinished()) {
+    for (RequestOutput& r : step()) {
+      done += int64_t(r.samples.size());
+      auto it = slot.find(r.request_id);
+      if (it != slot.end()) out[it->second] = std::move(r);
+    }
+    if (progress) progress(done, total);
+  }
+  return out;
+}
+
+void Engine::update_weights(const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  at::NoGradGuard g;
+  auto own = impl_->model.named_parameters();
+  KILN_CHECK(named.size() == own.size(), "rollout: update_weights got ", named.size(), " tensors, the model has ",
+             own.size());
+  for (size_t i = 0; i < own.size(); ++i) {
+    KILN_CHECK(named[i].first == own[i].first, "rollout: update_weights tensor ", i, " is ", named[i].first,
+               ", expected ", own[i].first);
+    KILN_CHECK(named[i].second.sizes() == own[i].second.sizes(), "rollout: update_weights tensor ", own[i].first,
+               " has shape ", named[i].second.sizes(), ", expected ", own[i].second.sizes());
+    own[i].second.copy_(named[i].second);
+  }
+}
+
+EngineStats Engine::stats() const {
+  EngineStats s = impl_->st;
+  s.full_blocks_used = impl_->full_pool.used();
+  s.window_blocks_used = impl_->win_pool.used();
+  return s;
+}
+
+}  // namespace kiln::rollout

@@ -1,0 +1,110 @@
+// The rollout engine: batched generation over a paged KV cache with continuous batching, shared
+// prefill for the n samples of a prompt, chunked prefill, preemption by recompute, sampling with
+// per-sample seeds, log-probs and routing capture. Runs model/'s forward; never includes trainer/.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/muse.h"
+
+namespace kiln::rollout {
+
+struct SamplingParams {
+  int64_t n = 1;                    // samples of this prompt; they share its prefill
+  int64_t max_tokens = 16;          // generated tokens per sample, stop token included
+  std::vector<int64_t> stop_token_ids;
+  double temperature = 1.0;         // 0 = greedy
+  double top_p = 1.0;               // nucleus mass kept, (0, 1]
+  int64_t top_k = 0;                // 0 = no top-k filter
+  uint64_t seed = 0;                // sample j draws token t from a stream seeded by (seed, j, t)
+};
+
+struct Request {
+  std::vector<int64_t> prompt;      // token ids
+  SamplingParams params;
+};
+
+enum class FinishReason { kStop, kLength };
+const char* finish_reason_name(FinishReason r);
+
+struct Sample {
+  std::vector<int64_t> tokens;      // generated ids (a stop token, when hit, is the last)
+  std::vector<float> logprobs;      // log-prob of each generated token under the distribution it
+                                    // was sampled from (after temperature, top-k, top-p; greedy:
+                                    // the raw distribution)
+  FinishReason finish = FinishReason::kLength;
+  at::Tensor routing;               // [prompt + generated, L, k] uint8: every token's expert ids
+  int64_t num_preemptions = 0;
+};
+
+struct RequestOutput {
+  int64_t request_id = 0;
+  std::vector<Sample> samples;      // params.n of them, in sample order
+};
+
+struct EngineConfig {
+  int64_t kv_cache_bytes = 64ll << 20;  // budget for both KV pools
+  int64_t block_size = 16;              // tokens per KV block
+  int64_t max_num_seqs = 64;            // running sequences at once
+  int64_t max_batch_tokens = 2048;      // tokens per engine step (decode + prefill chunks)
+  int64_t prefill_chunk = 512;          // longest prefill piece of one sequence per step
+  void validate() const;
+};
+
+struct EngineStats {
+  int64_t steps = 0;
+  int64_t model_tokens = 0;          // tokens run through the model (prefill, recompute, decode)
+  int64_t sampled_tokens = 0;
+  int64_t preemptions = 0;
+  // Two block pools: full-attention layers keep every position, window layers a ring of
+  // ceil(W / block_size) + 1 blocks per sequence.
+  int64_t full_blocks_total = 0, window_blocks_total = 0;
+  int64_t full_blocks_used = 0, window_blocks_used = 0;  // now
+  int64_t peak_full_blocks = 0, peak_window_blocks = 0;
+  int64_t full_block_bytes = 0, window_block_bytes = 0;
+  int64_t window_ring_blocks = 0;    // per sequence
+};
+
+class Engine {
+ public:
+  // Takes its own handles to the model's weights; update_weights() replaces them in place.
+  Engine(const model::Muse& model, EngineConfig config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates and queues a request; returns its id. Throws on empty prompts, ids >= vocab, n = 0,
+  // max_tokens = 0, or a request that could never fit in the KV cache.
+  int64_t add_request(const Request& request);
+  // Runs one scheduling step (prefill chunks and/or one decode token per running sequence).
+  // Returns the requests that finished in this step.
+  std::vector<RequestOutput> step();
+  bool has_unfinished() const;
+  // Runs everything queued to completion; outputs in request order. `progress` (optional) is
+  // called after every step with (finished samples, total samples).
+  std::vector<RequestOutput> generate(const std::vector<Request>& requests,
+                                      const std::function<void(int64_t, int64_t)>& progress = {});
+
+  // Copies new weights into the engine's tensors in place (same names and shapes as
+  // Muse::named_parameters()); throws naming the first mismatch. Only between steps.
+  void update_weights(const std::vector<std::pair<std::string, at::Tensor>>& named);
+  const model::Muse& model() const;
+  EngineStats stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Samples one token from fp32 logits [V] with the given params and stream; returns (id, log-prob).
+// Exposed for tests.
+std::pair<int64_t, double> sample_token(const at::Tensor& logits, const SamplingParams& params, uint64_t stream_seed);
+// The stream seed of sample `sample` of a request at generated position `step`.
+uint64_t sample_stream_seed(uint64_t seed, int64_t sample, int64_t step);
+
+}  // namespace kiln::rollout
