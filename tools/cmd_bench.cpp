@@ -1,6 +1,6 @@
 // `kiln bench <case>`: timings that print a ratio against a baseline measured in the same run.
-// Cases: rmsnorm (CUDA kernel vs ATen ops vs a device copy), forward (muse-small forward and
-// forward+backward, grouped GEMM vs per-expert loop).
+// Cases: rmsnorm (CUDA kernel vs ATen ops vs a device copy), forward (forward and forward+backward,
+// grouped GEMM vs per-expert loop), decode (engine decode vs full recompute vs the bytes roofline).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -13,7 +13,9 @@
 
 #include "core/error.h"
 #include "kernels/rms_norm.h"
+#include "model/config.h"
 #include "model/muse.h"
+#include "rollout/engine.h"
 #include "tools/commands.h"
 
 namespace kiln::tools {
@@ -91,23 +93,119 @@ void bench_forward(at::Device device, const std::string& config, int64_t seqs, i
   }
 }
 
+// Bytes one decode step must read for `batch` sequences at context `ctx`: every non-expert weight,
+// the experts the batch's tokens touch (expected distinct experts per layer under uniform routing),
+// the lm_head, and each sequence's KV cache.
+double decode_step_bytes(const model::ModelConfig& c, int64_t batch, int64_t ctx, double elem) {
+  const model::ParamCounts p = model::count_parameters(c);
+  const double touched = double(c.num_experts) * (1.0 - std::pow(1.0 - double(c.top_k) / double(c.num_experts), double(batch)));
+  const double expert_bytes = double(p.experts) / double(c.num_experts) * touched * elem;
+  const double dense = double(p.attention + p.latent + p.head + p.norms) * elem + double(p.router) * 4.0;
+  const double kv = model::kv_cache_bytes_per_token(c, ctx, int64_t(elem)) * double(ctx) * double(batch);
+  return dense + expert_bytes + kv;
+}
+
+double copy_bandwidth(at::Device device) {
+  at::Tensor a = at::empty({int64_t(1) << 28}, at::TensorOptions().dtype(at::kByte).device(device)), b = at::empty_like(a);
+  a.fill_(1);
+  const double t = time_it(device, [&] { b.copy_(a); }, 2, 10);
+  return 2.0 * double(a.numel()) / t;  // read + write
+}
+
+void bench_decode(at::Device device, const std::string& config, int64_t prompt_len, int64_t gen) {
+  const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
+  const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  model::Muse m = model::Muse::init(cfg, 0, dtype, device);
+  const double bw = copy_bandwidth(device);
+  const double elem = double(c10::elementSize(dtype));
+  fmt::print("decode: {} in {} on {}, prompt {} tokens, {} generated per sample; copy bandwidth {:.0f} GB/s\n",
+             cfg.name, at::toString(dtype), device.str(), prompt_len, gen, bw / 1e9);
+  fmt::print("{:>6} {:>12} {:>14} {:>9} {:>14} {:>10}\n", "batch", "engine tok/s", "recompute tok/s", "ratio",
+             "roofline tok/s", "of roofline");
+  for (int64_t batch : {1, 16, 64}) {
+    std::vector<rollout::Request> reqs(batch);
+    for (int64_t b = 0; b < batch; ++b) {
+      at::Tensor ids = at::randint(cfg.vocab_size, {prompt_len}, at::kLong);
+      reqs[b].prompt.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + prompt_len);
+      reqs[b].params.seed = uint64_t(b);
+    }
+    rollout::EngineConfig ec;
+    ec.block_size = 16;
+    ec.max_num_seqs = batch;
+    ec.max_batch_tokens = std::max<int64_t>(4096, batch);
+    ec.prefill_chunk = prompt_len;
+    const double kv_tokens = double(batch) * double(prompt_len + gen + 16);
+    ec.kv_cache_bytes = int64_t(model::kv_cache_bytes_per_token(cfg, prompt_len + gen, int64_t(elem)) * kv_tokens * 1.5) +
+                        (int64_t(64) << 20);
+    // Decode time: from the step after which every sample has its first token (prefill done) to
+    // the end; prefill is excluded.
+    auto run = [&] {
+      for (auto& r : reqs) r.params.max_tokens = gen;
+      rollout::Engine engine(m, ec);
+      for (const auto& r : reqs) engine.add_request(r);
+      std::chrono::steady_clock::time_point a;
+      int64_t first = -1;
+      while (engine.has_unfinished()) {
+        engine.step();
+        if (first < 0 && engine.stats().sampled_tokens >= batch) {
+          sync(device);
+          a = std::chrono::steady_clock::now();
+          first = engine.stats().sampled_tokens;
+        }
+      }
+      sync(device);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+      return double(engine.stats().sampled_tokens - first) / s;
+    };
+    if (device.is_cuda()) run();  // warm-up
+    const double engine_tps = run();
+    // Baseline: recompute the whole sequences for each new token (no KV cache).
+    const int64_t steps = device.is_cuda() ? 3 : 1;
+    std::vector<std::vector<int64_t>> seqs;
+    for (auto& r : reqs) seqs.push_back(r.prompt);
+    auto a = std::chrono::steady_clock::now();
+    {
+      at::NoGradGuard ng;
+      for (int64_t s = 0; s < steps; ++s) {
+        model::ForwardOptions opt;
+        opt.skip_head = true;
+        model::PackedBatch pb = model::PackedBatch::from_sequences(seqs, device);
+        auto out = m.forward(pb, opt);
+        std::vector<int64_t> last;
+        for (int64_t b = 0; b < batch; ++b) last.push_back(pb.cu_seqlens[b + 1] - 1);
+        at::Tensor next = m.logits(out.hidden.index_select(0, at::tensor(last, at::kLong).to(device))).argmax(-1).cpu();
+        for (int64_t b = 0; b < batch; ++b) seqs[b].push_back(next[b].item<int64_t>());
+      }
+      sync(device);
+    }
+    const double recompute_tps = double(batch * steps) / std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+    const double roof_tps = double(batch) / (decode_step_bytes(cfg, batch, prompt_len + gen / 2, elem) / bw);
+    fmt::print("{:>6} {:>12.1f} {:>14.1f} {:>8.1f}x {:>14.1f} {:>9.1f}%\n", batch, engine_tps, recompute_tps,
+               engine_tps / recompute_tps, roof_tps, 100.0 * engine_tps / roof_tps);
+  }
+}
+
 }  // namespace
 
 Run add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench", "Benchmarks, each against a baseline timed in the same run");
   struct Args {
     std::string name, device = "cuda", config = "configs/muse-small.yaml";
-    int64_t seqs = 8, len = 1024;
+    int64_t seqs = 8, len = 1024, gen = 32;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("case", a->name, "rmsnorm or forward")->required()->check(CLI::IsMember({"rmsnorm", "forward"}));
+  cmd->add_option("case", a->name, "rmsnorm, forward or decode")
+      ->required()
+      ->check(CLI::IsMember({"rmsnorm", "forward", "decode"}));
   cmd->add_option("--device", a->device, "cpu or cuda")->capture_default_str();
   cmd->add_option("--config", a->config, "Model config for the forward case")->capture_default_str();
   cmd->add_option("--seqs", a->seqs, "Sequences per batch (forward)")->capture_default_str();
-  cmd->add_option("--len", a->len, "Tokens per sequence (forward)")->capture_default_str();
+  cmd->add_option("--len", a->len, "Tokens per sequence (forward) or prompt length (decode)")->capture_default_str();
+  cmd->add_option("--gen", a->gen, "Generated tokens per sample (decode)")->capture_default_str();
   return [a] {
     const at::Device device(a->device);
     if (a->name == "rmsnorm") bench_rmsnorm(device);
+    else if (a->name == "decode") bench_decode(device, a->config, a->len, a->gen);
     else bench_forward(device, a->config, a->seqs, a->len);
   };
 }

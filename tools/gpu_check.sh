@@ -40,9 +40,21 @@ for o in lp.safetensors lp.h5; do
     --tokens "$(seq -s, 40 100)" --out "$tmp/$o" > /dev/null
 done
 python3 tests/interop/check_outputs.py "$tmp/ckpt" "$tmp/lp.safetensors" "$tmp/lp.h5" 2>&1 | tee "$out/interop.txt"
+./build-gpu/kiln generate --model "$tmp/ckpt" --prompt "12+34=" --prompt "ids:1,2,3" -n 3 --max-tokens 9 --quiet --out "$tmp/s.h5"
+python3 - "$tmp/s.h5" <<'PY' 2>&1 | tee -a "$out/interop.txt"
+import sys, h5py, numpy as np
+f = h5py.File(sys.argv[1], "r")
+n = f["lengths"].shape[0]
+assert n == 6 and (np.diff(f["offsets"][:]) == f["lengths"][:]).all()
+assert f["tokens"].shape[0] == f["lengths"][:].sum() == f["logprobs"].shape[0]
+assert f["routing"].shape[0] == (f["lengths"][:] + f["prompt_lengths"][:]).sum() and f["routing"].dtype == np.uint8
+print("interop: h5py reads kiln generate's samples:", {k: f[k].shape for k in f})
+PY
 
 step "bench rmsnorm"
 ./build-gpu/kiln bench rmsnorm --device cuda 2>&1 | tee "$out/bench-rmsnorm.txt"
+step "bench decode (muse-small)"
+./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 2>&1 | tee "$out/bench-decode.txt"
 step "bench forward (muse-small)"
 ./build-gpu/kiln bench forward --device cuda --config configs/muse-small.yaml --seqs 8 --len 1024 2>&1 | tee "$out/bench-forward.txt"
 step done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# End-to-end checks of the kiln command: help, info on the full config, init + forward on a
-# micro model (printed, safetensors and HDF5 output), and one-line errors with non-zero exits.
+# End-to-end checks of the kiln command: help, info on the full config, init + forward and generate
+# on a micro model (printed, safetensors and HDF5 output), and one-line errors with non-zero exits.
 set -uo pipefail
 kiln="$1"; src="$2"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -19,7 +19,7 @@ check_fails() {  # check_fails <description> <expected substring> <command...>: 
 }
 
 check "help lists subcommands" "forward" "$kiln" --help
-for sub in info init forward; do check "$sub --help" "Usage" "$kiln" $sub --help; done
+for sub in info init forward generate; do check "$sub --help" "Usage" "$kiln" $sub --help; done
 info=$("$kiln" info "$src/configs/muse-spark-open-816b.yaml")
 for want in "experts                 798.86 B" "attention                13.52 B" "latent projections        4.16 B" \
             "embedding + head          3.31 B" "46 sliding-window" "16 full attention" "active per token           42.78 B"; do
@@ -50,6 +50,15 @@ check "forward to hdf5" "wrote log-probs" "$kiln" forward --model "$tmp/ckpt" --
 [ -s "$tmp/lp.safetensors" ] || { echo "FAIL: no safetensors output"; fails=$((fails+1)); }
 [ -s "$tmp/lp.h5" ] || { echo "FAIL: no hdf5 output"; fails=$((fails+1)); }
 
+check "generate prints" "request 0 sample 1 finish=length" \
+  "$kiln" generate --model "$tmp/ckpt" --prompt "ids:1,2,3" -n 2 --max-tokens 5 --quiet
+check "generate summary" "generated 10 tokens in 2 samples (1 prompts)" \
+  "$kiln" generate --model "$tmp/ckpt" --prompt "ids:1,2,3" -n 2 --max-tokens 5
+printf '{"prompt_ids": [1, 2, 3]}\n\n{"prompt_ids": [4, 5], "n": 3, "temperature": 0}\n' > "$tmp/prompts.jsonl"
+check "generate to hdf5" "in 5 samples (2 prompts)" \
+  "$kiln" generate --model "$tmp/ckpt" --prompts "$tmp/prompts.jsonl" -n 2 --max-tokens 4 --out "$tmp/s.h5"
+[ -s "$tmp/s.h5" ] || { echo "FAIL: no generate hdf5 output"; fails=$((fails+1)); }
+
 check_fails "missing config" "cannot open" "$kiln" info "$tmp/nope.yaml"
 echo "bogus_key: 1" >> "$tmp/micro.yaml"
 check_fails "unknown key" "bogus_key: unknown key" "$kiln" info "$tmp/micro.yaml"
@@ -57,5 +66,18 @@ check_fails "token out of range" "vocab_size" "$kiln" forward --model "$tmp/ckpt
 check_fails "bad token text" "is not a token id" "$kiln" forward --model "$tmp/ckpt" --tokens "1,x"
 check_fails "missing checkpoint" "config.json" "$kiln" forward --model "$tmp/none" --tokens "1"
 check_fails "bad out suffix" "--out must end" "$kiln" forward --model "$tmp/ckpt" --tokens "1,2" --out "$tmp/x.txt"
+check_fails "generate empty prompt" "empty prompt" "$kiln" generate --model "$tmp/ckpt" --prompt "ids:"
+check_fails "generate id out of range" "vocab_size" "$kiln" generate --model "$tmp/ckpt" --prompt "ids:1,99"
+check_fails "generate n = 0" "n must be at least 1" "$kiln" generate --model "$tmp/ckpt" --prompt "ids:1" -n 0
+check_fails "generate max_tokens = 0" "max_tokens must be at least 1" \
+  "$kiln" generate --model "$tmp/ckpt" --prompt "ids:1" --max-tokens 0
+printf '{"prompt_ids": [1]}\n{"prompt_ids": [1,\n' > "$tmp/bad.jsonl"
+check_fails "generate bad json" "$tmp/bad.jsonl:2: bad JSON" \
+  "$kiln" generate --model "$tmp/ckpt" --prompts "$tmp/bad.jsonl"
+printf '{"prompt_ids": [1], "n": "2"}\n' > "$tmp/bad_n.jsonl"
+check_fails "generate bad n type" "bad_n.jsonl:1: \"n\" must be an integer" \
+  "$kiln" generate --model "$tmp/ckpt" --prompts "$tmp/bad_n.jsonl"
+check_fails "generate bad out suffix" "--out must end" \
+  "$kiln" generate --model "$tmp/ckpt" --prompt "ids:1" --out "$tmp/s.txt"
 
 if [ $fails -eq 0 ]; then echo "cli: all checks passed"; else echo "cli: $fails checks failed"; exit 1; fi

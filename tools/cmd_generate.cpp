@@ -1,0 +1,346 @@
+// `kiln generate --model <dir>`: samples completions of prompts (a JSONL file or --prompt) with the
+// rollout engine, then prints them or saves tokens, log-probs and routing as HDF5.
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/hdf5_io.h"
+#include "model/checkpoint.h"
+#include "rollout/engine.h"
+#include "tools/commands.h"
+
+namespace kiln::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One prompt before tokenization checks: where it came from (for errors) and its request.
+struct Prompt {
+  std::string where;  // "prompts.jsonl:3" or "--prompt #1"
+  rollout::Request request;
+};
+
+// "1 2 3" or "1,2,3" -> ids; `where` names the source for errors.
+std::vector<int64_t> parse_ids(const std::string& text, const std::string& where) {
+  std::string s = text;
+  for (char& c : s)
+    if (c == ',') c = ' ';
+  std::istringstream in(s);
+  std::vector<int64_t> ids;
+  std::string tok;
+  while (in >> tok) {
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(tok, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    KILN_CHECK(used == tok.size(), "generate: ", where, ": '", tok, "' is not a token id; expected integers");
+    ids.push_back(v);
+  }
+  return ids;
+}
+
+// Byte-level tokenizer of the tiny models: each byte is its own id.
+std::vector<int64_t> encode_bytes(const std::string& text) {
+  std::vector<int64_t> ids;
+  for (char c : text) ids.push_back(static_cast<unsigned char>(c));
+  return ids;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The sampling fields a JSONL line may override; anything else on the line (answers, metadata) is
+// left for other tools.
+void apply_overrides(const nlohmann::json& j, const std::string& where, rollout::SamplingParams& p) {
+  auto get_int = [&](const char* key, int64_t& dst) {
+    if (!j.contains(key)) return;
+    KILN_CHECK(j[key].is_number_integer(), "generate: ", where, ": \"", key, "\" must be an integer (got ",
+               j[key].dump(), ")");
+    dst = j[key].get<int64_t>();
+  };
+  auto get_double = [&](const char* key, double& dst) {
+    if (!j.contains(key)) return;
+    KILN_CHECK(j[key].is_number(), "generate: ", where, ": \"", key, "\" must be a number (got ", j[key].dump(), ")");
+    dst = j[key].get<double>();
+  };
+  get_int("n", p.n);
+  get_int("max_tokens", p.max_tokens);
+  get_int("top_k", p.top_k);
+  get_double("temperature", p.temperature);
+  get_double("top_p", p.top_p);
+  if (j.contains("seed")) {
+    KILN_CHECK(j["seed"].is_number_unsigned(), "generate: ", where, ": \"seed\" must be a non-negative integer (got ",
+               j["seed"].dump(), ")");
+    p.seed = j["seed"].get<uint64_t>();
+  }
+}
+
+// Reads a JSONL prompts file: one object per non-blank line with "prompt_ids" or "prompt". Prompt i
+// (counting all prompts so far) gets seed base_seed + i unless its line sets "seed".
+void read_prompts_file(const std::string& path, const rollout::SamplingParams& defaults, uint64_t base_seed,
+                       std::vector<Prompt>& out) {
+  std::ifstream in(path);
+  KILN_CHECK(in.good(), "generate: cannot open --prompts file (path=", path, "); check the path");
+  std::string line;
+  for (int lineno = 1; std::getline(in, line); ++lineno) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(lineno);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      KILN_FAIL("generate: ", where, ": bad JSON (", e.what(), "); each line must be one JSON object");
+    }
+    KILN_CHECK(j.is_object(), "generate: ", where, ": expected a JSON object with \"prompt_ids\" or \"prompt\" (got ",
+               j.type_name(), ")");
+    const bool has_ids = j.contains("prompt_ids"), has_text = j.contains("prompt");
+    KILN_CHECK(has_ids != has_text, "generate: ", where, ": ",
+               has_ids ? "both \"prompt_ids\" and \"prompt\" given" : "no \"prompt_ids\" or \"prompt\" key",
+               "; give exactly one of them");
+    Prompt p{where, {{}, defaults}};
+    p.request.params.seed = base_seed + out.size();
+    if (has_ids) {
+      const auto& ids = j["prompt_ids"];
+      KILN_CHECK(ids.is_array(), "generate: ", where, ": \"prompt_ids\" must be an array of integers (got ",
+                 ids.type_name(), ")");
+      for (const auto& v : ids) {
+        KILN_CHECK(v.is_number_integer(), "generate: ", where, ": \"prompt_ids\" holds ", v.dump(),
+                   "; expected integers");
+        p.request.prompt.push_back(v.get<int64_t>());
+      }
+    } else {
+      KILN_CHECK(j["prompt"].is_string(), "generate: ", where, ": \"prompt\" must be a string (got ",
+                 j["prompt"].type_name(), ")");
+      p.request.prompt = encode_bytes(j["prompt"].get<std::string>());
+    }
+    apply_overrides(j, where, p.request.params);
+    out.push_back(std::move(p));
+  }
+}
+
+// Checks the values the engine would reject, naming the prompt they came from.
+void check_prompt(const Prompt& p, int64_t vocab_size) {
+  const auto& ids = p.request.prompt;
+  KILN_CHECK(!ids.empty(), "generate: ", p.where, ": empty prompt; give at least one token");
+  for (size_t i = 0; i < ids.size(); ++i)
+    KILN_CHECK(ids[i] >= 0 && ids[i] < vocab_size, "generate: ", p.where, ": token ", i,
+               " is outside the vocabulary (id=", ids[i], ", vocab_size=", vocab_size,
+               "); text prompts are byte-level, so use ids below vocab_size");
+  const auto& s = p.request.params;
+  KILN_CHECK(s.n >= 1, "generate: ", p.where, ": n must be at least 1 (n=", s.n, "); ask for one or more samples");
+  KILN_CHECK(s.max_tokens >= 1, "generate: ", p.where, ": max_tokens must be at least 1 (max_tokens=", s.max_tokens,
+             "); allow one or more generated tokens");
+  KILN_CHECK(s.temperature >= 0, "generate: ", p.where, ": temperature must be >= 0 (temperature=", s.temperature,
+             "); use 0 for greedy");
+  KILN_CHECK(s.top_p > 0 && s.top_p <= 1, "generate: ", p.where, ": top_p must be in (0, 1] (top_p=", s.top_p, ")");
+  KILN_CHECK(s.top_k >= 0, "generate: ", p.where, ": top_k must be >= 0 (top_k=", s.top_k, "); 0 disables it");
+}
+
+// The ids as text when they are all printable ASCII (newlines and tabs escaped); empty otherwise.
+bool printable_text(const std::vector<int64_t>& ids, std::string& text) {
+  text.clear();
+  for (int64_t id : ids) {
+    if (id == '\n') text += "\\n";
+    else if (id == '\t') text += "\\t";
+    else if (id == '"' || id == '\\') text += '\\', text += char(id);
+    else if (id >= 32 && id < 127) text += char(id);
+    else return false;
+  }
+  return true;
+}
+
+// Writes the samples flat, one row per sample, in request then sample order.
+void write_samples(const std::string& path, const std::vector<rollout::Request>& requests,
+                   const std::vector<rollout::RequestOutput>& outputs, const std::string& model,
+                   const std::string& dtype) {
+  std::vector<int64_t> tokens, lengths, prompt_lengths, offsets{0}, prompt_tokens, routing_offsets{0};
+  std::vector<int64_t> request_index, sample_index, finish;
+  std::vector<float> logprobs;
+  std::vector<at::Tensor> routing;
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    const auto& prompt = requests[r].prompt;
+    for (size_t s = 0; s < outputs[r].samples.size(); ++s) {
+      const rollout::Sample& x = outputs[r].samples[s];
+      const int64_t len = int64_t(x.tokens.size()), plen = int64_t(prompt.size());
+      tokens.insert(tokens.end(), x.tokens.begin(), x.tokens.end());
+      logprobs.insert(logprobs.end(), x.logprobs.begin(), x.logprobs.end());
+      lengths.push_back(len);
+      prompt_lengths.push_back(plen);
+      offsets.push_back(offsets.back() + len);
+      prompt_tokens.insert(prompt_tokens.end(), prompt.begin(), prompt.end());
+      KILN_CHECK(x.routing.defined() && x.routing.dim() == 3 && x.routing.size(0) == plen + len,
+                 "generate: sample ", s, " of request ", r, " has routing of the wrong shape (expected ", plen + len,
+                 " rows); this is an engine bug");
+      routing.push_back(x.routing.cpu().to(at::kByte));
+      routing_offsets.push_back(routing_offsets.back() + plen + len);
+      request_index.push_back(int64_t(r));
+      sample_index.push_back(int64_t(s));
+      finish.push_back(x.finish == rollout::FinishReason::kStop ? 0 : 1);
+    }
+  }
+  auto longs = [](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong); };
+  hdf5::Writer w(path);
+  w.write("tokens", longs(tokens));
+  w.write("logprobs", at::tensor(logprobs, at::kFloat));
+  w.write("lengths", longs(lengths));
+  w.write("prompt_lengths", longs(prompt_lengths));
+  w.write("offsets", longs(offsets));
+  w.write("prompt_tokens", longs(prompt_tokens));
+  w.write("routing", at::cat(routing, 0));
+  w.write("routing_offsets", longs(routing_offsets));
+  w.write("request_index", longs(request_index));
+  w.write("sample_index", longs(sample_index));
+  w.write("finish_reason", longs(finish).to(at::kByte));
+  w.attribute("model", model);
+  w.attribute("dtype", dtype);
+  w.attribute("finish_reason_codes", "0=stop,1=length");
+  w.commit();
+}
+
+}  // namespace
+
+Run add_generate(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "generate",
+      "Sample completions of prompts with the rollout engine; print them or save them as HDF5.\n"
+      "Prompts file (JSONL): one object per line with \"prompt_ids\": [ints] or \"prompt\": \"text\" (byte-level:\n"
+      "each byte is its id); optional \"n\", \"max_tokens\", \"temperature\", \"top_p\", \"top_k\", \"seed\" override\n"
+      "the flags; other keys are ignored. Prompt i's seed defaults to --seed + i.");
+  struct Args {
+    std::string model, prompts_file, out, dtype = "fp32", device = "cpu";
+    std::vector<std::string> prompts, stop;
+    int64_t n = 1, max_tokens = 64, top_k = 0;
+    double temperature = 1.0, top_p = 1.0;
+    uint64_t seed = 0;
+    int64_t kv_cache_mb = 256, block_size = 16, max_num_seqs = 64, max_batch_tokens = 2048, prefill_chunk = 512;
+    bool quiet = false;
+  };
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--model", a->model, "Checkpoint directory (config.json + safetensors)")->required();
+  cmd->add_option("--prompts", a->prompts_file, "JSONL file of prompts (see above)");
+  cmd->add_option("--prompt", a->prompts, "A prompt: text, or \"ids:1,2,3\" for token ids; repeat for more");
+  cmd->add_option("-n,--num-samples", a->n, "Samples per prompt")->capture_default_str();
+  cmd->add_option("--max-tokens", a->max_tokens, "Generated tokens per sample, stop token included")
+      ->capture_default_str();
+  cmd->add_option("--temperature", a->temperature, "Sampling temperature; 0 = greedy")->capture_default_str();
+  cmd->add_option("--top-p", a->top_p, "Nucleus mass kept, (0, 1]")->capture_default_str();
+  cmd->add_option("--top-k", a->top_k, "Keep the k most likely tokens; 0 = all")->capture_default_str();
+  cmd->add_option("--seed", a->seed, "Base seed; prompt i uses seed + i unless its line sets \"seed\"")
+      ->capture_default_str();
+  cmd->add_option("--stop", a->stop, "Stop token ids (repeat or comma list, e.g. \"2,7\")");
+  cmd->add_option("--out", a->out, "Save samples, log-probs and routing to this .h5/.hdf5 file");
+  cmd->add_option("--dtype", a->dtype, "Compute dtype: fp32, bf16 or fp64")->capture_default_str();
+  cmd->add_option("--device", a->device, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--kv-cache-mb", a->kv_cache_mb, "KV-cache budget in MiB")->capture_default_str();
+  cmd->add_option("--block-size", a->block_size, "Tokens per KV block")->capture_default_str();
+  cmd->add_option("--max-num-seqs", a->max_num_seqs, "Running sequences at once")->capture_default_str();
+  cmd->add_option("--max-batch-tokens", a->max_batch_tokens, "Tokens per engine step")->capture_default_str();
+  cmd->add_option("--prefill-chunk", a->prefill_chunk, "Longest prefill piece per sequence per step")
+      ->capture_default_str();
+  cmd->add_flag("--quiet", a->quiet, "No progress line on stderr");
+  return [a] {
+    // Everything that can be checked without the model is checked first, so a typo costs no load.
+    KILN_CHECK(a->out.empty() || ends_with(a->out, ".h5") || ends_with(a->out, ".hdf5"),
+               "generate: --out must end in .h5 or .hdf5 (out=", a->out, ")");
+    KILN_CHECK(a->kv_cache_mb > 0, "generate: --kv-cache-mb must be positive (kv_cache_mb=", a->kv_cache_mb, ")");
+    rollout::SamplingParams defaults;
+    defaults.n = a->n;
+    defaults.max_tokens = a->max_tokens;
+    defaults.temperature = a->temperature;
+    defaults.top_p = a->top_p;
+    defaults.top_k = a->top_k;
+    for (const auto& s : a->stop) {
+      auto ids = parse_ids(s, "--stop");
+      defaults.stop_token_ids.insert(defaults.stop_token_ids.end(), ids.begin(), ids.end());
+    }
+    // The flags' own values are checked once here so their errors name the flag, not a prompt.
+    check_prompt(Prompt{"command-line flags", {{0}, defaults}}, std::numeric_limits<int64_t>::max());
+    std::vector<Prompt> prompts;
+    for (size_t i = 0; i < a->prompts.size(); ++i) {
+      const std::string& text = a->prompts[i];
+      const std::string where = "--prompt #" + std::to_string(i + 1);
+      Prompt p{where, {{}, defaults}};
+      p.request.params.seed = a->seed + i;  // so that equal prompts still differ
+      p.request.prompt = text.rfind("ids:", 0) == 0 ? parse_ids(text.substr(4), where) : encode_bytes(text);
+      prompts.push_back(std::move(p));
+    }
+    if (!a->prompts_file.empty()) read_prompts_file(a->prompts_file, defaults, a->seed, prompts);
+    KILN_CHECK(!prompts.empty(), "generate: no prompts given; pass --prompts FILE.jsonl or --prompt TEXT");
+
+    at::NoGradGuard no_grad;
+    const at::Device device(a->device);
+    const model::Muse m = model::load_checkpoint(a->model, model::parse_dtype(a->dtype), device);
+    std::vector<rollout::Request> requests;
+    for (const Prompt& p : prompts) {
+      check_prompt(p, m.config().vocab_size);
+      requests.push_back(p.request);
+    }
+
+    rollout::EngineConfig ec;
+    ec.kv_cache_bytes = a->kv_cache_mb << 20;
+    ec.block_size = a->block_size;
+    ec.max_num_seqs = a->max_num_seqs;
+    ec.max_batch_tokens = a->max_batch_tokens;
+    ec.prefill_chunk = a->prefill_chunk;
+    ec.validate();
+    rollout::Engine engine(m, ec);
+
+    const auto start = Clock::now();
+    auto last_print = start;
+    bool printed = false;
+    auto progress = [&](int64_t done, int64_t total) {
+      if (a->quiet) return;
+      const auto now = Clock::now();
+      if (done < total && now - last_print < std::chrono::milliseconds(500)) return;
+      last_print = now;
+      const double secs = std::chrono::duration<double>(now - start).count();
+      // Samples count as done only when their whole request is, so tokens show progress within one.
+      const int64_t tokens = engine.stats().sampled_tokens;
+      const double rate = secs > 0 ? double(tokens) / secs : 0.0;
+      std::fprintf(stderr, "\r generate: %lld/%lld samples, %lld tokens, %.1f tok/s   ", (long long)done,
+                   (long long)total, (long long)tokens, rate);
+      std::fflush(stderr);
+      printed = true;
+    };
+    const std::vector<rollout::RequestOutput> outputs = engine.generate(requests, progress);
+    const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    if (printed) std::fprintf(stderr, "\n");
+
+    int64_t num_tokens = 0, num_samples = 0;
+    for (const auto& r : outputs)
+      for (const auto& s : r.samples) num_tokens += int64_t(s.tokens.size()), ++num_samples;
+    if (!a->out.empty()) {
+      write_samples(a->out, requests, outputs, a->model, a->dtype);
+    } else {
+      std::string text;
+      for (size_t r = 0; r < outputs.size(); ++r)
+        for (size_t s = 0; s < outputs[r].samples.size(); ++s) {
+          const rollout::Sample& x = outputs[r].samples[s];
+          double sum = 0;
+          for (float lp : x.logprobs) sum += lp;
+          fmt::print("request {} sample {} finish={} logprob_sum={:.4f}\n  ids: {}\n", r, s,
+                     rollout::finish_reason_name(x.finish), sum, fmt::join(x.tokens, ","));
+          if (printable_text(x.tokens, text)) fmt::print("  text: \"{}\"\n", text);
+        }
+    }
+    fmt::print("generated {} tokens in {} samples ({} prompts) in {:.2f} s, {:.1f} tok/s{}\n", num_tokens, num_samples,
+               outputs.size(), secs, secs > 0 ? double(num_tokens) / secs : 0.0,
+               a->out.empty() ? "" : fmt::format("; wrote {}", a->out));
+  };
+}
+
+}  // namespace kiln::tools
