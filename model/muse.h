@@ -73,6 +73,7 @@ struct ForwardOptions {
   AttentionBackend* attention = nullptr;  // not owned; nullptr = self-attention within the batch
   bool skip_head = false;       // stop after the final norm: return `hidden` only (rollout samples
                                 // from the rows it needs)
+  bool check_inputs = true;     // range-check token and routing ids (costs device syncs)
 };
 
 struct ForwardOutput {

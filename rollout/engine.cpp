@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <deque>
 #include <limits>
@@ -62,35 +63,53 @@ uint64_t sample_stream_seed(uint64_t seed, int64_t sample, int64_t step) {
 }
 
 std::pair<int64_t, double> sample_token(const at::Tensor& logits, const SamplingParams& p, uint64_t stream_seed) {
-  at::Tensor l = logits.detach().to(at::kCPU, at::kDouble).contiguous();
-  const double* x = l.data_ptr<double>();
+  at::Tensor l = logits.detach().to(at::kCPU, at::kFloat).contiguous();
+  const float* x = l.data_ptr<float>();
   const int64_t V = l.numel();
+  const int64_t argmax = std::max_element(x, x + V) - x;  // first maximum
+  const double mx = x[argmax];
   if (p.temperature == 0) {
-    const int64_t id = std::max_element(x, x + V) - x;  // first maximum
-    const double mx = x[id];
     double z = 0;
-    for (int64_t i = 0; i < V; ++i) z += std::exp(x[i] - mx);
-    return {id, -std::log(z)};
+    for (int64_t i = 0; i < V; ++i) z += std::exp(double(x[i]) - mx);
+    return {argmax, -std::log(z)};
   }
-  // Candidates by scaled logit, descending; ties broken by the lower id.
+  const double u = double(mix(stream_seed) >> 11) * 0x1p-53;  // uniform in [0, 1)
+  auto weight = [&](int64_t i) { return std::exp((double(x[i]) - mx) / p.temperature); };
+  if (p.top_k == 0 && p.top_p >= 1.0) {
+    // No filter: inverse CDF in id order, no sort (a 65536-entry sort per token dominated decode).
+    std::vector<double> w(V);
+    double z = 0;
+    for (int64_t i = 0; i < V; ++i) z += (w[i] = weight(i));
+    double c = 0;
+    int64_t pick = argmax;
+    for (int64_t i = 0; i < V; ++i) {
+      c += w[i] / z;
+      if (u < c) {
+        pick = i;
+        break;
+      }
+    }
+    return {pick, std::log(w[pick] / z)};
+  }
+  // Filters: candidates by logit, descending, ties broken by the lower id (a strict total order,
+  // so the result does not depend on the sort's stability).
+  auto before = [&](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
   std::vector<int64_t> order(V);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x[a] > x[b]; });
   int64_t keep = p.top_k > 0 ? std::min<int64_t>(p.top_k, V) : V;
+  std::partial_sort(order.begin(), order.begin() + keep, order.end(), before);
   std::vector<double> prob(keep);
-  const double mx = x[order[0]] / p.temperature;
   double z = 0;
-  for (int64_t i = 0; i < keep; ++i) z += (prob[i] = std::exp(x[order[i]] / p.temperature - mx));
+  for (int64_t i = 0; i < keep; ++i) z += (prob[i] = weight(order[i]));
   for (double& q : prob) q /= z;
   if (p.top_p < 1.0) {
     double mass = 0;
     int64_t n = 0;
     while (n < keep && mass < p.top_p) mass += prob[n++];
     keep = std::max<int64_t>(n, 1);
-    double kept = std::accumulate(prob.begin(), prob.begin() + keep, 0.0);
+    const double kept = std::accumulate(prob.begin(), prob.begin() + keep, 0.0);
     for (int64_t i = 0; i < keep; ++i) prob[i] /= kept;
   }
-  const double u = double(mix(stream_seed) >> 11) * 0x1p-53;  // uniform in [0, 1)
   double c = 0;
   int64_t pick = keep - 1;
   for (int64_t i = 0; i < keep; ++i) {
@@ -271,14 +290,12 @@ struct Engine::Impl : model::AttentionBackend {
     v.narrow(1, to * B, B).copy_(v.narrow(1, from * B, B));
   }
 
-  at::Tensor rows(const Seq& s, int64_t lo, int64_t hi, bool full) const {
-    std::vector<int64_t> r;
-    r.reserve(std::max<int64_t>(0, hi - lo));
+  // Appends the cache rows of positions [lo, hi) of s to `out`.
+  void rows(const Seq& s, int64_t lo, int64_t hi, bool full, std::vector<int64_t>& out) const {
     for (int64_t p = lo; p < hi; ++p) {
       const int64_t block = full ? s.full_blocks[p / B] : s.ring[(p / B) % R];
-      r.push_back(block * B + p % B);
+      out.push_back(block * B + p % B);
     }
-    return at::tensor(r, at::kLong).to(model.device());
   }
 
   // ---- scheduling -----------------------------------------------------------------------------
@@ -339,16 +356,32 @@ struct Engine::Impl : model::AttentionBackend {
                  return std::none_of(running.begin(), running.end(), [&](const auto& r) { return r.get() == w.seq; });
                }),
                work.end());
+    // Every cache row this step reads or writes, in one host-to-device copy.
+    std::vector<int64_t> all;
+    std::vector<std::array<int64_t, 5>> cut;  // per work item: offsets of its four row lists
     for (Work& w : work) {
       Seq& s = *w.seq;
       w.window_lo = std::max<int64_t>(0, w.start - W + 1);
       w.window_write_from = first_window_write(w.start, w.n);
-      w.read_full = rows(s, 0, w.start, true);
-      w.write_full = rows(s, w.start, w.start + w.n, true);
-      if (win_pool.total() > 0) {
-        w.read_window = rows(s, w.window_lo, w.start, false);
-        w.write_window = rows(s, w.window_write_from, w.start + w.n, false);
-      }
+      std::array<int64_t, 5> c;
+      c[0] = int64_t(all.size());
+      rows(s, 0, w.start, true, all);
+      c[1] = int64_t(all.size());
+      rows(s, w.start, w.start + w.n, true, all);
+      c[2] = int64_t(all.size());
+      if (win_pool.total() > 0) rows(s, w.window_lo, w.start, false, all);
+      c[3] = int64_t(all.size());
+      if (win_pool.total() > 0) rows(s, w.window_write_from, w.start + w.n, false, all);
+      c[4] = int64_t(all.size());
+      cut.push_back(c);
+    }
+    at::Tensor dev = at::tensor(all, at::kLong).to(model.device());
+    for (size_t i = 0; i < work.size(); ++i) {
+      const auto& c = cut[i];
+      work[i].read_full = dev.narrow(0, c[0], c[1] - c[0]);
+      work[i].write_full = dev.narrow(0, c[1], c[2] - c[1]);
+      work[i].read_window = dev.narrow(0, c[2], c[3] - c[2]);
+      work[i].write_window = dev.narrow(0, c[3], c[4] - c[3]);
     }
     st.peak_full_blocks = std::max(st.peak_full_blocks, full_pool.used());
     st.peak_window_blocks = std::max(st.peak_window_blocks, win_pool.used());
@@ -456,6 +489,7 @@ struct Engine::Impl : model::AttentionBackend {
     model::ForwardOptions opt;
     opt.attention = this;
     opt.skip_head = true;
+    opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
     model::ForwardOutput out = model.forward(batch, opt);
     st.steps++;
     st.model_tokens += batch.num_tokens();
