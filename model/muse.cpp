@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <numeric>
+
 #include "core/error.h"
 #include "core/torch_version.h"
 #include "kernels/rms_norm.h"
@@ -14,12 +16,13 @@ namespace {
 
 constexpr int64_t kQueryChunk = 1024;   // queries per attention block: bounds scores memory
 constexpr int64_t kGroupAlign = 16;     // grouped-GEMM row alignment per expert segment
+constexpr int64_t kPaddedScoreBytes = int64_t(256) << 20;  // padded batch attention up to this size
 
 at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
                      const PackedBatch& batch, const at::Tensor& cos, const at::Tensor& sin,
-                     AttentionBackend* backend) {
+                     AttentionBackend* backend, const PaddedLayout& padded) {
   const int64_t T = h.size(0), hd = cfg.head_dim;
   const int64_t group = cfg.num_q_heads / cfg.num_kv_heads;
   const bool full = cfg.is_full_attention(layer);
@@ -29,6 +32,8 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   at::Tensor o;
   if (backend) {
     o = backend->attend(layer, full, batch, q, k, v);
+  } else if (padded.num_problems > 1 && padded.score_bytes(cfg.num_q_heads) <= kPaddedScoreBytes) {
+    o = padded_attention(padded, q, k, v, full, cfg.sliding_window);
   } else {
     std::vector<at::Tensor> outs;
     outs.reserve(batch.num_sequences());
@@ -175,6 +180,68 @@ at::Tensor expand_kv_heads(const at::Tensor& x, int64_t group) {
   return group == 1 ? x : x.repeat_interleave(group, 0);
 }
 
+PaddedLayout PaddedLayout::build(const std::vector<std::vector<int64_t>>& q_rows,
+                                 const std::vector<std::vector<int64_t>>& q_positions,
+                                 const std::vector<std::vector<int64_t>>& k_rows,
+                                 const std::vector<std::vector<int64_t>>& k_positions, at::Device device) {
+  PaddedLayout p;
+  p.num_problems = int64_t(q_rows.size());
+  for (size_t b = 0; b < q_rows.size(); ++b) {
+    p.max_queries = std::max<int64_t>(p.max_queries, int64_t(q_rows[b].size()));
+    p.max_keys = std::max<int64_t>(p.max_keys, int64_t(k_rows[b].size()));
+  }
+  const int64_t B = p.num_problems, Lq = p.max_queries, Lk = p.max_keys;
+  std::vector<int64_t> qi(B * Lq, 0), qp(B * Lq, -1), ki(B * Lk, 0), kp(B * Lk, -1), out;
+  for (int64_t b = 0; b < B; ++b) {
+    for (size_t i = 0; i < q_rows[b].size(); ++i) {
+      qi[b * Lq + i] = q_rows[b][i];
+      qp[b * Lq + i] = q_positions[b][i];
+      out.push_back(b * Lq + int64_t(i));
+    }
+    for (size_t j = 0; j < k_rows[b].size(); ++j) {
+      ki[b * Lk + j] = k_rows[b][j];
+      kp[b * Lk + j] = k_positions[b][j];
+    }
+  }
+  auto dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device); };
+  p.q_index = dev(qi);
+  p.q_pos = dev(qp).view({B, Lq});
+  p.k_index = dev(ki);
+  p.k_pos = dev(kp).view({B, Lk});
+  p.out_index = dev(out);
+  return p;
+}
+
+at::Tensor padded_attention(const PaddedLayout& layout, const at::Tensor& q_src, const at::Tensor& k_src,
+                            const at::Tensor& v_src, bool full, int64_t window) {
+  const int64_t B = layout.num_problems, Lq = layout.max_queries, Lk = layout.max_keys;
+  const int64_t Hq = q_src.size(1), hd = q_src.size(2), group = Hq / k_src.size(1);
+  at::Tensor q = q_src.index_select(0, layout.q_index).view({B, Lq, Hq, hd}).transpose(1, 2);
+  at::Tensor k = k_src.index_select(0, layout.k_index).view({B, Lk, -1, hd}).transpose(1, 2);
+  at::Tensor v = v_src.index_select(0, layout.k_index).view({B, Lk, -1, hd}).transpose(1, 2);
+  if (group > 1) {
+    k = k.repeat_interleave(group, 1);
+    v = v.repeat_interleave(group, 1);
+  }
+  at::Tensor qpos = layout.q_pos.unsqueeze(2), kpos = layout.k_pos.unsqueeze(1);  // [B, Lq, 1], [B, 1, Lk]
+  at::Tensor allowed = kpos.ge(0).logical_and(kpos.le(qpos));
+  if (!full) allowed = allowed.logical_and(kpos.gt(qpos - window));
+  // Pad queries see key column 0: finite rows, thrown away, with zero gradient (no NaN to leak).
+  at::Tensor col0 = at::arange(Lk, layout.k_pos.options()).eq(0).view({1, 1, Lk});
+  allowed = allowed.logical_or(qpos.lt(0).logical_and(col0)).unsqueeze(1);  // [B, 1, Lq, Lk]
+  at::Tensor o;
+#if KILN_TORCH_AT_LEAST(2, 0)
+  if (q.is_cuda()) o = at::scaled_dot_product_attention(q, k, v, allowed);
+#endif
+  if (!o.defined()) {
+    const double scale = 1.0 / std::sqrt(double(hd));
+    at::Tensor scores = at::matmul(q, k.transpose(2, 3)).to(acc_dtype(q.scalar_type())) * scale;
+    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+    o = at::matmul(at::softmax(scores, -1).to(q.scalar_type()), v);  // [B, Hq, Lq, hd]
+  }
+  return o.transpose(1, 2).reshape({B * Lq, Hq, hd}).index_select(0, layout.out_index);
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return kernels::rms_norm(x, weight, eps);
 }
@@ -255,13 +322,27 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   at::Tensor replay = opt.replay_routing.defined() ? opt.replay_routing.to(device(), at::kLong) : at::Tensor();
 
   auto [cos, sin] = rope_tables(batch.positions(), cfg_.head_dim, cfg_.rope_theta, dtype());
+  // Many sequences: one padded attention per layer instead of a loop over sequences.
+  PaddedLayout padded;
+  if (!opt.attention && batch.num_sequences() > 1) {
+    std::vector<std::vector<int64_t>> rows, pos;
+    for (int64_t s = 0; s < batch.num_sequences(); ++s) {
+      const int64_t b = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - b;
+      if (n == 0) continue;
+      rows.emplace_back(n);
+      pos.emplace_back(n);
+      std::iota(rows.back().begin(), rows.back().end(), b);
+      std::iota(pos.back().begin(), pos.back().end(), 0);
+    }
+    padded = PaddedLayout::build(rows, pos, rows, pos, device());
+  }
   at::Tensor x = at::embedding(w_.embed, batch.tokens);  // [T, d]
   std::vector<at::Tensor> routing;
   at::Tensor balance = at::zeros({}, at::TensorOptions().dtype(router_dtype(dtype())).device(device()));
   for (int64_t i = 0; i < L; ++i) {
     const LayerWeights& lw = w_.layers[i];
     const double eps = cfg_.rms_norm_eps;
-    at::Tensor a = attention(cfg_, lw, i, rms_norm(x, lw.input_norm, eps), batch, cos, sin, opt.attention);
+    at::Tensor a = attention(cfg_, lw, i, rms_norm(x, lw.input_norm, eps), batch, cos, sin, opt.attention, padded);
     x = x + rms_norm(a, lw.post_attn_norm, eps);
     MoeOut moe = latent_moe(cfg_, lw, rms_norm(x, lw.pre_moe_norm, eps),
                             replay.defined() ? replay.select(1, i) : at::Tensor(), opt);

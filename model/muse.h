@@ -127,6 +127,27 @@ at::Tensor sequence_attention(const at::Tensor& q, const at::Tensor& k, const at
                               int64_t window, int64_t q_start = 0, int64_t k_start = 0);
 // [Hkv, n, hd] -> [Hq, n, hd]: query head h reads KV head h / group.
 at::Tensor expand_kv_heads(const at::Tensor& x, int64_t group);
+
+// Many small attention problems run as one padded batch (one set of kernels instead of a loop).
+// Problem b has queries at rows q_rows[b] of a query source and keys at rows k_rows[b] of a key
+// source, with absolute positions; the same layout serves every layer of one kind.
+struct PaddedLayout {
+  int64_t num_problems = 0, max_queries = 0, max_keys = 0;
+  at::Tensor q_index;    // [B * Lq] int64 rows of the query source (pads read row 0)
+  at::Tensor q_pos;      // [B, Lq] int64 absolute positions, -1 = pad
+  at::Tensor k_index;    // [B * Lk] int64 rows of the key source
+  at::Tensor k_pos;      // [B, Lk] int64, -1 = pad
+  at::Tensor out_index;  // [queries] position in [B * Lq] of each real query, in listed order
+  static PaddedLayout build(const std::vector<std::vector<int64_t>>& q_rows,
+                            const std::vector<std::vector<int64_t>>& q_positions,
+                            const std::vector<std::vector<int64_t>>& k_rows,
+                            const std::vector<std::vector<int64_t>>& k_positions, at::Device device);
+  // Bytes of fp32 attention scores for `heads` heads: callers fall back to a loop when too many.
+  int64_t score_bytes(int64_t heads) const { return num_problems * heads * max_queries * max_keys * 4; }
+};
+// q_src [*, Hq, hd], k_src and v_src [*, Hkv, hd]. Returns [queries, Hq, hd] in listed order.
+at::Tensor padded_attention(const PaddedLayout& layout, const at::Tensor& q_src, const at::Tensor& k_src,
+                            const at::Tensor& v_src, bool full, int64_t window);
 // x [T, H, head_dim] rotated by rotate-half RoPE (HF convention).
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

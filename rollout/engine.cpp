@@ -157,10 +157,20 @@ struct Work {
   Seq* seq = nullptr;
   int64_t start = 0;
   int64_t n = 0;
-  at::Tensor read_full, read_window;    // cache rows of the positions attended to before `start`
-  at::Tensor write_full, write_window;  // cache rows of the new positions kept
+  int64_t offset = 0;                   // first row in the step's packed batch
   int64_t window_lo = 0;                // first cached position window layers read
   int64_t window_write_from = 0;        // first new position window layers keep
+};
+
+// How one kind of layer (full or window) reads and writes the cache in a step. Decode items (one
+// new token each) run as one padded batch; prefill pieces run one by one.
+struct GroupPlan {
+  at::Tensor decode_read;               // cache rows the decode items read, concatenated
+  model::PaddedLayout decode;           // over cat(cache rows decode_read, the batch's new K/V)
+  at::Tensor decode_out;                // batch rows of the decode items' queries
+  std::vector<at::Tensor> piece_read;   // per work item: cache rows a prefill piece reads
+  at::Tensor write_rows;                // cache rows written this step
+  at::Tensor write_src;                 // batch rows whose new K/V go there
 };
 
 struct Engine::Impl : model::AttentionBackend {
@@ -177,6 +187,7 @@ struct Engine::Impl : model::AttentionBackend {
   std::map<int64_t, RequestState> requests;
   int64_t next_request = 0;
   std::vector<Work> work;                // the current step's schedule
+  GroupPlan plan[2];                     // [0] full-attention layers, [1] window layers
   EngineStats st;
 
   Impl(const model::Muse& m, EngineConfig config) : model(clone(m)), cfg(m.config()), ec(config) {
@@ -356,35 +367,69 @@ struct Engine::Impl : model::AttentionBackend {
                  return std::none_of(running.begin(), running.end(), [&](const auto& r) { return r.get() == w.seq; });
                }),
                work.end());
-    // Every cache row this step reads or writes, in one host-to-device copy.
-    std::vector<int64_t> all;
-    std::vector<std::array<int64_t, 5>> cut;  // per work item: offsets of its four row lists
+    int64_t offset = 0;
     for (Work& w : work) {
-      Seq& s = *w.seq;
+      w.offset = offset;
+      offset += w.n;
       w.window_lo = std::max<int64_t>(0, w.start - W + 1);
       w.window_write_from = first_window_write(w.start, w.n);
-      std::array<int64_t, 5> c;
-      c[0] = int64_t(all.size());
-      rows(s, 0, w.start, true, all);
-      c[1] = int64_t(all.size());
-      rows(s, w.start, w.start + w.n, true, all);
-      c[2] = int64_t(all.size());
-      if (win_pool.total() > 0) rows(s, w.window_lo, w.start, false, all);
-      c[3] = int64_t(all.size());
-      if (win_pool.total() > 0) rows(s, w.window_write_from, w.start + w.n, false, all);
-      c[4] = int64_t(all.size());
-      cut.push_back(c);
     }
-    at::Tensor dev = at::tensor(all, at::kLong).to(model.device());
-    for (size_t i = 0; i < work.size(); ++i) {
-      const auto& c = cut[i];
-      work[i].read_full = dev.narrow(0, c[0], c[1] - c[0]);
-      work[i].write_full = dev.narrow(0, c[1], c[2] - c[1]);
-      work[i].read_window = dev.narrow(0, c[2], c[3] - c[2]);
-      work[i].write_window = dev.narrow(0, c[3], c[4] - c[3]);
-    }
+    plan_group(0);
+    if (win_pool.total() > 0) plan_group(1);
     st.peak_full_blocks = std::max(st.peak_full_blocks, full_pool.used());
     st.peak_window_blocks = std::max(st.peak_window_blocks, win_pool.used());
+  }
+
+  // Builds plan[g] for the scheduled work: every cache row read or written, in few host-to-device
+  // copies, and the padded layout of the decode items.
+  void plan_group(int g) {
+    const bool full = g == 0;
+    GroupPlan& p = plan[g];
+    std::vector<int64_t> decode_read, write_rows, write_src, piece_rows, decode_out;
+    std::vector<std::vector<int64_t>> q_rows, q_pos, k_rows, k_pos;
+    std::vector<std::pair<int64_t, int64_t>> pieces(work.size(), {0, 0});
+    for (size_t i = 0; i < work.size(); ++i) {
+      const Work& w = work[i];
+      const Seq& s = *w.seq;
+      const int64_t lo = full ? 0 : w.window_lo;
+      if (w.n == 1) {
+        const int64_t first = int64_t(decode_read.size());
+        rows(s, lo, w.start, full, decode_read);
+        q_rows.push_back({w.offset});
+        q_pos.push_back({w.start});
+        k_rows.emplace_back();
+        k_pos.emplace_back();
+        for (int64_t p2 = lo; p2 < w.start; ++p2) {
+          k_rows.back().push_back(first + p2 - lo);
+          k_pos.back().push_back(p2);
+        }
+        k_pos.back().push_back(w.start);
+        k_rows.back().push_back(-1 - w.offset);  // a new key: fixed up once decode_read is complete
+        decode_out.push_back(w.offset);
+      } else {
+        const int64_t first = int64_t(piece_rows.size());
+        rows(s, lo, w.start, full, piece_rows);
+        pieces[i] = {first, int64_t(piece_rows.size()) - first};
+      }
+      const int64_t keep_from = full ? w.start : w.window_write_from;
+      rows(s, keep_from, w.start + w.n, full, write_rows);
+      for (int64_t p2 = keep_from; p2 < w.start + w.n; ++p2) write_src.push_back(w.offset + p2 - w.start);
+    }
+    const int64_t cached = int64_t(decode_read.size());
+    for (auto& r : k_rows)
+      for (int64_t& x : r)
+        if (x < 0) x = cached + (-1 - x);  // new keys follow the cached ones in the key source
+    const at::Device dev = model.device();
+    auto to_dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(dev); };
+    p.decode_read = to_dev(decode_read);
+    p.decode_out = to_dev(decode_out);
+    p.decode = q_rows.empty() ? model::PaddedLayout{} : model::PaddedLayout::build(q_rows, q_pos, k_rows, k_pos, dev);
+    p.write_rows = to_dev(write_rows);
+    p.write_src = to_dev(write_src);
+    at::Tensor all_pieces = to_dev(piece_rows);
+    p.piece_read.assign(work.size(), at::Tensor());
+    for (size_t i = 0; i < work.size(); ++i)
+      if (work[i].n > 1) p.piece_read[i] = all_pieces.narrow(0, pieces[i].first, pieces[i].second);
   }
 
   // ---- attention over the cache (model::AttentionBackend) -------------------------------------
@@ -392,32 +437,32 @@ struct Engine::Impl : model::AttentionBackend {
   at::Tensor attend(int64_t layer, bool full, const model::PackedBatch& batch, const at::Tensor& q,
                     const at::Tensor& k, const at::Tensor& v) override {
     const int64_t g = group_index[layer], group = cfg.num_q_heads / cfg.num_kv_heads;
-    at::Tensor& kc = full ? k_full : k_win;
-    at::Tensor& vc = full ? v_full : v_win;
-    at::Tensor kl = kc[g], vl = vc[g];  // [blocks * B, Hkv, hd]
-    std::vector<at::Tensor> outs;
+    const GroupPlan& p = plan[full ? 0 : 1];
+    at::Tensor kl = (full ? k_full : k_win)[g], vl = (full ? v_full : v_win)[g];  // [blocks * B, Hkv, hd]
+    at::Tensor o = at::empty_like(q);
+    if (p.decode.num_problems > 0) {
+      at::Tensor ks = at::cat({kl.index_select(0, p.decode_read), k}, 0);
+      at::Tensor vs = at::cat({vl.index_select(0, p.decode_read), v}, 0);
+      o.index_copy_(0, p.decode_out, model::padded_attention(p.decode, q, ks, vs, full, W));
+    }
     for (size_t i = 0; i < work.size(); ++i) {
       const Work& w = work[i];
-      const int64_t off = batch.cu_seqlens[i];
-      at::Tensor kn = k.narrow(0, off, w.n), vn = v.narrow(0, off, w.n);
-      const at::Tensor& read = full ? w.read_full : w.read_window;
-      const int64_t lo = full ? 0 : w.window_lo;
-      at::Tensor keys = kn, values = vn;
-      if (read.numel() > 0) {
-        keys = at::cat({kl.index_select(0, read), kn}, 0);
-        values = at::cat({vl.index_select(0, read), vn}, 0);
-      }
-      at::Tensor qs = q.narrow(0, off, w.n).transpose(0, 1);
+      if (w.n == 1) continue;
+      at::Tensor kn = k.narrow(0, w.offset, w.n), vn = v.narrow(0, w.offset, w.n);
+      const at::Tensor& read = p.piece_read[i];
+      at::Tensor keys = read.numel() > 0 ? at::cat({kl.index_select(0, read), kn}, 0) : kn;
+      at::Tensor values = read.numel() > 0 ? at::cat({vl.index_select(0, read), vn}, 0) : vn;
+      at::Tensor qs = q.narrow(0, w.offset, w.n).transpose(0, 1);
       at::Tensor ks = model::expand_kv_heads(keys.transpose(0, 1), group);
       at::Tensor vs = model::expand_kv_heads(values.transpose(0, 1), group);
-      outs.push_back(model::sequence_attention(qs, ks, vs, full, W, w.start, lo).transpose(0, 1));
-      // Keep the new keys: every position for full layers, the last W for window layers.
-      const int64_t keep_from = full ? w.start : w.window_write_from;
-      const at::Tensor& write = full ? w.write_full : w.write_window;
-      kl.index_copy_(0, write, kn.narrow(0, keep_from - w.start, write.numel()));
-      vl.index_copy_(0, write, vn.narrow(0, keep_from - w.start, write.numel()));
+      const int64_t lo = full ? 0 : w.window_lo;
+      o.narrow(0, w.offset, w.n).copy_(model::sequence_attention(qs, ks, vs, full, W, w.start, lo).transpose(0, 1));
     }
-    return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+    // Keep the new keys (every position for full layers, the last W for window layers) only after
+    // every read of this layer.
+    kl.index_copy_(0, p.write_rows, k.index_select(0, p.write_src));
+    vl.index_copy_(0, p.write_rows, v.index_select(0, p.write_src));
+    return o;
   }
 
   // ---- requests and steps ---------------------------------------------------------------------
