@@ -1,6 +1,8 @@
 // Implementation of the shared test helpers.
 #include "tests/test_util.h"
 
+#include "core/error.h"
+
 #include <ATen/ATen.h>
 
 #include <ftw.h>
@@ -56,6 +58,30 @@ namespace kiln::test {
   int64_t first = ne.nonzero()[0][0].item<int64_t>();
   return ::testing::AssertionFailure() << bad << " of " << a.numel()
                                        << " elements differ; first at flat index " << first;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+::testing::AssertionResult throws_with(const std::function<void()>& fn, const std::vector<std::string>& parts) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const std::string& p : parts)
+      if (msg.find(p) == std::string::npos)
+        return ::testing::AssertionFailure() << "message lacks \"" << p << "\": " << msg;
+    return ::testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return ::testing::AssertionFailure() << "threw something other than kiln::Error: " << e.what();
+  }
+  return ::testing::AssertionFailure() << "did not throw";
 }
 
 TempDir::TempDir() {

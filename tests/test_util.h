@@ -3,7 +3,9 @@
 #include <ATen/core/Tensor.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
+#include <vector>
 
 namespace kiln::test {
 
@@ -17,6 +19,12 @@ namespace kiln::test {
 
 // Exact equality of shape, dtype and every element (indices, routing, bytes).
 ::testing::AssertionResult all_equal(const at::Tensor& actual, const at::Tensor& expected);
+
+// The message of the kiln::Error `fn` throws, or "" when it throws none.
+std::string error_of(const std::function<void()>& fn);
+
+// Success when `fn` throws a kiln::Error whose message contains every one of `parts`.
+::testing::AssertionResult throws_with(const std::function<void()>& fn, const std::vector<std::string>& parts);
 
 // A fresh directory under the system temp dir, removed when the object goes away.
 class TempDir {

@@ -13,31 +13,10 @@
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
 #include "tools/commands.h"
+#include "tools/token_ids.h"
 
 namespace kiln::tools {
 namespace {
-
-// "1 2 3" or "1,2,3" -> ids; `where` names the source for errors.
-std::vector<int64_t> parse_ids(const std::string& text, const std::string& where) {
-  std::string s = text;
-  for (char& c : s)
-    if (c == ',') c = ' ';
-  std::istringstream in(s);
-  std::vector<int64_t> ids;
-  std::string tok;
-  while (in >> tok) {
-    size_t used = 0;
-    int64_t v = 0;
-    try {
-      v = std::stoll(tok, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    KILN_CHECK(used == tok.size(), "forward: ", where, ": '", tok, "' is not a token id; expected integers");
-    ids.push_back(v);
-  }
-  return ids;
-}
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -60,13 +39,14 @@ Run add_forward(CLI::App& app) {
   cmd->add_option("--device", a->device, "cpu or cuda")->capture_default_str();
   return [a] {
     std::vector<std::vector<int64_t>> seqs;
-    for (size_t i = 0; i < a->tokens.size(); ++i) seqs.push_back(parse_ids(a->tokens[i], "--tokens #" + std::to_string(i + 1)));
+    for (size_t i = 0; i < a->tokens.size(); ++i)
+      seqs.push_back(parse_ids(a->tokens[i], "forward", "--tokens #" + std::to_string(i + 1)));
     if (!a->tokens_file.empty()) {
       std::ifstream in(a->tokens_file);
       KILN_CHECK(in.good(), "forward: cannot open --tokens-file ", a->tokens_file);
       std::string line;
       for (int lineno = 1; std::getline(in, line); ++lineno) {
-        auto ids = parse_ids(line, a->tokens_file + ":" + std::to_string(lineno));
+        auto ids = parse_ids(line, "forward", a->tokens_file + ":" + std::to_string(lineno));
         if (!ids.empty()) seqs.push_back(std::move(ids));
       }
     }

@@ -18,6 +18,7 @@
 #include "model/checkpoint.h"
 #include "rollout/engine.h"
 #include "tools/commands.h"
+#include "tools/token_ids.h"
 
 namespace kiln::tools {
 namespace {
@@ -29,28 +30,6 @@ struct Prompt {
   std::string where;  // "prompts.jsonl:3" or "--prompt #1"
   rollout::Request request;
 };
-
-// "1 2 3" or "1,2,3" -> ids; `where` names the source for errors.
-std::vector<int64_t> parse_ids(const std::string& text, const std::string& where) {
-  std::string s = text;
-  for (char& c : s)
-    if (c == ',') c = ' ';
-  std::istringstream in(s);
-  std::vector<int64_t> ids;
-  std::string tok;
-  while (in >> tok) {
-    size_t used = 0;
-    int64_t v = 0;
-    try {
-      v = std::stoll(tok, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    KILN_CHECK(used == tok.size(), "generate: ", where, ": '", tok, "' is not a token id; expected integers");
-    ids.push_back(v);
-  }
-  return ids;
-}
 
 // Byte-level tokenizer of the tiny models: each byte is its own id.
 std::vector<int64_t> encode_bytes(const std::string& text) {
@@ -264,7 +243,7 @@ Run add_generate(CLI::App& app) {
     defaults.top_p = a->top_p;
     defaults.top_k = a->top_k;
     for (const auto& s : a->stop) {
-      auto ids = parse_ids(s, "--stop");
+      auto ids = parse_ids(s, "generate", "--stop");
       defaults.stop_token_ids.insert(defaults.stop_token_ids.end(), ids.begin(), ids.end());
     }
     // The flags' own values are checked once here so their errors name the flag, not a prompt.
@@ -275,7 +254,7 @@ Run add_generate(CLI::App& app) {
       const std::string where = "--prompt #" + std::to_string(i + 1);
       Prompt p{where, {{}, defaults}};
       p.request.params.seed = a->seed + i;  // so that equal prompts still differ
-      p.request.prompt = text.rfind("ids:", 0) == 0 ? parse_ids(text.substr(4), where) : encode_bytes(text);
+      p.request.prompt = text.rfind("ids:", 0) == 0 ? parse_ids(text.substr(4), "generate", where) : encode_bytes(text);
       prompts.push_back(std::move(p));
     }
     if (!a->prompts_file.empty()) read_prompts_file(a->prompts_file, defaults, a->seed, prompts);

@@ -29,23 +29,7 @@ constexpr bool kHasFloat8 = false;
 #endif
 
 // Passes when fn throws kiln::Error whose message contains every one of `parts`.
-template <typename Fn>
-::testing::AssertionResult throws_with(Fn&& fn, const std::vector<std::string>& parts) {
-  try {
-    fn();
-  } catch (const kiln::Error& e) {
-    const std::string msg = e.what();
-    for (const std::string& p : parts) {
-      if (msg.find(p) == std::string::npos) {
-        return ::testing::AssertionFailure() << "message lacks \"" << p << "\": " << msg;
-      }
-    }
-    return ::testing::AssertionSuccess();
-  } catch (const std::exception& e) {
-    return ::testing::AssertionFailure() << "threw something other than kiln::Error: " << e.what();
-  }
-  return ::testing::AssertionFailure() << "did not throw";
-}
+using kiln::test::throws_with;
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

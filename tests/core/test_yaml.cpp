@@ -15,14 +15,7 @@ std::string write(const test::TempDir& dir, const std::string& text) {
   return path;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 TEST(Yaml, ReadsKnownKeysAndNestedMaps) {
   test::TempDir dir;

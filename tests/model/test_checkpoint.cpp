@@ -15,14 +15,7 @@ namespace {
 
 using model::Muse;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 model::ForwardOutput run(const Muse& m) {
   model::ForwardOptions opt;

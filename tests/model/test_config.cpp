@@ -12,14 +12,7 @@ namespace {
 
 using model::ModelConfig;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 TEST(Config, FullModelReproducesThePublicTable) {
   ModelConfig c = ModelConfig::from_yaml_file(test::source_path("configs/muse-spark-open-816b.yaml"));
