@@ -361,6 +361,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   }
   if (opt.return_logits) out.logits = logits(xn);
   if (opt.targets.defined()) {
+    KILN_CHECK(opt.temperature > 0, "forward: temperature must be positive (got ", opt.temperature, ")");
     KILN_CHECK(opt.targets.dim() == 1 && opt.targets.size(0) == T, "forward: targets must be [", T,
                "] (got ", opt.targets.sizes(), ")");
     at::Tensor targets = opt.targets.to(device(), at::kLong);
@@ -375,6 +376,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
       const int64_t n = std::min(chunk, T - a);
       // Only the chosen logit and the logsumexp are kept: no [T, V] log-softmax is built.
       at::Tensor logits = out.logits.defined() ? out.logits.narrow(0, a, n) : this->logits(xn.narrow(0, a, n));
+      if (opt.temperature != 1.0) logits = logits / opt.temperature;
       at::Tensor picked = logits.gather(1, safe.narrow(0, a, n).unsqueeze(1)).squeeze(1);
       lps.push_back(picked - at::logsumexp(logits, {-1}));
     }

@@ -67,6 +67,7 @@ struct ForwardOptions {
   at::Tensor targets;           // [T] int64: when defined, return log p(targets[t] | tokens[<=t]);
                                 // entries equal to ignore_index give 0
   int64_t ignore_index = -100;
+  double temperature = 1.0;     // log-probs of targets under softmax(logits / temperature)
   at::Tensor replay_routing;    // [T, L, k] uint8: use these expert sets instead of own top-k
   int64_t logprob_chunk = 2048; // tokens per lm_head chunk when computing log-probs
   bool use_grouped_mm = true;   // torch's grouped GEMM for experts where available (CUDA, bf16)

@@ -1,0 +1,307 @@
+// The GRPO step: rollout, rewards and advantages, lp_old under routing replay, mismatch metrics,
+// policy-loss mini-steps with gradient accumulation and clipping, and weight sync to the engine.
+#include "trainer/grpo.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace kiln::trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// One sampled response, laid out for training.
+struct Trajectory {
+  std::vector<int64_t> tokens;      // prompt + response
+  int64_t prompt_len = 0;
+  std::vector<float> rollout_lp;    // per response token
+  at::Tensor routing;               // [tokens, L, k] uint8 from the rollout
+  double advantage = 0;
+};
+
+// A packed micro-batch of trajectories. Position t predicts token t+1; response positions carry
+// mask 1.
+struct Packed {
+  model::PackedBatch batch;
+  at::Tensor targets, mask, seq_ids, rollout_lp, advantages, routing;
+  int64_t num_seqs = 0;
+};
+
+Packed pack(const std::vector<Trajectory>& trajs, size_t begin, size_t end, at::Device device,
+            at::ScalarType dtype) {
+  Packed p;
+  std::vector<std::vector<int64_t>> seqs;
+  std::vector<int64_t> targets, seq_ids;
+  std::vector<double> mask, lp, adv;
+  std::vector<at::Tensor> routing;
+  for (size_t i = begin; i < end; ++i) {
+    const Trajectory& t = trajs[i];
+    seqs.push_back(t.tokens);
+    const int64_t n = int64_t(t.tokens.size());
+    for (int64_t j = 0; j < n; ++j) {
+      const bool response = j + 1 >= t.prompt_len && j + 1 < n;
+      targets.push_back(j + 1 < n ? t.tokens[j + 1] : -100);
+      mask.push_back(response ? 1.0 : 0.0);
+      lp.push_back(response ? t.rollout_lp[j + 1 - t.prompt_len] : 0.0);
+      adv.push_back(t.advantage);
+      seq_ids.push_back(int64_t(i - begin));
+    }
+    routing.push_back(t.routing);
+  }
+  p.batch = model::PackedBatch::from_sequences(seqs, device);
+  auto opts = at::TensorOptions().dtype(dtype).device(device);
+  p.targets = at::tensor(targets, at::kLong).to(device);
+  p.mask = at::tensor(mask, at::kDouble).to(opts);
+  p.seq_ids = at::tensor(seq_ids, at::kLong).to(device);
+  p.rollout_lp = at::tensor(lp, at::kDouble).to(opts);
+  p.advantages = at::tensor(adv, at::kDouble).to(opts);
+  p.routing = at::cat(routing, 0);
+  p.num_seqs = int64_t(end - begin);
+  return p;
+}
+
+}  // namespace
+
+void GrpoConfig::validate() const {
+  KILN_CHECK(prompts_per_step > 0, "grpo: prompts_per_step must be positive (got ", prompts_per_step, ")");
+  KILN_CHECK(samples_per_prompt >= 2, "grpo: samples_per_prompt must be at least 2 for group advantages (got ",
+             samples_per_prompt, ")");
+  KILN_CHECK(max_tokens > 0, "grpo: max_tokens must be positive (got ", max_tokens, ")");
+  KILN_CHECK(temperature > 0, "grpo: temperature must be positive for RL sampling (got ", temperature, ")");
+  KILN_CHECK(lr > 0, "grpo: lr must be positive (got ", lr, ")");
+  KILN_CHECK(mini_steps >= 1 && mini_steps <= prompts_per_step * samples_per_prompt, "grpo: mini_steps must be in [1, ",
+             prompts_per_step * samples_per_prompt, "] (got ", mini_steps, ")");
+  KILN_CHECK(micro_batch_seqs >= 1, "grpo: micro_batch_seqs must be positive (got ", micro_batch_seqs, ")");
+  reward.validate();
+  engine.validate();
+}
+
+std::string StepMetrics::to_json() const {
+  nlohmann::ordered_json j;
+  j["step"] = step;
+  j["reward"] = reward;
+  j["accuracy"] = accuracy;
+  j["loss"] = loss;
+  j["clip_fraction"] = clip_fraction;
+  j["grad_norm"] = grad_norm;
+  j["kl"] = kl;
+  j["response_length"] = response_length;
+  auto put = [](const MismatchMetrics& m) {
+    return nlohmann::ordered_json{{"mean_abs_seq", m.mean_abs_seq}, {"mean_abs_token", m.mean_abs_token},
+                                  {"max_abs", m.max_abs}, {"k3_kl", m.k3_kl}, {"frac_outside", m.frac_outside}};
+  };
+  j["mismatch"] = put(mismatch);
+  if (has_no_replay) {
+    j["mismatch_no_replay"] = put(mismatch_no_replay);
+    j["routing_disagreement"] = routing_disagreement;
+  }
+  j["rollout_seconds"] = rollout_seconds;
+  j["train_seconds"] = train_seconds;
+  j["tokens"] = tokens;
+  return j.dump();
+}
+
+struct GrpoTrainer::Impl {
+  model::Muse& policy;
+  GrpoConfig cfg;
+  CharTokenizer tok;
+  Dataset data;
+  DataStream stream;
+  rollout::Engine engine;
+  std::unique_ptr<torch::optim::AdamW> opt;
+  int64_t steps = 0;
+
+  Impl(model::Muse& p, GrpoConfig c, CharTokenizer t, Dataset d)
+      : policy(p), cfg(std::move(c)), tok(std::move(t)), data(std::move(d)), stream(data.train, cfg.seed),
+        engine(p, cfg.engine) {
+    cfg.validate();
+    KILN_CHECK(tok.vocab_size() <= policy.config().vocab_size, "grpo: tokenizer vocabulary (", tok.vocab_size(),
+               ") exceeds the model's vocab_size (", policy.config().vocab_size, ")");
+    policy.set_requires_grad(true);
+    std::vector<at::Tensor> params;
+    for (auto& [name, t] : policy.named_parameters()) params.push_back(t);
+    opt = std::make_unique<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  }
+
+  // Log-probs (and own routing) of every target under the current policy, micro-batched.
+  struct Scored {
+    at::Tensor logprobs;  // [T]
+    at::Tensor routing;   // [T, L, k]
+  };
+  Scored score(const std::vector<Trajectory>& trajs, bool replay) {
+    at::NoGradGuard g;
+    std::vector<at::Tensor> lps, routes;
+    for (size_t b = 0; b < trajs.size(); b += size_t(cfg.micro_batch_seqs)) {
+      const size_t e = std::min(trajs.size(), b + size_t(cfg.micro_batch_seqs));
+      Packed p = pack(trajs, b, e, policy.device(), at::kDouble);
+      model::ForwardOptions o;
+      o.targets = p.targets;
+      o.temperature = cfg.temperature;
+      if (replay) o.replay_routing = p.routing;
+      auto out = policy.forward(p.batch, o);
+      lps.push_back(out.logprobs.to(at::kDouble));
+      routes.push_back(out.routing.cpu());
+    }
+    return {at::cat(lps, 0), at::cat(routes, 0)};
+  }
+
+  StepMetrics step() {
+    StepMetrics m;
+    m.step = ++steps;
+    // 1-2. Prompts and rollouts.
+    auto t0 = Clock::now();
+    std::vector<Problem> problems = stream.next(cfg.prompts_per_step);
+    std::vector<rollout::Request> reqs;
+    for (size_t i = 0; i < problems.size(); ++i) {
+      rollout::Request r;
+      r.prompt = tok.encode(problems[i].prompt);
+      r.params.n = cfg.samples_per_prompt;
+      r.params.max_tokens = cfg.max_tokens;
+      r.params.stop_token_ids = {tok.eos_id()};
+      r.params.temperature = cfg.temperature;
+      r.params.top_p = cfg.top_p;
+      r.params.top_k = cfg.top_k;
+      r.params.seed = cfg.seed * 1000003ull + uint64_t(steps) * 1009ull + uint64_t(i);
+      reqs.push_back(std::move(r));
+    }
+    auto outs = engine.generate(reqs);
+    m.rollout_seconds = seconds_since(t0);
+    // 3. Rewards and group advantages.
+    auto t1 = Clock::now();
+    std::vector<Trajectory> trajs;
+    std::vector<double> rewards;
+    double correct = 0, length = 0;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      for (const auto& s : outs[i].samples) {
+        Trajectory t;
+        t.tokens = reqs[i].prompt;
+        t.prompt_len = int64_t(t.tokens.size());
+        t.tokens.insert(t.tokens.end(), s.tokens.begin(), s.tokens.end());
+        t.rollout_lp = s.logprobs;
+        t.routing = s.routing;
+        const std::string text = tok.decode(s.tokens);
+        rewards.push_back(reward(text, problems[i].answer, cfg.reward));
+        correct += exact_match_reward(text, problems[i].answer);
+        length += double(s.tokens.size());
+        trajs.push_back(std::move(t));
+      }
+    }
+    const double n = double(trajs.size());
+    at::Tensor adv = group_advantages(at::tensor(rewards, at::kDouble), cfg.samples_per_prompt, cfg.std_normalize);
+    for (size_t i = 0; i < trajs.size(); ++i) trajs[i].advantage = adv[int64_t(i)].item<double>();
+    m.reward = std::accumulate(rewards.begin(), rewards.end(), 0.0) / n;
+    m.accuracy = correct / n;
+    m.response_length = length / n;
+    // 4. lp_old under replay and the mismatch metrics.
+    Scored old = score(trajs, cfg.routing_replay);
+    Packed whole = pack(trajs, 0, trajs.size(), at::kCPU, at::kDouble);
+    m.tokens = whole.batch.num_tokens();
+    m.mismatch = mismatch_metrics(old.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, whole.num_seqs);
+    if (cfg.mismatch_ab) {
+      Scored other = score(trajs, !cfg.routing_replay);
+      const Scored& no_replay = cfg.routing_replay ? other : old;
+      m.has_no_replay = true;
+      m.mismatch_no_replay =
+          mismatch_metrics(no_replay.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, whole.num_seqs);
+      m.routing_disagreement = routing_disagreement(no_replay.routing, whole.routing, at::ones({whole.batch.num_tokens()}));
+    }
+    // 5. Optimizer mini-steps: each over a disjoint slice of the trajectories, micro-batched.
+    const double total_tokens = whole.mask.sum().item<double>();
+    const int64_t per_mini = (int64_t(trajs.size()) + cfg.mini_steps - 1) / cfg.mini_steps;
+    double loss_sum = 0, clip_sum = 0, kl_sum = 0, norm_sum = 0;
+    std::vector<int64_t> token_offsets = {0};
+    for (const auto& t : trajs) token_offsets.push_back(token_offsets.back() + int64_t(t.tokens.size()));
+    for (int64_t ms = 0; ms < cfg.mini_steps; ++ms) {
+      const size_t mb = size_t(ms * per_mini), me = std::min(trajs.size(), size_t((ms + 1) * per_mini));
+      if (mb >= me) break;
+      Packed slice = pack(trajs, mb, me, at::kCPU, at::kDouble);
+      const double slice_tokens = std::max(slice.mask.sum().item<double>(), 1.0);
+      opt->zero_grad();
+      for (size_t b = mb; b < me; b += size_t(cfg.micro_batch_seqs)) {
+        const size_t e = std::min(me, b + size_t(cfg.micro_batch_seqs));
+        Packed p = pack(trajs, b, e, policy.device(), policy.dtype());
+        model::ForwardOptions o;
+        o.targets = p.targets;
+        o.temperature = cfg.temperature;
+        if (cfg.routing_replay) o.replay_routing = p.routing;
+        auto out = policy.forward(p.batch, o);
+        PolicyLossInputs in;
+        in.logprobs = out.logprobs;
+        in.old_logprobs = old.logprobs.narrow(0, token_offsets[b], token_offsets[e] - token_offsets[b])
+                              .to(policy.device(), out.logprobs.scalar_type());
+        in.advantages = p.advantages;
+        in.mask = p.mask;
+        in.seq_ids = p.seq_ids;
+        in.num_seqs = p.num_seqs;
+        in.rollout_logprobs = p.rollout_lp;
+        in.total_tokens = slice_tokens;
+        in.total_seqs = double(me - mb);
+        auto lo = policy_loss(in, cfg.loss);
+        lo.loss.backward();
+        loss_sum += lo.loss.item<double>();
+        clip_sum += lo.clip_fraction * p.mask.sum().item<double>();
+        kl_sum += lo.kl * p.mask.sum().item<double>();
+      }
+      std::vector<at::Tensor> params;
+      for (auto& [name, t] : policy.named_parameters()) params.push_back(t);
+      double norm = 0;
+      for (const auto& t : params)
+        if (t.grad().defined()) norm += t.grad().to(at::kDouble).pow(2).sum().item<double>();
+      norm = std::sqrt(norm);
+      norm_sum += norm;
+      if (cfg.grad_clip > 0 && norm > cfg.grad_clip) {
+        at::NoGradGuard g;
+        for (auto& t : params)
+          if (t.grad().defined()) t.mutable_grad().mul_(cfg.grad_clip / (norm + 1e-6));
+      }
+      opt->step();
+    }
+    m.loss = loss_sum / double(cfg.mini_steps);
+    m.clip_fraction = clip_sum / std::max(total_tokens, 1.0);
+    m.kl = kl_sum / std::max(total_tokens, 1.0);
+    m.grad_norm = norm_sum / double(cfg.mini_steps);
+    // 6. Weight sync to the rollout engine.
+    engine.update_weights(policy.named_parameters());
+    m.train_seconds = seconds_since(t1);
+    return m;
+  }
+
+  double evaluate(int64_t limit) {
+    const int64_t count = std::min<int64_t>(limit, int64_t(data.test.size()));
+    if (count == 0) return 0.0;
+    std::vector<rollout::Request> reqs;
+    for (int64_t i = 0; i < count; ++i) {
+      rollout::Request r;
+      r.prompt = tok.encode(data.test[i].prompt);
+      r.params.n = 1;
+      r.params.max_tokens = cfg.max_tokens;
+      r.params.stop_token_ids = {tok.eos_id()};
+      r.params.temperature = 0;
+      reqs.push_back(std::move(r));
+    }
+    auto outs = engine.generate(reqs);
+    double correct = 0;
+    for (int64_t i = 0; i < count; ++i)
+      correct += exact_match_reward(tok.decode(outs[i].samples[0].tokens), data.test[i].answer);
+    return correct / double(count);
+  }
+};
+
+GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data)
+    : impl_(std::make_unique<Impl>(policy, std::move(config), std::move(tokenizer), std::move(data))) {}
+GrpoTrainer::~GrpoTrainer() = default;
+StepMetrics GrpoTrainer::step() { return impl_->step(); }
+double GrpoTrainer::evaluate(int64_t limit) { return impl_->evaluate(limit); }
+int64_t GrpoTrainer::steps_done() const { return impl_->steps; }
+const DataStream& GrpoTrainer::stream() const { return impl_->stream; }
+
+}  // namespace kiln::trainer

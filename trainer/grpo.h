@@ -1,0 +1,69 @@
+// The GRPO loop (issue 4): draw prompts, sample n responses with the rollout engine, reward them,
+// score them with the trainer's forward under routing replay (lp_old, mismatch metrics), take
+// optimizer steps on the policy loss, and send the new weights back to the engine.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/muse.h"
+#include "rollout/engine.h"
+#include "trainer/losses.h"
+#include "trainer/tasks.h"
+
+namespace kiln::trainer {
+
+struct GrpoConfig {
+  int64_t prompts_per_step = 16;
+  int64_t samples_per_prompt = 8;   // n, the GRPO group size
+  int64_t max_tokens = 8;           // per response, the end-of-answer token included
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;
+  bool std_normalize = true;        // GRPO (true) or Dr. GRPO (false) advantages
+  PolicyLossConfig loss;
+  RewardConfig reward;
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  double grad_clip = 1.0;           // max global grad norm; 0 = off
+  int64_t mini_steps = 1;           // optimizer steps per GRPO step, over disjoint slices of the batch
+  int64_t micro_batch_seqs = 64;    // sequences per forward/backward (gradient accumulation)
+  bool routing_replay = true;       // R3: the trainer's forward uses the rollout's expert sets
+  bool mismatch_ab = false;         // also measure the mismatch with replay off (one extra forward)
+  uint64_t seed = 0;
+  rollout::EngineConfig engine;
+  void validate() const;
+};
+
+struct StepMetrics {
+  int64_t step = 0;
+  double reward = 0, accuracy = 0;        // mean reward; fraction of samples with the right answer
+  double loss = 0, clip_fraction = 0, grad_norm = 0, kl = 0;
+  double response_length = 0;             // mean generated tokens
+  MismatchMetrics mismatch;               // with routing replay as configured
+  bool has_no_replay = false;
+  MismatchMetrics mismatch_no_replay;     // with replay off (mismatch_ab)
+  double routing_disagreement = 0;        // own vs replayed expert sets (mismatch_ab)
+  double rollout_seconds = 0, train_seconds = 0;
+  int64_t tokens = 0;                     // prompt + response tokens trained on
+  std::string to_json() const;
+};
+
+class GrpoTrainer {
+ public:
+  // `policy` is trained in place (fp32 or fp64 on the CPU, or bf16/fp32 on GPU).
+  GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data);
+  ~GrpoTrainer();
+  StepMetrics step();
+  // Greedy accuracy on up to `limit` held-out problems.
+  double evaluate(int64_t limit);
+  int64_t steps_done() const;
+  const DataStream& stream() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kiln::trainer
