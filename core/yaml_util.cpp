@@ -14,10 +14,11 @@ YAML::Node load_file(const std::string& path) {
 }
 
 MapReader::MapReader(YAML::Node node, std::string file, std::string path)
-    : node_(std::move(node)), file_(std::move(file)), path_(std::move(path)),
-      locations_(std::make_shared<Locations>()) {
-  KILN_CHECK(node_.IsMap() || !node_.IsDefined() || node_.IsNull(), where(),
-             ": expected a mapping of keys to values");
+    // An absent or empty section reads as an empty mapping: every key keeps its default. (A
+    // missing key's node cannot be assigned to, so the choice is made while constructing.)
+    : node_(node.IsDefined() && !node.IsNull() ? node : YAML::Node(YAML::NodeType::Map)),
+      file_(std::move(file)), path_(std::move(path)), locations_(std::make_shared<Locations>()) {
+  KILN_CHECK(node_.IsMap(), "config: ", where(), ": expected a mapping of keys to values");
 }
 
 void MapReader::mark(const std::string& key) {

@@ -38,6 +38,7 @@ int main(int argc, char** argv) {
       {"init", kiln::tools::add_init(app)},
       {"forward", kiln::tools::add_forward(app)},
       {"bench", kiln::tools::add_bench(app)},
+      {"train", kiln::tools::add_train(app)},
       {"generate", kiln::tools::add_generate(app)},
   };
   try {

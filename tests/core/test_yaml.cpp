@@ -64,6 +64,25 @@ TEST(Yaml, WrongTypeNamesKeyAndLine) {
   EXPECT_NE(msg.find("expected an integer"), std::string::npos) << msg;
 }
 
+TEST(Yaml, AbsentOrEmptySectionsReadAsEmptyMaps) {
+  test::TempDir dir;
+  std::string path = write(dir, "a:\nb: 1\n");
+  yaml::MapReader r(yaml::load_file(path), path, "");
+  int64_t x = 7, b = 0;
+  auto empty = r.child("a"), absent = r.child("zzz");
+  empty.get("x", x);
+  absent.get("x", x);
+  empty.finish();
+  absent.finish();
+  r.get("b", b);
+  r.finish();
+  EXPECT_EQ(x, 7);
+  EXPECT_EQ(b, 1);
+  std::string list = write(dir, "a: [1, 2]\n");
+  yaml::MapReader l(yaml::load_file(list), list, "");
+  EXPECT_NE(error_of([&] { l.child("a"); }).find("expected a mapping"), std::string::npos);
+}
+
 TEST(Yaml, MissingRequiredKeyAndSyntaxError) {
   test::TempDir dir;
   std::string path = write(dir, "x: 1\n");

@@ -80,4 +80,48 @@ check_fails "generate bad n type" "bad_n.jsonl:1: \"n\" must be an integer" \
 check_fails "generate bad out suffix" "--out must end" \
   "$kiln" generate --model "$tmp/ckpt" --prompt "ids:1" --out "$tmp/s.txt"
 
+
+# kiln train: a 2-step GRPO run of a micro model, and a recipe error with file and line.
+cat > "$tmp/micro128.yaml" <<'YAML'
+name: micro128
+vocab_size: 128
+hidden_size: 16
+latent_size: 8
+num_layers: 2
+num_experts: 4
+top_k: 2
+expert_ffn_size: 8
+num_q_heads: 2
+num_kv_heads: 1
+head_dim: 8
+sliding_window: 4
+dtype: float32
+YAML
+cat > "$tmp/recipe.yaml" <<YAML
+model:
+  config: $tmp/micro128.yaml
+data:
+  task: arithmetic
+  num_problems: 40
+grpo:
+  prompts_per_step: 2
+  samples_per_prompt: 3
+  max_tokens: 3
+  mismatch_ab: true
+rollout:
+  kv_cache_mb: 4
+run:
+  steps: 5
+  eval_every: 1
+  eval_problems: 4
+YAML
+check "train runs" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/run"
+[ "$(grep -c '"reward"' "$tmp/run/metrics.jsonl" 2>/dev/null)" = 2 ] || { echo "FAIL: metrics.jsonl lacks 2 step lines"; fails=$((fails+1)); }
+grep -q '"mismatch_no_replay"' "$tmp/run/metrics.jsonl" || { echo "FAIL: no A/B mismatch in metrics"; fails=$((fails+1)); }
+[ "$(grep -c eval_accuracy "$tmp/run/metrics.jsonl")" = 3 ] || { echo "FAIL: expected 3 eval lines"; fails=$((fails+1)); }
+grep -q "steps: 2" "$tmp/run/recipe.yaml" || { echo "FAIL: resolved recipe lacks steps: 2"; fails=$((fails+1)); }
+[ -f "$tmp/run/final/config.json" ] || { echo "FAIL: no final checkpoint"; fails=$((fails+1)); }
+sed -i 's/  max_tokens: 3/  max_tokens: 3\n  max_tokenz: 3/' "$tmp/recipe.yaml"
+check_fails "recipe unknown key" "recipe.yaml:10: grpo.max_tokenz: unknown key" "$kiln" train "$tmp/recipe.yaml"
+
 if [ $fails -eq 0 ]; then echo "cli: all checks passed"; else echo "cli: $fails checks failed"; exit 1; fi

@@ -1,0 +1,173 @@
+// Recipe parsing with strict keys (core/yaml_util.h) and its resolved YAML form.
+#include "trainer/recipe.h"
+
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/yaml_util.h"
+
+namespace kiln::trainer {
+namespace {
+
+// A path in a recipe is taken relative to the current directory when it exists there, else
+// relative to the recipe's folder.
+std::string resolve(const std::string& path, const std::string& recipe) {
+  if (path.empty() || std::filesystem::exists(path)) return path;
+  auto beside = std::filesystem::path(recipe).parent_path() / path;
+  return std::filesystem::exists(beside) ? beside.string() : path;
+}
+
+}  // namespace
+
+Recipe Recipe::from_yaml_file(const std::string& path) {
+  Recipe r;
+  yaml::MapReader top(yaml::load_file(path), path, "");
+  {
+    auto m = top.child("model");
+    m.get("config", r.model_config);
+    m.get("init_from", r.init_from);
+    m.get("seed", r.model_seed);
+    m.get("dtype", r.dtype);
+    m.get("device", r.device);
+    m.finish();
+    if (r.model_config.empty() == r.init_from.empty())
+      m.fail("config", "give exactly one of model.config (random init) and model.init_from (a checkpoint)");
+  }
+  {
+    auto d = top.child("data");
+    d.get("task", r.task);
+    d.get("path", r.data_path);
+    d.get("difficulty", r.difficulty);
+    d.get("num_problems", r.num_problems);
+    d.get("test_fraction", r.test_fraction);
+    d.finish();
+    if (r.task != "arithmetic" && r.task != "jsonl") d.fail("task", "must be arithmetic or jsonl (got " + r.task + ")");
+    if (r.task == "jsonl" && r.data_path.empty()) d.fail("path", "task jsonl needs data.path");
+    if (!(r.test_fraction >= 0 && r.test_fraction < 1)) d.fail("test_fraction", "must be in [0, 1)");
+  }
+  GrpoConfig& g = r.grpo;
+  {
+    auto s = top.child("grpo");
+    s.get("prompts_per_step", g.prompts_per_step);
+    s.get("samples_per_prompt", g.samples_per_prompt);
+    s.get("max_tokens", g.max_tokens);
+    s.get("temperature", g.temperature);
+    s.get("top_p", g.top_p);
+    s.get("top_k", g.top_k);
+    s.get("std_normalize", g.std_normalize);
+    s.get("routing_replay", g.routing_replay);
+    s.get("mismatch_ab", g.mismatch_ab);
+    s.finish();
+  }
+  {
+    auto l = top.child("loss");
+    std::string agg = "token-mean";
+    l.get("eps_low", g.loss.eps_low);
+    l.get("eps_high", g.loss.eps_high);
+    l.get("aggregation", agg);
+    l.get("kl_coef", g.loss.kl_coef);
+    l.get("tis", g.loss.tis);
+    l.get("tis_cap", g.loss.tis_cap);
+    l.get("gspo", g.loss.gspo);
+    l.finish();
+    try {
+      g.loss.aggregation = parse_aggregation(agg);
+    } catch (const Error& e) {
+      l.fail("aggregation", e.what());
+    }
+    if (g.loss.kl_coef != 0) l.fail("kl_coef", "the KL term needs a reference policy, which arrives with LoRA; use 0");
+  }
+  {
+    auto o = top.child("optim");
+    o.get("lr", g.lr);
+    o.get("weight_decay", g.weight_decay);
+    o.get("grad_clip", g.grad_clip);
+    o.get("mini_steps", g.mini_steps);
+    o.get("micro_batch_seqs", g.micro_batch_seqs);
+    o.finish();
+  }
+  {
+    auto ro = top.child("rollout");
+    double mb = double(g.engine.kv_cache_bytes) / double(1 << 20);
+    ro.get("kv_cache_mb", mb);
+    g.engine.kv_cache_bytes = int64_t(mb * double(1 << 20));
+    ro.get("block_size", g.engine.block_size);
+    ro.get("max_num_seqs", g.engine.max_num_seqs);
+    ro.get("max_batch_tokens", g.engine.max_batch_tokens);
+    ro.get("prefill_chunk", g.engine.prefill_chunk);
+    ro.finish();
+  }
+  {
+    auto w = top.child("reward");
+    w.get("correct", g.reward.correct);
+    w.get("format", g.reward.format);
+    w.finish();
+  }
+  {
+    auto run = top.child("run");
+    run.get("steps", r.steps);
+    run.get("eval_every", r.eval_every);
+    run.get("eval_problems", r.eval_problems);
+    run.get("seed", g.seed);
+    run.get("out", r.out);
+    run.finish();
+    if (r.steps < 0) run.fail("steps", "must be >= 0");
+  }
+  top.finish();
+  try {
+    g.validate();
+  } catch (const Error& e) {
+    KILN_FAIL("recipe ", path, ": ", e.what());
+  }
+  r.model_config = resolve(r.model_config, path);
+  r.init_from = resolve(r.init_from, path);
+  r.data_path = resolve(r.data_path, path);
+  return r;
+}
+
+std::string Recipe::to_yaml() const {
+  YAML::Emitter e;
+  const GrpoConfig& g = grpo;
+  e << YAML::BeginMap;
+  e << YAML::Key << "model" << YAML::Value << YAML::BeginMap;
+  if (!model_config.empty()) e << YAML::Key << "config" << YAML::Value << model_config;
+  if (!init_from.empty()) e << YAML::Key << "init_from" << YAML::Value << init_from;
+  e << YAML::Key << "seed" << YAML::Value << model_seed << YAML::Key << "dtype" << YAML::Value << dtype
+    << YAML::Key << "device" << YAML::Value << device << YAML::EndMap;
+  e << YAML::Key << "data" << YAML::Value << YAML::BeginMap << YAML::Key << "task" << YAML::Value << task;
+  if (!data_path.empty()) e << YAML::Key << "path" << YAML::Value << data_path;
+  e << YAML::Key << "difficulty" << YAML::Value << difficulty << YAML::Key << "num_problems" << YAML::Value
+    << num_problems << YAML::Key << "test_fraction" << YAML::Value << test_fraction << YAML::EndMap;
+  e << YAML::Key << "grpo" << YAML::Value << YAML::BeginMap << YAML::Key << "prompts_per_step" << YAML::Value
+    << g.prompts_per_step << YAML::Key << "samples_per_prompt" << YAML::Value << g.samples_per_prompt
+    << YAML::Key << "max_tokens" << YAML::Value << g.max_tokens << YAML::Key << "temperature" << YAML::Value
+    << g.temperature << YAML::Key << "top_p" << YAML::Value << g.top_p << YAML::Key << "top_k" << YAML::Value
+    << g.top_k << YAML::Key << "std_normalize" << YAML::Value << g.std_normalize << YAML::Key << "routing_replay"
+    << YAML::Value << g.routing_replay << YAML::Key << "mismatch_ab" << YAML::Value << g.mismatch_ab << YAML::EndMap;
+  e << YAML::Key << "loss" << YAML::Value << YAML::BeginMap << YAML::Key << "eps_low" << YAML::Value
+    << g.loss.eps_low << YAML::Key << "eps_high" << YAML::Value << g.loss.eps_high << YAML::Key << "aggregation"
+    << YAML::Value
+    << (g.loss.aggregation == Aggregation::kTokenMean ? "token-mean" : "seq-mean-token-mean") << YAML::Key
+    << "kl_coef" << YAML::Value << g.loss.kl_coef << YAML::Key << "tis" << YAML::Value << g.loss.tis << YAML::Key
+    << "tis_cap" << YAML::Value << g.loss.tis_cap << YAML::Key << "gspo" << YAML::Value << g.loss.gspo
+    << YAML::EndMap;
+  e << YAML::Key << "optim" << YAML::Value << YAML::BeginMap << YAML::Key << "lr" << YAML::Value << g.lr
+    << YAML::Key << "weight_decay" << YAML::Value << g.weight_decay << YAML::Key << "grad_clip" << YAML::Value
+    << g.grad_clip << YAML::Key << "mini_steps" << YAML::Value << g.mini_steps << YAML::Key << "micro_batch_seqs"
+    << YAML::Value << g.micro_batch_seqs << YAML::EndMap;
+  e << YAML::Key << "rollout" << YAML::Value << YAML::BeginMap << YAML::Key << "kv_cache_mb" << YAML::Value
+    << double(g.engine.kv_cache_bytes) / double(1 << 20) << YAML::Key << "block_size" << YAML::Value
+    << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key
+    << "max_batch_tokens" << YAML::Value << g.engine.max_batch_tokens << YAML::Key << "prefill_chunk"
+    << YAML::Value << g.engine.prefill_chunk << YAML::EndMap;
+  e << YAML::Key << "reward" << YAML::Value << YAML::BeginMap << YAML::Key << "correct" << YAML::Value
+    << g.reward.correct << YAML::Key << "format" << YAML::Value << g.reward.format << YAML::EndMap;
+  e << YAML::Key << "run" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << steps
+    << YAML::Key << "eval_every" << YAML::Value << eval_every << YAML::Key << "eval_problems" << YAML::Value
+    << eval_problems << YAML::Key << "seed" << YAML::Value << g.seed << YAML::Key << "out" << YAML::Value << out
+    << YAML::EndMap;
+  e << YAML::EndMap;
+  return std::string(e.c_str()) + "\n";
+}
+
+}  // namespace kiln::trainer
