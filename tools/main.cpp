@@ -39,6 +39,7 @@ int main(int argc, char** argv) {
       {"forward", kiln::tools::add_forward(app)},
       {"bench", kiln::tools::add_bench(app)},
       {"train", kiln::tools::add_train(app)},
+      {"sft", kiln::tools::add_sft(app)},
       {"generate", kiln::tools::add_generate(app)},
   };
   try {

@@ -104,6 +104,20 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     w.finish();
   }
   {
+    auto s = top.child("sft");
+    s.get("steps", r.sft.steps);
+    s.get("batch_size", r.sft.batch_size);
+    s.get("lr", r.sft.lr);
+    s.get("weight_decay", r.sft.weight_decay);
+    s.get("grad_clip", r.sft.grad_clip);
+    s.finish();
+    try {
+      r.sft.validate();
+    } catch (const Error& e) {
+      s.fail("", e.what());
+    }
+  }
+  {
     auto run = top.child("run");
     run.get("steps", r.steps);
     run.get("eval_every", r.eval_every);
@@ -114,6 +128,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     if (r.steps < 0) run.fail("steps", "must be >= 0");
   }
   top.finish();
+  r.sft.seed = g.seed;
   try {
     g.validate();
   } catch (const Error& e) {
@@ -162,6 +177,10 @@ std::string Recipe::to_yaml() const {
     << YAML::Value << g.engine.prefill_chunk << YAML::EndMap;
   e << YAML::Key << "reward" << YAML::Value << YAML::BeginMap << YAML::Key << "correct" << YAML::Value
     << g.reward.correct << YAML::Key << "format" << YAML::Value << g.reward.format << YAML::EndMap;
+  e << YAML::Key << "sft" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << sft.steps
+    << YAML::Key << "batch_size" << YAML::Value << sft.batch_size << YAML::Key << "lr" << YAML::Value << sft.lr
+    << YAML::Key << "weight_decay" << YAML::Value << sft.weight_decay << YAML::Key << "grad_clip" << YAML::Value
+    << sft.grad_clip << YAML::EndMap;
   e << YAML::Key << "run" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << steps
     << YAML::Key << "eval_every" << YAML::Value << eval_every << YAML::Key << "eval_problems" << YAML::Value
     << eval_problems << YAML::Key << "seed" << YAML::Value << g.seed << YAML::Key << "out" << YAML::Value << out

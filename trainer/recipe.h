@@ -5,6 +5,7 @@
 #include <string>
 
 #include "trainer/grpo.h"
+#include "trainer/sft.h"
 
 namespace kiln::trainer {
 
@@ -27,6 +28,7 @@ struct Recipe {
   int64_t eval_problems = 100;
   std::string out = "runs/grpo";
   GrpoConfig grpo;
+  SftConfig sft;                   // the warm start run by `kiln sft`
 
   static Recipe from_yaml_file(const std::string& path);
   std::string to_yaml() const;     // the resolved recipe, written next to every run

@@ -121,6 +121,9 @@ grep -q '"mismatch_no_replay"' "$tmp/run/metrics.jsonl" || { echo "FAIL: no A/B 
 [ "$(grep -c eval_accuracy "$tmp/run/metrics.jsonl")" = 3 ] || { echo "FAIL: expected 3 eval lines"; fails=$((fails+1)); }
 grep -q "steps: 2" "$tmp/run/recipe.yaml" || { echo "FAIL: resolved recipe lacks steps: 2"; fails=$((fails+1)); }
 [ -f "$tmp/run/final/config.json" ] || { echo "FAIL: no final checkpoint"; fails=$((fails+1)); }
+check "sft runs and writes weights" "sft: done" "$kiln" sft "$tmp/recipe.yaml" --steps 3 --out "$tmp/run"
+[ "$(wc -l < "$tmp/run/sft-metrics.jsonl")" = 3 ] || { echo "FAIL: sft-metrics.jsonl lacks 3 lines"; fails=$((fails+1)); }
+check "train from the sft weights" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 1 --out "$tmp/run2" --init-from "$tmp/run/sft"
 sed -i 's/  max_tokens: 3/  max_tokens: 3\n  max_tokenz: 3/' "$tmp/recipe.yaml"
 check_fails "recipe unknown key" "recipe.yaml:10: grpo.max_tokenz: unknown key" "$kiln" train "$tmp/recipe.yaml"
 

@@ -1,0 +1,39 @@
+// The supervised warm start: next-token cross-entropy on the answer (and end-of-answer) tokens of
+// (prompt, answer) pairs, so a small model starts GRPO with partial skill.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "model/muse.h"
+#include "trainer/tasks.h"
+
+namespace kiln::trainer {
+
+struct SftConfig {
+  int64_t steps = 200;
+  int64_t batch_size = 64;     // problems per step
+  double lr = 3e-3;
+  double weight_decay = 0.0;
+  double grad_clip = 1.0;
+  uint64_t seed = 0;
+  void validate() const;
+};
+
+struct SftMetrics {
+  int64_t step = 0;
+  double loss = 0;             // mean negative log-likelihood per answer token
+  double token_accuracy = 0;   // answer tokens whose argmax was right
+};
+
+class SftTrainer {
+ public:
+  SftTrainer(model::Muse& model, SftConfig config, CharTokenizer tokenizer, std::vector<Problem> train);
+  ~SftTrainer();
+  SftMetrics step();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kiln::trainer
