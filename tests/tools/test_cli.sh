@@ -82,21 +82,7 @@ check_fails "generate bad out suffix" "--out must end" \
 
 
 # kiln train: a 2-step GRPO run of a micro model, and a recipe error with file and line.
-cat > "$tmp/micro128.yaml" <<'YAML'
-name: micro128
-vocab_size: 128
-hidden_size: 16
-latent_size: 8
-num_layers: 2
-num_experts: 4
-top_k: 2
-expert_ffn_size: 8
-num_q_heads: 2
-num_kv_heads: 1
-head_dim: 8
-sliding_window: 4
-dtype: float32
-YAML
+sed 's/^vocab_size: 32/vocab_size: 128/; s/^name: micro/name: micro128/; /^bogus_key/d' "$tmp/micro.yaml" > "$tmp/micro128.yaml"
 cat > "$tmp/recipe.yaml" <<YAML
 model:
   config: $tmp/micro128.yaml

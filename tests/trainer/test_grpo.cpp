@@ -8,29 +8,10 @@
 
 #include "trainer/grpo.h"
 #include "tests/test_util.h"
+#include "tests/trainer/small_model.h"
 
 namespace kiln::trainer {
 namespace {
-
-model::ModelConfig small_config() {
-  model::ModelConfig c;
-  c.name = "grpo-test";
-  c.vocab_size = 128;
-  c.hidden_size = 32;
-  c.latent_size = 16;
-  c.num_layers = 2;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.expert_ffn_size = 32;
-  c.num_q_heads = 2;
-  c.num_kv_heads = 1;
-  c.head_dim = 16;
-  c.sliding_window = 8;
-  c.full_attention_period = 2;
-  c.init_std = 0.1;
-  c.dtype = "float32";
-  return c;
-}
 
 GrpoConfig small_grpo() {
   GrpoConfig g;
@@ -69,7 +50,7 @@ Dataset self_consistent_problems(const model::Muse& policy, int64_t count) {
 }
 
 TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
-  model::ModelConfig mc = small_config();
+  model::ModelConfig mc = test::byte_vocab_config();
   mc.init_std = 1.0;  // sharp enough that the greedy reply is sampled often, but not always
   model::Muse policy = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
   Dataset data = self_consistent_problems(policy, 200);
@@ -106,7 +87,7 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
 }
 
 TEST(Grpo, ReplayOffStillRunsAndConfigErrorsAreClear) {
-  model::Muse policy = model::Muse::init(small_config(), 4, at::kFloat, at::kCPU);
+  model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
   GrpoConfig cfg = small_grpo();
   cfg.routing_replay = false;
   GrpoTrainer trainer(policy, cfg, CharTokenizer(128), split(arithmetic_problems(32, 1, 6), 0.25, 1));

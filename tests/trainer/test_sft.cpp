@@ -5,24 +5,13 @@
 
 #include "trainer/sft.h"
 #include "tests/test_util.h"
+#include "tests/trainer/small_model.h"
 
 namespace kiln::trainer {
 namespace {
 
 TEST(Sft, LossFallsAndAnswersAreMemorised) {
-  model::ModelConfig c;
-  c.vocab_size = 128;
-  c.hidden_size = 32;
-  c.latent_size = 16;
-  c.num_layers = 2;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.expert_ffn_size = 32;
-  c.num_q_heads = 2;
-  c.num_kv_heads = 1;
-  c.head_dim = 16;
-  c.sliding_window = 8;
-  c.dtype = "float32";
+  model::ModelConfig c = test::byte_vocab_config();
   model::Muse m = model::Muse::init(c, 1, at::kFloat, at::kCPU);
   SftConfig cfg;
   cfg.batch_size = 8;
