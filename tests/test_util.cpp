@@ -2,10 +2,9 @@
 #include "tests/test_util.h"
 
 #include "core/error.h"
+#include "core/files.h"
 
 #include <ATen/ATen.h>
-
-#include <ftw.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -92,10 +91,10 @@ TempDir::TempDir() {
 }
 
 TempDir::~TempDir() {
-  // nftw, not std::filesystem::remove_all: torch 2.11's libtorch.so exports a remove_all that
-  // interposes libstdc++'s and crashes (seen on the H200 machine, 2026-11-29).
-  nftw(path_.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-       FTW_DEPTH | FTW_PHYS);
+  try {
+    remove_tree(path_);
+  } catch (const Error&) {
+  }
 }
 
 std::string source_path(const std::string& relative) {

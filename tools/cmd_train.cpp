@@ -93,7 +93,7 @@ Run add_sft(CLI::App& app) {
 Run add_train(CLI::App& app) {
   auto* cmd = app.add_subcommand("train", "Run a GRPO recipe");
   struct Args {
-    std::string recipe, out, init_from;
+    std::string recipe, out, init_from, resume;
     int64_t steps = -1;
   };
   auto a = std::make_shared<Args>();
@@ -101,10 +101,12 @@ Run add_train(CLI::App& app) {
   cmd->add_option("--out", a->out, "Run directory (overrides run.out)");
   cmd->add_option("--steps", a->steps, "GRPO steps (overrides run.steps)");
   cmd->add_option("--init-from", a->init_from, "Start from this checkpoint (overrides model.*), e.g. <out>/sft");
+  cmd->add_option("--resume", a->resume, "Continue the run in this directory from its <dir>/checkpoint");
   return [a] {
-    Setup s = prepare(a->recipe, a->out, a->init_from, "recipe.yaml", [&](trainer::Recipe& r) {
-      if (a->steps >= 0) r.steps = a->steps;
-    });
+    Setup s = prepare(a->recipe, a->resume.empty() ? a->out : a->resume, a->init_from, "recipe.yaml",
+                      [&](trainer::Recipe& r) {
+                        if (a->steps >= 0) r.steps = a->steps;
+                      });
     trainer::Recipe& r = s.recipe;
     model::Muse& policy = *s.policy;
     trainer::Dataset& data = s.data;
@@ -112,6 +114,11 @@ Run add_train(CLI::App& app) {
     fmt::print("train: {} steps of {} prompts x {} samples; {} train / {} test problems; run dir {}\n", r.steps,
                r.grpo.prompts_per_step, r.grpo.samples_per_prompt, data.train.size(), data.test.size(), r.out);
     trainer::GrpoTrainer trainer(policy, r.grpo, tok, data);
+    const std::string ckpt = r.out + "/checkpoint";
+    if (!a->resume.empty()) {
+      trainer.load(ckpt);
+      fmt::print("train: resumed from {} at step {}\n", ckpt, trainer.steps_done());
+    }
     std::ofstream log(r.out + "/metrics.jsonl", std::ios::app);
     KILN_CHECK(log.good(), "train: cannot write ", r.out, "/metrics.jsonl");
     auto evaluate = [&](int64_t step) {
@@ -119,19 +126,21 @@ Run add_train(CLI::App& app) {
       log << fmt::format("{{\"step\":{},\"eval_accuracy\":{}}}\n", step, acc) << std::flush;
       return acc;
     };
-    double eval_acc = evaluate(0);
-    fmt::print("step 0: held-out greedy accuracy {:.3f}\n", eval_acc);
+    const int64_t first = trainer.steps_done() + 1;
+    double eval_acc = first == 1 ? evaluate(0) : 0.0;
+    if (first == 1) fmt::print("step 0: held-out greedy accuracy {:.3f}\n", eval_acc);
     const auto start = std::chrono::steady_clock::now();
     int64_t tokens = 0;
-    for (int64_t s = 1; s <= r.steps; ++s) {
+    for (int64_t s = first; s <= r.steps; ++s) {
       trainer::StepMetrics m = trainer.step();
       tokens += m.tokens;
       log << m.to_json() << "\n" << std::flush;
       if ((r.eval_every > 0 && s % r.eval_every == 0) || s == r.steps) eval_acc = evaluate(s);
+      if ((r.checkpoint_every > 0 && s % r.checkpoint_every == 0) || s == r.steps) trainer.save(ckpt);
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       std::fprintf(stderr, "\rstep %lld/%lld  reward %.3f  acc %.3f  eval %.3f  mismatch %.2e  %.0f tok/s  ETA %.0f s   ",
                    (long long)s, (long long)r.steps, m.reward, m.accuracy, eval_acc, m.mismatch.mean_abs_token,
-                   double(tokens) / secs, secs / double(s) * double(r.steps - s));
+                   double(tokens) / secs, secs / double(s - first + 1) * double(r.steps - s));
       std::fflush(stderr);
     }
     std::fprintf(stderr, "\n");

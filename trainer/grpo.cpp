@@ -6,11 +6,16 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adamw.h>
+#include <torch/serialize.h>
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 
 #include "core/error.h"
+#include "core/files.h"
+#include "model/checkpoint.h"
 
 namespace kiln::trainer {
 namespace {
@@ -295,6 +300,56 @@ struct GrpoTrainer::Impl {
     return correct / double(count);
   }
 };
+
+void GrpoTrainer::save(const std::string& dir) const {
+  namespace fs = std::filesystem;
+  const std::string tmp = dir + ".tmp", old = dir + ".old";
+  remove_tree(tmp);
+  fs::create_directories(tmp);
+  model::save_checkpoint(impl_->policy, tmp + "/model");
+  torch::save(*impl_->opt, tmp + "/optimizer.pt");
+  {
+    std::ofstream f(tmp + "/state.json");
+    f << nlohmann::json{{"step", impl_->steps}, {"data_position", impl_->stream.position()}, {"seed", impl_->cfg.seed}}.dump(2)
+      << "\n";
+    KILN_CHECK(f.good(), "grpo: cannot write ", tmp, "/state.json");
+  }
+  // Swap in the new checkpoint; the old one is removed only once the new one is in place.
+  remove_tree(old);
+  if (fs::exists(dir)) fs::rename(dir, old);
+  fs::rename(tmp, dir);
+  remove_tree(old);
+}
+
+void GrpoTrainer::load(const std::string& dir) {
+  std::ifstream f(dir + "/state.json");
+  KILN_CHECK(f.good(), "grpo: no checkpoint state at ", dir, "/state.json; expected a directory written by save()");
+  nlohmann::json st;
+  try {
+    f >> st;
+  } catch (const nlohmann::json::exception& e) {
+    KILN_FAIL("grpo: ", dir, "/state.json: invalid JSON (", e.what(), ")");
+  }
+  KILN_CHECK(st.contains("step") && st.contains("data_position"), "grpo: ", dir,
+             "/state.json lacks step or data_position");
+  KILN_CHECK(st.value("seed", uint64_t(0)) == impl_->cfg.seed, "grpo: checkpoint ", dir, " was made with seed ",
+             st.value("seed", uint64_t(0)), " but the recipe says ", impl_->cfg.seed);
+  model::Muse saved = model::load_checkpoint(dir + "/model", impl_->policy.dtype(), impl_->policy.device());
+  {
+    at::NoGradGuard g;
+    auto mine = impl_->policy.named_parameters(), theirs = saved.named_parameters();
+    KILN_CHECK(mine.size() == theirs.size(), "grpo: checkpoint ", dir, " holds a different model");
+    for (size_t i = 0; i < mine.size(); ++i) {
+      KILN_CHECK(mine[i].second.sizes() == theirs[i].second.sizes(), "grpo: checkpoint ", dir, " tensor ",
+                 mine[i].first, " has shape ", theirs[i].second.sizes(), ", the model ", mine[i].second.sizes());
+      mine[i].second.copy_(theirs[i].second);
+    }
+  }
+  torch::load(*impl_->opt, dir + "/optimizer.pt");
+  impl_->steps = st["step"].get<int64_t>();
+  impl_->stream.seek(st["data_position"].get<uint64_t>());
+  impl_->engine.update_weights(impl_->policy.named_parameters());
+}
 
 GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data)
     : impl_(std::make_unique<Impl>(policy, std::move(config), std::move(tokenizer), std::move(data))) {}

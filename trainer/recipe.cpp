@@ -122,6 +122,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     run.get("steps", r.steps);
     run.get("eval_every", r.eval_every);
     run.get("eval_problems", r.eval_problems);
+    run.get("checkpoint_every", r.checkpoint_every);
     run.get("seed", g.seed);
     run.get("out", r.out);
     run.finish();
@@ -183,7 +184,7 @@ std::string Recipe::to_yaml() const {
     << sft.grad_clip << YAML::EndMap;
   e << YAML::Key << "run" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << steps
     << YAML::Key << "eval_every" << YAML::Value << eval_every << YAML::Key << "eval_problems" << YAML::Value
-    << eval_problems << YAML::Key << "seed" << YAML::Value << g.seed << YAML::Key << "out" << YAML::Value << out
+    << eval_problems << YAML::Key << "checkpoint_every" << YAML::Value << checkpoint_every << YAML::Key << "seed" << YAML::Value << g.seed << YAML::Key << "out" << YAML::Value << out
     << YAML::EndMap;
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";

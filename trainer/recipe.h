@@ -26,6 +26,7 @@ struct Recipe {
   int64_t steps = 20;
   int64_t eval_every = 10;         // 0 = only at the end
   int64_t eval_problems = 100;
+  int64_t checkpoint_every = 0;    // resumable checkpoint in <out>/checkpoint; 0 = only at the end
   std::string out = "runs/grpo";
   GrpoConfig grpo;
   SftConfig sft;                   // the warm start run by `kiln sft`

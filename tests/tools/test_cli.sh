@@ -107,6 +107,14 @@ grep -q '"mismatch_no_replay"' "$tmp/run/metrics.jsonl" || { echo "FAIL: no A/B 
 [ "$(grep -c eval_accuracy "$tmp/run/metrics.jsonl")" = 3 ] || { echo "FAIL: expected 3 eval lines"; fails=$((fails+1)); }
 grep -q "steps: 2" "$tmp/run/recipe.yaml" || { echo "FAIL: resolved recipe lacks steps: 2"; fails=$((fails+1)); }
 [ -f "$tmp/run/final/config.json" ] || { echo "FAIL: no final checkpoint"; fails=$((fails+1)); }
+# Resume: 2 steps, then continue to 4; the metrics of steps 3-4 equal an uninterrupted 4-step run's.
+strip_times() { grep '"reward"' "$1" | sed 's/"rollout_seconds":[^,]*,"train_seconds":[^,]*,//'; }
+check "train 4 steps" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 4 --out "$tmp/full"
+check "train 2 steps" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/part"
+check "resume to 4" "resumed from" "$kiln" train "$tmp/recipe.yaml" --steps 4 --resume "$tmp/part"
+if [ "$(strip_times "$tmp/full/metrics.jsonl")" != "$(strip_times "$tmp/part/metrics.jsonl")" ]; then
+  echo "FAIL: resumed metrics differ from the uninterrupted run"; fails=$((fails+1))
+fi
 check "sft runs and writes weights" "sft: done" "$kiln" sft "$tmp/recipe.yaml" --steps 3 --out "$tmp/run"
 [ "$(wc -l < "$tmp/run/sft-metrics.jsonl")" = 3 ] || { echo "FAIL: sft-metrics.jsonl lacks 3 lines"; fails=$((fails+1)); }
 check "train from the sft weights" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 1 --out "$tmp/run2" --init-from "$tmp/run/sft"

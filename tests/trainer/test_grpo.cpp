@@ -86,6 +86,46 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
   EXPECT_LE(acc, 1.0);
 }
 
+// Everything in a step's metrics but wall-clock times.
+std::string without_times(const StepMetrics& m) {
+  StepMetrics c = m;
+  c.rollout_seconds = c.train_seconds = 0;
+  return c.to_json();
+}
+
+TEST(Grpo, ResumeFromACheckpointReproducesTheUninterruptedRunBitwise) {
+  model::ModelConfig mc = test::byte_vocab_config();
+  mc.init_std = 1.0;
+  model::Muse a = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  Dataset data = self_consistent_problems(a, 200);
+  GrpoConfig cfg = small_grpo();
+  cfg.max_tokens = 1;
+  std::vector<std::string> straight;
+  {
+    GrpoTrainer t(a, cfg, CharTokenizer(128), data);
+    for (int s = 0; s < 4; ++s) straight.push_back(without_times(t.step()));
+  }
+  test::TempDir dir;
+  model::Muse b = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  {
+    GrpoTrainer t(b, cfg, CharTokenizer(128), data);
+    t.step();
+    t.step();
+    t.save(dir / "ckpt");
+    t.save(dir / "ckpt");  // replacing an existing checkpoint works too
+  }
+  model::Muse c = model::Muse::init(mc, 99, at::kFloat, at::kCPU);  // other weights: load must replace them
+  GrpoTrainer resumed(c, cfg, CharTokenizer(128), data);
+  resumed.load(dir / "ckpt");
+  EXPECT_EQ(resumed.steps_done(), 2);
+  EXPECT_EQ(without_times(resumed.step()), straight[2]);
+  EXPECT_EQ(without_times(resumed.step()), straight[3]);
+  for (size_t i = 0; i < a.named_parameters().size(); ++i)
+    EXPECT_TRUE(test::all_equal(c.named_parameters()[i].second, a.named_parameters()[i].second))
+        << a.named_parameters()[i].first;
+  EXPECT_TRUE(test::throws_with([&] { resumed.load(dir / "nothing"); }, {"no checkpoint state"}));
+}
+
 TEST(Grpo, ReplayOffStillRunsAndConfigErrorsAreClear) {
   model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
   GrpoConfig cfg = small_grpo();

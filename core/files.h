@@ -1,0 +1,12 @@
+// File-system helpers that kiln needs beyond <filesystem>.
+#pragma once
+#include <string>
+
+namespace kiln {
+
+// Removes `path` and everything below it, if it exists. Uses nftw rather than
+// std::filesystem::remove_all, which torch 2.11's libtorch.so interposes with a copy that crashes
+// (seen on the H200 machine, 2026-11-29).
+void remove_tree(const std::string& path);
+
+}  // namespace kiln
