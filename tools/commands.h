@@ -16,6 +16,7 @@ Run add_forward(CLI::App& app);
 Run add_bench(CLI::App& app);
 Run add_train(CLI::App& app);
 Run add_sft(CLI::App& app);
+Run add_plot(CLI::App& app);
 Run add_generate(CLI::App& app);
 
 }  // namespace kiln::tools

@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
       {"bench", kiln::tools::add_bench(app)},
       {"train", kiln::tools::add_train(app)},
       {"sft", kiln::tools::add_sft(app)},
+      {"plot", kiln::tools::add_plot(app)},
       {"generate", kiln::tools::add_generate(app)},
   };
   try {
