@@ -2,6 +2,7 @@
 #include "trainer/sft.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
 #include "core/error.h"
@@ -55,15 +56,7 @@ struct SftTrainer::Impl {
     at::Tensor loss = -out.logprobs.sum() / n;
     opt->zero_grad();
     loss.backward();
-    double norm = 0;
-    for (auto& [name, p] : model.named_parameters())
-      if (p.grad().defined()) norm += p.grad().to(at::kDouble).pow(2).sum().item<double>();
-    norm = std::sqrt(norm);
-    if (cfg.grad_clip > 0 && norm > cfg.grad_clip) {
-      at::NoGradGuard g;
-      for (auto& [name, p] : model.named_parameters())
-        if (p.grad().defined()) p.mutable_grad().mul_(cfg.grad_clip / (norm + 1e-6));
-    }
+    torch::nn::utils::clip_grad_norm_(opt->param_groups()[0].params(), cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
     opt->step();
     SftMetrics m;
     m.step = ++steps;
