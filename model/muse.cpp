@@ -120,7 +120,8 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, const at::Tens
   at::Tensor flat = ids.reshape(-1);        // [T * k], slot order
   auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
   at::Tensor sorted_experts = std::get<0>(sorted), order = std::get<1>(sorted);
-  at::Tensor counts = at::bincount(flat, {}, E);
+  // Not bincount: on CUDA it reads the maximum back to the host, which breaks graph capture.
+  at::Tensor counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
   at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
   at::Tensor ys = run_experts(lw, zs, sorted_experts, counts, opt);
   ys = rms_norm(ys, lw.expert_norm.index_select(0, sorted_experts), cfg.rms_norm_eps);
@@ -321,7 +322,13 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   }
   at::Tensor replay = opt.replay_routing.defined() ? opt.replay_routing.to(device(), at::kLong) : at::Tensor();
 
-  auto [cos, sin] = rope_tables(batch.positions(), cfg_.head_dim, cfg_.rope_theta, dtype());
+  if (opt.positions.defined())
+    KILN_CHECK(opt.positions.dim() == 1 && opt.positions.size(0) == T && opt.positions.scalar_type() == at::kLong &&
+                   opt.positions.device() == device(),
+               "forward: positions must be int64 [", T, "] on ", device(), " (got ", opt.positions.sizes(), " ",
+               opt.positions.scalar_type(), " on ", opt.positions.device(), ")");
+  at::Tensor positions = opt.positions.defined() ? opt.positions : batch.positions();
+  auto [cos, sin] = rope_tables(positions, cfg_.head_dim, cfg_.rope_theta, dtype());
   // Many sequences: one padded attention per layer instead of a loop over sequences.
   PaddedLayout padded;
   if (!opt.attention && batch.num_sequences() > 1) {

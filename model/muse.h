@@ -75,6 +75,8 @@ struct ForwardOptions {
   bool skip_head = false;       // stop after the final norm: return `hidden` only (rollout samples
                                 // from the rows it needs)
   bool check_inputs = true;     // range-check token and routing ids (costs device syncs)
+  at::Tensor positions;         // [T] int64 on the model's device: overrides the batch's positions
+                                // (CUDA-graph capture: no tensor may be built from host data)
 };
 
 struct ForwardOutput {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <deque>
 #include <limits>
@@ -15,15 +16,11 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "kernels/sampling.h"
+#include "rollout/decode_graph.h"
 
 namespace kiln::rollout {
 namespace {
-
-uint64_t mix(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 // A pool of fixed-size KV blocks with reference counts (shared prompt blocks after a fork).
 class BlockPool {
@@ -59,38 +56,19 @@ class BlockPool {
 const char* finish_reason_name(FinishReason r) { return r == FinishReason::kStop ? "stop" : "length"; }
 
 uint64_t sample_stream_seed(uint64_t seed, int64_t sample, int64_t step) {
-  return mix(mix(mix(seed + 0x9e3779b97f4a7c15ull) ^ uint64_t(sample)) ^ uint64_t(step) * 0x2545f4914f6cdd1dull);
+  using kernels::mix64;
+  return mix64(mix64(mix64(seed + 0x9e3779b97f4a7c15ull) ^ uint64_t(sample)) ^ uint64_t(step) * 0x2545f4914f6cdd1dull);
 }
 
 std::pair<int64_t, double> sample_token(const at::Tensor& logits, const SamplingParams& p, uint64_t stream_seed) {
   at::Tensor l = logits.detach().to(at::kCPU, at::kFloat).contiguous();
   const float* x = l.data_ptr<float>();
   const int64_t V = l.numel();
-  const int64_t argmax = std::max_element(x, x + V) - x;  // first maximum
-  const double mx = x[argmax];
-  if (p.temperature == 0) {
-    double z = 0;
-    for (int64_t i = 0; i < V; ++i) z += std::exp(double(x[i]) - mx);
-    return {argmax, -std::log(z)};
-  }
-  const double u = double(mix(stream_seed) >> 11) * 0x1p-53;  // uniform in [0, 1)
+  if (p.temperature == 0 || (p.top_k == 0 && p.top_p >= 1.0))
+    return kernels::sample_row_reference(x, V, p.temperature, stream_seed);  // what the GPU kernel does
+  const double mx = *std::max_element(x, x + V);
+  const double u = kernels::stream_uniform(stream_seed);
   auto weight = [&](int64_t i) { return std::exp((double(x[i]) - mx) / p.temperature); };
-  if (p.top_k == 0 && p.top_p >= 1.0) {
-    // No filter: inverse CDF in id order, no sort (a 65536-entry sort per token dominated decode).
-    std::vector<double> w(V);
-    double z = 0;
-    for (int64_t i = 0; i < V; ++i) z += (w[i] = weight(i));
-    double c = 0;
-    int64_t pick = argmax;
-    for (int64_t i = 0; i < V; ++i) {
-      c += w[i] / z;
-      if (u < c) {
-        pick = i;
-        break;
-      }
-    }
-    return {pick, std::log(w[pick] / z)};
-  }
   // Filters: candidates by logit, descending, ties broken by the lower id (a strict total order,
   // so the result does not depend on the sort's stability).
   auto before = [&](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
@@ -189,6 +167,7 @@ struct Engine::Impl : model::AttentionBackend {
   std::vector<Work> work;                // the current step's schedule
   GroupPlan plan[2];                     // [0] full-attention layers, [1] window layers
   EngineStats st;
+  std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
 
   Impl(const model::Muse& m, EngineConfig config) : model(clone(m)), cfg(m.config()), ec(config) {
     ec.validate();
@@ -211,12 +190,17 @@ struct Engine::Impl : model::AttentionBackend {
     full_pool.init(full_blocks);
     win_pool.init(win_blocks);
     auto opts = at::TensorOptions().dtype(model.dtype()).device(model.device());
-    k_full = at::zeros({nf, full_blocks * B, cfg.num_kv_heads, cfg.head_dim}, opts);
+    // One spare block at the end of each pool: padded rows of a graph decode step use it.
+    k_full = at::zeros({nf, (full_blocks + 1) * B, cfg.num_kv_heads, cfg.head_dim}, opts);
     v_full = at::zeros_like(k_full);
-    k_win = at::zeros({nw, win_blocks * B, cfg.num_kv_heads, cfg.head_dim}, opts);
+    k_win = at::zeros({nw, (win_blocks + 1) * B, cfg.num_kv_heads, cfg.head_dim}, opts);
     v_win = at::zeros_like(k_win);
     st.full_blocks_total = full_blocks;
     st.window_blocks_total = win_blocks;
+    if (ec.cuda_graphs && DecodeGraphs::available(model)) {
+      KvPools p{k_full, v_full, k_win, v_win, B, W, R, full_blocks, win_blocks, group_index};
+      graphs = std::make_unique<DecodeGraphs>(model, std::move(p), ec.max_num_seqs);
+    }
   }
 
   static model::Muse clone(const model::Muse& m) {
@@ -374,8 +358,10 @@ struct Engine::Impl : model::AttentionBackend {
       w.window_lo = std::max<int64_t>(0, w.start - W + 1);
       w.window_write_from = first_window_write(w.start, w.n);
     }
-    plan_group(0);
-    if (win_pool.total() > 0) plan_group(1);
+    if (!graph_step()) {  // a graph step finds its keys through block tables instead
+      plan_group(0);
+      if (win_pool.total() > 0) plan_group(1);
+    }
     st.peak_full_blocks = std::max(st.peak_full_blocks, full_pool.used());
     st.peak_window_blocks = std::max(st.peak_window_blocks, win_pool.used());
   }
@@ -498,11 +484,16 @@ struct Engine::Impl : model::AttentionBackend {
     return id;
   }
 
-  // Appends one sampled token to a sample; marks it finalizing when it stops or hits max_tokens.
-  void append(Seq& s, const at::Tensor& logits) {
-    const SamplingParams& p = requests.at(s.request).request.params;
+  const SamplingParams& params(const Seq& s) const { return requests.at(s.request).request.params; }
+  static bool filtered(const SamplingParams& p) { return p.temperature > 0 && (p.top_k > 0 || p.top_p < 1.0); }
+  uint64_t stream_seed(const Seq& s) const {
+    return sample_stream_seed(params(s).seed, s.sample, int64_t(s.tokens.size()) - s.prompt_len);
+  }
+
+  // Appends one drawn token to a sample; marks it finalizing when it stops or hits max_tokens.
+  void append(Seq& s, int64_t id, double lp) {
+    const SamplingParams& p = params(s);
     const int64_t step = int64_t(s.tokens.size()) - s.prompt_len;
-    auto [id, lp] = sample_token(logits, p, sample_stream_seed(p.seed, s.sample, step));
     s.tokens.push_back(id);
     s.logprobs.push_back(float(lp));
     st.sampled_tokens++;
@@ -513,71 +504,161 @@ struct Engine::Impl : model::AttentionBackend {
     }
   }
 
+  // A step that only decodes samples (no prefill piece, no prompt) can replay a CUDA graph.
+  bool graph_step() const {
+    if (!graphs || int64_t(work.size()) > ec.max_num_seqs) return false;
+    return std::all_of(work.begin(), work.end(), [](const Work& w) { return w.n == 1 && w.seq->sample >= 0; });
+  }
+
+  DecodeResult run_graph() {
+    DecodeStep d;
+    for (const Work& w : work) {
+      const Seq& s = *w.seq;
+      DecodeStep::Row r;
+      r.token = s.tokens[size_t(w.start)];
+      r.position = w.start;
+      r.full_blocks = &s.full_blocks;
+      r.ring = &s.ring;
+      r.temperature = params(s).temperature;
+      r.stream_seed = stream_seed(s);
+      d.rows.push_back(r);
+    }
+    const int64_t before = graphs->num_graphs();
+    DecodeResult r = graphs->run(d);
+    st.graph_steps++;
+    st.graphs_captured += graphs->num_graphs() - before;
+    return r;
+  }
+
+  // Draws the next token of each (sample, row). Rows index `logits` (device [rows, V]); with a
+  // graph result, unfiltered draws take the ids it sampled on the GPU.
+  void draw(const std::vector<std::pair<Seq*, int64_t>>& draws, const at::Tensor& logits, const DecodeResult* graph) {
+    if (draws.empty()) return;
+    std::vector<std::pair<int64_t, double>> picked(draws.size(), {-1, 0.0});
+    std::vector<size_t> gpu;  // draws for the sampling kernel (CUDA, no top-k/top-p filter)
+    for (size_t i = 0; i < draws.size(); ++i) {
+      const Seq& s = *draws[i].first;
+      if (graph && !filtered(params(s))) {
+        picked[i] = {graph->ids.data_ptr<int64_t>()[draws[i].second], graph->logprobs.data_ptr<float>()[draws[i].second]};
+      } else if (logits.is_cuda() && logits.scalar_type() == at::kFloat && !filtered(params(s))) {
+        gpu.push_back(i);
+      }
+    }
+    if (!gpu.empty()) {
+      std::vector<int64_t> rows, seeds;
+      std::vector<double> temps;
+      for (size_t i : gpu) {
+        rows.push_back(draws[i].second);
+        temps.push_back(params(*draws[i].first).temperature);
+        seeds.push_back(int64_t(stream_seed(*draws[i].first)));
+      }
+      const at::Device dev = logits.device();
+      auto [ids, lps] = kernels::sample_rows(logits.index_select(0, at::tensor(rows, at::kLong).to(dev)),
+                                             at::tensor(temps, at::kDouble).to(dev), at::tensor(seeds, at::kLong).to(dev));
+      ids = ids.cpu();
+      lps = lps.cpu();
+      for (size_t j = 0; j < gpu.size(); ++j) picked[gpu[j]] = {ids.data_ptr<int64_t>()[j], lps.data_ptr<float>()[j]};
+    }
+    at::Tensor host;  // CPU sampling: every draw on a CPU model, filtered draws on CUDA
+    for (size_t i = 0; i < draws.size(); ++i) {
+      if (picked[i].first >= 0) continue;
+      if (!host.defined()) host = logits.cpu();
+      Seq& s = *draws[i].first;
+      picked[i] = sample_token(host[draws[i].second], params(s), stream_seed(s));
+    }
+    for (size_t i = 0; i < draws.size(); ++i) append(*draws[i].first, picked[i].first, picked[i].second);
+  }
+
   std::vector<RequestOutput> step() {
     at::NoGradGuard no_grad;
+    using clock = std::chrono::steady_clock;
+    const auto t0 = clock::now();
     schedule();
+    const auto t1 = clock::now();
     std::vector<RequestOutput> finished;
     if (work.empty()) {
       KILN_CHECK(waiting.empty() && running.empty(), "rollout: nothing could be scheduled although ",
                  waiting.size() + running.size(), " sequences wait; the KV cache is too small for one of them");
       return finished;
     }
-    model::PackedBatch batch;
-    batch.cu_seqlens = {0};
-    std::vector<int64_t> flat;
-    for (const Work& w : work) {
-      flat.insert(flat.end(), w.seq->tokens.begin() + w.start, w.seq->tokens.begin() + w.start + w.n);
-      batch.cu_seqlens.push_back(int64_t(flat.size()));
-      batch.start_positions.push_back(w.start);
+    std::vector<int64_t> cu_seqlens = {0};
+    for (const Work& w : work) cu_seqlens.push_back(cu_seqlens.back() + w.n);
+    DecodeResult graph;
+    at::Tensor routing, hidden;  // routing [T, L, k] on the CPU
+    if (graph_step()) {
+      graph = run_graph();
+      routing = graph.routing;
+    } else {
+      model::PackedBatch batch;
+      batch.cu_seqlens = cu_seqlens;
+      std::vector<int64_t> flat;
+      for (const Work& w : work) {
+        flat.insert(flat.end(), w.seq->tokens.begin() + w.start, w.seq->tokens.begin() + w.start + w.n);
+        batch.start_positions.push_back(w.start);
+      }
+      batch.tokens = at::tensor(flat, at::kLong).to(model.device());
+      model::ForwardOptions opt;
+      opt.attention = this;
+      opt.skip_head = true;
+      opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
+      model::ForwardOutput out = model.forward(batch, opt);
+      routing = out.routing.cpu().contiguous();
+      hidden = out.hidden;
     }
-    batch.tokens = at::tensor(flat, at::kLong).to(model.device());
-    model::ForwardOptions opt;
-    opt.attention = this;
-    opt.skip_head = true;
-    opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
-    model::ForwardOutput out = model.forward(batch, opt);
+    const auto t2 = clock::now();  // the routing copy above waited for the device
     st.steps++;
-    st.model_tokens += batch.num_tokens();
-    at::Tensor routing = out.routing.cpu().contiguous();  // [T, L, k]
+    st.model_tokens += cu_seqlens.back();
     const int64_t per_token = cfg.num_layers * cfg.top_k;
-    // Rows whose next token gets sampled now: the last computed row of a complete sequence.
+    // Rows whose next token is drawn now: the last computed row of a complete sequence.
     std::vector<int64_t> rows;
-    std::vector<Work*> ready;
+    std::vector<Seq*> ready;
     for (size_t i = 0; i < work.size(); ++i) {
       Work& w = work[i];
       Seq& s = *w.seq;
-      const uint8_t* r = routing.data_ptr<uint8_t>() + batch.cu_seqlens[i] * per_token;
+      const uint8_t* r = routing.data_ptr<uint8_t>() + cu_seqlens[i] * per_token;
       s.routing.resize(size_t(s.tokens.size() * per_token));
       std::copy(r, r + w.n * per_token, s.routing.begin() + w.start * per_token);
       s.computed += w.n;
       if (s.computed == int64_t(s.tokens.size()) && !s.finalizing) {
-        rows.push_back(batch.cu_seqlens[i + 1] - 1);
-        ready.push_back(&w);
+        rows.push_back(cu_seqlens[i + 1] - 1);
+        ready.push_back(&s);
       }
     }
     at::Tensor logits;
-    if (!rows.empty())
-      logits = model.logits(out.hidden.index_select(0, at::tensor(rows, at::kLong).to(model.device()))).cpu();
+    std::vector<int64_t> logit_row(rows.size());
+    if (graph.logits.defined()) {
+      logits = graph.logits;
+      logit_row = rows;
+    } else if (!rows.empty()) {
+      logits = model.logits(hidden.index_select(0, at::tensor(rows, at::kLong).to(model.device())));
+      std::iota(logit_row.begin(), logit_row.end(), 0);
+    }
+    std::vector<std::pair<Seq*, int64_t>> draws;
     for (size_t j = 0; j < ready.size(); ++j) {
-      Seq& s = *ready[j]->seq;
+      Seq& s = *ready[j];
       if (s.sample >= 0) {
-        append(s, logits[j]);
+        draws.push_back({&s, logit_row[j]});
         continue;
       }
       // A prefilled prompt: fork its samples, which share its blocks until they write.
-      const int64_t n = requests.at(s.request).request.params.n;
+      const int64_t n = params(s).n;
       for (int64_t k = 0; k < n; ++k) {
         auto child = std::make_unique<Seq>(s);
         child->sample = k;
         for (int64_t b : child->full_blocks) full_pool.retain(b);
         for (int64_t b : child->ring)
           if (b >= 0) win_pool.retain(b);
-        append(*child, logits[j]);
+        draws.push_back({child.get(), logit_row[j]});
         running.push_back(std::move(child));
       }
       s.finalizing = true;  // the parent's work is done; released below
       s.sample = -2;
     }
+    draw(draws, logits, graph.logits.defined() ? &graph : nullptr);
+    const auto t3 = clock::now();
+    st.schedule_seconds += std::chrono::duration<double>(t1 - t0).count();
+    st.model_seconds += std::chrono::duration<double>(t2 - t1).count();
+    st.sample_seconds += std::chrono::duration<double>(t3 - t2).count();
     // Retire parents that forked and samples whose last token's routing is now known.
     for (auto it = running.begin(); it != running.end();) {
       Seq& s = **it;

@@ -53,6 +53,8 @@ struct EngineConfig {
   int64_t max_num_seqs = 64;            // running sequences at once
   int64_t max_batch_tokens = 2048;      // tokens per engine step (decode + prefill chunks)
   int64_t prefill_chunk = 512;          // longest prefill piece of one sequence per step
+  bool cuda_graphs = true;              // pure decode steps of a bf16 CUDA model replay captured
+                                        // graphs (rollout/decode_graph.h); false: run eagerly
   void validate() const;
 };
 
@@ -61,6 +63,11 @@ struct EngineStats {
   int64_t model_tokens = 0;          // tokens run through the model (prefill, recompute, decode)
   int64_t sampled_tokens = 0;
   int64_t preemptions = 0;
+  int64_t graph_steps = 0;           // steps that replayed a CUDA graph
+  int64_t graphs_captured = 0;
+  // Host wall time by phase: scheduling and planning, the model (until its outputs reach the
+  // host; graph capture included), and drawing tokens.
+  double schedule_seconds = 0, model_seconds = 0, sample_seconds = 0;
   // Two block pools: full-attention layers keep every position, window layers a ring of
   // ceil(W / block_size) + 1 blocks per sequence.
   int64_t full_blocks_total = 0, window_blocks_total = 0;

@@ -120,8 +120,10 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
   const double elem = double(c10::elementSize(dtype));
   fmt::print("decode: {} in {} on {}, prompt {} tokens, {} generated per sample; copy bandwidth {:.0f} GB/s\n",
              cfg.name, at::toString(dtype), device.str(), prompt_len, gen, bw / 1e9);
-  fmt::print("{:>6} {:>12} {:>14} {:>9} {:>14} {:>10}\n", "batch", "engine tok/s", "recompute tok/s", "ratio",
-             "roofline tok/s", "of roofline");
+  // On CUDA the engine's decode replays captured graphs; the eager engine is measured beside it.
+  const bool graphs = device.is_cuda();
+  fmt::print("{:>6} {:>12} {:>12} {:>14} {:>9} {:>14} {:>10}\n", "batch", "engine tok/s", "eager tok/s",
+             "recompute tok/s", "ratio", "roofline tok/s", "of roofline");
   for (int64_t batch : {1, 16, 64}) {
     std::vector<rollout::Request> reqs(batch);
     for (int64_t b = 0; b < batch; ++b) {
@@ -138,27 +140,43 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
     ec.kv_cache_bytes = int64_t(model::kv_cache_bytes_per_token(cfg, prompt_len + gen, int64_t(elem)) * kv_tokens * 1.5) +
                         (int64_t(64) << 20);
     // Decode time: from the step after which every sample has its first token (prefill done) to
-    // the end; prefill is excluded.
-    auto run = [&] {
+    // the end; prefill is excluded. Each engine runs once untimed (CUDA graphs are captured then).
+    std::string split;  // where the graph engine's time went, for the note under the table
+    auto run = [&](rollout::Engine& engine) {
       for (auto& r : reqs) r.params.max_tokens = gen;
-      rollout::Engine engine(m, ec);
+      const int64_t start = engine.stats().sampled_tokens;
+      rollout::EngineStats s0;
       for (const auto& r : reqs) engine.add_request(r);
       std::chrono::steady_clock::time_point a;
       int64_t first = -1;
       while (engine.has_unfinished()) {
         engine.step();
-        if (first < 0 && engine.stats().sampled_tokens >= batch) {
+        if (first < 0 && engine.stats().sampled_tokens - start >= batch) {
           sync(device);
           a = std::chrono::steady_clock::now();
           first = engine.stats().sampled_tokens;
+          s0 = engine.stats();
         }
       }
       sync(device);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+      const rollout::EngineStats s1 = engine.stats();
+      const double steps = double(s1.steps - s0.steps);
+      split = fmt::format("{:.0f} steps ({} graph), per step ms: schedule {:.3f}, model {:.3f}, sample {:.3f}",
+                          steps, s1.graph_steps - s0.graph_steps, 1e3 * (s1.schedule_seconds - s0.schedule_seconds) / steps,
+                          1e3 * (s1.model_seconds - s0.model_seconds) / steps,
+                          1e3 * (s1.sample_seconds - s0.sample_seconds) / steps);
       return double(engine.stats().sampled_tokens - first) / s;
     };
-    if (device.is_cuda()) run();  // warm-up
-    const double engine_tps = run();
+    auto measure = [&](bool use_graphs) {
+      ec.cuda_graphs = use_graphs;
+      rollout::Engine engine(m, ec);
+      if (device.is_cuda()) run(engine);
+      return run(engine);
+    };
+    const double engine_tps = measure(graphs);
+    const std::string engine_split = split;
+    const double eager_tps = graphs ? measure(false) : engine_tps;
     // Baseline: recompute the whole sequences for each new token (no KV cache).
     const int64_t steps = device.is_cuda() ? 3 : 1;
     std::vector<std::vector<int64_t>> seqs;
@@ -180,8 +198,9 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
     }
     const double recompute_tps = double(batch * steps) / std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
     const double roof_tps = double(batch) / (decode_step_bytes(cfg, batch, prompt_len + gen / 2, elem) / bw);
-    fmt::print("{:>6} {:>12.1f} {:>14.1f} {:>8.1f}x {:>14.1f} {:>9.1f}%\n", batch, engine_tps, recompute_tps,
+    fmt::print("{:>6} {:>12.1f} {:>12.1f} {:>14.1f} {:>8.1f}x {:>14.1f} {:>9.1f}%\n", batch, engine_tps, eager_tps, recompute_tps,
                engine_tps / recompute_tps, roof_tps, 100.0 * engine_tps / roof_tps);
+    fmt::print("       engine decode: {}\n", engine_split);
   }
 }
 

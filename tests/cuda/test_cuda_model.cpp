@@ -6,6 +6,7 @@
 #include "model/checkpoint.h"
 #include "model/muse.h"
 #include "tests/model/reference.h"
+#include "tests/cuda/cuda_util.h"
 #include "tests/test_util.h"
 
 namespace kiln {
@@ -14,25 +15,8 @@ namespace {
 using model::ForwardOptions;
 using model::Muse;
 using model::PackedBatch;
-
-model::ModelConfig cuda_config() {
-  // Widths that satisfy the grouped GEMM's 16-byte alignment; lengths stay odd.
-  model::ModelConfig c = test::micro_config();
-  c.vocab_size = 97;
-  c.hidden_size = 64;
-  c.latent_size = 32;
-  c.expert_ffn_size = 48;
-  c.num_experts = 8;
-  c.top_k = 2;
-  c.num_q_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 16;
-  c.sliding_window = 7;
-  c.num_layers = 4;
-  c.full_attention_period = 4;
-  c.init_std = 0.1;
-  return c;
-}
+using test::cuda_config;
+using test::to_device;
 
 std::vector<std::vector<int64_t>> sequences(int64_t vocab) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
@@ -42,25 +26,6 @@ std::vector<std::vector<int64_t>> sequences(int64_t vocab) {
     seqs.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
   }
   return seqs;
-}
-
-Muse to_device(const Muse& m, at::Device device, at::ScalarType dtype) {
-  model::Weights w = m.weights();
-  auto move = [&](at::Tensor& t, bool router) {
-    if (t.defined()) t = t.to(device, router ? model::router_dtype(dtype) : dtype);
-  };
-  move(w.embed, false);
-  move(w.lm_head, false);
-  move(w.final_norm, false);
-  for (auto& l : w.layers) {
-    for (at::Tensor* t : {&l.input_norm, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.post_attn_norm,
-                          &l.pre_moe_norm, &l.pooler, &l.expert_gate, &l.expert_up, &l.expert_down,
-                          &l.expert_norm, &l.unpooler, &l.post_moe_norm})
-      move(*t, false);
-    move(l.router, true);
-    move(l.router_bias, true);
-  }
-  return Muse(m.config(), w);
 }
 
 TEST(CudaModel, Fp32MatchesCpuWithIdenticalRouting) {

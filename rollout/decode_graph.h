@@ -1,0 +1,61 @@
+// CUDA-graph decode for the rollout engine: one captured graph per (padded batch, block-table
+// width) runs a whole decode step (forward over the paged cache, lm_head, sampling) in one launch.
+// The engine owns the cache and the scheduling; this file only replays steps it is handed.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "model/muse.h"
+
+namespace kiln::rollout {
+
+// Where the engine keeps K/V: two pools of blocks, each with one spare (scratch) block at the end
+// that padded rows read and write.
+struct KvPools {
+  at::Tensor k_full, v_full;          // [n_full, (blocks + 1) * B, Hkv, hd]
+  at::Tensor k_win, v_win;            // [n_window, (blocks + 1) * B, Hkv, hd]
+  int64_t block_size = 0, window = 0, ring = 0;
+  int64_t scratch_full = 0, scratch_win = 0;  // index of each pool's scratch block
+  std::vector<int64_t> group_index;   // layer -> index within its kind (full or window)
+};
+
+// One decode step: a token per row, every row already holding blocks for its new position.
+struct DecodeStep {
+  struct Row {
+    int64_t token = 0, position = 0;
+    const std::vector<int64_t>* full_blocks = nullptr;  // logical block -> full-pool block
+    const std::vector<int64_t>* ring = nullptr;         // ring slot -> window-pool block
+    double temperature = 1.0;
+    uint64_t stream_seed = 0;
+  };
+  std::vector<Row> rows;
+};
+
+struct DecodeResult {
+  at::Tensor ids;        // [N] int64, CPU: the token drawn for each row (unfiltered sampling)
+  at::Tensor logprobs;   // [N] fp32, CPU
+  at::Tensor routing;    // [N, L, k] uint8, CPU
+  at::Tensor logits;     // [>= N, V] fp32 on the GPU; valid until the next run
+};
+
+class DecodeGraphs {
+ public:
+  // Graphs need a CUDA build, a bf16 CUDA model on torch >= 2.8 (grouped GEMM: no host syncs in
+  // the MoE) and a shape the paged-attention kernel handles.
+  static bool available(const model::Muse& model);
+  DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows);
+  ~DecodeGraphs();
+  DecodeResult run(const DecodeStep& step);
+  int64_t num_graphs() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kiln::rollout

@@ -1,0 +1,110 @@
+// The kernels' CPU references: paged decode attention equals the model's plain attention over the
+// same keys (full and window, shuffled blocks, rings), and the sampler's greedy and tie rules.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "kernels/paged_attention.h"
+#include "kernels/sampling.h"
+#include "model/muse.h"
+#include "tests/test_util.h"
+
+namespace kiln {
+namespace {
+
+// Scatters each sequence's keys into shuffled blocks of a shared cache and checks the paged
+// reference against model::sequence_attention on the contiguous keys.
+void check_paged(int64_t window, int64_t block_size, at::ScalarType dtype) {
+  const int64_t hq = 6, hkv = 2, hd = 8, group = hq / hkv;
+  const std::vector<int64_t> positions = {0, 18, 110, 4096};  // 1, 19, 111 and 4097 keys
+  const int64_t n = int64_t(positions.size());
+  const int64_t ring = window > 0 ? (window + block_size - 1) / block_size + 1 : 0;
+  int64_t cols = 0, blocks = 0;
+  for (int64_t p : positions) {
+    const int64_t need = ring > 0 ? ring : p / block_size + 1;
+    cols = std::max(cols, need);
+    blocks += need;
+  }
+  std::vector<int64_t> perm(blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(7));
+  at::Tensor kc = at::zeros({blocks * block_size, hkv, hd}, dtype), vc = at::zeros_like(kc);
+  at::Tensor table = at::zeros({n, cols}, at::kLong);
+  at::Tensor q = at::randn({n, hq, hd}, dtype);
+  at::Tensor expect = at::empty_like(q);
+  int64_t next = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t p = positions[s];
+    const int64_t used = ring > 0 ? ring : p / block_size + 1;
+    for (int64_t c = 0; c < used; ++c) table[s][c] = perm[next++];
+    at::Tensor k = at::randn({p + 1, hkv, hd}, dtype), v = at::randn({p + 1, hkv, hd}, dtype);
+    for (int64_t j = 0; j <= p; ++j) {  // a ring keeps only the newest position of each slot
+      const int64_t blk = j / block_size, col = ring > 0 ? blk % ring : blk;
+      const int64_t row = table[s][col].item<int64_t>() * block_size + j % block_size;
+      kc[row].copy_(k[j]);
+      vc[row].copy_(v[j]);
+    }
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+    at::Tensor ks = model::expand_kv_heads(k.narrow(0, lo, p + 1 - lo).transpose(0, 1), group);
+    at::Tensor vs = model::expand_kv_heads(v.narrow(0, lo, p + 1 - lo).transpose(0, 1), group);
+    expect[s].copy_(model::sequence_attention(q[s].unsqueeze(1), ks, vs, window == 0, window, p, lo).squeeze(1));
+  }
+  at::Tensor got = kernels::paged_decode_attention_reference(q, kc, vc, table, at::tensor(positions, at::kLong),
+                                                             block_size, window, ring);
+  const double tol = dtype == at::kDouble ? 1e-12 : 1e-5;
+  EXPECT_TRUE(test::all_close(got, expect, tol, tol)) << "window " << window << " block " << block_size;
+}
+
+TEST(PagedAttentionReference, EqualsPlainAttentionFullAndWindow) {
+  at::manual_seed(0);
+  for (at::ScalarType dtype : {at::kFloat, at::kDouble})
+    for (int64_t block : {1, 4, 16})
+      for (int64_t window : {0, 5, 111}) check_paged(window, block, dtype);
+}
+
+TEST(PagedAttentionReference, BadShapesNameWhatWasExpected) {
+  at::Tensor q = at::zeros({2, 4, 8}), kc = at::zeros({16, 2, 8}), table = at::zeros({2, 4}, at::kLong);
+  at::Tensor pos = at::zeros({2}, at::kLong);
+  EXPECT_TRUE(test::throws_with([&] { kernels::paged_decode_attention_reference(q, kc, kc, table, pos.narrow(0, 0, 1), 4, 0, 0); },
+                                {"positions must be int64 [2]"}));
+  EXPECT_TRUE(test::throws_with([&] { kernels::paged_decode_attention_reference(q, kc, kc, table, pos, 3, 0, 0); },
+                                {"not whole blocks of 3"}));
+  EXPECT_TRUE(test::throws_with(
+      [&] { kernels::paged_decode_attention_reference(q, at::zeros({16, 3, 8}), at::zeros({16, 3, 8}), table, pos, 4, 0, 0); },
+      {"Hq=4 is not a multiple of Hkv=3"}));
+}
+
+TEST(SamplingReference, GreedyTakesTheFirstMaximumAndDrawsFollowTheCdf) {
+  const float x[5] = {1.f, 3.f, 0.f, 3.f, -2.f};
+  auto [id, lp] = kernels::sample_row_reference(x, 5, 0.0, 123);
+  EXPECT_EQ(id, 1);
+  double z = 0;
+  for (float v : x) z += std::exp(double(v) - 3.0);
+  EXPECT_NEAR(lp, -std::log(z), 1e-12);
+  // A draw lands on the id whose CDF interval holds the stream's uniform.
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    const double u = kernels::stream_uniform(seed);
+    auto [d, dlp] = kernels::sample_row_reference(x, 5, 1.0, seed);
+    double below = 0;
+    for (int64_t i = 0; i < d; ++i) below += std::exp(double(x[i]) - 3.0) / z;
+    const double p = std::exp(double(x[d]) - 3.0) / z;
+    EXPECT_LE(below, u + 1e-12);
+    EXPECT_LT(u, below + p + 1e-12);
+    EXPECT_NEAR(dlp, std::log(p), 1e-12);
+  }
+  // Rows: the same draws through the tensor entry point.
+  at::Tensor logits = at::tensor(std::vector<float>(x, x + 5)).repeat({3, 1});
+  auto [ids, lps] = kernels::sample_rows(logits, at::tensor(std::vector<double>{0.0, 1.0, 0.5}),
+                                         at::tensor(std::vector<int64_t>{4, 5, 6}));
+  EXPECT_EQ(ids[0].item<int64_t>(), 1);
+  EXPECT_EQ(ids[1].item<int64_t>(), kernels::sample_row_reference(x, 5, 1.0, 5).first);
+  EXPECT_EQ(ids[2].item<int64_t>(), kernels::sample_row_reference(x, 5, 0.5, 6).first);
+  EXPECT_TRUE(test::throws_with([&] { kernels::sample_rows(logits, at::zeros({3}), at::zeros({3}, at::kLong)); },
+                                {"temperature must be fp64 [3]"}));
+}
+
+}  // namespace
+}  // namespace kiln
