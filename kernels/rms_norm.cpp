@@ -25,7 +25,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 #if KILN_WITH_CUDA
   const bool needs_grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
   const bool supported = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
-  if (x.is_cuda() && !needs_grad && supported && weight.dim() == 1 && x.numel() > 0)
+  const bool per_row = weight.dim() == 2 && x.dim() == 2 && weight.sizes() == x.sizes();
+  if (x.is_cuda() && !needs_grad && supported && (weight.dim() == 1 || per_row) && x.numel() > 0)
     return rms_norm_cuda(x, weight, eps);
 #endif
   return rms_norm_reference(x, weight, eps);
@@ -38,21 +39,23 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double e
              weight.device(), ")");
   KILN_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm_cuda: dtype mismatch (x=", x.scalar_type(),
              ", weight=", weight.scalar_type(), ")");
-  KILN_CHECK(weight.dim() == 1 && x.dim() >= 1 && x.size(-1) == weight.size(0),
-             "rms_norm_cuda: weight must be [", x.size(-1), "] (got ", weight.sizes(), ")");
+  const bool per_row = weight.dim() == 2 && x.dim() == 2 && weight.sizes() == x.sizes();
+  KILN_CHECK((weight.dim() == 1 && x.dim() >= 1 && x.size(-1) == weight.size(0)) || per_row,
+             "rms_norm_cuda: weight must be [", x.size(-1), "] or, for 2-D x, x's shape ", x.sizes(), " (got ",
+             weight.sizes(), ")");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor y = at::empty_like(xc);
-  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  const int64_t cols = x.size(-1), rows = x.numel() / cols, w_stride = per_row ? cols : 0;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err;
   if (x.scalar_type() == at::kFloat) {
     err = launch_rms_norm_f32(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), rows, cols,
-                              float(eps), stream);
+                              w_stride, float(eps), stream);
   } else {
     KILN_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm_cuda: only float32 and bfloat16 (got ",
                x.scalar_type(), ")");
-    err = launch_rms_norm_bf16(xc.data_ptr(), wc.data_ptr(), y.data_ptr(), rows, cols, float(eps), stream);
+    err = launch_rms_norm_bf16(xc.data_ptr(), wc.data_ptr(), y.data_ptr(), rows, cols, w_stride, float(eps), stream);
   }
   KILN_CHECK(err == cudaSuccess, "rms_norm_cuda: kernel launch failed: ", cudaGetErrorString(err));
   return y;

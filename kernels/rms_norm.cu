@@ -1,6 +1,7 @@
 // Fused RMSNorm CUDA kernels: one block per row, fp32 sum of squares, Llama-convention rounding
 // (normalised value cast to the storage dtype, then multiplied by the weight). Rows whose width is a
 // multiple of 16 bytes use 16-byte loads and keep the row in registers; others take a scalar path.
+// The weight is one row shared by all rows (w_stride 0) or one row per row (w_stride = cols).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -47,8 +48,9 @@ __device__ inline float block_sum(float v) {
 
 template <typename T>
 __global__ void rms_norm_scalar(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                                int64_t cols, float eps) {
+                                int64_t cols, int64_t w_stride, float eps) {
   const T* row = x + blockIdx.x * cols;
+  w += blockIdx.x * w_stride;
   T* out = y + blockIdx.x * cols;
   float sum = 0.f;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -67,7 +69,8 @@ struct alignas(16) Chunk {
 
 template <typename T, int kChunks>
 __global__ void rms_norm_vector(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                                int64_t cols, float eps) {
+                                int64_t cols, int64_t w_stride, float eps) {
+  w += blockIdx.x * w_stride;
   using C = Chunk<T>;
   const int64_t num_chunks = cols / C::kSize;
   const C* row = reinterpret_cast<const C*>(x + blockIdx.x * cols);
@@ -102,15 +105,16 @@ __global__ void rms_norm_vector(const T* __restrict__ x, const T* __restrict__ w
 }
 
 template <typename T, int kChunks>
-bool try_vector(const T* x, const T* w, T* y, int64_t rows, int64_t cols, float eps, int threads,
-                int64_t num_chunks, cudaStream_t stream) {
+bool try_vector(const T* x, const T* w, T* y, int64_t rows, int64_t cols, int64_t w_stride, float eps,
+                int threads, int64_t num_chunks, cudaStream_t stream) {
   if (num_chunks > int64_t(kChunks) * threads) return false;
-  rms_norm_vector<T, kChunks><<<dim3(unsigned(rows)), dim3(threads), 0, stream>>>(x, w, y, cols, eps);
+  rms_norm_vector<T, kChunks><<<dim3(unsigned(rows)), dim3(threads), 0, stream>>>(x, w, y, cols, w_stride, eps);
   return true;
 }
 
 template <typename T>
-cudaError_t launch(const T* x, const T* w, T* y, int64_t rows, int64_t cols, float eps, cudaStream_t stream) {
+cudaError_t launch(const T* x, const T* w, T* y, int64_t rows, int64_t cols, int64_t w_stride, float eps,
+                   cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   constexpr int64_t kSize = Chunk<T>::kSize;
   const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w) |
@@ -118,28 +122,28 @@ cudaError_t launch(const T* x, const T* w, T* y, int64_t rows, int64_t cols, flo
   if (aligned && cols % kSize == 0) {
     const int64_t num_chunks = cols / kSize;
     const int threads = int(std::min<int64_t>(kMaxThreads, (num_chunks + 31) / 32 * 32));
-    if (try_vector<T, 1>(x, w, y, rows, cols, eps, threads, num_chunks, stream) ||
-        try_vector<T, 2>(x, w, y, rows, cols, eps, threads, num_chunks, stream) ||
-        try_vector<T, 4>(x, w, y, rows, cols, eps, threads, num_chunks, stream) ||
-        try_vector<T, 8>(x, w, y, rows, cols, eps, threads, num_chunks, stream) ||
-        try_vector<T, kMaxChunks>(x, w, y, rows, cols, eps, threads, num_chunks, stream))
+    if (try_vector<T, 1>(x, w, y, rows, cols, w_stride, eps, threads, num_chunks, stream) ||
+        try_vector<T, 2>(x, w, y, rows, cols, w_stride, eps, threads, num_chunks, stream) ||
+        try_vector<T, 4>(x, w, y, rows, cols, w_stride, eps, threads, num_chunks, stream) ||
+        try_vector<T, 8>(x, w, y, rows, cols, w_stride, eps, threads, num_chunks, stream) ||
+        try_vector<T, kMaxChunks>(x, w, y, rows, cols, w_stride, eps, threads, num_chunks, stream))
       return cudaGetLastError();
   }
-  rms_norm_scalar<T><<<dim3(unsigned(rows)), dim3(kMaxThreads), 0, stream>>>(x, w, y, cols, eps);
+  rms_norm_scalar<T><<<dim3(unsigned(rows)), dim3(kMaxThreads), 0, stream>>>(x, w, y, cols, w_stride, eps);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t launch_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t cols,
-                                float eps, cudaStream_t stream) {
-  return launch(x, w, y, rows, cols, eps, stream);
+                                int64_t w_stride, float eps, cudaStream_t stream) {
+  return launch(x, w, y, rows, cols, w_stride, eps, stream);
 }
 
 cudaError_t launch_rms_norm_bf16(const void* x, const void* w, void* y, int64_t rows, int64_t cols,
-                                 float eps, cudaStream_t stream) {
+                                 int64_t w_stride, float eps, cudaStream_t stream) {
   return launch(static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w),
-                static_cast<__nv_bfloat16*>(y), rows, cols, eps, stream);
+                static_cast<__nv_bfloat16*>(y), rows, cols, w_stride, eps, stream);
 }
 
 }  // namespace kiln::kernels

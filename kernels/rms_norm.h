@@ -7,7 +7,8 @@ namespace kiln::kernels {
 
 // x [..., n], weight [n] or broadcastable to x (e.g. per-row weights [rows, n]).
 // Normalises in fp32 (fp64 for fp64 inputs). Dispatches to the CUDA kernel when x is a CUDA
-// float/bf16 tensor, weight is [n], and no gradient is needed; otherwise runs the reference.
+// float/bf16 tensor, weight is [n] (or, for 2-D x, one weight row per row: the per-expert norms),
+// and no gradient is needed; otherwise runs the reference.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // The ATen reference, always available.

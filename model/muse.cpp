@@ -8,7 +8,9 @@
 
 #include "core/error.h"
 #include "core/torch_version.h"
+#include "kernels/moe_layout.h"
 #include "kernels/rms_norm.h"
+#include "kernels/rope.h"
 
 
 namespace kiln::model {
@@ -50,32 +52,28 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   return at::linear(o.reshape({T, cfg.q_size()}), lw.o_proj);
 }
 
-// SwiGLU experts over expert-sorted rows. zs [n, d_l] sorted by expert; counts [E] int64.
-// Returns W_down_e . (silu(W_gate_e . z) * (W_up_e . z)) for every row, [n, d_l].
-at::Tensor run_experts(const LayerWeights& lw, const at::Tensor& zs, const at::Tensor& sorted_experts,
-                       const at::Tensor& counts, const ForwardOptions& opt) {
-  const int64_t n = zs.size(0), E = counts.size(0);
+// SwiGLU experts, W_down_e . (silu(W_gate_e . z) * (W_up_e . z)), for every slot; [T * k, d_l] in
+// slot order. sorted_experts / order: the stable sort of the flat top-k ids.
+at::Tensor run_experts(const LayerWeights& lw, const at::Tensor& z, const at::Tensor& sorted_experts,
+                       const at::Tensor& order, int64_t k, at::Tensor& counts, const ForwardOptions& opt) {
+  const int64_t n = order.size(0), E = lw.expert_gate.size(0);
 #if KILN_TORCH_AT_LEAST(2, 8)
-  // torch's grouped GEMM (CUDA, bf16) where it exists; otherwise a loop over non-empty experts.
-  if (opt.use_grouped_mm && zs.is_cuda() && zs.scalar_type() == at::kBFloat16) {
-    // Each expert's segment starts on a kGroupAlign boundary; the last segment runs to a static
-    // upper bound, so no host sync is needed. Padding rows are zero and never read back.
-    at::Tensor padded = at::div(counts + (kGroupAlign - 1), kGroupAlign, "floor") * kGroupAlign;
-    at::Tensor ends = at::cumsum(padded, 0);
-    at::Tensor pad_starts = ends - padded;
-    at::Tensor starts = at::cumsum(counts, 0) - counts;
-    const int64_t bound = n + E * (kGroupAlign - 1);
-    at::Tensor offs = ends.to(at::kInt);
-    offs.narrow(0, E - 1, 1).fill_(bound);
-    at::Tensor rows = at::arange(n, counts.options());
-    at::Tensor dest = pad_starts.index_select(0, sorted_experts) + rows - starts.index_select(0, sorted_experts);
-    at::Tensor zp = at::zeros({bound, zs.size(1)}, zs.options()).index_copy(0, dest, zs);
-    at::Tensor g = at::_grouped_mm(zp, lw.expert_gate.transpose(1, 2), offs);
-    at::Tensor u = at::_grouped_mm(zp, lw.expert_up.transpose(1, 2), offs);
-    at::Tensor y = at::_grouped_mm(at::silu(g) * u, lw.expert_down.transpose(1, 2), offs);
-    return y.index_select(0, dest);
+  if (opt.use_grouped_mm && z.is_cuda() && z.scalar_type() == at::kBFloat16) {
+    // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
+    // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
+    kernels::MoeLayout l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
+    counts = l.counts;
+    at::Tensor zp = at::zeros({l.bound, z.size(1)}, z.options()).index_copy(0, l.dest, z.index_select(0, l.src_token));
+    at::Tensor g = at::_grouped_mm(zp, lw.expert_gate.transpose(1, 2), l.offsets);
+    at::Tensor u = at::_grouped_mm(zp, lw.expert_up.transpose(1, 2), l.offsets);
+    at::Tensor y = at::_grouped_mm(at::silu(g) * u, lw.expert_down.transpose(1, 2), l.offsets);
+    return y.index_select(0, l.slot_row);
   }
 #endif
+  // A loop over non-empty experts, on expert-sorted rows. Not bincount for the counts: on CUDA it
+  // reads the maximum back to the host.
+  counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
+  at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
   at::Tensor host_counts = counts.cpu();
   const int64_t* c = host_counts.data_ptr<int64_t>();
   std::vector<at::Tensor> parts;
@@ -89,7 +87,9 @@ at::Tensor run_experts(const LayerWeights& lw, const at::Tensor& zs, const at::T
     start += c[e];
   }
   KILN_CHECK(start == n, "latent_moe: expert counts do not cover the rows (rows=", n, ", counted=", start, ")");
-  return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+  at::Tensor ys = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+  at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
+  return ys.index_select(0, inverse);  // back to slot order
 }
 
 struct MoeOut {
@@ -119,21 +119,18 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, const at::Tens
   at::Tensor z = at::linear(h, lw.pooler);  // [T, d_l]
   at::Tensor flat = ids.reshape(-1);        // [T * k], slot order
   auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
-  at::Tensor sorted_experts = std::get<0>(sorted), order = std::get<1>(sorted);
-  // Not bincount: on CUDA it reads the maximum back to the host, which breaks graph capture.
-  at::Tensor counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
-  at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
-  at::Tensor ys = run_experts(lw, zs, sorted_experts, counts, opt);
-  ys = rms_norm(ys, lw.expert_norm.index_select(0, sorted_experts), cfg.rms_norm_eps);
-  at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
-  at::Tensor y = ys.index_select(0, inverse).view({T, k, -1});  // back to slot order
+  at::Tensor counts;  // [E] slots per expert
+  at::Tensor y = run_experts(lw, z, std::get<0>(sorted), std::get<1>(sorted), k, counts, opt);
+  y = rms_norm(y, lw.expert_norm.index_select(0, flat), cfg.rms_norm_eps).view({T, k, -1});
   const auto acc = w.scalar_type();
   at::Tensor m = (y.to(acc) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
   MoeOut r;
   r.out = at::linear(m.to(h.scalar_type()), lw.unpooler);
   r.ids = ids;
-  at::Tensor f = counts.to(acc) / double(T * k);
-  r.balance = (f * scores.mean(0)).sum() * double(E);
+  if (opt.load_balance) {
+    at::Tensor f = counts.to(acc) / double(T * k);
+    r.balance = (f * scores.mean(0)).sum() * double(E);
+  }
   return r;
 }
 
@@ -258,9 +255,7 @@ std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, int64
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  at::Tensor rotated = at::cat({x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)}, -1);
-  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+  return kernels::apply_rope(x, cos, sin);
 }
 
 PackedBatch PackedBatch::from_sequences(const std::vector<std::vector<int64_t>>& seqs, at::Device device) {
@@ -345,7 +340,9 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   }
   at::Tensor x = at::embedding(w_.embed, batch.tokens);  // [T, d]
   std::vector<at::Tensor> routing;
-  at::Tensor balance = at::zeros({}, at::TensorOptions().dtype(router_dtype(dtype())).device(device()));
+  at::Tensor balance = opt.load_balance
+                           ? at::zeros({}, at::TensorOptions().dtype(router_dtype(dtype())).device(device()))
+                           : at::Tensor();
   for (int64_t i = 0; i < L; ++i) {
     const LayerWeights& lw = w_.layers[i];
     const double eps = cfg_.rms_norm_eps;
@@ -355,13 +352,13 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
                             replay.defined() ? replay.select(1, i) : at::Tensor(), opt);
     x = x + rms_norm(moe.out, lw.post_moe_norm, eps);
     routing.push_back(moe.ids);
-    balance = balance + moe.balance;
+    if (balance.defined()) balance = balance + moe.balance;
   }
   at::Tensor xn = rms_norm(x, w_.final_norm, cfg_.rms_norm_eps);
 
   ForwardOutput out;
   out.routing = at::stack(routing, 1).to(at::kByte);  // [T, L, k]
-  out.load_balance_loss = balance / double(L);
+  if (opt.load_balance) out.load_balance_loss = balance / double(L);
   if (opt.skip_head) {
     out.hidden = xn;
     return out;

@@ -75,6 +75,7 @@ struct ForwardOptions {
   bool skip_head = false;       // stop after the final norm: return `hidden` only (rollout samples
                                 // from the rows it needs)
   bool check_inputs = true;     // range-check token and routing ids (costs device syncs)
+  bool load_balance = true;     // compute load_balance_loss (the rollout engine skips it: fewer kernels)
   at::Tensor positions;         // [T] int64 on the model's device: overrides the batch's positions
                                 // (CUDA-graph capture: no tensor may be built from host data)
 };
@@ -83,7 +84,7 @@ struct ForwardOutput {
   at::Tensor logits;            // [T, V] fp32, when asked
   at::Tensor logprobs;          // [T] fp32 (fp64 in fp64 runs), when targets were given
   at::Tensor routing;           // [T, L, k] uint8: the expert sets actually used
-  at::Tensor load_balance_loss; // scalar fp32: mean over layers of E * sum_i f_i * P_i
+  at::Tensor load_balance_loss; // scalar fp32: mean over layers of E * sum_i f_i * P_i (when asked)
   at::Tensor hidden;            // [T, d] after the final norm, when skip_head
 };
 

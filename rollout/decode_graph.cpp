@@ -75,6 +75,7 @@ struct DecodeGraphs::Impl {
       opt.attention = this;
       opt.skip_head = true;
       opt.check_inputs = false;
+      opt.load_balance = false;
       opt.positions = positions;
       model::ForwardOutput out = m.forward(batch, opt);
       routing = out.routing;

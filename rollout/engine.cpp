@@ -601,6 +601,7 @@ struct Engine::Impl : model::AttentionBackend {
       opt.attention = this;
       opt.skip_head = true;
       opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
+      opt.load_balance = false;
       model::ForwardOutput out = model.forward(batch, opt);
       routing = out.routing.cpu().contiguous();
       hidden = out.hidden;

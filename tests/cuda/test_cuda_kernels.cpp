@@ -1,9 +1,12 @@
-// CUDA paths against their CPU references: the RMSNorm kernel on odd sizes in fp32 and bf16.
+// CUDA paths against their references on odd sizes in fp32 and bf16: the RMSNorm kernel (shared
+// and per-row weights), the fused RoPE kernel (bitwise) and the MoE layout kernel (exact).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include "core/error.h"
+#include "kernels/moe_layout.h"
 #include "kernels/rms_norm.h"
+#include "kernels/rope.h"
 #include "tests/test_util.h"
 
 namespace kiln {
@@ -67,6 +70,58 @@ TEST(CudaRmsNorm, NonContiguousInputAndErrors) {
   EXPECT_THROW(kernels::rms_norm_cuda(x, at::rand({18}, at::kCUDA), 1e-6), Error);
   EXPECT_THROW(kernels::rms_norm_cuda(x, w.to(at::kBFloat16), 1e-6), Error);
   EXPECT_THROW(kernels::rms_norm_cuda(x.cpu(), w.cpu(), 1e-6), Error);
+}
+
+TEST(CudaRmsNorm, PerRowWeightsMatchReference) {
+  at::manual_seed(2);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (int64_t rows : {1, 19, 111}) {
+      for (int64_t cols : {19, 1024, 4097}) {
+        at::Tensor x = (at::randn({rows, cols}) * 3).to(dtype).cuda();
+        at::Tensor w = (at::rand({rows, cols}) + 0.5).to(dtype).cuda();
+        at::Tensor out = kernels::rms_norm(x, w, 1e-6);  // dispatches to the kernel (no grad)
+        at::Tensor ref = kernels::rms_norm_reference(x, w, 1e-6);
+        const double tol = dtype == at::kFloat ? 1e-5 : 0x1p-7 + 0x1p-8;
+        EXPECT_TRUE(test::all_close(out.cpu(), ref.cpu(), tol, 1e-5)) << dtype << " " << rows << "x" << cols;
+      }
+    }
+  }
+  at::Tensor x = at::randn({4, 8}, at::kCUDA);
+  EXPECT_TRUE(test::throws_with([&] { kernels::rms_norm_cuda(x, at::rand({3, 8}, at::kCUDA), 1e-6); },
+                                {"weight must be [8] or, for 2-D x"}));
+}
+
+TEST(CudaRope, BitwiseEqualsReference) {
+  at::manual_seed(3);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (int64_t T : {1, 19, 111, 4097}) {
+      for (int64_t hd : {16, 128}) {
+        at::Tensor x = at::randn({T, 3, hd}).to(dtype).cuda();
+        at::Tensor ang = at::rand({T, hd}) * 6.3;
+        at::Tensor c = ang.cos().to(dtype).cuda(), s = ang.sin().to(dtype).cuda();
+        at::Tensor out = kernels::apply_rope_cuda(x, c, s);
+        EXPECT_TRUE(test::all_equal(out.cpu(), kernels::apply_rope_reference(x, c, s).cpu()))
+            << dtype << " T " << T << " hd " << hd;
+      }
+    }
+  }
+}
+
+TEST(CudaMoeLayout, EqualsReferenceExactly) {
+  at::manual_seed(4);
+  for (int64_t tokens : {1, 19, 111, 4097}) {
+    for (auto [E, k] : std::vector<std::pair<int64_t, int64_t>>{{8, 2}, {64, 8}, {256, 8}}) {
+      // Skewed routing: a few experts take most slots, many stay empty.
+      at::Tensor flat = (at::rand({tokens * k}).pow(3) * double(E)).to(at::kLong).clamp_max(E - 1).cuda();
+      auto [sorted, order] = at::sort(flat, /*stable=*/true, 0, false);
+      kernels::MoeLayout a = kernels::moe_layout_cuda(sorted, order, E, k, 16);
+      kernels::MoeLayout b = kernels::moe_layout_reference(sorted, order, E, k, 16);
+      EXPECT_EQ(a.bound, b.bound);
+      for (auto [x, y] : {std::pair{a.counts, b.counts}, {a.offsets, b.offsets}, {a.dest, b.dest},
+                          {a.src_token, b.src_token}, {a.slot_row, b.slot_row}})
+        EXPECT_TRUE(test::all_equal(x.cpu(), y.cpu())) << "tokens " << tokens << " E " << E;
+    }
+  }
 }
 
 }  // namespace

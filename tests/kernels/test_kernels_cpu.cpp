@@ -1,5 +1,6 @@
 // The kernels' CPU references: paged decode attention equals the model's plain attention over the
-// same keys (full and window, shuffled blocks, rings), and the sampler's greedy and tie rules.
+// same keys (full and window, shuffled blocks, rings), the sampler's greedy and tie rules, and the
+// MoE layout on a hand-worked case.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -7,6 +8,7 @@
 #include <numeric>
 #include <random>
 
+#include "kernels/moe_layout.h"
 #include "kernels/paged_attention.h"
 #include "kernels/sampling.h"
 #include "model/muse.h"
@@ -104,6 +106,23 @@ TEST(SamplingReference, GreedyTakesTheFirstMaximumAndDrawsFollowTheCdf) {
   EXPECT_EQ(ids[2].item<int64_t>(), kernels::sample_row_reference(x, 5, 0.5, 6).first);
   EXPECT_TRUE(test::throws_with([&] { kernels::sample_rows(logits, at::zeros({3}), at::zeros({3}, at::kLong)); },
                                 {"temperature must be fp64 [3]"}));
+}
+
+TEST(MoeLayoutReference, HandWorkedCase) {
+  // 3 tokens, top-2, 4 experts: slots (token-major) go to experts 2,0 | 2,3 | 0,2.
+  at::Tensor flat = at::tensor(std::vector<int64_t>{2, 0, 2, 3, 0, 2});
+  auto [sorted, order] = at::sort(flat, /*stable=*/true, 0, false);
+  kernels::MoeLayout l = kernels::moe_layout_reference(sorted, order, 4, 2, 4);
+  // counts 2,0,3,1 -> padded 4,0,4,4: segments start at rows 0, 4, 4, 8; bound = 6 + 4 * 3 = 18.
+  EXPECT_TRUE(test::all_equal(l.counts, at::tensor(std::vector<int64_t>{2, 0, 3, 1})));
+  EXPECT_TRUE(test::all_equal(l.offsets, at::tensor(std::vector<int32_t>{4, 4, 8, 18})));
+  EXPECT_EQ(l.bound, 18);
+  // Sorted slots: 1,4 (expert 0), 0,2,5 (expert 2), 3 (expert 3).
+  EXPECT_TRUE(test::all_equal(l.dest, at::tensor(std::vector<int64_t>{0, 1, 4, 5, 6, 8})));
+  EXPECT_TRUE(test::all_equal(l.src_token, at::tensor(std::vector<int64_t>{0, 2, 0, 1, 2, 1})));
+  EXPECT_TRUE(test::all_equal(l.slot_row, at::tensor(std::vector<int64_t>{4, 0, 5, 8, 1, 6})));
+  EXPECT_TRUE(test::throws_with([&] { kernels::moe_layout_reference(sorted, order, 4, 4, 4); },
+                                {"a multiple of top_k"}));
 }
 
 }  // namespace

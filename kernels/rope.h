@@ -1,0 +1,15 @@
+// Rotary position embedding, rotate-half (HF) convention: y = x * cos + rotate_half(x) * sin, with
+// every product and the sum rounded to x's dtype as ATen does. Reference + fused CUDA kernel.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+namespace kiln::kernels {
+
+// x [T, H, hd]; cos and sin [T, hd] in x's dtype. Dispatches to the CUDA kernel for contiguous
+// CUDA fp32/bf16 inputs when no gradient is needed; otherwise runs the reference.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor apply_rope_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// The CUDA kernel (bitwise equal to the reference); throws in builds without CUDA.
+at::Tensor apply_rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace kiln::kernels
