@@ -108,6 +108,9 @@ class Muse {
   // Every parameter under its in-memory name (experts stacked: "...mlp.experts.gate_proj" [E,I,d_l]).
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
   void set_requires_grad(bool on);
+  // A deep copy: its own detached storage for every tensor (the rollout engine's weights, the
+  // frozen reference policy of the KL term).
+  Muse clone() const;
 
   ForwardOutput forward(const PackedBatch& batch, const ForwardOptions& opt = {}) const;
   // fp32 logits [rows, V] of final-normed hidden states (fp64 in fp64 runs).

@@ -1,5 +1,6 @@
 // Muse weights: seeded random init, named parameters, HF-named checkpoint save and load.
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <filesystem>
@@ -131,6 +132,23 @@ std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {
     if (trainable) out.emplace_back(n, t);
   });
   return out;
+}
+
+Muse Muse::clone() const {
+  at::NoGradGuard g;
+  Weights w = w_;
+  auto copy = [](at::Tensor& t) {
+    if (t.defined()) t = t.detach().clone();
+  };
+  copy(w.embed);
+  copy(w.lm_head);
+  copy(w.final_norm);
+  for (auto& l : w.layers)
+    for (at::Tensor* t : {&l.input_norm, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.post_attn_norm, &l.pre_moe_norm,
+                          &l.router, &l.router_bias, &l.pooler, &l.expert_gate, &l.expert_up, &l.expert_down,
+                          &l.expert_norm, &l.unpooler, &l.post_moe_norm})
+      copy(*t);
+  return Muse(cfg_, std::move(w));
 }
 
 void Muse::set_requires_grad(bool on) {

@@ -169,7 +169,7 @@ struct Engine::Impl : model::AttentionBackend {
   EngineStats st;
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
 
-  Impl(const model::Muse& m, EngineConfig config) : model(clone(m)), cfg(m.config()), ec(config) {
+  Impl(const model::Muse& m, EngineConfig config) : model(m.clone()), cfg(m.config()), ec(config) {
     ec.validate();
     B = ec.block_size;
     W = cfg.sliding_window;
@@ -201,23 +201,6 @@ struct Engine::Impl : model::AttentionBackend {
       KvPools p{k_full, v_full, k_win, v_win, B, W, R, full_blocks, win_blocks, group_index};
       graphs = std::make_unique<DecodeGraphs>(model, std::move(p), ec.max_num_seqs);
     }
-  }
-
-  static model::Muse clone(const model::Muse& m) {
-    at::NoGradGuard g;
-    model::Weights w = m.weights();
-    auto c = [](at::Tensor& t) {
-      if (t.defined()) t = t.detach().clone();
-    };
-    c(w.embed);
-    c(w.lm_head);
-    c(w.final_norm);
-    for (auto& l : w.layers)
-      for (at::Tensor* t : {&l.input_norm, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.post_attn_norm,
-                            &l.pre_moe_norm, &l.router, &l.router_bias, &l.pooler, &l.expert_gate, &l.expert_up,
-                            &l.expert_down, &l.expert_norm, &l.unpooler, &l.post_moe_norm})
-        c(*t);
-    return model::Muse(m.config(), std::move(w));
   }
 
   // ---- blocks -------------------------------------------------------------------------------

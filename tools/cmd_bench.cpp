@@ -1,6 +1,8 @@
 // `kiln bench <case>`: timings that print a ratio against a baseline measured in the same run.
 // Cases: rmsnorm (CUDA kernel vs ATen ops vs a device copy), forward (forward and forward+backward,
-// grouped GEMM vs per-expert loop), decode (engine decode vs full recompute vs the bytes roofline).
+// grouped GEMM vs per-expert loop), decode (engine decode vs full recompute vs the bytes roofline),
+// train (one training step's forward+backward on 8192 packed tokens: tok/s, model TFLOP/s, grouped
+// GEMM vs per-expert loop).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -91,6 +93,56 @@ void bench_forward(at::Device device, const std::string& config, int64_t seqs, i
     fmt::print("{:>22} {:>12.0f} {:>12.0f} {:>8.2f}x\n", train ? "forward+backward" : "forward (no grad)", T / t[0],
                T / t[1], t[0] / t[1]);
   }
+}
+
+// Model FLOPs of one training step (forward + backward = 3x forward) on sequences of `len` tokens:
+// 2 per multiply-add of every matmul a token passes (attention projections, router, pooler and
+// unpooler, its k experts, lm_head), plus causal attention scores and values over the keys each
+// query sees (a window layer sees at most W).
+double train_step_flops(const model::ModelConfig& c, int64_t seqs, int64_t len) {
+  const model::ParamCounts p = model::count_parameters(c);
+  const double matmul = double(p.attention + p.latent + p.router + p.head) +
+                        double(p.experts) * double(c.top_k) / double(c.num_experts);
+  double keys = 0;  // sum over layers and query positions of the keys attended
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    for (int64_t t = 0; t < len; ++t) keys += double(c.is_full_attention(l) ? t + 1 : std::min(t + 1, c.sliding_window));
+  const double forward = 2.0 * matmul * double(seqs * len) + 4.0 * double(c.q_size()) * keys * double(seqs);
+  return 3.0 * forward;
+}
+
+void bench_train(at::Device device, const std::string& config, int64_t seqs, int64_t tokens) {
+  const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
+  KILN_CHECK(seqs >= 1 && tokens % seqs == 0, "bench train: --tokens ", tokens, " must split into --seqs ", seqs,
+             " equal sequences");
+  const int64_t len = tokens / seqs;
+  const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  model::Muse m = model::Muse::init(cfg, 0, dtype, device);
+  m.set_requires_grad(true);
+  std::vector<std::vector<int64_t>> seq_tokens(seqs);
+  at::Tensor ids = at::randint(cfg.vocab_size, {tokens}, at::kLong);
+  for (int64_t s = 0; s < seqs; ++s)
+    seq_tokens[s].assign(ids.data_ptr<int64_t>() + s * len, ids.data_ptr<int64_t>() + (s + 1) * len);
+  model::PackedBatch batch = model::PackedBatch::from_sequences(seq_tokens, device);
+  model::ForwardOptions opt;
+  opt.targets = ids.to(device);
+  const double flops = train_step_flops(cfg, seqs, len);
+  fmt::print("train step: {} in {} on {}, {} sequences x {} tokens packed; forward + backward of the mean "
+             "log-prob loss (optimizer excluded); {:.4g} TFLOP per step\n",
+             cfg.name, at::toString(dtype), device.str(), seqs, len, flops / 1e12);
+  fmt::print("{:>16} {:>12} {:>10} {:>10}\n", "experts", "tok/s", "TFLOP/s", "ms/step");
+  double t[2];
+  const char* names[2] = {"per-expert loop", "grouped GEMM"};
+  // The grouped GEMM is CUDA-only: on the CPU the loop is the one path, timed once.
+  const int paths = device.is_cuda() ? 2 : 1;
+  for (int g = 0; g < paths; ++g) {
+    opt.use_grouped_mm = g == 1;
+    t[g] = time_it(device, [&] {
+      for (auto& [n, p] : m.named_parameters()) p.mutable_grad() = at::Tensor();
+      (-m.forward(batch, opt).logprobs.mean()).backward();
+    }, 2, 7);
+    fmt::print("{:>16} {:>12.0f} {:>10.3f} {:>10.1f}\n", names[g], double(tokens) / t[g], flops / t[g] / 1e12, t[g] * 1e3);
+  }
+  if (paths == 2) fmt::print("grouped / loop: {:.2f}x\n", t[0] / t[1]);
 }
 
 // Bytes one decode step must read for `batch` sequences at context `ctx`: every non-expert weight,
@@ -209,23 +261,27 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
 Run add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench", "Benchmarks, each against a baseline timed in the same run");
   struct Args {
-    std::string name, device = "cuda", config = "configs/muse-small.yaml";
-    int64_t seqs = 8, len = 1024, gen = 32;
+    std::string name, device = "cuda", config = "configs/muse-small.yaml", model;
+    int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("case", a->name, "rmsnorm, forward or decode")
+  cmd->add_option("case", a->name, "rmsnorm, forward, decode or train")
       ->required()
-      ->check(CLI::IsMember({"rmsnorm", "forward", "decode"}));
+      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "train"}));
+  cmd->add_option("model", a->model, "Model config (the same as --config), e.g. kiln bench train configs/muse-small.yaml");
   cmd->add_option("--device", a->device, "cpu or cuda")->capture_default_str();
   cmd->add_option("--config", a->config, "Model config for the forward case")->capture_default_str();
   cmd->add_option("--seqs", a->seqs, "Sequences per batch (forward)")->capture_default_str();
   cmd->add_option("--len", a->len, "Tokens per sequence (forward) or prompt length (decode)")->capture_default_str();
   cmd->add_option("--gen", a->gen, "Generated tokens per sample (decode)")->capture_default_str();
+  cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->capture_default_str();
   return [a] {
     const at::Device device(a->device);
+    const std::string config = a->model.empty() ? a->config : a->model;
     if (a->name == "rmsnorm") bench_rmsnorm(device);
-    else if (a->name == "decode") bench_decode(device, a->config, a->len, a->gen);
-    else bench_forward(device, a->config, a->seqs, a->len);
+    else if (a->name == "decode") bench_decode(device, config, a->len, a->gen);
+    else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens);
+    else bench_forward(device, config, a->seqs, a->len);
   };
 }
 

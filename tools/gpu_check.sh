@@ -55,6 +55,18 @@ step "bench rmsnorm"
 ./build-gpu/kiln bench rmsnorm --device cuda 2>&1 | tee "$out/bench-rmsnorm.txt"
 step "bench decode (muse-small)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 2>&1 | tee "$out/bench-decode.txt"
+step "bench train (muse-small, 8192 packed tokens)"
+./build-gpu/kiln bench train configs/muse-small.yaml --device cuda 2>&1 | tee "$out/bench-train.txt"
+step "GRPO smoke run: muse-small, bf16 trainer and rollout, R3 on and off"
+./build-gpu/kiln train recipes/grpo-arith-small-gpu.yaml --out "$tmp/small" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -5
+python3 - "$tmp/small/metrics.jsonl" <<'PY' 2>&1 | tee "$out/grpo-small.txt"
+import sys, json
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"mismatch"' in l]
+for m in rows:
+    on, off = m["mismatch"], m["mismatch_no_replay"]
+    print(f"step {m['step']}: R3 on  mean|dlp| seq {on['mean_abs_seq']:.3e} tok {on['mean_abs_token']:.3e} max {on['max_abs']:.3e} k3 {on['k3_kl']:.3e} out[0.5,2] {on['frac_outside']:.2e}")
+    print(f"        R3 off mean|dlp| seq {off['mean_abs_seq']:.3e} tok {off['mean_abs_token']:.3e} max {off['max_abs']:.3e} k3 {off['k3_kl']:.3e} out[0.5,2] {off['frac_outside']:.2e}; routing disagreement {m['routing_disagreement']:.4f}; rollout {m['rollout_seconds']:.2f} s, train {m['train_seconds']:.2f} s")
+PY
 step "bench forward (muse-small)"
 ./build-gpu/kiln bench forward --device cuda --config configs/muse-small.yaml --seqs 8 --len 1024 2>&1 | tee "$out/bench-forward.txt"
 step done

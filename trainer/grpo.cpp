@@ -123,6 +123,7 @@ struct GrpoTrainer::Impl {
   DataStream stream;
   rollout::Engine engine;
   std::unique_ptr<torch::optim::AdamW> opt;
+  std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
   int64_t steps = 0;
 
   Impl(model::Muse& p, GrpoConfig c, CharTokenizer t, Dataset d)
@@ -131,6 +132,7 @@ struct GrpoTrainer::Impl {
     cfg.validate();
     KILN_CHECK(tok.vocab_size() <= policy.config().vocab_size, "grpo: tokenizer vocabulary (", tok.vocab_size(),
                ") exceeds the model's vocab_size (", policy.config().vocab_size, ")");
+    if (cfg.loss.kl_coef != 0) reference = std::make_unique<model::Muse>(policy.clone());
     policy.set_requires_grad(true);
     std::vector<at::Tensor> params;
     for (auto& [name, t] : policy.named_parameters()) params.push_back(t);
@@ -138,22 +140,25 @@ struct GrpoTrainer::Impl {
         params, torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
   }
 
-  // Log-probs (and own routing) of every target under the current policy, micro-batched.
+  // Log-probs (and own routing) of every target under `model` (the current policy, or the frozen
+  // reference), micro-batched.
   struct Scored {
     at::Tensor logprobs;  // [T]
     at::Tensor routing;   // [T, L, k]
   };
-  Scored score(const std::vector<Trajectory>& trajs, bool replay) {
+  Scored score(const std::vector<Trajectory>& trajs, bool replay) { return score(policy, trajs, replay); }
+  Scored score(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay) {
     at::NoGradGuard g;
     std::vector<at::Tensor> lps, routes;
     for (size_t b = 0; b < trajs.size(); b += size_t(cfg.micro_batch_seqs)) {
       const size_t e = std::min(trajs.size(), b + size_t(cfg.micro_batch_seqs));
-      Packed p = pack(trajs, b, e, policy.device(), at::kDouble);
+      Packed p = pack(trajs, b, e, model.device(), at::kDouble);
       model::ForwardOptions o;
       o.targets = p.targets;
       o.temperature = cfg.temperature;
+      o.load_balance = false;
       if (replay) o.replay_routing = p.routing;
-      auto out = policy.forward(p.batch, o);
+      auto out = model.forward(p.batch, o);
       lps.push_back(out.logprobs.to(at::kDouble));
       routes.push_back(out.routing.cpu());
     }
@@ -220,6 +225,9 @@ struct GrpoTrainer::Impl {
           mismatch_metrics(no_replay.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, whole.num_seqs);
       m.routing_disagreement = routing_disagreement(no_replay.routing, whole.routing, at::ones({whole.batch.num_tokens()}));
     }
+    // lp_ref for the k3 KL term, with the same expert sets as lp_old.
+    Scored ref;
+    if (reference) ref = score(*reference, trajs, cfg.routing_replay);
     // 5. Optimizer mini-steps: each over a disjoint slice of the trajectories, micro-batched.
     const double total_tokens = whole.mask.sum().item<double>();
     const int64_t per_mini = (int64_t(trajs.size()) + cfg.mini_steps - 1) / cfg.mini_steps;
@@ -249,6 +257,9 @@ struct GrpoTrainer::Impl {
         in.seq_ids = p.seq_ids;
         in.num_seqs = p.num_seqs;
         in.rollout_logprobs = p.rollout_lp;
+        if (reference)
+          in.ref_logprobs = ref.logprobs.narrow(0, token_offsets[b], token_offsets[e] - token_offsets[b])
+                                .to(policy.device(), out.logprobs.scalar_type());
         in.total_tokens = slice_tokens;
         in.total_seqs = double(me - mb);
         auto lo = policy_loss(in, cfg.loss);
@@ -299,6 +310,7 @@ void GrpoTrainer::save(const std::string& dir) const {
   remove_tree(tmp);
   fs::create_directories(tmp);
   model::save_checkpoint(impl_->policy, tmp + "/model");
+  if (impl_->reference) model::save_checkpoint(*impl_->reference, tmp + "/reference");
   torch::save(*impl_->opt, tmp + "/optimizer.pt");
   {
     std::ofstream f(tmp + "/state.json");
@@ -326,16 +338,23 @@ void GrpoTrainer::load(const std::string& dir) {
              "/state.json lacks step or data_position");
   KILN_CHECK(st.value("seed", uint64_t(0)) == impl_->cfg.seed, "grpo: checkpoint ", dir, " was made with seed ",
              st.value("seed", uint64_t(0)), " but the recipe says ", impl_->cfg.seed);
-  model::Muse saved = model::load_checkpoint(dir + "/model", impl_->policy.dtype(), impl_->policy.device());
-  {
+  auto restore = [&](model::Muse& into, const std::string& sub) {
+    model::Muse saved = model::load_checkpoint(dir + "/" + sub, into.dtype(), into.device());
     at::NoGradGuard g;
-    auto mine = impl_->policy.named_parameters(), theirs = saved.named_parameters();
-    KILN_CHECK(mine.size() == theirs.size(), "grpo: checkpoint ", dir, " holds a different model");
+    auto mine = into.named_parameters(), theirs = saved.named_parameters();
+    KILN_CHECK(mine.size() == theirs.size(), "grpo: checkpoint ", dir, "/", sub, " holds a different model");
     for (size_t i = 0; i < mine.size(); ++i) {
-      KILN_CHECK(mine[i].second.sizes() == theirs[i].second.sizes(), "grpo: checkpoint ", dir, " tensor ",
+      KILN_CHECK(mine[i].second.sizes() == theirs[i].second.sizes(), "grpo: checkpoint ", dir, "/", sub, " tensor ",
                  mine[i].first, " has shape ", theirs[i].second.sizes(), ", the model ", mine[i].second.sizes());
       mine[i].second.copy_(theirs[i].second);
     }
+  };
+  restore(impl_->policy, "model");
+  if (impl_->reference) {
+    KILN_CHECK(std::filesystem::exists(dir + "/reference/config.json"), "grpo: checkpoint ", dir,
+               " has no reference/ policy but the recipe's kl_coef=", impl_->cfg.loss.kl_coef,
+               " needs one; resume with the kl_coef the run was started with");
+    restore(*impl_->reference, "reference");
   }
   torch::load(*impl_->opt, dir + "/optimizer.pt");
   impl_->steps = st["step"].get<int64_t>();

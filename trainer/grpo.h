@@ -60,8 +60,9 @@ class GrpoTrainer {
   double evaluate(int64_t limit);
   int64_t steps_done() const;
   const DataStream& stream() const;
-  // A resumable checkpoint in `dir`: weights (safetensors + config.json), AdamW state, the step
-  // and the data position. Written into a temporary directory that replaces `dir` at the end, so
+  // A resumable checkpoint in `dir`: weights (safetensors + config.json), AdamW state, the step,
+  // the data position, and with kl_coef != 0 the frozen reference policy (the policy the trainer
+  // started from). Written into a temporary directory that replaces `dir` at the end, so
   // the previous checkpoint survives a crash mid-write. Sampling seeds derive from (seed, step),
   // so no RNG state is needed for the same samples after a resume.
   void save(const std::string& dir) const;

@@ -75,7 +75,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     } catch (const Error& e) {
       l.fail("aggregation", e.what());
     }
-    if (g.loss.kl_coef != 0) l.fail("kl_coef", "the KL term needs a reference policy, which arrives with LoRA; use 0");
+    if (g.loss.kl_coef < 0) l.fail("kl_coef", "must be >= 0 (0 turns the KL term off)");
   }
   {
     auto o = top.child("optim");
@@ -95,6 +95,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     ro.get("max_num_seqs", g.engine.max_num_seqs);
     ro.get("max_batch_tokens", g.engine.max_batch_tokens);
     ro.get("prefill_chunk", g.engine.prefill_chunk);
+    ro.get("cuda_graphs", g.engine.cuda_graphs);
     ro.finish();
   }
   {
@@ -175,7 +176,8 @@ std::string Recipe::to_yaml() const {
     << double(g.engine.kv_cache_bytes) / double(1 << 20) << YAML::Key << "block_size" << YAML::Value
     << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key
     << "max_batch_tokens" << YAML::Value << g.engine.max_batch_tokens << YAML::Key << "prefill_chunk"
-    << YAML::Value << g.engine.prefill_chunk << YAML::EndMap;
+    << YAML::Value << g.engine.prefill_chunk << YAML::Key << "cuda_graphs" << YAML::Value << g.engine.cuda_graphs
+    << YAML::EndMap;
   e << YAML::Key << "reward" << YAML::Value << YAML::BeginMap << YAML::Key << "correct" << YAML::Value
     << g.reward.correct << YAML::Key << "format" << YAML::Value << g.reward.format << YAML::EndMap;
   e << YAML::Key << "sft" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << sft.steps

@@ -93,13 +93,16 @@ std::string without_times(const StepMetrics& m) {
   return c.to_json();
 }
 
-TEST(Grpo, ResumeFromACheckpointReproducesTheUninterruptedRunBitwise) {
+// Runs 4 steps straight, and 2 + save + load + 2 into other weights: every step's metrics and the
+// final weights must agree bitwise.
+void check_resume(double kl_coef) {
   model::ModelConfig mc = test::byte_vocab_config();
   mc.init_std = 1.0;
   model::Muse a = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
   Dataset data = self_consistent_problems(a, 200);
   GrpoConfig cfg = small_grpo();
   cfg.max_tokens = 1;
+  cfg.loss.kl_coef = kl_coef;
   std::vector<std::string> straight;
   {
     GrpoTrainer t(a, cfg, CharTokenizer(128), data);
@@ -124,6 +127,37 @@ TEST(Grpo, ResumeFromACheckpointReproducesTheUninterruptedRunBitwise) {
     EXPECT_TRUE(test::all_equal(c.named_parameters()[i].second, a.named_parameters()[i].second))
         << a.named_parameters()[i].first;
   EXPECT_TRUE(test::throws_with([&] { resumed.load(dir / "nothing"); }, {"no checkpoint state"}));
+  if (kl_coef != 0) {  // the reference policy is part of the checkpoint
+    GrpoConfig no_kl = cfg;
+    no_kl.loss.kl_coef = 0;
+    model::Muse d = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+    GrpoTrainer plain(d, no_kl, CharTokenizer(128), data);
+    plain.step();
+    plain.save(dir / "plain");
+    EXPECT_TRUE(test::throws_with([&] { resumed.load(dir / "plain"); }, {"has no reference/ policy", "kl_coef"}));
+  }
+}
+
+TEST(Grpo, ResumeFromACheckpointReproducesTheUninterruptedRunBitwise) { check_resume(0.0); }
+TEST(Grpo, ResumeWithTheKlTermRestoresTheReferencePolicy) { check_resume(0.05); }
+
+TEST(Grpo, KlToTheFrozenReferenceStartsAtZeroAndGrows) {
+  model::ModelConfig mc = test::byte_vocab_config();
+  mc.init_std = 1.0;
+  model::Muse policy = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  Dataset data = self_consistent_problems(policy, 200);
+  GrpoConfig cfg = small_grpo();
+  cfg.max_tokens = 1;
+  cfg.loss.kl_coef = 0.1;
+  GrpoTrainer trainer(policy, cfg, CharTokenizer(128), data);
+  // Step 1's single mini-step trains the starting weights: the policy is the reference.
+  const StepMetrics first = trainer.step();
+  EXPECT_GE(first.kl, 0.0);
+  EXPECT_LT(first.kl, 1e-7) << first.to_json();
+  double later = 0;
+  for (int s = 0; s < 3; ++s) later = trainer.step().kl;
+  EXPECT_GT(later, 1e-6);  // lr 1e-2 moves the policy away from the frozen reference
+  EXPECT_TRUE(std::isfinite(later));
 }
 
 TEST(Grpo, ReplayOffStillRunsAndConfigErrorsAreClear) {
