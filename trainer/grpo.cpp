@@ -242,7 +242,8 @@ struct GrpoTrainer::Impl {
       opt->zero_grad();
       for (size_t b = mb; b < me; b += size_t(cfg.micro_batch_seqs)) {
         const size_t e = std::min(me, b + size_t(cfg.micro_batch_seqs));
-        Packed p = pack(trajs, b, e, policy.device(), policy.dtype());
+        // Masks and advantages in the loss dtype (fp32 for a bf16 policy, like its log-probs).
+        Packed p = pack(trajs, b, e, policy.device(), model::router_dtype(policy.dtype()));
         model::ForwardOptions o;
         o.targets = p.targets;
         o.temperature = cfg.temperature;
