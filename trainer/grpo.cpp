@@ -199,7 +199,7 @@ struct GrpoTrainer::Impl {
         t.tokens.insert(t.tokens.end(), s.tokens.begin(), s.tokens.end());
         t.rollout_lp = s.logprobs;
         t.routing = s.routing;
-        const std::string text = tok.decode(s.tokens);
+        const std::string text = tok.decode_sample(s.tokens);
         rewards.push_back(reward(text, problems[i].answer, cfg.reward));
         correct += exact_match_reward(text, problems[i].answer);
         length += double(s.tokens.size());
@@ -300,7 +300,7 @@ struct GrpoTrainer::Impl {
     auto outs = engine.generate(reqs);
     double correct = 0;
     for (int64_t i = 0; i < count; ++i)
-      correct += exact_match_reward(tok.decode(outs[i].samples[0].tokens), data.test[i].answer);
+      correct += exact_match_reward(tok.decode_sample(outs[i].samples[0].tokens), data.test[i].answer);
     return correct / double(count);
   }
 };

@@ -127,6 +127,13 @@ std::string CharTokenizer::decode(const std::vector<int64_t>& ids) const {
   return text;
 }
 
+std::string CharTokenizer::decode_sample(const std::vector<int64_t>& ids) const {
+  std::string text(ids.size(), '\0');
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] >= 0 && ids[i] < vocab_size_) text[i] = char(static_cast<unsigned char>(ids[i]));
+  return text;
+}
+
 // ---- problems ----
 
 std::vector<Problem> arithmetic_problems(int64_t count, int difficulty, uint64_t seed) {

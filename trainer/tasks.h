@@ -17,6 +17,9 @@ class CharTokenizer {
   explicit CharTokenizer(int64_t vocab_size = 128);  // in [11, 256]: must hold pad and eos
   std::vector<int64_t> encode(const std::string& text) const;
   std::string decode(const std::vector<int64_t>& ids) const;
+  // For model samples: an id the tokenizer lacks (a model vocabulary larger than its 256 bytes)
+  // becomes the pad byte, which no answer holds, so such a sample scores as wrong.
+  std::string decode_sample(const std::vector<int64_t>& ids) const;
   int64_t vocab_size() const { return vocab_size_; }
   int64_t eos_id() const { return '\n'; }
   int64_t pad_id() const { return 0; }
