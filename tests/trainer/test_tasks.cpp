@@ -73,6 +73,15 @@ TEST(TokenizerTest, DecodeRejectsIdsOutsideVocab) {
   EXPECT_EQ(tok.decode({127}), "\x7F");
 }
 
+TEST(TokenizerTest, SamplesWithIdsOutsideVocabDecodeToWrongAnswers) {
+  // A model vocabulary larger than the tokenizer's (muse-small: 65536) can sample such ids.
+  CharTokenizer tok(128);
+  const std::string text = tok.decode_sample({'4', 28341, '2', -1, '\n'});
+  EXPECT_EQ(text, std::string("4\0" "2\0\n", 5));
+  EXPECT_EQ(trainer::exact_match_reward(text, "42"), 0.0);
+  EXPECT_EQ(trainer::exact_match_reward(tok.decode_sample({'4', '2', '\n'}), "42"), 1.0);
+}
+
 TEST(TokenizerTest, RejectsVocabSizeWithoutRoomForEos) {
   EXPECT_TRUE(throws_with([] { CharTokenizer t(10); }, {"vocab_size=10"}));
   EXPECT_TRUE(throws_with([] { CharTokenizer t(257); }, {"vocab_size=257"}));
