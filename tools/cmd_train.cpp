@@ -33,6 +33,7 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   Setup s{trainer::Recipe::from_yaml_file(path), nullptr, {}};
   trainer::Recipe& r = s.recipe;
   overrides(r);
+  r.sync_schedules();
   if (!out.empty()) r.out = out;
   if (!init_from.empty()) r.init_from = init_from, r.model_config.clear();
   std::filesystem::create_directories(r.out);

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The main job (until the GRPO demo lands): plan the full 816B model, then build muse-tiny and
-# run a forward pass on the CPU. Expects tools/setup.sh to have built build/kiln.
+# The main job: the tiny GRPO demo on the CPU. A supervised warm start (kiln sft), GRPO with
+# routing replay from that checkpoint (kiln train), then a plot of reward, accuracy and mismatch
+# (kiln plot). Expects tools/setup.sh to have built build/kiln. Usage: tools/demo.sh [run_dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./build/kiln info configs/muse-spark-open-816b.yaml
+out="${1:-runs/grpo-arith-tiny}"
+recipe=recipes/grpo-arith-tiny.yaml
+start=$(date +%s)
+./build/kiln sft "$recipe" --out "$out"    # ends with the warm start's held-out accuracy
 echo
-./build/kiln init configs/muse-tiny.yaml out/muse-tiny --seed 0
-./build/kiln forward --model out/muse-tiny --tokens "$(printf '%d,' $(echo -n '12+34=46' | od -An -tu1) | sed 's/,$//')"
+./build/kiln train "$recipe" --init-from "$out/sft" --out "$out"    # ends with GRPO's
+echo
+./build/kiln plot "$out"
+echo "demo: $(( $(date +%s) - start )) s; run directory $out"

@@ -88,6 +88,7 @@ void GrpoConfig::validate() const {
   KILN_CHECK(micro_batch_seqs >= 1, "grpo: micro_batch_seqs must be positive (got ", micro_batch_seqs, ")");
   reward.validate();
   engine.validate();
+  schedule.validate();
 }
 
 std::string StepMetrics::to_json() const {
@@ -99,6 +100,7 @@ std::string StepMetrics::to_json() const {
   j["clip_fraction"] = clip_fraction;
   j["grad_norm"] = grad_norm;
   j["kl"] = kl;
+  j["lr"] = lr;
   j["response_length"] = response_length;
   auto put = [](const MismatchMetrics& m) {
     return nlohmann::ordered_json{{"mean_abs_seq", m.mean_abs_seq}, {"mean_abs_token", m.mean_abs_token},
@@ -234,6 +236,8 @@ struct GrpoTrainer::Impl {
     double loss_sum = 0, clip_sum = 0, kl_sum = 0, norm_sum = 0;
     std::vector<int64_t> token_offsets = {0};
     for (const auto& t : trajs) token_offsets.push_back(token_offsets.back() + int64_t(t.tokens.size()));
+    set_lr(*opt, cfg.lr * cfg.schedule.factor(steps));
+    m.lr = cfg.lr * cfg.schedule.factor(steps);
     for (int64_t ms = 0; ms < cfg.mini_steps; ++ms) {
       const size_t mb = size_t(ms * per_mini), me = std::min(trajs.size(), size_t((ms + 1) * per_mini));
       if (mb >= me) break;

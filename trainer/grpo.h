@@ -10,6 +10,7 @@
 #include "model/muse.h"
 #include "rollout/engine.h"
 #include "trainer/losses.h"
+#include "trainer/schedule.h"
 #include "trainer/tasks.h"
 
 namespace kiln::trainer {
@@ -25,6 +26,7 @@ struct GrpoConfig {
   PolicyLossConfig loss;
   RewardConfig reward;
   double lr = 1e-3;
+  LrSchedule schedule;              // per GRPO step (its mini-steps share one lr)
   double weight_decay = 0.0;
   double grad_clip = 1.0;           // max global grad norm; 0 = off
   int64_t mini_steps = 1;           // optimizer steps per GRPO step, over disjoint slices of the batch
@@ -39,7 +41,7 @@ struct GrpoConfig {
 struct StepMetrics {
   int64_t step = 0;
   double reward = 0, accuracy = 0;        // mean reward; fraction of samples with the right answer
-  double loss = 0, clip_fraction = 0, grad_norm = 0, kl = 0;
+  double loss = 0, clip_fraction = 0, grad_norm = 0, kl = 0, lr = 0;
   double response_length = 0;             // mean generated tokens
   MismatchMetrics mismatch;               // with routing replay as configured
   bool has_no_replay = false;

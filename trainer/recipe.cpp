@@ -84,6 +84,9 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     o.get("grad_clip", g.grad_clip);
     o.get("mini_steps", g.mini_steps);
     o.get("micro_batch_seqs", g.micro_batch_seqs);
+    o.get("warmup_steps", g.schedule.warmup_steps);
+    o.get("lr_decay", g.schedule.decay);
+    o.get("min_lr_ratio", g.schedule.min_ratio);
     o.finish();
   }
   {
@@ -111,6 +114,9 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     s.get("lr", r.sft.lr);
     s.get("weight_decay", r.sft.weight_decay);
     s.get("grad_clip", r.sft.grad_clip);
+    s.get("warmup_steps", r.sft.schedule.warmup_steps);
+    s.get("lr_decay", r.sft.schedule.decay);
+    s.get("min_lr_ratio", r.sft.schedule.min_ratio);
     s.finish();
     try {
       r.sft.validate();
@@ -131,6 +137,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
   }
   top.finish();
   r.sft.seed = g.seed;
+  r.sync_schedules();
   try {
     g.validate();
   } catch (const Error& e) {
@@ -171,7 +178,9 @@ std::string Recipe::to_yaml() const {
   e << YAML::Key << "optim" << YAML::Value << YAML::BeginMap << YAML::Key << "lr" << YAML::Value << g.lr
     << YAML::Key << "weight_decay" << YAML::Value << g.weight_decay << YAML::Key << "grad_clip" << YAML::Value
     << g.grad_clip << YAML::Key << "mini_steps" << YAML::Value << g.mini_steps << YAML::Key << "micro_batch_seqs"
-    << YAML::Value << g.micro_batch_seqs << YAML::EndMap;
+    << YAML::Value << g.micro_batch_seqs << YAML::Key << "warmup_steps" << YAML::Value << g.schedule.warmup_steps
+    << YAML::Key << "lr_decay" << YAML::Value << g.schedule.decay << YAML::Key << "min_lr_ratio" << YAML::Value
+    << g.schedule.min_ratio << YAML::EndMap;
   e << YAML::Key << "rollout" << YAML::Value << YAML::BeginMap << YAML::Key << "kv_cache_mb" << YAML::Value
     << double(g.engine.kv_cache_bytes) / double(1 << 20) << YAML::Key << "block_size" << YAML::Value
     << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key
@@ -183,7 +192,9 @@ std::string Recipe::to_yaml() const {
   e << YAML::Key << "sft" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << sft.steps
     << YAML::Key << "batch_size" << YAML::Value << sft.batch_size << YAML::Key << "lr" << YAML::Value << sft.lr
     << YAML::Key << "weight_decay" << YAML::Value << sft.weight_decay << YAML::Key << "grad_clip" << YAML::Value
-    << sft.grad_clip << YAML::EndMap;
+    << sft.grad_clip << YAML::Key << "warmup_steps" << YAML::Value << sft.schedule.warmup_steps << YAML::Key
+    << "lr_decay" << YAML::Value << sft.schedule.decay << YAML::Key << "min_lr_ratio" << YAML::Value
+    << sft.schedule.min_ratio << YAML::EndMap;
   e << YAML::Key << "run" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << steps
     << YAML::Key << "eval_every" << YAML::Value << eval_every << YAML::Key << "eval_problems" << YAML::Value
     << eval_problems << YAML::Key << "checkpoint_every" << YAML::Value << checkpoint_every << YAML::Key << "seed" << YAML::Value << g.seed << YAML::Key << "out" << YAML::Value << out

@@ -33,6 +33,11 @@ struct Recipe {
 
   static Recipe from_yaml_file(const std::string& path);
   std::string to_yaml() const;     // the resolved recipe, written next to every run
+  // The lr schedules decay over the run's steps: call again after overriding steps.
+  void sync_schedules() {
+    grpo.schedule.total_steps = steps;
+    sft.schedule.total_steps = sft.steps;
+  }
 };
 
 }  // namespace kiln::trainer

@@ -13,6 +13,7 @@ void SftConfig::validate() const {
   KILN_CHECK(steps >= 0, "sft: steps must be >= 0 (got ", steps, ")");
   KILN_CHECK(batch_size > 0, "sft: batch_size must be positive (got ", batch_size, ")");
   KILN_CHECK(lr > 0, "sft: lr must be positive (got ", lr, ")");
+  schedule.validate();
 }
 
 struct SftTrainer::Impl {
@@ -54,6 +55,7 @@ struct SftTrainer::Impl {
     at::Tensor mask = o.targets.ne(-100);
     const double n = std::max(mask.sum().item<double>(), 1.0);
     at::Tensor loss = -out.logprobs.sum() / n;
+    set_lr(*opt, cfg.lr * cfg.schedule.factor(steps + 1));
     opt->zero_grad();
     loss.backward();
     torch::nn::utils::clip_grad_norm_(opt->param_groups()[0].params(), cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);

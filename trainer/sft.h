@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "model/muse.h"
+#include "trainer/schedule.h"
 #include "trainer/tasks.h"
 
 namespace kiln::trainer {
@@ -13,6 +14,7 @@ struct SftConfig {
   int64_t steps = 200;
   int64_t batch_size = 64;     // problems per step
   double lr = 3e-3;
+  LrSchedule schedule;
   double weight_decay = 0.0;
   double grad_clip = 1.0;
   uint64_t seed = 0;

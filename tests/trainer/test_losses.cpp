@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "trainer/losses.h"
+#include "trainer/schedule.h"
 #include "tests/test_util.h"
 
 namespace kiln::trainer {
@@ -183,6 +184,25 @@ TEST(Mismatch, RoutingDisagreementIgnoresOrderWithinTheSet) {
   EXPECT_EQ(routing_disagreement(own, same_sets, d({1, 1})), 0.0);
   EXPECT_EQ(routing_disagreement(own, one_differs, d({1, 1})), 0.25);
   EXPECT_EQ(routing_disagreement(own, one_differs, d({1, 0})), 0.0);
+}
+
+TEST(LrSchedule, WarmupThenConstantLinearOrCosineDecay) {
+  LrSchedule s;
+  s.warmup_steps = 10;
+  s.total_steps = 110;
+  EXPECT_DOUBLE_EQ(s.factor(5), 0.5);
+  EXPECT_DOUBLE_EQ(s.factor(10), 1.0);
+  EXPECT_DOUBLE_EQ(s.factor(60), 1.0);  // constant
+  s.decay = "linear";
+  s.min_ratio = 0.1;
+  EXPECT_DOUBLE_EQ(s.factor(60), 0.1 + 0.9 * 0.5);
+  EXPECT_DOUBLE_EQ(s.factor(110), 0.1);
+  EXPECT_DOUBLE_EQ(s.factor(500), 0.1);  // past the horizon it stays at the floor
+  s.decay = "cosine";
+  EXPECT_NEAR(s.factor(60), 0.1 + 0.9 * 0.5, 1e-12);
+  EXPECT_NEAR(s.factor(35), 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * 0.25)), 1e-12);
+  s.decay = "step";
+  EXPECT_TRUE(test::throws_with([&] { s.validate(); }, {"unknown lr_decay 'step'", "constant, linear or cosine"}));
 }
 
 }  // namespace

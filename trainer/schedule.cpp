@@ -1,0 +1,32 @@
+// Learning-rate schedules: warmup, then constant / linear / cosine decay.
+#include "trainer/schedule.h"
+
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace kiln::trainer {
+
+void LrSchedule::validate() const {
+  KILN_CHECK(warmup_steps >= 0, "lr schedule: warmup_steps must be >= 0 (got ", warmup_steps, ")");
+  KILN_CHECK(decay == "constant" || decay == "linear" || decay == "cosine", "lr schedule: unknown lr_decay '", decay,
+             "'; use constant, linear or cosine");
+  KILN_CHECK(min_ratio >= 0 && min_ratio <= 1, "lr schedule: min_lr_ratio must be in [0, 1] (got ", min_ratio, ")");
+}
+
+double LrSchedule::factor(int64_t step) const {
+  if (warmup_steps > 0 && step <= warmup_steps) return double(step) / double(warmup_steps);
+  if (decay == "constant" || total_steps <= warmup_steps) return 1.0;
+  const double p = std::clamp(double(step - warmup_steps) / double(total_steps - warmup_steps), 0.0, 1.0);
+  const double shape = decay == "linear" ? 1.0 - p : 0.5 * (1.0 + std::cos(M_PI * p));
+  return min_ratio + (1.0 - min_ratio) * shape;
+}
+
+void set_lr(torch::optim::Optimizer& opt, double lr) {
+  for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+}
+
+}  // namespace kiln::trainer

@@ -1,0 +1,27 @@
+// Learning-rate schedules for SFT and GRPO: linear warmup from zero, then constant, linear or
+// cosine decay to min_ratio * lr at the last step. A pure function of the step, so a resumed run
+// needs no schedule state.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace kiln::trainer {
+
+struct LrSchedule {
+  int64_t warmup_steps = 0;
+  std::string decay = "constant";  // constant, linear or cosine
+  double min_ratio = 0.0;          // the decayed lr at total_steps, as a fraction of lr
+  int64_t total_steps = 0;         // the decay's horizon: the run's steps (set from the recipe)
+  void validate() const;
+  // The multiplier of the base lr for optimizer step `step` (1-based).
+  double factor(int64_t step) const;
+};
+
+// Sets every parameter group's lr (AdamW options).
+void set_lr(torch::optim::Optimizer& opt, double lr);
+
+}  // namespace kiln::trainer
