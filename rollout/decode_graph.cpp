@@ -144,7 +144,8 @@ struct DecodeGraphs::Impl {
       h[2 * R + i] = fb[size_t(p / B)] * B + p % B;
       if (pools.ring > 0 && row.ring && !row.ring->empty()) {
         const auto& rg = *row.ring;
-        for (int64_t s = 0; s < pools.ring; ++s) table_ring[i * pools.ring + s] = rg[size_t(s)] >= 0 ? rg[size_t(s)] : pools.scratch_win;
+        for (int64_t s = 0; s < pools.ring; ++s)  // slots not yet written point at the scratch block
+          table_ring[i * pools.ring + s] = rg[size_t(s)] >= 0 ? rg[size_t(s)] : pools.scratch_win;
         h[3 * R + i] = rg[size_t((p / B) % pools.ring)] * B + p % B;
       }
       std::memcpy(&h[4 * R + i], &row.temperature, sizeof(double));
@@ -200,7 +201,8 @@ bool DecodeGraphs::available(const model::Muse& model) {
 }
 
 DecodeGraphs::DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows)
-    : impl_(std::make_unique<Impl>(Impl{model, std::move(pools), bucket_rows(max_rows), at::cuda::graph_pool_handle(), {}})) {}
+    : impl_(std::make_unique<Impl>(
+          Impl{model, std::move(pools), bucket_rows(max_rows), at::cuda::graph_pool_handle(), {}})) {}
 
 DecodeResult DecodeGraphs::run(const DecodeStep& step) { return impl_->run(step); }
 int64_t DecodeGraphs::num_graphs() const { return int64_t(impl_->buckets.size()); }
