@@ -1,4 +1,4 @@
-// `kiln plot <run_dir>`: a PNG of reward, accuracy (sampled and held-out greedy) and the
+// `kiln plot <run_dir>`: a PNG of reward, accuracy (sampled, pass@n and held-out greedy) and the
 // train-vs-rollout mismatch against step, drawn by gnuplot from the run's metrics.jsonl.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -43,8 +43,9 @@ Run add_plot(CLI::App& app) {
       } else if (j.contains("reward")) {
         const double no_replay = j.contains("mismatch_no_replay") ? j["mismatch_no_replay"]["mean_abs_seq"].get<double>()
                                                                    : std::nan("");
+        const double pass = j.contains("pass_at_n") ? j["pass_at_n"].get<double>() : std::nan("");
         steps << j["step"].get<int64_t>() << " " << j["reward"].get<double>() << " " << j["accuracy"].get<double>()
-              << " " << j["mismatch"]["mean_abs_seq"].get<double>() << " " << no_replay << "\n";
+              << " " << j["mismatch"]["mean_abs_seq"].get<double>() << " " << no_replay << " " << pass << "\n";
         ++n_steps;
       }
     }
@@ -57,8 +58,8 @@ Run add_plot(CLI::App& app) {
       gp << "set terminal pngcairo noenhanced size 1100,700\nset output '" << png << "'\n"
          << "set multiplot layout 2,1 title 'kiln GRPO: " << a->run << "'\n"
          << "set key outside right\nset grid\nset yrange [0:1]\nset ylabel 'reward / accuracy'\n"
-         << "plot '" << steps_dat << "' u 1:2 w l lw 2 t 'reward', '' u 1:3 w l lw 2 t 'sampled accuracy', '"
-         << eval_dat << "' u 1:2 w lp pt 7 lw 2 t 'held-out greedy accuracy'\n"
+         << "plot '" << steps_dat << "' u 1:2 w l lw 2 t 'reward', '' u 1:3 w l lw 2 t 'sampled accuracy', "
+         << "'' u 1:6 w l lw 1 t 'prompts with a right sample (pass@n)', '" << eval_dat << "' u 1:2 w lp pt 7 lw 2 t 'held-out greedy accuracy'\n"
          << "set autoscale y\nset logscale y\nset xlabel 'step'\nset ylabel 'mean |lp_old - lp_roll|'\n"
          << "plot '" << steps_dat << "' u 1:4 w l lw 2 t 'mismatch (replay as configured)', '' u 1:5 w l lw 2 t "
          << "'mismatch (replay off)'\nunset multiplot\n";

@@ -96,6 +96,7 @@ std::string StepMetrics::to_json() const {
   j["step"] = step;
   j["reward"] = reward;
   j["accuracy"] = accuracy;
+  j["pass_at_n"] = pass_at_n;
   j["loss"] = loss;
   j["clip_fraction"] = clip_fraction;
   j["grad_norm"] = grad_norm;
@@ -193,7 +194,9 @@ struct GrpoTrainer::Impl {
     std::vector<Trajectory> trajs;
     std::vector<double> rewards;
     double correct = 0, length = 0;
+    int64_t prompts_solved = 0;
     for (size_t i = 0; i < outs.size(); ++i) {
+      bool solved = false;
       for (const auto& s : outs[i].samples) {
         Trajectory t;
         t.tokens = reqs[i].prompt;
@@ -203,16 +206,20 @@ struct GrpoTrainer::Impl {
         t.routing = s.routing;
         const std::string text = tok.decode_sample(s.tokens);
         rewards.push_back(reward(text, problems[i].answer, cfg.reward));
-        correct += exact_match_reward(text, problems[i].answer);
+        const double right = exact_match_reward(text, problems[i].answer);
+        correct += right;
+        solved = solved || right > 0;
         length += double(s.tokens.size());
         trajs.push_back(std::move(t));
       }
+      prompts_solved += solved ? 1 : 0;
     }
     const double n = double(trajs.size());
     at::Tensor adv = group_advantages(at::tensor(rewards, at::kDouble), cfg.samples_per_prompt, cfg.std_normalize);
     for (size_t i = 0; i < trajs.size(); ++i) trajs[i].advantage = adv[int64_t(i)].item<double>();
     m.reward = std::accumulate(rewards.begin(), rewards.end(), 0.0) / n;
     m.accuracy = correct / n;
+    m.pass_at_n = double(prompts_solved) / double(outs.size());
     m.response_length = length / n;
     // 4. lp_old under replay and the mismatch metrics.
     Scored old = score(trajs, cfg.routing_replay);

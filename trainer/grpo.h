@@ -41,6 +41,7 @@ struct GrpoConfig {
 struct StepMetrics {
   int64_t step = 0;
   double reward = 0, accuracy = 0;        // mean reward; fraction of samples with the right answer
+  double pass_at_n = 0;                   // fraction of prompts with at least one right sample
   double loss = 0, clip_fraction = 0, grad_norm = 0, kl = 0, lr = 0;
   double response_length = 0;             // mean generated tokens
   MismatchMetrics mismatch;               // with routing replay as configured

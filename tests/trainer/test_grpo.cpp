@@ -68,6 +68,8 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
     grad_seen += m.grad_norm;
     EXPECT_GE(m.reward, 0.0);
     EXPECT_LE(m.reward, 1.0);
+    EXPECT_GE(m.pass_at_n, m.accuracy);  // a prompt with any right sample counts whole
+    EXPECT_LE(m.pass_at_n, 1.0);
     EXPECT_EQ(m.response_length, 1.0);
     EXPECT_EQ(m.mismatch.tokens, 16);
     // Same weights, fp32, the rollout's expert sets: only summation order differs.
