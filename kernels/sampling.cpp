@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "core/error.h"
 #if KILN_WITH_CUDA
@@ -36,14 +37,14 @@ std::pair<int64_t, double> sample_row_reference(const float* x, int64_t V, doubl
   // Inverse CDF in id order, no sort: compare the draw against running sums of unnormalised
   // weights (u * z < cumsum) so that the CUDA kernel can split the sum into chunks.
   const double u = stream_uniform(stream_seed);
+  std::vector<double> w(static_cast<size_t>(V));
   double z = 0;
-  for (int64_t i = 0; i < V; ++i) z += std::exp((double(x[i]) - mx) / temperature);
+  for (int64_t i = 0; i < V; ++i) z += (w[size_t(i)] = std::exp((double(x[i]) - mx) / temperature));
   const double target = u * z;
   double c = 0;
   for (int64_t i = 0; i < V; ++i) {
-    const double w = std::exp((double(x[i]) - mx) / temperature);
-    c += w;
-    if (target < c) return {i, std::log(w / z)};
+    c += w[size_t(i)];
+    if (target < c) return {i, std::log(w[size_t(i)] / z)};
   }
   return {argmax, -std::log(z)};  // only when rounding leaves the draw past the total
 }

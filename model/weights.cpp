@@ -5,7 +5,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <set>
 
 #include "core/error.h"
@@ -16,11 +15,12 @@ namespace kiln::model {
 namespace {
 
 // Visits every tensor of the model under its in-memory name. `trainable` is false for buffers.
-void for_each_tensor(const Weights& w,
-                     const std::function<void(const std::string&, const at::Tensor&, bool)>& fn) {
+// W is Weights (fn may replace the tensors) or const Weights.
+template <typename W, typename Fn>
+void for_each_tensor(W& w, Fn&& fn) {
   fn("model.embed_tokens.weight", w.embed, true);
   for (int64_t i = 0; i < int64_t(w.layers.size()); ++i) {
-    const LayerWeights& l = w.layers[i];
+    auto& l = w.layers[i];
     const std::string p = "model.layers." + std::to_string(i) + ".";
     fn(p + "input_layernorm.weight", l.input_norm, true);
     fn(p + "self_attn.q_proj.weight", l.q_proj, true);
@@ -137,17 +137,7 @@ std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {
 Muse Muse::clone() const {
   at::NoGradGuard g;
   Weights w = w_;
-  auto copy = [](at::Tensor& t) {
-    if (t.defined()) t = t.detach().clone();
-  };
-  copy(w.embed);
-  copy(w.lm_head);
-  copy(w.final_norm);
-  for (auto& l : w.layers)
-    for (at::Tensor* t : {&l.input_norm, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.post_attn_norm, &l.pre_moe_norm,
-                          &l.router, &l.router_bias, &l.pooler, &l.expert_gate, &l.expert_up, &l.expert_down,
-                          &l.expert_norm, &l.unpooler, &l.post_moe_norm})
-      copy(*t);
+  for_each_tensor(w, [](const std::string&, at::Tensor& t, bool) { t = t.detach().clone(); });
   return Muse(cfg_, std::move(w));
 }
 

@@ -166,6 +166,7 @@ struct Engine::Impl : model::AttentionBackend {
   int64_t next_request = 0;
   std::vector<Work> work;                // the current step's schedule
   GroupPlan plan[2];                     // [0] full-attention layers, [1] window layers
+  bool use_graph = false;                // the current step replays a CUDA graph (set by schedule)
   EngineStats st;
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
 
@@ -341,7 +342,8 @@ struct Engine::Impl : model::AttentionBackend {
       w.window_lo = std::max<int64_t>(0, w.start - W + 1);
       w.window_write_from = first_window_write(w.start, w.n);
     }
-    if (!graph_step()) {  // a graph step finds its keys through block tables instead
+    use_graph = graph_step();
+    if (!use_graph) {  // a graph step finds its keys through block tables instead
       plan_group(0);
       if (win_pool.total() > 0) plan_group(1);
     }
@@ -568,7 +570,7 @@ struct Engine::Impl : model::AttentionBackend {
     for (const Work& w : work) cu_seqlens.push_back(cu_seqlens.back() + w.n);
     DecodeResult graph;
     at::Tensor routing, hidden;  // routing [T, L, k] on the CPU
-    if (graph_step()) {
+    if (use_graph) {
       graph = run_graph();
       routing = graph.routing;
     } else {

@@ -61,6 +61,16 @@ void bench_rmsnorm(at::Device device) {
   }
 }
 
+// `seqs` random sequences of `len` tokens packed into one batch; opt.targets gets their ids.
+model::PackedBatch random_batch(const model::ModelConfig& cfg, int64_t seqs, int64_t len, at::Device device,
+                                model::ForwardOptions& opt) {
+  std::vector<std::vector<int64_t>> tokens(seqs);
+  at::Tensor ids = at::randint(cfg.vocab_size, {seqs * len}, at::kLong);
+  for (int64_t s = 0; s < seqs; ++s) tokens[s].assign(ids.data_ptr<int64_t>() + s * len, ids.data_ptr<int64_t>() + (s + 1) * len);
+  opt.targets = ids.to(device);
+  return model::PackedBatch::from_sequences(tokens, device);
+}
+
 void bench_forward(at::Device device, const std::string& config, int64_t seqs, int64_t len) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
   const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
@@ -68,12 +78,8 @@ void bench_forward(at::Device device, const std::string& config, int64_t seqs, i
   model::Muse m = model::Muse::init(cfg, 0, dtype, device);
   fmt::print("forward: {} in {} on {}, {} sequences x {} tokens (init {:.1f} s)\n", cfg.name, at::toString(dtype),
              device.str(), seqs, len, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  std::vector<std::vector<int64_t>> tokens(seqs);
-  at::Tensor ids = at::randint(cfg.vocab_size, {seqs * len}, at::kLong);
-  for (int64_t s = 0; s < seqs; ++s) tokens[s].assign(ids.data_ptr<int64_t>() + s * len, ids.data_ptr<int64_t>() + (s + 1) * len);
-  model::PackedBatch batch = model::PackedBatch::from_sequences(tokens, device);
   model::ForwardOptions opt;
-  opt.targets = ids.to(device);
+  model::PackedBatch batch = random_batch(cfg, seqs, len, device, opt);
   const double T = double(seqs * len);
   fmt::print("{:>22} {:>12} {:>12} {:>9}\n", "", "loop tok/s", "grouped tok/s", "ratio");
   for (bool train : {false, true}) {
@@ -118,13 +124,8 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
   const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   model::Muse m = model::Muse::init(cfg, 0, dtype, device);
   m.set_requires_grad(true);
-  std::vector<std::vector<int64_t>> seq_tokens(seqs);
-  at::Tensor ids = at::randint(cfg.vocab_size, {tokens}, at::kLong);
-  for (int64_t s = 0; s < seqs; ++s)
-    seq_tokens[s].assign(ids.data_ptr<int64_t>() + s * len, ids.data_ptr<int64_t>() + (s + 1) * len);
-  model::PackedBatch batch = model::PackedBatch::from_sequences(seq_tokens, device);
   model::ForwardOptions opt;
-  opt.targets = ids.to(device);
+  model::PackedBatch batch = random_batch(cfg, seqs, len, device, opt);
   const double flops = train_step_flops(cfg, seqs, len);
   fmt::print("train step: {} in {} on {}, {} sequences x {} tokens packed; forward + backward of the mean "
              "log-prob loss (optimizer excluded); {:.4g} TFLOP per step\n",

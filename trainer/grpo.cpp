@@ -243,8 +243,8 @@ struct GrpoTrainer::Impl {
     double loss_sum = 0, clip_sum = 0, kl_sum = 0, norm_sum = 0;
     std::vector<int64_t> token_offsets = {0};
     for (const auto& t : trajs) token_offsets.push_back(token_offsets.back() + int64_t(t.tokens.size()));
-    set_lr(*opt, cfg.lr * cfg.schedule.factor(steps));
     m.lr = cfg.lr * cfg.schedule.factor(steps);
+    set_lr(*opt, m.lr);
     for (int64_t ms = 0; ms < cfg.mini_steps; ++ms) {
       const size_t mb = size_t(ms * per_mini), me = std::min(trajs.size(), size_t((ms + 1) * per_mini));
       if (mb >= me) break;

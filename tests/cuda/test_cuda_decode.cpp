@@ -14,6 +14,7 @@
 #include "model/muse.h"
 #include "rollout/engine.h"
 #include "tests/cuda/cuda_util.h"
+#include "tests/rollout/engine_fixtures.h"
 #include "tests/test_util.h"
 
 namespace kiln {
@@ -89,29 +90,10 @@ TEST(CudaSampling, MatchesReferenceOnOddSizes) {
   }
 }
 
-rollout::EngineConfig engine_config(int64_t kv_bytes) {
-  rollout::EngineConfig e;
-  e.kv_cache_bytes = kv_bytes;
-  e.block_size = 4;
-  e.max_num_seqs = 8;
-  e.max_batch_tokens = 64;
-  e.prefill_chunk = 16;
-  return e;
-}
-
 std::vector<rollout::Request> requests(double temperature) {
-  auto req = [&](std::vector<int64_t> prompt, int64_t n, int64_t max_tokens, uint64_t seed) {
-    rollout::Request r;
-    r.prompt = std::move(prompt);
-    r.params.n = n;
-    r.params.max_tokens = max_tokens;
-    r.params.temperature = temperature;
-    r.params.seed = seed;
-    return r;
-  };
   // The 17-token prompt and 12 generated tokens wrap the window layers' ring (W = 7, block 4).
-  return {req({1, 2, 3}, 2, 9, 1), req({4}, 3, 12, 2),
-          req({5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21}, 2, 12, 3)};
+  return {test::request({1, 2, 3}, 2, 9, temperature, 1), test::request({4}, 3, 12, temperature, 2),
+          test::request({5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21}, 2, 12, temperature, 3)};
 }
 
 // Teacher-forced forward of every sample with its own recorded routing replayed: |Δ log-prob|
@@ -159,7 +141,7 @@ TEST(CudaEngine, Bf16GraphDecodeTracksTheForward) {
   // Roomy, and small: 24 window-ring blocks (36864 B) plus 12 full blocks for 7 samples of up to
   // 8 blocks each, so samples get preempted.
   for (int64_t kv : {int64_t(1) << 20, int64_t(36864 + 12 * 512)}) {
-    rollout::Engine engine(m, engine_config(kv));
+    rollout::Engine engine(m, test::small_engine(kv));
     auto reqs = requests(1.0);
     reqs[0].params.temperature = 0;  // greedy rows share the graphs with sampled ones
     reqs[1].params.top_k = 5;        // filtered rows sample on the host from the graph's logits
@@ -186,7 +168,7 @@ TEST(CudaEngine, Fp32EagerDecodeEqualsTheForward) {
   // kernel: log-probs within 1e-4 of the forward and routing identical.
   model::Muse cpu = model::Muse::init(test::cuda_config(), 6, at::kFloat, at::kCPU);
   model::Muse m = test::to_device(cpu, at::kCUDA, at::kFloat);
-  rollout::Engine engine(m, engine_config(1 << 20));
+  rollout::Engine engine(m, test::small_engine());
   auto reqs = requests(0.8);
   auto outs = engine.generate(reqs);
   EXPECT_EQ(engine.stats().graph_steps, 0);
@@ -199,11 +181,11 @@ TEST(CudaEngine, CapturedGraphsSeeInPlaceWeightUpdates) {
   model::Muse a = test::to_device(model::Muse::init(test::cuda_config(), 7, at::kFloat, at::kCPU), at::kCUDA, at::kBFloat16);
   model::Muse b = test::to_device(model::Muse::init(test::cuda_config(), 8, at::kFloat, at::kCPU), at::kCUDA, at::kBFloat16);
   auto reqs = requests(1.0);
-  rollout::Engine updated(a, engine_config(1 << 20));
+  rollout::Engine updated(a, test::small_engine());
   auto before = updated.generate(reqs);  // captures graphs with a's weights
   updated.update_weights(b.named_parameters());
   auto after = updated.generate(reqs);
-  rollout::Engine fresh(b, engine_config(1 << 20));
+  rollout::Engine fresh(b, test::small_engine());
   auto expect = fresh.generate(reqs);
   EXPECT_GT(updated.stats().graph_steps, 0);
   for (size_t r = 0; r < reqs.size(); ++r) {

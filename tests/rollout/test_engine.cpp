@@ -7,6 +7,7 @@
 #include "model/muse.h"
 #include "rollout/engine.h"
 #include "tests/model/reference.h"
+#include "tests/rollout/engine_fixtures.h"
 #include "tests/test_util.h"
 
 namespace kiln {
@@ -26,25 +27,8 @@ model::ModelConfig engine_config() {
   return c;
 }
 
-EngineConfig small_engine(int64_t kv_bytes = 1 << 20) {
-  EngineConfig e;
-  e.kv_cache_bytes = kv_bytes;
-  e.block_size = 4;
-  e.max_num_seqs = 8;
-  e.max_batch_tokens = 64;
-  e.prefill_chunk = 16;
-  return e;
-}
-
-Request request(std::vector<int64_t> prompt, int64_t n, int64_t max_tokens, double temperature, uint64_t seed) {
-  Request r;
-  r.prompt = std::move(prompt);
-  r.params.n = n;
-  r.params.max_tokens = max_tokens;
-  r.params.temperature = temperature;
-  r.params.seed = seed;
-  return r;
-}
+using test::request;
+using test::small_engine;
 
 std::vector<Request> mixed_requests() {
   return {request({1, 2, 3}, 2, 9, 1.0, 1), request({4}, 3, 12, 1.0, 2),
