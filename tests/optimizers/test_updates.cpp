@@ -1,5 +1,6 @@
-// AdamW against libtorch's torch::optim::AdamW, and Muon against a direct dense implementation,
-// batched against per-matrix, and the singular values the quintic iteration must produce.
+// The update arithmetic: AdamW against libtorch's torch::optim::AdamW and the fused CPU loop against
+// the ATen one, Muon against a direct dense implementation, batched against per-matrix, and the
+// singular values the quintic iteration must produce.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
@@ -8,12 +9,27 @@
 #include <cmath>
 
 #include "model/muse.h"
-#include "optimizers/muon.h"
+#include "optimizers/optimizer.h"
 #include "tests/model/reference.h"
 #include "tests/test_util.h"
 
 namespace kiln::optimizers {
 namespace {
+
+std::vector<std::pair<std::string, at::Tensor>> named(const std::vector<at::Tensor>& ts) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < ts.size(); ++i) out.emplace_back("p" + std::to_string(i), ts[i]);
+  return out;
+}
+
+OptimizerConfig all_muon(double lr, double wd) {
+  OptimizerConfig cfg;
+  cfg.rules = {GroupRule{"*", 2, 3, Kind::kMuon}};
+  cfg.muon.lr = lr;
+  cfg.muon.weight_decay = wd;
+  cfg.muon.ns_dtype = at::kFloat;
+  return cfg;
+}
 
 TEST(AdamW, EqualsLibtorchAdamWOver20Steps) {
   at::manual_seed(0);
@@ -23,11 +39,12 @@ TEST(AdamW, EqualsLibtorchAdamWOver20Steps) {
     mine.push_back(p.clone().requires_grad_(true));
     theirs.push_back(p.clone().requires_grad_(true));
   }
-  AdamWConfig cfg;
-  cfg.lr = 0.01;
-  cfg.weight_decay = 0.1;
-  AdamW ours(mine, cfg);
-  torch::optim::AdamW ref(theirs, torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  OptimizerConfig cfg;
+  cfg.use_muon = false;
+  cfg.adamw.lr = 0.01;
+  cfg.adamw.weight_decay = 0.1;
+  Optimizer ours(named(mine), cfg);
+  torch::optim::AdamW ref(theirs, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
   for (int step = 0; step < 20; ++step) {
     for (size_t i = 0; i < mine.size(); ++i) {
       at::Tensor g = at::randn(mine[i].sizes());
@@ -55,15 +72,14 @@ at::Tensor dense_ns(at::Tensor g, int steps) {
 
 TEST(Muon, EqualsADenseImplementationAndBatchedEqualsPerMatrix) {
   at::manual_seed(1);
-  MuonConfig cfg;
-  cfg.lr = 0.02;
-  cfg.weight_decay = 0.01;
-  cfg.ns_dtype = at::kFloat;
+  const OptimizerConfig ocfg = all_muon(0.02, 0.01);
+  const MuonConfig& cfg = ocfg.muon;
   at::Tensor w0 = at::randn({4, 19, 11});  // a stack of 4 "experts", tall matrices
   at::Tensor stacked = w0.clone().requires_grad_(true);
   std::vector<at::Tensor> singles;
   for (int64_t e = 0; e < 4; ++e) singles.push_back(w0[e].clone().requires_grad_(true));
-  Muon batched({stacked}, cfg), per_matrix(singles, cfg);
+  Optimizer batched(named({stacked}), ocfg), per_matrix(named(singles), ocfg);
+  EXPECT_EQ(batched.kind_of("p0"), Kind::kMuon);
   std::vector<at::Tensor> expect, buf;
   for (int64_t e = 0; e < 4; ++e) {
     expect.push_back(w0[e].clone());
@@ -84,6 +100,31 @@ TEST(Muon, EqualsADenseImplementationAndBatchedEqualsPerMatrix) {
   for (int64_t e = 0; e < 4; ++e) {
     EXPECT_TRUE(test::all_close(stacked.detach()[e], expect[e], 1e-5, 1e-6)) << "expert " << e;
     EXPECT_TRUE(test::all_close(singles[e].detach(), stacked.detach()[e], 1e-6, 1e-7)) << "expert " << e;
+  }
+}
+
+// The fused Eigen loop against the ATen arithmetic at odd sizes, fp32 and bf16 moments.
+TEST(AdamW, FusedCpuLoopEqualsAtenWithinRounding) {
+  AdamWConfig cfg;
+  cfg.lr = 3e-3;
+  cfg.weight_decay = 0.05;
+  for (int64_t n : {1, 19, 111, 4097}) {
+    for (at::ScalarType mt : {at::kFloat, at::kBFloat16}) {
+      at::manual_seed(n);
+      at::Tensor w = at::randn({n}), m = at::zeros({n}, mt), v = at::zeros({n}, mt);
+      at::Tensor w2 = w.clone(), m2 = m.clone(), v2 = v.clone();
+      for (int64_t step = 1; step <= 5; ++step) {
+        at::Tensor g = at::randn({n});
+        adamw_update(w, g, m, v, cfg, step);
+        adamw_update_cpu(w2.data_ptr<float>(), g.data_ptr<float>(), m2.data_ptr(), v2.data_ptr(),
+                         mt == at::kBFloat16, n, cfg, step);
+      }
+      EXPECT_TRUE(test::all_close(w2, w, 1e-6, 1e-7)) << n << " " << mt;
+      // bf16 moments may round to neighbouring values; fp32 ones agree to float rounding.
+      const double tol = mt == at::kFloat ? 1e-6 : 1e-2;
+      EXPECT_TRUE(test::all_close(m2.to(at::kFloat), m.to(at::kFloat), tol, 1e-7)) << n << " " << mt;
+      EXPECT_TRUE(test::all_close(v2.to(at::kFloat), v.to(at::kFloat), tol, 1e-9)) << n << " " << mt;
+    }
   }
 }
 
@@ -124,7 +165,30 @@ TEST(Muon, DefaultGroupsFollowMuseSection7) {
   }
   EXPECT_GT(muon, 0);
   EXPECT_GT(adamw, 0);
-  EXPECT_TRUE(test::throws_with([] { Muon({at::zeros({3})}, MuonConfig{}); }, {"matrices or stacks", "AdamW"}));
+  // A rule may not give Muon to a vector.
+  OptimizerConfig bad;
+  bad.rules = {GroupRule{"*.bias", 0, 64, Kind::kMuon}};
+  EXPECT_TRUE(test::throws_with([&] { Optimizer({{"out.bias", at::zeros({3})}}, bad); },
+                                {"out.bias", "Muon needs a matrix", "min_dim"}));
+}
+
+TEST(Groups, RulesMatchByGlobAndShapeBeforeTheDefault) {
+  EXPECT_TRUE(glob_match("layers.*.mlp.experts.*", "layers.3.mlp.experts.up_proj"));
+  EXPECT_TRUE(glob_match("*norm?weight", "layers.0.input_norm.weight"));
+  EXPECT_FALSE(glob_match("layers.*.attn.*", "layers.3.mlp.router.weight"));
+  EXPECT_TRUE(glob_match("*", ""));
+  EXPECT_FALSE(glob_match("a*b", "a"));
+  const at::Tensor matrix = at::zeros({4, 8}), stack = at::zeros({2, 4, 8}), vec = at::zeros({8});
+  // By name: experts go to AdamW; by shape: every other matrix goes to Muon.
+  std::vector<GroupRule> rules = {{"*experts*", 0, 64, Kind::kAdamW}, {"*", 2, 2, Kind::kMuon}};
+  EXPECT_EQ(assign(rules, true, "layers.0.mlp.experts.up_proj", stack), Kind::kAdamW);
+  EXPECT_EQ(assign(rules, true, "lm_head.weight", matrix), Kind::kMuon);
+  EXPECT_EQ(assign(rules, true, "embed_tokens.weight", stack), Kind::kAdamW);  // no rule matches: the default
+  EXPECT_EQ(assign(rules, true, "final_norm.weight", vec), Kind::kAdamW);
+  EXPECT_EQ(assign({}, true, "layers.0.attn.q_proj.weight", matrix), Kind::kMuon);
+  EXPECT_EQ(assign({}, false, "layers.0.attn.q_proj.weight", matrix), Kind::kAdamW);
+  EXPECT_EQ(parse_kind("muon"), Kind::kMuon);
+  EXPECT_TRUE(test::throws_with([] { parse_kind("sgd"); }, {"sgd", "muon or adamw"}));
 }
 
 }  // namespace
