@@ -33,6 +33,20 @@ MapReader MapReader::child(const std::string& key) {
   return c;
 }
 
+std::vector<MapReader> MapReader::children(const std::string& key) {
+  mark(key);
+  YAML::Node list = std::as_const(node_)[key];
+  std::vector<MapReader> out;
+  if (!list.IsDefined() || list.IsNull()) return out;
+  if (!list.IsSequence()) fail(key, "expected a list of mappings");
+  for (size_t i = 0; i < list.size(); ++i) {
+    MapReader c(list[i], file_, key_path(key) + "[" + std::to_string(i) + "]");
+    c.locations_ = locations_;
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
 std::string MapReader::where(const std::string& key) const {
   YAML::Mark m = (!key.empty() && std::as_const(node_)[key].IsDefined()) ? std::as_const(node_)[key].Mark() : node_.Mark();
   std::string loc = file_;

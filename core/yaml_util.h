@@ -36,6 +36,8 @@ class MapReader {
     get(key, out);
   }
   MapReader child(const std::string& key);
+  // A list of mappings under `key` (absent: empty), each read as "path.key[i]".
+  std::vector<MapReader> children(const std::string& key);
   // Throws for the first key that was not read, listing the known keys.
   void finish() const;
   // "file:line: path.key" for key (or for this map when key is empty).

@@ -131,7 +131,7 @@ void muon_update(at::Tensor& w, const at::Tensor& g_any, at::Tensor& m, const Mu
     m32.mul_(cfg.momentum).add_(g.view(m32.sizes()));
     u = cfg.nesterov ? g.add(m32.view(w.sizes()), cfg.momentum) : m32.view(w.sizes()).clone();
   });
-  at::Tensor o = newton_schulz5(u, cfg.ns_steps, cfg.ns_dtype);
+  at::Tensor o = newton_schulz5(u, cfg.ns_steps, w.is_cpu() ? at::kFloat : cfg.ns_dtype);
   const double scale = 0.2 * std::sqrt(double(std::max(w.size(-2), w.size(-1))));
   w.mul_(1 - cfg.lr * cfg.weight_decay).add_(o, -cfg.lr * scale);
 }

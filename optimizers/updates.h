@@ -14,10 +14,12 @@ struct AdamWConfig {
 };
 
 struct MuonConfig {
-  double lr = 0.02, momentum = 0.95, weight_decay = 0.0;
+  double lr = 1e-3, momentum = 0.95, weight_decay = 0.0;  // lr: the update is RMS-matched to AdamW's
   bool nesterov = true;
   int64_t ns_steps = 5;
-  at::ScalarType ns_dtype = at::kBFloat16;  // the iteration's dtype; kFloat for exact tests
+  // The iteration's dtype on GPUs (kFloat for exact tests). On the CPU it always runs in fp32:
+  // bf16 matmuls there are emulated and ~10x slower, with nothing to gain.
+  at::ScalarType ns_dtype = at::kBFloat16;
   void validate() const;
 };
 
@@ -43,7 +45,7 @@ void adamw_update_cpu(float* w, const float* g, void* m, void* v, bool moments_b
 
 // One Muon step on fp32 weights `w` [k, rows, cols] (k matrices, each orthogonalised on its own):
 // m <- momentum*m + g; u = g + momentum*m (Nesterov) or m; w <- w*(1 - lr*wd) - lr*0.2*sqrt(max(rows,
-// cols))*NS5(u). `m` is fp32 or bf16.
+// cols))*NS5(u). `m` is fp32 or bf16. NS5 runs in cfg.ns_dtype on GPUs, fp32 on the CPU.
 void muon_update(at::Tensor& w, const at::Tensor& g, at::Tensor& m, const MuonConfig& cfg);
 
 }  // namespace kiln::optimizers

@@ -2,7 +2,7 @@
 // Cases: rmsnorm (CUDA kernel vs ATen ops vs a device copy), forward (forward and forward+backward,
 // grouped GEMM vs per-expert loop), decode (engine decode vs full recompute vs the bytes roofline),
 // train (one training step's forward+backward on 8192 packed tokens: tok/s, model TFLOP/s, grouped
-// GEMM vs per-expert loop).
+// GEMM vs per-expert loop), optim (tools/bench_optim.cpp).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -18,10 +18,10 @@
 #include "model/config.h"
 #include "model/muse.h"
 #include "rollout/engine.h"
+#include "tools/bench_util.h"
 #include "tools/commands.h"
 
 namespace kiln::tools {
-namespace {
 
 void sync(at::Device device) {
 #if KILN_WITH_CUDA
@@ -29,8 +29,7 @@ void sync(at::Device device) {
 #endif
 }
 
-// Median seconds per call of `fn` over `iters` calls after `warmup` calls.
-double time_it(at::Device device, const std::function<void()>& fn, int warmup = 3, int iters = 20) {
+double time_it(at::Device device, const std::function<void()>& fn, int warmup, int iters) {
   for (int i = 0; i < warmup; ++i) fn();
   sync(device);
   std::vector<double> t;
@@ -43,6 +42,8 @@ double time_it(at::Device device, const std::function<void()>& fn, int warmup = 
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
+
+namespace {
 
 void bench_rmsnorm(at::Device device) {
   KILN_CHECK(device.is_cuda(), "bench rmsnorm: needs --device cuda (the CUDA kernel is the subject)");
@@ -61,7 +62,8 @@ void bench_rmsnorm(at::Device device) {
   }
 }
 
-// `seqs` random sequences of `len` tokens packed into one batch; opt.targets gets their ids.
+}  // namespace
+
 model::PackedBatch random_batch(const model::ModelConfig& cfg, int64_t seqs, int64_t len, at::Device device,
                                 model::ForwardOptions& opt) {
   std::vector<std::vector<int64_t>> tokens(seqs);
@@ -70,6 +72,8 @@ model::PackedBatch random_batch(const model::ModelConfig& cfg, int64_t seqs, int
   opt.targets = ids.to(device);
   return model::PackedBatch::from_sequences(tokens, device);
 }
+
+namespace {
 
 void bench_forward(at::Device device, const std::string& config, int64_t seqs, int64_t len) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
@@ -262,19 +266,22 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
 Run add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench", "Benchmarks, each against a baseline timed in the same run");
   struct Args {
-    std::string name, device = "cuda", config = "configs/muse-small.yaml", model;
+    std::string name, device = "cuda", config = "configs/muse-small.yaml", model, nvme_dir = "/tmp";
+    double chunk_mb = 64;
     int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("case", a->name, "rmsnorm, forward, decode or train")
+  cmd->add_option("case", a->name, "rmsnorm, forward, decode, train or optim")
       ->required()
-      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "train"}));
+      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "train", "optim"}));
   cmd->add_option("model", a->model, "Model config (the same as --config), e.g. kiln bench train configs/muse-small.yaml");
   cmd->add_option("--device", a->device, "cpu or cuda")->capture_default_str();
   cmd->add_option("--config", a->config, "Model config for the forward case")->capture_default_str();
   cmd->add_option("--seqs", a->seqs, "Sequences per batch (forward)")->capture_default_str();
   cmd->add_option("--len", a->len, "Tokens per sequence (forward) or prompt length (decode)")->capture_default_str();
   cmd->add_option("--gen", a->gen, "Generated tokens per sample (decode)")->capture_default_str();
+  cmd->add_option("--nvme-dir", a->nvme_dir, "Directory for the NVMe state (optim)")->capture_default_str();
+  cmd->add_option("--chunk-mb", a->chunk_mb, "Optimizer state chunk in MiB (optim)")->capture_default_str();
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->capture_default_str();
   return [a] {
     const at::Device device(a->device);
@@ -282,6 +289,7 @@ Run add_bench(CLI::App& app) {
     if (a->name == "rmsnorm") bench_rmsnorm(device);
     else if (a->name == "decode") bench_decode(device, config, a->len, a->gen);
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens);
+    else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
     else bench_forward(device, config, a->seqs, a->len);
   };
 }

@@ -57,6 +57,9 @@ step "bench decode (muse-small)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 2>&1 | tee "$out/bench-decode.txt"
 step "bench train (muse-small, 8192 packed tokens)"
 ./build-gpu/kiln bench train configs/muse-small.yaml --device cuda 2>&1 | tee "$out/bench-train.txt"
+step "bench optim (muse-small; NVMe state under /tmp)"
+mkdir -p /tmp/kiln-nvme
+./build-gpu/kiln bench optim --device cuda --config configs/muse-small.yaml --nvme-dir /tmp/kiln-nvme 2>&1 | tee "$out/bench-optim.txt"
 step "GRPO smoke run: muse-small, bf16 trainer and rollout, R3 on and off"
 ./build-gpu/kiln train recipes/grpo-arith-small-gpu.yaml --out "$tmp/small" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -5
 python3 - "$tmp/small/metrics.jsonl" <<'PY' 2>&1 | tee "$out/grpo-small.txt"

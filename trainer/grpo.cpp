@@ -6,7 +6,6 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/utils/clip_grad.h>
-#include <torch/optim/adamw.h>
 #include <torch/serialize.h>
 
 #include <chrono>
@@ -82,7 +81,7 @@ void GrpoConfig::validate() const {
              samples_per_prompt, ")");
   KILN_CHECK(max_tokens > 0, "grpo: max_tokens must be positive (got ", max_tokens, ")");
   KILN_CHECK(temperature > 0, "grpo: temperature must be positive for RL sampling (got ", temperature, ")");
-  KILN_CHECK(lr > 0, "grpo: lr must be positive (got ", lr, ")");
+  optim.validate();
   KILN_CHECK(mini_steps >= 1 && mini_steps <= prompts_per_step * samples_per_prompt, "grpo: mini_steps must be in [1, ",
              prompts_per_step * samples_per_prompt, "] (got ", mini_steps, ")");
   KILN_CHECK(micro_batch_seqs >= 1, "grpo: micro_batch_seqs must be positive (got ", micro_batch_seqs, ")");
@@ -125,7 +124,8 @@ struct GrpoTrainer::Impl {
   Dataset data;
   DataStream stream;
   rollout::Engine engine;
-  std::unique_ptr<torch::optim::AdamW> opt;
+  std::vector<at::Tensor> params;  // for grad-norm clipping
+  std::unique_ptr<optimizers::Optimizer> opt;
   std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
   int64_t steps = 0;
 
@@ -137,10 +137,8 @@ struct GrpoTrainer::Impl {
                ") exceeds the model's vocab_size (", policy.config().vocab_size, ")");
     if (cfg.loss.kl_coef != 0) reference = std::make_unique<model::Muse>(policy.clone());
     policy.set_requires_grad(true);
-    std::vector<at::Tensor> params;
     for (auto& [name, t] : policy.named_parameters()) params.push_back(t);
-    opt = std::make_unique<torch::optim::AdamW>(
-        params, torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+    opt = std::make_unique<optimizers::Optimizer>(policy.named_parameters(), cfg.optim);
   }
 
   // Log-probs (and own routing) of every target under `model` (the current policy, or the frozen
@@ -243,8 +241,8 @@ struct GrpoTrainer::Impl {
     double loss_sum = 0, clip_sum = 0, kl_sum = 0, norm_sum = 0;
     std::vector<int64_t> token_offsets = {0};
     for (const auto& t : trajs) token_offsets.push_back(token_offsets.back() + int64_t(t.tokens.size()));
-    m.lr = cfg.lr * cfg.schedule.factor(steps);
-    set_lr(*opt, m.lr);
+    opt->set_lr_factor(cfg.schedule.factor(steps));
+    m.lr = cfg.optim.adamw.lr * cfg.schedule.factor(steps);
     for (int64_t ms = 0; ms < cfg.mini_steps; ++ms) {
       const size_t mb = size_t(ms * per_mini), me = std::min(trajs.size(), size_t((ms + 1) * per_mini));
       if (mb >= me) break;
@@ -281,8 +279,7 @@ struct GrpoTrainer::Impl {
         kl_sum += lo.kl * p.mask.sum().item<double>();
       }
       // Global grad-norm clipping; an infinite bound when off still reports the norm.
-      norm_sum += torch::nn::utils::clip_grad_norm_(opt->param_groups()[0].params(),
-                                                   cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
+      norm_sum += torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
       opt->step();
     }
     m.loss = loss_sum / double(cfg.mini_steps);
@@ -323,7 +320,7 @@ void GrpoTrainer::save(const std::string& dir) const {
   fs::create_directories(tmp);
   model::save_checkpoint(impl_->policy, tmp + "/model");
   if (impl_->reference) model::save_checkpoint(*impl_->reference, tmp + "/reference");
-  torch::save(*impl_->opt, tmp + "/optimizer.pt");
+  impl_->opt->save(tmp + "/optimizer.safetensors");
   {
     std::ofstream f(tmp + "/state.json");
     f << nlohmann::json{{"step", impl_->steps}, {"data_position", impl_->stream.position()}, {"seed", impl_->cfg.seed}}.dump(2)
@@ -368,7 +365,7 @@ void GrpoTrainer::load(const std::string& dir) {
                " needs one; resume with the kl_coef the run was started with");
     restore(*impl_->reference, "reference");
   }
-  torch::load(*impl_->opt, dir + "/optimizer.pt");
+  impl_->opt->load(dir + "/optimizer.safetensors");
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
   impl_->engine.update_weights(impl_->policy.named_parameters());

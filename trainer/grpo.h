@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/muse.h"
+#include "optimizers/optimizer.h"
 #include "rollout/engine.h"
 #include "trainer/losses.h"
 #include "trainer/schedule.h"
@@ -25,9 +26,8 @@ struct GrpoConfig {
   bool std_normalize = true;        // GRPO (true) or Dr. GRPO (false) advantages
   PolicyLossConfig loss;
   RewardConfig reward;
-  double lr = 1e-3;
-  LrSchedule schedule;              // per GRPO step (its mini-steps share one lr)
-  double weight_decay = 0.0;
+  optimizers::OptimizerConfig optim;  // Muon + AdamW groups, state placement
+  LrSchedule schedule;              // per GRPO step (its mini-steps share one lr), scales both lrs
   double grad_clip = 1.0;           // max global grad norm; 0 = off
   int64_t mini_steps = 1;           // optimizer steps per GRPO step, over disjoint slices of the batch
   int64_t micro_batch_seqs = 64;    // sequences per forward/backward (gradient accumulation)
@@ -42,7 +42,7 @@ struct StepMetrics {
   int64_t step = 0;
   double reward = 0, accuracy = 0;        // mean reward; fraction of samples with the right answer
   double pass_at_n = 0;                   // fraction of prompts with at least one right sample
-  double loss = 0, clip_fraction = 0, grad_norm = 0, kl = 0, lr = 0;
+  double loss = 0, clip_fraction = 0, grad_norm = 0, kl = 0, lr = 0;  // lr: AdamW's, after the schedule
   double response_length = 0;             // mean generated tokens
   MismatchMetrics mismatch;               // with routing replay as configured
   bool has_no_replay = false;
@@ -63,7 +63,7 @@ class GrpoTrainer {
   double evaluate(int64_t limit);
   int64_t steps_done() const;
   const DataStream& stream() const;
-  // A resumable checkpoint in `dir`: weights (safetensors + config.json), AdamW state, the step,
+  // A resumable checkpoint in `dir`: weights (safetensors + config.json), optimizer state, the step,
   // the data position, and with kl_coef != 0 the frozen reference policy (the policy the trainer
   // started from). Written into a temporary directory that replaces `dir` at the end, so
   // the previous checkpoint survives a crash mid-write. Sampling seeds derive from (seed, step),

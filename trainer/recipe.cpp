@@ -17,6 +17,83 @@ std::string resolve(const std::string& path, const std::string& recipe) {
   return std::filesystem::exists(beside) ? beside.string() : path;
 }
 
+// The optimizer keys shared by the optim (GRPO) and sft sections.
+void read_optim(yaml::MapReader& m, optimizers::OptimizerConfig& o) {
+  using optimizers::Placement;
+  m.get("lr", o.adamw.lr);
+  m.get("weight_decay", o.adamw.weight_decay);
+  // Muon's update is scaled to AdamW's RMS, so by default both groups share lr and decay.
+  o.muon.weight_decay = o.adamw.weight_decay;
+  o.muon.lr = o.adamw.lr;
+  m.get("beta1", o.adamw.beta1);
+  m.get("beta2", o.adamw.beta2);
+  m.get("eps", o.adamw.eps);
+  m.get("muon", o.use_muon);
+  m.get("muon_lr", o.muon.lr);
+  m.get("muon_momentum", o.muon.momentum);
+  m.get("muon_weight_decay", o.muon.weight_decay);
+  m.get("muon_nesterov", o.muon.nesterov);
+  m.get("ns_steps", o.muon.ns_steps);
+  std::string state = optimizers::placement_name(o.placement), moments = o.moment_dtype == at::kFloat ? "fp32" : "bf16";
+  m.get("state", state);
+  m.get("nvme_dir", o.nvme_dir);
+  double chunk_mb = double(o.chunk_bytes) / double(1 << 20);
+  m.get("chunk_mb", chunk_mb);
+  o.chunk_bytes = std::max<int64_t>(1, int64_t(chunk_mb * double(1 << 20)));
+  m.get("master_weights", o.master_weights);
+  m.get("moments", moments);
+  for (yaml::MapReader& r : m.children("rules")) {
+    optimizers::GroupRule rule;
+    std::string kind;
+    r.get("match", rule.match);
+    r.get("min_dim", rule.min_dim);
+    r.get("max_dim", rule.max_dim);
+    r.require("optimizer", kind);
+    r.finish();
+    try {
+      rule.kind = optimizers::parse_kind(kind);
+    } catch (const Error& e) {
+      r.fail("optimizer", e.what());
+    }
+    o.rules.push_back(rule);
+  }
+  try {
+    o.placement = optimizers::parse_placement(state);
+  } catch (const Error& e) {
+    m.fail("state", e.what());
+  }
+  if (moments != "fp32" && moments != "bf16") m.fail("moments", "must be fp32 or bf16 (got " + moments + ")");
+  o.moment_dtype = moments == "bf16" ? at::kBFloat16 : at::kFloat;
+  try {
+    o.validate();
+  } catch (const Error& e) {
+    m.fail("", e.what());
+  }
+}
+
+void emit_optim(YAML::Emitter& e, const optimizers::OptimizerConfig& o) {
+  e << YAML::Key << "lr" << YAML::Value << o.adamw.lr << YAML::Key << "weight_decay" << YAML::Value
+    << o.adamw.weight_decay << YAML::Key << "beta1" << YAML::Value << o.adamw.beta1 << YAML::Key << "beta2"
+    << YAML::Value << o.adamw.beta2 << YAML::Key << "eps" << YAML::Value << o.adamw.eps << YAML::Key << "muon"
+    << YAML::Value << o.use_muon << YAML::Key << "muon_lr" << YAML::Value << o.muon.lr << YAML::Key
+    << "muon_momentum" << YAML::Value << o.muon.momentum << YAML::Key << "muon_weight_decay" << YAML::Value
+    << o.muon.weight_decay << YAML::Key << "muon_nesterov" << YAML::Value << o.muon.nesterov << YAML::Key
+    << "ns_steps" << YAML::Value << o.muon.ns_steps << YAML::Key << "state" << YAML::Value
+    << optimizers::placement_name(o.placement);
+  if (!o.nvme_dir.empty()) e << YAML::Key << "nvme_dir" << YAML::Value << o.nvme_dir;
+  e << YAML::Key << "chunk_mb" << YAML::Value << double(o.chunk_bytes) / double(1 << 20) << YAML::Key
+    << "master_weights" << YAML::Value << o.master_weights << YAML::Key << "moments" << YAML::Value
+    << (o.moment_dtype == at::kFloat ? "fp32" : "bf16");
+  if (!o.rules.empty()) {
+    e << YAML::Key << "rules" << YAML::Value << YAML::BeginSeq;
+    for (const auto& r : o.rules)
+      e << YAML::BeginMap << YAML::Key << "match" << YAML::Value << r.match << YAML::Key << "min_dim" << YAML::Value
+        << r.min_dim << YAML::Key << "max_dim" << YAML::Value << r.max_dim << YAML::Key << "optimizer"
+        << YAML::Value << optimizers::kind_name(r.kind) << YAML::EndMap;
+    e << YAML::EndSeq;
+  }
+}
+
 }  // namespace
 
 Recipe Recipe::from_yaml_file(const std::string& path) {
@@ -79,8 +156,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
   }
   {
     auto o = top.child("optim");
-    o.get("lr", g.lr);
-    o.get("weight_decay", g.weight_decay);
+    read_optim(o, g.optim);
     o.get("grad_clip", g.grad_clip);
     o.get("mini_steps", g.mini_steps);
     o.get("micro_batch_seqs", g.micro_batch_seqs);
@@ -111,8 +187,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     auto s = top.child("sft");
     s.get("steps", r.sft.steps);
     s.get("batch_size", r.sft.batch_size);
-    s.get("lr", r.sft.lr);
-    s.get("weight_decay", r.sft.weight_decay);
+    read_optim(s, r.sft.optim);
     s.get("grad_clip", r.sft.grad_clip);
     s.get("warmup_steps", r.sft.schedule.warmup_steps);
     s.get("lr_decay", r.sft.schedule.decay);
@@ -175,8 +250,9 @@ std::string Recipe::to_yaml() const {
     << "kl_coef" << YAML::Value << g.loss.kl_coef << YAML::Key << "tis" << YAML::Value << g.loss.tis << YAML::Key
     << "tis_cap" << YAML::Value << g.loss.tis_cap << YAML::Key << "gspo" << YAML::Value << g.loss.gspo
     << YAML::EndMap;
-  e << YAML::Key << "optim" << YAML::Value << YAML::BeginMap << YAML::Key << "lr" << YAML::Value << g.lr
-    << YAML::Key << "weight_decay" << YAML::Value << g.weight_decay << YAML::Key << "grad_clip" << YAML::Value
+  e << YAML::Key << "optim" << YAML::Value << YAML::BeginMap;
+  emit_optim(e, g.optim);
+  e << YAML::Key << "grad_clip" << YAML::Value
     << g.grad_clip << YAML::Key << "mini_steps" << YAML::Value << g.mini_steps << YAML::Key << "micro_batch_seqs"
     << YAML::Value << g.micro_batch_seqs << YAML::Key << "warmup_steps" << YAML::Value << g.schedule.warmup_steps
     << YAML::Key << "lr_decay" << YAML::Value << g.schedule.decay << YAML::Key << "min_lr_ratio" << YAML::Value
@@ -190,8 +266,9 @@ std::string Recipe::to_yaml() const {
   e << YAML::Key << "reward" << YAML::Value << YAML::BeginMap << YAML::Key << "correct" << YAML::Value
     << g.reward.correct << YAML::Key << "format" << YAML::Value << g.reward.format << YAML::EndMap;
   e << YAML::Key << "sft" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << sft.steps
-    << YAML::Key << "batch_size" << YAML::Value << sft.batch_size << YAML::Key << "lr" << YAML::Value << sft.lr
-    << YAML::Key << "weight_decay" << YAML::Value << sft.weight_decay << YAML::Key << "grad_clip" << YAML::Value
+    << YAML::Key << "batch_size" << YAML::Value << sft.batch_size;
+  emit_optim(e, sft.optim);
+  e << YAML::Key << "grad_clip" << YAML::Value
     << sft.grad_clip << YAML::Key << "warmup_steps" << YAML::Value << sft.schedule.warmup_steps << YAML::Key
     << "lr_decay" << YAML::Value << sft.schedule.decay << YAML::Key << "min_lr_ratio" << YAML::Value
     << sft.schedule.min_ratio << YAML::EndMap;

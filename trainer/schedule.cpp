@@ -1,8 +1,6 @@
 // Learning-rate schedules: warmup, then constant / linear / cosine decay.
 #include "trainer/schedule.h"
 
-#include <torch/optim/adamw.h>
-
 #include <algorithm>
 #include <cmath>
 
@@ -23,10 +21,6 @@ double LrSchedule::factor(int64_t step) const {
   const double p = std::clamp(double(step - warmup_steps) / double(total_steps - warmup_steps), 0.0, 1.0);
   const double shape = decay == "linear" ? 1.0 - p : 0.5 * (1.0 + std::cos(M_PI * p));
   return min_ratio + (1.0 - min_ratio) * shape;
-}
-
-void set_lr(torch::optim::Optimizer& opt, double lr) {
-  for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
 }
 
 }  // namespace kiln::trainer

@@ -5,10 +5,6 @@
 #include <cstdint>
 #include <string>
 
-namespace torch::optim {
-class Optimizer;
-}
-
 namespace kiln::trainer {
 
 struct LrSchedule {
@@ -20,8 +16,5 @@ struct LrSchedule {
   // The multiplier of the base lr for optimizer step `step` (1-based).
   double factor(int64_t step) const;
 };
-
-// Sets every parameter group's lr (AdamW options).
-void set_lr(torch::optim::Optimizer& opt, double lr);
 
 }  // namespace kiln::trainer

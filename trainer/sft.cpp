@@ -3,7 +3,6 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/utils/clip_grad.h>
-#include <torch/optim/adamw.h>
 
 #include "core/error.h"
 
@@ -12,7 +11,7 @@ namespace kiln::trainer {
 void SftConfig::validate() const {
   KILN_CHECK(steps >= 0, "sft: steps must be >= 0 (got ", steps, ")");
   KILN_CHECK(batch_size > 0, "sft: batch_size must be positive (got ", batch_size, ")");
-  KILN_CHECK(lr > 0, "sft: lr must be positive (got ", lr, ")");
+  optim.validate();
   schedule.validate();
 }
 
@@ -21,17 +20,16 @@ struct SftTrainer::Impl {
   SftConfig cfg;
   CharTokenizer tok;
   DataStream stream;
-  std::unique_ptr<torch::optim::AdamW> opt;
+  std::vector<at::Tensor> params;  // for grad-norm clipping
+  std::unique_ptr<optimizers::Optimizer> opt;
   int64_t steps = 0;
 
   Impl(model::Muse& m, SftConfig c, CharTokenizer t, std::vector<Problem> train)
       : model(m), cfg(c), tok(std::move(t)), stream(std::move(train), c.seed) {
     cfg.validate();
     model.set_requires_grad(true);
-    std::vector<at::Tensor> params;
     for (auto& [name, p] : model.named_parameters()) params.push_back(p);
-    opt = std::make_unique<torch::optim::AdamW>(params,
-                                                torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+    opt = std::make_unique<optimizers::Optimizer>(model.named_parameters(), cfg.optim);
   }
 
   SftMetrics step() {
@@ -55,10 +53,10 @@ struct SftTrainer::Impl {
     at::Tensor mask = o.targets.ne(-100);
     const double n = std::max(mask.sum().item<double>(), 1.0);
     at::Tensor loss = -out.logprobs.sum() / n;
-    set_lr(*opt, cfg.lr * cfg.schedule.factor(steps + 1));
+    opt->set_lr_factor(cfg.schedule.factor(steps + 1));
     opt->zero_grad();
     loss.backward();
-    torch::nn::utils::clip_grad_norm_(opt->param_groups()[0].params(), cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
+    torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
     opt->step();
     SftMetrics m;
     m.step = ++steps;

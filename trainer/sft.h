@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "model/muse.h"
+#include "optimizers/optimizer.h"
 #include "trainer/schedule.h"
 #include "trainer/tasks.h"
 
@@ -13,12 +14,16 @@ namespace kiln::trainer {
 struct SftConfig {
   int64_t steps = 200;
   int64_t batch_size = 64;     // problems per step
-  double lr = 3e-3;
+  optimizers::OptimizerConfig optim = default_optim();
   LrSchedule schedule;
-  double weight_decay = 0.0;
   double grad_clip = 1.0;
   uint64_t seed = 0;
   void validate() const;
+  static optimizers::OptimizerConfig default_optim() {
+    optimizers::OptimizerConfig o;
+    o.adamw.lr = o.muon.lr = 3e-3;
+    return o;
+  }
 };
 
 struct SftMetrics {

@@ -125,6 +125,15 @@ check_fails "plot without metrics" "cannot open" "$kiln" plot "$tmp/none"
 check "sft runs and writes weights" "sft: done" "$kiln" sft "$tmp/recipe.yaml" --steps 3 --out "$tmp/run"
 [ "$(wc -l < "$tmp/run/sft-metrics.jsonl")" = 3 ] || { echo "FAIL: sft-metrics.jsonl lacks 3 lines"; fails=$((fails+1)); }
 check "train from the sft weights" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 1 --out "$tmp/run2" --init-from "$tmp/run/sft"
+# Optimizer keys: state on NVMe with a rule, and their errors with file, line and key.
+mkdir -p "$tmp/nvme"
+{ cat "$tmp/recipe.yaml"; printf 'optim:\n  state: nvme\n  nvme_dir: %s\n  chunk_mb: 0.01\n  rules:\n    - {match: "*experts*", optimizer: adamw}\n' "$tmp/nvme"; } > "$tmp/nvme.yaml"
+check "train with NVMe optimizer state" "train: done" "$kiln" train "$tmp/nvme.yaml" --steps 1 --out "$tmp/nvme-run"
+grep -q "state: nvme" "$tmp/nvme-run/recipe.yaml" || { echo "FAIL: resolved recipe lacks state: nvme"; fails=$((fails+1)); }
+sed "s#nvme_dir: .*#nvme_dir: $tmp/absent#" "$tmp/nvme.yaml" > "$tmp/nvme-bad.yaml"
+check_fails "missing nvme_dir" "absent' does not exist" "$kiln" train "$tmp/nvme-bad.yaml" --steps 1 --out "$tmp/nvme-bad"
+sed "s#optimizer: adamw#optimizer: sgd#" "$tmp/nvme.yaml" > "$tmp/rule-bad.yaml"
+check_fails "bad optimizer rule" "optim.rules[0].optimizer: optimizer: unknown optimizer 'sgd'" "$kiln" train "$tmp/rule-bad.yaml"
 sed -i 's/  max_tokens: 3/  max_tokens: 3\n  max_tokenz: 3/' "$tmp/recipe.yaml"
 check_fails "recipe unknown key" "recipe.yaml:10: grpo.max_tokenz: unknown key" "$kiln" train "$tmp/recipe.yaml"
 

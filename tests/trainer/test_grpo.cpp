@@ -5,6 +5,7 @@
 
 #include <cctype>
 #include <cmath>
+#include <filesystem>
 
 #include "trainer/grpo.h"
 #include "tests/test_util.h"
@@ -18,7 +19,7 @@ GrpoConfig small_grpo() {
   g.prompts_per_step = 4;
   g.samples_per_prompt = 4;
   g.max_tokens = 4;
-  g.lr = 1e-2;
+  g.optim.adamw.lr = 1e-2;
   g.micro_batch_seqs = 5;  // several micro-batches, one partial
   g.engine.kv_cache_bytes = 8 << 20;
   g.engine.block_size = 4;
@@ -96,8 +97,9 @@ std::string without_times(const StepMetrics& m) {
 }
 
 // Runs 4 steps straight, and 2 + save + load + 2 into other weights: every step's metrics and the
-// final weights must agree bitwise.
-void check_resume(double kl_coef) {
+// final weights must agree bitwise. The optimizer state lives where `state` says.
+void check_resume(double kl_coef, optimizers::Placement state = optimizers::Placement::kDevice) {
+  test::TempDir nvme;
   model::ModelConfig mc = test::byte_vocab_config();
   mc.init_std = 1.0;
   model::Muse a = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
@@ -105,6 +107,8 @@ void check_resume(double kl_coef) {
   GrpoConfig cfg = small_grpo();
   cfg.max_tokens = 1;
   cfg.loss.kl_coef = kl_coef;
+  cfg.optim.placement = state;
+  cfg.optim.nvme_dir = nvme.path();
   std::vector<std::string> straight;
   {
     GrpoTrainer t(a, cfg, CharTokenizer(128), data);
@@ -129,6 +133,11 @@ void check_resume(double kl_coef) {
     EXPECT_TRUE(test::all_equal(c.named_parameters()[i].second, a.named_parameters()[i].second))
         << a.named_parameters()[i].first;
   EXPECT_TRUE(test::throws_with([&] { resumed.load(dir / "nothing"); }, {"no checkpoint state"}));
+  // A truncated optimizer state is named, and the checkpoint is left as it was.
+  std::filesystem::copy(dir / "ckpt", dir / "cut", std::filesystem::copy_options::recursive);
+  const std::string opt_file = dir / "cut/optimizer.safetensors";
+  std::filesystem::resize_file(opt_file, std::filesystem::file_size(opt_file) - 100);
+  EXPECT_TRUE(test::throws_with([&] { resumed.load(dir / "cut"); }, {"cut/optimizer.safetensors"}));
   if (kl_coef != 0) {  // the reference policy is part of the checkpoint
     GrpoConfig no_kl = cfg;
     no_kl.loss.kl_coef = 0;
@@ -142,6 +151,7 @@ void check_resume(double kl_coef) {
 
 TEST(Grpo, ResumeFromACheckpointReproducesTheUninterruptedRunBitwise) { check_resume(0.0); }
 TEST(Grpo, ResumeWithTheKlTermRestoresTheReferencePolicy) { check_resume(0.05); }
+TEST(Grpo, ResumeWithOptimizerStateOnNvmeIsBitwiseToo) { check_resume(0.0, optimizers::Placement::kNvme); }
 
 TEST(Grpo, KlToTheFrozenReferenceStartsAtZeroAndGrows) {
   model::ModelConfig mc = test::byte_vocab_config();

@@ -15,7 +15,7 @@ TEST(Sft, LossFallsAndAnswersAreMemorised) {
   model::Muse m = model::Muse::init(c, 1, at::kFloat, at::kCPU);
   SftConfig cfg;
   cfg.batch_size = 8;
-  cfg.lr = 1e-2;
+  cfg.optim.adamw.lr = 1e-2;
   SftTrainer sft(m, cfg, CharTokenizer(128), arithmetic_problems(8, 1, 3));
   const SftMetrics first = sft.step();
   SftMetrics last;

@@ -1,0 +1,24 @@
+// Timing helpers shared by the `kiln bench` cases: device sync and a median-of-N timer.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <string>
+
+#include "model/muse.h"
+
+namespace kiln::tools {
+
+// Waits for the device's queued work (a no-op on the CPU).
+void sync(at::Device device);
+// Median seconds per call of `fn` over `iters` calls after `warmup` calls.
+double time_it(at::Device device, const std::function<void()>& fn, int warmup = 3, int iters = 20);
+
+// `seqs` random sequences of `len` tokens packed into one batch; opt.targets gets their ids.
+model::PackedBatch random_batch(const model::ModelConfig& cfg, int64_t seqs, int64_t len, at::Device device,
+                                model::ForwardOptions& opt);
+
+// `kiln bench optim`: the optimizer's placements, CPU AdamW against torch::optim::AdamW, Muon.
+void bench_optim(at::Device device, const std::string& config, const std::string& nvme_dir, double chunk_mb);
+
+}  // namespace kiln::tools
