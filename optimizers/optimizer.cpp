@@ -148,8 +148,11 @@ struct Optimizer::Impl {
   void plan_chunks() {
     for (size_t i = 0; i < params.size(); ++i) {
       const Param& P = params[i];
-      const int64_t per_unit = std::max<int64_t>(P.chunk_bytes(1), 1);
-      const int64_t step_units = std::max<int64_t>(1, cfg.chunk_bytes / per_unit);
+      // Units per chunk from the unpadded bytes (the 256-byte slot padding is per chunk, not per unit).
+      int64_t per_unit = 0;
+      for (int s = 0; s < kSlots; ++s)
+        if (P.used[s]) per_unit += P.unit * P.elem(s);
+      const int64_t step_units = std::max<int64_t>(1, cfg.chunk_bytes / std::max<int64_t>(per_unit, 1));
       for (int64_t u = 0; u < P.units; u += step_units) {
         chunks.push_back({i, u, std::min(P.units, u + step_units)});
         max_chunk_bytes = std::max(max_chunk_bytes, P.chunk_bytes(chunks.back().u1 - u));

@@ -71,7 +71,8 @@ void cpu_adamw() {
              at::get_num_threads(), n / 1e6, ours.size());
   fmt::print("  kiln fused (Eigen)      {:8.1f} ms  {:6.2f} GB/s\n", t_ours * 1e3, 28 * n / t_ours / 1e9);
   fmt::print("  torch::optim::AdamW     {:8.1f} ms  {:6.2f} GB/s\n", t_ref * 1e3, 28 * n / t_ref / 1e9);
-  fmt::print("  fused / torch: {:.2f}x faster\n\n", t_ref / t_ours);
+  fmt::print("  speed-up of the fused loop over torch: {:.2f}x (the bytes bound: torch's 9 passes move ~88 B/param "
+             "against 28, ~3.1x, when both run at memory bandwidth)\n\n", t_ref / t_ours);
 }
 
 // Seconds to write then read `bytes` through an NvmeFile in `chunk`-byte pieces (the same calls
@@ -79,6 +80,8 @@ void cpu_adamw() {
 std::pair<double, double> disk_io(const std::string& dir, int64_t bytes, int64_t chunk) {
   optimizers::NvmeFile f(dir, "kiln-bench-io.bin", uint64_t(bytes));
   std::vector<char> buf(size_t(chunk), 1);
+  // One untimed pass first: the optimizer's steps rewrite blocks already written, not fresh ones.
+  for (int64_t o = 0; o < bytes; o += chunk) f.write(uint64_t(o), buf.data(), uint64_t(std::min(chunk, bytes - o)));
   auto now = [] { return std::chrono::steady_clock::now(); };
   auto a = now();
   for (int64_t o = 0; o < bytes; o += chunk) f.write(uint64_t(o), buf.data(), uint64_t(std::min(chunk, bytes - o)));

@@ -112,9 +112,9 @@ Run add_train(CLI::App& app) {
     model::Muse& policy = *s.policy;
     trainer::Dataset& data = s.data;
     trainer::CharTokenizer tok = tokenizer_for(policy);
+    trainer::GrpoTrainer trainer(policy, r.grpo, tok, data);  // first: a bad optimizer setting fails alone
     fmt::print("train: {} steps of {} prompts x {} samples; {} train / {} test problems; run dir {}\n", r.steps,
                r.grpo.prompts_per_step, r.grpo.samples_per_prompt, data.train.size(), data.test.size(), r.out);
-    trainer::GrpoTrainer trainer(policy, r.grpo, tok, data);
     const std::string ckpt = r.out + "/checkpoint";
     if (!a->resume.empty()) {
       trainer.load(ckpt);
