@@ -6,6 +6,7 @@
 
 #include <ATen/Parallel.h>
 #include <Eigen/Core>
+#include <Eigen/Dense>
 
 #include <algorithm>
 #include <cmath>
@@ -18,17 +19,82 @@
 namespace kiln::optimizers {
 namespace {
 constexpr double kA = 3.4445, kB = -4.7750, kC = 2.0315;
+
+// Runs fn(begin, end) over [0, n) in up to at::get_num_threads() ranges of at least `grain`: one
+// on this thread, the others on ATen's inter-op pool. Not at::parallel_for: with the OpenMP
+// backend it is an inline `#pragma omp parallel`, which runs serially in code built without
+// -fopenmp (ours; measured 1.9x slower than torch's AdamW on 16 threads before this).
+template <class F>
+void fork_join(int64_t n, int64_t grain, const F& fn) {
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / std::max<int64_t>(grain, 1)));
+  if (tasks == 1) return fn(int64_t(0), n);
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t left = tasks - 1;
+  std::exception_ptr error;
+  auto range = [&](int64_t t) { return std::make_pair(n * t / tasks, n * (t + 1) / tasks); };
+  for (int64_t t = 1; t < tasks; ++t)
+    at::launch([&, t] {
+      try {
+        auto [b, e] = range(t);
+        fn(b, e);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      if (--left == 0) cv.notify_one();
+    });
+  auto [b, e] = range(0);
+  fn(b, e);
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return left == 0; });
+  if (error) std::rethrow_exception(error);
 }
+
+// Newton-Schulz on one row-major matrix in Eigen (T = float or double), for the CPU: the small
+// matrices of CPU models spend most of their time in ATen's per-op overhead (muse-tiny's Muon
+// step took 170 ms in ATen ops).
+template <class T>
+void newton_schulz5_eigen(const T* in, T* out, int64_t rows, int64_t cols, int64_t steps) {
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Eigen::Map<const Mat> g(in, rows, cols);
+  const bool tall = rows > cols;
+  Mat x = tall ? Mat(g.transpose()) : Mat(g);
+  x /= x.norm() + T(1e-7);
+  Mat a, b;
+  for (int64_t i = 0; i < steps; ++i) {
+    a.noalias() = x * x.transpose();
+    b.noalias() = T(kC) * (a * a);
+    b += T(kB) * a;
+    x = T(kA) * x + b * x;  // the product is evaluated into a temporary before x is written
+  }
+  Eigen::Map<Mat> o(out, rows, cols);
+  if (tall)
+    o = x.transpose();
+  else
+    o = x;
+}
+}  // namespace
 
 at::Tensor newton_schulz5(const at::Tensor& g, int64_t steps, at::ScalarType dtype) {
   KILN_CHECK(g.dim() >= 2, "newton_schulz5: needs a matrix or a stack of matrices (got ", g.sizes(), ")");
   at::NoGradGuard no_grad;
-  if (g.is_cpu() && g.dim() > 2) {
-    // The CPU's batched matmul is a slow loop for small matrices (17x slower than one mm per
-    // matrix on muse-tiny's experts): orthogonalise the stack one matrix at a time.
-    at::Tensor flat = g.reshape({-1, g.size(-2), g.size(-1)}), out = at::empty_like(flat);
-    for (int64_t i = 0; i < flat.size(0); ++i) out[i].copy_(newton_schulz5(flat[i], steps, dtype));
-    return out.view(g.sizes());
+  if (g.is_cpu()) {
+    // fp64 when asked for (tests), else fp32: bf16 matmuls on the CPU are emulated and slow.
+    const bool f64 = dtype == at::kDouble;
+    at::Tensor flat = g.to(f64 ? at::kDouble : at::kFloat).reshape({-1, g.size(-2), g.size(-1)}).contiguous();
+    at::Tensor out = at::empty_like(flat);
+    const int64_t r = g.size(-2), c = g.size(-1);
+    fork_join(flat.size(0), 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        if (f64)
+          newton_schulz5_eigen(flat.data_ptr<double>() + i * r * c, out.data_ptr<double>() + i * r * c, r, c, steps);
+        else
+          newton_schulz5_eigen(flat.data_ptr<float>() + i * r * c, out.data_ptr<float>() + i * r * c, r, c, steps);
+      }
+    });
+    return out.view(g.sizes()).to(g.scalar_type());
   }
   const bool tall = g.size(-2) > g.size(-1);
   at::Tensor x = g.to(at::kFloat);
@@ -92,38 +158,6 @@ using Span = Eigen::Map<Eigen::ArrayXf>;
 using ConstSpan = Eigen::Map<const Eigen::ArrayXf>;
 using Bf16Span = Eigen::Map<Eigen::Array<Eigen::bfloat16, Eigen::Dynamic, 1>>;
 constexpr int64_t kBlock = 2048;  // elements per pass: the working set stays in L1/L2
-
-// Runs fn(begin, end) over [0, n) in up to at::get_num_threads() ranges of at least `grain`: one
-// on this thread, the others on ATen's inter-op pool. Not at::parallel_for: with the OpenMP
-// backend it is an inline `#pragma omp parallel`, which runs serially in code built without
-// -fopenmp (ours; measured 1.9x slower than torch's AdamW on 16 threads before this).
-template <class F>
-void fork_join(int64_t n, int64_t grain, const F& fn) {
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / std::max<int64_t>(grain, 1)));
-  if (tasks == 1) return fn(int64_t(0), n);
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t left = tasks - 1;
-  std::exception_ptr error;
-  auto range = [&](int64_t t) { return std::make_pair(n * t / tasks, n * (t + 1) / tasks); };
-  for (int64_t t = 1; t < tasks; ++t)
-    at::launch([&, t] {
-      try {
-        auto [b, e] = range(t);
-        fn(b, e);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        error = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lock(mu);
-      if (--left == 0) cv.notify_one();
-    });
-  auto [b, e] = range(0);
-  fn(b, e);
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return left == 0; });
-  if (error) std::rethrow_exception(error);
-}
 
 struct AdamWScalars {
   float decay, beta1, one_minus_beta1, beta2, one_minus_beta2, sqrt_bc2, eps, step_size;
