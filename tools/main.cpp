@@ -1,35 +1,35 @@
-// The `kiln` command: parses the subcommand, runs it, and turns any error into one clear line
-// and a non-zero exit (MPI_Abort when running under MPI, so no rank hangs).
+// The `kiln` command: starts MPI when mpirun or srun launched it, parses the subcommand, runs it,
+// and turns any error into one clear line and a non-zero exit (MPI_Abort of the whole job under
+// MPI, so no rank hangs waiting for the one that failed).
 #include <CLI/CLI.hpp>
-#include <mpi.h>
 
 #include <cstdio>
 #include <map>
 #include <string>
 
+#include "core/comm.h"
 #include "core/error.h"
 #include "tools/commands.h"
 
 namespace {
 
 int fail(const std::string& msg) {
-  int initialized = 0, finalized = 0, rank = 0, size = 1;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized) {
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-  }
-  if (size > 1) std::fprintf(stderr, "kiln: error on rank %d: %s\n", rank, msg.c_str());
+  const kiln::comm::Group& world = kiln::comm::Group::world();
+  if (world.size() > 1) std::fprintf(stderr, "kiln: error on rank %d: %s\n", world.rank(), msg.c_str());
   else std::fprintf(stderr, "kiln: error: %s\n", msg.c_str());
   std::fflush(stderr);
-  if (initialized && !finalized && size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+  kiln::comm::abort_job(1);
   return 1;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  try {
+    kiln::comm::init(&argc, &argv);
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
   CLI::App app{"kiln: RL training for latent-MoE language models (Muse Spark Open)", "kiln"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "kiln 0.1.0");
@@ -46,12 +46,16 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    const int rc = app.exit(e);
+    if (rc != 0) kiln::comm::abort_job(rc);
+    kiln::comm::finalize();
+    return rc;
   }
   try {
     for (auto* sub : app.get_subcommands()) runs.at(sub->get_name())();
   } catch (const std::exception& e) {
     return fail(e.what());
   }
+  kiln::comm::finalize();
   return 0;
 }

@@ -23,6 +23,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Per-token data of every rank, for the global mismatch metrics.
+struct Gathered {
+  at::Tensor rollout_lp, mask, seq_ids;
+  int64_t num_seqs = 0;
+};
+
 // One sampled response, laid out for training.
 struct Trajectory {
   std::vector<int64_t> tokens;      // prompt + response
@@ -124,21 +130,32 @@ struct GrpoTrainer::Impl {
   Dataset data;
   DataStream stream;
   rollout::Engine engine;
-  std::vector<at::Tensor> params;  // for grad-norm clipping
-  std::unique_ptr<optimizers::Optimizer> opt;
+  comm::Group group;               // the data-parallel ranks
+  std::vector<at::Tensor> params;  // all of them: clipping, the gradient all-reduce, the broadcast
+  std::vector<int> owners;         // ZeRO-1: the rank that steps each parameter
+  std::unique_ptr<optimizers::Optimizer> opt;  // over this rank's parameters (null if it owns none)
   std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
   int64_t steps = 0;
 
-  Impl(model::Muse& p, GrpoConfig c, CharTokenizer t, Dataset d)
+  Impl(model::Muse& p, GrpoConfig c, CharTokenizer t, Dataset d, const comm::Group& g)
       : policy(p), cfg(std::move(c)), tok(std::move(t)), data(std::move(d)), stream(data.train, cfg.seed),
-        engine(p, cfg.engine) {
+        engine(p, cfg.engine), group(g) {
     cfg.validate();
+    cfg.parallel.resolve(group.size(), policy.config().num_experts);
+    KILN_CHECK(cfg.prompts_per_step >= group.size(), "grpo: prompts_per_step (", cfg.prompts_per_step,
+               ") must be at least the data-parallel ranks (", group.size(), "): a prompt's group stays on one rank");
     KILN_CHECK(tok.vocab_size() <= policy.config().vocab_size, "grpo: tokenizer vocabulary (", tok.vocab_size(),
                ") exceeds the model's vocab_size (", policy.config().vocab_size, ")");
     if (cfg.loss.kl_coef != 0) reference = std::make_unique<model::Muse>(policy.clone());
     policy.set_requires_grad(true);
     for (auto& [name, t] : policy.named_parameters()) params.push_back(t);
-    opt = std::make_unique<optimizers::Optimizer>(policy.named_parameters(), cfg.optim);
+    owners = zero_owners(params, group.size());
+    std::vector<std::pair<std::string, at::Tensor>> mine;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (owners[i] == group.rank()) mine.push_back(policy.named_parameters()[i]);
+    optimizers::OptimizerConfig oc = cfg.optim;
+    oc.state_tag = "rank" + std::to_string(group.rank());
+    if (!mine.empty()) opt = std::make_unique<optimizers::Optimizer>(mine, oc);
   }
 
   // Log-probs (and own routing) of every target under `model` (the current policy, or the frozen
@@ -171,7 +188,11 @@ struct GrpoTrainer::Impl {
     m.step = ++steps;
     // 1-2. Prompts and rollouts.
     auto t0 = Clock::now();
-    std::vector<Problem> problems = stream.next(cfg.prompts_per_step);
+    // Every rank draws the same prompts and takes its contiguous share; seeds use global indices.
+    std::vector<Problem> all = stream.next(cfg.prompts_per_step);
+    const int64_t P = int64_t(all.size()), R = group.size();
+    const int64_t p0 = P * group.rank() / R, p1 = P * (group.rank() + 1) / R;
+    std::vector<Problem> problems(all.begin() + p0, all.begin() + p1);
     std::vector<rollout::Request> reqs;
     for (size_t i = 0; i < problems.size(); ++i) {
       rollout::Request r;
@@ -182,7 +203,7 @@ struct GrpoTrainer::Impl {
       r.params.temperature = cfg.temperature;
       r.params.top_p = cfg.top_p;
       r.params.top_k = cfg.top_k;
-      r.params.seed = cfg.seed * 1000003ull + uint64_t(steps) * 1009ull + uint64_t(i);
+      r.params.seed = cfg.seed * 1000003ull + uint64_t(steps) * 1009ull + uint64_t(p0 + int64_t(i));
       reqs.push_back(std::move(r));
     }
     auto outs = engine.generate(reqs);
@@ -212,43 +233,55 @@ struct GrpoTrainer::Impl {
       }
       prompts_solved += solved ? 1 : 0;
     }
-    const double n = double(trajs.size());
     at::Tensor adv = group_advantages(at::tensor(rewards, at::kDouble), cfg.samples_per_prompt, cfg.std_normalize);
     for (size_t i = 0; i < trajs.size(); ++i) trajs[i].advantage = adv[int64_t(i)].item<double>();
-    m.reward = std::accumulate(rewards.begin(), rewards.end(), 0.0) / n;
-    m.accuracy = correct / n;
-    m.pass_at_n = double(prompts_solved) / double(outs.size());
-    m.response_length = length / n;
+    at::Tensor sums = at::tensor({std::accumulate(rewards.begin(), rewards.end(), 0.0), correct, length,
+                                  double(prompts_solved), double(trajs.size())}, at::kDouble);
+    group.all_reduce(sums);
+    const double n = sums[4].item<double>();
+    m.reward = sums[0].item<double>() / n;
+    m.accuracy = sums[1].item<double>() / n;
+    m.response_length = sums[2].item<double>() / n;
+    m.pass_at_n = sums[3].item<double>() / double(P);
     // 4. lp_old under replay and the mismatch metrics.
     Scored old = score(trajs, cfg.routing_replay);
     Packed whole = pack(trajs, 0, trajs.size(), at::kCPU, at::kDouble);
-    m.tokens = whole.batch.num_tokens();
-    m.mismatch = mismatch_metrics(old.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, whole.num_seqs);
+    // The mismatch metrics see every rank's tokens (gathered; a copy on one rank).
+    const int64_t seq_offset = p0 * cfg.samples_per_prompt;
+    Gathered all_tok{group.all_gather_v(whole.rollout_lp), group.all_gather_v(whole.mask),
+                     group.all_gather_v(whole.seq_ids + seq_offset), int64_t(n)};
+    m.tokens = int64_t(group.all_reduce(double(whole.batch.num_tokens())));
+    m.mismatch = mismatch_metrics(group.all_gather_v(old.logprobs.cpu()), all_tok.rollout_lp, all_tok.mask,
+                                  all_tok.seq_ids, all_tok.num_seqs);
     if (cfg.mismatch_ab) {
       Scored other = score(trajs, !cfg.routing_replay);
       const Scored& no_replay = cfg.routing_replay ? other : old;
       m.has_no_replay = true;
-      m.mismatch_no_replay =
-          mismatch_metrics(no_replay.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, whole.num_seqs);
-      m.routing_disagreement = routing_disagreement(no_replay.routing, whole.routing, at::ones({whole.batch.num_tokens()}));
+      m.mismatch_no_replay = mismatch_metrics(group.all_gather_v(no_replay.logprobs.cpu()), all_tok.rollout_lp,
+                                              all_tok.mask, all_tok.seq_ids, all_tok.num_seqs);
+      at::Tensor own = group.all_gather_v(no_replay.routing), replayed = group.all_gather_v(whole.routing);
+      m.routing_disagreement = routing_disagreement(own, replayed, at::ones({own.size(0)}));
     }
     // lp_ref for the k3 KL term, with the same expert sets as lp_old.
     Scored ref;
     if (reference) ref = score(*reference, trajs, cfg.routing_replay);
     // 5. Optimizer mini-steps: each over a disjoint slice of the trajectories, micro-batched.
-    const double total_tokens = whole.mask.sum().item<double>();
-    const int64_t per_mini = (int64_t(trajs.size()) + cfg.mini_steps - 1) / cfg.mini_steps;
+    const double total_tokens = group.all_reduce(whole.mask.sum().item<double>());
+    // Mini-step ms covers global trajectories [ms*per, (ms+1)*per); this rank holds [g0, g1).
+    const int64_t N = P * cfg.samples_per_prompt, g0 = p0 * cfg.samples_per_prompt, g1 = g0 + int64_t(trajs.size());
+    const int64_t per_mini = (N + cfg.mini_steps - 1) / cfg.mini_steps;
     double loss_sum = 0, clip_sum = 0, kl_sum = 0, norm_sum = 0;
     std::vector<int64_t> token_offsets = {0};
     for (const auto& t : trajs) token_offsets.push_back(token_offsets.back() + int64_t(t.tokens.size()));
-    opt->set_lr_factor(cfg.schedule.factor(steps));
+    if (opt) opt->set_lr_factor(cfg.schedule.factor(steps));
     m.lr = cfg.optim.adamw.lr * cfg.schedule.factor(steps);
     for (int64_t ms = 0; ms < cfg.mini_steps; ++ms) {
-      const size_t mb = size_t(ms * per_mini), me = std::min(trajs.size(), size_t((ms + 1) * per_mini));
-      if (mb >= me) break;
-      Packed slice = pack(trajs, mb, me, at::kCPU, at::kDouble);
-      const double slice_tokens = std::max(slice.mask.sum().item<double>(), 1.0);
-      opt->zero_grad();
+      const int64_t gb = ms * per_mini, ge = std::min(N, (ms + 1) * per_mini);
+      if (gb >= ge) break;
+      const size_t mb = size_t(std::clamp(gb, g0, g1) - g0), me = size_t(std::clamp(ge, g0, g1) - g0);
+      const double local_tokens = mb < me ? pack(trajs, mb, me, at::kCPU, at::kDouble).mask.sum().item<double>() : 0.0;
+      const double slice_tokens = std::max(group.all_reduce(local_tokens), 1.0);
+      for (at::Tensor& p : params) p.mutable_grad().reset();
       for (size_t b = mb; b < me; b += size_t(cfg.micro_batch_seqs)) {
         const size_t e = std::min(me, b + size_t(cfg.micro_batch_seqs));
         // Masks and advantages in the loss dtype (fp32 for a bf16 policy, like its log-probs).
@@ -271,17 +304,25 @@ struct GrpoTrainer::Impl {
           in.ref_logprobs = ref.logprobs.narrow(0, token_offsets[b], token_offsets[e] - token_offsets[b])
                                 .to(policy.device(), out.logprobs.scalar_type());
         in.total_tokens = slice_tokens;
-        in.total_seqs = double(me - mb);
+        in.total_seqs = double(ge - gb);
         auto lo = policy_loss(in, cfg.loss);
         lo.loss.backward();
         loss_sum += lo.loss.item<double>();
         clip_sum += lo.clip_fraction * p.mask.sum().item<double>();
         kl_sum += lo.kl * p.mask.sum().item<double>();
       }
-      // Global grad-norm clipping; an infinite bound when off still reports the norm.
+      // Sum the ranks' gradients, then global grad-norm clipping (an infinite bound when off still
+      // reports the norm); the owners step and broadcast.
+      all_reduce_grads(group, params);
       norm_sum += torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
-      opt->step();
+      if (opt) opt->step();
+      broadcast_from_owners(group, params, owners);
     }
+    at::Tensor loss_parts = at::tensor({loss_sum, clip_sum, kl_sum}, at::kDouble);
+    group.all_reduce(loss_parts);
+    loss_sum = loss_parts[0].item<double>();
+    clip_sum = loss_parts[1].item<double>();
+    kl_sum = loss_parts[2].item<double>();
     m.loss = loss_sum / double(cfg.mini_steps);
     m.clip_fraction = clip_sum / std::max(total_tokens, 1.0);
     m.kl = kl_sum / std::max(total_tokens, 1.0);
@@ -295,8 +336,10 @@ struct GrpoTrainer::Impl {
   double evaluate(int64_t limit) {
     const int64_t count = std::min<int64_t>(limit, int64_t(data.test.size()));
     if (count == 0) return 0.0;
+    // Each rank scores its share of the problems.
+    const int64_t e0 = count * group.rank() / group.size(), e1 = count * (group.rank() + 1) / group.size();
     std::vector<rollout::Request> reqs;
-    for (int64_t i = 0; i < count; ++i) {
+    for (int64_t i = e0; i < e1; ++i) {
       rollout::Request r;
       r.prompt = tok.encode(data.test[i].prompt);
       r.params.n = 1;
@@ -307,31 +350,46 @@ struct GrpoTrainer::Impl {
     }
     auto outs = engine.generate(reqs);
     double correct = 0;
-    for (int64_t i = 0; i < count; ++i)
-      correct += exact_match_reward(tok.decode_sample(outs[i].samples[0].tokens), data.test[i].answer);
-    return correct / double(count);
+    for (int64_t i = e0; i < e1; ++i)
+      correct += exact_match_reward(tok.decode_sample(outs[size_t(i - e0)].samples[0].tokens), data.test[i].answer);
+    return group.all_reduce(correct) / double(count);
   }
 };
 
+namespace {
+// This rank's shard of the optimizer state in a checkpoint.
+std::string optimizer_file(const comm::Group& g) {
+  return g.size() == 1 ? "optimizer.safetensors"
+                       : str_cat("optimizer-rank", g.rank(), "-of-", g.size(), ".safetensors");
+}
+}  // namespace
+
 void GrpoTrainer::save(const std::string& dir) const {
   namespace fs = std::filesystem;
+  const comm::Group& g = impl_->group;
   const std::string tmp = dir + ".tmp", old = dir + ".old";
-  remove_tree(tmp);
-  fs::create_directories(tmp);
-  model::save_checkpoint(impl_->policy, tmp + "/model");
-  if (impl_->reference) model::save_checkpoint(*impl_->reference, tmp + "/reference");
-  impl_->opt->save(tmp + "/optimizer.safetensors");
-  {
+  if (g.rank() == 0) {
+    remove_tree(tmp);
+    fs::create_directories(tmp);
+    model::save_checkpoint(impl_->policy, tmp + "/model");
+    if (impl_->reference) model::save_checkpoint(*impl_->reference, tmp + "/reference");
     std::ofstream f(tmp + "/state.json");
-    f << nlohmann::json{{"step", impl_->steps}, {"data_position", impl_->stream.position()}, {"seed", impl_->cfg.seed}}.dump(2)
+    f << nlohmann::json{{"step", impl_->steps}, {"data_position", impl_->stream.position()}, {"seed", impl_->cfg.seed},
+                        {"dp", g.size()}}.dump(2)
       << "\n";
     KILN_CHECK(f.good(), "grpo: cannot write ", tmp, "/state.json");
   }
+  g.barrier();
+  if (impl_->opt) impl_->opt->save(tmp + "/" + optimizer_file(g));  // each rank its own shard
+  g.barrier();
   // Swap in the new checkpoint; the old one is removed only once the new one is in place.
-  remove_tree(old);
-  if (fs::exists(dir)) fs::rename(dir, old);
-  fs::rename(tmp, dir);
-  remove_tree(old);
+  if (g.rank() == 0) {
+    remove_tree(old);
+    if (fs::exists(dir)) fs::rename(dir, old);
+    fs::rename(tmp, dir);
+    remove_tree(old);
+  }
+  g.barrier();
 }
 
 void GrpoTrainer::load(const std::string& dir) {
@@ -345,6 +403,8 @@ void GrpoTrainer::load(const std::string& dir) {
   }
   KILN_CHECK(st.contains("step") && st.contains("data_position"), "grpo: ", dir,
              "/state.json lacks step or data_position");
+  KILN_CHECK(st.value("dp", 1) == impl_->group.size(), "grpo: checkpoint ", dir, " was written by ", st.value("dp", 1),
+             " data-parallel ranks, this run has ", impl_->group.size(), "; resume with the same number of ranks");
   KILN_CHECK(st.value("seed", uint64_t(0)) == impl_->cfg.seed, "grpo: checkpoint ", dir, " was made with seed ",
              st.value("seed", uint64_t(0)), " but the recipe says ", impl_->cfg.seed);
   auto restore = [&](model::Muse& into, const std::string& sub) {
@@ -365,14 +425,15 @@ void GrpoTrainer::load(const std::string& dir) {
                " needs one; resume with the kl_coef the run was started with");
     restore(*impl_->reference, "reference");
   }
-  impl_->opt->load(dir + "/optimizer.safetensors");
+  if (impl_->opt) impl_->opt->load(dir + "/" + optimizer_file(impl_->group));
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
   impl_->engine.update_weights(impl_->policy.named_parameters());
 }
 
-GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data)
-    : impl_(std::make_unique<Impl>(policy, std::move(config), std::move(tokenizer), std::move(data))) {}
+GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data,
+                         const comm::Group& group)
+    : impl_(std::make_unique<Impl>(policy, std::move(config), std::move(tokenizer), std::move(data), group)) {}
 GrpoTrainer::~GrpoTrainer() = default;
 StepMetrics GrpoTrainer::step() { return impl_->step(); }
 double GrpoTrainer::evaluate(int64_t limit) { return impl_->evaluate(limit); }

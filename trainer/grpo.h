@@ -7,10 +7,12 @@
 #include <string>
 #include <vector>
 
+#include "core/comm.h"
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
 #include "rollout/engine.h"
 #include "trainer/losses.h"
+#include "trainer/parallel.h"
 #include "trainer/schedule.h"
 #include "trainer/tasks.h"
 
@@ -35,6 +37,7 @@ struct GrpoConfig {
   bool mismatch_ab = false;         // also measure the mismatch with replay off (one extra forward)
   uint64_t seed = 0;
   rollout::EngineConfig engine;
+  ParallelConfig parallel;          // resolved against the group's size by the trainer
   void validate() const;
 };
 
@@ -55,8 +58,12 @@ struct StepMetrics {
 
 class GrpoTrainer {
  public:
-  // `policy` is trained in place (fp32 or fp64 on the CPU, or bf16/fp32 on GPU).
-  GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data);
+  // `policy` is trained in place (fp32 or fp64 on the CPU, or bf16/fp32 on GPU). With a group of
+  // several ranks (data parallel): each rank rolls out and trains on its share of every step's
+  // prompts (whole groups), gradients are summed, each rank keeps the optimizer state of the
+  // parameters it owns (ZeRO-1) and broadcasts them after the step. Metrics are global.
+  GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data,
+              const comm::Group& group = comm::Group::world());
   ~GrpoTrainer();
   StepMetrics step();
   // Greedy accuracy on up to `limit` held-out problems.
@@ -65,7 +72,7 @@ class GrpoTrainer {
   const DataStream& stream() const;
   // A resumable checkpoint in `dir`: weights (safetensors + config.json), optimizer state, the step,
   // the data position, and with kl_coef != 0 the frozen reference policy (the policy the trainer
-  // started from). Written into a temporary directory that replaces `dir` at the end, so
+  // started from). Rank 0 writes all but the optimizer state, of which each rank writes its shard. Written into a temporary directory that replaces `dir` at the end, so
   // the previous checkpoint survives a crash mid-write. Sampling seeds derive from (seed, step),
   // so no RNG state is needed for the same samples after a resume.
   void save(const std::string& dir) const;

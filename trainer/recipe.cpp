@@ -166,6 +166,13 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     o.finish();
   }
   {
+    auto p = top.child("parallel");
+    p.get("dp", g.parallel.dp);
+    p.get("ep", g.parallel.ep);
+    p.get("tp", g.parallel.tp);
+    p.finish();
+  }
+  {
     auto ro = top.child("rollout");
     double mb = double(g.engine.kv_cache_bytes) / double(1 << 20);
     ro.get("kv_cache_mb", mb);
@@ -257,6 +264,9 @@ std::string Recipe::to_yaml() const {
     << YAML::Value << g.micro_batch_seqs << YAML::Key << "warmup_steps" << YAML::Value << g.schedule.warmup_steps
     << YAML::Key << "lr_decay" << YAML::Value << g.schedule.decay << YAML::Key << "min_lr_ratio" << YAML::Value
     << g.schedule.min_ratio << YAML::EndMap;
+  e << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap << YAML::Key << "dp" << YAML::Value << g.parallel.dp
+    << YAML::Key << "ep" << YAML::Value << g.parallel.ep << YAML::Key << "tp" << YAML::Value << g.parallel.tp
+    << YAML::EndMap;
   e << YAML::Key << "rollout" << YAML::Value << YAML::BeginMap << YAML::Key << "kv_cache_mb" << YAML::Value
     << double(g.engine.kv_cache_bytes) / double(1 << 20) << YAML::Key << "block_size" << YAML::Value
     << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key

@@ -5,6 +5,7 @@
 #include <torch/nn/utils/clip_grad.h>
 
 #include "core/error.h"
+#include "trainer/parallel.h"
 
 namespace kiln::trainer {
 
@@ -20,22 +21,36 @@ struct SftTrainer::Impl {
   SftConfig cfg;
   CharTokenizer tok;
   DataStream stream;
-  std::vector<at::Tensor> params;  // for grad-norm clipping
-  std::unique_ptr<optimizers::Optimizer> opt;
+  comm::Group group;
+  std::vector<at::Tensor> params;  // all: clipping, the gradient all-reduce, the broadcast
+  std::vector<int> owners;         // ZeRO-1
+  std::unique_ptr<optimizers::Optimizer> opt;  // over this rank's parameters
   int64_t steps = 0;
 
-  Impl(model::Muse& m, SftConfig c, CharTokenizer t, std::vector<Problem> train)
-      : model(m), cfg(c), tok(std::move(t)), stream(std::move(train), c.seed) {
+  Impl(model::Muse& m, SftConfig c, CharTokenizer t, std::vector<Problem> train, const comm::Group& g)
+      : model(m), cfg(c), tok(std::move(t)), stream(std::move(train), c.seed), group(g) {
     cfg.validate();
+    KILN_CHECK(cfg.batch_size >= group.size(), "sft: batch_size (", cfg.batch_size,
+               ") must be at least the data-parallel ranks (", group.size(), ")");
     model.set_requires_grad(true);
     for (auto& [name, p] : model.named_parameters()) params.push_back(p);
-    opt = std::make_unique<optimizers::Optimizer>(model.named_parameters(), cfg.optim);
+    owners = zero_owners(params, group.size());
+    std::vector<std::pair<std::string, at::Tensor>> mine;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (owners[i] == group.rank()) mine.push_back(model.named_parameters()[i]);
+    optimizers::OptimizerConfig oc = cfg.optim;
+    oc.state_tag = "rank" + std::to_string(group.rank());
+    if (!mine.empty()) opt = std::make_unique<optimizers::Optimizer>(mine, oc);
   }
 
   SftMetrics step() {
     std::vector<std::vector<int64_t>> seqs;
     std::vector<int64_t> targets;
-    for (const Problem& p : stream.next(cfg.batch_size)) {
+    // Every rank draws the same batch and takes its contiguous share.
+    std::vector<Problem> batch_all = stream.next(cfg.batch_size);
+    const size_t R = size_t(group.size()), r = size_t(group.rank());
+    for (size_t i = batch_all.size() * r / R; i < batch_all.size() * (r + 1) / R; ++i) {
+      const Problem& p = batch_all[i];
       std::vector<int64_t> prompt = tok.encode(p.prompt), answer = tok.encode(p.answer);
       answer.push_back(tok.eos_id());
       std::vector<int64_t> seq = prompt;
@@ -51,24 +66,29 @@ struct SftTrainer::Impl {
     o.return_logits = true;
     auto out = model.forward(batch, o);
     at::Tensor mask = o.targets.ne(-100);
-    const double n = std::max(mask.sum().item<double>(), 1.0);
+    const double n = std::max(group.all_reduce(mask.sum().item<double>()), 1.0);  // answer tokens, all ranks
     at::Tensor loss = -out.logprobs.sum() / n;
-    opt->set_lr_factor(cfg.schedule.factor(steps + 1));
-    opt->zero_grad();
+    if (opt) opt->set_lr_factor(cfg.schedule.factor(steps + 1));
+    for (at::Tensor& p : params) p.mutable_grad().reset();
     loss.backward();
+    all_reduce_grads(group, params);
     torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
-    opt->step();
+    if (opt) opt->step();
+    broadcast_from_owners(group, params, owners);
     SftMetrics m;
     m.step = ++steps;
-    m.loss = loss.item<double>();
     at::Tensor right = out.logits.detach().argmax(-1).eq(o.targets).logical_and(mask);
-    m.token_accuracy = right.sum().item<double>() / n;
+    at::Tensor sums = at::tensor({loss.item<double>(), right.sum().item<double>()}, at::kDouble);
+    group.all_reduce(sums);
+    m.loss = sums[0].item<double>();
+    m.token_accuracy = sums[1].item<double>() / n;
     return m;
   }
 };
 
-SftTrainer::SftTrainer(model::Muse& model, SftConfig config, CharTokenizer tokenizer, std::vector<Problem> train)
-    : impl_(std::make_unique<Impl>(model, config, std::move(tokenizer), std::move(train))) {}
+SftTrainer::SftTrainer(model::Muse& model, SftConfig config, CharTokenizer tokenizer, std::vector<Problem> train,
+                       const comm::Group& group)
+    : impl_(std::make_unique<Impl>(model, config, std::move(tokenizer), std::move(train), group)) {}
 SftTrainer::~SftTrainer() = default;
 SftMetrics SftTrainer::step() { return impl_->step(); }
 

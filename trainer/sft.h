@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "core/comm.h"
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
 #include "trainer/schedule.h"
@@ -34,7 +35,10 @@ struct SftMetrics {
 
 class SftTrainer {
  public:
-  SftTrainer(model::Muse& model, SftConfig config, CharTokenizer tokenizer, std::vector<Problem> train);
+  // Data parallel over `group`: each rank takes its share of every batch, gradients are summed,
+  // and each parameter's owner steps it (ZeRO-1) and broadcasts it.
+  SftTrainer(model::Muse& model, SftConfig config, CharTokenizer tokenizer, std::vector<Problem> train,
+             const comm::Group& group = comm::Group::world());
   ~SftTrainer();
   SftMetrics step();
 

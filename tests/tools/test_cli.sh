@@ -134,6 +134,24 @@ sed "s#nvme_dir: .*#nvme_dir: $tmp/absent#" "$tmp/nvme.yaml" > "$tmp/nvme-bad.ya
 check_fails "missing nvme_dir" "absent' does not exist" "$kiln" train "$tmp/nvme-bad.yaml" --steps 1 --out "$tmp/nvme-bad"
 sed "s#optimizer: adamw#optimizer: sgd#" "$tmp/nvme.yaml" > "$tmp/rule-bad.yaml"
 check_fails "bad optimizer rule" "optim.rules[0].optimizer: optimizer: unknown optimizer 'sgd'" "$kiln" train "$tmp/rule-bad.yaml"
+# Under mpirun: 2 data-parallel ranks train and checkpoint (one optimizer shard per rank); a bad
+# layout is refused before any work; a rank that fails ends the whole job (no hang).
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+mpi() { timeout 300 mpirun --oversubscribe "$@"; }
+check "train on 2 ranks" "train: done" mpi -np 2 "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/dp2"
+[ "$(grep -c '"reward"' "$tmp/dp2/metrics.jsonl" 2>/dev/null)" = 2 ] || { echo "FAIL: 2-rank metrics.jsonl lacks 2 step lines"; fails=$((fails+1)); }
+for r in 0 1; do
+  [ -f "$tmp/dp2/checkpoint/optimizer-rank$r-of-2.safetensors" ] || { echo "FAIL: no optimizer shard of rank $r"; fails=$((fails+1)); }
+done
+check "sft on 2 ranks" "sft: done" mpi -np 2 "$kiln" sft "$tmp/recipe.yaml" --steps 2 --out "$tmp/dp2"
+{ cat "$tmp/recipe.yaml"; printf 'parallel:\n  dp: 3\n'; } > "$tmp/dp3.yaml"
+out=$(mpi -np 2 "$kiln" train "$tmp/dp3.yaml" --steps 1 --out "$tmp/dp3" 2>&1); rc=$?
+[ $rc -ne 0 ] && [[ "$out" == *"dp x ep must equal the world size"* ]] && [[ "$out" != *"train: 1 steps"* ]] \
+  || { echo "FAIL: bad layout on 2 ranks (rc=$rc): $out" | head -5; fails=$((fails+1)); }
+start=$(date +%s)
+out=$(mpi -np 1 "$kiln" train "$tmp/recipe.yaml" --steps 3 --out "$tmp/abort" : -np 1 "$kiln" train "$tmp/nope.yaml" 2>&1); rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 124 ] && [[ "$out" == *"error on rank 1"* ]] \
+  || { echo "FAIL: a failing rank did not end the job cleanly (rc=$rc, $(( $(date +%s) - start )) s): $out" | head -5; fails=$((fails+1)); }
 sed -i 's/  max_tokens: 3/  max_tokens: 3\n  max_tokenz: 3/' "$tmp/recipe.yaml"
 check_fails "recipe unknown key" "recipe.yaml:10: grpo.max_tokenz: unknown key" "$kiln" train "$tmp/recipe.yaml"
 

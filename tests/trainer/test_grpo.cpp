@@ -10,6 +10,7 @@
 #include "trainer/grpo.h"
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
+#include "tests/trainer/grpo_fixtures.h"
 
 namespace kiln::trainer {
 namespace {
@@ -26,35 +27,11 @@ GrpoConfig small_grpo() {
   return g;
 }
 
-// Problems whose answer is the policy's own greedy one-token reply, so that sampled replies are
-// sometimes right and sometimes wrong and the advantages are not all zero.
-Dataset self_consistent_problems(const model::Muse& policy, int64_t count) {
-  CharTokenizer tok(128);
-  rollout::EngineConfig ec;
-  ec.kv_cache_bytes = 8 << 20;
-  rollout::Engine engine(policy, ec);
-  std::vector<Problem> all = arithmetic_problems(count, 2, 5), kept;
-  std::vector<rollout::Request> reqs;
-  for (const auto& p : all) {
-    rollout::Request r;
-    r.prompt = tok.encode(p.prompt);
-    r.params.temperature = 0;
-    r.params.max_tokens = 1;
-    reqs.push_back(r);
-  }
-  auto outs = engine.generate(reqs);
-  for (size_t i = 0; i < all.size(); ++i) {
-    const int64_t t = outs[i].samples[0].tokens[0];
-    if (std::isalnum(int(t))) kept.push_back({all[i].prompt, std::string(1, char(t))});
-  }
-  return split(kept, 0.25, 1);
-}
-
 TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
   model::ModelConfig mc = test::byte_vocab_config();
   mc.init_std = 1.0;  // sharp enough that the greedy reply is sampled often, but not always
   model::Muse policy = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
-  Dataset data = self_consistent_problems(policy, 200);
+  Dataset data = test::self_consistent_problems(policy, 200);
   ASSERT_GE(data.train.size(), 8u);
   at::Tensor before = policy.weights().layers[0].pooler.detach().clone();
   GrpoConfig cfg = small_grpo();
@@ -103,7 +80,7 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   model::ModelConfig mc = test::byte_vocab_config();
   mc.init_std = 1.0;
   model::Muse a = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
-  Dataset data = self_consistent_problems(a, 200);
+  Dataset data = test::self_consistent_problems(a, 200);
   GrpoConfig cfg = small_grpo();
   cfg.max_tokens = 1;
   cfg.loss.kl_coef = kl_coef;
@@ -157,7 +134,7 @@ TEST(Grpo, KlToTheFrozenReferenceStartsAtZeroAndGrows) {
   model::ModelConfig mc = test::byte_vocab_config();
   mc.init_std = 1.0;
   model::Muse policy = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
-  Dataset data = self_consistent_problems(policy, 200);
+  Dataset data = test::self_consistent_problems(policy, 200);
   GrpoConfig cfg = small_grpo();
   cfg.max_tokens = 1;
   cfg.loss.kl_coef = 0.1;

@@ -1,0 +1,353 @@
+// Collectives over MPI (CPU tensors, and CUDA tensors staged through the host when NCCL is not
+// built) and NCCL (CUDA tensors, on the current stream).
+#include "core/comm.h"
+
+#include <ATen/ATen.h>
+#include <mpi.h>
+
+#include <climits>
+#include <cstdlib>
+#include <string>
+
+#include "core/error.h"
+
+#if KILN_WITH_NCCL
+#include <ATen/cuda/CUDAContext.h>
+#include <nccl.h>
+#endif
+
+namespace kiln::comm {
+namespace {
+
+bool g_initialized_here = false;
+
+void check_mpi(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  KILN_FAIL("comm: ", what, " failed: ", std::string(msg, size_t(len)));
+}
+
+MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kSum ? MPI_SUM : op == ReduceOp::kMax ? MPI_MAX : MPI_MIN; }
+
+// The MPI type of a reducible dtype; bf16 and fp16 are reduced as fp32 by the caller.
+MPI_Datatype mpi_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kLong: return MPI_INT64_T;
+    case at::kInt: return MPI_INT32_T;
+    case at::kShort: return MPI_INT16_T;
+    case at::kChar: return MPI_INT8_T;
+    case at::kByte: return MPI_UINT8_T;
+    default: KILN_FAIL("comm: no MPI reduction for dtype ", t);
+  }
+}
+
+int checked_int(int64_t n, const char* what) {
+  KILN_CHECK(n >= 0 && n <= INT_MAX, "comm: ", what, " of ", n, " bytes exceeds MPI's int count; split the tensor");
+  return int(n);
+}
+
+constexpr int64_t kMaxCount = int64_t(1) << 28;  // elements per MPI call in chunked collectives
+
+#if KILN_WITH_NCCL
+void check_nccl(ncclResult_t rc, const char* what) {
+  KILN_CHECK(rc == ncclSuccess, "comm: NCCL ", what, " failed: ", ncclGetErrorString(rc));
+}
+ncclDataType_t nccl_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kLong: return ncclInt64;
+    case at::kInt: return ncclInt32;
+    case at::kChar: return ncclInt8;
+    case at::kByte: return ncclUint8;
+    default: KILN_FAIL("comm: no NCCL type for dtype ", t);
+  }
+}
+ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : op == ReduceOp::kMax ? ncclMax : ncclMin; }
+#endif
+
+}  // namespace
+
+struct Group::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;  // null: a one-rank group without MPI
+  bool owned = false;
+#if KILN_WITH_NCCL
+  ncclComm_t nccl = nullptr;
+  ncclComm_t nccl_comm(int rank, int size) {
+    if (!nccl) {
+      ncclUniqueId id;
+      if (rank == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+      check_mpi(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm), "MPI_Bcast of the NCCL id");
+      check_nccl(ncclCommInitRank(&nccl, size, id, rank), "ncclCommInitRank");
+    }
+    return nccl;
+  }
+#endif
+  ~Impl() {
+#if KILN_WITH_NCCL
+    if (nccl) ncclCommDestroy(nccl);
+#endif
+    if (owned && active()) MPI_Comm_free(&comm);
+  }
+};
+
+bool launched_by_mpi() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID"})
+    if (std::getenv(var)) return true;
+  return false;
+}
+
+void init(int* argc, char*** argv) {
+  if (!launched_by_mpi()) return;  // a plain run: a one-rank world, no MPI singleton start-up
+  int done = 0;
+  MPI_Initialized(&done);
+  if (done) return;
+  int provided = 0;
+  check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+  g_initialized_here = true;
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+}
+
+void finalize() {
+  if (!active()) return;
+  Group::world() = Group();  // release the world's NCCL communicator first
+  if (g_initialized_here) MPI_Finalize();
+}
+
+bool active() {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  return init && !fin;
+}
+
+void abort_job(int code) {
+  if (active() && Group::world().size() > 1) MPI_Abort(MPI_COMM_WORLD, code);
+}
+
+Group& Group::world() {
+  static Group w;
+  if (!w.impl_ && active()) {
+    w.impl_ = std::make_shared<Impl>();
+    w.impl_->comm = MPI_COMM_WORLD;
+    MPI_Comm_rank(MPI_COMM_WORLD, &w.rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &w.size_);
+  }
+  return w;
+}
+
+int Group::local_rank() const {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "LOCAL_RANK"})
+    if (const char* v = std::getenv(var)) return std::atoi(v);
+  if (!impl_ || impl_->comm == MPI_COMM_NULL) return 0;
+  MPI_Comm node;
+  check_mpi(MPI_Comm_split_type(impl_->comm, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node), "node split");
+  int r = 0;
+  MPI_Comm_rank(node, &r);
+  MPI_Comm_free(&node);
+  return r;
+}
+
+Group Group::split(int color, int key) const {
+  Group g;
+  if (!impl_ || impl_->comm == MPI_COMM_NULL) return g;
+  g.impl_ = std::make_shared<Impl>();
+  check_mpi(MPI_Comm_split(impl_->comm, color, key, &g.impl_->comm), "MPI_Comm_split");
+  g.impl_->owned = true;
+  MPI_Comm_rank(g.impl_->comm, &g.rank_);
+  MPI_Comm_size(g.impl_->comm, &g.size_);
+  return g;
+}
+
+// CUDA tensors go through NCCL whenever it is built and MPI runs, even on one rank (so a one-GPU
+// job exercises the same calls as a cluster).
+bool Group::nccl_path(const at::Tensor& t) const { return KILN_WITH_NCCL && t.is_cuda() && impl_ != nullptr; }
+
+void Group::all_reduce(at::Tensor& t, ReduceOp op) const {
+  KILN_CHECK(t.is_contiguous(), "comm: all_reduce needs a contiguous tensor");
+  if (size_ == 1 && !nccl_path(t)) return;
+#if KILN_WITH_NCCL
+  if (t.is_cuda() && impl_) {
+    check_nccl(ncclAllReduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()), nccl_type(t.scalar_type()), nccl_op(op),
+                             impl_->nccl_comm(rank_, size_), at::cuda::getCurrentCUDAStream()),
+               "all_reduce");
+    return;
+  }
+#endif
+  if (t.is_cuda() || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf) {
+    const bool low = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+    at::Tensor host = t.to(at::kCPU, low ? at::kFloat : t.scalar_type()).contiguous();
+    all_reduce(host, op);
+    t.copy_(host);
+    return;
+  }
+  const int64_t n = t.numel(), elem = int64_t(t.element_size());
+  auto* p = static_cast<char*>(t.data_ptr());
+  for (int64_t i = 0; i < n; i += kMaxCount)
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, p + i * elem, int(std::min(kMaxCount, n - i)), mpi_type(t.scalar_type()),
+                            mpi_op(op), impl_->comm),
+              "MPI_Allreduce");
+}
+
+double Group::all_reduce(double v, ReduceOp op) const {
+  if (size_ == 1) return v;
+  double out = 0;
+  check_mpi(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, mpi_op(op), impl_->comm), "MPI_Allreduce");
+  return out;
+}
+
+at::Tensor Group::reduce_scatter(const at::Tensor& t, ReduceOp op) const {
+  KILN_CHECK(t.dim() >= 1 && t.size(0) % size_ == 0, "comm: reduce_scatter needs dim 0 (", t.dim() ? t.size(0) : 0,
+             ") divisible by the group size ", size_);
+  const int64_t rows = t.size(0) / size_;
+  if (size_ == 1 && !nccl_path(t)) return t.clone();
+#if KILN_WITH_NCCL
+  if (t.is_cuda() && impl_) {
+    at::Tensor src = t.contiguous(), out = at::empty_like(src.narrow(0, 0, rows));
+    check_nccl(ncclReduceScatter(src.data_ptr(), out.data_ptr(), size_t(out.numel()), nccl_type(t.scalar_type()),
+                                 nccl_op(op), impl_->nccl_comm(rank_, size_), at::cuda::getCurrentCUDAStream()),
+               "reduce_scatter");
+    return out;
+  }
+#endif
+  // All-reduce then keep this rank's rows: simple, and the MPI path serves small CPU runs.
+  at::Tensor all = t.contiguous().clone();
+  all_reduce(all, op);
+  return all.narrow(0, rank_ * rows, rows).clone();
+}
+
+at::Tensor Group::all_gather(const at::Tensor& t) const {
+  if (size_ == 1 && !nccl_path(t)) return t.dim() == 0 ? t.reshape({1}).clone() : t.clone();
+  at::Tensor src = t.contiguous();
+  std::vector<int64_t> shape = src.sizes().vec();
+  if (shape.empty()) shape.push_back(1);
+  const int64_t rows = shape[0];
+  shape[0] = rows * size_;
+#if KILN_WITH_NCCL
+  if (t.is_cuda() && impl_) {
+    at::Tensor out = at::empty(shape, src.options());
+    check_nccl(ncclAllGather(src.data_ptr(), out.data_ptr(), size_t(src.numel()), nccl_type(t.scalar_type()),
+                             impl_->nccl_comm(rank_, size_), at::cuda::getCurrentCUDAStream()),
+               "all_gather");
+    return out;
+  }
+#endif
+  at::Tensor host = src.cpu(), out = at::empty(shape, host.options());
+  const int bytes = checked_int(int64_t(host.nbytes()), "all_gather");
+  check_mpi(MPI_Allgather(host.data_ptr(), bytes, MPI_BYTE, out.data_ptr(), bytes, MPI_BYTE, impl_->comm),
+            "MPI_Allgather");
+  return out.to(t.device());
+}
+
+at::Tensor Group::all_gather_v(const at::Tensor& t) const {
+  KILN_CHECK(t.dim() >= 1, "comm: all_gather_v needs at least one dimension");
+  if (size_ == 1) return t.clone();
+  at::Tensor counts = all_gather(at::tensor({t.size(0)}, at::kLong));
+  const int64_t most = counts.max().item<int64_t>();
+  // Pad every rank's rows to the longest, gather, and drop the padding.
+  std::vector<int64_t> padded_shape = t.sizes().vec();
+  padded_shape[0] = most;
+  at::Tensor padded = at::zeros(padded_shape, t.options());
+  padded.narrow(0, 0, t.size(0)).copy_(t);
+  at::Tensor all = all_gather(padded);
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < size_; ++r) parts.push_back(all.narrow(0, r * most, counts[r].item<int64_t>()));
+  return at::cat(parts, 0);
+}
+
+void Group::broadcast(at::Tensor& t, int root) const {
+  KILN_CHECK(t.is_contiguous(), "comm: broadcast needs a contiguous tensor");
+  KILN_CHECK(root >= 0 && root < size_, "comm: broadcast root ", root, " outside the group of ", size_);
+  if (size_ == 1 && !nccl_path(t)) return;
+#if KILN_WITH_NCCL
+  if (t.is_cuda() && impl_) {
+    check_nccl(ncclBroadcast(t.data_ptr(), t.data_ptr(), size_t(t.numel()), nccl_type(t.scalar_type()), root,
+                             impl_->nccl_comm(rank_, size_), at::cuda::getCurrentCUDAStream()),
+               "broadcast");
+    return;
+  }
+#endif
+  if (t.is_cuda()) {
+    at::Tensor host = t.cpu();
+    broadcast(host, root);
+    t.copy_(host);
+    return;
+  }
+  auto* p = static_cast<char*>(t.data_ptr());
+  const int64_t bytes = int64_t(t.nbytes()), step = kMaxCount;
+  for (int64_t i = 0; i < bytes; i += step)
+    check_mpi(MPI_Bcast(p + i, int(std::min(step, bytes - i)), MPI_BYTE, root, impl_->comm), "MPI_Bcast");
+}
+
+at::Tensor Group::all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& send_rows,
+                               std::vector<int64_t>* recv_rows) const {
+  KILN_CHECK(int(send_rows.size()) == size_, "comm: all_to_all_v needs one row count per rank (", size_, "), got ",
+             send_rows.size());
+  int64_t total = 0;
+  for (int64_t r : send_rows) total += r;
+  KILN_CHECK(t.dim() >= 1 && total == t.size(0), "comm: all_to_all_v send counts add up to ", total,
+             " rows but the tensor has ", t.dim() ? t.size(0) : 0);
+  // Everyone learns how many rows it receives from each rank.
+  at::Tensor sc = at::tensor(send_rows, at::kLong), rc = at::empty({size_}, at::kLong);
+  if (size_ == 1)
+    rc.copy_(sc);
+  else
+    check_mpi(MPI_Alltoall(sc.data_ptr(), 1, MPI_INT64_T, rc.data_ptr(), 1, MPI_INT64_T, impl_->comm), "MPI_Alltoall");
+  std::vector<int64_t> recv(rc.data_ptr<int64_t>(), rc.data_ptr<int64_t>() + size_);
+  if (recv_rows) *recv_rows = recv;
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[0] = 0;
+  for (int64_t r : recv) shape[0] += r;
+  if (size_ == 1 && !nccl_path(t)) return t.clone();
+  at::Tensor src = t.contiguous();
+  const int64_t row_bytes = t.dim() == 0 ? 0 : int64_t(src.element_size()) * (t.size(0) ? src.numel() / t.size(0) : 0);
+#if KILN_WITH_NCCL
+  if (t.is_cuda() && impl_) {
+    at::Tensor out = at::empty(shape, src.options());
+    ncclComm_t c = impl_->nccl_comm(rank_, size_);
+    auto stream = at::cuda::getCurrentCUDAStream();
+    int64_t so = 0, ro = 0;
+    check_nccl(ncclGroupStart(), "group start");
+    for (int j = 0; j < size_; ++j) {
+      if (send_rows[size_t(j)])
+        check_nccl(ncclSend(static_cast<char*>(src.data_ptr()) + so * row_bytes, size_t(send_rows[size_t(j)] * row_bytes),
+                            ncclUint8, j, c, stream), "send");
+      if (recv[size_t(j)])
+        check_nccl(ncclRecv(static_cast<char*>(out.data_ptr()) + ro * row_bytes, size_t(recv[size_t(j)] * row_bytes),
+                            ncclUint8, j, c, stream), "recv");
+      so += send_rows[size_t(j)];
+      ro += recv[size_t(j)];
+    }
+    check_nccl(ncclGroupEnd(), "group end");
+    return out;
+  }
+#endif
+  at::Tensor host = src.cpu(), out = at::empty(shape, host.options());
+  const size_t ranks = size_t(size_);
+  std::vector<int> scount(ranks), sdispl(ranks), rcount(ranks), rdispl(ranks);
+  int64_t so = 0, ro = 0;
+  for (int j = 0; j < size_; ++j) {
+    scount[size_t(j)] = checked_int(send_rows[size_t(j)] * row_bytes, "all_to_all_v send");
+    rcount[size_t(j)] = checked_int(recv[size_t(j)] * row_bytes, "all_to_all_v receive");
+    sdispl[size_t(j)] = checked_int(so, "all_to_all_v offset");
+    rdispl[size_t(j)] = checked_int(ro, "all_to_all_v offset");
+    so += scount[size_t(j)];
+    ro += rcount[size_t(j)];
+  }
+  check_mpi(MPI_Alltoallv(host.data_ptr(), scount.data(), sdispl.data(), MPI_BYTE, out.data_ptr(), rcount.data(),
+                          rdispl.data(), MPI_BYTE, impl_->comm),
+            "MPI_Alltoallv");
+  return out.to(t.device());
+}
+
+void Group::barrier() const {
+  if (size_ > 1) check_mpi(MPI_Barrier(impl_->comm), "MPI_Barrier");
+}
+
+}  // namespace kiln::comm

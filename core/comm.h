@@ -1,0 +1,58 @@
+// Process groups and collectives (issue 6): MPI moves CPU tensors and bootstraps everything, NCCL
+// moves CUDA tensors (its unique id broadcast over MPI). Without mpirun the world has one rank.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace kiln::comm {
+
+enum class ReduceOp { kSum, kMax, kMin };
+
+// MPI for this process (thread level FUNNELED): call once from main; a process that never calls
+// it has a one-rank world and every collective is a copy.
+// Does nothing unless launched by mpirun or srun (their environment variables are set).
+void init(int* argc, char*** argv);
+void finalize();
+bool active();  // init ran and finalize did not
+// Ends every rank of the job now (MPI_Abort) when there is more than one; else returns.
+void abort_job(int code);
+
+class Group {
+ public:
+  static Group& world();
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // The rank among the processes on this node (OMPI/SLURM variables, else a shared-memory split):
+  // the CUDA device a GPU rank uses.
+  int local_rank() const;
+  // Sub-groups: ranks with the same color, ordered by key.
+  Group split(int color, int key) const;
+
+  // In place, every rank gets the reduction. Any float or integer dtype (bf16/fp16 reduce in fp32
+  // on the MPI path).
+  void all_reduce(at::Tensor& t, ReduceOp op = ReduceOp::kSum) const;
+  double all_reduce(double v, ReduceOp op = ReduceOp::kSum) const;
+  // t's dim 0 is size()*n: rank r gets the reduction of rows [r*n, (r+1)*n).
+  at::Tensor reduce_scatter(const at::Tensor& t, ReduceOp op = ReduceOp::kSum) const;
+  // Every rank gives a tensor of the same shape; the result concatenates them along dim 0 by rank.
+  at::Tensor all_gather(const at::Tensor& t) const;
+  // Like all_gather, but dim 0 may differ per rank.
+  at::Tensor all_gather_v(const at::Tensor& t) const;
+  void broadcast(at::Tensor& t, int root) const;
+  // Rows [sum(send_rows[:j]), +send_rows[j]) of t go to rank j; the result holds the rows every
+  // rank sent here, in rank order. recv_rows (if given) receives how many came from each rank.
+  at::Tensor all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& send_rows,
+                          std::vector<int64_t>* recv_rows = nullptr) const;
+  void barrier() const;
+
+ private:
+  bool nccl_path(const at::Tensor& t) const;
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+  int rank_ = 0, size_ = 1;
+};
+
+}  // namespace kiln::comm

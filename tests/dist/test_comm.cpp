@@ -1,0 +1,136 @@
+// The collectives at whatever world size mpirun gives (ctest runs 2 and 4 ranks): each result is
+// checked against the value every rank can compute on its own.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "core/comm.h"
+#include "tests/test_util.h"
+
+#if KILN_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace kiln::comm {
+namespace {
+
+// Rank r's contribution: a deterministic function of (r, shape).
+at::Tensor part(int r, std::vector<int64_t> shape, at::ScalarType dtype = at::kFloat) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(100 + r);
+  return at::randn(shape, g).to(dtype);
+}
+
+TEST(Comm, AllReduceSumMaxMinInEveryDtype) {
+  const Group& w = Group::world();
+  for (at::ScalarType dt : {at::kFloat, at::kDouble, at::kBFloat16}) {
+    for (int64_t n : {1, 19, 111, 4097}) {
+      at::Tensor mine = part(w.rank(), {n}, dt), sum = at::zeros({n}, at::kDouble), mx = part(0, {n}, at::kDouble);
+      for (int r = 0; r < w.size(); ++r) {
+        sum += part(r, {n}, dt).to(at::kDouble);
+        mx = at::maximum(mx, part(r, {n}, dt).to(at::kDouble));
+      }
+      at::Tensor t = mine.clone();
+      w.all_reduce(t);
+      const double tol = dt == at::kBFloat16 ? 2e-2 : 1e-6;
+      EXPECT_TRUE(test::all_close(t.to(at::kDouble), sum, tol, tol)) << dt << " n=" << n;
+      at::Tensor m = mine.clone();
+      w.all_reduce(m, ReduceOp::kMax);
+      EXPECT_TRUE(test::all_equal(m.to(at::kDouble), mx.to(dt).to(at::kDouble))) << dt << " n=" << n;
+    }
+  }
+  at::Tensor ids = at::full({3}, int64_t(w.rank()));
+  w.all_reduce(ids, ReduceOp::kMin);
+  EXPECT_TRUE(test::all_equal(ids, at::zeros({3}, at::kLong)));
+  EXPECT_EQ(w.all_reduce(double(w.rank() + 1)), w.size() * (w.size() + 1) / 2.0);
+}
+
+TEST(Comm, ReduceScatterAllGatherBroadcast) {
+  const Group& w = Group::world();
+  const int S = w.size();
+  at::Tensor rs = w.reduce_scatter(part(w.rank(), {S * 19, 3}));
+  at::Tensor expect = at::zeros({S * 19, 3});
+  for (int r = 0; r < S; ++r) expect += part(r, {S * 19, 3});
+  EXPECT_TRUE(test::all_close(rs, expect.narrow(0, w.rank() * 19, 19), 1e-6, 1e-6));
+
+  at::Tensor ag = w.all_gather(part(w.rank(), {5, 7}));
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < S; ++r) parts.push_back(part(r, {5, 7}));
+  EXPECT_TRUE(test::all_equal(ag, at::cat(parts, 0)));
+
+  // Ragged: rank r gives r + 1 rows.
+  at::Tensor agv = w.all_gather_v(part(w.rank(), {w.rank() + 1, 2}));
+  parts.clear();
+  for (int r = 0; r < S; ++r) parts.push_back(part(r, {r + 1, 2}));
+  EXPECT_TRUE(test::all_equal(agv, at::cat(parts, 0)));
+
+  at::Tensor b = part(w.rank(), {4097});
+  w.broadcast(b, S - 1);
+  EXPECT_TRUE(test::all_equal(b, part(S - 1, {4097})));
+}
+
+TEST(Comm, AllToAllVRoutesRowsAndSplitsGroups) {
+  const Group& w = Group::world();
+  const int S = w.size(), me = w.rank();
+  // Rank r sends (r + j) % 3 rows to rank j; row values encode (sender, receiver, index).
+  auto rows_from_to = [](int r, int j) { return int64_t((r + j) % 3); };
+  std::vector<int64_t> send;
+  std::vector<at::Tensor> blocks;
+  for (int j = 0; j < S; ++j) {
+    send.push_back(rows_from_to(me, j));
+    blocks.push_back(at::arange(rows_from_to(me, j), at::kFloat).unsqueeze(1).repeat({1, 2}) + 100.0 * me + 10.0 * j);
+  }
+  std::vector<int64_t> got;
+  at::Tensor out = w.all_to_all_v(at::cat(blocks, 0), send, &got);
+  std::vector<at::Tensor> expect;
+  for (int r = 0; r < S; ++r) {
+    EXPECT_EQ(got[size_t(r)], rows_from_to(r, me));
+    expect.push_back(at::arange(rows_from_to(r, me), at::kFloat).unsqueeze(1).repeat({1, 2}) + 100.0 * r + 10.0 * me);
+  }
+  EXPECT_TRUE(test::all_equal(out, at::cat(expect, 0)));
+  EXPECT_TRUE(test::throws_with([&] { w.all_to_all_v(at::zeros({1, 2}), std::vector<int64_t>(size_t(S), 5)); },
+                                {"add up to"}));
+
+  // Split into even and odd ranks: each sub-group reduces only its own members.
+  Group half = w.split(me % 2, me);
+  at::Tensor t = at::full({2}, double(me));
+  half.all_reduce(t);
+  double expect_sum = 0;
+  for (int r = me % 2; r < S; r += 2) expect_sum += r;
+  EXPECT_TRUE(test::all_equal(t, at::full({2}, expect_sum)));
+  EXPECT_EQ(half.size(), (S - me % 2 + 1) / 2);
+}
+
+#if KILN_WITH_CUDA
+// CUDA tensors go through NCCL (when built): each rank needs a GPU of its own, so on the one-GPU
+// machine this runs at one rank (ctest kiln_mpi_np1_cuda), which still exercises every NCCL call.
+TEST(Comm, CudaTensorsGiveTheCpuResults) {
+  const Group& w = Group::world();
+  if (!at::hasCUDA() || c10::cuda::device_count() < w.size()) GTEST_SKIP() << "needs a GPU per rank";
+  c10::cuda::set_device(c10::DeviceIndex(w.local_rank()));
+  const at::Device gpu(at::kCUDA, c10::DeviceIndex(w.local_rank()));
+  const int S = w.size();
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    for (int64_t n : {1, 19, 111, 4097}) {
+      at::Tensor cpu = part(w.rank(), {S * n}, dt), dev = cpu.to(gpu);
+      w.all_reduce(cpu);
+      w.all_reduce(dev);
+      EXPECT_TRUE(test::all_close(dev.cpu().to(at::kFloat), cpu.to(at::kFloat), 1e-2, 1e-2)) << dt << " " << n;
+      at::Tensor src = part(w.rank(), {S * n}, dt);
+      EXPECT_TRUE(test::all_close(w.reduce_scatter(src.to(gpu)).cpu().to(at::kFloat),
+                                  w.reduce_scatter(src).to(at::kFloat), 1e-2, 1e-2)) << dt << " " << n;
+      EXPECT_TRUE(test::all_equal(w.all_gather(src.to(gpu)).cpu(), w.all_gather(src))) << dt << " " << n;
+      at::Tensor b = src.to(gpu);
+      w.broadcast(b, 0);
+      at::Tensor bc = src.clone();
+      w.broadcast(bc, 0);
+      EXPECT_TRUE(test::all_equal(b.cpu(), bc)) << dt << " " << n;
+      std::vector<int64_t> send(size_t(S), n);
+      EXPECT_TRUE(test::all_equal(w.all_to_all_v(src.view({S * n, 1}).to(gpu), send).cpu(),
+                                  w.all_to_all_v(src.view({S * n, 1}), send)))
+          << dt << " " << n;
+    }
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace kiln::comm

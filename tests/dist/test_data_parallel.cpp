@@ -1,0 +1,154 @@
+// Data parallelism at the world size mpirun gives: summed gradients equal one rank's full-batch
+// gradients, a ZeRO-1 step equals the unsharded step, and a GRPO run matches the one-rank run.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "model/muse.h"
+#include "optimizers/optimizer.h"
+#include "tests/test_util.h"
+#include "tests/trainer/small_model.h"
+#include "tests/trainer/grpo_fixtures.h"
+#include "trainer/grpo.h"
+#include "trainer/parallel.h"
+
+namespace kiln::trainer {
+namespace {
+
+using comm::Group;
+
+std::vector<std::vector<int64_t>> sequences(int64_t count) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(7);
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t i = 0; i < count; ++i) {
+    at::Tensor t = at::randint(128, {3 + 5 * (i % 4)}, g, at::kLong);
+    out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+  }
+  return out;
+}
+
+// -sum(log p(next token)) over `seqs`, divided by `norm`; backward into the model's grads.
+double loss_and_backward(model::Muse& m, const std::vector<std::vector<int64_t>>& seqs, double norm) {
+  if (seqs.empty()) return 0;
+  std::vector<int64_t> targets;
+  for (const auto& s : seqs)
+    for (size_t j = 0; j < s.size(); ++j) targets.push_back(j + 1 < s.size() ? s[j + 1] : -100);
+  model::ForwardOptions o;
+  o.targets = at::tensor(targets, at::kLong);
+  auto out = m.forward(model::PackedBatch::from_sequences(seqs, at::kCPU), o);
+  at::Tensor loss = -out.logprobs.sum() / norm;
+  loss.backward();
+  return loss.item<double>();
+}
+
+int64_t predicted_tokens(const std::vector<std::vector<int64_t>>& seqs) {
+  int64_t n = 0;
+  for (const auto& s : seqs) n += int64_t(s.size()) - 1;
+  return n;
+}
+
+TEST(DataParallel, SummedGradientsEqualTheFullBatch) {
+  const Group& w = Group::world();
+  auto seqs = sequences(11);  // not a multiple of the world size
+  const double norm = double(predicted_tokens(seqs));
+  model::Muse full = model::Muse::init(test::byte_vocab_config(), 3, at::kFloat, at::kCPU);
+  model::Muse dp = model::Muse::init(test::byte_vocab_config(), 3, at::kFloat, at::kCPU);
+  full.set_requires_grad(true);
+  dp.set_requires_grad(true);
+  const double full_loss = loss_and_backward(full, seqs, norm);
+  const size_t b = seqs.size() * size_t(w.rank()) / size_t(w.size()), e = seqs.size() * size_t(w.rank() + 1) / size_t(w.size());
+  double my_loss = loss_and_backward(dp, {seqs.begin() + long(b), seqs.begin() + long(e)}, norm);
+  std::vector<at::Tensor> params;
+  for (auto& [n, p] : dp.named_parameters()) params.push_back(p);
+  all_reduce_grads(w, params, /*bucket_bytes=*/4096);  // many buckets
+  EXPECT_NEAR(w.all_reduce(my_loss), full_loss, 1e-5 * std::abs(full_loss));
+  auto fp = full.named_parameters(), dpp = dp.named_parameters();
+  for (size_t i = 0; i < fp.size(); ++i)
+    EXPECT_TRUE(test::all_close(dpp[i].second.grad(), fp[i].second.grad(), 1e-5, 1e-7)) << fp[i].first;
+}
+
+TEST(DataParallel, ZeroOneStepEqualsTheUnshardedStep) {
+  const Group& w = Group::world();
+  model::Muse a = model::Muse::init(test::byte_vocab_config(), 5, at::kFloat, at::kCPU);
+  model::Muse b = model::Muse::init(test::byte_vocab_config(), 5, at::kFloat, at::kCPU);
+  std::vector<at::Tensor> pa, pb;
+  for (auto& [n, p] : a.named_parameters()) pa.push_back(p);
+  for (auto& [n, p] : b.named_parameters()) pb.push_back(p);
+  optimizers::OptimizerConfig oc;
+  oc.adamw.lr = oc.muon.lr = 1e-2;
+  optimizers::Optimizer whole(a.named_parameters(), oc);
+  const std::vector<int> owners = zero_owners(pb, w.size());
+  std::vector<std::pair<std::string, at::Tensor>> mine;
+  for (size_t i = 0; i < pb.size(); ++i)
+    if (owners[i] == w.rank()) mine.push_back(b.named_parameters()[i]);
+  ASSERT_FALSE(mine.empty()) << "every rank should own something";
+  optimizers::Optimizer shard(mine, oc);
+  for (int step = 0; step < 3; ++step) {
+    at::manual_seed(step);
+    for (size_t i = 0; i < pa.size(); ++i) {
+      pa[i].mutable_grad() = at::randn(pa[i].sizes());
+      pb[i].mutable_grad() = pa[i].grad().clone();
+    }
+    whole.step();
+    shard.step();
+    broadcast_from_owners(w, pb, owners);
+  }
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(test::all_equal(pb[i].detach(), pa[i].detach())) << i;
+}
+
+TEST(DataParallel, GrpoOnAllRanksMatchesOneRank) {
+  const Group& w = Group::world();
+  const Group alone = w.split(w.rank(), 0);  // a one-rank group: the reference run
+  model::ModelConfig mc = test::byte_vocab_config();
+  mc.init_std = 1.0;  // sharp enough that the greedy reply is sampled often, but not always
+  model::Muse m1 = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  model::Muse mw = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  Dataset data = test::self_consistent_problems(m1, 200);
+  GrpoConfig cfg;
+  cfg.prompts_per_step = 8;
+  cfg.samples_per_prompt = 4;
+  cfg.max_tokens = 1;
+  cfg.mini_steps = 3;  // slices that cross rank boundaries
+  cfg.micro_batch_seqs = 5;
+  cfg.mismatch_ab = true;
+  cfg.optim.adamw.lr = cfg.optim.muon.lr = 1e-2;
+  cfg.engine.kv_cache_bytes = 8 << 20;
+  GrpoTrainer one(m1, cfg, CharTokenizer(128), data, alone), all(mw, cfg, CharTokenizer(128), data, w);
+  for (int s = 0; s < 3; ++s) {
+    StepMetrics a = one.step(), b = all.step();
+    EXPECT_EQ(b.reward, a.reward) << "step " << s;
+    EXPECT_EQ(b.accuracy, a.accuracy) << "step " << s;
+    EXPECT_EQ(b.tokens, a.tokens) << "step " << s;
+    EXPECT_NEAR(b.loss, a.loss, 1e-5 * std::max(1.0, std::abs(a.loss))) << "step " << s;
+    // fp32 gradients summed in another order, through a sharp (init_std 1) model: 1e-3.
+    EXPECT_NEAR(b.grad_norm, a.grad_norm, 1e-3 * a.grad_norm) << "step " << s;
+    if (s == 0) EXPECT_GT(a.grad_norm, 0) << "all advantages zero: the comparison would be empty";
+    // Both mismatches are fp32 noise (~1e-6); they must stay at that level.
+    EXPECT_LT(b.mismatch.mean_abs_token, 1e-5) << "step " << s;
+    EXPECT_NEAR(b.routing_disagreement, a.routing_disagreement, 1e-12) << "step " << s;
+  }
+  EXPECT_NEAR(all.evaluate(20), one.evaluate(20), 1e-12);
+  auto p1 = m1.named_parameters(), pw = mw.named_parameters();
+  for (size_t i = 0; i < p1.size(); ++i) {
+    // Not element-wise: AdamW turns gradient elements at rounding-noise level into full-size
+    // steps whose sign the summation order decides (seen: lm_head rows, 0.014 apart at 4 ranks),
+    // and Muon amplifies weak directions. Each tensor as a whole must agree to 1%.
+    const double diff = (pw[i].second - p1[i].second).norm().item<double>(), ref = p1[i].second.norm().item<double>();
+    EXPECT_LT(diff, 1e-2 * ref) << p1[i].first;
+  }
+}
+
+TEST(DataParallel, LayoutErrorsNameEveryValue) {
+  ParallelConfig p;
+  p.dp = 3;
+  EXPECT_TRUE(test::throws_with([&] { p.resolve(4, 8); }, {"dp x ep must equal the world size", "dp=3", "world size 4"}));
+  ParallelConfig q;
+  q.ep = 3;
+  EXPECT_TRUE(test::throws_with([&] { q.resolve(4, 8); }, {"divide num_experts", "ep=3", "num_experts 8"}));
+  ParallelConfig r;
+  r.dp = 0;
+  r.resolve(4, 8);
+  EXPECT_EQ(r.dp, 4);
+}
+
+}  // namespace
+}  // namespace kiln::trainer

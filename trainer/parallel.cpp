@@ -1,0 +1,89 @@
+// dp x ep validation, bucketed gradient all-reduce, ZeRO-1 owners and the broadcast back.
+#include "trainer/parallel.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace kiln::trainer {
+
+std::string ParallelConfig::describe() const {
+  return str_cat("dp=", dp, " ep=", ep, " tp=", tp);
+}
+
+void ParallelConfig::resolve(int64_t world, int64_t num_experts) {
+  const std::string given = str_cat("(given dp=", dp, ", ep=", ep, ", tp=", tp, "; world size ", world,
+                                    ", num_experts ", num_experts, ")");
+  KILN_CHECK(tp == 1, "parallel: tp is reserved for later and must be 1 ", given);
+  KILN_CHECK(ep >= 1 && ep <= num_experts && num_experts % ep == 0,
+             "parallel: ep must be at least 1, at most num_experts, and divide num_experts evenly ", given);
+  KILN_CHECK(ep == 1, "parallel: expert parallelism (ep > 1) is not implemented yet; use ep: 1 ", given);
+  if (dp == 0) {
+    KILN_CHECK(world % ep == 0, "parallel: the world size must be a multiple of ep ", given);
+    dp = world / ep;
+  }
+  KILN_CHECK(dp >= 1 && dp * ep == world, "parallel: dp x ep must equal the world size ", given);
+}
+
+void all_reduce_grads(const comm::Group& group, const std::vector<at::Tensor>& params, int64_t bucket_bytes) {
+  if (group.size() == 1) return;
+  at::NoGradGuard no_grad;
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;  // a deterministic order on every rank
+  for (const at::Tensor& p : params) {
+    at::Tensor& g = const_cast<at::Tensor&>(p).mutable_grad();
+    if (!g.defined()) g = at::zeros_like(p);
+    by_dtype[g.scalar_type()].push_back(g);
+  }
+  for (auto& [dtype, grads] : by_dtype) {
+    size_t i = 0;
+    while (i < grads.size()) {
+      std::vector<at::Tensor> bucket;
+      int64_t bytes = 0;
+      while (i < grads.size() && (bucket.empty() || bytes + int64_t(grads[i].nbytes()) <= bucket_bytes)) {
+        bytes += int64_t(grads[i].nbytes());
+        bucket.push_back(grads[i++]);
+      }
+      std::vector<at::Tensor> flat;
+      for (const at::Tensor& g : bucket) flat.push_back(g.reshape(-1));
+      at::Tensor buf = at::cat(flat);
+      group.all_reduce(buf);
+      int64_t off = 0;
+      for (at::Tensor& g : bucket) {
+        g.copy_(buf.narrow(0, off, g.numel()).view(g.sizes()));
+        off += g.numel();
+      }
+    }
+  }
+}
+
+std::vector<int> zero_owners(const std::vector<at::Tensor>& params, int ranks) {
+  std::vector<size_t> order(params.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return params[a].numel() > params[b].numel(); });
+  std::vector<int64_t> load(size_t(ranks), 0);
+  std::vector<int> owner(params.size(), 0);
+  for (size_t i : order) {
+    const int r = int(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[i] = r;
+    load[size_t(r)] += params[i].numel();
+  }
+  return owner;
+}
+
+void broadcast_from_owners(const comm::Group& group, const std::vector<at::Tensor>& params,
+                           const std::vector<int>& owners) {
+  if (group.size() == 1) return;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor t = params[i].detach();
+    group.broadcast(t, owners[i]);
+  }
+}
+
+}  // namespace kiln::trainer
