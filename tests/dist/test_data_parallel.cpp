@@ -66,8 +66,10 @@ TEST(DataParallel, SummedGradientsEqualTheFullBatch) {
     EXPECT_TRUE(test::all_close(dpp[i].second.grad(), fp[i].second.grad(), 1e-5, 1e-7)) << fp[i].first;
 }
 
-TEST(DataParallel, ZeroOneStepEqualsTheUnshardedStep) {
+// ZeRO-1 with the owner's state in each placement (`nvme` files are tagged by rank).
+void check_zero_one(optimizers::Placement placement) {
   const Group& w = Group::world();
+  test::TempDir dir;
   model::Muse a = model::Muse::init(test::byte_vocab_config(), 5, at::kFloat, at::kCPU);
   model::Muse b = model::Muse::init(test::byte_vocab_config(), 5, at::kFloat, at::kCPU);
   std::vector<at::Tensor> pa, pb;
@@ -76,6 +78,9 @@ TEST(DataParallel, ZeroOneStepEqualsTheUnshardedStep) {
   optimizers::OptimizerConfig oc;
   oc.adamw.lr = oc.muon.lr = 1e-2;
   optimizers::Optimizer whole(a.named_parameters(), oc);
+  oc.placement = placement;
+  oc.nvme_dir = dir.path();
+  oc.state_tag = "rank" + std::to_string(w.rank());
   const std::vector<int> owners = zero_owners(pb, w.size());
   std::vector<std::pair<std::string, at::Tensor>> mine;
   for (size_t i = 0; i < pb.size(); ++i)
@@ -92,7 +97,19 @@ TEST(DataParallel, ZeroOneStepEqualsTheUnshardedStep) {
     shard.step();
     broadcast_from_owners(w, pb, owners);
   }
-  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(test::all_equal(pb[i].detach(), pa[i].detach())) << i;
+  // Bitwise where the owner runs the same arithmetic; the fused CPU AdamW of cpu_update and nvme
+  // differs from ATen's in rounding.
+  const bool fused = placement == optimizers::Placement::kHostCpu || placement == optimizers::Placement::kNvme;
+  for (size_t i = 0; i < pa.size(); ++i)
+    EXPECT_TRUE(fused ? test::all_close(pb[i].detach(), pa[i].detach(), 1e-5, 1e-6)
+                      : test::all_equal(pb[i].detach(), pa[i].detach()))
+        << optimizers::placement_name(placement) << " parameter " << i;
+}
+
+TEST(DataParallel, ZeroOneStepEqualsTheUnshardedStepInEveryPlacement) {
+  for (auto p : {optimizers::Placement::kDevice, optimizers::Placement::kHost, optimizers::Placement::kHostCpu,
+                 optimizers::Placement::kNvme})
+    check_zero_one(p);
 }
 
 TEST(DataParallel, GrpoOnAllRanksMatchesOneRank) {
