@@ -6,11 +6,13 @@
 
 #include <numeric>
 
+#include "core/comm.h"
 #include "core/error.h"
 #include "core/torch_version.h"
 #include "kernels/moe_layout.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
+#include "model/expert_parallel.h"
 
 
 namespace kiln::model {
@@ -92,6 +94,36 @@ at::Tensor run_experts(const LayerWeights& lw, const at::Tensor& z, const at::Te
   return ys.index_select(0, inverse);  // back to slot order
 }
 
+// The experts of every slot under expert parallelism: slots go to the rank holding their expert
+// (all-to-all-v), run there (SwiGLU and the per-expert norm), and come back; [T * k, d_l] in slot
+// order. The weights hold E / group.size() experts, this rank's consecutive share.
+at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& lw, const at::Tensor& z,
+                                   const at::Tensor& flat, int64_t k, const comm::Group& group,
+                                   const ForwardOptions& opt) {
+  const int64_t E = cfg.num_experts, local = lw.expert_gate.size(0), n = flat.size(0), S = group.size();
+  KILN_CHECK(local * S == E, "latent_moe: expert parallel over ", S, " ranks needs ", E / S,
+             " experts per rank, the weights hold ", local, " (use model::shard_experts)");
+  at::Tensor owner = at::div(flat, local, "floor");
+  at::Tensor order = std::get<1>(at::sort(owner, /*stable=*/true, 0, /*descending=*/false));  // slots by owner
+  at::Tensor per_rank = at::zeros({S}, flat.options()).index_add_(0, owner, at::ones_like(owner)).cpu();
+  std::vector<int64_t> send(per_rank.data_ptr<int64_t>(), per_rank.data_ptr<int64_t>() + S), recv;
+  at::Tensor ids_out = (flat - owner * local).index_select(0, order);  // local expert ids at the owner
+  at::Tensor ids_in = group.all_to_all_v(ids_out, send, &recv);
+  at::Tensor rows_in = exchange_rows(group, z.index_select(0, at::div(order, k, "floor")), send, recv);
+  at::Tensor y_in;
+  if (rows_in.size(0) == 0) {
+    y_in = rows_in * 0;  // keeps this rank's backward exchange in the graph: every rank must join it
+  } else {
+    auto sorted = at::sort(ids_in, /*stable=*/true, 0, /*descending=*/false);
+    at::Tensor counts;
+    y_in = run_experts(lw, rows_in, std::get<0>(sorted), std::get<1>(sorted), 1, counts, opt);
+    y_in = rms_norm(y_in, lw.expert_norm.index_select(0, ids_in), cfg.rms_norm_eps);
+  }
+  at::Tensor back = exchange_rows(group, y_in, recv, send);  // owner order
+  at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
+  return back.index_select(0, inverse);
+}
+
 struct MoeOut {
   at::Tensor out;         // [T, d]
   at::Tensor ids;         // [T, k] int64
@@ -118,10 +150,16 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, const at::Tens
 
   at::Tensor z = at::linear(h, lw.pooler);  // [T, d_l]
   at::Tensor flat = ids.reshape(-1);        // [T * k], slot order
-  auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
   at::Tensor counts;  // [E] slots per expert
-  at::Tensor y = run_experts(lw, z, std::get<0>(sorted), std::get<1>(sorted), k, counts, opt);
-  y = rms_norm(y, lw.expert_norm.index_select(0, flat), cfg.rms_norm_eps).view({T, k, -1});
+  at::Tensor y;
+  if (opt.expert_group && opt.expert_group->size() > 1) {
+    y = expert_parallel_experts(cfg, lw, z, flat, k, *opt.expert_group, opt).view({T, k, -1});
+    counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
+  } else {
+    auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
+    y = run_experts(lw, z, std::get<0>(sorted), std::get<1>(sorted), k, counts, opt);
+    y = rms_norm(y, lw.expert_norm.index_select(0, flat), cfg.rms_norm_eps).view({T, k, -1});
+  }
   const auto acc = w.scalar_type();
   at::Tensor m = (y.to(acc) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
   MoeOut r;

@@ -10,6 +10,10 @@
 
 #include "model/config.h"
 
+namespace kiln::comm {
+class Group;
+}
+
 namespace kiln::model {
 
 struct LayerWeights {
@@ -78,6 +82,8 @@ struct ForwardOptions {
   bool load_balance = true;     // compute load_balance_loss (the rollout engine skips it: fewer kernels)
   at::Tensor positions;         // [T] int64 on the model's device: overrides the batch's positions
                                 // (CUDA-graph capture: no tensor may be built from host data)
+  const comm::Group* expert_group = nullptr;  // expert parallel: the weights hold this rank's
+                                // num_experts/size experts (model/expert_parallel.h); not owned
 };
 
 struct ForwardOutput {

@@ -1,0 +1,56 @@
+// Expert sharding of a model and the differentiable row exchange the MoE layer dispatches with.
+#include "model/expert_parallel.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "core/error.h"
+
+namespace kiln::model {
+namespace {
+
+// Autograd node of the exchange. The group rides in saved_data as an address: the caller's group
+// outlives the backward (it lives in the trainer or the test).
+struct ExchangeRows : public torch::autograd::Function<ExchangeRows> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group,
+                            std::vector<int64_t> send, std::vector<int64_t> recv) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["recv"] = recv;
+    const auto* g = reinterpret_cast<const comm::Group*>(group);
+    std::vector<int64_t> got;
+    at::Tensor out = g->all_to_all_v(x.contiguous(), send, &got);
+    KILN_CHECK(got == recv, "exchange_rows: the ranks disagree on the rows exchanged");
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* g = reinterpret_cast<const comm::Group*>(ctx->saved_data["group"].toInt());
+    const std::vector<int64_t> send = ctx->saved_data["send"].toIntVector(),
+                               recv = ctx->saved_data["recv"].toIntVector();
+    at::Tensor back = g->all_to_all_v(grads[0].contiguous(), recv);  // the reverse trip
+    return {back, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor exchange_rows(const comm::Group& group, const at::Tensor& x, const std::vector<int64_t>& send,
+                         const std::vector<int64_t>& recv) {
+  return ExchangeRows::apply(x, reinterpret_cast<int64_t>(&group), send, recv);
+}
+
+Muse shard_experts(const Muse& full, int rank, int size) {
+  const int64_t E = full.config().num_experts;
+  KILN_CHECK(size >= 1 && E % size == 0 && rank >= 0 && rank < size, "shard_experts: ", E,
+             " experts do not split evenly over ", size, " ranks (rank ", rank, ")");
+  const int64_t per = E / size, first = int64_t(rank) * per;
+  Weights w = full.weights();  // shares every tensor
+  at::NoGradGuard no_grad;
+  for (LayerWeights& l : w.layers)
+    for (at::Tensor* t : {&l.expert_gate, &l.expert_up, &l.expert_down, &l.expert_norm})
+      *t = t->narrow(0, first, per).clone();
+  return Muse(full.config(), std::move(w));
+}
+
+}  // namespace kiln::model

@@ -1,0 +1,25 @@
+// Expert parallelism (issue 6): each rank of an expert group holds num_experts/ep consecutive
+// experts of every layer; tokens travel to their experts' ranks by all-to-all-v and come back,
+// and the exchange is differentiable (its backward is the reverse exchange).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "core/comm.h"
+#include "model/muse.h"
+
+namespace kiln::model {
+
+// The experts [rank * E/size, (rank+1) * E/size) of every layer of `full`, copied; everything else
+// shared with `full`. Forward it with ForwardOptions::expert_group set to a group of `size` ranks.
+Muse shard_experts(const Muse& full, int rank, int size);
+
+// Rows [sum(send[:j]), +send[j]) of x go to rank j; returns the rows received, in rank order
+// (recv[j] from rank j). Differentiable in x: the gradient goes back by the reverse exchange.
+// Every rank of `group` must call it, and the backward runs on every rank, even with no rows.
+at::Tensor exchange_rows(const comm::Group& group, const at::Tensor& x, const std::vector<int64_t>& send,
+                         const std::vector<int64_t>& recv);
+
+}  // namespace kiln::model

@@ -1,0 +1,111 @@
+// Expert parallelism at the world size mpirun gives: with the experts sharded over ep ranks (and
+// dp = world / ep copies of each shard), loss, log-probs, routing and gradients equal one rank's
+// full-batch forward and backward; routing replay gives the same.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "model/expert_parallel.h"
+#include "model/muse.h"
+#include "tests/test_util.h"
+#include "tests/trainer/small_model.h"
+
+namespace kiln::model {
+namespace {
+
+using comm::Group;
+
+std::vector<std::vector<int64_t>> sequences() {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(11);
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t i = 0; i < 13; ++i) {
+    at::Tensor t = at::randint(128, {2 + 7 * (i % 3)}, g, at::kLong);
+    out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+  }
+  return out;
+}
+
+struct Run {
+  at::Tensor logprobs, routing;
+  double loss = 0;
+};
+
+// -sum log p / norm over `seqs`, backward; log-probs and routing of the tokens.
+Run run(const Muse& m, const std::vector<std::vector<int64_t>>& seqs, double norm, ForwardOptions o) {
+  std::vector<int64_t> targets;
+  for (const auto& s : seqs)
+    for (size_t j = 0; j < s.size(); ++j) targets.push_back(j + 1 < s.size() ? s[j + 1] : -100);
+  o.targets = at::tensor(targets, at::kLong);
+  ForwardOutput out = m.forward(PackedBatch::from_sequences(seqs, at::kCPU), o);
+  at::Tensor loss = -out.logprobs.sum() / norm;
+  loss.backward();
+  return {out.logprobs.detach(), out.routing, loss.item<double>()};
+}
+
+bool is_expert(const std::string& name) { return name.find("mlp.experts.") != std::string::npos; }
+
+void check(int ep) {
+  const Group& w = Group::world();
+  const int W = w.size(), e = w.rank() % ep, d = w.rank() / ep;
+  ASSERT_EQ(W % ep, 0);
+  const Group ep_group = w.split(d, e), dp_group = w.split(1000 + e, d);
+  ASSERT_EQ(ep_group.size(), ep);
+  const ModelConfig cfg = test::byte_vocab_config();
+  const int64_t per = cfg.num_experts / ep;
+  auto seqs = sequences();
+  double norm = 0;
+  for (const auto& s : seqs) norm += double(s.size()) - 1;
+
+  Muse full = Muse::init(cfg, 9, at::kFloat, at::kCPU);
+  full.set_requires_grad(true);
+  Run ref = run(full, seqs, norm, {});
+
+  Muse shard = shard_experts(Muse::init(cfg, 9, at::kFloat, at::kCPU), e, ep);
+  shard.set_requires_grad(true);
+  const size_t b = seqs.size() * size_t(w.rank()) / size_t(W), en = seqs.size() * size_t(w.rank() + 1) / size_t(W);
+  std::vector<std::vector<int64_t>> mine(seqs.begin() + long(b), seqs.begin() + long(en));
+  int64_t t0 = 0, tn = 0;  // this rank's token rows in the full batch
+  for (size_t i = 0; i < b; ++i) t0 += int64_t(seqs[i].size());
+  for (const auto& s : mine) tn += int64_t(s.size());
+  ForwardOptions o;
+  o.expert_group = &ep_group;
+  Run got = run(shard, mine, norm, o);
+
+  EXPECT_NEAR(w.all_reduce(got.loss), ref.loss, 1e-5 * std::abs(ref.loss)) << "ep=" << ep;
+  EXPECT_TRUE(test::all_close(got.logprobs, ref.logprobs.narrow(0, t0, tn), 1e-5, 1e-6)) << "ep=" << ep;
+  EXPECT_TRUE(test::all_equal(got.routing, ref.routing.narrow(0, t0, tn))) << "ep=" << ep;
+  // Gradients: the replicated tensors sum over every rank, an expert shard over its dp copies.
+  auto fp = full.named_parameters(), sp = shard.named_parameters();
+  for (size_t i = 0; i < sp.size(); ++i) {
+    at::Tensor g = sp[i].second.grad().defined() ? sp[i].second.grad() : at::zeros_like(sp[i].second);
+    g = g.contiguous();
+    (is_expert(sp[i].first) ? dp_group : w).all_reduce(g);
+    at::Tensor expect = fp[i].second.grad();
+    if (is_expert(sp[i].first)) expect = expect.narrow(0, e * per, per);
+    // 1e-5 relative; 1e-6 absolute for the elements near zero that fp32 sums in another order.
+    EXPECT_TRUE(test::all_close(g, expect, 1e-5, 1e-6)) << sp[i].first << " ep=" << ep;
+  }
+  // Routing replay: the recorded expert sets reproduce the log-probs through the exchange.
+  ForwardOptions replay = o;
+  replay.replay_routing = ref.routing.narrow(0, t0, tn);
+  for (auto& [n, p] : shard.named_parameters()) p.mutable_grad().reset();
+  Run again = run(shard, mine, norm, replay);
+  EXPECT_TRUE(test::all_close(again.logprobs, ref.logprobs.narrow(0, t0, tn), 1e-5, 1e-6)) << "replay ep=" << ep;
+}
+
+TEST(ExpertParallel, EveryRankAnExpertShardMatchesOneRank) { check(Group::world().size()); }
+
+TEST(ExpertParallel, DataTimesExpertParallelMatchesOneRank) {
+  if (Group::world().size() != 4) GTEST_SKIP() << "dp=2 x ep=2 needs 4 ranks";
+  check(2);
+}
+
+TEST(ExpertParallel, ShardsAreTheRightSlices) {
+  Muse full = Muse::init(test::byte_vocab_config(), 9, at::kFloat, at::kCPU);
+  Muse s = shard_experts(full, 1, 2);
+  EXPECT_TRUE(test::all_equal(s.weights().layers[0].expert_up, full.weights().layers[0].expert_up.narrow(0, 2, 2)));
+  EXPECT_TRUE(s.weights().layers[0].pooler.is_same(full.weights().layers[0].pooler));
+  EXPECT_TRUE(test::throws_with([&] { shard_experts(full, 0, 3); }, {"do not split evenly over 3"}));
+}
+
+}  // namespace
+}  // namespace kiln::model
