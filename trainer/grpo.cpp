@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "model/checkpoint.h"
+#include "model/expert_parallel.h"
 
 namespace kiln::trainer {
 namespace {
@@ -130,9 +131,15 @@ struct GrpoTrainer::Impl {
   Dataset data;
   DataStream stream;
   rollout::Engine engine;
-  comm::Group group;               // the data-parallel ranks
-  std::vector<at::Tensor> params;  // all of them: clipping, the gradient all-reduce, the broadcast
-  std::vector<int> owners;         // ZeRO-1: the rank that steps each parameter
+  comm::Group group;               // every rank: each holds its own share of the prompts
+  comm::Group ep_group;            // ep > 1: the ranks whose expert shards make up one model
+  comm::Group expert_dp;           // ep > 1: the ranks holding the same expert shard
+  std::unique_ptr<model::Muse> shard;  // ep > 1: the trained model (this rank's experts; every
+                                       // other tensor shared with `policy`, the engine's replica)
+  std::vector<at::Tensor> params;  // all trained tensors: clipping, the gradient all-reduce, the broadcast
+  std::vector<bool> is_expert;     // ep > 1: params[i] is an expert shard
+  std::vector<int> owners;         // ZeRO-1: the rank that steps each parameter (in `group` for
+                                   // replicated tensors, in `expert_dp` for expert shards)
   std::unique_ptr<optimizers::Optimizer> opt;  // over this rank's parameters (null if it owns none)
   std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
   int64_t steps = 0;
@@ -146,13 +153,38 @@ struct GrpoTrainer::Impl {
                ") must be at least the data-parallel ranks (", group.size(), "): a prompt's group stays on one rank");
     KILN_CHECK(tok.vocab_size() <= policy.config().vocab_size, "grpo: tokenizer vocabulary (", tok.vocab_size(),
                ") exceeds the model's vocab_size (", policy.config().vocab_size, ")");
+    const int64_t ep = cfg.parallel.ep;
+    if (ep > 1) {
+      KILN_CHECK(cfg.prompts_per_step % group.size() == 0, "grpo: expert parallel needs prompts_per_step (",
+                 cfg.prompts_per_step, ") divisible by the ranks (", group.size(),
+                 "): every rank must run the same number of forwards, which exchange tokens");
+      KILN_CHECK(cfg.loss.kl_coef == 0, "grpo: the KL term is not supported with expert parallelism yet (ep=", ep,
+                 "); set loss.kl_coef: 0");
+      const int e = int(group.rank() % ep), d = int(group.rank() / ep);
+      ep_group = group.split(d, e);
+      expert_dp = group.split(1000000 + e, d);
+      shard = std::make_unique<model::Muse>(model::shard_experts(policy, e, int(ep)));
+    }
     if (cfg.loss.kl_coef != 0) reference = std::make_unique<model::Muse>(policy.clone());
-    policy.set_requires_grad(true);
-    for (auto& [name, t] : policy.named_parameters()) params.push_back(t);
-    owners = zero_owners(params, group.size());
+    trained().set_requires_grad(true);
+    const auto named = trained().named_parameters();
+    for (auto& [name, t] : named) {
+      params.push_back(t);
+      is_expert.push_back(shard && name.find("mlp.experts.") != std::string::npos);
+    }
+    // ZeRO-1 owners: replicated tensors over all ranks, expert shards over the ranks sharing them.
+    owners.assign(params.size(), 0);
+    for (bool experts : {false, true}) {
+      std::vector<size_t> idx;
+      std::vector<at::Tensor> subset;
+      for (size_t i = 0; i < params.size(); ++i)
+        if (is_expert[i] == experts) idx.push_back(i), subset.push_back(params[i]);
+      const std::vector<int> o = zero_owners(subset, experts ? expert_dp.size() : group.size());
+      for (size_t j = 0; j < idx.size(); ++j) owners[idx[j]] = o[j];
+    }
     std::vector<std::pair<std::string, at::Tensor>> mine;
     for (size_t i = 0; i < params.size(); ++i)
-      if (owners[i] == group.rank()) mine.push_back(policy.named_parameters()[i]);
+      if (owners[i] == (is_expert[i] ? expert_dp.rank() : group.rank())) mine.push_back(named[i]);
     optimizers::OptimizerConfig oc = cfg.optim;
     oc.state_tag = "rank" + std::to_string(group.rank());
     if (!mine.empty()) opt = std::make_unique<optimizers::Optimizer>(mine, oc);
@@ -164,14 +196,21 @@ struct GrpoTrainer::Impl {
     at::Tensor logprobs;  // [T]
     at::Tensor routing;   // [T, L, k]
   };
-  Scored score(const std::vector<Trajectory>& trajs, bool replay) { return score(policy, trajs, replay); }
+  model::Muse& trained() { return shard ? *shard : policy; }
+  // Forward options of the trained model: the expert exchange under expert parallelism.
+  model::ForwardOptions forward_options() const {
+    model::ForwardOptions o;
+    if (shard) o.expert_group = &ep_group;
+    return o;
+  }
+  Scored score(const std::vector<Trajectory>& trajs, bool replay) { return score(trained(), trajs, replay); }
   Scored score(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay) {
     at::NoGradGuard g;
     std::vector<at::Tensor> lps, routes;
     for (size_t b = 0; b < trajs.size(); b += size_t(cfg.micro_batch_seqs)) {
       const size_t e = std::min(trajs.size(), b + size_t(cfg.micro_batch_seqs));
       Packed p = pack(trajs, b, e, model.device(), at::kDouble);
-      model::ForwardOptions o;
+      model::ForwardOptions o = forward_options();
       o.targets = p.targets;
       o.temperature = cfg.temperature;
       o.load_balance = false;
@@ -276,9 +315,18 @@ struct GrpoTrainer::Impl {
     if (opt) opt->set_lr_factor(cfg.schedule.factor(steps));
     m.lr = cfg.optim.adamw.lr * cfg.schedule.factor(steps);
     for (int64_t ms = 0; ms < cfg.mini_steps; ++ms) {
-      const int64_t gb = ms * per_mini, ge = std::min(N, (ms + 1) * per_mini);
+      int64_t gb = ms * per_mini, ge = std::min(N, (ms + 1) * per_mini);
+      size_t mb = size_t(std::clamp(gb, g0, g1) - g0), me = size_t(std::clamp(ge, g0, g1) - g0);
+      if (shard) {
+        // Expert parallel: each rank slices its own trajectories (equal counts everywhere), so all
+        // ranks run the same number of forwards; the global mini-batch is their union.
+        const int64_t n_local = int64_t(trajs.size()), per_local = (n_local + cfg.mini_steps - 1) / cfg.mini_steps;
+        mb = size_t(std::min(n_local, ms * per_local));
+        me = size_t(std::min(n_local, (ms + 1) * per_local));
+        gb = 0;
+        ge = int64_t(group.all_reduce(double(me - mb)));
+      }
       if (gb >= ge) break;
-      const size_t mb = size_t(std::clamp(gb, g0, g1) - g0), me = size_t(std::clamp(ge, g0, g1) - g0);
       const double local_tokens = mb < me ? pack(trajs, mb, me, at::kCPU, at::kDouble).mask.sum().item<double>() : 0.0;
       const double slice_tokens = std::max(group.all_reduce(local_tokens), 1.0);
       for (at::Tensor& p : params) p.mutable_grad().reset();
@@ -286,11 +334,11 @@ struct GrpoTrainer::Impl {
         const size_t e = std::min(me, b + size_t(cfg.micro_batch_seqs));
         // Masks and advantages in the loss dtype (fp32 for a bf16 policy, like its log-probs).
         Packed p = pack(trajs, b, e, policy.device(), model::router_dtype(policy.dtype()));
-        model::ForwardOptions o;
+        model::ForwardOptions o = forward_options();
         o.targets = p.targets;
         o.temperature = cfg.temperature;
         if (cfg.routing_replay) o.replay_routing = p.routing;
-        auto out = policy.forward(p.batch, o);
+        auto out = trained().forward(p.batch, o);
         PolicyLossInputs in;
         in.logprobs = out.logprobs;
         in.old_logprobs = old.logprobs.narrow(0, token_offsets[b], token_offsets[e] - token_offsets[b])
@@ -313,10 +361,25 @@ struct GrpoTrainer::Impl {
       }
       // Sum the ranks' gradients, then global grad-norm clipping (an infinite bound when off still
       // reports the norm); the owners step and broadcast.
-      all_reduce_grads(group, params);
-      norm_sum += torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
-      if (opt) opt->step();
-      broadcast_from_owners(group, params, owners);
+      if (shard) {
+        std::vector<at::Tensor> replicated, experts;
+        std::vector<int> replicated_owners, expert_owners;
+        for (size_t i = 0; i < params.size(); ++i) {
+          (is_expert[i] ? experts : replicated).push_back(params[i]);
+          (is_expert[i] ? expert_owners : replicated_owners).push_back(owners[i]);
+        }
+        all_reduce_grads(group, replicated);
+        all_reduce_grads(expert_dp, experts);
+        norm_sum += clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip);
+        if (opt) opt->step();
+        broadcast_from_owners(group, replicated, replicated_owners);
+        broadcast_from_owners(expert_dp, experts, expert_owners);
+      } else {
+        all_reduce_grads(group, params);
+        norm_sum += torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
+        if (opt) opt->step();
+        broadcast_from_owners(group, params, owners);
+      }
     }
     at::Tensor loss_parts = at::tensor({loss_sum, clip_sum, kl_sum}, at::kDouble);
     group.all_reduce(loss_parts);
@@ -327,10 +390,35 @@ struct GrpoTrainer::Impl {
     m.clip_fraction = clip_sum / std::max(total_tokens, 1.0);
     m.kl = kl_sum / std::max(total_tokens, 1.0);
     m.grad_norm = norm_sum / double(cfg.mini_steps);
-    // 6. Weight sync to the rollout engine.
+    // 6. Weight sync to the rollout engine (under expert parallelism: every shard into the replica).
+    gather_experts();
     engine.update_weights(policy.named_parameters());
     m.train_seconds = seconds_since(t1);
     return m;
+  }
+
+  // Expert parallel: the full experts of `policy` (the engine's replica) from the ranks' shards.
+  void gather_experts() {
+    if (!shard) return;
+    at::NoGradGuard no_grad;
+    for (size_t l = 0; l < policy.weights().layers.size(); ++l) {
+      model::LayerWeights &full = policy.weights().layers[l], &mine = shard->weights().layers[l];
+      for (auto [dst, src] : {std::pair{&full.expert_gate, &mine.expert_gate}, {&full.expert_up, &mine.expert_up},
+                              {&full.expert_down, &mine.expert_down}, {&full.expert_norm, &mine.expert_norm}})
+        dst->copy_(ep_group.all_gather(src->detach()));
+    }
+  }
+
+  // Expert parallel: this rank's shard from the full experts of `policy` (after a load).
+  void scatter_experts() {
+    if (!shard) return;
+    at::NoGradGuard no_grad;
+    for (size_t l = 0; l < policy.weights().layers.size(); ++l) {
+      model::LayerWeights &full = policy.weights().layers[l], &mine = shard->weights().layers[l];
+      for (auto [src, dst] : {std::pair{&full.expert_gate, &mine.expert_gate}, {&full.expert_up, &mine.expert_up},
+                              {&full.expert_down, &mine.expert_down}, {&full.expert_norm, &mine.expert_norm}})
+        dst->copy_(src->narrow(0, ep_group.rank() * dst->size(0), dst->size(0)));
+    }
   }
 
   double evaluate(int64_t limit) {
@@ -428,6 +516,7 @@ void GrpoTrainer::load(const std::string& dir) {
   if (impl_->opt) impl_->opt->load(dir + "/" + optimizer_file(impl_->group));
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
+  impl_->scatter_experts();
   impl_->engine.update_weights(impl_->policy.named_parameters());
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <cmath>
 #include <numeric>
 
 #include "core/error.h"
@@ -22,7 +23,6 @@ void ParallelConfig::resolve(int64_t world, int64_t num_experts) {
   KILN_CHECK(tp == 1, "parallel: tp is reserved for later and must be 1 ", given);
   KILN_CHECK(ep >= 1 && ep <= num_experts && num_experts % ep == 0,
              "parallel: ep must be at least 1, at most num_experts, and divide num_experts evenly ", given);
-  KILN_CHECK(ep == 1, "parallel: expert parallelism (ep > 1) is not implemented yet; use ep: 1 ", given);
   if (dp == 0) {
     KILN_CHECK(world % ep == 0, "parallel: the world size must be a multiple of ep ", given);
     dp = world / ep;
@@ -59,6 +59,23 @@ void all_reduce_grads(const comm::Group& group, const std::vector<at::Tensor>& p
       }
     }
   }
+}
+
+double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,
+                                  const comm::Group& experts, double max_norm) {
+  at::NoGradGuard no_grad;
+  double replicated = 0, sharded = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& g = params[i].grad();
+    if (!g.defined()) continue;
+    (is_expert[i] ? sharded : replicated) += g.to(at::kDouble).pow(2).sum().item<double>();
+  }
+  const double total = std::sqrt(replicated + experts.all_reduce(sharded));
+  const double coef = max_norm / (total + 1e-6);  // the rule of torch's clip_grad_norm_
+  if (max_norm > 0 && coef < 1)
+    for (const at::Tensor& p : params)
+      if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().mul_(coef);
+  return total;
 }
 
 std::vector<int> zero_owners(const std::vector<at::Tensor>& params, int ranks) {

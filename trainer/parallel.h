@@ -27,6 +27,11 @@ struct ParallelConfig {
 void all_reduce_grads(const comm::Group& group, const std::vector<at::Tensor>& params,
                       int64_t bucket_bytes = 32ll << 20);
 
+// The global gradient norm when expert shards differ between the ranks of `experts` (each expert
+// counted once), and clipping of every gradient to max_norm (0: only measure). Returns the norm.
+double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,
+                                  const comm::Group& experts, double max_norm);
+
 // The ZeRO-1 owner rank of each parameter: largest first, each to the least-loaded rank.
 std::vector<int> zero_owners(const std::vector<at::Tensor>& params, int ranks);
 

@@ -112,7 +112,8 @@ TEST(DataParallel, ZeroOneStepEqualsTheUnshardedStepInEveryPlacement) {
     check_zero_one(p);
 }
 
-TEST(DataParallel, GrpoOnAllRanksMatchesOneRank) {
+// A GRPO run over every rank (experts sharded over `ep` of them) against the same run on one rank.
+void check_grpo(int64_t ep, int64_t mini_steps) {
   const Group& w = Group::world();
   const Group alone = w.split(w.rank(), 0);  // a one-rank group: the reference run
   model::ModelConfig mc = test::byte_vocab_config();
@@ -124,12 +125,14 @@ TEST(DataParallel, GrpoOnAllRanksMatchesOneRank) {
   cfg.prompts_per_step = 8;
   cfg.samples_per_prompt = 4;
   cfg.max_tokens = 1;
-  cfg.mini_steps = 3;  // slices that cross rank boundaries
+  cfg.mini_steps = mini_steps;
   cfg.micro_batch_seqs = 5;
   cfg.mismatch_ab = true;
   cfg.optim.adamw.lr = cfg.optim.muon.lr = 1e-2;
   cfg.engine.kv_cache_bytes = 8 << 20;
-  GrpoTrainer one(m1, cfg, CharTokenizer(128), data, alone), all(mw, cfg, CharTokenizer(128), data, w);
+  GrpoTrainer one(m1, cfg, CharTokenizer(128), data, alone);
+  cfg.parallel.ep = ep;
+  GrpoTrainer all(mw, cfg, CharTokenizer(128), data, w);
   for (int s = 0; s < 3; ++s) {
     StepMetrics a = one.step(), b = all.step();
     EXPECT_EQ(b.reward, a.reward) << "step " << s;
@@ -150,8 +153,17 @@ TEST(DataParallel, GrpoOnAllRanksMatchesOneRank) {
     // steps whose sign the summation order decides (seen: lm_head rows, 0.014 apart at 4 ranks),
     // and Muon amplifies weak directions. Each tensor as a whole must agree to 1%.
     const double diff = (pw[i].second - p1[i].second).norm().item<double>(), ref = p1[i].second.norm().item<double>();
-    EXPECT_LT(diff, 1e-2 * ref) << p1[i].first;
+    EXPECT_LT(diff, 1e-2 * ref) << p1[i].first << " ep=" << ep;
   }
+}
+
+TEST(DataParallel, GrpoOnAllRanksMatchesOneRank) { check_grpo(1, 3); }  // mini-steps crossing ranks
+
+// Expert parallel over all ranks (ep = world), and dp=2 x ep=2 at 4 ranks; one mini-step, since
+// expert-parallel ranks slice their own trajectories into mini-steps.
+TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
+  check_grpo(Group::world().size(), 1);
+  if (Group::world().size() == 4) check_grpo(2, 1);
 }
 
 TEST(DataParallel, LayoutErrorsNameEveryValue) {

@@ -144,6 +144,10 @@ for r in 0 1; do
   [ -f "$tmp/dp2/checkpoint/optimizer-rank$r-of-2.safetensors" ] || { echo "FAIL: no optimizer shard of rank $r"; fails=$((fails+1)); }
 done
 check "sft on 2 ranks" "sft: done" mpi -np 2 "$kiln" sft "$tmp/recipe.yaml" --steps 2 --out "$tmp/dp2"
+{ cat "$tmp/recipe.yaml"; printf 'parallel:\n  ep: 2\n'; } > "$tmp/ep2.yaml"
+check "train with experts over 2 ranks" "dp=1 ep=2" mpi -np 2 "$kiln" train "$tmp/ep2.yaml" --steps 2 --out "$tmp/ep2"
+check "resume expert-parallel" "resumed from" mpi -np 2 "$kiln" train "$tmp/ep2.yaml" --steps 3 --resume "$tmp/ep2"
+[ "$(grep -c '"reward"' "$tmp/ep2/metrics.jsonl" 2>/dev/null)" = 3 ] || { echo "FAIL: ep=2 run lacks 3 step lines"; fails=$((fails+1)); }
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  dp: 3\n'; } > "$tmp/dp3.yaml"
 out=$(mpi -np 2 "$kiln" train "$tmp/dp3.yaml" --steps 1 --out "$tmp/dp3" 2>&1); rc=$?
 [ $rc -ne 0 ] && [[ "$out" == *"dp x ep must equal the world size"* ]] && [[ "$out" != *"train: 1 steps"* ]] \
