@@ -346,6 +346,34 @@ at::Tensor Group::all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& 
   return out.to(t.device());
 }
 
+struct Work::State {
+  MPI_Request request = MPI_REQUEST_NULL;
+  at::Tensor keep;  // the buffer MPI writes into
+};
+
+void Work::wait() {
+  if (!state_) return;
+  check_mpi(MPI_Wait(&state_->request, MPI_STATUS_IGNORE), "MPI_Wait");
+  state_.reset();
+}
+
+Work Group::all_reduce_async(at::Tensor& t) const {
+  Work w;
+  const bool mpi_async = size_ > 1 && t.is_cpu() && t.is_contiguous() &&
+                         (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) &&
+                         t.numel() <= kMaxCount;
+  if (!mpi_async) {
+    all_reduce(t);  // NCCL is asynchronous on its stream already; the rest is small or rare
+    return w;
+  }
+  w.state_ = std::make_shared<Work::State>();
+  w.state_->keep = t;
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), int(t.numel()), mpi_type(t.scalar_type()), MPI_SUM,
+                           impl_->comm, &w.state_->request),
+            "MPI_Iallreduce");
+  return w;
+}
+
 void Group::barrier() const {
   if (size_ > 1) check_mpi(MPI_Barrier(impl_->comm), "MPI_Barrier");
 }

@@ -11,6 +11,19 @@ namespace kiln::comm {
 
 enum class ReduceOp { kSum, kMax, kMin };
 
+// A collective in flight (all_reduce_async); wait() before reading the tensor. Keeps the tensor
+// alive. A default Work is already done.
+class Work {
+ public:
+  void wait();
+  bool pending() const { return state_ != nullptr; }
+
+ private:
+  friend class Group;
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
 // MPI for this process (thread level FUNNELED): call once from main; a process that never calls
 // it has a one-rank world and every collective is a copy.
 // Does nothing unless launched by mpirun or srun (their environment variables are set).
@@ -35,6 +48,10 @@ class Group {
   // on the MPI path).
   void all_reduce(at::Tensor& t, ReduceOp op = ReduceOp::kSum) const;
   double all_reduce(double v, ReduceOp op = ReduceOp::kSum) const;
+  // Sum in place without waiting: MPI_Iallreduce for fp32/fp64 CPU tensors, NCCL on the current
+  // stream for CUDA ones (ordered with later work on that stream); otherwise done at once. Every
+  // rank must start the same collectives in the same order.
+  Work all_reduce_async(at::Tensor& t) const;
   // t's dim 0 is size()*n: rank r gets the reduction of rows [r*n, (r+1)*n).
   at::Tensor reduce_scatter(const at::Tensor& t, ReduceOp op = ReduceOp::kSum) const;
   // Every rank gives a tensor of the same shape; the result concatenates them along dim 0 by rank.

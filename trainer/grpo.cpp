@@ -141,6 +141,7 @@ struct GrpoTrainer::Impl {
   std::vector<int> owners;         // ZeRO-1: the rank that steps each parameter (in `group` for
                                    // replicated tensors, in `expert_dp` for expert shards)
   std::unique_ptr<optimizers::Optimizer> opt;  // over this rank's parameters (null if it owns none)
+  std::unique_ptr<OverlappedGradReducer> reducer;  // data parallel without expert shards
   std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
   int64_t steps = 0;
 
@@ -188,6 +189,7 @@ struct GrpoTrainer::Impl {
     optimizers::OptimizerConfig oc = cfg.optim;
     oc.state_tag = "rank" + std::to_string(group.rank());
     if (!mine.empty()) opt = std::make_unique<optimizers::Optimizer>(mine, oc);
+    if (!shard && group.size() > 1) reducer = std::make_unique<OverlappedGradReducer>(group, params);
   }
 
   // Log-probs (and own routing) of every target under `model` (the current policy, or the frozen
@@ -330,8 +332,10 @@ struct GrpoTrainer::Impl {
       const double local_tokens = mb < me ? pack(trajs, mb, me, at::kCPU, at::kDouble).mask.sum().item<double>() : 0.0;
       const double slice_tokens = std::max(group.all_reduce(local_tokens), 1.0);
       for (at::Tensor& p : params) p.mutable_grad().reset();
+      bool armed = false;
       for (size_t b = mb; b < me; b += size_t(cfg.micro_batch_seqs)) {
         const size_t e = std::min(me, b + size_t(cfg.micro_batch_seqs));
+        if (reducer && e == me) reducer->arm(), armed = true;  // the last backward overlaps the reduction
         // Masks and advantages in the loss dtype (fp32 for a bf16 policy, like its log-probs).
         Packed p = pack(trajs, b, e, policy.device(), model::router_dtype(policy.dtype()));
         model::ForwardOptions o = forward_options();
@@ -375,7 +379,10 @@ struct GrpoTrainer::Impl {
         broadcast_from_owners(group, replicated, replicated_owners);
         broadcast_from_owners(expert_dp, experts, expert_owners);
       } else {
-        all_reduce_grads(group, params);
+        if (reducer) {
+          if (!armed) reducer->arm();  // no trajectories here in this mini-step: still joins in
+          reducer->finish();
+        }
         norm_sum += torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
         if (opt) opt->step();
         broadcast_from_owners(group, params, owners);

@@ -61,6 +61,107 @@ void all_reduce_grads(const comm::Group& group, const std::vector<at::Tensor>& p
   }
 }
 
+OverlappedGradReducer::OverlappedGradReducer(const comm::Group& group, std::vector<at::Tensor> params,
+                                             int64_t bucket_bytes)
+    : group_(group), params_(std::move(params)), where_(params_.size()), seen_(params_.size(), false) {
+  // Reverse order; a bucket holds one dtype and at most bucket_bytes (or one larger tensor).
+  for (size_t k = params_.size(); k-- > 0;) {
+    const at::Tensor& p = params_[k];
+    const int64_t bytes = int64_t(p.numel()) * int64_t(p.element_size());
+    if (buckets_.empty() || buckets_.back().flat.scalar_type() != p.scalar_type() ||
+        (buckets_.back().flat.numel() > 0 &&
+         (buckets_.back().flat.numel() * int64_t(p.element_size()) + bytes > bucket_bytes))) {
+      buckets_.emplace_back();
+      buckets_.back().flat = at::empty({0}, p.options());
+    }
+    Bucket& b = buckets_.back();
+    where_[k] = {buckets_.size() - 1, b.members.size()};
+    b.members.push_back(k);
+    b.offsets.push_back(b.flat.numel());
+    b.flat = at::empty({b.flat.numel() + p.numel()}, p.options());  // sized now, filled later
+  }
+}
+
+OverlappedGradReducer::~OverlappedGradReducer() {
+  if (group_.size() == 1) return;
+  for (Bucket& b : buckets_) b.work.wait();  // never leave MPI writing into freed memory
+  for (size_t k = 0; k < hooks_.size(); ++k) params_[k].remove_hook(hooks_[k]);
+}
+
+void OverlappedGradReducer::arm() {
+  if (group_.size() == 1) return;
+  KILN_CHECK(!armed_, "OverlappedGradReducer: arm() twice without finish()");
+  armed_ = true;
+  next_ = 0;
+  started_in_backward_ = 0;
+  std::fill(seen_.begin(), seen_.end(), false);
+  for (Bucket& b : buckets_) b.ready = 0;
+  hooks_.clear();
+  for (size_t k = 0; k < params_.size(); ++k)
+    hooks_.push_back(params_[k].register_hook([this, k](const at::Tensor& g) {
+      on_grad(k, g);
+      return at::Tensor();  // leave the gradient as it is
+    }));
+}
+
+void OverlappedGradReducer::on_grad(size_t k, const at::Tensor& grad) {
+  if (!armed_ || seen_[k]) return;
+  seen_[k] = true;
+  at::NoGradGuard no_grad;
+  auto [bi, mi] = where_[k];
+  Bucket& b = buckets_[bi];
+  at::Tensor slot = b.flat.narrow(0, b.offsets[mi], params_[k].numel());
+  const at::Tensor& earlier = params_[k].grad();  // earlier micro-batches of this step
+  if (earlier.defined())
+    at::add_out(slot, earlier.reshape(-1), grad.reshape(-1));
+  else
+    slot.copy_(grad.reshape(-1));
+  ++b.ready;
+  start_ready();
+  started_in_backward_ = int64_t(next_);
+}
+
+void OverlappedGradReducer::start_ready() {
+  while (next_ < buckets_.size() && buckets_[next_].ready == int64_t(buckets_[next_].members.size())) {
+    buckets_[next_].work = group_.all_reduce_async(buckets_[next_].flat);
+    ++next_;
+  }
+}
+
+void OverlappedGradReducer::finish() {
+  if (group_.size() == 1) return;
+  KILN_CHECK(armed_, "OverlappedGradReducer: finish() without arm()");
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < hooks_.size(); ++k) params_[k].remove_hook(hooks_[k]);
+  hooks_.clear();
+  // Parameters that got no gradient in the last backward: their .grad so far, or zeros.
+  for (size_t k = 0; k < params_.size(); ++k) {
+    if (seen_[k]) continue;
+    seen_[k] = true;
+    auto [bi, mi] = where_[k];
+    Bucket& b = buckets_[bi];
+    at::Tensor slot = b.flat.narrow(0, b.offsets[mi], params_[k].numel());
+    if (params_[k].grad().defined())
+      slot.copy_(params_[k].grad().reshape(-1));
+    else
+      slot.zero_();
+    ++b.ready;
+  }
+  start_ready();
+  for (Bucket& b : buckets_) {
+    b.work.wait();
+    for (size_t m = 0; m < b.members.size(); ++m) {
+      at::Tensor& p = params_[b.members[m]];
+      at::Tensor sum = b.flat.narrow(0, b.offsets[m], p.numel()).view(p.sizes());
+      if (p.grad().defined())
+        p.mutable_grad().copy_(sum);
+      else
+        p.mutable_grad() = sum.clone();
+    }
+  }
+  armed_ = false;
+}
+
 double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,
                                   const comm::Group& experts, double max_norm) {
   at::NoGradGuard no_grad;

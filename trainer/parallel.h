@@ -27,6 +27,43 @@ struct ParallelConfig {
 void all_reduce_grads(const comm::Group& group, const std::vector<at::Tensor>& params,
                       int64_t bucket_bytes = 32ll << 20);
 
+// Sums gradients over a group while the last backward of a step runs. The parameters are cut into
+// fixed buckets in reverse order (the order backward produces gradients); a hook on each parameter
+// copies its gradient (plus what earlier micro-batches accumulated in .grad) into its bucket, and a
+// bucket's asynchronous all-reduce starts once all its gradients are in and every earlier bucket
+// has started, so every rank starts them in the same order. finish() starts the rest (parameters
+// without a gradient this time count as their .grad or zero), waits, and writes the sums to .grad.
+class OverlappedGradReducer {
+ public:
+  OverlappedGradReducer(const comm::Group& group, std::vector<at::Tensor> params, int64_t bucket_bytes = 32ll << 20);
+  ~OverlappedGradReducer();
+  OverlappedGradReducer(const OverlappedGradReducer&) = delete;
+  OverlappedGradReducer& operator=(const OverlappedGradReducer&) = delete;
+  void arm();     // before the last backward of the step
+  void finish();  // after it
+  int64_t buckets_started_in_backward() const { return started_in_backward_; }
+
+ private:
+  struct Bucket {
+    std::vector<size_t> members;  // indices into params_
+    std::vector<int64_t> offsets; // element offset of each member in `flat`
+    at::Tensor flat;
+    int64_t ready = 0;
+    comm::Work work;
+  };
+  void on_grad(size_t param, const at::Tensor& grad);
+  void start_ready();
+  const comm::Group& group_;
+  std::vector<at::Tensor> params_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, member)
+  std::vector<bool> seen_;
+  std::vector<unsigned> hooks_;
+  size_t next_ = 0;  // the first bucket not started
+  bool armed_ = false;
+  int64_t started_in_backward_ = 0;
+};
+
 // The global gradient norm when expert shards differ between the ranks of `experts` (each expert
 // counted once), and clipping of every gradient to max_norm (0: only measure). Returns the norm.
 double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,

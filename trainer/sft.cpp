@@ -25,6 +25,7 @@ struct SftTrainer::Impl {
   std::vector<at::Tensor> params;  // all: clipping, the gradient all-reduce, the broadcast
   std::vector<int> owners;         // ZeRO-1
   std::unique_ptr<optimizers::Optimizer> opt;  // over this rank's parameters
+  std::unique_ptr<OverlappedGradReducer> reducer;  // more than one rank
   int64_t steps = 0;
 
   Impl(model::Muse& m, SftConfig c, CharTokenizer t, std::vector<Problem> train, const comm::Group& g)
@@ -41,6 +42,7 @@ struct SftTrainer::Impl {
     optimizers::OptimizerConfig oc = cfg.optim;
     oc.state_tag = "rank" + std::to_string(group.rank());
     if (!mine.empty()) opt = std::make_unique<optimizers::Optimizer>(mine, oc);
+    if (group.size() > 1) reducer = std::make_unique<OverlappedGradReducer>(group, params);
   }
 
   SftMetrics step() {
@@ -70,8 +72,9 @@ struct SftTrainer::Impl {
     at::Tensor loss = -out.logprobs.sum() / n;
     if (opt) opt->set_lr_factor(cfg.schedule.factor(steps + 1));
     for (at::Tensor& p : params) p.mutable_grad().reset();
+    if (reducer) reducer->arm();
     loss.backward();
-    all_reduce_grads(group, params);
+    if (reducer) reducer->finish();
     torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
     if (opt) opt->step();
     broadcast_from_owners(group, params, owners);

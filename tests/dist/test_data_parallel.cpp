@@ -181,3 +181,37 @@ TEST(DataParallel, LayoutErrorsNameEveryValue) {
 
 }  // namespace
 }  // namespace kiln::trainer
+
+namespace kiln::trainer {
+namespace {
+
+TEST(DataParallel, ReductionOverlappedWithBackwardEqualsTheFullBatch) {
+  const comm::Group& w = comm::Group::world();
+  auto seqs = sequences(14);
+  const double norm = double(predicted_tokens(seqs));
+  model::Muse full = model::Muse::init(test::byte_vocab_config(), 3, at::kFloat, at::kCPU);
+  model::Muse dp = model::Muse::init(test::byte_vocab_config(), 3, at::kFloat, at::kCPU);
+  full.set_requires_grad(true);
+  dp.set_requires_grad(true);
+  loss_and_backward(full, seqs, norm);
+  std::vector<at::Tensor> params;
+  for (auto& [n, p] : dp.named_parameters()) params.push_back(p);
+  OverlappedGradReducer reducer(w, params, /*bucket_bytes=*/4096);
+  // Two micro-batches on this rank: the first accumulates, the second backward overlaps the sums.
+  const size_t b = seqs.size() * size_t(w.rank()) / size_t(w.size()), e = seqs.size() * size_t(w.rank() + 1) / size_t(w.size());
+  const size_t mid = (b + e) / 2;
+  for (int round = 0; round < 2; ++round) {  // twice: the reducer is reusable
+    for (auto& p : params) p.mutable_grad().reset();
+    loss_and_backward(dp, {seqs.begin() + long(b), seqs.begin() + long(mid)}, norm);
+    reducer.arm();
+    loss_and_backward(dp, {seqs.begin() + long(mid), seqs.begin() + long(e)}, norm);
+    reducer.finish();
+    EXPECT_GT(reducer.buckets_started_in_backward(), 0) << "no bucket was reduced during backward";
+    auto fp = full.named_parameters(), dpp = dp.named_parameters();
+    for (size_t i = 0; i < fp.size(); ++i)
+      EXPECT_TRUE(test::all_close(dpp[i].second.grad(), fp[i].second.grad(), 1e-5, 1e-6)) << fp[i].first;
+  }
+}
+
+}  // namespace
+}  // namespace kiln::trainer
