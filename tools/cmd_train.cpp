@@ -131,12 +131,18 @@ Run add_train(CLI::App& app) {
     model::Muse& policy = *s.policy;
     trainer::Dataset& data = s.data;
     trainer::CharTokenizer tok = tokenizer_for(policy);
-    // First: a bad parallel layout or optimizer setting fails before any output.
-    trainer::GrpoTrainer trainer(policy, r.grpo, tok, data);
+    // First: a bad parallel layout fails before any work, reported by rank 0 alone (the other
+    // ranks wait until its MPI_Abort ends them); then a bad optimizer setting.
     const comm::Group& world = comm::Group::world();
     const bool lead = world.rank() == 0;
     trainer::ParallelConfig layout = r.grpo.parallel;
-    layout.resolve(world.size(), policy.config().num_experts);
+    try {
+      layout.resolve(world.size(), policy.config().num_experts);
+    } catch (const Error&) {
+      if (!lead) world.barrier();
+      throw;
+    }
+    trainer::GrpoTrainer trainer(policy, r.grpo, tok, data);
     if (lead)
       fmt::print("train: {} steps of {} prompts x {} samples; {} train / {} test problems; {} rank(s), {}; run dir {}\n",
                  r.steps, r.grpo.prompts_per_step, r.grpo.samples_per_prompt, data.train.size(), data.test.size(),

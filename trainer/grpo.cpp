@@ -159,14 +159,13 @@ struct GrpoTrainer::Impl {
       KILN_CHECK(cfg.prompts_per_step % group.size() == 0, "grpo: expert parallel needs prompts_per_step (",
                  cfg.prompts_per_step, ") divisible by the ranks (", group.size(),
                  "): every rank must run the same number of forwards, which exchange tokens");
-      KILN_CHECK(cfg.loss.kl_coef == 0, "grpo: the KL term is not supported with expert parallelism yet (ep=", ep,
-                 "); set loss.kl_coef: 0");
       const int e = int(group.rank() % ep), d = int(group.rank() / ep);
       ep_group = group.split(d, e);
       expert_dp = group.split(1000000 + e, d);
       shard = std::make_unique<model::Muse>(model::shard_experts(policy, e, int(ep)));
     }
-    if (cfg.loss.kl_coef != 0) reference = std::make_unique<model::Muse>(policy.clone());
+    // The KL reference: a frozen copy of what is trained (an expert shard under expert parallelism).
+    if (cfg.loss.kl_coef != 0) reference = std::make_unique<model::Muse>(trained().clone());
     trained().set_requires_grad(true);
     const auto named = trained().named_parameters();
     for (auto& [name, t] : named) {
@@ -404,28 +403,30 @@ struct GrpoTrainer::Impl {
     return m;
   }
 
-  // Expert parallel: the full experts of `policy` (the engine's replica) from the ranks' shards.
-  void gather_experts() {
-    if (!shard) return;
+  // Expert parallel: a full model from the ranks' shards (experts all-gathered over ep_group, the
+  // rest copied), or a shard from a full model. Tensors the two share are left alone.
+  void shard_to_full(const model::Muse& part, model::Muse& full) const {
     at::NoGradGuard no_grad;
-    for (size_t l = 0; l < policy.weights().layers.size(); ++l) {
-      model::LayerWeights &full = policy.weights().layers[l], &mine = shard->weights().layers[l];
-      for (auto [dst, src] : {std::pair{&full.expert_gate, &mine.expert_gate}, {&full.expert_up, &mine.expert_up},
-                              {&full.expert_down, &mine.expert_down}, {&full.expert_norm, &mine.expert_norm}})
-        dst->copy_(ep_group.all_gather(src->detach()));
+    auto f = full.named_parameters(), p = part.named_parameters();
+    for (size_t i = 0; i < f.size(); ++i) {
+      if (f[i].second.is_same(p[i].second)) continue;
+      const bool expert = f[i].first.find("mlp.experts.") != std::string::npos;
+      f[i].second.copy_(expert ? ep_group.all_gather(p[i].second.detach()) : p[i].second.detach());
     }
   }
-
-  // Expert parallel: this rank's shard from the full experts of `policy` (after a load).
-  void scatter_experts() {
-    if (!shard) return;
+  void full_to_shard(const model::Muse& full, model::Muse& part) const {
     at::NoGradGuard no_grad;
-    for (size_t l = 0; l < policy.weights().layers.size(); ++l) {
-      model::LayerWeights &full = policy.weights().layers[l], &mine = shard->weights().layers[l];
-      for (auto [src, dst] : {std::pair{&full.expert_gate, &mine.expert_gate}, {&full.expert_up, &mine.expert_up},
-                              {&full.expert_down, &mine.expert_down}, {&full.expert_norm, &mine.expert_norm}})
-        dst->copy_(src->narrow(0, ep_group.rank() * dst->size(0), dst->size(0)));
+    auto f = full.named_parameters(), p = part.named_parameters();
+    for (size_t i = 0; i < f.size(); ++i) {
+      if (f[i].second.is_same(p[i].second)) continue;
+      const bool expert = f[i].first.find("mlp.experts.") != std::string::npos;
+      const int64_t n = p[i].second.size(0);
+      p[i].second.copy_(expert ? f[i].second.narrow(0, ep_group.rank() * n, n) : f[i].second);
     }
+  }
+  // The engine's replica (`policy`) from this step's shards.
+  void gather_experts() {
+    if (shard) shard_to_full(*shard, policy);
   }
 
   double evaluate(int64_t limit) {
@@ -463,11 +464,18 @@ void GrpoTrainer::save(const std::string& dir) const {
   namespace fs = std::filesystem;
   const comm::Group& g = impl_->group;
   const std::string tmp = dir + ".tmp", old = dir + ".old";
+  // Under expert parallelism the reference is a shard: every rank helps assemble the full one.
+  std::unique_ptr<model::Muse> full_reference;
+  if (impl_->reference && impl_->shard) {
+    full_reference = std::make_unique<model::Muse>(impl_->policy.clone());
+    impl_->shard_to_full(*impl_->reference, *full_reference);
+  }
   if (g.rank() == 0) {
     remove_tree(tmp);
     fs::create_directories(tmp);
     model::save_checkpoint(impl_->policy, tmp + "/model");
-    if (impl_->reference) model::save_checkpoint(*impl_->reference, tmp + "/reference");
+    if (impl_->reference)
+      model::save_checkpoint(full_reference ? *full_reference : *impl_->reference, tmp + "/reference");
     std::ofstream f(tmp + "/state.json");
     f << nlohmann::json{{"step", impl_->steps}, {"data_position", impl_->stream.position()}, {"seed", impl_->cfg.seed},
                         {"dp", g.size()}}.dump(2)
@@ -518,12 +526,18 @@ void GrpoTrainer::load(const std::string& dir) {
     KILN_CHECK(std::filesystem::exists(dir + "/reference/config.json"), "grpo: checkpoint ", dir,
                " has no reference/ policy but the recipe's kl_coef=", impl_->cfg.loss.kl_coef,
                " needs one; resume with the kl_coef the run was started with");
-    restore(*impl_->reference, "reference");
+    if (impl_->shard) {
+      model::Muse full = impl_->policy.clone();
+      restore(full, "reference");
+      impl_->full_to_shard(full, *impl_->reference);
+    } else {
+      restore(*impl_->reference, "reference");
+    }
   }
   if (impl_->opt) impl_->opt->load(dir + "/" + optimizer_file(impl_->group));
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
-  impl_->scatter_experts();
+  if (impl_->shard) impl_->full_to_shard(impl_->policy, *impl_->shard);
   impl_->engine.update_weights(impl_->policy.named_parameters());
 }
 

@@ -147,10 +147,18 @@ check "sft on 2 ranks" "sft: done" mpi -np 2 "$kiln" sft "$tmp/recipe.yaml" --st
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  ep: 2\n'; } > "$tmp/ep2.yaml"
 check "train with experts over 2 ranks" "dp=1 ep=2" mpi -np 2 "$kiln" train "$tmp/ep2.yaml" --steps 2 --out "$tmp/ep2"
 check "resume expert-parallel" "resumed from" mpi -np 2 "$kiln" train "$tmp/ep2.yaml" --steps 3 --resume "$tmp/ep2"
+{ cat "$tmp/ep2.yaml"; printf 'loss:\n  kl_coef: 0.05\n'; } > "$tmp/ep2kl.yaml"
+check "expert-parallel with the KL term" "train: done" mpi -np 2 "$kiln" train "$tmp/ep2kl.yaml" --steps 2 --out "$tmp/ep2kl"
+check "resume it" "resumed from" mpi -np 2 "$kiln" train "$tmp/ep2kl.yaml" --steps 3 --resume "$tmp/ep2kl"
 [ "$(grep -c '"reward"' "$tmp/ep2/metrics.jsonl" 2>/dev/null)" = 3 ] || { echo "FAIL: ep=2 run lacks 3 step lines"; fails=$((fails+1)); }
+check "expert-parallel, uninterrupted" "train: done" mpi -np 2 "$kiln" train "$tmp/ep2.yaml" --steps 3 --out "$tmp/ep2full"
+if [ "$(strip_times "$tmp/ep2full/metrics.jsonl")" != "$(strip_times "$tmp/ep2/metrics.jsonl")" ]; then
+  echo "FAIL: resumed expert-parallel metrics differ from the uninterrupted run"; fails=$((fails+1))
+fi
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  dp: 3\n'; } > "$tmp/dp3.yaml"
 out=$(mpi -np 2 "$kiln" train "$tmp/dp3.yaml" --steps 1 --out "$tmp/dp3" 2>&1); rc=$?
-[ $rc -ne 0 ] && [[ "$out" == *"dp x ep must equal the world size"* ]] && [[ "$out" != *"train: 1 steps"* ]] \
+[ $rc -ne 0 ] && [[ "$out" == *"error on rank 0"*"dp x ep must equal the world size"* ]] && [[ "$out" != *"train: 1 steps"* ]] \
+  && [[ "$out" != *"error on rank 1"* ]] \
   || { echo "FAIL: bad layout on 2 ranks (rc=$rc): $out" | head -5; fails=$((fails+1)); }
 start=$(date +%s)
 out=$(mpi -np 1 "$kiln" train "$tmp/recipe.yaml" --steps 3 --out "$tmp/abort" : -np 1 "$kiln" train "$tmp/nope.yaml" 2>&1); rc=$?
