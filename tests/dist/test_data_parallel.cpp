@@ -214,7 +214,8 @@ TEST(DataParallel, ReductionOverlappedWithBackwardEqualsTheFullBatch) {
     reducer.arm();
     loss_and_backward(dp, {seqs.begin() + long(mid), seqs.begin() + long(e)}, norm);
     reducer.finish();
-    EXPECT_GT(reducer.buckets_started_in_backward(), 0) << "no bucket was reduced during backward";
+    if (w.size() > 1)  // one rank has nothing to reduce
+      EXPECT_GT(reducer.buckets_started_in_backward(), 0) << "no bucket was reduced during backward";
     auto fp = full.named_parameters(), dpp = dp.named_parameters();
     for (size_t i = 0; i < fp.size(); ++i)
       EXPECT_TRUE(test::all_close(dpp[i].second.grad(), fp[i].second.grad(), 1e-5, 1e-6)) << fp[i].first;
