@@ -109,7 +109,11 @@ void init(int* argc, char*** argv) {
   MPI_Initialized(&done);
   if (done) return;
   int provided = 0;
-  check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+  // SERIALIZED: the autograd engine's CUDA worker thread calls collectives in backward (the
+  // expert exchange, NCCL set-up) while the main thread waits in backward().
+  check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+  KILN_CHECK(provided >= MPI_THREAD_SERIALIZED, "comm: this MPI gives thread level ", provided,
+             ", kiln needs MPI_THREAD_SERIALIZED; use an MPI built with thread support");
   g_initialized_here = true;
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
 }
@@ -306,7 +310,9 @@ at::Tensor Group::all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& 
   for (int64_t r : recv) shape[0] += r;
   if (size_ == 1 && !nccl_path(t)) return t.clone();
   at::Tensor src = t.contiguous();
-  const int64_t row_bytes = t.dim() == 0 ? 0 : int64_t(src.element_size()) * (t.size(0) ? src.numel() / t.size(0) : 0);
+  // From the row shape, not the row count: a rank that sends nothing still receives full rows.
+  int64_t row_bytes = int64_t(src.element_size());
+  for (int64_t d = 1; d < src.dim(); ++d) row_bytes *= src.size(d);
 #if KILN_WITH_NCCL
   if (t.is_cuda() && impl_) {
     at::Tensor out = at::empty(shape, src.options());
@@ -348,7 +354,10 @@ at::Tensor Group::all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& 
 
 struct Work::State {
   MPI_Request request = MPI_REQUEST_NULL;
-  at::Tensor keep;  // the buffer MPI writes into
+  at::Tensor keep;  // the buffer MPI writes into: alive until the request completes
+  ~State() {
+    if (request != MPI_REQUEST_NULL && active()) MPI_Wait(&request, MPI_STATUS_IGNORE);  // never free it mid-flight
+  }
 };
 
 void Work::wait() {

@@ -24,7 +24,7 @@ class Work {
   std::shared_ptr<State> state_;
 };
 
-// MPI for this process (thread level FUNNELED): call once from main; a process that never calls
+// MPI for this process (thread level SERIALIZED): call once from main; a process that never calls
 // it has a one-rank world and every collective is a copy.
 // Does nothing unless launched by mpirun or srun (their environment variables are set).
 void init(int* argc, char*** argv);
@@ -38,14 +38,14 @@ class Group {
   static Group& world();
   int rank() const { return rank_; }
   int size() const { return size_; }
-  // The rank among the processes on this node (OMPI/SLURM variables, else a shared-memory split):
-  // the CUDA device a GPU rank uses.
+  // The rank among the processes on this node (OMPI/SLURM variables, else a shared-memory split,
+  // which is collective: then every rank must call it): the CUDA device a GPU rank uses.
   int local_rank() const;
   // Sub-groups: ranks with the same color, ordered by key.
   Group split(int color, int key) const;
 
-  // In place, every rank gets the reduction. Any float or integer dtype (bf16/fp16 reduce in fp32
-  // on the MPI path).
+  // In place, every rank gets the reduction. fp32, fp64, bf16, fp16 (bf16/fp16 reduce in fp32 on
+  // the MPI path), int8/uint8/int32/int64; int16 on MPI only.
   void all_reduce(at::Tensor& t, ReduceOp op = ReduceOp::kSum) const;
   double all_reduce(double v, ReduceOp op = ReduceOp::kSum) const;
   // Sum in place without waiting: MPI_Iallreduce for fp32/fp64 CPU tensors, NCCL on the current

@@ -20,7 +20,8 @@ struct ExchangeRows : public torch::autograd::Function<ExchangeRows> {
     const auto* g = reinterpret_cast<const comm::Group*>(group);
     std::vector<int64_t> got;
     at::Tensor out = g->all_to_all_v(x.contiguous(), send, &got);
-    KILN_CHECK(got == recv, "exchange_rows: the ranks disagree on the rows exchanged");
+    KILN_CHECK(got == recv, "exchange_rows: rank ", g->rank(), " expected ", c10::IntArrayRef(recv),
+               " rows from the ranks but they sent ", c10::IntArrayRef(got), "; every rank must pass matching counts");
     return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,

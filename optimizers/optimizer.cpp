@@ -133,7 +133,8 @@ struct Optimizer::Impl {
         P.unit = P.rows * P.cols;
       }
       P.units = P.unit > 0 ? P.numel / P.unit : 0;
-      P.used = {cfg.master_weights && t.scalar_type() != at::kFloat, true, P.kind == Kind::kAdamW};
+      const bool low_precision = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+      P.used = {cfg.master_weights && low_precision, true, P.kind == Kind::kAdamW};
       P.dtype = {at::kFloat, cfg.moment_dtype, cfg.moment_dtype};
       params.push_back(std::move(P));
     }

@@ -151,7 +151,7 @@ struct GrpoTrainer::Impl {
     cfg.validate();
     cfg.parallel.resolve(group.size(), policy.config().num_experts);
     KILN_CHECK(cfg.prompts_per_step >= group.size(), "grpo: prompts_per_step (", cfg.prompts_per_step,
-               ") must be at least the data-parallel ranks (", group.size(), "): a prompt's group stays on one rank");
+               ") must be at least the number of ranks (", group.size(), "): a prompt's group stays on one rank");
     KILN_CHECK(tok.vocab_size() <= policy.config().vocab_size, "grpo: tokenizer vocabulary (", tok.vocab_size(),
                ") exceeds the model's vocab_size (", policy.config().vocab_size, ")");
     const int64_t ep = cfg.parallel.ep;
@@ -161,7 +161,7 @@ struct GrpoTrainer::Impl {
                  "): every rank must run the same number of forwards, which exchange tokens");
       const int e = int(group.rank() % ep), d = int(group.rank() / ep);
       ep_group = group.split(d, e);
-      expert_dp = group.split(1000000 + e, d);
+      expert_dp = group.split(e, d);  // its own split call: colours need not differ from ep_group's
       shard = std::make_unique<model::Muse>(model::shard_experts(policy, e, int(ep)));
     }
     // The KL reference: a frozen copy of what is trained (an expert shard under expert parallelism).
@@ -478,7 +478,7 @@ void GrpoTrainer::save(const std::string& dir) const {
       model::save_checkpoint(full_reference ? *full_reference : *impl_->reference, tmp + "/reference");
     std::ofstream f(tmp + "/state.json");
     f << nlohmann::json{{"step", impl_->steps}, {"data_position", impl_->stream.position()}, {"seed", impl_->cfg.seed},
-                        {"dp", g.size()}}.dump(2)
+                        {"world", g.size()}, {"ep", impl_->cfg.parallel.ep}}.dump(2)
       << "\n";
     KILN_CHECK(f.good(), "grpo: cannot write ", tmp, "/state.json");
   }
@@ -506,8 +506,10 @@ void GrpoTrainer::load(const std::string& dir) {
   }
   KILN_CHECK(st.contains("step") && st.contains("data_position"), "grpo: ", dir,
              "/state.json lacks step or data_position");
-  KILN_CHECK(st.value("dp", 1) == impl_->group.size(), "grpo: checkpoint ", dir, " was written by ", st.value("dp", 1),
-             " data-parallel ranks, this run has ", impl_->group.size(), "; resume with the same number of ranks");
+  KILN_CHECK(st.value("world", 1) == impl_->group.size() && st.value("ep", int64_t(1)) == impl_->cfg.parallel.ep,
+             "grpo: checkpoint ", dir, " was written by ", st.value("world", 1), " ranks with ep=", st.value("ep", int64_t(1)),
+             "; this run has ", impl_->group.size(), " ranks with ep=", impl_->cfg.parallel.ep,
+             ": resume with the same layout (each rank's optimizer shard belongs to it)");
   KILN_CHECK(st.value("seed", uint64_t(0)) == impl_->cfg.seed, "grpo: checkpoint ", dir, " was made with seed ",
              st.value("seed", uint64_t(0)), " but the recipe says ", impl_->cfg.seed);
   auto restore = [&](model::Muse& into, const std::string& sub) {
@@ -534,10 +536,11 @@ void GrpoTrainer::load(const std::string& dir) {
       restore(*impl_->reference, "reference");
     }
   }
+  // The shards first: an optimizer file without master weights starts them from the parameters.
+  if (impl_->shard) impl_->full_to_shard(impl_->policy, *impl_->shard);
   if (impl_->opt) impl_->opt->load(dir + "/" + optimizer_file(impl_->group));
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
-  if (impl_->shard) impl_->full_to_shard(impl_->policy, *impl_->shard);
   impl_->engine.update_weights(impl_->policy.named_parameters());
 }
 

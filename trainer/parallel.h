@@ -33,6 +33,9 @@ void all_reduce_grads(const comm::Group& group, const std::vector<at::Tensor>& p
 // bucket's asynchronous all-reduce starts once all its gradients are in and every earlier bucket
 // has started, so every rank starts them in the same order. finish() starts the rest (parameters
 // without a gradient this time count as their .grad or zero), waits, and writes the sums to .grad.
+// Only for groups whose ranks issue no other collectives during backward: the start times differ
+// between ranks (a rank whose experts got no tokens starts their buckets in finish()), so mixing
+// in, e.g., the expert exchange could order collectives differently on different ranks.
 class OverlappedGradReducer {
  public:
   OverlappedGradReducer(const comm::Group& group, std::vector<at::Tensor> params, int64_t bucket_bytes = 32ll << 20);
@@ -53,7 +56,7 @@ class OverlappedGradReducer {
   };
   void on_grad(size_t param, const at::Tensor& grad);
   void start_ready();
-  const comm::Group& group_;
+  comm::Group group_;  // a handle: shares the communicator
   std::vector<at::Tensor> params_;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, member)

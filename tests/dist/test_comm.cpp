@@ -89,6 +89,15 @@ TEST(Comm, AllToAllVRoutesRowsAndSplitsGroups) {
   EXPECT_TRUE(test::throws_with([&] { w.all_to_all_v(at::zeros({1, 2}), std::vector<int64_t>(size_t(S), 5)); },
                                 {"add up to"}));
 
+  // Rank 0 sends nothing at all but still receives whole rows from everyone else.
+  std::vector<int64_t> send2(size_t(S), me == 0 ? 0 : 2);
+  at::Tensor rows = at::full({me == 0 ? 0 : 2 * S, 3}, double(me));
+  std::vector<int64_t> got2;
+  at::Tensor out2 = w.all_to_all_v(rows, send2, &got2);
+  std::vector<at::Tensor> expect2;
+  for (int r = 1; r < S; ++r) expect2.push_back(at::full({2, 3}, double(r)));
+  EXPECT_TRUE(test::all_equal(out2, at::cat(expect2, 0))) << "rank " << me;
+
   // Split into even and odd ranks: each sub-group reduces only its own members.
   Group half = w.split(me % 2, me);
   at::Tensor t = at::full({2}, double(me));

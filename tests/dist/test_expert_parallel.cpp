@@ -84,6 +84,20 @@ void check(int ep) {
     // 1e-5 relative; 1e-6 absolute for the elements near zero that fp32 sums in another order.
     EXPECT_TRUE(test::all_close(g, expect, 1e-5, 1e-6)) << sp[i].first << " ep=" << ep;
   }
+  // Every slot sent to experts 0 and 1: the other ranks' experts receive no rows at all, yet
+  // they take part in both exchanges, forward and backward.
+  at::Tensor skewed = at::zeros_like(ref.routing);
+  skewed.select(2, 1).fill_(1);
+  ForwardOptions full_skew;
+  full_skew.replay_routing = skewed;
+  Run ref_skew = run(full, seqs, norm, full_skew);
+  ForwardOptions skew = o;
+  skew.replay_routing = skewed.narrow(0, t0, tn);
+  for (auto& [n, p] : shard.named_parameters()) p.mutable_grad().reset();
+  Run got_skew = run(shard, mine, norm, skew);
+  EXPECT_TRUE(test::all_close(got_skew.logprobs, ref_skew.logprobs.narrow(0, t0, tn), 1e-5, 1e-6)) << "skewed ep=" << ep;
+  EXPECT_NEAR(w.all_reduce(got_skew.loss), ref_skew.loss, 1e-5 * std::abs(ref_skew.loss)) << "skewed ep=" << ep;
+
   // Routing replay: the recorded expert sets reproduce the log-probs through the exchange.
   ForwardOptions replay = o;
   replay.replay_routing = ref.routing.narrow(0, t0, tn);
