@@ -198,7 +198,7 @@ struct Engine::Impl : model::AttentionBackend {
     v_win = at::zeros_like(k_win);
     st.full_blocks_total = full_blocks;
     st.window_blocks_total = win_blocks;
-    if (ec.cuda_graphs && DecodeGraphs::available(model)) {
+    if (ec.cuda_graphs && !ec.expert_group && DecodeGraphs::available(model)) {
       KvPools p{k_full, v_full, k_win, v_win, B, W, R, full_blocks, win_blocks, group_index};
       graphs = std::make_unique<DecodeGraphs>(model, std::move(p), ec.max_num_seqs);
     }
@@ -554,6 +554,17 @@ struct Engine::Impl : model::AttentionBackend {
     for (size_t i = 0; i < draws.size(); ++i) append(*draws[i].first, picked[i].first, picked[i].second);
   }
 
+  // Expert sharding: a rank with nothing to generate still joins the group's expert exchanges
+  // (one per step of the busy ranks) with a one-token forward whose result is dropped.
+  void idle_exchange() {
+    at::NoGradGuard no_grad;
+    model::ForwardOptions opt;
+    opt.expert_group = ec.expert_group;
+    opt.skip_head = true;
+    opt.load_balance = false;
+    model.forward(model::PackedBatch::from_sequences({{0}}, model.device()), opt);
+  }
+
   std::vector<RequestOutput> step() {
     at::NoGradGuard no_grad;
     using clock = std::chrono::steady_clock;
@@ -584,6 +595,7 @@ struct Engine::Impl : model::AttentionBackend {
       batch.tokens = at::tensor(flat, at::kLong).to(model.device());
       model::ForwardOptions opt;
       opt.attention = this;
+      opt.expert_group = ec.expert_group;
       opt.skip_head = true;
       opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
       opt.load_balance = false;
@@ -691,7 +703,16 @@ std::vector<RequestOutput> Engine::generate(const std::vector<Request>& requests
     total += requests[i].params.n;
   }
   std::vector<RequestOutput> out(requests.size());
-  while (has_unfinished()) {
+  const comm::Group* group = impl_->ec.expert_group;
+  auto any_work = [&] {  // under expert sharding: while any engine of the group has work
+    const double mine = has_unfinished() ? 1.0 : 0.0;
+    return group ? group->all_reduce(mine, comm::ReduceOp::kMax) > 0 : mine > 0;
+  };
+  while (any_work()) {
+    if (!has_unfinished()) {
+      impl_->idle_exchange();
+      continue;
+    }
     for (RequestOutput& r : step()) {
       done += int64_t(r.samples.size());
       auto it = slot.find(r.request_id);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/comm.h"
 #include "model/muse.h"
 
 namespace kiln::rollout {
@@ -55,6 +56,10 @@ struct EngineConfig {
   int64_t prefill_chunk = 512;          // longest prefill piece of one sequence per step
   bool cuda_graphs = true;              // pure decode steps of a bf16 CUDA model replay captured
                                         // graphs (rollout/decode_graph.h); false: run eagerly
+  const comm::Group* expert_group = nullptr;  // the model is an expert shard (model/expert_parallel.h):
+                                        // generate() steps in lockstep with the group's engines, a
+                                        // rank without work joining each exchange with one dummy
+                                        // token; no CUDA graphs. Not owned
   void validate() const;
 };
 

@@ -180,6 +180,7 @@ Run add_train(CLI::App& app) {
                    double(tokens) / secs, secs / double(s - first + 1) * double(r.steps - s));
       std::fflush(stderr);
     }
+    trainer.sync_policy();  // collective: a sharded rollout leaves the full experts to the end
     if (!lead) return;
     std::fprintf(stderr, "\n");
     model::save_checkpoint(policy, r.out + "/final");

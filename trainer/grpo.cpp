@@ -130,7 +130,7 @@ struct GrpoTrainer::Impl {
   CharTokenizer tok;
   Dataset data;
   DataStream stream;
-  rollout::Engine engine;
+  std::unique_ptr<rollout::Engine> engine;  // serves `policy` (a full replica) or, sharded, `*shard`
   comm::Group group;               // every rank: each holds its own share of the prompts
   comm::Group ep_group;            // ep > 1: the ranks whose expert shards make up one model
   comm::Group expert_dp;           // ep > 1: the ranks holding the same expert shard
@@ -147,7 +147,7 @@ struct GrpoTrainer::Impl {
 
   Impl(model::Muse& p, GrpoConfig c, CharTokenizer t, Dataset d, const comm::Group& g)
       : policy(p), cfg(std::move(c)), tok(std::move(t)), data(std::move(d)), stream(data.train, cfg.seed),
-        engine(p, cfg.engine), group(g) {
+        group(g) {
     cfg.validate();
     cfg.parallel.resolve(group.size(), policy.config().num_experts);
     KILN_CHECK(cfg.prompts_per_step >= group.size(), "grpo: prompts_per_step (", cfg.prompts_per_step,
@@ -164,6 +164,9 @@ struct GrpoTrainer::Impl {
       expert_dp = group.split(e, d);  // its own split call: colours need not differ from ep_group's
       shard = std::make_unique<model::Muse>(model::shard_experts(policy, e, int(ep)));
     }
+    rollout::EngineConfig ec = cfg.engine;
+    if (cfg.parallel.rollout == "sharded") ec.expert_group = &ep_group;  // serves this rank's experts
+    engine = std::make_unique<rollout::Engine>(cfg.parallel.rollout == "sharded" ? *shard : policy, ec);
     // The KL reference: a frozen copy of what is trained (an expert shard under expert parallelism).
     if (cfg.loss.kl_coef != 0) reference = std::make_unique<model::Muse>(trained().clone());
     trained().set_requires_grad(true);
@@ -246,7 +249,7 @@ struct GrpoTrainer::Impl {
       r.params.seed = cfg.seed * 1000003ull + uint64_t(steps) * 1009ull + uint64_t(p0 + int64_t(i));
       reqs.push_back(std::move(r));
     }
-    auto outs = engine.generate(reqs);
+    auto outs = engine->generate(reqs);
     m.rollout_seconds = seconds_since(t0);
     // 3. Rewards and group advantages.
     auto t1 = Clock::now();
@@ -396,9 +399,14 @@ struct GrpoTrainer::Impl {
     m.clip_fraction = clip_sum / std::max(total_tokens, 1.0);
     m.kl = kl_sum / std::max(total_tokens, 1.0);
     m.grad_norm = norm_sum / double(cfg.mini_steps);
-    // 6. Weight sync to the rollout engine (under expert parallelism: every shard into the replica).
-    gather_experts();
-    engine.update_weights(policy.named_parameters());
+    // 6. Weight sync to the rollout engine: a sharded engine shares the trained tensors; a replica
+    // under expert parallelism gathers every rank's experts.
+    if (cfg.parallel.rollout == "sharded") {
+      engine->update_weights(trained().named_parameters());
+    } else {
+      gather_experts();
+      engine->update_weights(policy.named_parameters());
+    }
     m.train_seconds = seconds_since(t1);
     return m;
   }
@@ -444,7 +452,7 @@ struct GrpoTrainer::Impl {
       r.params.temperature = 0;
       reqs.push_back(std::move(r));
     }
-    auto outs = engine.generate(reqs);
+    auto outs = engine->generate(reqs);
     double correct = 0;
     for (int64_t i = e0; i < e1; ++i)
       correct += exact_match_reward(tok.decode_sample(outs[size_t(i - e0)].samples[0].tokens), data.test[i].answer);
@@ -466,6 +474,7 @@ void GrpoTrainer::save(const std::string& dir) const {
   const std::string tmp = dir + ".tmp", old = dir + ".old";
   // Under expert parallelism the reference is a shard: every rank helps assemble the full one.
   std::unique_ptr<model::Muse> full_reference;
+  if (impl_->cfg.parallel.rollout == "sharded") impl_->gather_experts();  // the full model to write
   if (impl_->reference && impl_->shard) {
     full_reference = std::make_unique<model::Muse>(impl_->policy.clone());
     impl_->shard_to_full(*impl_->reference, *full_reference);
@@ -541,7 +550,8 @@ void GrpoTrainer::load(const std::string& dir) {
   if (impl_->opt) impl_->opt->load(dir + "/" + optimizer_file(impl_->group));
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
-  impl_->engine.update_weights(impl_->policy.named_parameters());
+  impl_->engine->update_weights(impl_->cfg.parallel.rollout == "sharded" ? impl_->trained().named_parameters()
+                                                                          : impl_->policy.named_parameters());
 }
 
 GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data,
@@ -551,6 +561,7 @@ GrpoTrainer::~GrpoTrainer() = default;
 StepMetrics GrpoTrainer::step() { return impl_->step(); }
 double GrpoTrainer::evaluate(int64_t limit) { return impl_->evaluate(limit); }
 int64_t GrpoTrainer::steps_done() const { return impl_->steps; }
+void GrpoTrainer::sync_policy() { impl_->gather_experts(); }
 const DataStream& GrpoTrainer::stream() const { return impl_->stream; }
 
 }  // namespace kiln::trainer

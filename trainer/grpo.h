@@ -69,6 +69,9 @@ class GrpoTrainer {
   // Greedy accuracy on up to `limit` held-out problems.
   double evaluate(int64_t limit);
   int64_t steps_done() const;
+  // With experts sharded (ep > 1) and a sharded rollout, `policy`'s experts are only gathered by
+  // save() and by this call (collective: every rank calls it). Otherwise they are always current.
+  void sync_policy();
   const DataStream& stream() const;
   // A resumable checkpoint in `dir`: weights (safetensors + config.json), optimizer state, the step,
   // the data position, and with kl_coef != 0 the frozen reference policy (the policy the trainer

@@ -17,7 +17,9 @@ struct ParallelConfig {
   int64_t dp = 0;  // data-parallel ranks; 0: world size / ep
   int64_t ep = 1;  // expert-parallel ranks
   int64_t tp = 1;  // reserved: must be 1
-  // Fills dp and checks dp * ep == world, ep | num_experts, tp == 1. Errors list every value.
+  std::string rollout = "replica";  // ep > 1: the rollout engine serves a full replica of the
+                                    // model (gathered after each step) or this rank's "sharded" experts
+  // Fills dp and checks dp * ep == world, ep | num_experts, tp == 1, rollout. Errors list every value.
   void resolve(int64_t world, int64_t num_experts);
   std::string describe() const;
 };

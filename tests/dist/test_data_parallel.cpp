@@ -113,7 +113,7 @@ TEST(DataParallel, ZeroOneStepEqualsTheUnshardedStepInEveryPlacement) {
 }
 
 // A GRPO run over every rank (experts sharded over `ep` of them) against the same run on one rank.
-void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0) {
+void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::string& rollout = "replica") {
   const Group& w = Group::world();
   const Group alone = w.split(w.rank(), 0);  // a one-rank group: the reference run
   model::ModelConfig mc = test::byte_vocab_config();
@@ -133,6 +133,7 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0) {
   cfg.engine.kv_cache_bytes = 8 << 20;
   GrpoTrainer one(m1, cfg, CharTokenizer(128), data, alone);
   cfg.parallel.ep = ep;
+  cfg.parallel.rollout = rollout;
   GrpoTrainer all(mw, cfg, CharTokenizer(128), data, w);
   for (int s = 0; s < 3; ++s) {
     StepMetrics a = one.step(), b = all.step();
@@ -154,6 +155,7 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0) {
     EXPECT_NEAR(b.routing_disagreement, a.routing_disagreement, 1e-12) << "step " << s;
   }
   EXPECT_NEAR(all.evaluate(20), one.evaluate(20), 1e-12);
+  all.sync_policy();
   auto p1 = m1.named_parameters(), pw = mw.named_parameters();
   for (size_t i = 0; i < p1.size(); ++i) {
     // Not element-wise: AdamW turns gradient elements at rounding-noise level into full-size
@@ -172,6 +174,9 @@ TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
   check_grpo(Group::world().size(), 1);
   if (Group::world().size() == 4) check_grpo(2, 1);
   check_grpo(Group::world().size(), 1, /*kl_coef=*/0.05);  // the reference is an expert shard too
+  // The rollout engines serve their shards, exchanging tokens in lockstep.
+  check_grpo(Group::world().size(), 1, 0, "sharded");
+  if (Group::world().size() == 4) check_grpo(2, 1, 0, "sharded");
 }
 
 TEST(DataParallel, LayoutErrorsNameEveryValue) {
