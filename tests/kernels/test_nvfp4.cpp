@@ -1,0 +1,125 @@
+// NVFP4 reference against hand-made vectors: every E2M1 and E4M3 code, every tie, saturation,
+// zero blocks, the nibble order, and the shape errors of MUSE.md §6.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kernels/nvfp4.h"
+#include "tests/test_util.h"
+
+namespace kiln::kernels {
+namespace {
+
+TEST(Nvfp4, E2m1EveryCodeAndEveryTie) {
+  for (int c = 0; c < 16; ++c) EXPECT_EQ(e2m1_encode(e2m1_decode(uint8_t(c))), c) << "code " << c;
+  // The midpoint between codes i and i+1 goes to the even one (0.25->0, 0.75->1.0, 1.25->1.0,
+  // 1.75->2, 2.5->2, 3.5->4, 5->4); just above it is i+1, just below it is i.
+  const std::vector<std::pair<float, int>> ties = {{0.25f, 0}, {0.75f, 1}, {1.25f, 2}, {1.75f, 3},
+                                                   {2.5f, 4},  {3.5f, 5},  {5.0f, 6}};
+  for (auto [x, lower] : ties) {
+    const int even = lower % 2 == 0 ? lower : lower + 1;
+    EXPECT_EQ(e2m1_encode(x), even) << x;
+    EXPECT_EQ(e2m1_encode(-x), even | 8) << -x;
+    EXPECT_EQ(e2m1_encode(std::nextafter(x, 100.0f)), lower + 1) << "just above " << x;
+    EXPECT_EQ(e2m1_encode(std::nextafter(x, 0.0f)), lower) << "just below " << x;
+  }
+  EXPECT_EQ(e2m1_encode(6.0f), 7);
+  EXPECT_EQ(e2m1_encode(7.0f), 7);    // saturates
+  EXPECT_EQ(e2m1_encode(1e9f), 7);
+  EXPECT_EQ(e2m1_encode(-100.0f), 15);
+  EXPECT_EQ(e2m1_encode(-0.1f), 8);   // rounds to zero, keeps the sign
+  EXPECT_EQ(e2m1_decode(8), 0.0f);
+}
+
+TEST(Nvfp4, E4m3EveryCodeTiesAndSaturation) {
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7F) == 0x7F) {
+      EXPECT_TRUE(std::isnan(e4m3_decode(uint8_t(c))));
+      continue;
+    }
+    EXPECT_EQ(e4m3_encode(e4m3_decode(uint8_t(c))), c) << "code " << c;
+  }
+  EXPECT_EQ(e4m3_decode(0x7E), 448.0f);
+  EXPECT_EQ(e4m3_decode(0x38), 1.0f);
+  EXPECT_EQ(e4m3_decode(0x08), std::ldexp(1.0f, -6));  // the smallest normal
+  EXPECT_EQ(e4m3_decode(0x01), std::ldexp(1.0f, -9));  // the smallest subnormal
+  EXPECT_EQ(e4m3_encode(1.0625f), 0x38);  // between 1 and 1.125: even mantissa
+  EXPECT_EQ(e4m3_encode(1.1875f), 0x3A);  // between 1.125 and 1.25: even mantissa
+  EXPECT_EQ(e4m3_encode(std::ldexp(1.0f, -10)), 0x00);      // subnormal tie to zero
+  EXPECT_EQ(e4m3_encode(3 * std::ldexp(1.0f, -10)), 0x02);  // subnormal tie to the even neighbour
+  EXPECT_EQ(e4m3_encode(7.5f * std::ldexp(1.0f, -9)), 0x08);  // subnormal-normal tie: the even normal
+  EXPECT_EQ(e4m3_encode(464.0f), 0x7E);  // saturates rather than reaching the NaN code
+  EXPECT_EQ(e4m3_encode(1e10f), 0x7E);
+  EXPECT_EQ(e4m3_encode(-500.0f), 0xFE);
+}
+
+TEST(Nvfp4, HandMadeTensorQuantisesExactly) {
+  // amax(W) = 6 * 448 makes the tensor scale exactly 1; block 0 has amax 6, so its scale is 1 and
+  // the codes are the values themselves; block 1 holds the tensor amax (scale 448); block 2 is zero.
+  const std::vector<float> b0 = {6, 0, 0.5f, 1, 1.5f, 2, 3, 4, 0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5, -6};
+  const std::vector<int> c0 = {7, 0, 1, 2, 3, 4, 5, 6, 0, 2, 2, 4, 4, 6, 6, 15};
+  at::Tensor w = at::zeros({2, 48});
+  for (int j = 0; j < 16; ++j) w[0][j] = b0[size_t(j)];
+  w[0][16] = 2688;  // 6 * 448
+  w[0][17] = -448;  // -448 / 448 = -1: code 10
+  w[1][33] = 1;     // row 1: block scale e4m3(1/6), the value lands on a code after rounding
+  Nvfp4Tensor q = nvfp4_quantize_reference(w);
+  EXPECT_EQ(q.tensor_scale.item<float>(), 1.0f);
+  EXPECT_EQ(q.packed.sizes(), at::IntArrayRef({2, 24}));
+  EXPECT_EQ(q.block_scale.sizes(), at::IntArrayRef({2, 3}));
+  const uint8_t* pk = q.packed.data_ptr<uint8_t>();
+  const uint8_t* ps = q.block_scale.data_ptr<uint8_t>();
+  EXPECT_EQ(ps[0], 0x38);  // 1.0
+  EXPECT_EQ(ps[1], 0x7E);  // 448
+  EXPECT_EQ(ps[2], 0x00);  // all-zero block
+  for (int j = 0; j < 16; j += 2)  // element 2i in the low nibble
+    EXPECT_EQ(pk[j / 2], uint8_t(c0[size_t(j)] | (c0[size_t(j + 1)] << 4))) << "byte " << j / 2;
+  EXPECT_EQ(pk[8], uint8_t(7 | (10 << 4)));  // 2688 / 448 = 6 and -448 / 448 = -1
+  for (int j = 16; j < 24; ++j) EXPECT_EQ(pk[j], 0) << "zero block byte " << j;
+  // Dequantisation gives code * sf * s2; the zero block reads 0 with sf 0 or ModelOpt's 1.0.
+  at::Tensor d = nvfp4_dequantize_reference(q);
+  for (int j = 0; j < 16; ++j) EXPECT_EQ(d[0][j].item<float>(), e2m1_decode(uint8_t(c0[size_t(j)]))) << j;
+  EXPECT_EQ(d[0][16].item<float>(), 2688.0f);
+  EXPECT_EQ(d[0][17].item<float>(), -448.0f);
+  q.block_scale[0][2] = 0x38;
+  EXPECT_TRUE(test::all_equal(nvfp4_dequantize_reference(q).narrow(1, 32, 16)[0], at::zeros({16})));
+  // Row 1: sf = e4m3(1 / 6), then 1 / sf rounds to the nearest code.
+  const float sf = e4m3_decode(ps[3 + 2]);
+  EXPECT_EQ(sf, e4m3_decode(e4m3_encode(1.0f / 6.0f)));
+  EXPECT_EQ(d[1][33].item<float>(), e2m1_decode(e2m1_encode(1.0f / sf)) * sf);
+}
+
+TEST(Nvfp4, OddShapesStayWithinTheFormatsError) {
+  for (int64_t n : {1, 19, 111})
+    for (int64_t k : {16, 4112}) {
+      at::manual_seed(n * k);
+      at::Tensor w = at::randn({n, k}) * 3;
+      for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+        at::Tensor x = w.to(dt);
+        at::Tensor d = nvfp4_dequantize_reference(nvfp4_quantize_reference(x));
+        // Per block: E2M1's widest gap is 2 (4 to 6) at scale bmax/6 (times E4M3's rounding, 1/16).
+        at::Tensor bmax = x.to(at::kFloat).abs().view({n, k / 16, 16}).amax(-1, true);
+        at::Tensor err = (d - x.to(at::kFloat)).abs().view({n, k / 16, 16});
+        EXPECT_TRUE((err <= bmax * (1.0 / 6.0) * (17.0 / 16.0) + 1e-6).all().item<bool>()) << n << "x" << k << " " << dt;
+      }
+    }
+}
+
+TEST(Nvfp4, BadShapesAreNamed) {
+  EXPECT_TRUE(test::throws_with([] { nvfp4_quantize_reference(at::zeros({4, 24})); }, {"multiple of 16", "[4, 24]"}));
+  Nvfp4Tensor q = nvfp4_quantize_reference(at::zeros({4, 32}));
+  EXPECT_EQ(q.tensor_scale.item<float>(), 1.0f);  // an all-zero tensor
+  Nvfp4Tensor bad = q;
+  bad.block_scale = at::zeros({4, 3}, at::kByte);
+  EXPECT_TRUE(test::throws_with([&] { nvfp4_dequantize_reference(bad); }, {"block scales", "[4, 2]", "[4, 3]"}));
+  bad = q;
+  bad.block_scale = at::Tensor();
+  EXPECT_TRUE(test::throws_with([&] { nvfp4_dequantize_reference(bad); }, {"block scales"}));
+  bad = q;
+  bad.packed = at::zeros({4, 12}, at::kByte);  // K = 24
+  EXPECT_TRUE(test::throws_with([&] { nvfp4_dequantize_reference(bad); }, {"K = 24", "multiple of 16"}));
+}
+
+}  // namespace
+}  // namespace kiln::kernels
