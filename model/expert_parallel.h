@@ -5,12 +5,16 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/comm.h"
 #include "model/muse.h"
 
 namespace kiln::model {
+
+// Whether a named parameter is one of the stacked expert tensors (sharded under expert parallelism).
+inline bool is_expert_tensor(const std::string& name) { return name.find("mlp.experts.") != std::string::npos; }
 
 // The experts [rank * E/size, (rank+1) * E/size) of every layer of `full`, copied; everything else
 // shared with `full`. Forward it with ForwardOptions::expert_group set to a group of `size` ranks.

@@ -138,9 +138,7 @@ struct GrpoTrainer::Impl {
                                        // other tensor shared with `policy`, the engine's replica)
   std::vector<at::Tensor> params;  // all trained tensors: clipping, the gradient all-reduce, the broadcast
   std::vector<bool> is_expert;     // ep > 1: params[i] is an expert shard
-  std::vector<int> owners;         // ZeRO-1: the rank that steps each parameter (in `group` for
-                                   // replicated tensors, in `expert_dp` for expert shards)
-  std::unique_ptr<optimizers::Optimizer> opt;  // over this rank's parameters (null if it owns none)
+  std::unique_ptr<ZeroOne> zero;   // the optimizer, over the tensors this rank owns
   std::unique_ptr<OverlappedGradReducer> reducer;  // data parallel without expert shards
   std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
   int64_t steps = 0;
@@ -173,24 +171,9 @@ struct GrpoTrainer::Impl {
     const auto named = trained().named_parameters();
     for (auto& [name, t] : named) {
       params.push_back(t);
-      is_expert.push_back(shard && name.find("mlp.experts.") != std::string::npos);
+      is_expert.push_back(shard && model::is_expert_tensor(name));
     }
-    // ZeRO-1 owners: replicated tensors over all ranks, expert shards over the ranks sharing them.
-    owners.assign(params.size(), 0);
-    for (bool experts : {false, true}) {
-      std::vector<size_t> idx;
-      std::vector<at::Tensor> subset;
-      for (size_t i = 0; i < params.size(); ++i)
-        if (is_expert[i] == experts) idx.push_back(i), subset.push_back(params[i]);
-      const std::vector<int> o = zero_owners(subset, experts ? expert_dp.size() : group.size());
-      for (size_t j = 0; j < idx.size(); ++j) owners[idx[j]] = o[j];
-    }
-    std::vector<std::pair<std::string, at::Tensor>> mine;
-    for (size_t i = 0; i < params.size(); ++i)
-      if (owners[i] == (is_expert[i] ? expert_dp.rank() : group.rank())) mine.push_back(named[i]);
-    optimizers::OptimizerConfig oc = cfg.optim;
-    oc.state_tag = "rank" + std::to_string(group.rank());
-    if (!mine.empty()) opt = std::make_unique<optimizers::Optimizer>(mine, oc);
+    zero = std::make_unique<ZeroOne>(named, is_expert, group, expert_dp, cfg.optim);
     if (!shard && group.size() > 1) reducer = std::make_unique<OverlappedGradReducer>(group, params);
   }
 
@@ -316,7 +299,7 @@ struct GrpoTrainer::Impl {
     double loss_sum = 0, clip_sum = 0, kl_sum = 0, norm_sum = 0;
     std::vector<int64_t> token_offsets = {0};
     for (const auto& t : trajs) token_offsets.push_back(token_offsets.back() + int64_t(t.tokens.size()));
-    if (opt) opt->set_lr_factor(cfg.schedule.factor(steps));
+    zero->set_lr_factor(cfg.schedule.factor(steps));
     m.lr = cfg.optim.adamw.lr * cfg.schedule.factor(steps);
     for (int64_t ms = 0; ms < cfg.mini_steps; ++ms) {
       int64_t gb = ms * per_mini, ge = std::min(N, (ms + 1) * per_mini);
@@ -368,27 +351,16 @@ struct GrpoTrainer::Impl {
       // Sum the ranks' gradients, then global grad-norm clipping (an infinite bound when off still
       // reports the norm); the owners step and broadcast.
       if (shard) {
-        std::vector<at::Tensor> replicated, experts;
-        std::vector<int> replicated_owners, expert_owners;
-        for (size_t i = 0; i < params.size(); ++i) {
-          (is_expert[i] ? experts : replicated).push_back(params[i]);
-          (is_expert[i] ? expert_owners : replicated_owners).push_back(owners[i]);
-        }
-        all_reduce_grads(group, replicated);
-        all_reduce_grads(expert_dp, experts);
+        zero->all_reduce_grads();
         norm_sum += clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip);
-        if (opt) opt->step();
-        broadcast_from_owners(group, replicated, replicated_owners);
-        broadcast_from_owners(expert_dp, experts, expert_owners);
       } else {
         if (reducer) {
           if (!armed) reducer->arm();  // no trajectories here in this mini-step: still joins in
           reducer->finish();
         }
         norm_sum += torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
-        if (opt) opt->step();
-        broadcast_from_owners(group, params, owners);
       }
+      zero->step();
     }
     at::Tensor loss_parts = at::tensor({loss_sum, clip_sum, kl_sum}, at::kDouble);
     group.all_reduce(loss_parts);
@@ -412,24 +384,22 @@ struct GrpoTrainer::Impl {
   }
 
   // Expert parallel: a full model from the ranks' shards (experts all-gathered over ep_group, the
-  // rest copied), or a shard from a full model. Tensors the two share are left alone.
-  void shard_to_full(const model::Muse& part, model::Muse& full) const {
+  // rest copied), or a shard from a full model (its slice of the experts). Tensors the two share
+  // are left alone.
+  void shard_to_full(model::Muse& part, model::Muse& full) const { copy_shard(full, part, true); }
+  void full_to_shard(model::Muse& full, model::Muse& part) const { copy_shard(full, part, false); }
+  void copy_shard(model::Muse& full, model::Muse& part, bool into_full) const {
     at::NoGradGuard no_grad;
     auto f = full.named_parameters(), p = part.named_parameters();
     for (size_t i = 0; i < f.size(); ++i) {
-      if (f[i].second.is_same(p[i].second)) continue;
-      const bool expert = f[i].first.find("mlp.experts.") != std::string::npos;
-      f[i].second.copy_(expert ? ep_group.all_gather(p[i].second.detach()) : p[i].second.detach());
-    }
-  }
-  void full_to_shard(const model::Muse& full, model::Muse& part) const {
-    at::NoGradGuard no_grad;
-    auto f = full.named_parameters(), p = part.named_parameters();
-    for (size_t i = 0; i < f.size(); ++i) {
-      if (f[i].second.is_same(p[i].second)) continue;
-      const bool expert = f[i].first.find("mlp.experts.") != std::string::npos;
-      const int64_t n = p[i].second.size(0);
-      p[i].second.copy_(expert ? f[i].second.narrow(0, ep_group.rank() * n, n) : f[i].second);
+      at::Tensor &whole = f[i].second, &mine = p[i].second;
+      if (whole.is_same(mine)) continue;
+      const bool expert = model::is_expert_tensor(f[i].first);
+      const int64_t n = mine.size(0);
+      if (into_full)
+        whole.copy_(expert ? ep_group.all_gather(mine.detach()) : mine.detach());
+      else
+        mine.copy_(expert ? whole.narrow(0, ep_group.rank() * n, n) : whole);
     }
   }
   // The engine's replica (`policy`) from this step's shards.
@@ -492,7 +462,7 @@ void GrpoTrainer::save(const std::string& dir) const {
     KILN_CHECK(f.good(), "grpo: cannot write ", tmp, "/state.json");
   }
   g.barrier();
-  if (impl_->opt) impl_->opt->save(tmp + "/" + optimizer_file(g));  // each rank its own shard
+  if (auto* opt = impl_->zero->optimizer()) opt->save(tmp + "/" + optimizer_file(g));  // each rank its own shard
   g.barrier();
   // Swap in the new checkpoint; the old one is removed only once the new one is in place.
   if (g.rank() == 0) {
@@ -547,7 +517,7 @@ void GrpoTrainer::load(const std::string& dir) {
   }
   // The shards first: an optimizer file without master weights starts them from the parameters.
   if (impl_->shard) impl_->full_to_shard(impl_->policy, *impl_->shard);
-  if (impl_->opt) impl_->opt->load(dir + "/" + optimizer_file(impl_->group));
+  if (auto* opt = impl_->zero->optimizer()) opt->load(dir + "/" + optimizer_file(impl_->group));
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
   impl_->engine->update_weights(impl_->cfg.parallel.rollout == "sharded" ? impl_->trained().named_parameters()

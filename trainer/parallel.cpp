@@ -164,6 +164,38 @@ void OverlappedGradReducer::finish() {
   armed_ = false;
 }
 
+ZeroOne::ZeroOne(const std::vector<std::pair<std::string, at::Tensor>>& named, const std::vector<bool>& is_expert,
+                 const comm::Group& all, const comm::Group& expert_copies, optimizers::OptimizerConfig cfg) {
+  kinds_[0].group = all;
+  kinds_[1].group = expert_copies;
+  std::array<std::vector<size_t>, 2> index;
+  for (size_t i = 0; i < named.size(); ++i) {
+    const int k = !is_expert.empty() && is_expert[i] ? 1 : 0;
+    index[size_t(k)].push_back(i);
+    kinds_[size_t(k)].params.push_back(named[i].second);
+  }
+  std::vector<bool> mine(named.size(), false);
+  for (size_t k = 0; k < 2; ++k) {
+    Kind& kind = kinds_[k];
+    kind.owners = zero_owners(kind.params, kind.group.size());
+    for (size_t j = 0; j < index[k].size(); ++j) mine[index[k][j]] = kind.owners[j] == kind.group.rank();
+  }
+  std::vector<std::pair<std::string, at::Tensor>> owned;
+  for (size_t i = 0; i < named.size(); ++i)
+    if (mine[i]) owned.push_back(named[i]);
+  cfg.state_tag = "rank" + std::to_string(all.rank());  // NVMe state files of ranks sharing a directory
+  if (!owned.empty()) opt_ = std::make_unique<optimizers::Optimizer>(owned, cfg);
+}
+
+void ZeroOne::all_reduce_grads() const {
+  for (const Kind& k : kinds_) trainer::all_reduce_grads(k.group, k.params);
+}
+
+void ZeroOne::step() {
+  if (opt_) opt_->step();
+  for (const Kind& k : kinds_) broadcast_from_owners(k.group, k.params, k.owners);
+}
+
 double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,
                                   const comm::Group& experts, double max_norm) {
   at::NoGradGuard no_grad;

@@ -4,12 +4,15 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/comm.h"
+#include "optimizers/optimizer.h"
 
 namespace kiln::trainer {
 
@@ -73,6 +76,33 @@ class OverlappedGradReducer {
 // counted once), and clipping of every gradient to max_norm (0: only measure). Returns the norm.
 double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,
                                   const comm::Group& experts, double max_norm);
+
+// ZeRO-1 with whole tensors (Muon never sees a slice): each tensor's owner keeps its optimizer
+// state, steps it and broadcasts it. Expert shards (is_expert, ep > 1) are owned among the ranks
+// holding the same shard (`expert_copies`), every other tensor among all ranks of `all`.
+class ZeroOne {
+ public:
+  // is_expert: one flag per tensor, or empty (no expert shards).
+  ZeroOne(const std::vector<std::pair<std::string, at::Tensor>>& named, const std::vector<bool>& is_expert,
+          const comm::Group& all, const comm::Group& expert_copies, optimizers::OptimizerConfig cfg);
+  optimizers::Optimizer* optimizer() const { return opt_.get(); }  // null when this rank owns nothing
+  void set_lr_factor(double factor) {
+    if (opt_) opt_->set_lr_factor(factor);
+  }
+  // Sums each kind's gradients over its group (blocking, bucketed).
+  void all_reduce_grads() const;
+  // The owners step; then every rank gets every tensor from its owner.
+  void step();
+
+ private:
+  struct Kind {
+    comm::Group group;
+    std::vector<at::Tensor> params;
+    std::vector<int> owners;  // rank in `group`, per entry of params
+  };
+  std::array<Kind, 2> kinds_;  // replicated, expert shards
+  std::unique_ptr<optimizers::Optimizer> opt_;
+};
 
 // The ZeRO-1 owner rank of each parameter: largest first, each to the least-loaded rank.
 std::vector<int> zero_owners(const std::vector<at::Tensor>& params, int ranks);

@@ -22,9 +22,8 @@ struct SftTrainer::Impl {
   CharTokenizer tok;
   DataStream stream;
   comm::Group group;
-  std::vector<at::Tensor> params;  // all: clipping, the gradient all-reduce, the broadcast
-  std::vector<int> owners;         // ZeRO-1
-  std::unique_ptr<optimizers::Optimizer> opt;  // over this rank's parameters
+  std::vector<at::Tensor> params;  // all: clipping and the gradient all-reduce
+  std::unique_ptr<ZeroOne> zero;   // the optimizer, over the tensors this rank owns
   std::unique_ptr<OverlappedGradReducer> reducer;  // more than one rank
   int64_t steps = 0;
 
@@ -35,13 +34,7 @@ struct SftTrainer::Impl {
                ") must be at least the data-parallel ranks (", group.size(), ")");
     model.set_requires_grad(true);
     for (auto& [name, p] : model.named_parameters()) params.push_back(p);
-    owners = zero_owners(params, group.size());
-    std::vector<std::pair<std::string, at::Tensor>> mine;
-    for (size_t i = 0; i < params.size(); ++i)
-      if (owners[i] == group.rank()) mine.push_back(model.named_parameters()[i]);
-    optimizers::OptimizerConfig oc = cfg.optim;
-    oc.state_tag = "rank" + std::to_string(group.rank());
-    if (!mine.empty()) opt = std::make_unique<optimizers::Optimizer>(mine, oc);
+    zero = std::make_unique<ZeroOne>(model.named_parameters(), std::vector<bool>{}, group, comm::Group(), cfg.optim);
     if (group.size() > 1) reducer = std::make_unique<OverlappedGradReducer>(group, params);
   }
 
@@ -70,14 +63,13 @@ struct SftTrainer::Impl {
     at::Tensor mask = o.targets.ne(-100);
     const double n = std::max(group.all_reduce(mask.sum().item<double>()), 1.0);  // answer tokens, all ranks
     at::Tensor loss = -out.logprobs.sum() / n;
-    if (opt) opt->set_lr_factor(cfg.schedule.factor(steps + 1));
+    zero->set_lr_factor(cfg.schedule.factor(steps + 1));
     for (at::Tensor& p : params) p.mutable_grad().reset();
     if (reducer) reducer->arm();
     loss.backward();
     if (reducer) reducer->finish();
     torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
-    if (opt) opt->step();
-    broadcast_from_owners(group, params, owners);
+    zero->step();
     SftMetrics m;
     m.step = ++steps;
     at::Tensor right = out.logits.detach().argmax(-1).eq(o.targets).logical_and(mask);

@@ -41,8 +41,6 @@ Run run(const Muse& m, const std::vector<std::vector<int64_t>>& seqs, double nor
   return {out.logprobs.detach(), out.routing, loss.item<double>()};
 }
 
-bool is_expert(const std::string& name) { return name.find("mlp.experts.") != std::string::npos; }
-
 void check(int ep) {
   const Group& w = Group::world();
   const int W = w.size(), e = w.rank() % ep, d = w.rank() / ep;
@@ -78,9 +76,9 @@ void check(int ep) {
   for (size_t i = 0; i < sp.size(); ++i) {
     at::Tensor g = sp[i].second.grad().defined() ? sp[i].second.grad() : at::zeros_like(sp[i].second);
     g = g.contiguous();
-    (is_expert(sp[i].first) ? dp_group : w).all_reduce(g);
+    (is_expert_tensor(sp[i].first) ? dp_group : w).all_reduce(g);
     at::Tensor expect = fp[i].second.grad();
-    if (is_expert(sp[i].first)) expect = expect.narrow(0, e * per, per);
+    if (is_expert_tensor(sp[i].first)) expect = expect.narrow(0, e * per, per);
     // 1e-5 relative; 1e-6 absolute for the elements near zero that fp32 sums in another order.
     EXPECT_TRUE(test::all_close(g, expect, 1e-5, 1e-6)) << sp[i].first << " ep=" << ep;
   }
