@@ -1,5 +1,6 @@
-// NVFP4 reference: scalar encoders written out from the format definitions, and the tensor
-// quantiser built on them (one row at a time, one 16-value block at a time).
+// NVFP4 reference: scalar encoders written out from the format definitions, the tensor quantiser
+// built on them (one row, one 16-value block at a time), the W4A16/W4A4 linears in fp32, the
+// kernel layout, and the dispatch to the CUDA kernels.
 #include "kernels/nvfp4.h"
 
 #include <ATen/ATen.h>
@@ -8,6 +9,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/torch_version.h"
 
 namespace kiln::kernels {
 namespace {
@@ -62,9 +64,38 @@ float e4m3_decode(uint8_t bits) {
   return sign * std::ldexp(float(8 + man), exp - 10);
 }
 
-Nvfp4Tensor nvfp4_quantize_reference(const at::Tensor& w) {
-  KILN_CHECK(w.dim() == 2 && w.size(1) % kNvfp4Block == 0, "nvfp4: weights must be [N, K] with K a multiple of ",
-             kNvfp4Block, " (got ", w.sizes(), ")");
+
+Nvfp4Tensor Nvfp4Tensor::to(at::Device device) const {
+  return {packed.to(device), block_scale.to(device), tensor_scale.to(device), kernel_layout};
+}
+
+void nvfp4_check(const Nvfp4Tensor& q, const char* what) {
+  KILN_CHECK(q.packed.defined() && (q.packed.dim() == 2 || q.packed.dim() == 3) && q.packed.scalar_type() == at::kByte,
+             what, ": packed weights must be uint8 [N, K/2] or [E, N, K/2] (got ",
+             q.packed.defined() ? q.packed.sizes() : at::IntArrayRef{}, ")");
+  const int64_t N = q.rows(), K = q.cols();
+  KILN_CHECK(K % kNvfp4Block == 0, what, ": K = ", K, " (twice the packed width ", K / 2, ") must be a multiple of ",
+             kNvfp4Block);
+  std::vector<int64_t> want(q.packed.sizes().begin(), q.packed.sizes().end());
+  want.back() = K / kNvfp4Block;
+  KILN_CHECK(q.block_scale.defined(), what, ": missing block scales (weight_scale, F8_E4M3 ", at::IntArrayRef(want), ")");
+  KILN_CHECK(q.block_scale.sizes() == at::IntArrayRef(want) && q.block_scale.element_size() == 1, what,
+             ": block scales must be 1-byte E4M3 ", at::IntArrayRef(want), " for packed weights ", q.packed.sizes(),
+             " (got ", q.block_scale.sizes(), " ", q.block_scale.scalar_type(), ")");
+  const int64_t matrices = q.stacked() ? q.packed.size(0) : 1;
+  KILN_CHECK(q.tensor_scale.defined(), what, ": missing tensor scale (weight_scale_2, F32)");
+  KILN_CHECK(q.tensor_scale.numel() == matrices && q.tensor_scale.scalar_type() == at::kFloat &&
+                 q.tensor_scale.dim() == (q.stacked() ? 1 : 0),
+             what, ": tensor scale must be fp32 ", q.stacked() ? str_cat("[", matrices, "]") : std::string("[] (a scalar)"),
+             " (got ", q.tensor_scale.sizes(), " ", q.tensor_scale.scalar_type(), ")");
+  KILN_CHECK(q.packed.device() == q.block_scale.device() && q.packed.device() == q.tensor_scale.device(), what,
+             ": packed weights and scales must share a device");
+  (void)N;
+}
+
+namespace {
+
+Nvfp4Tensor quantize_matrix(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1);
   at::Tensor x = w.to(at::kCPU, at::kFloat).contiguous();
   const float* px = x.data_ptr<float>();
@@ -94,29 +125,213 @@ Nvfp4Tensor nvfp4_quantize_reference(const at::Tensor& w) {
   return q;
 }
 
-at::Tensor nvfp4_dequantize_reference(const Nvfp4Tensor& q, at::ScalarType dtype) {
-  KILN_CHECK(q.packed.dim() == 2 && q.packed.scalar_type() == at::kByte, "nvfp4: packed weights must be uint8 [N, K/2] (got ",
-             q.packed.sizes(), " ", q.packed.scalar_type(), ")");
-  const int64_t N = q.packed.size(0), K = q.packed.size(1) * 2;
-  KILN_CHECK(K % kNvfp4Block == 0, "nvfp4: K = ", K, " (twice the packed width) must be a multiple of ", kNvfp4Block);
-  KILN_CHECK(q.block_scale.defined() && q.block_scale.sizes() == at::IntArrayRef({N, K / kNvfp4Block}) &&
-                 q.block_scale.element_size() == 1,
-             "nvfp4: block scales must be 1-byte [", N, ", ", K / kNvfp4Block, "] (got ",
-             q.block_scale.defined() ? q.block_scale.sizes() : at::IntArrayRef{}, ")");
-  KILN_CHECK(q.tensor_scale.defined() && q.tensor_scale.numel() == 1, "nvfp4: the tensor scale must be one fp32 value");
-  const float s2 = q.tensor_scale.to(at::kFloat).item<float>();
-  at::Tensor packed = q.packed.cpu().contiguous(), scales = q.block_scale.cpu().contiguous().view(at::kByte);
+// One matrix's values e2m1(q) * (float(sf) * s2) in fp32 (s2 = 1 gives the codes times block scales).
+at::Tensor dequantize_matrix(const at::Tensor& packed_in, const at::Tensor& scales_in, float s2) {
+  const int64_t N = packed_in.size(0), K = packed_in.size(1) * 2;
+  at::Tensor packed = packed_in.cpu().contiguous(), scales = scales_in.cpu().contiguous().view(at::kByte);
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   const uint8_t* ps = scales.data_ptr<uint8_t>();
   at::Tensor out = at::empty({N, K}, at::kFloat);
   float* po = out.data_ptr<float>();
+  float lut[256];
+  for (int c = 0; c < 256; ++c) lut[c] = e4m3_decode(uint8_t(c)) * s2;
   for (int64_t r = 0; r < N; ++r)
     for (int64_t k = 0; k < K; ++k) {
       const uint8_t byte = pk[r * (K / 2) + k / 2];
       const uint8_t code = k % 2 == 0 ? byte & 0xF : byte >> 4;
-      po[r * K + k] = e2m1_decode(code) * (e4m3_decode(ps[r * (K / kNvfp4Block) + k / kNvfp4Block]) * s2);
+      po[r * K + k] = e2m1_decode(code) * lut[ps[r * (K / kNvfp4Block) + k / kNvfp4Block]];
     }
-  return out.to(dtype);
+  return out;
+}
+
+// floor(log2(a)) of positive values as a float tensor (frexp: a = m * 2^e, m in [0.5, 1)).
+at::Tensor floor_log2(const at::Tensor& a) { return std::get<1>(at::frexp(a)).to(at::kFloat) - 1; }
+
+// Vectorised value-domain roundings, equal to the scalar encoders followed by the decoders.
+// E4M3 for non-negative v: 3 mantissa bits, exponents -6..8, saturating at 448.
+at::Tensor e4m3_round_values(const at::Tensor& v) {
+  at::Tensor step = at::pow(2.0, at::clamp(floor_log2(v), -6, 8) - 3);
+  return at::clamp_max(at::round(v / step) * step, 448.0);
+}
+// E2M1 for any v: steps 0.5 below 2, 1 up to 4, 2 up to 6; saturating at 6; the sign kept.
+at::Tensor e2m1_round_values(const at::Tensor& v) {
+  at::Tensor a = v.abs();
+  at::Tensor step = at::pow(2.0, at::clamp(floor_log2(a), 0, 2) - 1);
+  return at::copysign(at::clamp_max(at::round(a / step) * step, 6.0), v);
+}
+
+}  // namespace
+
+Nvfp4Tensor nvfp4_quantize_reference(const at::Tensor& w) {
+  KILN_CHECK((w.dim() == 2 || w.dim() == 3) && w.size(-1) % kNvfp4Block == 0,
+             "nvfp4: weights must be [N, K] or [E, N, K] with K a multiple of ", kNvfp4Block, " (got ", w.sizes(), ")");
+  if (w.dim() == 2) return quantize_matrix(w);
+  std::vector<at::Tensor> p, s, t;
+  for (int64_t e = 0; e < w.size(0); ++e) {
+    Nvfp4Tensor q = quantize_matrix(w[e]);
+    p.push_back(q.packed);
+    s.push_back(q.block_scale);
+    t.push_back(q.tensor_scale);
+  }
+  return {at::stack(p), at::stack(s), at::stack(t)};
+}
+
+at::Tensor nvfp4_dequantize_reference(const Nvfp4Tensor& q, at::ScalarType dtype) {
+  nvfp4_check(q);
+  if (q.kernel_layout) return nvfp4_dequantize_reference(nvfp4_to_modelopt_layout(q), dtype);
+  at::Tensor s2 = q.tensor_scale.cpu();
+  if (!q.stacked()) return dequantize_matrix(q.packed, q.block_scale, s2.item<float>()).to(dtype);
+  std::vector<at::Tensor> out;
+  for (int64_t e = 0; e < q.packed.size(0); ++e)
+    out.push_back(dequantize_matrix(q.packed[e], q.block_scale[e], s2[e].item<float>()));
+  return at::stack(out).to(dtype);
+}
+
+Nvfp4Tensor nvfp4_quantize(const at::Tensor& w) {
+#if KILN_WITH_CUDA
+  if (w.is_cuda()) return nvfp4_quantize_cuda(w);
+#endif
+  return nvfp4_quantize_reference(w).to(w.device());
+}
+
+at::Tensor nvfp4_dequantize(const Nvfp4Tensor& q, at::ScalarType dtype) {
+#if KILN_WITH_CUDA
+  if (q.packed.is_cuda())
+    return nvfp4_dequantize_cuda(q.kernel_layout ? nvfp4_to_modelopt_layout(q) : q, dtype);
+#endif
+  return nvfp4_dequantize_reference(q, dtype).to(q.packed.device());
+}
+
+namespace {
+
+// Moves sign bits within each 32-bit word: `to_kernel` true maps the ModelOpt order to the kernel's.
+Nvfp4Tensor permute_signs(const Nvfp4Tensor& q, bool to_kernel) {
+  nvfp4_check(q);
+  KILN_CHECK(q.kernel_layout != to_kernel, "nvfp4: weights are already in the ",
+             to_kernel ? "kernel" : "ModelOpt", " layout");
+  at::Tensor bytes = q.packed.contiguous();
+  auto bit = [](int64_t b) { return int64_t(1) << b; };
+  at::Tensor w = bytes.view(at::kInt).to(at::kLong).bitwise_and(int64_t(0xFFFFFFFF));
+  at::Tensor out = w.bitwise_and(int64_t(0x77777777));
+  for (int64_t p = 0; p < 4; ++p) {
+    // ModelOpt: sign of element j at bit 4j+3. Kernel: element 2p at 4p+3, element 2p+1 at 4p+19.
+    const int64_t even_from = 8 * p + 3, even_to = 4 * p + 3, odd_from = 8 * p + 7, odd_to = 4 * p + 19;
+    const int64_t src_even = to_kernel ? even_from : even_to, dst_even = to_kernel ? even_to : even_from;
+    const int64_t src_odd = to_kernel ? odd_from : odd_to, dst_odd = to_kernel ? odd_to : odd_from;
+    out = out.bitwise_or(w.bitwise_and(bit(src_even)).div(bit(src_even), "floor").mul(bit(dst_even)));
+    out = out.bitwise_or(w.bitwise_and(bit(src_odd)).div(bit(src_odd), "floor").mul(bit(dst_odd)));
+  }
+  // Back to 32-bit words (two's complement for the top bit), then to the bytes.
+  at::Tensor words = at::where(out >= bit(31), out - bit(32), out).to(at::kInt);
+  Nvfp4Tensor r = q;
+  r.packed = words.view(at::kByte).view(q.packed.sizes());
+  r.kernel_layout = to_kernel;
+  return r;
+}
+
+at::Tensor acc_of(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? x.to(at::kDouble) : x.to(at::kFloat); }
+
+void check_linear_input(const at::Tensor& x, const Nvfp4Tensor& w, const char* what) {
+  KILN_CHECK(x.dim() == 2 && x.size(1) == w.cols(), what, ": input must be [M, ", w.cols(), "] for weights [",
+             w.rows(), ", ", w.cols(), "] (got ", x.sizes(), ")");
+  KILN_CHECK(at::isFloatingType(x.scalar_type()), what, ": input must be floating point (got ", x.scalar_type(), ")");
+}
+
+// The GEMM operand and its extra epilogue scale: x itself (scale 1), or W4A4's quantised x.
+std::pair<at::Tensor, at::Tensor> gemm_input(const at::Tensor& x, const Nvfp4LinearOptions& opt) {
+  if (!opt.w4a4) return {x, at::Tensor()};
+  at::Tensor scale;
+  at::Tensor xq = nvfp4_fake_quantize_activations(x, opt.input_scale, &scale);
+  return {xq, scale};
+}
+
+}  // namespace
+
+Nvfp4Tensor nvfp4_to_kernel_layout(const Nvfp4Tensor& q) { return permute_signs(q, true); }
+Nvfp4Tensor nvfp4_to_modelopt_layout(const Nvfp4Tensor& q) { return permute_signs(q, false); }
+
+at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor& input_scale, at::Tensor* scale) {
+  KILN_CHECK(x.dim() == 2 && x.size(1) % kNvfp4Block == 0, "nvfp4: W4A4 activations must be [M, K] with K a multiple of ",
+             kNvfp4Block, " (got ", x.sizes(), ")");
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor s;
+  if (input_scale.defined()) {
+    s = input_scale.to(xf.device(), at::kFloat).reshape({});
+  } else {
+    at::Tensor amax = xf.numel() > 0 ? xf.abs().amax() : at::zeros({}, xf.options());
+    s = at::where(amax > 0, amax / (6.0f * 448.0f), at::ones_like(amax));
+  }
+  if (scale) *scale = s;
+  at::Tensor blocks = xf.view({x.size(0), -1, kNvfp4Block});
+  at::Tensor sf = e4m3_round_values(blocks.abs().amax(-1, true) / (s * 6.0f));  // same order as the weights
+  at::Tensor block_scale = sf * s;
+  at::Tensor codes = at::where(block_scale > 0, e2m1_round_values(blocks / block_scale), at::zeros_like(blocks));
+  return (codes * sf).view_as(xf).to(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+}
+
+at::Tensor nvfp4_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt) {
+  nvfp4_check(w, "nvfp4_linear");
+  KILN_CHECK(!w.stacked(), "nvfp4_linear: weights must be one matrix (got a stack ", w.packed.sizes(), ")");
+  check_linear_input(x, w, "nvfp4_linear");
+  auto [xin, extra] = gemm_input(x, opt);
+  Nvfp4Tensor unit = w;  // codes times block scales; the tensor scale goes in the epilogue
+  unit.tensor_scale = at::ones({}, at::kFloat);
+  at::Tensor xa = acc_of(xin);
+  at::Tensor wq = nvfp4_dequantize_reference(unit, xa.scalar_type()).to(x.device());
+  at::Tensor y = at::matmul(xa, wq.t()) * w.tensor_scale.to(x.device(), xa.scalar_type());
+  if (extra.defined()) y = y * extra.to(xa.scalar_type());
+  return y.to(x.scalar_type());
+}
+
+at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
+                                          const Nvfp4LinearOptions& opt) {
+  nvfp4_check(w, "nvfp4_grouped_linear");
+  KILN_CHECK(w.stacked(), "nvfp4_grouped_linear: weights must be a stack [E, N, K/2] (got ", w.packed.sizes(), ")");
+  check_linear_input(x, w, "nvfp4_grouped_linear");
+  const int64_t E = w.packed.size(0);
+  KILN_CHECK(offsets.dim() == 1 && offsets.size(0) == E + 1, "nvfp4_grouped_linear: offsets must be [", E + 1,
+             "] (got ", offsets.sizes(), ")");
+  at::Tensor off = offsets.cpu().to(at::kLong);
+  const int64_t* o = off.data_ptr<int64_t>();
+  KILN_CHECK(o[0] == 0 && o[E] == x.size(0), "nvfp4_grouped_linear: offsets must run from 0 to the rows (",
+             x.size(0), "), got ", o[0], "..", o[E]);
+  at::Tensor y = at::empty({x.size(0), w.rows()}, x.options());
+  // W4A4 scales the whole grouped input with one per-tensor scale, as one GEMM call would.
+  auto [xin, extra] = gemm_input(x, opt);
+  at::Tensor s2 = w.tensor_scale.cpu();
+  for (int64_t e = 0; e < E; ++e) {
+    KILN_CHECK(o[e + 1] >= o[e], "nvfp4_grouped_linear: offsets must not decrease (expert ", e, ")");
+    if (o[e + 1] == o[e]) continue;
+    Nvfp4Tensor one{w.packed[e], w.block_scale[e], s2[e], w.kernel_layout};
+    Nvfp4LinearOptions plain;
+    at::Tensor part = nvfp4_linear_reference(xin.narrow(0, o[e], o[e + 1] - o[e]), one, plain);
+    if (extra.defined()) part = part * extra.to(part.scalar_type());
+    y.narrow(0, o[e], o[e + 1] - o[e]).copy_(part);
+  }
+  return y;
+}
+
+at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt) {
+#if KILN_WITH_CUDA
+  const bool supported = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
+  if (x.is_cuda() && supported && w.kernel_layout && !w.stacked()) {
+    auto [xin, extra] = gemm_input(x, opt);
+    return nvfp4_linear_cuda(xin.to(x.scalar_type()), w, extra);
+  }
+#endif
+  return nvfp4_linear_reference(x, w, opt);
+}
+
+at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
+                                const Nvfp4LinearOptions& opt) {
+#if KILN_WITH_CUDA
+  const bool supported = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
+  if (x.is_cuda() && supported && w.kernel_layout && w.stacked()) {
+    auto [xin, extra] = gemm_input(x, opt);
+    return nvfp4_grouped_linear_cuda(xin.to(x.scalar_type()), w, offsets, extra);
+  }
+#endif
+  return nvfp4_grouped_linear_reference(x, w, offsets, opt);
 }
 
 }  // namespace kiln::kernels

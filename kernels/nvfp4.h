@@ -1,7 +1,6 @@
-// NVFP4 as MUSE.md §6 defines it, CPU reference: E2M1 codes with round-to-nearest-even and
-// saturation, FP8 E4M3 block scales (one per 16 values along K), an FP32 tensor scale, and packing
-// two codes per byte with element 0 in the low nibble. Bit-exact; the CUDA kernels are checked
-// against it.
+// NVFP4 as MUSE.md §6 defines it: E2M1 codes (round-to-nearest-even, saturating), FP8 E4M3 block
+// scales (one per 16 values along K), an FP32 tensor scale, two codes per byte (element 0 in the low
+// nibble). CPU references, bit-exact, and the W4A16 / W4A4 linears the rollout engine serves with.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -21,17 +20,72 @@ float e2m1_decode(uint8_t code);  // the low 4 bits
 uint8_t e4m3_encode(float x);
 float e4m3_decode(uint8_t bits);
 
+// One quantised matrix [N, K], or a stack of them [E, N, K] (the experts of a layer: one tensor
+// scale per matrix, as each expert is its own checkpoint tensor).
 struct Nvfp4Tensor {
-  at::Tensor packed;        // uint8 [N, K/2]: element 2j in the low nibble of byte j
-  at::Tensor block_scale;   // uint8 [N, K/16]: FP8 E4M3 bits (safetensors F8_E4M3), row-major
-  at::Tensor tensor_scale;  // float32 scalar: amax(W) / (6 * 448)
+  at::Tensor packed;        // uint8 [(E,) N, K/2]: element 2j in the low nibble of byte j
+  at::Tensor block_scale;   // uint8 [(E,) N, K/16]: FP8 E4M3 bits (safetensors F8_E4M3), row-major
+  at::Tensor tensor_scale;  // float32 [] (or [E]): amax(W) / (6 * 448)
+  bool kernel_layout = false;  // packed holds the kernel's sign-bit order (nvfp4_to_kernel_layout)
+  int64_t rows() const { return packed.size(-2); }
+  int64_t cols() const { return packed.size(-1) * 2; }  // K
+  bool stacked() const { return packed.dim() == 3; }
+  Nvfp4Tensor to(at::Device device) const;
 };
 
-// Quantises W [N, K] (any float dtype; K a multiple of 16). An all-zero block gets scale 0 (and
-// codes 0); an all-zero tensor gets tensor scale 1.
+// Checks shapes and dtypes and names what does not fit (`what` names the tensor in messages).
+void nvfp4_check(const Nvfp4Tensor& q, const char* what = "nvfp4");
+
+// Quantises W [N, K] or [E, N, K] (any float dtype; K a multiple of 16). An all-zero block gets
+// scale 0 (and codes 0); an all-zero matrix gets tensor scale 1.
 Nvfp4Tensor nvfp4_quantize_reference(const at::Tensor& w);
-// W [N, K] in `dtype`: e2m1(q) * float(sf) * s2, computed in fp32. Accepts any block scale,
-// including ModelOpt's 1.0 for zero blocks. Checks shapes and names what does not fit.
+// W in `dtype`: e2m1(q) * float(sf) * s2, computed in fp32. Accepts any block scale, including
+// ModelOpt's 1.0 for zero blocks. ModelOpt layout only.
 at::Tensor nvfp4_dequantize_reference(const Nvfp4Tensor& q, at::ScalarType dtype = at::kFloat);
+// Dispatch: the CUDA kernels for CUDA tensors (bit-identical to the references), else the references.
+Nvfp4Tensor nvfp4_quantize(const at::Tensor& w);
+at::Tensor nvfp4_dequantize(const Nvfp4Tensor& q, at::ScalarType dtype);
+
+// The kernel layout: the same bytes, except that within each 32-bit word (8 codes, elements
+// 8i..8i+7) the sign bits are permuted so the GEMM decodes pairs with one shift: the magnitude
+// bits of element j stay in nibble j, the sign of element 2p goes to bit 4p+3 and the sign of
+// element 2p+1 to bit 4p+19 (p = 0..3). K must be a multiple of 16 (so rows hold whole words).
+// ATen bit ops: any device. The inverse restores the ModelOpt order.
+Nvfp4Tensor nvfp4_to_kernel_layout(const Nvfp4Tensor& q);
+Nvfp4Tensor nvfp4_to_modelopt_layout(const Nvfp4Tensor& q);
+
+// Options of a quantised linear.
+struct Nvfp4LinearOptions {
+  // W4A4 (Blackwell numerics, emulated): activations are also quantised to NVFP4 per 16 values
+  // along K, each row block-scaled under a per-tensor scale: `input_scale` when defined (static,
+  // calibrated: amax_in / (6 * 448)), else the dynamic amax of x / (6 * 448). The product of the
+  // codes-times-block-scales accumulates in FP32 and is multiplied by input_scale * s2.
+  bool w4a4 = false;
+  at::Tensor input_scale;  // float32 scalar, optional
+};
+
+// y [M, N] = x [M, K] . W^T for W in NVFP4 (W4A16): y = (sum_k x_k * e2m1(q_k) * sf) * s2 with an
+// FP32 sum; the output has x's dtype. Reference: fp32 math on any device (dequantises to fp32).
+at::Tensor nvfp4_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
+// Grouped (the MoE experts): x [R, K] holds rows sorted by expert, rows offsets[e]..offsets[e+1]
+// going to expert e of the stacked W [E, N, K]; offsets int64 [E + 1] on x's device. Returns [R, N].
+at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
+                                          const Nvfp4LinearOptions& opt = {});
+// Dispatch: the CUDA GEMMs for CUDA bf16/fp32 inputs with kernel-layout weights, else the references.
+at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
+at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
+                                const Nvfp4LinearOptions& opt = {});
+// W4A4's activation step: x [M, K] -> the dequantised values e2m1(q) * sf (without the tensor
+// scale, which the GEMM applies), exact in bf16; `scale` is the per-tensor scale used.
+at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor& input_scale, at::Tensor* scale);
+
+// The CUDA kernels (nvfp4_cuda.cpp); each throws in builds without CUDA. Inputs on one CUDA device.
+Nvfp4Tensor nvfp4_quantize_cuda(const at::Tensor& w);                       // bit-exact to the reference
+at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype);  // ModelOpt layout
+// x bf16 or fp32 [M, K] (fp32 is split into two bf16 terms, hi + lo, ~16 mantissa bits); w in the
+// kernel layout; `scale` an fp32 scalar tensor multiplied into the epilogue with s2 (undefined = 1).
+at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale);
+at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
+                                     const at::Tensor& scale);
 
 }  // namespace kiln::kernels

@@ -121,5 +121,129 @@ TEST(Nvfp4, BadShapesAreNamed) {
   EXPECT_TRUE(test::throws_with([&] { nvfp4_dequantize_reference(bad); }, {"K = 24", "multiple of 16"}));
 }
 
+TEST(Nvfp4, StacksQuantiseEachMatrixOnItsOwn) {
+  at::manual_seed(3);
+  at::Tensor w = at::randn({3, 5, 32});
+  w[1].mul_(100);
+  w[2].zero_();
+  Nvfp4Tensor q = nvfp4_quantize_reference(w);
+  EXPECT_EQ(q.packed.sizes(), at::IntArrayRef({3, 5, 16}));
+  EXPECT_EQ(q.block_scale.sizes(), at::IntArrayRef({3, 5, 2}));
+  EXPECT_EQ(q.tensor_scale.sizes(), at::IntArrayRef({3}));
+  for (int64_t e = 0; e < 3; ++e) {
+    Nvfp4Tensor one = nvfp4_quantize_reference(w[e]);
+    EXPECT_TRUE(test::all_equal(q.packed[e], one.packed)) << e;
+    EXPECT_TRUE(test::all_equal(q.block_scale[e], one.block_scale)) << e;
+    EXPECT_EQ(q.tensor_scale[e].item<float>(), one.tensor_scale.item<float>()) << e;
+    EXPECT_TRUE(test::all_equal(nvfp4_dequantize_reference(q)[e], nvfp4_dequantize_reference(one))) << e;
+  }
+  EXPECT_EQ(q.tensor_scale[2].item<float>(), 1.0f);
+  Nvfp4Tensor bad = q;
+  bad.tensor_scale = at::ones({}, at::kFloat);
+  EXPECT_TRUE(test::throws_with([&] { nvfp4_dequantize_reference(bad); }, {"tensor scale", "[3]"}));
+  bad.tensor_scale = at::Tensor();
+  EXPECT_TRUE(test::throws_with([&] { nvfp4_dequantize_reference(bad); }, {"missing tensor scale"}));
+}
+
+TEST(Nvfp4, KernelLayoutMovesOnlySignBits) {
+  at::manual_seed(4);
+  at::Tensor w = at::randn({7, 64});
+  Nvfp4Tensor q = nvfp4_quantize_reference(w);
+  Nvfp4Tensor k = nvfp4_to_kernel_layout(q);
+  EXPECT_TRUE(k.kernel_layout);
+  EXPECT_TRUE(test::all_equal(nvfp4_to_modelopt_layout(k).packed, q.packed));
+  EXPECT_TRUE(test::all_equal(nvfp4_dequantize_reference(k), nvfp4_dequantize_reference(q)));
+  // Decode the kernel layout by its definition: magnitude of element j in nibble j, the sign of
+  // element 2p at bit 4p+3 and of element 2p+1 at bit 4p+19.
+  const uint8_t* a = q.packed.data_ptr<uint8_t>();
+  const uint8_t* b = k.packed.data_ptr<uint8_t>();
+  int negatives = 0;
+  for (int64_t word = 0; word < q.packed.numel() / 4; ++word) {
+    uint32_t kw = 0;
+    for (int i = 0; i < 4; ++i) kw |= uint32_t(b[word * 4 + i]) << (8 * i);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t byte = a[word * 4 + j / 2];
+      const uint8_t code = j % 2 == 0 ? byte & 0xF : byte >> 4;
+      const int sign_bit = j % 2 == 0 ? 4 * (j / 2) + 3 : 4 * (j / 2) + 19;
+      const uint8_t decoded = uint8_t(((kw >> (4 * j)) & 7) | (((kw >> sign_bit) & 1) << 3));
+      ASSERT_EQ(decoded, code) << "word " << word << " element " << j;
+      negatives += code >> 3;
+    }
+  }
+  EXPECT_GT(negatives, 100);
+  EXPECT_TRUE(test::throws_with([&] { nvfp4_to_kernel_layout(k); }, {"already in the kernel layout"}));
+}
+
+TEST(Nvfp4, ActivationQuantisationEqualsTheScalarEncoders) {
+  // Ties and every code: rows scaled so the values land on the E2M1 midpoints.
+  at::manual_seed(5);
+  for (int64_t m : {1, 19}) {
+    at::Tensor x = at::randn({m, 48}) * 7;
+    x[0].narrow(0, 0, 16).copy_(at::tensor({6.f, 0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, .25f, .75f, 1.25f, 1.75f,
+                                            2.5f, 3.5f, 5.f, -6.f}));
+    at::Tensor s;
+    at::Tensor fq = nvfp4_fake_quantize_activations(x, at::Tensor(), &s);
+    Nvfp4Tensor ref = nvfp4_quantize_reference(x);
+    EXPECT_EQ(s.item<float>(), ref.tensor_scale.item<float>());
+    ref.tensor_scale = at::ones({}, at::kFloat);  // codes times block scales
+    EXPECT_TRUE(test::all_equal(fq, nvfp4_dequantize_reference(ref))) << m;
+    // A static scale is used as given.
+    at::Tensor fixed = at::scalar_tensor(0.01f);
+    nvfp4_fake_quantize_activations(x, fixed, &s);
+    EXPECT_EQ(s.item<float>(), 0.01f);
+  }
+  at::Tensor s;
+  EXPECT_TRUE(test::all_equal(nvfp4_fake_quantize_activations(at::zeros({2, 16}), at::Tensor(), &s), at::zeros({2, 16})));
+  EXPECT_EQ(s.item<float>(), 1.0f);
+}
+
+TEST(Nvfp4, LinearReferencesAgreeWithDequantisedMatmul) {
+  at::manual_seed(6);
+  for (int64_t m : {1, 19, 111})
+    for (auto dt : {at::kFloat, at::kBFloat16}) {
+      at::Tensor w = at::randn({19, 48}), x = at::randn({m, 48}).to(dt);
+      Nvfp4Tensor q = nvfp4_quantize_reference(w);
+      at::Tensor y = nvfp4_linear_reference(x, q);
+      EXPECT_EQ(y.scalar_type(), dt);
+      at::Tensor expect = at::matmul(x.to(at::kDouble), nvfp4_dequantize_reference(q, at::kDouble).t());
+      const double tol = dt == at::kFloat ? 1e-5 : 1e-2;
+      EXPECT_LE((y.to(at::kDouble) - expect).abs().max().item<double>(), tol * expect.abs().max().item<double>());
+      // Kernel layout in, same answer.
+      EXPECT_TRUE(test::all_equal(nvfp4_linear_reference(x, nvfp4_to_kernel_layout(q)), y));
+      // W4A4: the activations quantised first, the product scaled by their tensor scale.
+      Nvfp4LinearOptions o;
+      o.w4a4 = true;
+      at::Tensor s;
+      at::Tensor xq = nvfp4_fake_quantize_activations(x, at::Tensor(), &s);
+      at::Tensor y4 = nvfp4_linear_reference(x, q, o);
+      at::Tensor e4 = at::matmul(xq.to(at::kDouble), nvfp4_dequantize_reference(q, at::kDouble).t()) * s.item<double>();
+      EXPECT_LE((y4.to(at::kDouble) - e4).abs().max().item<double>(), tol * e4.abs().max().item<double>());
+      EXPECT_GT((y4.to(at::kDouble) - expect).abs().max().item<double>(), 0.0);  // it does quantise
+    }
+  EXPECT_TRUE(test::throws_with([] { nvfp4_linear_reference(at::ones({2, 32}), nvfp4_quantize_reference(at::ones({3, 48}))); },
+                                {"input must be [M, 48]", "[2, 32]"}));
+}
+
+TEST(Nvfp4, GroupedReferenceIsOneLinearPerExpert) {
+  at::manual_seed(7);
+  at::Tensor w = at::randn({4, 19, 32});
+  Nvfp4Tensor q = nvfp4_quantize_reference(w);
+  const std::vector<int64_t> rows = {3, 0, 1, 19};  // an empty expert too
+  at::Tensor offsets = at::tensor({0L, 3L, 3L, 4L, 23L});
+  at::Tensor x = at::randn({23, 32});
+  at::Tensor y = nvfp4_grouped_linear_reference(x, q, offsets);
+  int64_t start = 0;
+  for (int64_t e = 0; e < 4; ++e) {
+    if (rows[size_t(e)] == 0) continue;
+    Nvfp4Tensor one{q.packed[e], q.block_scale[e], q.tensor_scale[e], false};
+    EXPECT_TRUE(test::all_equal(y.narrow(0, start, rows[size_t(e)]),
+                                nvfp4_linear_reference(x.narrow(0, start, rows[size_t(e)]), one)))
+        << e;
+    start += rows[size_t(e)];
+  }
+  EXPECT_TRUE(test::throws_with([&] { nvfp4_grouped_linear_reference(x, q, at::tensor({0L, 3L, 3L, 4L, 20L})); },
+                                {"offsets must run from 0 to the rows (23)"}));
+}
+
 }  // namespace
 }  // namespace kiln::kernels
