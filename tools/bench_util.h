@@ -20,5 +20,7 @@ model::PackedBatch random_batch(const model::ModelConfig& cfg, int64_t seqs, int
 
 // `kiln bench optim`: the optimizer's placements, CPU AdamW against torch::optim::AdamW, Muon.
 void bench_optim(at::Device device, const std::string& config, const std::string& nvme_dir, double chunk_mb);
+// `kiln bench nvfp4`: the W4A16 GEMMs (dense, grouped) against BF16 GEMMs and the copy bandwidth.
+void bench_nvfp4(at::Device device);
 
 }  // namespace kiln::tools

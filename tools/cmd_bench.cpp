@@ -2,7 +2,7 @@
 // Cases: rmsnorm (CUDA kernel vs ATen ops vs a device copy), forward (forward and forward+backward,
 // grouped GEMM vs per-expert loop), decode (engine decode vs full recompute vs the bytes roofline),
 // train (one training step's forward+backward on 8192 packed tokens: tok/s, model TFLOP/s, grouped
-// GEMM vs per-expert loop), optim (tools/bench_optim.cpp).
+// GEMM vs per-expert loop), optim (tools/bench_optim.cpp), nvfp4 (W4A16 GEMMs vs BF16: tools/bench_nvfp4.cpp).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -271,9 +271,9 @@ Run add_bench(CLI::App& app) {
     int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("case", a->name, "rmsnorm, forward, decode, train or optim")
+  cmd->add_option("case", a->name, "rmsnorm, forward, decode, train, optim or nvfp4")
       ->required()
-      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "train", "optim"}));
+      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "train", "optim", "nvfp4"}));
   cmd->add_option("model", a->model, "Model config (the same as --config), e.g. kiln bench train configs/muse-small.yaml");
   cmd->add_option("--device", a->device, "cpu or cuda")->capture_default_str();
   cmd->add_option("--config", a->config, "Model config for the forward case")->capture_default_str();
@@ -290,6 +290,7 @@ Run add_bench(CLI::App& app) {
     else if (a->name == "decode") bench_decode(device, config, a->len, a->gen);
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
+    else if (a->name == "nvfp4") bench_nvfp4(device);
     else bench_forward(device, config, a->seqs, a->len);
   };
 }

@@ -53,6 +53,8 @@ PY
 
 step "bench rmsnorm"
 ./build-gpu/kiln bench rmsnorm --device cuda 2>&1 | tee "$out/bench-rmsnorm.txt"
+step "bench nvfp4 (W4A16 GEMMs vs BF16)"
+./build-gpu/kiln bench nvfp4 --device cuda 2>&1 | tee "$out/bench-nvfp4.txt"
 step "bench decode (muse-small)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 2>&1 | tee "$out/bench-decode.txt"
 step "bench train (muse-small, 8192 packed tokens)"

@@ -1,0 +1,165 @@
+// Bindings of the NVFP4 CUDA kernels (nvfp4.cu): check devices, dtypes and shapes, allocate the
+// outputs and launch on the current stream. Builds without CUDA throw from each entry point.
+#include <ATen/ATen.h>
+
+#include "core/error.h"
+#include "kernels/nvfp4.h"
+#if KILN_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/nvfp4_cuda.h"
+#endif
+
+namespace kiln::kernels {
+
+#if KILN_WITH_CUDA
+namespace {
+
+// Contiguous and 16-byte aligned (a fresh copy when a view starts mid-allocation).
+at::Tensor aligned(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
+void check_on(const at::Tensor& t, const at::Device& device, const char* what, const char* name) {
+  KILN_CHECK(t.is_cuda() && t.device() == device, what, ": ", name, " must be on ", device, " (got ", t.device(), ")");
+}
+
+void check_weights(const Nvfp4Tensor& w, const at::Tensor& x, const at::Tensor& scale, const char* what) {
+  nvfp4_check(w, what);
+  check_on(x, x.device(), what, "x");
+  check_on(w.packed, x.device(), what, "the packed weights");
+  KILN_CHECK(w.kernel_layout, what, ": weights must be in the kernel layout (nvfp4_to_kernel_layout)");
+  KILN_CHECK(x.dim() == 2 && x.size(1) == w.cols(), what, ": x must be [M, ", w.cols(), "] for weights with K = ",
+             w.cols(), " (got ", x.sizes(), ")");
+  KILN_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, what,
+             ": x must be bfloat16 or float32 (got ", x.scalar_type(), ")");
+  if (scale.defined()) {
+    check_on(scale, x.device(), what, "scale");
+    KILN_CHECK(scale.numel() == 1 && scale.scalar_type() == at::kFloat, what,
+               ": scale must be one fp32 value (got ", scale.sizes(), " ", scale.scalar_type(), ")");
+  }
+}
+
+Nvfp4DType dtype_of(at::ScalarType t) {
+  return t == at::kFloat ? Nvfp4DType::kFloat32 : t == at::kBFloat16 ? Nvfp4DType::kBFloat16 : Nvfp4DType::kFloat16;
+}
+
+}  // namespace
+#endif
+
+Nvfp4Tensor nvfp4_quantize_cuda(const at::Tensor& w) {
+#if KILN_WITH_CUDA
+  KILN_CHECK(w.is_cuda(), "nvfp4_quantize_cuda: weights must be on a CUDA device (got ", w.device(), ")");
+  KILN_CHECK((w.dim() == 2 || w.dim() == 3) && w.size(-1) % kNvfp4Block == 0,
+             "nvfp4_quantize_cuda: weights must be [N, K] or [E, N, K] with K a multiple of ", kNvfp4Block, " (got ",
+             w.sizes(), ")");
+  KILN_CHECK(at::isFloatingType(w.scalar_type()), "nvfp4_quantize_cuda: weights must be floating point (got ",
+             w.scalar_type(), ")");
+  const c10::cuda::CUDAGuard guard(w.device());
+  // The reference quantises the fp32 value of every element: other dtypes go through fp32 first.
+  const bool direct = w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16;
+  at::Tensor src = aligned(direct ? w : w.to(at::kFloat));
+  const int64_t E = w.dim() == 3 ? w.size(0) : 1, N = w.size(-2), K = w.size(-1);
+  auto bytes = w.options().dtype(at::kByte);
+  std::vector<int64_t> ps(w.sizes().begin(), w.sizes().end()), ss = ps;
+  ps.back() = K / 2;
+  ss.back() = K / kNvfp4Block;
+  Nvfp4Tensor q;
+  q.packed = at::empty(ps, bytes);
+  q.block_scale = at::empty(ss, bytes);
+  q.tensor_scale = w.dim() == 3 ? at::ones({E}, w.options().dtype(at::kFloat)) : at::ones(at::IntArrayRef{}, w.options().dtype(at::kFloat));
+  if (N * K == 0) return q;  // empty matrices: tensor scale 1, nothing else to write
+  at::Tensor amax = at::empty({E}, w.options().dtype(at::kInt));
+  const cudaError_t err = launch_nvfp4_quantize(src.data_ptr(), dtype_of(src.scalar_type()), E, N, K,
+                                                q.packed.data_ptr<uint8_t>(), q.block_scale.data_ptr<uint8_t>(),
+                                                q.tensor_scale.data_ptr<float>(),
+                                                reinterpret_cast<uint32_t*>(amax.data_ptr<int32_t>()),
+                                                c10::cuda::getCurrentCUDAStream());
+  KILN_CHECK(err == cudaSuccess, "nvfp4_quantize_cuda: kernel launch failed: ", cudaGetErrorString(err));
+  return q;
+#else
+  KILN_FAIL("nvfp4_quantize_cuda: this build has no CUDA kernels (KILN_WITH_CUDA=0); rebuild with KILN_CUDA=ON");
+#endif
+}
+
+at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype) {
+#if KILN_WITH_CUDA
+  nvfp4_check(q, "nvfp4_dequantize_cuda");
+  KILN_CHECK(q.packed.is_cuda(), "nvfp4_dequantize_cuda: weights must be on a CUDA device (got ", q.packed.device(), ")");
+  if (q.kernel_layout) return nvfp4_dequantize_cuda(nvfp4_to_modelopt_layout(q), dtype);
+  KILN_CHECK(at::isFloatingType(dtype), "nvfp4_dequantize_cuda: the output dtype must be floating point (got ", dtype, ")");
+  const c10::cuda::CUDAGuard guard(q.packed.device());
+  const int64_t E = q.stacked() ? q.packed.size(0) : 1, N = q.rows(), K = q.cols();
+  at::Tensor packed = aligned(q.packed), scales = q.block_scale.contiguous().view(at::kByte);
+  at::Tensor s2 = q.tensor_scale.contiguous();
+  const bool direct = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+  std::vector<int64_t> shape(q.packed.sizes().begin(), q.packed.sizes().end());
+  shape.back() = K;
+  at::Tensor out = at::empty(shape, q.packed.options().dtype(direct ? dtype : at::kFloat));
+  const cudaError_t err =
+      launch_nvfp4_dequantize(packed.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s2.data_ptr<float>(), E, N, K,
+                              out.data_ptr(), dtype_of(out.scalar_type()), c10::cuda::getCurrentCUDAStream());
+  KILN_CHECK(err == cudaSuccess, "nvfp4_dequantize_cuda: kernel launch failed: ", cudaGetErrorString(err));
+  return direct ? out : out.to(dtype);  // the reference also rounds from fp32
+#else
+  KILN_FAIL("nvfp4_dequantize_cuda: this build has no CUDA kernels (KILN_WITH_CUDA=0); rebuild with KILN_CUDA=ON");
+#endif
+}
+
+at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale) {
+#if KILN_WITH_CUDA
+  KILN_CHECK(x.is_cuda(), "nvfp4_linear_cuda: x must be on a CUDA device (got ", x.device(), ")");
+  check_weights(w, x, scale, "nvfp4_linear_cuda");
+  KILN_CHECK(!w.stacked(), "nvfp4_linear_cuda: weights must be one matrix [N, K/2] (got a stack ", w.packed.sizes(),
+             "); use nvfp4_grouped_linear_cuda");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t M = x.size(0), N = w.rows(), K = w.cols();
+  at::Tensor xc = aligned(x), packed = aligned(w.packed), scales = aligned(w.block_scale.view(at::kByte));
+  at::Tensor s2 = w.tensor_scale.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  const cudaError_t err = launch_nvfp4_linear(xc.data_ptr(), dtype_of(x.scalar_type()), packed.data_ptr<uint8_t>(),
+                                              scales.data_ptr<uint8_t>(), s2.data_ptr<float>(),
+                                              scale.defined() ? scale.data_ptr<float>() : nullptr, y.data_ptr(), M, N,
+                                              K, c10::cuda::getCurrentCUDAStream());
+  KILN_CHECK(err == cudaSuccess, "nvfp4_linear_cuda: kernel launch failed: ", cudaGetErrorString(err));
+  return y;
+#else
+  KILN_FAIL("nvfp4_linear_cuda: this build has no CUDA kernels (KILN_WITH_CUDA=0); rebuild with KILN_CUDA=ON");
+#endif
+}
+
+at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
+                                     const at::Tensor& scale) {
+#if KILN_WITH_CUDA
+  KILN_CHECK(x.is_cuda(), "nvfp4_grouped_linear_cuda: x must be on a CUDA device (got ", x.device(), ")");
+  check_weights(w, x, scale, "nvfp4_grouped_linear_cuda");
+  KILN_CHECK(w.stacked(), "nvfp4_grouped_linear_cuda: weights must be a stack [E, N, K/2] (got ", w.packed.sizes(), ")");
+  const int64_t E = w.packed.size(0), R = x.size(0), N = w.rows(), K = w.cols();
+  KILN_CHECK(offsets.defined() && offsets.dim() == 1 && offsets.size(0) == E + 1 &&
+                 offsets.scalar_type() == at::kLong,
+             "nvfp4_grouped_linear_cuda: offsets must be int64 [", E + 1, "] (got ",
+             offsets.defined() ? offsets.sizes() : at::IntArrayRef{}, " ",
+             offsets.defined() ? offsets.scalar_type() : at::ScalarType::Undefined, ")");
+  check_on(offsets, x.device(), "nvfp4_grouped_linear_cuda", "offsets");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = aligned(x), packed = aligned(w.packed), scales = aligned(w.block_scale.view(at::kByte));
+  at::Tensor s2 = w.tensor_scale.contiguous(), off = offsets.contiguous();
+  at::Tensor y = at::empty({R, N}, x.options());
+  if (R == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  const cudaError_t err = launch_nvfp4_grouped_linear(
+      xc.data_ptr(), dtype_of(x.scalar_type()), off.data_ptr<int64_t>(), packed.data_ptr<uint8_t>(),
+      scales.data_ptr<uint8_t>(), s2.data_ptr<float>(), scale.defined() ? scale.data_ptr<float>() : nullptr,
+      y.data_ptr(), R, E, N, K, c10::cuda::getCurrentCUDAStream());
+  KILN_CHECK(err == cudaSuccess, "nvfp4_grouped_linear_cuda: kernel launch failed: ", cudaGetErrorString(err));
+  return y;
+#else
+  KILN_FAIL("nvfp4_grouped_linear_cuda: this build has no CUDA kernels (KILN_WITH_CUDA=0); rebuild with KILN_CUDA=ON");
+#endif
+}
+
+}  // namespace kiln::kernels

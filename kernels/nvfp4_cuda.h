@@ -1,0 +1,39 @@
+// Raw-pointer launchers for the NVFP4 CUDA kernels (nvfp4.cu): quantise, dequantise and the W4A16
+// GEMMs (dense and grouped). No torch headers; nvfp4_cuda.cpp is the binding. No launcher syncs
+// with the host, so each can be captured in a CUDA graph.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kiln::kernels {
+
+// Element types of the untyped pointers below.
+enum class Nvfp4DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// w [E, N, K] (E = 1 for one matrix), kFloat32 or kBFloat16, contiguous, 16-byte aligned; K a
+// multiple of 16. Writes packed [E, N, K/2] (ModelOpt order), block_scale [E, N, K/16] (E4M3 bits),
+// tensor_scale [E] fp32. amax_ws: E uint32 of device scratch (zeroed here, then the per-matrix amax).
+cudaError_t launch_nvfp4_quantize(const void* w, Nvfp4DType dtype, int64_t E, int64_t N, int64_t K, uint8_t* packed,
+                                  uint8_t* block_scale, float* tensor_scale, uint32_t* amax_ws, cudaStream_t stream);
+
+// ModelOpt layout -> out [E, N, K] in `dtype` (any of the three): e2m1 * (e4m3(sf) * s2) in fp32.
+cudaError_t launch_nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_scale, const float* tensor_scale,
+                                    int64_t E, int64_t N, int64_t K, void* out, Nvfp4DType dtype, cudaStream_t stream);
+
+// y [M, N] = (x [M, K] . (e2m1 * sf)^T) * s2 * (*scale), FP32 accumulation, y in x's dtype
+// (kFloat32 or kBFloat16; fp32 x runs as two bf16 terms hi + lo). packed [N, K/2] in the kernel
+// layout (nvfp4.h), block_scale [N, K/16], tensor_scale [1]; scale: one fp32 on the device or null.
+// All contiguous; x, y and packed 16-byte aligned. K a multiple of 16, M >= 0, N >= 1.
+cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* packed, const uint8_t* block_scale,
+                                const float* tensor_scale, const float* scale, void* y, int64_t M, int64_t N,
+                                int64_t K, cudaStream_t stream);
+
+// Grouped: x [R, K] sorted by expert, offsets [E + 1] int64 on the device (offsets[0] = 0,
+// offsets[E] = R); packed [E, N, K/2] kernel layout, block_scale [E, N, K/16], tensor_scale [E];
+// y [R, N]. The offsets are read on the device only.
+cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const int64_t* offsets, const uint8_t* packed,
+                                        const uint8_t* block_scale, const float* tensor_scale, const float* scale,
+                                        void* y, int64_t R, int64_t E, int64_t N, int64_t K, cudaStream_t stream);
+
+}  // namespace kiln::kernels

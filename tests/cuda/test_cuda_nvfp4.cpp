@@ -1,0 +1,217 @@
+// NVFP4 CUDA kernels against the CPU references: quantise and dequantise bit for bit (random blocks
+// over a wide range of scales, zero blocks and matrices, ties), the W4A16 GEMMs (dense and grouped,
+// bf16 and fp32 inputs, odd M and N, K with and without a tail) within stated tolerances, and errors.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/nvfp4.h"
+#include "tests/test_util.h"
+
+namespace kiln {
+namespace {
+
+using kernels::Nvfp4Tensor;
+
+// W [.., N, K] with block magnitudes spread over ~2^-12 .. 2^12 (E4M3 subnormal scales included) and
+// every 7th block zero.
+at::Tensor spread_weights(std::vector<int64_t> shape) {
+  const int64_t K = shape.back();
+  std::vector<int64_t> bshape = shape;
+  bshape.back() = K / 16;
+  bshape.push_back(1);
+  std::vector<int64_t> vshape = bshape;
+  vshape.back() = 16;
+  at::Tensor mag = at::exp2(at::randn(bshape) * 4);
+  int64_t num_blocks = 1;
+  for (int64_t d : bshape) num_blocks *= d;
+  at::Tensor keep = (at::arange(num_blocks) % 7 != 3).to(at::kFloat).view(bshape);
+  return (at::randn(vshape) * mag * keep).view(shape);
+}
+
+void expect_same_quantization(const Nvfp4Tensor& got, const Nvfp4Tensor& want, const std::string& what) {
+  EXPECT_TRUE(test::all_equal(got.packed.cpu(), want.packed)) << what << ": packed";
+  EXPECT_TRUE(test::all_equal(got.block_scale.cpu(), want.block_scale)) << what << ": block_scale";
+  EXPECT_TRUE(test::all_equal(got.tensor_scale.cpu(), want.tensor_scale)) << what << ": tensor_scale";
+}
+
+TEST(CudaNvfp4, QuantizeIsBitExact) {
+  ASSERT_TRUE(at::hasCUDA()) << "the cuda label needs a GPU";
+  at::manual_seed(7);
+  const std::vector<std::vector<int64_t>> shapes = {{19, 48}, {111, 4112}, {1, 16}, {3, 19, 64}, {4097, 32}};
+  for (const auto& shape : shapes)
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      at::Tensor w = spread_weights(shape);
+      if (dtype == at::kHalf) w = w.clamp(-60000, 60000);
+      w = w.to(dtype);
+      expect_same_quantization(kernels::nvfp4_quantize_cuda(w.cuda()), kernels::nvfp4_quantize_reference(w),
+                               str_cat("shape ", at::IntArrayRef(shape), " dtype ", dtype));
+    }
+  // A stack with an all-zero expert (tensor scale 1, codes and scales 0) and an all-zero matrix.
+  at::Tensor stack = spread_weights({3, 5, 32});
+  stack[1].zero_();
+  expect_same_quantization(kernels::nvfp4_quantize_cuda(stack.cuda()), kernels::nvfp4_quantize_reference(stack), "stack");
+  Nvfp4Tensor zero = kernels::nvfp4_quantize_cuda(at::zeros({5, 32}, at::kCUDA));
+  EXPECT_EQ(zero.tensor_scale.item<float>(), 1.0f);
+  EXPECT_EQ(zero.packed.cpu().sum().item<int64_t>(), 0);
+  expect_same_quantization(zero, kernels::nvfp4_quantize_reference(at::zeros({5, 32})), "zero matrix");
+}
+
+TEST(CudaNvfp4, QuantizeTiesRoundToEven) {
+  // amax 2688 makes s2 exactly 1; block 0 holds it (scale 448). Block 1 has bmax 6 (scale 1) and
+  // every E2M1 midpoint, both signs, plus small negatives that round to -0 (code 8). Blocks 2..5
+  // put bmax / 6 on E4M3 midpoints (normal and subnormal) so the scale itself ties.
+  std::vector<float> v(6 * 16, 0.0f);
+  v[0] = 2688.0f;
+  const float mids[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  v[16] = 6.0f;
+  for (int i = 0; i < 7; ++i) {
+    v[17 + i] = mids[i];
+    v[24 + i] = -mids[i];
+  }
+  v[31] = -0.1f;
+  const float scale_ties[] = {1.0625f, 1.1875f, 1.5f * 0x1p-9f, 2.5f * 0x1p-9f};
+  for (int b = 0; b < 4; ++b) {
+    v[(2 + b) * 16] = 6.0f * scale_ties[b];
+    for (int j = 1; j < 16; ++j) v[(2 + b) * 16 + j] = float(j % 5 - 2) * scale_ties[b];
+  }
+  at::Tensor w = at::tensor(v).view({2, 48});
+  const Nvfp4Tensor ref = kernels::nvfp4_quantize_reference(w);
+  expect_same_quantization(kernels::nvfp4_quantize_cuda(w.cuda()), ref, "ties");
+  EXPECT_EQ(ref.tensor_scale.item<float>(), 1.0f);
+  EXPECT_EQ(ref.block_scale[0][1].item<uint8_t>(), kernels::e4m3_encode(1.0f));
+}
+
+TEST(CudaNvfp4, DequantizeIsBitExact) {
+  at::manual_seed(8);
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{19, 48}, {111, 4112}, {3, 7, 64}}) {
+    const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights(shape));
+    // Random codes and any finite scale byte too (ModelOpt writes 1.0 for zero blocks).
+    Nvfp4Tensor r = q;
+    r.packed = at::randint(256, q.packed.sizes(), at::kByte);
+    r.block_scale = at::randint(0x7F, q.block_scale.sizes(), at::kByte);
+    for (const Nvfp4Tensor& t : {q, r})
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        at::Tensor got = kernels::nvfp4_dequantize_cuda(t.to(at::kCUDA), dtype);
+        EXPECT_EQ(got.scalar_type(), dtype);
+        EXPECT_TRUE(test::all_equal(got.cpu(), kernels::nvfp4_dequantize_reference(t, dtype)))
+            << "shape " << at::IntArrayRef(shape) << " dtype " << dtype;
+      }
+    // The kernel layout comes back to the same values.
+    const Nvfp4Tensor k = kernels::nvfp4_to_kernel_layout(q.to(at::kCUDA));
+    EXPECT_TRUE(test::all_equal(kernels::nvfp4_dequantize_cuda(k, at::kFloat).cpu(),
+                                kernels::nvfp4_dequantize_reference(q, at::kFloat)));
+  }
+}
+
+// Tolerances, relative to the largest reference output |ref|max. Weights (e2m1 * sf) and bf16
+// inputs are exact in bf16 and their products exact in fp32, so a bf16 input differs from the fp32
+// reference only in the order of the fp32 sum, then by at most one bf16 rounding of the output
+// (2^-8 relative; 2^-7 allows one ulp either way). fp32 inputs run as hi + lo bf16 terms (~16
+// mantissa bits): x - hi - lo is at most 2^-18 |x|, so the sum is off by at most 2^-18 sum|x w|,
+// under 64 |ref|max * 2^-18 = 2.4e-4 |ref|max at K = 4112 even with aligned signs; random signs
+// leave it far below the 1e-4 used.
+struct Tol {
+  double rtol, atol_rel;
+};
+Tol tol_for(at::ScalarType dtype) { return dtype == at::kBFloat16 ? Tol{0x1p-7, 1e-3} : Tol{1e-4, 1e-4}; }
+
+::testing::AssertionResult close_to_ref(const at::Tensor& got, const at::Tensor& ref, at::ScalarType dtype) {
+  const Tol t = tol_for(dtype);
+  const double scale = ref.numel() ? ref.abs().max().item<double>() : 1.0;
+  return test::all_close(got.cpu(), ref, t.rtol, t.atol_rel * scale);
+}
+
+TEST(CudaNvfp4, LinearMatchesReference) {
+  at::manual_seed(9);
+  struct Case {
+    int64_t N, K;
+    std::vector<int64_t> Ms;
+  };
+  // K: 16 and 48 (tail only), 2080 (8 super-chunks + 2 tail blocks, 16-byte loads), 4112 (16
+  // super-chunks + 1 tail block, 8-byte loads); N odd, one row tile up to 129; M over 1..4 n-tiles
+  // and several 32-token chunks.
+  const std::vector<Case> cases = {{19, 16, {1, 19, 111}},         {111, 48, {1, 19, 64}},  {19, 4112, {1, 19, 111, 256}},
+                                    {111, 2080, {1, 19, 64, 111}}, {4097, 48, {1, 19}},     {4097, 4112, {1, 19}},
+                                    {4097, 2080, {111}},          {256, 4096, {1, 16, 33}}};
+  for (const Case& c : cases) {
+    at::Tensor w = spread_weights({c.N, c.K}) * 1e-3;
+    const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(w);
+    const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+    for (int64_t M : c.Ms)
+      for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+        at::Tensor x = at::randn({M, c.K}).to(dtype);
+        at::Tensor ref = kernels::nvfp4_linear_reference(x, q);
+        at::Tensor got = kernels::nvfp4_linear_cuda(x.cuda(), kq, at::Tensor());
+        EXPECT_EQ(got.scalar_type(), dtype);
+        EXPECT_TRUE(close_to_ref(got, ref.to(at::kFloat), dtype))
+            << "M " << M << " N " << c.N << " K " << c.K << " dtype " << dtype;
+      }
+  }
+}
+
+TEST(CudaNvfp4, LinearExtraScaleAndStridedInput) {
+  at::manual_seed(10);
+  const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({111, 2080}));
+  const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+  at::Tensor wide = at::randn({19, 2080 + 16});
+  at::Tensor x = wide.narrow(1, 3, 2080);  // strided rows, data 12 bytes off
+  at::Tensor scale = at::full({}, 0.375f);
+  at::Tensor ref = kernels::nvfp4_linear_reference(x, q) * 0.375f;
+  EXPECT_TRUE(close_to_ref(kernels::nvfp4_linear_cuda(x.cuda(), kq, scale.cuda()), ref, at::kFloat));
+  // The dispatcher takes the kernel for CUDA inputs with kernel-layout weights.
+  EXPECT_TRUE(close_to_ref(kernels::nvfp4_linear(x.cuda(), kq), kernels::nvfp4_linear_reference(x, q), at::kFloat));
+}
+
+TEST(CudaNvfp4, GroupedLinearMatchesReference) {
+  at::manual_seed(11);
+  // Experts with 0, 1, 19 rows and more; the second set exceeds 16 rows per expert on average
+  // (the 4 n-tile body, with chunks of 32 and a 12-row remainder).
+  const std::vector<std::vector<int64_t>> count_sets = {{0, 1, 19, 0, 8, 40}, {0, 1, 19, 0, 8, 140}};
+  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{111, 4112}, {64, 48}, {19, 2080}})
+    for (const auto& counts : count_sets) {
+      const int64_t E = int64_t(counts.size());
+      std::vector<int64_t> off{0};
+      for (int64_t n : counts) off.push_back(off.back() + n);
+      at::Tensor offsets = at::tensor(off, at::kLong);
+      const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({E, N, K}) * 1e-2);
+      const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+      for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+        at::Tensor x = at::randn({off.back(), K}).to(dtype);
+        at::Tensor ref = kernels::nvfp4_grouped_linear_reference(x, q, offsets);
+        at::Tensor got = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor());
+        EXPECT_TRUE(close_to_ref(got, ref.to(at::kFloat), dtype))
+            << "N " << N << " K " << K << " R " << off.back() << " dtype " << dtype;
+      }
+    }
+}
+
+TEST(CudaNvfp4, ErrorsNameTheProblem) {
+  at::Tensor w = at::randn({8, 64});
+  const Nvfp4Tensor q = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(w)).to(at::kCUDA);
+  at::Tensor x = at::randn({3, 64}, at::kCUDA);
+  EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_quantize_cuda(at::randn({4, 24}, at::kCUDA)); }, {"multiple of 16"}));
+  Nvfp4Tensor bad = q;
+  bad.block_scale = bad.block_scale.narrow(1, 0, 3);
+  EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(x, bad, at::Tensor()); }, {"block scales"}));
+  bad = q;
+  bad.tensor_scale = at::Tensor();
+  EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(x, bad, at::Tensor()); }, {"missing tensor scale"}));
+  bad = q;
+  bad.packed = bad.packed.narrow(1, 0, 4);  // K = 8: not a multiple of 16
+  EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(x.narrow(1, 0, 8), bad, at::Tensor()); }, {"K = 8"}));
+  EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(at::randn({3, 48}, at::kCUDA), q, at::Tensor()); },
+                                {"x must be [M, 64]"}));
+  EXPECT_TRUE(test::throws_with(
+      [&] { kernels::nvfp4_linear_cuda(x, kernels::nvfp4_to_modelopt_layout(q), at::Tensor()); }, {"kernel layout"}));
+  EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(x.cpu(), q, at::Tensor()); }, {"CUDA device"}));
+  Nvfp4Tensor stack = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(at::randn({2, 8, 64}))).to(at::kCUDA);
+  EXPECT_TRUE(test::throws_with(
+      [&] { kernels::nvfp4_grouped_linear_cuda(x, stack, at::tensor({0, 3}, at::kLong).cuda(), at::Tensor()); },
+      {"offsets must be int64 [3]"}));
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,165 @@
+// `kiln bench nvfp4`: the W4A16 GEMMs against BF16 in the same run — dense against cuBLAS
+// (at::linear), grouped against torch's grouped GEMM (or a per-expert loop before torch 2.8) —
+// with the achieved bandwidth against a device copy's. Each op is timed as a CUDA graph of 20
+// calls that rotate over enough weight copies to defeat the L2 cache, as the rollout engine's
+// captured decode would run it.
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#if KILN_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <functional>
+#include <vector>
+
+#include "core/error.h"
+#include "core/torch_version.h"
+#include "kernels/nvfp4.h"
+#include "tools/bench_util.h"
+
+namespace kiln::tools {
+namespace {
+
+constexpr int kCalls = 20;                        // calls per captured graph
+constexpr double kRotateBytes = 256.0 * (1 << 20);  // weight copies cover at least this (L2 is 50 MB)
+
+int copies_for(double bytes) { return int(std::max(1.0, std::ceil(kRotateBytes / std::max(bytes, 1.0)))); }
+
+// Seconds per call of fn(i) (i = call index) from a graph of kCalls calls; eager if capture fails.
+double per_call(at::Device device, const std::function<void(int)>& fn) {
+#if KILN_WITH_CUDA
+  try {
+    sync(device);
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    at::cuda::CUDAGraph graph;
+    {
+      c10::cuda::CUDAStreamGuard guard(side);
+      for (int i = 0; i < kCalls; ++i) fn(i);  // warm-up: lazy library state outside the capture
+      side.synchronize();
+      graph.capture_begin();
+      for (int i = 0; i < kCalls; ++i) fn(i);
+      graph.capture_end();
+    }
+    sync(device);
+    return time_it(device, [&] { graph.replay(); }, 2, 10) / kCalls;
+  } catch (const std::exception& e) {
+    fmt::print("  (graph capture failed: {}; timing eagerly)\n", std::string(e.what()).substr(0, 120));
+  }
+#endif
+  int i = 0;
+  return time_it(device, [&] { fn(i++); }, 3, 20);
+}
+
+double copy_bandwidth(at::Device device) {
+  at::Tensor a = at::randn({int64_t(1) << 30}, at::TensorOptions().dtype(at::kBFloat16).device(device));
+  at::Tensor b = at::empty_like(a);
+  const double t = time_it(device, [&] { b.copy_(a); }, 3, 10);
+  return 2.0 * double(a.numel()) * 2.0 / t;  // read + write
+}
+
+double nvfp4_bytes(int64_t matrices, int64_t N, int64_t K) { return double(matrices) * double(N) * double(K) * (0.5 + 1.0 / 16); }
+
+void bench_dense(at::Device device, double bw) {
+  fmt::print("\ndense W4A16 vs cuBLAS BF16 (at::linear); bytes = packed + scales + x + y\n");
+  fmt::print("{:>5} {:>6} {:>6} {:>10} {:>10} {:>9} {:>8} {:>11}\n", "M", "N", "K", "nvfp4 us", "bf16 us", "TB/s",
+             "of copy", "bf16/nvfp4");
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(device);
+  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{8192, 4096}, {4096, 8192}, {12288, 8192}}) {
+    const int nq = copies_for(nvfp4_bytes(1, N, K)), nb = copies_for(2.0 * double(N) * double(K));
+    std::vector<kernels::Nvfp4Tensor> qs;
+    std::vector<at::Tensor> ws;
+    for (int i = 0; i < std::max(nq, nb); ++i) {
+      at::Tensor w = at::randn({N, K}, bf16) * 0.02;
+      if (i < nq) qs.push_back(kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_cuda(w)));
+      if (i < nb) ws.push_back(w);
+    }
+    for (int64_t M : {1, 4, 16, 64, 256}) {
+      at::Tensor x = at::randn({M, K}, bf16);
+      const double tq = per_call(device, [&](int i) { kernels::nvfp4_linear_cuda(x, qs[size_t(i % nq)], at::Tensor()); });
+      const double tb = per_call(device, [&](int i) { at::linear(x, ws[size_t(i % nb)]); });
+      const double bytes = nvfp4_bytes(1, N, K) + 2.0 * double(M) * double(K + N);
+      fmt::print("{:>5} {:>6} {:>6} {:>10.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x\n", M, N, K, tq * 1e6, tb * 1e6,
+                 bytes / tq / 1e12, 100.0 * bytes / tq / bw, tb / tq);
+    }
+  }
+}
+
+// Routing of `tokens` tokens to top_k distinct experts each, uniformly: rows sorted by expert.
+std::vector<int64_t> random_counts(int64_t tokens, int64_t top_k, int64_t E) {
+  at::Tensor ids = std::get<1>(at::rand({tokens, E}).topk(top_k, 1)).reshape({-1});
+  at::Tensor counts = at::bincount(ids, {}, E).to(at::kLong);
+  return std::vector<int64_t>(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + E);
+}
+
+void bench_grouped_case(at::Device device, double bw, const char* name, int64_t E, int64_t N, int64_t K,
+                        int64_t tokens, int64_t top_k) {
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(device);
+  const std::vector<int64_t> counts = random_counts(tokens, top_k, E);
+  std::vector<int64_t> off{0}, padded_end;
+  int64_t padded = 0, touched = 0;
+  for (int64_t c : counts) {
+    off.push_back(off.back() + c);
+    padded += (c + 15) / 16 * 16;  // torch's grouped GEMM wants 16-row aligned segments
+    padded_end.push_back(padded);
+    touched += c > 0;
+  }
+  const int64_t R = off.back();
+  at::Tensor offsets = at::tensor(off, at::kLong).to(device);
+  const int nq = copies_for(nvfp4_bytes(E, N, K)), nb = copies_for(2.0 * double(E) * double(N) * double(K));
+  std::vector<kernels::Nvfp4Tensor> qs;
+  std::vector<at::Tensor> ws;
+  for (int i = 0; i < std::max(nq, nb); ++i) {
+    at::Tensor w = at::randn({E, N, K}, bf16) * 0.02;
+    if (i < nq) qs.push_back(kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_cuda(w)));
+    if (i < nb) ws.push_back(w);
+  }
+  at::Tensor x = at::randn({R, K}, bf16);
+  const double tq = per_call(device, [&](int i) { kernels::nvfp4_grouped_linear_cuda(x, qs[size_t(i % nq)], offsets, at::Tensor()); });
+  double tb = 0;
+  const char* baseline = "per-expert at::linear";
+#if KILN_TORCH_AT_LEAST(2, 8)
+  baseline = "at::_grouped_mm";
+  at::Tensor xp = at::randn({std::max<int64_t>(padded, 16), K}, bf16);
+  at::Tensor offs = at::tensor(padded_end, at::kLong).to(at::kInt).to(device);
+  tb = per_call(device, [&](int i) { at::_grouped_mm(xp, ws[size_t(i % nb)].transpose(1, 2), offs); });
+#else
+  tb = per_call(device, [&](int i) {
+    const at::Tensor& w = ws[size_t(i % nb)];
+    for (int64_t e = 0; e < E; ++e)
+      if (counts[size_t(e)] > 0) at::linear(x.narrow(0, off[size_t(e)], counts[size_t(e)]), w[e]);
+  });
+#endif
+  const double bytes = nvfp4_bytes(touched, N, K) + 2.0 * double(R) * double(K + N);
+  fmt::print("{:>26} {:>4} {:>5} {:>5} {:>6} {:>5} {:>10.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x  ({})\n", name, E,
+             N, K, R, touched, tq * 1e6, tb * 1e6, bytes / tq / 1e12, 100.0 * bytes / tq / bw, tb / tq, baseline);
+}
+
+void bench_grouped(at::Device device, double bw) {
+  fmt::print("\ngrouped W4A16 (MoE experts) vs BF16; bytes = touched experts' packed + scales + x + y\n");
+  fmt::print("{:>26} {:>4} {:>5} {:>5} {:>6} {:>5} {:>10} {:>10} {:>9} {:>8} {:>11}\n", "case", "E", "N", "K", "rows",
+             "used", "nvfp4 us", "bf16 us", "TB/s", "of copy", "bf16/nvfp4");
+  bench_grouped_case(device, bw, "muse-small decode 64x8", 64, 1024, 1024, 64, 8);
+  bench_grouped_case(device, bw, "muse-small prefill 8192x8", 64, 1024, 1024, 8192, 8);
+  bench_grouped_case(device, bw, "full-size decode 64x8", 256, 4096, 4096, 64, 8);
+}
+
+}  // namespace
+
+void bench_nvfp4(at::Device device) {
+  KILN_CHECK(device.is_cuda(), "bench nvfp4: needs --device cuda (the CUDA kernels are the subject)");
+#if KILN_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(device);
+  at::NoGradGuard no_grad;
+  at::manual_seed(0);
+  const double bw = copy_bandwidth(device);
+  fmt::print("nvfp4 W4A16 GEMMs, bf16 activations; device copy bandwidth {:.2f} TB/s (2 GiB bf16 copy, read + write);\n"
+             "each op timed as a CUDA graph of {} calls over rotating weight copies (>= {:.0f} MiB)\n",
+             bw / 1e12, kCalls, kRotateBytes / (1 << 20));
+  bench_dense(device, bw);
+  bench_grouped(device, bw);
+#endif
+}
+
+}  // namespace kiln::tools
