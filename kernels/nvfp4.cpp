@@ -66,7 +66,8 @@ float e4m3_decode(uint8_t bits) {
 
 
 Nvfp4Tensor Nvfp4Tensor::to(at::Device device) const {
-  return {packed.to(device), block_scale.to(device), tensor_scale.to(device), kernel_layout};
+  return {packed.to(device), block_scale.to(device), tensor_scale.to(device), kernel_layout,
+          input_scale.defined() ? input_scale.to(device) : input_scale};
 }
 
 void nvfp4_check(const Nvfp4Tensor& q, const char* what) {
@@ -90,6 +91,9 @@ void nvfp4_check(const Nvfp4Tensor& q, const char* what) {
              " (got ", q.tensor_scale.sizes(), " ", q.tensor_scale.scalar_type(), ")");
   KILN_CHECK(q.packed.device() == q.block_scale.device() && q.packed.device() == q.tensor_scale.device(), what,
              ": packed weights and scales must share a device");
+  KILN_CHECK(!q.input_scale.defined() || (q.input_scale.numel() == matrices && q.input_scale.scalar_type() == at::kFloat),
+             what, ": input scale must be fp32 with one value per matrix (", matrices, "), got ", q.input_scale.sizes(),
+             " ", q.input_scale.scalar_type());
   (void)N;
 }
 

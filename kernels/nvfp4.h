@@ -27,6 +27,7 @@ struct Nvfp4Tensor {
   at::Tensor block_scale;   // uint8 [(E,) N, K/16]: FP8 E4M3 bits (safetensors F8_E4M3), row-major
   at::Tensor tensor_scale;  // float32 [] (or [E]): amax(W) / (6 * 448)
   bool kernel_layout = false;  // packed holds the kernel's sign-bit order (nvfp4_to_kernel_layout)
+  at::Tensor input_scale;   // float32 [] (or [E]), optional: ModelOpt's static activation scale (W4A4)
   int64_t rows() const { return packed.size(-2); }
   int64_t cols() const { return packed.size(-1) * 2; }  // K
   bool stacked() const { return packed.dim() == 3; }

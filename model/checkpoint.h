@@ -19,7 +19,8 @@ std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model);
 void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_shard_bytes = 5ull << 30);
 
 // Reads `dir` (config.json + safetensors) into a model of `dtype` on `device`. Errors name the
-// file and tensor for missing, unexpected or wrongly shaped tensors.
+// file and tensor for missing, unexpected or wrongly shaped tensors. An NVFP4 checkpoint
+// (model/nvfp4_model.h) loads dequantised to `dtype`, its NVFP4 copies kept for the rollout engine.
 Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device);
 
 // "bf16" / "bfloat16" / "fp32" / "float32" / "fp64" / "float64" -> torch dtype.

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/torch_version.h"
 #include "kernels/moe_layout.h"
+#include "kernels/nvfp4.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
 #include "model/expert_parallel.h"
@@ -24,15 +25,36 @@ constexpr int64_t kPaddedScoreBytes = int64_t(256) << 20;  // padded batch atten
 
 at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
+kernels::Nvfp4LinearOptions nvfp4_options(const kernels::Nvfp4Tensor& q, bool w4a4) {
+  kernels::Nvfp4LinearOptions o;
+  o.w4a4 = w4a4;
+  // A stack's static scales act as one: the grouped call quantises its whole input with the largest.
+  if (q.input_scale.defined()) o.input_scale = q.stacked() ? q.input_scale.max() : q.input_scale;
+  return o;
+}
+
+// x [T, K] . W^T from the dense weight, or from its NVFP4 copy when the dense one was released.
+// `name` is the HF suffix handed to the calibration observer.
+at::Tensor project(const at::Tensor& x, const at::Tensor& dense, const LayerWeights::Nvfp4& nv,
+                   const kernels::Nvfp4Tensor& q, int64_t layer, const char* name, const ForwardOptions& opt) {
+  if (opt.observe_linear_input) opt.observe_linear_input(layer, name, x);
+  if (dense.defined()) return at::linear(x, dense);
+  KILN_CHECK(q.packed.defined(), "muse: layer ", layer, " ", name, " has neither dense nor NVFP4 weights");
+  return kernels::nvfp4_linear(x, q, nvfp4_options(q, nv.w4a4));
+}
+
 at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
                      const PackedBatch& batch, const at::Tensor& cos, const at::Tensor& sin,
-                     AttentionBackend* backend, const PaddedLayout& padded) {
+                     AttentionBackend* backend, const PaddedLayout& padded, const ForwardOptions& opt) {
   const int64_t T = h.size(0), hd = cfg.head_dim;
   const int64_t group = cfg.num_q_heads / cfg.num_kv_heads;
   const bool full = cfg.is_full_attention(layer);
-  at::Tensor q = apply_rope(at::linear(h, lw.q_proj).view({T, cfg.num_q_heads, hd}), cos, sin);
-  at::Tensor k = apply_rope(at::linear(h, lw.k_proj).view({T, cfg.num_kv_heads, hd}), cos, sin);
-  at::Tensor v = at::linear(h, lw.v_proj).view({T, cfg.num_kv_heads, hd});
+  const auto& nv = lw.nvfp4;
+  at::Tensor q = project(h, lw.q_proj, nv, nv.q_proj, layer, "self_attn.q_proj", opt).view({T, cfg.num_q_heads, hd});
+  at::Tensor k = project(h, lw.k_proj, nv, nv.k_proj, layer, "self_attn.k_proj", opt).view({T, cfg.num_kv_heads, hd});
+  at::Tensor v = project(h, lw.v_proj, nv, nv.v_proj, layer, "self_attn.v_proj", opt).view({T, cfg.num_kv_heads, hd});
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
   at::Tensor o;
   if (backend) {
     o = backend->attend(layer, full, batch, q, k, v);
@@ -51,16 +73,31 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
     }
     o = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
   }
-  return at::linear(o.reshape({T, cfg.q_size()}), lw.o_proj);
+  return project(o.reshape({T, cfg.q_size()}), lw.o_proj, nv, nv.o_proj, layer, "self_attn.o_proj", opt);
 }
 
 // SwiGLU experts, W_down_e . (silu(W_gate_e . z) * (W_up_e . z)), for every slot; [T * k, d_l] in
 // slot order. sorted_experts / order: the stable sort of the flat top-k ids.
-at::Tensor run_experts(const LayerWeights& lw, const at::Tensor& z, const at::Tensor& sorted_experts,
+at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& z, const at::Tensor& sorted_experts,
                        const at::Tensor& order, int64_t k, at::Tensor& counts, const ForwardOptions& opt) {
-  const int64_t n = order.size(0), E = lw.expert_gate.size(0);
+  const auto& nv = lw.nvfp4;
+  const bool quantized = !lw.expert_gate.defined();
+  const int64_t n = order.size(0), E = quantized ? nv.expert_gate.packed.size(0) : lw.expert_gate.size(0);
+  if (quantized && !opt.observe_linear_input) {
+    // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
+    KILN_CHECK(nv.expert_gate.packed.defined(), "muse: layer ", layer, " experts have neither dense nor NVFP4 weights");
+    counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
+    at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
+    at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
+    at::Tensor g = kernels::nvfp4_grouped_linear(zs, nv.expert_gate, offsets, nvfp4_options(nv.expert_gate, nv.w4a4));
+    at::Tensor u = kernels::nvfp4_grouped_linear(zs, nv.expert_up, offsets, nvfp4_options(nv.expert_up, nv.w4a4));
+    at::Tensor ys = kernels::nvfp4_grouped_linear(at::silu(g) * u, nv.expert_down, offsets,
+                                                  nvfp4_options(nv.expert_down, nv.w4a4));
+    at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
+    return ys.index_select(0, inverse);
+  }
 #if KILN_TORCH_AT_LEAST(2, 8)
-  if (opt.use_grouped_mm && z.is_cuda() && z.scalar_type() == at::kBFloat16) {
+  if (opt.use_grouped_mm && !opt.observe_linear_input && z.is_cuda() && z.scalar_type() == at::kBFloat16) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
     // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
     kernels::MoeLayout l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
@@ -83,9 +120,22 @@ at::Tensor run_experts(const LayerWeights& lw, const at::Tensor& z, const at::Te
   for (int64_t e = 0; e < E; ++e) {
     if (c[e] == 0) continue;
     at::Tensor seg = zs.narrow(0, start, c[e]);
-    at::Tensor g = at::linear(seg, lw.expert_gate[e]);
-    at::Tensor u = at::linear(seg, lw.expert_up[e]);
-    parts.push_back(at::linear(at::silu(g) * u, lw.expert_down[e]));
+    const std::string prefix = "mlp.experts." + std::to_string(e) + ".";
+    if (opt.observe_linear_input) {
+      opt.observe_linear_input(layer, prefix + "gate_proj", seg);
+      opt.observe_linear_input(layer, prefix + "up_proj", seg);
+    }
+    auto expert = [&](const at::Tensor& dense, const kernels::Nvfp4Tensor& q, const at::Tensor& x) {
+      if (!quantized) return at::linear(x, dense[e]);
+      kernels::Nvfp4Tensor one{q.packed[e], q.block_scale[e], q.tensor_scale[e], q.kernel_layout,
+                               q.input_scale.defined() ? q.input_scale[e] : at::Tensor()};
+      return kernels::nvfp4_linear(x, one, nvfp4_options(one, nv.w4a4));
+    };
+    at::Tensor g = expert(lw.expert_gate, nv.expert_gate, seg);
+    at::Tensor u = expert(lw.expert_up, nv.expert_up, seg);
+    at::Tensor a = at::silu(g) * u;
+    if (opt.observe_linear_input) opt.observe_linear_input(layer, prefix + "down_proj", a);
+    parts.push_back(expert(lw.expert_down, nv.expert_down, a));
     start += c[e];
   }
   KILN_CHECK(start == n, "latent_moe: expert counts do not cover the rows (rows=", n, ", counted=", start, ")");
@@ -97,10 +147,11 @@ at::Tensor run_experts(const LayerWeights& lw, const at::Tensor& z, const at::Te
 // The experts of every slot under expert parallelism: slots go to the rank holding their expert
 // (all-to-all-v), run there (SwiGLU and the per-expert norm), and come back; [T * k, d_l] in slot
 // order. The weights hold E / group.size() experts, this rank's consecutive share.
-at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& lw, const at::Tensor& z,
+at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& z,
                                    const at::Tensor& flat, int64_t k, const comm::Group& group,
                                    const ForwardOptions& opt) {
-  const int64_t E = cfg.num_experts, local = lw.expert_gate.size(0), n = flat.size(0), S = group.size();
+  const int64_t E = cfg.num_experts, n = flat.size(0), S = group.size();
+  const int64_t local = lw.expert_gate.defined() ? lw.expert_gate.size(0) : lw.nvfp4.expert_gate.packed.size(0);
   KILN_CHECK(local * S == E, "latent_moe: expert parallel over ", S, " ranks needs ", E / S,
              " experts per rank, the weights hold ", local, " (use model::shard_experts)");
   at::Tensor owner = at::div(flat, local, "floor");
@@ -116,7 +167,7 @@ at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& l
   } else {
     auto sorted = at::sort(ids_in, /*stable=*/true, 0, /*descending=*/false);
     at::Tensor counts;
-    y_in = run_experts(lw, rows_in, std::get<0>(sorted), std::get<1>(sorted), 1, counts, opt);
+    y_in = run_experts(lw, layer, rows_in, std::get<0>(sorted), std::get<1>(sorted), 1, counts, opt);
     y_in = rms_norm(y_in, lw.expert_norm.index_select(0, ids_in), cfg.rms_norm_eps);
   }
   at::Tensor back = exchange_rows(group, y_in, recv, send);  // owner order
@@ -131,7 +182,7 @@ struct MoeOut {
 };
 
 // route -> pool -> dispatch (sort by expert) -> experts -> per-expert norm -> FP32 combine -> unpool
-MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, const at::Tensor& h,
+MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
                   const at::Tensor& replay, const ForwardOptions& opt) {
   const int64_t T = h.size(0), k = cfg.top_k, E = cfg.num_experts;
   at::Tensor logits = at::linear(h.to(lw.router.scalar_type()), lw.router);  // [T, E] fp32
@@ -148,22 +199,22 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, const at::Tens
   at::Tensor w = scores.gather(1, ids);
   w = w / w.sum(-1, true);  // renormalised over the chosen set, so gradients reach the router
 
-  at::Tensor z = at::linear(h, lw.pooler);  // [T, d_l]
+  at::Tensor z = project(h, lw.pooler, lw.nvfp4, lw.nvfp4.pooler, layer, "mlp.pooler", opt);  // [T, d_l]
   at::Tensor flat = ids.reshape(-1);        // [T * k], slot order
   at::Tensor counts;  // [E] slots per expert
   at::Tensor y;
   if (opt.expert_group && opt.expert_group->size() > 1) {
-    y = expert_parallel_experts(cfg, lw, z, flat, k, *opt.expert_group, opt).view({T, k, -1});
+    y = expert_parallel_experts(cfg, lw, layer, z, flat, k, *opt.expert_group, opt).view({T, k, -1});
     counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
   } else {
     auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
-    y = run_experts(lw, z, std::get<0>(sorted), std::get<1>(sorted), k, counts, opt);
+    y = run_experts(lw, layer, z, std::get<0>(sorted), std::get<1>(sorted), k, counts, opt);
     y = rms_norm(y, lw.expert_norm.index_select(0, flat), cfg.rms_norm_eps).view({T, k, -1});
   }
   const auto acc = w.scalar_type();
   at::Tensor m = (y.to(acc) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
   MoeOut r;
-  r.out = at::linear(m.to(h.scalar_type()), lw.unpooler);
+  r.out = project(m.to(h.scalar_type()), lw.unpooler, lw.nvfp4, lw.nvfp4.unpooler, layer, "mlp.unpooler", opt);
   r.ids = ids;
   if (opt.load_balance) {
     at::Tensor f = counts.to(acc) / double(T * k);
@@ -384,9 +435,9 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   for (int64_t i = 0; i < L; ++i) {
     const LayerWeights& lw = w_.layers[i];
     const double eps = cfg_.rms_norm_eps;
-    at::Tensor a = attention(cfg_, lw, i, rms_norm(x, lw.input_norm, eps), batch, cos, sin, opt.attention, padded);
+    at::Tensor a = attention(cfg_, lw, i, rms_norm(x, lw.input_norm, eps), batch, cos, sin, opt.attention, padded, opt);
     x = x + rms_norm(a, lw.post_attn_norm, eps);
-    MoeOut moe = latent_moe(cfg_, lw, rms_norm(x, lw.pre_moe_norm, eps),
+    MoeOut moe = latent_moe(cfg_, lw, i, rms_norm(x, lw.pre_moe_norm, eps),
                             replay.defined() ? replay.select(1, i) : at::Tensor(), opt);
     x = x + rms_norm(moe.out, lw.post_moe_norm, eps);
     routing.push_back(moe.ids);

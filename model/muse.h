@@ -4,10 +4,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "kernels/nvfp4.h"
 #include "model/config.h"
 
 namespace kiln::comm {
@@ -33,6 +35,15 @@ struct LayerWeights {
   at::Tensor expert_norm;     // [E, d_l]
   at::Tensor unpooler;        // [d, d_l]
   at::Tensor post_moe_norm;   // [d]
+  // NVFP4 copies of the quantisable linears (MUSE.md §6), from an NVFP4 checkpoint or
+  // model::quantize_model (model/nvfp4_model.h). A linear whose dense weight above is undefined runs
+  // from here (the rollout engine's NVFP4 serving). Experts are stacked [E, ...]; they stay
+  // undefined in the config's bf16_expert_layers. w4a4: they also quantise their activations
+  // (Blackwell numerics, emulated); otherwise W4A16.
+  struct Nvfp4 {
+    kernels::Nvfp4Tensor q_proj, k_proj, v_proj, o_proj, pooler, unpooler, expert_gate, expert_up, expert_down;
+    bool w4a4 = false;
+  } nvfp4;
 };
 
 struct Weights {
@@ -82,6 +93,10 @@ struct ForwardOptions {
   bool load_balance = true;     // compute load_balance_loss (the rollout engine skips it: fewer kernels)
   at::Tensor positions;         // [T] int64 on the model's device: overrides the batch's positions
                                 // (CUDA-graph capture: no tensor may be built from host data)
+  // Called with the input of every linear that NVFP4 quantises (layer, HF name suffix such as
+  // "self_attn.q_proj" or "mlp.experts.3.down_proj", rows): activation calibration. Forces the
+  // per-expert loop for the experts.
+  std::function<void(int64_t, const std::string&, const at::Tensor&)> observe_linear_input;
   const comm::Group* expert_group = nullptr;  // expert parallel: the weights hold this rank's
                                 // num_experts/size experts (model/expert_parallel.h); not owned
 };

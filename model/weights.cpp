@@ -10,8 +10,11 @@
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
+#include "model/names.h"
+#include "model/nvfp4_model.h"
 
 namespace kiln::model {
+using namespace detail;
 namespace {
 
 // Visits every tensor of the model under its in-memory name. `trainable` is false for buffers.
@@ -42,6 +45,24 @@ void for_each_tensor(W& w, Fn&& fn) {
   fn("model.norm.weight", w.final_norm, true);
   fn("lm_head.weight", w.lm_head, true);
 }
+
+uint64_t stream_seed(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the name, then mixed with the seed
+  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
+  uint64_t z = h ^ (seed + 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+at::Tensor normal(const std::vector<int64_t>& shape, double std, uint64_t seed, const std::string& name) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(stream_seed(seed, name));
+  return at::empty(shape, at::kFloat).normal_(0.0, std, gen);
+}
+
+}  // namespace
+
+namespace detail {
 
 // The layer-tensor slots by their name suffix, so init and load fill the same fields.
 at::Tensor* layer_slot(LayerWeights& l, const std::string& suffix) {
@@ -94,20 +115,6 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> layer_shapes(const Mod
   return s;
 }
 
-uint64_t stream_seed(uint64_t seed, const std::string& name) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the name, then mixed with the seed
-  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
-  uint64_t z = h ^ (seed + 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-at::Tensor normal(const std::vector<int64_t>& shape, double std, uint64_t seed, const std::string& name) {
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(stream_seed(seed, name));
-  return at::empty(shape, at::kFloat).normal_(0.0, std, gen);
-}
-
 std::string expert_name(const std::string& layer_prefix, int64_t e, const std::string& suffix) {
   // "mlp.experts.gate_proj.weight" -> "<prefix>mlp.experts.<e>.gate_proj.weight"
   return layer_prefix + "mlp.experts." + std::to_string(e) + "." + suffix.substr(std::string("mlp.experts.").size());
@@ -117,7 +124,7 @@ at::ScalarType tensor_dtype(const std::string& suffix, at::ScalarType dtype) {
   return suffix.rfind("mlp.router.", 0) == 0 ? router_dtype(dtype) : dtype;
 }
 
-}  // namespace
+}  // namespace detail
 
 at::ScalarType parse_dtype(const std::string& name) {
   if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
@@ -129,7 +136,7 @@ at::ScalarType parse_dtype(const std::string& name) {
 std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for_each_tensor(w_, [&](const std::string& n, const at::Tensor& t, bool trainable) {
-    if (trainable) out.emplace_back(n, t);
+    if (trainable && t.defined()) out.emplace_back(n, t);  // undefined: served from NVFP4
   });
   return out;
 }
@@ -137,7 +144,16 @@ std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {
 Muse Muse::clone() const {
   at::NoGradGuard g;
   Weights w = w_;
-  for_each_tensor(w, [](const std::string&, at::Tensor& t, bool) { t = t.detach().clone(); });
+  for_each_tensor(w, [](const std::string&, at::Tensor& t, bool) {
+    if (t.defined()) t = t.detach().clone();
+  });
+  auto copy = [](at::Tensor& t) {
+    if (t.defined()) t = t.clone();
+  };
+  for (LayerWeights& l : w.layers)
+    for (kernels::Nvfp4Tensor* q : {&l.nvfp4.q_proj, &l.nvfp4.k_proj, &l.nvfp4.v_proj, &l.nvfp4.o_proj, &l.nvfp4.pooler,
+                                    &l.nvfp4.unpooler, &l.nvfp4.expert_gate, &l.nvfp4.expert_up, &l.nvfp4.expert_down})
+      for (at::Tensor* t : {&q->packed, &q->block_scale, &q->tensor_scale, &q->input_scale}) copy(*t);
   return Muse(cfg_, std::move(w));
 }
 
@@ -188,6 +204,7 @@ std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model) {
   const at::ScalarType store = parse_dtype(cfg.dtype);
   std::vector<std::pair<std::string, at::Tensor>> out;
   for_each_tensor(model.weights(), [&](const std::string& name, const at::Tensor& t, bool) {
+    if (!t.defined()) return;  // a linear served from its NVFP4 copy only
     const bool router = name.find(".mlp.router.") != std::string::npos;
     at::Tensor v = t.detach().to(router ? at::kFloat : store);
     const std::string marker = ".mlp.experts.";
@@ -216,13 +233,16 @@ void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_sha
   std::filesystem::rename(tmp, cfg_path);
 }
 
-Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device) {
-  ModelConfig cfg = ModelConfig::from_json_file(dir + "/config.json");
-  safetensors::Checkpoint ckpt = safetensors::Checkpoint::open(dir);
+namespace detail {
+
+Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, at::ScalarType dtype, at::Device device,
+                  const std::function<bool(int64_t, const std::string&)>& skip, const std::set<std::string>& extra) {
   std::set<std::string> expected = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"};
+  expected.insert(extra.begin(), extra.end());
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     const std::string prefix = "model.layers." + std::to_string(i) + ".";
     for (const auto& [suffix, shape] : layer_shapes(cfg)) {
+      if (skip && skip(i, suffix)) continue;
       if (!is_expert_stack(suffix)) expected.insert(prefix + suffix);
       else
         for (int64_t e = 0; e < cfg.num_experts; ++e) expected.insert(expert_name(prefix, e, suffix));
@@ -245,6 +265,7 @@ Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device de
     LayerWeights l;
     const std::string prefix = "model.layers." + std::to_string(i) + ".";
     for (const auto& [suffix, shape] : layer_shapes(cfg)) {
+      if (skip && skip(i, suffix)) continue;
       const at::ScalarType t = tensor_dtype(suffix, dtype);
       if (!is_expert_stack(suffix)) {
         *layer_slot(l, suffix) = load(prefix + suffix, shape, t);
@@ -258,6 +279,14 @@ Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device de
     w.layers.push_back(std::move(l));
   }
   return Muse(cfg, std::move(w));
+}
+
+}  // namespace detail
+
+Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device) {
+  if (is_nvfp4_checkpoint(dir)) return load_nvfp4_checkpoint(dir, dtype, device);
+  ModelConfig cfg = ModelConfig::from_json_file(dir + "/config.json");
+  return load_tensors(cfg, safetensors::Checkpoint::open(dir), dtype, device, {}, {});
 }
 
 }  // namespace kiln::model

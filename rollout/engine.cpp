@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "kernels/sampling.h"
+#include "model/nvfp4_model.h"
 #include "rollout/decode_graph.h"
 
 namespace kiln::rollout {
@@ -106,6 +107,10 @@ void EngineConfig::validate() const {
   KILN_CHECK(max_num_seqs > 0, "rollout config: max_num_seqs must be positive (got ", max_num_seqs, ")");
   KILN_CHECK(max_batch_tokens > 0, "rollout config: max_batch_tokens must be positive (got ", max_batch_tokens, ")");
   KILN_CHECK(prefill_chunk > 0, "rollout config: prefill_chunk must be positive (got ", prefill_chunk, ")");
+  KILN_CHECK(quantization == "none" || quantization == "nvfp4" || quantization == "w4a4",
+             "rollout config: quantization must be none, nvfp4 or w4a4 (got '", quantization, "')");
+  KILN_CHECK(quantization == "none" || !expert_group, "rollout config: quantization '", quantization,
+             "' is not supported with sharded (expert-parallel) engines yet; use parallel.rollout: replica");
 }
 
 // One sequence in the engine: a prompt being prefilled for its samples (a parent), or one sample.
@@ -172,6 +177,11 @@ struct Engine::Impl : model::AttentionBackend {
 
   Impl(const model::Muse& m, EngineConfig config) : model(m.clone()), cfg(m.config()), ec(config) {
     ec.validate();
+    if (ec.quantization != "none") {
+      // The GEMM kernels read their own sign-bit layout; the CPU reference reads ModelOpt's.
+      model::quantize_model(model, /*kernel_layout=*/model.device().is_cuda(), /*drop_dense=*/true);
+      for (auto& l : model.weights().layers) l.nvfp4.w4a4 = ec.quantization == "w4a4";
+    }
     B = ec.block_size;
     W = cfg.sliding_window;
     R = (W + B - 1) / B + 1;
@@ -726,15 +736,23 @@ std::vector<RequestOutput> Engine::generate(const std::vector<Request>& requests
 void Engine::update_weights(const std::vector<std::pair<std::string, at::Tensor>>& named) {
   at::NoGradGuard g;
   auto own = impl_->model.named_parameters();
-  KILN_CHECK(named.size() == own.size(), "rollout: update_weights got ", named.size(), " tensors, the model has ",
-             own.size());
-  for (size_t i = 0; i < own.size(); ++i) {
-    KILN_CHECK(named[i].first == own[i].first, "rollout: update_weights tensor ", i, " is ", named[i].first,
-               ", expected ", own[i].first);
-    KILN_CHECK(named[i].second.sizes() == own[i].second.sizes(), "rollout: update_weights tensor ", own[i].first,
-               " has shape ", named[i].second.sizes(), ", expected ", own[i].second.sizes());
-    own[i].second.copy_(named[i].second);
+  std::map<std::string, at::Tensor> by_name(own.begin(), own.end());
+  size_t copied = 0;
+  for (const auto& [name, t] : named) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) {
+      // A linear served from NVFP4: re-quantised from the trainer's weights.
+      KILN_CHECK(model::requantize(impl_->model, name, t), "rollout: update_weights got tensor ", name,
+                 ", which the model does not have");
+      continue;
+    }
+    KILN_CHECK(t.sizes() == it->second.sizes(), "rollout: update_weights tensor ", name, " has shape ", t.sizes(),
+               ", expected ", it->second.sizes());
+    it->second.copy_(t);
+    ++copied;
   }
+  KILN_CHECK(copied == own.size(), "rollout: update_weights covered ", copied, " of the model's ", own.size(),
+             " tensors; pass every tensor of Muse::named_parameters()");
 }
 
 EngineStats Engine::stats() const {

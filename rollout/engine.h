@@ -56,6 +56,11 @@ struct EngineConfig {
   int64_t prefill_chunk = 512;          // longest prefill piece of one sequence per step
   bool cuda_graphs = true;              // pure decode steps of a bf16 CUDA model replay captured
                                         // graphs (rollout/decode_graph.h); false: run eagerly
+  // Weights served: "none" (the model's dtype), "nvfp4" (W4A16: NVFP4 weights, the model's dtype
+  // for activations) or "w4a4" (activations quantised too: Blackwell numerics, emulated). NVFP4
+  // copies the model already holds (an NVFP4 checkpoint's) are served as they are; the rest are
+  // quantised from the dense weights. update_weights() re-quantises.
+  std::string quantization = "none";
   const comm::Group* expert_group = nullptr;  // the model is an expert shard (model/expert_parallel.h):
                                         // generate() steps in lockstep with the group's engines, a
                                         // rank without work joining each exchange with one dummy

@@ -18,5 +18,6 @@ Run add_train(CLI::App& app);
 Run add_sft(CLI::App& app);
 Run add_plot(CLI::App& app);
 Run add_generate(CLI::App& app);
+Run add_quantize(CLI::App& app);
 
 }  // namespace kiln::tools

@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
       {"sft", kiln::tools::add_sft(app)},
       {"plot", kiln::tools::add_plot(app)},
       {"generate", kiln::tools::add_generate(app)},
+      {"quantize", kiln::tools::add_quantize(app)},
   };
   try {
     app.parse(argc, argv);

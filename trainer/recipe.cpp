@@ -183,6 +183,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     ro.get("max_batch_tokens", g.engine.max_batch_tokens);
     ro.get("prefill_chunk", g.engine.prefill_chunk);
     ro.get("cuda_graphs", g.engine.cuda_graphs);
+    ro.get("quantization", g.engine.quantization);
     ro.finish();
   }
   {
@@ -274,6 +275,7 @@ std::string Recipe::to_yaml() const {
     << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key
     << "max_batch_tokens" << YAML::Value << g.engine.max_batch_tokens << YAML::Key << "prefill_chunk"
     << YAML::Value << g.engine.prefill_chunk << YAML::Key << "cuda_graphs" << YAML::Value << g.engine.cuda_graphs
+    << YAML::Key << "quantization" << YAML::Value << g.engine.quantization
     << YAML::EndMap;
   e << YAML::Key << "reward" << YAML::Value << YAML::BeginMap << YAML::Key << "correct" << YAML::Value
     << g.reward.correct << YAML::Key << "format" << YAML::Value << g.reward.format << YAML::EndMap;

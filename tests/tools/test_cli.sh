@@ -125,6 +125,20 @@ check_fails "plot without metrics" "cannot open" "$kiln" plot "$tmp/none"
 check "sft runs and writes weights" "sft: done" "$kiln" sft "$tmp/recipe.yaml" --steps 3 --out "$tmp/run"
 [ "$(wc -l < "$tmp/run/sft-metrics.jsonl")" = 3 ] || { echo "FAIL: sft-metrics.jsonl lacks 3 lines"; fails=$((fails+1)); }
 check "train from the sft weights" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 1 --out "$tmp/run2" --init-from "$tmp/run/sft"
+# kiln quantize: an NVFP4 checkpoint (ModelOpt names), GRPO with an NVFP4 rollout from it, errors.
+sed 's/^hidden_size: 16/hidden_size: 32/; s/^latent_size: 8/latent_size: 16/; s/^expert_ffn_size: 8/expert_ffn_size: 16/;
+     s/^head_dim: 8/head_dim: 16/; s/^name: micro128/name: micronv/' "$tmp/micro128.yaml" > "$tmp/micronv.yaml"
+check "init for quantize" "wrote micronv" "$kiln" init "$tmp/micronv.yaml" "$tmp/nvbf16"
+check "quantize" "wrote NVFP4 micronv" "$kiln" quantize "$tmp/nvbf16" "$tmp/nvfp4" --calib-seqs 2 --calib-len 16
+grep -q '"quant_algo": "NVFP4"' "$tmp/nvfp4/hf_quant_config.json" || { echo "FAIL: hf_quant_config.json lacks NVFP4"; fails=$((fails+1)); }
+check_fails "quantize twice" "already an NVFP4 checkpoint" "$kiln" quantize "$tmp/nvfp4" "$tmp/x"
+check_fails "quantize K % 16" "multiple of 16" "$kiln" quantize "$tmp/ckpt" "$tmp/x"
+sed "s|config: $tmp/micro128.yaml|config: $tmp/micronv.yaml|; s/^  kv_cache_mb: 4/  kv_cache_mb: 4\n  quantization: nvfp4/" \
+  "$tmp/recipe.yaml" > "$tmp/nv.yaml"
+check "train with an NVFP4 rollout" "train: done" "$kiln" train "$tmp/nv.yaml" --steps 2 --out "$tmp/nvrun" --init-from "$tmp/nvfp4"
+grep -q "quantization: nvfp4" "$tmp/nvrun/recipe.yaml" || { echo "FAIL: resolved recipe lacks quantization"; fails=$((fails+1)); }
+sed 's/quantization: nvfp4/quantization: int4/' "$tmp/nv.yaml" > "$tmp/nvbad.yaml"
+check_fails "bad quantization" "quantization must be none, nvfp4 or w4a4" "$kiln" train "$tmp/nvbad.yaml" --steps 1 --out "$tmp/nvbad"
 # Optimizer keys: state on NVMe with a rule, and their errors with file, line and key.
 mkdir -p "$tmp/nvme"
 { cat "$tmp/recipe.yaml"; printf 'optim:\n  state: nvme\n  nvme_dir: %s\n  chunk_mb: 0.01\n  rules:\n    - {match: "*experts*", optimizer: adamw}\n' "$tmp/nvme"; } > "$tmp/nvme.yaml"
