@@ -200,8 +200,7 @@ Nvfp4Tensor nvfp4_quantize(const at::Tensor& w) {
 
 at::Tensor nvfp4_dequantize(const Nvfp4Tensor& q, at::ScalarType dtype) {
 #if KILN_WITH_CUDA
-  if (q.packed.is_cuda())
-    return nvfp4_dequantize_cuda(q.kernel_layout ? nvfp4_to_modelopt_layout(q) : q, dtype);
+  if (q.packed.is_cuda()) return nvfp4_dequantize_cuda(q, dtype);
 #endif
   return nvfp4_dequantize_reference(q, dtype).to(q.packed.device());
 }
@@ -315,12 +314,30 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
   return y;
 }
 
+#if KILN_WITH_CUDA
+namespace {
+
+constexpr int64_t kFusedMaxRows = 64;  // rows (per expert) up to which the fused W4A16 kernels run
+
+// Codes times block scales (exact in bf16), in x's dtype, on the GPU.
+at::Tensor unit_dequantize(const Nvfp4Tensor& w, const at::Tensor& x) {
+  Nvfp4Tensor unit = w;
+  unit.tensor_scale = at::ones_like(w.tensor_scale);
+  return nvfp4_dequantize_cuda(unit, x.scalar_type());
+}
+
+}  // namespace
+#endif
+
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt) {
 #if KILN_WITH_CUDA
   const bool supported = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
   if (x.is_cuda() && supported && w.kernel_layout && !w.stacked()) {
-    auto [xin, extra] = gemm_input(x, opt);
-    return nvfp4_linear_cuda(xin.to(x.scalar_type()), w, extra);
+    auto [xq, extra] = gemm_input(x, opt);
+    at::Tensor xin = xq.to(x.scalar_type());
+    if (x.size(0) <= kFusedMaxRows) return nvfp4_linear_cuda(xin, w, extra);
+    at::Tensor y = at::linear(xin, unit_dequantize(w, x)) * w.tensor_scale;  // 0-dim: keeps x's dtype
+    return extra.defined() ? y * extra : y;
   }
 #endif
   return nvfp4_linear_reference(x, w, opt);
@@ -331,8 +348,21 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
 #if KILN_WITH_CUDA
   const bool supported = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
   if (x.is_cuda() && supported && w.kernel_layout && w.stacked()) {
-    auto [xin, extra] = gemm_input(x, opt);
-    return nvfp4_grouped_linear_cuda(xin.to(x.scalar_type()), w, offsets, extra);
+    auto [xq, extra] = gemm_input(x, opt);
+    at::Tensor xin = xq.to(x.scalar_type());
+    const int64_t E = w.packed.size(0);
+    if (x.size(0) <= kFusedMaxRows * E) return nvfp4_grouped_linear_cuda(xin, w, offsets, extra);
+    // Prefill: one cuBLAS GEMM per expert on its dequantised weights (one expert's at a time).
+    at::Tensor off = offsets.cpu();
+    const int64_t* o = off.data_ptr<int64_t>();
+    at::Tensor y = at::empty({x.size(0), w.rows()}, x.options());
+    for (int64_t e = 0; e < E; ++e) {
+      if (o[e + 1] == o[e]) continue;
+      Nvfp4Tensor one{w.packed[e], w.block_scale[e], w.tensor_scale[e], true};
+      at::Tensor part = at::linear(xin.narrow(0, o[e], o[e + 1] - o[e]), unit_dequantize(one, x)) * one.tensor_scale;
+      y.narrow(0, o[e], o[e + 1] - o[e]).copy_(extra.defined() ? part * extra : part);
+    }
+    return y;
   }
 #endif
   return nvfp4_grouped_linear_reference(x, w, offsets, opt);

@@ -139,14 +139,25 @@ __global__ void quantize_kernel(const T* __restrict__ w, int64_t blocks_per_matr
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dequantise (ModelOpt layout): one thread per 16-value block.
+// Dequantise: one thread per 16-value block. The kernel layout's sign bits are put back first.
+__device__ __forceinline__ uint32_t modelopt_word(uint32_t w) {
+  uint32_t out = w & 0x77777777u;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    out |= ((w >> (4 * p + 3)) & 1u) << (8 * p + 3);   // element 2p
+    out |= ((w >> (4 * p + 19)) & 1u) << (8 * p + 7);  // element 2p + 1
+  }
+  return out;
+}
+
 template <typename T>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ block_scale,
                                   const float* __restrict__ tensor_scale, int64_t blocks_per_matrix, int64_t num_blocks,
-                                  T* __restrict__ out) {
+                                  bool kernel_layout, T* __restrict__ out) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_blocks; i += int64_t(gridDim.x) * blockDim.x) {
     const float scale = e4m3_decode(block_scale[i]) * tensor_scale[i / blocks_per_matrix];
-    const uint2 u = reinterpret_cast<const uint2*>(packed)[i];
+    uint2 u = reinterpret_cast<const uint2*>(packed)[i];
+    if (kernel_layout) u = make_uint2(modelopt_word(u.x), modelopt_word(u.y));
     T* o = out + i * kBlock;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -601,7 +612,8 @@ cudaError_t launch_nvfp4_quantize(const void* w, Nvfp4DType dtype, int64_t E, in
 }
 
 cudaError_t launch_nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_scale, const float* tensor_scale,
-                                    int64_t E, int64_t N, int64_t K, void* out, Nvfp4DType dtype, cudaStream_t stream) {
+                                    int64_t E, int64_t N, int64_t K, bool kernel_layout, void* out, Nvfp4DType dtype,
+                                    cudaStream_t stream) {
   const int64_t blocks = E * N * K / kBlock;
   if (blocks == 0) return cudaSuccess;
   constexpr int kThreads = 256;
@@ -609,16 +621,16 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_
   const int64_t per = N * K / kBlock;
   switch (dtype) {
     case Nvfp4DType::kFloat32:
-      dequantize_kernel<float><<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, per, blocks,
-                                                              static_cast<float*>(out));
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, per, blocks, kernel_layout,
+                                                       static_cast<float*>(out));
       break;
     case Nvfp4DType::kBFloat16:
-      dequantize_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, per, blocks,
-                                                                      static_cast<__nv_bfloat16*>(out));
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, per, blocks, kernel_layout,
+                                                       static_cast<__nv_bfloat16*>(out));
       break;
     case Nvfp4DType::kFloat16:
-      dequantize_kernel<__half><<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, per, blocks,
-                                                               static_cast<__half*>(out));
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, per, blocks, kernel_layout,
+                                                       static_cast<__half*>(out));
       break;
   }
   return cudaGetLastError();

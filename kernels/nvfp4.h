@@ -73,6 +73,10 @@ at::Tensor nvfp4_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, con
 at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                           const Nvfp4LinearOptions& opt = {});
 // Dispatch: the CUDA GEMMs for CUDA bf16/fp32 inputs with kernel-layout weights, else the references.
+// The fused kernels decode the weights once per 64 rows, so larger calls (prefill) dequantise the
+// codes times block scales (exact in bf16) and run cuBLAS / one GEMM per expert, the tensor scale
+// applied to the rounded product (one extra rounding). The grouped large path reads the offsets
+// on the host: it runs above 64 rows per expert, which a CUDA-graph decode step never reaches.
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                 const Nvfp4LinearOptions& opt = {});
@@ -82,7 +86,7 @@ at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor
 
 // The CUDA kernels (nvfp4_cuda.cpp); each throws in builds without CUDA. Inputs on one CUDA device.
 Nvfp4Tensor nvfp4_quantize_cuda(const at::Tensor& w);                       // bit-exact to the reference
-at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype);  // ModelOpt layout
+at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype);  // either layout
 // x bf16 or fp32 [M, K] (fp32 is split into two bf16 terms, hi + lo, ~16 mantissa bits); w in the
 // kernel layout; `scale` an fp32 scalar tensor multiplied into the epilogue with s2 (undefined = 1).
 at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale);

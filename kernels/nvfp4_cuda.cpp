@@ -88,7 +88,6 @@ at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype) {
 #if KILN_WITH_CUDA
   nvfp4_check(q, "nvfp4_dequantize_cuda");
   KILN_CHECK(q.packed.is_cuda(), "nvfp4_dequantize_cuda: weights must be on a CUDA device (got ", q.packed.device(), ")");
-  if (q.kernel_layout) return nvfp4_dequantize_cuda(nvfp4_to_modelopt_layout(q), dtype);
   KILN_CHECK(at::isFloatingType(dtype), "nvfp4_dequantize_cuda: the output dtype must be floating point (got ", dtype, ")");
   const c10::cuda::CUDAGuard guard(q.packed.device());
   const int64_t E = q.stacked() ? q.packed.size(0) : 1, N = q.rows(), K = q.cols();
@@ -100,7 +99,7 @@ at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype) {
   at::Tensor out = at::empty(shape, q.packed.options().dtype(direct ? dtype : at::kFloat));
   const cudaError_t err =
       launch_nvfp4_dequantize(packed.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s2.data_ptr<float>(), E, N, K,
-                              out.data_ptr(), dtype_of(out.scalar_type()), c10::cuda::getCurrentCUDAStream());
+                              q.kernel_layout, out.data_ptr(), dtype_of(out.scalar_type()), c10::cuda::getCurrentCUDAStream());
   KILN_CHECK(err == cudaSuccess, "nvfp4_dequantize_cuda: kernel launch failed: ", cudaGetErrorString(err));
   return direct ? out : out.to(dtype);  // the reference also rounds from fp32
 #else

@@ -17,9 +17,11 @@ enum class Nvfp4DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 cudaError_t launch_nvfp4_quantize(const void* w, Nvfp4DType dtype, int64_t E, int64_t N, int64_t K, uint8_t* packed,
                                   uint8_t* block_scale, float* tensor_scale, uint32_t* amax_ws, cudaStream_t stream);
 
-// ModelOpt layout -> out [E, N, K] in `dtype` (any of the three): e2m1 * (e4m3(sf) * s2) in fp32.
+// ModelOpt (or, with kernel_layout, the kernel's) layout -> out [E, N, K] in `dtype` (any of the
+// three): e2m1 * (e4m3(sf) * s2) in fp32.
 cudaError_t launch_nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_scale, const float* tensor_scale,
-                                    int64_t E, int64_t N, int64_t K, void* out, Nvfp4DType dtype, cudaStream_t stream);
+                                    int64_t E, int64_t N, int64_t K, bool kernel_layout, void* out, Nvfp4DType dtype,
+                                    cudaStream_t stream);
 
 // y [M, N] = (x [M, K] . (e2m1 * sf)^T) * s2 * (*scale), FP32 accumulation, y in x's dtype
 // (kFloat32 or kBFloat16; fp32 x runs as two bf16 terms hi + lo). packed [N, K/2] in the kernel

@@ -169,14 +169,16 @@ double copy_bandwidth(at::Device device) {
   return 2.0 * double(a.numel()) / t;  // read + write
 }
 
-void bench_decode(at::Device device, const std::string& config, int64_t prompt_len, int64_t gen) {
+void bench_decode(at::Device device, const std::string& config, int64_t prompt_len, int64_t gen,
+                  const std::string& quantization) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
   const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   model::Muse m = model::Muse::init(cfg, 0, dtype, device);
   const double bw = copy_bandwidth(device);
   const double elem = double(c10::elementSize(dtype));
-  fmt::print("decode: {} in {} on {}, prompt {} tokens, {} generated per sample; copy bandwidth {:.0f} GB/s\n",
-             cfg.name, at::toString(dtype), device.str(), prompt_len, gen, bw / 1e9);
+  fmt::print("decode: {} in {} on {}{}, prompt {} tokens, {} generated per sample; copy bandwidth {:.0f} GB/s\n",
+             cfg.name, at::toString(dtype), device.str(), quantization == "none" ? "" : ", weights " + quantization,
+             prompt_len, gen, bw / 1e9);
   // On CUDA the engine's decode replays captured graphs; the eager engine is measured beside it.
   const bool graphs = device.is_cuda();
   fmt::print("{:>6} {:>12} {:>12} {:>14} {:>9} {:>14} {:>10}\n", "batch", "engine tok/s", "eager tok/s",
@@ -225,15 +227,18 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
                           1e3 * (s1.sample_seconds - s0.sample_seconds) / steps);
       return double(engine.stats().sampled_tokens - first) / s;
     };
-    auto measure = [&](bool use_graphs) {
+    auto measure = [&](bool use_graphs, const std::string& quant) {
       ec.cuda_graphs = use_graphs;
+      ec.quantization = quant;
       rollout::Engine engine(m, ec);
       if (device.is_cuda()) run(engine);
       return run(engine);
     };
-    const double engine_tps = measure(graphs);
+    const double engine_tps = measure(graphs, quantization);
     const std::string engine_split = split;
-    const double eager_tps = graphs ? measure(false) : engine_tps;
+    const double eager_tps = graphs ? measure(false, quantization) : engine_tps;
+    // A quantised engine is also compared with the unquantised one on the same requests.
+    const double plain_tps = quantization == "none" ? engine_tps : measure(graphs, "none");
     // Baseline: recompute the whole sequences for each new token (no KV cache).
     const int64_t steps = device.is_cuda() ? 3 : 1;
     std::vector<std::vector<int64_t>> seqs;
@@ -258,6 +263,9 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
     fmt::print("{:>6} {:>12.1f} {:>12.1f} {:>14.1f} {:>8.1f}x {:>14.1f} {:>9.1f}%\n", batch, engine_tps, eager_tps, recompute_tps,
                engine_tps / recompute_tps, roof_tps, 100.0 * engine_tps / roof_tps);
     fmt::print("       engine decode: {}\n", engine_split);
+    if (quantization != "none")
+      fmt::print("       {} engine {:.1f} tok/s vs {} engine {:.1f} tok/s: {:.2f}x\n", quantization, engine_tps,
+                 at::toString(dtype), plain_tps, engine_tps / plain_tps);
   }
 }
 
@@ -266,7 +274,8 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
 Run add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench", "Benchmarks, each against a baseline timed in the same run");
   struct Args {
-    std::string name, device = "cuda", config = "configs/muse-small.yaml", model, nvme_dir = "/tmp";
+    std::string name, device = "cuda", config = "configs/muse-small.yaml", model, nvme_dir = "/tmp",
+                quantization = "none";
     double chunk_mb = 64;
     int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192;
   };
@@ -282,12 +291,14 @@ Run add_bench(CLI::App& app) {
   cmd->add_option("--gen", a->gen, "Generated tokens per sample (decode)")->capture_default_str();
   cmd->add_option("--nvme-dir", a->nvme_dir, "Directory for the NVMe state (optim)")->capture_default_str();
   cmd->add_option("--chunk-mb", a->chunk_mb, "Optimizer state chunk in MiB (optim)")->capture_default_str();
+  cmd->add_option("--quantization", a->quantization, "Rollout weights (decode): none, nvfp4 or w4a4")
+      ->capture_default_str();
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->capture_default_str();
   return [a] {
     const at::Device device(a->device);
     const std::string config = a->model.empty() ? a->config : a->model;
     if (a->name == "rmsnorm") bench_rmsnorm(device);
-    else if (a->name == "decode") bench_decode(device, config, a->len, a->gen);
+    else if (a->name == "decode") bench_decode(device, config, a->len, a->gen, a->quantization);
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
     else if (a->name == "nvfp4") bench_nvfp4(device);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build kiln against torch's libtorch with CUDA, run the cuda tests (and the cpu
-# tests of the same build), then the benchmarks. Logs go to $OUT when set (the device tool).
+# tests of the same build), then the benchmarks and GRPO smoke runs, newest work first (a run cut
+# short by the device's time limit keeps what it did). Logs go to $OUT when set (the device tool).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/kiln-gpu}"; mkdir -p "$out"
@@ -8,6 +9,16 @@ jobs=$(nproc)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH="/usr/local/cuda/bin:$PATH"
 step() { echo; echo "=== $* ($(date +%T))"; }
+mismatch_report() {  # mismatch_report <metrics.jsonl>: per step, R3 on and off
+  python3 - "$1" <<'PY'
+import sys, json
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"mismatch"' in l]
+for m in rows:
+    on, off = m["mismatch"], m["mismatch_no_replay"]
+    print(f"step {m['step']}: R3 on  mean|dlp| seq {on['mean_abs_seq']:.3e} tok {on['mean_abs_token']:.3e} max {on['max_abs']:.3e} k3 {on['k3_kl']:.3e} out[0.5,2] {on['frac_outside']:.2e}")
+    print(f"        R3 off mean|dlp| seq {off['mean_abs_seq']:.3e} tok {off['mean_abs_token']:.3e} max {off['max_abs']:.3e} k3 {off['k3_kl']:.3e} out[0.5,2] {off['frac_outside']:.2e}; routing disagreement {m['routing_disagreement']:.4f}; rollout {m['rollout_seconds']:.2f} s, train {m['train_seconds']:.2f} s")
+PY
+}
 
 step environment
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -28,7 +39,7 @@ cmake --build build-gpu -j"$jobs" > "$out/build.log" 2>&1 || { grep -E "error|FA
 echo "built in $(( $(date +%s) - start )) s"
 
 step "ctest -L cuda"
-(cd build-gpu && ctest -L cuda --output-on-failure -V 2>&1 | tee "$out/ctest-cuda.log" | grep -E "bf16|agreement|Passed|Failed|tests passed|FAIL|Error" )
+(cd build-gpu && ctest -L cuda --output-on-failure -V 2>&1 | tee "$out/ctest-cuda.log" | grep -E "bf16|agreement|nvfp4|Passed|Failed|tests passed|FAIL|Error|Failure|Expected|Which is|actual|diff" | head -150)
 step "ctest -L cpu (same CUDA build; the CLI run is left to CI: it takes minutes)"
 (cd build-gpu && OMP_NUM_THREADS=2 ctest -L cpu -E kiln_cli -j"$(( jobs / 2 ))" --output-on-failure 2>&1 | tee "$out/ctest-cpu.log" | tail -15)
 
@@ -40,6 +51,12 @@ for o in lp.safetensors lp.h5; do
     --tokens "$(seq -s, 40 100)" --out "$tmp/$o" > /dev/null
 done
 python3 tests/interop/check_outputs.py "$tmp/ckpt" "$tmp/lp.safetensors" "$tmp/lp.h5" 2>&1 | tee "$out/interop.txt"
+./build-gpu/kiln quantize "$tmp/ckpt" "$tmp/nvfp4" > /dev/null
+for o in nv.safetensors nv.h5; do
+  ./build-gpu/kiln forward --model "$tmp/nvfp4" --tokens "72,101,108,108,111,32,49,43,50,61,51" --tokens "$(seq -s, 40 100)" \
+    --out "$tmp/$o" > /dev/null
+done
+python3 tests/interop/check_outputs.py "$tmp/nvfp4" "$tmp/nv.safetensors" "$tmp/nv.h5" 2>&1 | tee -a "$out/interop.txt"
 ./build-gpu/kiln generate --model "$tmp/ckpt" --prompt "12+34=" --prompt "ids:1,2,3" -n 3 --max-tokens 9 --quiet --out "$tmp/s.h5"
 python3 - "$tmp/s.h5" <<'PY' 2>&1 | tee -a "$out/interop.txt"
 import sys, h5py, numpy as np
@@ -57,21 +74,26 @@ step "bench nvfp4 (W4A16 GEMMs vs BF16)"
 ./build-gpu/kiln bench nvfp4 --device cuda 2>&1 | tee "$out/bench-nvfp4.txt"
 step "bench decode (muse-small)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 2>&1 | tee "$out/bench-decode.txt"
+step "bench decode (muse-small, NVFP4 W4A16 weights, against the bf16 engine)"
+./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 2>&1 | tee "$out/bench-decode-nvfp4.txt"
+step "GRPO smoke run: muse-small, bf16 trainer and rollout, R3 on and off"
+./build-gpu/kiln train recipes/grpo-arith-small-gpu.yaml --out "$tmp/small" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -5
+mismatch_report "$tmp/small/metrics.jsonl" | tee "$out/grpo-small.txt"
+step "GRPO mismatch with an NVFP4 rollout: muse-small from an NVFP4 checkpoint, bf16 trainer dequantised from it"
+./build-gpu/kiln init configs/muse-small.yaml "$tmp/small-bf16" --device cuda > /dev/null
+./build-gpu/kiln quantize "$tmp/small-bf16" "$tmp/small-nvfp4" --device cuda
+for q in none nvfp4 w4a4; do
+  sed "s/^  quantization: nvfp4 /  quantization: $q /" recipes/grpo-arith-small-nvfp4-gpu.yaml > "$tmp/nv-$q.yaml"
+  sed -i "s|config: ../configs|config: $PWD/configs|" "$tmp/nv-$q.yaml"
+  ./build-gpu/kiln train "$tmp/nv-$q.yaml" --init-from "$tmp/small-nvfp4" --out "$tmp/nv-$q" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
+  echo "rollout quantization: $q" | tee -a "$out/grpo-small-nvfp4.txt"
+  mismatch_report "$tmp/nv-$q/metrics.jsonl" | tee -a "$out/grpo-small-nvfp4.txt"
+done
 step "bench train (muse-small, 8192 packed tokens)"
 ./build-gpu/kiln bench train configs/muse-small.yaml --device cuda 2>&1 | tee "$out/bench-train.txt"
 step "bench optim (muse-small; NVMe state under /tmp)"
 mkdir -p /tmp/kiln-nvme
 ./build-gpu/kiln bench optim --device cuda --config configs/muse-small.yaml --nvme-dir /tmp/kiln-nvme 2>&1 | tee "$out/bench-optim.txt"
-step "GRPO smoke run: muse-small, bf16 trainer and rollout, R3 on and off"
-./build-gpu/kiln train recipes/grpo-arith-small-gpu.yaml --out "$tmp/small" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -5
-python3 - "$tmp/small/metrics.jsonl" <<'PY' 2>&1 | tee "$out/grpo-small.txt"
-import sys, json
-rows = [json.loads(l) for l in open(sys.argv[1]) if '"mismatch"' in l]
-for m in rows:
-    on, off = m["mismatch"], m["mismatch_no_replay"]
-    print(f"step {m['step']}: R3 on  mean|dlp| seq {on['mean_abs_seq']:.3e} tok {on['mean_abs_token']:.3e} max {on['max_abs']:.3e} k3 {on['k3_kl']:.3e} out[0.5,2] {on['frac_outside']:.2e}")
-    print(f"        R3 off mean|dlp| seq {off['mean_abs_seq']:.3e} tok {off['mean_abs_token']:.3e} max {off['max_abs']:.3e} k3 {off['k3_kl']:.3e} out[0.5,2] {off['frac_outside']:.2e}; routing disagreement {m['routing_disagreement']:.4f}; rollout {m['rollout_seconds']:.2f} s, train {m['train_seconds']:.2f} s")
-PY
 step "bench forward (muse-small)"
 ./build-gpu/kiln bench forward --device cuda --config configs/muse-small.yaml --seqs 8 --len 1024 2>&1 | tee "$out/bench-forward.txt"
 step done

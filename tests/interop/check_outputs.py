@@ -1,14 +1,35 @@
 #!/usr/bin/env python3
 """Reads kiln's files with the Python ecosystem's own readers (safetensors, h5py) and recomputes the
-log-probs with a separate PyTorch implementation of MUSE.md §3 written here from the spec.
+log-probs with a separate PyTorch implementation of MUSE.md §3 written here from the spec. An NVFP4
+checkpoint (hf_quant_config.json) is decoded here from MUSE.md §6 first.
 Usage: check_outputs.py <checkpoint dir> <logprobs.safetensors> <logprobs.h5>"""
 import json
 import math
+import os
 import sys
 
 import h5py
 import torch
 from safetensors.torch import load_file
+
+
+E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def dequantize_nvfp4(sd):
+    """Replaces every NVFP4 linear (U8 codes, F8_E4M3 block scales, F32 tensor scale) by its fp32 values."""
+    count = 0
+    for name in [n for n in sd if n.endswith(".weight_scale")]:
+        base = name[: -len("_scale")]
+        packed = sd.pop(base)
+        assert packed.dtype == torch.uint8 and sd[name].dtype == torch.float8_e4m3fn, f"{base}: dtypes"
+        assert sd[base + "_scale_2"].numel() == 1 and sd[name].shape[-1] * 8 == packed.shape[-1], f"{base}: shapes"
+        codes = torch.stack([packed & 15, packed >> 4], -1).flatten(-2).long()  # element 0 in the low nibble
+        scale = (sd.pop(name).float() * sd.pop(base + "_scale_2").float()).repeat_interleave(16, -1)
+        sd[base] = E2M1[codes] * scale
+        sd.pop(base.replace(".weight", ".input_scale"), None)
+        count += 1
+    return count
 
 
 def rms(x, w, eps):
@@ -73,6 +94,7 @@ def main():
     ckpt, st_path, h5_path = sys.argv[1:4]
     cfg = json.load(open(f"{ckpt}/config.json"))
     sd = load_file(f"{ckpt}/model.safetensors")
+    nvfp4 = dequantize_nvfp4(sd) if os.path.exists(f"{ckpt}/hf_quant_config.json") else 0
     assert sd["model.layers.0.mlp.router.weight"].dtype == torch.float32, "router must be F32"
     st = load_file(st_path)
     with h5py.File(h5_path, "r") as f:
@@ -89,7 +111,8 @@ def main():
         assert torch.isnan(got[0]) and torch.isnan(ref[0])
         worst = max(worst, (got[1:] - ref[1:]).abs().max().item() if len(toks) > 1 else 0.0)
         assert torch.equal(st["routing"][cu[s]:cu[s + 1]].long(), routing), f"sequence {s}: routing differs"
-    print(f"interop: safetensors + h5py read kiln's files; PyTorch re-implementation max |dlogprob| = {worst:.2e}")
+    what = f"NVFP4 checkpoint ({nvfp4} quantised linears decoded here)" if nvfp4 else "checkpoint"
+    print(f"interop: {what}: safetensors + h5py read kiln's files; PyTorch re-implementation max |dlogprob| = {worst:.2e}")
     assert worst < 1e-4, "log-probs differ from the PyTorch re-implementation"
 
 

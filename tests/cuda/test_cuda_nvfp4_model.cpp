@@ -1,0 +1,177 @@
+// NVFP4 serving on the GPU: the dispatcher's prefill paths (dequantise + cuBLAS, one GEMM per
+// expert) and W4A4 against the CPU references, dequantisation from the kernel layout, a Muse
+// served from NVFP4 against its dequantisation and against the CPU reference, and the engine's
+// CUDA-graph decode over NVFP4 weights with a re-quantising weight sync.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "kernels/nvfp4.h"
+#include "model/nvfp4_model.h"
+#include "rollout/engine.h"
+#include "tests/cuda/cuda_util.h"
+#include "tests/test_util.h"
+
+namespace kiln {
+namespace {
+
+using kernels::Nvfp4Tensor;
+
+// |got - ref| <= rtol |ref| + atol * max|ref|, elementwise. bf16: two roundings (the product, then
+// the scaled product) on the prefill paths, so 2^-6.
+::testing::AssertionResult near_ref(const at::Tensor& got, const at::Tensor& ref, double rtol, double atol) {
+  at::Tensor g = got.cpu().to(at::kDouble), r = ref.cpu().to(at::kDouble);
+  const double scale = r.abs().max().item<double>();
+  at::Tensor bad = (g - r).abs() > r.abs() * rtol + atol * scale;
+  if (!bad.any().item<bool>()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad.sum().item<int64_t>() << " of " << r.numel()
+                                       << " elements off; max |diff| " << (g - r).abs().max().item<double>()
+                                       << " vs max |ref| " << scale;
+}
+
+TEST(CudaNvfp4Serving, PrefillPathsAndW4a4MatchTheReferences) {
+  at::manual_seed(21);
+  for (auto dtype : {at::kBFloat16, at::kFloat}) {
+    const double rtol = dtype == at::kFloat ? 1e-4 : 1.0 / 64, atol = dtype == at::kFloat ? 1e-5 : 1e-3;
+    Nvfp4Tensor q = kernels::nvfp4_quantize_reference(at::randn({111, 4112}) * 0.02);
+    Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+    for (int64_t M : {1, 19, 111, 4097}) {  // fused up to 64 rows, dequantise + cuBLAS above
+      at::Tensor x = at::randn({M, 4112}).to(dtype);
+      EXPECT_TRUE(near_ref(kernels::nvfp4_linear(x.cuda(), kq), kernels::nvfp4_linear_reference(x, q), rtol, atol))
+          << "M " << M << " " << dtype;
+      kernels::Nvfp4LinearOptions w4;
+      w4.w4a4 = true;  // dynamic activation scale, computed on the device
+      EXPECT_TRUE(near_ref(kernels::nvfp4_linear(x.cuda(), kq, w4), kernels::nvfp4_linear_reference(x, q, w4), rtol, atol))
+          << "W4A4 M " << M << " " << dtype;
+    }
+    // Grouped: 3 experts; 19 rows per expert on average runs fused, 300 runs one GEMM per expert.
+    Nvfp4Tensor gq = kernels::nvfp4_quantize_reference(at::randn({3, 48, 64}) * 0.1);
+    Nvfp4Tensor gk = kernels::nvfp4_to_kernel_layout(gq).to(at::kCUDA);
+    for (const std::vector<int64_t>& off : {std::vector<int64_t>{0, 19, 19, 57}, std::vector<int64_t>{0, 400, 401, 900}}) {
+      at::Tensor offsets = at::tensor(off, at::kLong);
+      at::Tensor x = at::randn({off.back(), 64}).to(dtype);
+      EXPECT_TRUE(near_ref(kernels::nvfp4_grouped_linear(x.cuda(), gk, offsets.cuda()),
+                           kernels::nvfp4_grouped_linear_reference(x, gq, offsets), rtol, atol))
+          << "grouped rows " << off.back() << " " << dtype;
+    }
+  }
+  // Dequantisation reads either layout; the on-device activation quantiser equals the CPU one.
+  Nvfp4Tensor q = kernels::nvfp4_quantize_reference(at::randn({19, 48}));
+  EXPECT_TRUE(test::all_equal(kernels::nvfp4_dequantize(kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA), at::kFloat).cpu(),
+                              kernels::nvfp4_dequantize_reference(q)));
+  at::Tensor x = at::randn({19, 48}), s, sc;
+  EXPECT_TRUE(test::all_equal(kernels::nvfp4_fake_quantize_activations(x.cuda(), at::Tensor(), &sc).cpu(),
+                              kernels::nvfp4_fake_quantize_activations(x, at::Tensor(), &s)));
+  EXPECT_EQ(sc.item<float>(), s.item<float>());
+}
+
+model::ModelConfig nvfp4_cuda_config() {
+  model::ModelConfig c = test::cuda_config();  // hidden 64, latent 32, experts 48 wide, head_dim 16
+  c.bf16_expert_layers = {3};
+  return c;
+}
+
+at::Tensor score(const model::Muse& m, const std::vector<std::vector<int64_t>>& seqs, at::Tensor* routing = nullptr) {
+  model::ForwardOptions o;
+  model::PackedBatch b = model::PackedBatch::from_sequences(seqs, m.device());
+  o.targets = (b.tokens * 7 + 3).remainder(m.config().vocab_size);
+  model::ForwardOutput out = m.forward(b, o);
+  if (routing) *routing = out.routing.cpu();
+  return out.logprobs.cpu().to(at::kDouble);
+}
+
+TEST(CudaNvfp4Serving, ModelServedFromNvfp4MatchesItsDequantisationAndTheCpuReference) {
+  const model::ModelConfig cfg = nvfp4_cuda_config();
+  model::Muse base = model::Muse::init(cfg, 5, at::kFloat, at::kCPU);
+  model::Muse served = test::to_device(base, at::kCUDA, at::kBFloat16);
+  model::quantize_model(served, /*kernel_layout=*/true, /*drop_dense=*/true);  // CUDA quantiser
+  model::Muse trainer = served.clone();
+  model::dequantize_model(trainer, at::kBFloat16);
+  // The CPU reference: the same codes (the CUDA quantiser is bit-exact; both quantise the
+  // bf16-rounded weights), fp32 activations.
+  model::Muse cpu_served = test::to_device(test::to_device(base, at::kCPU, at::kBFloat16), at::kCPU, at::kFloat);
+  model::quantize_model(cpu_served, /*kernel_layout=*/false, /*drop_dense=*/true);
+  EXPECT_TRUE(test::all_equal(kernels::nvfp4_to_modelopt_layout(served.weights().layers[0].nvfp4.expert_up).packed.cpu(),
+                              cpu_served.weights().layers[0].nvfp4.expert_up.packed));
+  std::vector<std::vector<int64_t>> seqs;  // 133 tokens: dense calls above 64 rows take the prefill path
+  for (int64_t s = 0; s < 3; ++s) {
+    std::vector<int64_t> t;
+    for (int64_t i = 0; i < 19 + 38 * s; ++i) t.push_back((i * 13 + s * 5 + 1) % cfg.vocab_size);
+    seqs.push_back(t);
+  }
+  for (auto batch : {seqs, std::vector<std::vector<int64_t>>{seqs[0]}}) {  // and 19 tokens: all fused
+    at::Tensor r_served, r_trainer;
+    at::Tensor a = score(served, batch, &r_served), b = score(trainer, batch, &r_trainer), c = score(cpu_served, batch);
+    const double ab = (a - b).abs().mean().item<double>(), ac = (a - c).abs().mean().item<double>();
+    const double agree = r_served.eq(r_trainer).to(at::kFloat).mean().item<double>();
+    std::printf("nvfp4 W4A16 bf16 GPU (%ld tokens): mean |dlp| vs its bf16 dequantisation %.3e, vs fp32 CPU reference "
+                "%.3e; routing agreement %.4f\n",
+                long(a.size(0)), ab, ac, agree);
+    EXPECT_LT(ab, 2e-2);  // bf16 noise, as bf16 CUDA vs fp32 CPU elsewhere (~1e-2)
+    EXPECT_LT(ac, 2e-2);
+    EXPECT_GT(agree, 0.9);
+  }
+}
+
+TEST(CudaNvfp4Serving, EngineDecodesNvfp4InCudaGraphsAndRequantisesOnSync) {
+  const model::ModelConfig cfg = nvfp4_cuda_config();
+  model::Muse m = test::to_device(model::Muse::init(cfg, 6, at::kFloat, at::kCPU), at::kCUDA, at::kBFloat16);
+  for (const char* mode : {"nvfp4", "w4a4"}) {
+    rollout::EngineConfig ec;
+    ec.quantization = mode;
+    ec.kv_cache_bytes = 4 << 20;
+    rollout::Engine engine(m, ec);
+    std::vector<rollout::Request> reqs;
+    for (int64_t r = 0; r < 5; ++r) {
+      rollout::Request q;
+      for (int64_t i = 0; i < 3 + 7 * r; ++i) q.prompt.push_back((i * 11 + r) % cfg.vocab_size);
+      q.params.n = 2;
+      q.params.max_tokens = 9;
+      q.params.seed = uint64_t(r);
+      reqs.push_back(q);
+    }
+    auto out = engine.generate(reqs);
+    EXPECT_GT(engine.stats().graph_steps, 0) << mode;
+    // The engine's log-probs are its NVFP4 model's: rescore the samples with that model's forward.
+    std::vector<std::vector<int64_t>> seqs;
+    std::vector<float> lps;
+    std::vector<int64_t> at_rows;
+    int64_t row = 0;
+    for (size_t r = 0; r < out.size(); ++r)
+      for (const auto& s : out[r].samples) {
+        std::vector<int64_t> t = reqs[r].prompt;
+        for (size_t i = 0; i < s.tokens.size(); ++i) {
+          at_rows.push_back(row + int64_t(t.size()) - 1);
+          lps.push_back(s.logprobs[i]);
+          t.push_back(s.tokens[i]);
+        }
+        row += int64_t(t.size());
+        seqs.push_back(t);
+      }
+    model::ForwardOptions o;
+    model::PackedBatch b = model::PackedBatch::from_sequences(seqs, at::kCUDA);
+    at::Tensor tokens = b.tokens.cpu(), targets = at::full({b.num_tokens()}, -100L, at::kLong);
+    for (int64_t r : at_rows) targets[r] = tokens[r + 1];  // the token sampled after row r
+    o.targets = targets.cuda();
+    at::Tensor rescored = engine.model().forward(b, o).logprobs.cpu();
+    double diff = 0;
+    for (size_t i = 0; i < at_rows.size(); ++i) diff += std::abs(rescored[at_rows[i]].item<double>() - lps[i]);
+    diff /= double(at_rows.size());
+    std::printf("nvfp4 engine (%s, graphs): mean |dlp| between decode and a rescoring forward %.3e over %zu tokens\n",
+                mode, diff, at_rows.size());
+    EXPECT_LT(diff, 3e-2) << mode;
+    // A full-weight sync re-quantises on the GPU, in place.
+    model::Muse next = m.clone();
+    for (auto& [name, t] : next.named_parameters()) t.mul_(-1);
+    const void* addr = engine.model().weights().layers[1].nvfp4.pooler.packed.data_ptr();
+    engine.update_weights(next.named_parameters());
+    const Nvfp4Tensor& q = engine.model().weights().layers[1].nvfp4.pooler;
+    EXPECT_EQ(q.packed.data_ptr(), addr);
+    EXPECT_TRUE(test::all_equal(kernels::nvfp4_to_modelopt_layout(q).packed.cpu(),
+                                kernels::nvfp4_quantize_reference(next.weights().layers[1].pooler.cpu()).packed));
+    auto again = engine.generate(reqs);
+    EXPECT_EQ(again.size(), reqs.size());
+  }
+}
+
+}  // namespace
+}  // namespace kiln
