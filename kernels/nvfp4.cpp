@@ -177,7 +177,7 @@ Nvfp4Tensor nvfp4_quantize_reference(const at::Tensor& w) {
     s.push_back(q.block_scale);
     t.push_back(q.tensor_scale);
   }
-  return {at::stack(p), at::stack(s), at::stack(t)};
+  return {at::stack(p), at::stack(s), at::stack(t), false, at::Tensor()};
 }
 
 at::Tensor nvfp4_dequantize_reference(const Nvfp4Tensor& q, at::ScalarType dtype) {
@@ -305,7 +305,7 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
   for (int64_t e = 0; e < E; ++e) {
     KILN_CHECK(o[e + 1] >= o[e], "nvfp4_grouped_linear: offsets must not decrease (expert ", e, ")");
     if (o[e + 1] == o[e]) continue;
-    Nvfp4Tensor one{w.packed[e], w.block_scale[e], s2[e], w.kernel_layout};
+    Nvfp4Tensor one{w.packed[e], w.block_scale[e], s2[e], w.kernel_layout, at::Tensor()};
     Nvfp4LinearOptions plain;
     at::Tensor part = nvfp4_linear_reference(xin.narrow(0, o[e], o[e + 1] - o[e]), one, plain);
     if (extra.defined()) part = part * extra.to(part.scalar_type());
@@ -358,7 +358,7 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
     at::Tensor y = at::empty({x.size(0), w.rows()}, x.options());
     for (int64_t e = 0; e < E; ++e) {
       if (o[e + 1] == o[e]) continue;
-      Nvfp4Tensor one{w.packed[e], w.block_scale[e], w.tensor_scale[e], true};
+      Nvfp4Tensor one{w.packed[e], w.block_scale[e], w.tensor_scale[e], true, at::Tensor()};
       at::Tensor part = at::linear(xin.narrow(0, o[e], o[e + 1] - o[e]), unit_dequantize(one, x)) * one.tensor_scale;
       y.narrow(0, o[e], o[e + 1] - o[e]).copy_(extra.defined() ? part * extra : part);
     }

@@ -33,14 +33,54 @@ kernels::Nvfp4LinearOptions nvfp4_options(const kernels::Nvfp4Tensor& q, bool w4
   return o;
 }
 
-// x [T, K] . W^T from the dense weight, or from its NVFP4 copy when the dense one was released.
-// `name` is the HF suffix handed to the calibration observer.
-at::Tensor project(const at::Tensor& x, const at::Tensor& dense, const LayerWeights::Nvfp4& nv,
-                   const kernels::Nvfp4Tensor& q, int64_t layer, const char* name, const ForwardOptions& opt) {
-  if (opt.observe_linear_input) opt.observe_linear_input(layer, name, x);
-  if (dense.defined()) return at::linear(x, dense);
-  KILN_CHECK(q.packed.defined(), "muse: layer ", layer, " ", name, " has neither dense nor NVFP4 weights");
-  return kernels::nvfp4_linear(x, q, nvfp4_options(q, nv.w4a4));
+// One linear of a layer: its dense weight, NVFP4 copy and LoRA pair, and its HF module suffix.
+struct LinearRef {
+  at::Tensor LayerWeights::*dense;
+  kernels::Nvfp4Tensor LayerWeights::Nvfp4::*q;
+  at::Tensor LayerWeights::Lora::*a;
+  at::Tensor LayerWeights::Lora::*b;
+  const char* name;
+};
+using L = LayerWeights;
+constexpr LinearRef kQProj{&L::q_proj, &L::Nvfp4::q_proj, &L::Lora::q_a, &L::Lora::q_b, "self_attn.q_proj"};
+constexpr LinearRef kKProj{&L::k_proj, &L::Nvfp4::k_proj, &L::Lora::k_a, &L::Lora::k_b, "self_attn.k_proj"};
+constexpr LinearRef kVProj{&L::v_proj, &L::Nvfp4::v_proj, &L::Lora::v_a, &L::Lora::v_b, "self_attn.v_proj"};
+constexpr LinearRef kOProj{&L::o_proj, &L::Nvfp4::o_proj, &L::Lora::o_a, &L::Lora::o_b, "self_attn.o_proj"};
+constexpr LinearRef kPooler{&L::pooler, &L::Nvfp4::pooler, &L::Lora::pool_a, &L::Lora::pool_b, "mlp.pooler"};
+constexpr LinearRef kUnpooler{&L::unpooler, &L::Nvfp4::unpooler, &L::Lora::unpool_a, &L::Lora::unpool_b, "mlp.unpooler"};
+
+// x [T, K] . W^T from the dense weight, or from its NVFP4 copy when the dense one was released,
+// plus the LoRA term scale * B (A x) when the layer has adapters there.
+at::Tensor project(const at::Tensor& x, const LayerWeights& lw, const LinearRef& r, int64_t layer,
+                   const ForwardOptions& opt) {
+  if (opt.observe_linear_input) opt.observe_linear_input(layer, r.name, x);
+  const at::Tensor& dense = lw.*r.dense;
+  const kernels::Nvfp4Tensor& q = lw.nvfp4.*r.q;
+  at::Tensor y;
+  if (dense.defined()) {
+    y = at::linear(x, dense);
+  } else {
+    KILN_CHECK(q.packed.defined(), "muse: layer ", layer, " ", r.name, " has neither dense nor NVFP4 weights");
+    y = kernels::nvfp4_linear(x, q, nvfp4_options(q, lw.nvfp4.w4a4));
+  }
+  const at::Tensor& a = lw.lora.*r.a;
+  if (!a.defined() || opt.disable_lora) return y;
+  return y + at::linear(at::linear(x, a), lw.lora.*r.b) * lw.lora.scale;
+}
+
+// The experts' LoRA term for expert-sorted rows: one pair of small GEMMs per expert with rows
+// (host counts), so only the experts a token uses are applied.
+at::Tensor expert_lora(const at::Tensor& xs, const at::Tensor& a, const at::Tensor& b, const int64_t* counts,
+                       int64_t E, double scale) {
+  std::vector<at::Tensor> parts;
+  int64_t start = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (counts[e] == 0) continue;
+    parts.push_back(at::linear(at::linear(xs.narrow(0, start, counts[e]), a[e]), b[e]));
+    start += counts[e];
+  }
+  if (parts.empty()) return at::zeros({xs.size(0), b.size(1)}, xs.options());
+  return (parts.size() == 1 ? parts[0] : at::cat(parts, 0)) * scale;
 }
 
 at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
@@ -49,10 +89,9 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   const int64_t T = h.size(0), hd = cfg.head_dim;
   const int64_t group = cfg.num_q_heads / cfg.num_kv_heads;
   const bool full = cfg.is_full_attention(layer);
-  const auto& nv = lw.nvfp4;
-  at::Tensor q = project(h, lw.q_proj, nv, nv.q_proj, layer, "self_attn.q_proj", opt).view({T, cfg.num_q_heads, hd});
-  at::Tensor k = project(h, lw.k_proj, nv, nv.k_proj, layer, "self_attn.k_proj", opt).view({T, cfg.num_kv_heads, hd});
-  at::Tensor v = project(h, lw.v_proj, nv, nv.v_proj, layer, "self_attn.v_proj", opt).view({T, cfg.num_kv_heads, hd});
+  at::Tensor q = project(h, lw, kQProj, layer, opt).view({T, cfg.num_q_heads, hd});
+  at::Tensor k = project(h, lw, kKProj, layer, opt).view({T, cfg.num_kv_heads, hd});
+  at::Tensor v = project(h, lw, kVProj, layer, opt).view({T, cfg.num_kv_heads, hd});
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
   at::Tensor o;
@@ -73,7 +112,7 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
     }
     o = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
   }
-  return project(o.reshape({T, cfg.q_size()}), lw.o_proj, nv, nv.o_proj, layer, "self_attn.o_proj", opt);
+  return project(o.reshape({T, cfg.q_size()}), lw, kOProj, layer, opt);
 }
 
 // SwiGLU experts, W_down_e . (silu(W_gate_e . z) * (W_up_e . z)), for every slot; [T * k, d_l] in
@@ -83,6 +122,8 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   const auto& nv = lw.nvfp4;
   const bool quantized = !lw.expert_gate.defined();
   const int64_t n = order.size(0), E = quantized ? nv.expert_gate.packed.size(0) : lw.expert_gate.size(0);
+  const auto& lo = lw.lora;
+  const bool lora = !opt.disable_lora && (lo.gate_a.defined() || lo.up_a.defined() || lo.down_a.defined());
   if (quantized && !opt.observe_linear_input) {
     // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
     KILN_CHECK(nv.expert_gate.packed.defined(), "muse: layer ", layer, " experts have neither dense nor NVFP4 weights");
@@ -91,8 +132,16 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
     at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
     at::Tensor g = kernels::nvfp4_grouped_linear(zs, nv.expert_gate, offsets, nvfp4_options(nv.expert_gate, nv.w4a4));
     at::Tensor u = kernels::nvfp4_grouped_linear(zs, nv.expert_up, offsets, nvfp4_options(nv.expert_up, nv.w4a4));
-    at::Tensor ys = kernels::nvfp4_grouped_linear(at::silu(g) * u, nv.expert_down, offsets,
-                                                  nvfp4_options(nv.expert_down, nv.w4a4));
+    at::Tensor host_counts;
+    if (lora) {  // adapters on an NVFP4 base: per-expert GEMMs (reads the counts on the host)
+      host_counts = counts.cpu();
+      const int64_t* c = host_counts.data_ptr<int64_t>();
+      if (lo.gate_a.defined()) g = g + expert_lora(zs, lo.gate_a, lo.gate_b, c, E, lo.scale);
+      if (lo.up_a.defined()) u = u + expert_lora(zs, lo.up_a, lo.up_b, c, E, lo.scale);
+    }
+    at::Tensor act = at::silu(g) * u;
+    at::Tensor ys = kernels::nvfp4_grouped_linear(act, nv.expert_down, offsets, nvfp4_options(nv.expert_down, nv.w4a4));
+    if (lora && lo.down_a.defined()) ys = ys + expert_lora(act, lo.down_a, lo.down_b, host_counts.data_ptr<int64_t>(), E, lo.scale);
     at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
     return ys.index_select(0, inverse);
   }
@@ -103,9 +152,15 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
     kernels::MoeLayout l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
     counts = l.counts;
     at::Tensor zp = at::zeros({l.bound, z.size(1)}, z.options()).index_copy(0, l.dest, z.index_select(0, l.src_token));
-    at::Tensor g = at::_grouped_mm(zp, lw.expert_gate.transpose(1, 2), l.offsets);
-    at::Tensor u = at::_grouped_mm(zp, lw.expert_up.transpose(1, 2), l.offsets);
-    at::Tensor y = at::_grouped_mm(at::silu(g) * u, lw.expert_down.transpose(1, 2), l.offsets);
+    auto grouped = [&](const at::Tensor& x, const at::Tensor& w, const at::Tensor& a, const at::Tensor& b) {
+      at::Tensor y = at::_grouped_mm(x, w.transpose(1, 2), l.offsets);
+      if (!lora || !a.defined()) return y;
+      at::Tensor ax = at::_grouped_mm(x, a.transpose(1, 2), l.offsets);
+      return y + at::_grouped_mm(ax, b.transpose(1, 2), l.offsets) * lo.scale;
+    };
+    at::Tensor g = grouped(zp, lw.expert_gate, lo.gate_a, lo.gate_b);
+    at::Tensor u = grouped(zp, lw.expert_up, lo.up_a, lo.up_b);
+    at::Tensor y = grouped(at::silu(g) * u, lw.expert_down, lo.down_a, lo.down_b);
     return y.index_select(0, l.slot_row);
   }
 #endif
@@ -125,17 +180,23 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
       opt.observe_linear_input(layer, prefix + "gate_proj", seg);
       opt.observe_linear_input(layer, prefix + "up_proj", seg);
     }
-    auto expert = [&](const at::Tensor& dense, const kernels::Nvfp4Tensor& q, const at::Tensor& x) {
-      if (!quantized) return at::linear(x, dense[e]);
-      kernels::Nvfp4Tensor one{q.packed[e], q.block_scale[e], q.tensor_scale[e], q.kernel_layout,
-                               q.input_scale.defined() ? q.input_scale[e] : at::Tensor()};
-      return kernels::nvfp4_linear(x, one, nvfp4_options(one, nv.w4a4));
+    auto expert = [&](const at::Tensor& dense, const kernels::Nvfp4Tensor& q, const at::Tensor& la,
+                      const at::Tensor& lb, const at::Tensor& x) {
+      at::Tensor y;
+      if (!quantized) {
+        y = at::linear(x, dense[e]);
+      } else {
+        kernels::Nvfp4Tensor one{q.packed[e], q.block_scale[e], q.tensor_scale[e], q.kernel_layout,
+                                 q.input_scale.defined() ? q.input_scale[e] : at::Tensor()};
+        y = kernels::nvfp4_linear(x, one, nvfp4_options(one, nv.w4a4));
+      }
+      return lora && la.defined() ? y + at::linear(at::linear(x, la[e]), lb[e]) * lo.scale : y;
     };
-    at::Tensor g = expert(lw.expert_gate, nv.expert_gate, seg);
-    at::Tensor u = expert(lw.expert_up, nv.expert_up, seg);
+    at::Tensor g = expert(lw.expert_gate, nv.expert_gate, lo.gate_a, lo.gate_b, seg);
+    at::Tensor u = expert(lw.expert_up, nv.expert_up, lo.up_a, lo.up_b, seg);
     at::Tensor a = at::silu(g) * u;
     if (opt.observe_linear_input) opt.observe_linear_input(layer, prefix + "down_proj", a);
-    parts.push_back(expert(lw.expert_down, nv.expert_down, a));
+    parts.push_back(expert(lw.expert_down, nv.expert_down, lo.down_a, lo.down_b, a));
     start += c[e];
   }
   KILN_CHECK(start == n, "latent_moe: expert counts do not cover the rows (rows=", n, ", counted=", start, ")");
@@ -199,7 +260,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   at::Tensor w = scores.gather(1, ids);
   w = w / w.sum(-1, true);  // renormalised over the chosen set, so gradients reach the router
 
-  at::Tensor z = project(h, lw.pooler, lw.nvfp4, lw.nvfp4.pooler, layer, "mlp.pooler", opt);  // [T, d_l]
+  at::Tensor z = project(h, lw, kPooler, layer, opt);  // [T, d_l]
   at::Tensor flat = ids.reshape(-1);        // [T * k], slot order
   at::Tensor counts;  // [E] slots per expert
   at::Tensor y;
@@ -214,7 +275,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   const auto acc = w.scalar_type();
   at::Tensor m = (y.to(acc) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
   MoeOut r;
-  r.out = project(m.to(h.scalar_type()), lw.unpooler, lw.nvfp4, lw.nvfp4.unpooler, layer, "mlp.unpooler", opt);
+  r.out = project(m.to(h.scalar_type()), lw, kUnpooler, layer, opt);
   r.ids = ids;
   if (opt.load_balance) {
     at::Tensor f = counts.to(acc) / double(T * k);

@@ -44,6 +44,14 @@ struct LayerWeights {
     kernels::Nvfp4Tensor q_proj, k_proj, v_proj, o_proj, pooler, unpooler, expert_gate, expert_up, expert_down;
     bool w4a4 = false;
   } nvfp4;
+  // LoRA adapters (model/lora.h), undefined when absent: A [r, in] and B [out, r] per linear,
+  // [E, r, in] and [E, out, r] for the experts; the forward adds scale * B (A x) unless
+  // ForwardOptions::disable_lora.
+  struct Lora {
+    at::Tensor q_a, q_b, k_a, k_b, v_a, v_b, o_a, o_b, pool_a, pool_b, unpool_a, unpool_b;
+    at::Tensor gate_a, gate_b, up_a, up_b, down_a, down_b;
+    double scale = 0;  // alpha / r
+  } lora;
 };
 
 struct Weights {
@@ -97,6 +105,7 @@ struct ForwardOptions {
   // "self_attn.q_proj" or "mlp.experts.3.down_proj", rows): activation calibration. Forces the
   // per-expert loop for the experts.
   std::function<void(int64_t, const std::string&, const at::Tensor&)> observe_linear_input;
+  bool disable_lora = false;    // run the base alone (LoRA's KL reference policy)
   const comm::Group* expert_group = nullptr;  // expert parallel: the weights hold this rank's
                                 // num_experts/size experts (model/expert_parallel.h); not owned
 };

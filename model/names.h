@@ -14,6 +14,8 @@
 
 namespace kiln::model::detail {
 
+// The seed of the random stream of tensor `name` under a run seed (init, LoRA init).
+uint64_t stream_seed(uint64_t seed, const std::string& name);
 // The layer tensor stored under `suffix` (e.g. "self_attn.q_proj.weight"), or nullptr.
 at::Tensor* layer_slot(LayerWeights& l, const std::string& suffix);
 // "mlp.experts.*": stacked [E, ...] in memory, one tensor per expert on disk.

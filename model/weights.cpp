@@ -46,15 +46,6 @@ void for_each_tensor(W& w, Fn&& fn) {
   fn("lm_head.weight", w.lm_head, true);
 }
 
-uint64_t stream_seed(uint64_t seed, const std::string& name) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the name, then mixed with the seed
-  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
-  uint64_t z = h ^ (seed + 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 at::Tensor normal(const std::vector<int64_t>& shape, double std, uint64_t seed, const std::string& name) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(stream_seed(seed, name));
   return at::empty(shape, at::kFloat).normal_(0.0, std, gen);
@@ -63,6 +54,15 @@ at::Tensor normal(const std::vector<int64_t>& shape, double std, uint64_t seed, 
 }  // namespace
 
 namespace detail {
+
+uint64_t stream_seed(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the name, then mixed with the seed
+  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
+  uint64_t z = h ^ (seed + 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
 
 // The layer-tensor slots by their name suffix, so init and load fill the same fields.
 at::Tensor* layer_slot(LayerWeights& l, const std::string& suffix) {
@@ -154,6 +154,12 @@ Muse Muse::clone() const {
     for (kernels::Nvfp4Tensor* q : {&l.nvfp4.q_proj, &l.nvfp4.k_proj, &l.nvfp4.v_proj, &l.nvfp4.o_proj, &l.nvfp4.pooler,
                                     &l.nvfp4.unpooler, &l.nvfp4.expert_gate, &l.nvfp4.expert_up, &l.nvfp4.expert_down})
       for (at::Tensor* t : {&q->packed, &q->block_scale, &q->tensor_scale, &q->input_scale}) copy(*t);
+  for (LayerWeights& l : w.layers) {
+    auto& a = l.lora;
+    for (at::Tensor* t : {&a.q_a, &a.q_b, &a.k_a, &a.k_b, &a.v_a, &a.v_b, &a.o_a, &a.o_b, &a.pool_a, &a.pool_b,
+                          &a.unpool_a, &a.unpool_b, &a.gate_a, &a.gate_b, &a.up_a, &a.up_b, &a.down_a, &a.down_b})
+      if (t->defined()) *t = t->detach().clone();
+  }
   return Muse(cfg_, std::move(w));
 }
 

@@ -39,6 +39,7 @@ bool GroupRule::matches(const std::string& name, const at::Tensor& param) const 
 
 bool default_uses_muon(const std::string& name, const at::Tensor& param) {
   if (param.dim() < 2 || param.dim() > 3 || name.find("norm") != std::string::npos) return false;
+  if (name.find(".lora_") != std::string::npos) return false;  // LoRA adapters: AdamW, as PEFT trains them
   for (const char* key : {"q_proj", "k_proj", "v_proj", "o_proj", "mlp.pooler", "mlp.unpooler", "experts.gate_proj",
                           "experts.up_proj", "experts.down_proj"})
     if (name.find(key) != std::string::npos) return true;

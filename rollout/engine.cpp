@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "kernels/sampling.h"
+#include "model/lora.h"
 #include "model/nvfp4_model.h"
 #include "rollout/decode_graph.h"
 
@@ -208,7 +209,11 @@ struct Engine::Impl : model::AttentionBackend {
     v_win = at::zeros_like(k_win);
     st.full_blocks_total = full_blocks;
     st.window_blocks_total = win_blocks;
-    if (ec.cuda_graphs && !ec.expert_group && DecodeGraphs::available(model)) {
+    // Adapters on NVFP4 experts read the expert counts on the host: no graph capture then.
+    bool host_sync = false;
+    for (const auto& l : model.weights().layers)
+      host_sync |= !l.expert_gate.defined() && (l.lora.gate_a.defined() || l.lora.up_a.defined() || l.lora.down_a.defined());
+    if (ec.cuda_graphs && !ec.expert_group && !host_sync && DecodeGraphs::available(model)) {
       KvPools p{k_full, v_full, k_win, v_win, B, W, R, full_blocks, win_blocks, group_index};
       graphs = std::make_unique<DecodeGraphs>(model, std::move(p), ec.max_num_seqs);
     }
@@ -753,6 +758,25 @@ void Engine::update_weights(const std::vector<std::pair<std::string, at::Tensor>
   }
   KILN_CHECK(copied == own.size(), "rollout: update_weights covered ", copied, " of the model's ", own.size(),
              " tensors; pass every tensor of Muse::named_parameters()");
+}
+
+int64_t Engine::update_adapters(const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  at::NoGradGuard g;
+  auto own = model::lora_parameters(impl_->model);
+  KILN_CHECK(!own.empty(), "rollout: update_adapters: the engine's model has no LoRA adapters");
+  std::map<std::string, at::Tensor> by_name(own.begin(), own.end());
+  KILN_CHECK(named.size() == own.size(), "rollout: update_adapters got ", named.size(), " tensors, the engine has ",
+             own.size(), " adapters");
+  int64_t bytes = 0;
+  for (const auto& [name, t] : named) {
+    auto it = by_name.find(name);
+    KILN_CHECK(it != by_name.end(), "rollout: update_adapters got ", name, ", which is not one of the engine's adapters");
+    KILN_CHECK(t.sizes() == it->second.sizes(), "rollout: update_adapters tensor ", name, " has shape ", t.sizes(),
+               ", expected ", it->second.sizes());
+    it->second.copy_(t);
+    bytes += int64_t(t.numel()) * int64_t(t.element_size());
+  }
+  return bytes;
 }
 
 EngineStats Engine::stats() const {

@@ -110,6 +110,10 @@ class Engine {
   // Copies new weights into the engine's tensors in place (same names and shapes as
   // Muse::named_parameters()); throws naming the first mismatch. Only between steps.
   void update_weights(const std::vector<std::pair<std::string, at::Tensor>>& named);
+  // LoRA: copies adapters (model::lora_parameters names and shapes, all of them) into the engine's
+  // own, which it applies unmerged on its base (dense or NVFP4). Throws naming a missing, unknown
+  // or wrongly shaped adapter. Returns the bytes copied. Only between steps.
+  int64_t update_adapters(const std::vector<std::pair<std::string, at::Tensor>>& named);
   const model::Muse& model() const;
   EngineStats stats() const;
 

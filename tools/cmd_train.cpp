@@ -18,6 +18,7 @@
 #include "core/comm.h"
 #include "core/error.h"
 #include "model/checkpoint.h"
+#include "model/lora.h"
 #include "tools/commands.h"
 #include "trainer/grpo.h"
 #include "trainer/recipe.h"
@@ -183,6 +184,13 @@ Run add_train(CLI::App& app) {
     trainer.sync_policy();  // collective: a sharded rollout leaves the full experts to the end
     if (!lead) return;
     std::fprintf(stderr, "\n");
+    if (model::lora_rank(policy) > 0) {  // the base is unchanged: write the adapters alone
+      model::save_peft_adapter(policy, r.out + "/adapter");
+      fmt::print("train: done; held-out greedy accuracy {:.3f}; metrics in {}/metrics.jsonl, PEFT adapter in "
+                 "{}/adapter (kiln merge <base> {}/adapter <out> folds it in)\n",
+                 eval_acc, r.out, r.out, r.out);
+      return;
+    }
     model::save_checkpoint(policy, r.out + "/final");
     fmt::print("train: done; held-out greedy accuracy {:.3f}; metrics in {}/metrics.jsonl, weights in {}/final\n",
                eval_acc, r.out, r.out);

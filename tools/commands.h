@@ -19,5 +19,6 @@ Run add_sft(CLI::App& app);
 Run add_plot(CLI::App& app);
 Run add_generate(CLI::App& app);
 Run add_quantize(CLI::App& app);
+Run add_merge(CLI::App& app);
 
 }  // namespace kiln::tools

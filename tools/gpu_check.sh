@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device call: build kiln against torch's libtorch with CUDA, run the cuda tests (and the cpu
-# tests of the same build), then the benchmarks and GRPO smoke runs, newest work first (a run cut
-# short by the device's time limit keeps what it did). Logs go to $OUT when set (the device tool).
+# tests of the same build), the GRPO smoke runs (bf16, NVFP4 rollouts, LoRA) and the benchmarks.
+# Four logs go to $OUT when set (the device tool returns at most 8 files): build.log, tests.log,
+# grpo.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,bench (the default: all) picks sections.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/kiln-gpu}"; mkdir -p "$out"
 jobs=$(nproc)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH="/usr/local/cuda/bin:$PATH"
+sections="${KILN_GPU_CHECK:-tests,grpo,bench}"
+want() { [[ ",$sections," == *",$1,"* ]]; }
 step() { echo; echo "=== $* ($(date +%T))"; }
 mismatch_report() {  # mismatch_report <metrics.jsonl>: per step, R3 on and off
   python3 - "$1" <<'PY'
@@ -17,6 +20,9 @@ for m in rows:
     on, off = m["mismatch"], m["mismatch_no_replay"]
     print(f"step {m['step']}: R3 on  mean|dlp| seq {on['mean_abs_seq']:.3e} tok {on['mean_abs_token']:.3e} max {on['max_abs']:.3e} k3 {on['k3_kl']:.3e} out[0.5,2] {on['frac_outside']:.2e}")
     print(f"        R3 off mean|dlp| seq {off['mean_abs_seq']:.3e} tok {off['mean_abs_token']:.3e} max {off['max_abs']:.3e} k3 {off['k3_kl']:.3e} out[0.5,2] {off['frac_outside']:.2e}; routing disagreement {m['routing_disagreement']:.4f}; rollout {m['rollout_seconds']:.2f} s, train {m['train_seconds']:.2f} s")
+    if "sync_bytes" in m:
+        b, t = m["sync_bytes"], m["sync_seconds"]
+        print(f"        sync {b / 1e6:.2f} MB in {t * 1e3:.2f} ms ({b / max(t, 1e-9) / 1e9:.1f} GB/s); probe check {m.get('sync_check', -1):.2e}")
 PY
 }
 
@@ -31,34 +37,37 @@ step configure
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
   -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_CUDA_ARCHITECTURES=90a "$@" > "$out/configure.log" 2>&1 \
   || { tail -40 "$out/configure.log"; exit 1; }
-grep -E "kiln:|Found (Torch|MPI|HDF5|GTest|CUDA)" "$out/configure.log"
+grep -E "kiln:|Found (Torch|MPI|HDF5|GTest|CUDA)" "$out/configure.log" | tee "$out/tests.log"
 
 step build
 start=$(date +%s)
 cmake --build build-gpu -j"$jobs" > "$out/build.log" 2>&1 || { grep -E "error|FAILED" -A5 "$out/build.log" | head -60; exit 1; }
 echo "built in $(( $(date +%s) - start )) s"
 
+tmp=$(mktemp -d)
+if want tests; then
 step "ctest -L cuda"
-(cd build-gpu && ctest -L cuda --output-on-failure -V 2>&1 | tee "$out/ctest-cuda.log" | grep -E "bf16|agreement|nvfp4|Passed|Failed|tests passed|FAIL|Error|Failure|Expected|Which is|actual|diff" | head -150)
+(cd build-gpu && ctest -L cuda --output-on-failure -V > "$tmp/ctest-cuda.log" 2>&1)
+grep -E "bf16|agreement|nvfp4|Passed|Failed|tests passed|FAIL|Error|Failure|Expected|Which is|actual|diff" "$tmp/ctest-cuda.log" \
+  | head -200 | tee -a "$out/tests.log"
 step "ctest -L cpu (same CUDA build; the CLI run is left to CI: it takes minutes)"
-(cd build-gpu && OMP_NUM_THREADS=2 ctest -L cpu -E kiln_cli -j"$(( jobs / 2 ))" --output-on-failure 2>&1 | tee "$out/ctest-cpu.log" | tail -15)
+(cd build-gpu && OMP_NUM_THREADS=2 ctest -L cpu -E kiln_cli -j"$(( jobs / 2 ))" --output-on-failure 2>&1 | tail -15 | tee -a "$out/tests.log")
 
 step "interop: safetensors, h5py and a PyTorch re-implementation read kiln's files"
-tmp=$(mktemp -d)
 ./build-gpu/kiln init configs/muse-tiny.yaml "$tmp/ckpt" --seed 5 > /dev/null
 for o in lp.safetensors lp.h5; do
   ./build-gpu/kiln forward --model "$tmp/ckpt" --tokens "72,101,108,108,111,32,49,43,50,61,51" --tokens "7" \
     --tokens "$(seq -s, 40 100)" --out "$tmp/$o" > /dev/null
 done
-python3 tests/interop/check_outputs.py "$tmp/ckpt" "$tmp/lp.safetensors" "$tmp/lp.h5" 2>&1 | tee "$out/interop.txt"
+python3 tests/interop/check_outputs.py "$tmp/ckpt" "$tmp/lp.safetensors" "$tmp/lp.h5" 2>&1 | tee -a "$out/tests.log"
 ./build-gpu/kiln quantize "$tmp/ckpt" "$tmp/nvfp4" > /dev/null
 for o in nv.safetensors nv.h5; do
   ./build-gpu/kiln forward --model "$tmp/nvfp4" --tokens "72,101,108,108,111,32,49,43,50,61,51" --tokens "$(seq -s, 40 100)" \
     --out "$tmp/$o" > /dev/null
 done
-python3 tests/interop/check_outputs.py "$tmp/nvfp4" "$tmp/nv.safetensors" "$tmp/nv.h5" 2>&1 | tee -a "$out/interop.txt"
+python3 tests/interop/check_outputs.py "$tmp/nvfp4" "$tmp/nv.safetensors" "$tmp/nv.h5" 2>&1 | tee -a "$out/tests.log"
 ./build-gpu/kiln generate --model "$tmp/ckpt" --prompt "12+34=" --prompt "ids:1,2,3" -n 3 --max-tokens 9 --quiet --out "$tmp/s.h5"
-python3 - "$tmp/s.h5" <<'PY' 2>&1 | tee -a "$out/interop.txt"
+python3 - "$tmp/s.h5" <<'PY' 2>&1 | tee -a "$out/tests.log"
 import sys, h5py, numpy as np
 f = h5py.File(sys.argv[1], "r")
 n = f["lengths"].shape[0]
@@ -67,18 +76,12 @@ assert f["tokens"].shape[0] == f["lengths"][:].sum() == f["logprobs"].shape[0]
 assert f["routing"].shape[0] == (f["lengths"][:] + f["prompt_lengths"][:]).sum() and f["routing"].dtype == np.uint8
 print("interop: h5py reads kiln generate's samples:", {k: f[k].shape for k in f})
 PY
+fi  # tests
 
-step "bench rmsnorm"
-./build-gpu/kiln bench rmsnorm --device cuda 2>&1 | tee "$out/bench-rmsnorm.txt"
-step "bench nvfp4 (W4A16 GEMMs vs BF16)"
-./build-gpu/kiln bench nvfp4 --device cuda 2>&1 | tee "$out/bench-nvfp4.txt"
-step "bench decode (muse-small)"
-./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 2>&1 | tee "$out/bench-decode.txt"
-step "bench decode (muse-small, NVFP4 W4A16 weights, against the bf16 engine)"
-./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 2>&1 | tee "$out/bench-decode-nvfp4.txt"
+if want grpo; then
 step "GRPO smoke run: muse-small, bf16 trainer and rollout, R3 on and off"
 ./build-gpu/kiln train recipes/grpo-arith-small-gpu.yaml --out "$tmp/small" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -5
-mismatch_report "$tmp/small/metrics.jsonl" | tee "$out/grpo-small.txt"
+mismatch_report "$tmp/small/metrics.jsonl" | tee -a "$out/grpo.txt"
 step "GRPO mismatch with an NVFP4 rollout: muse-small from an NVFP4 checkpoint, bf16 trainer dequantised from it"
 ./build-gpu/kiln init configs/muse-small.yaml "$tmp/small-bf16" --device cuda > /dev/null
 ./build-gpu/kiln quantize "$tmp/small-bf16" "$tmp/small-nvfp4" --device cuda
@@ -86,14 +89,31 @@ for q in none nvfp4 w4a4; do
   sed "s/^  quantization: nvfp4 /  quantization: $q /" recipes/grpo-arith-small-nvfp4-gpu.yaml > "$tmp/nv-$q.yaml"
   sed -i "s|config: ../configs|config: $PWD/configs|" "$tmp/nv-$q.yaml"
   ./build-gpu/kiln train "$tmp/nv-$q.yaml" --init-from "$tmp/small-nvfp4" --out "$tmp/nv-$q" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
-  echo "rollout quantization: $q" | tee -a "$out/grpo-small-nvfp4.txt"
-  mismatch_report "$tmp/nv-$q/metrics.jsonl" | tee -a "$out/grpo-small-nvfp4.txt"
+  echo "rollout quantization: $q" | tee -a "$out/grpo.txt"
+  mismatch_report "$tmp/nv-$q/metrics.jsonl" | tee -a "$out/grpo.txt"
 done
+step "LoRA GRPO on the NVFP4 base: rank 32, alpha 64, adapter-only sync"
+sed "s|config: ../configs|config: $PWD/configs|" recipes/grpo-arith-small-nvfp4-gpu.yaml > "$tmp/lora.yaml"
+printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/lora.yaml"
+./build-gpu/kiln train "$tmp/lora.yaml" --init-from "$tmp/small-nvfp4" --out "$tmp/lora" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
+echo "LoRA rank 32 on the NVFP4 rollout" | tee -a "$out/grpo.txt"
+mismatch_report "$tmp/lora/metrics.jsonl" | tee -a "$out/grpo.txt"
+fi  # grpo
+if want bench; then
+step "bench rmsnorm"
+./build-gpu/kiln bench rmsnorm --device cuda 2>&1 | tee -a "$out/bench.txt"
+step "bench nvfp4 (W4A16 GEMMs vs BF16)"
+./build-gpu/kiln bench nvfp4 --device cuda 2>&1 | tee -a "$out/bench.txt"
+step "bench decode (muse-small)"
+./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 2>&1 | tee -a "$out/bench.txt"
+step "bench decode (muse-small, NVFP4 W4A16 weights, against the bf16 engine)"
+./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 2>&1 | tee -a "$out/bench.txt"
 step "bench train (muse-small, 8192 packed tokens)"
-./build-gpu/kiln bench train configs/muse-small.yaml --device cuda 2>&1 | tee "$out/bench-train.txt"
+./build-gpu/kiln bench train configs/muse-small.yaml --device cuda 2>&1 | tee -a "$out/bench.txt"
 step "bench optim (muse-small; NVMe state under /tmp)"
 mkdir -p /tmp/kiln-nvme
-./build-gpu/kiln bench optim --device cuda --config configs/muse-small.yaml --nvme-dir /tmp/kiln-nvme 2>&1 | tee "$out/bench-optim.txt"
+./build-gpu/kiln bench optim --device cuda --config configs/muse-small.yaml --nvme-dir /tmp/kiln-nvme 2>&1 | tee -a "$out/bench.txt"
 step "bench forward (muse-small)"
-./build-gpu/kiln bench forward --device cuda --config configs/muse-small.yaml --seqs 8 --len 1024 2>&1 | tee "$out/bench-forward.txt"
+./build-gpu/kiln bench forward --device cuda --config configs/muse-small.yaml --seqs 8 --len 1024 2>&1 | tee -a "$out/bench.txt"
+fi  # bench
 step done

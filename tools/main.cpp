@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
       {"plot", kiln::tools::add_plot(app)},
       {"generate", kiln::tools::add_generate(app)},
       {"quantize", kiln::tools::add_quantize(app)},
+      {"merge", kiln::tools::add_merge(app)},
   };
   try {
     app.parse(argc, argv);

@@ -7,6 +7,9 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/serialize.h>
+#if KILN_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 #include <chrono>
 #include <filesystem>
@@ -95,6 +98,8 @@ void GrpoConfig::validate() const {
   reward.validate();
   engine.validate();
   schedule.validate();
+  lora.validate();
+  KILN_CHECK(sync_check_tokens >= 0, "grpo: sync_check_tokens must be >= 0 (got ", sync_check_tokens, ")");
 }
 
 std::string StepMetrics::to_json() const {
@@ -120,6 +125,9 @@ std::string StepMetrics::to_json() const {
   }
   j["rollout_seconds"] = rollout_seconds;
   j["train_seconds"] = train_seconds;
+  j["sync_bytes"] = sync_bytes;
+  j["sync_seconds"] = sync_seconds;
+  if (sync_check >= 0) j["sync_check"] = sync_check;
   j["tokens"] = tokens;
   return j.dump();
 }
@@ -162,13 +170,18 @@ struct GrpoTrainer::Impl {
       expert_dp = group.split(e, d);  // its own split call: colours need not differ from ep_group's
       shard = std::make_unique<model::Muse>(model::shard_experts(policy, e, int(ep)));
     }
+    KILN_CHECK(!cfg.lora.enabled() || ep == 1, "grpo: LoRA with expert parallelism (ep=", ep,
+               ") is not supported yet; use parallel.ep: 1");
+    if (cfg.lora.enabled() && model::lora_rank(policy) == 0) model::add_lora(policy, cfg.lora, cfg.seed);
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.rollout == "sharded") ec.expert_group = &ep_group;  // serves this rank's experts
     engine = std::make_unique<rollout::Engine>(cfg.parallel.rollout == "sharded" ? *shard : policy, ec);
-    // The KL reference: a frozen copy of what is trained (an expert shard under expert parallelism).
-    if (cfg.loss.kl_coef != 0) reference = std::make_unique<model::Muse>(trained().clone());
-    trained().set_requires_grad(true);
-    const auto named = trained().named_parameters();
+    // The KL reference: a frozen copy of what is trained (an expert shard under expert
+    // parallelism); with LoRA the base itself, adapters disabled (no second copy).
+    if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
+    trained().set_requires_grad(!lora());
+    const auto named = lora() ? model::lora_parameters(policy) : trained().named_parameters();
+    for (auto& [name, t] : named) t.requires_grad_(true);
     for (auto& [name, t] : named) {
       params.push_back(t);
       is_expert.push_back(shard && model::is_expert_tensor(name));
@@ -184,6 +197,7 @@ struct GrpoTrainer::Impl {
     at::Tensor routing;   // [T, L, k]
   };
   model::Muse& trained() { return shard ? *shard : policy; }
+  bool lora() const { return cfg.lora.enabled(); }
   // Forward options of the trained model: the expert exchange under expert parallelism.
   model::ForwardOptions forward_options() const {
     model::ForwardOptions o;
@@ -191,7 +205,7 @@ struct GrpoTrainer::Impl {
     return o;
   }
   Scored score(const std::vector<Trajectory>& trajs, bool replay) { return score(trained(), trajs, replay); }
-  Scored score(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay) {
+  Scored score(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay, bool base_only = false) {
     at::NoGradGuard g;
     std::vector<at::Tensor> lps, routes;
     for (size_t b = 0; b < trajs.size(); b += size_t(cfg.micro_batch_seqs)) {
@@ -201,6 +215,7 @@ struct GrpoTrainer::Impl {
       o.targets = p.targets;
       o.temperature = cfg.temperature;
       o.load_balance = false;
+      o.disable_lora = base_only;
       if (replay) o.replay_routing = p.routing;
       auto out = model.forward(p.batch, o);
       lps.push_back(out.logprobs.to(at::kDouble));
@@ -291,6 +306,7 @@ struct GrpoTrainer::Impl {
     // lp_ref for the k3 KL term, with the same expert sets as lp_old.
     Scored ref;
     if (reference) ref = score(*reference, trajs, cfg.routing_replay);
+    if (lora() && cfg.loss.kl_coef != 0) ref = score(policy, trajs, cfg.routing_replay, /*base_only=*/true);
     // 5. Optimizer mini-steps: each over a disjoint slice of the trajectories, micro-batched.
     const double total_tokens = group.all_reduce(whole.mask.sum().item<double>());
     // Mini-step ms covers global trajectories [ms*per, (ms+1)*per); this rank holds [g0, g1).
@@ -337,7 +353,7 @@ struct GrpoTrainer::Impl {
         in.seq_ids = p.seq_ids;
         in.num_seqs = p.num_seqs;
         in.rollout_logprobs = p.rollout_lp;
-        if (reference)
+        if (ref.logprobs.defined())
           in.ref_logprobs = ref.logprobs.narrow(0, token_offsets[b], token_offsets[e] - token_offsets[b])
                                 .to(policy.device(), out.logprobs.scalar_type());
         in.total_tokens = slice_tokens;
@@ -371,15 +387,8 @@ struct GrpoTrainer::Impl {
     m.clip_fraction = clip_sum / std::max(total_tokens, 1.0);
     m.kl = kl_sum / std::max(total_tokens, 1.0);
     m.grad_norm = norm_sum / double(cfg.mini_steps);
-    // 6. Weight sync to the rollout engine: a sharded engine shares the trained tensors; a replica
-    // under expert parallelism gathers every rank's experts.
-    if (cfg.parallel.rollout == "sharded") {
-      engine->update_weights(trained().named_parameters());
-    } else {
-      gather_experts();
-      engine->update_weights(policy.named_parameters());
-    }
     m.train_seconds = seconds_since(t1);
+    sync_rollout(m);
     return m;
   }
 
@@ -402,6 +411,50 @@ struct GrpoTrainer::Impl {
         mine.copy_(expert ? whole.narrow(0, ep_group.rank() * n, n) : whole);
     }
   }
+  // 6. The weight sync to the rollout engine, timed: adapters only (LoRA); or every weight, where a
+  // sharded engine shares the trained tensors and a replica under expert parallelism gathers every
+  // rank's experts. Then the probe check.
+  void sync_rollout(StepMetrics& m) {
+    const auto t = Clock::now();
+    if (lora()) {
+      m.sync_bytes = engine->update_adapters(model::lora_parameters(policy));
+    } else {
+      if (cfg.parallel.rollout != "sharded") gather_experts();
+      const auto named = cfg.parallel.rollout == "sharded" ? trained().named_parameters() : policy.named_parameters();
+      engine->update_weights(named);
+      for (const auto& [name, w] : named) m.sync_bytes += int64_t(w.numel()) * int64_t(w.element_size());
+    }
+#if KILN_WITH_CUDA
+    if (policy.device().is_cuda()) c10::cuda::device_synchronize();
+#endif
+    m.sync_seconds = seconds_since(t);
+    m.sync_check = check_sync();
+  }
+
+  // Trainer and rollout score the same probe (a training prompt and its answer); returns the mean
+  // |log-prob difference|, or -1 when not checked (no probe, or sharded engines).
+  double check_sync() {
+    if (cfg.sync_check_tokens == 0 || cfg.parallel.rollout == "sharded" || shard || data.train.empty()) return -1;
+    std::vector<int64_t> probe = tok.encode(data.train[0].prompt + data.train[0].answer);
+    if (int64_t(probe.size()) > cfg.sync_check_tokens) probe.resize(size_t(cfg.sync_check_tokens));
+    if (probe.size() < 2) return -1;
+    at::NoGradGuard g;
+    auto lp = [&](const model::Muse& m) {
+      model::PackedBatch b = model::PackedBatch::from_sequences({probe}, m.device());
+      model::ForwardOptions o;
+      o.load_balance = false;
+      o.targets = at::cat({b.tokens.narrow(0, 1, b.num_tokens() - 1), at::full({1}, -100L, b.tokens.options())});
+      return m.forward(b, o).logprobs.narrow(0, 0, b.num_tokens() - 1).to(at::kDouble).cpu();
+    };
+    const double diff = (lp(policy) - lp(engine->model())).abs().mean().item<double>();
+    const double limit = cfg.sync_check_threshold >= 0 ? cfg.sync_check_threshold
+                                                       : cfg.engine.quantization == "none" ? 1e-3 : 1.0;
+    KILN_CHECK(std::isfinite(diff) && diff <= limit, "grpo: weight sync check failed after step ", steps,
+               ": trainer and rollout log-probs differ by ", diff, " (mean over ", probe.size() - 1,
+               " probe tokens; threshold ", limit, "); the rollout's weights are not the trainer's");
+    return diff;
+  }
+
   // The engine's replica (`policy`) from this step's shards.
   void gather_experts() {
     if (shard) shard_to_full(*shard, policy);
@@ -453,6 +506,7 @@ void GrpoTrainer::save(const std::string& dir) const {
     remove_tree(tmp);
     fs::create_directories(tmp);
     model::save_checkpoint(impl_->policy, tmp + "/model");
+    if (impl_->lora()) model::save_peft_adapter(impl_->policy, tmp + "/adapter");
     if (impl_->reference)
       model::save_checkpoint(full_reference ? *full_reference : *impl_->reference, tmp + "/reference");
     std::ofstream f(tmp + "/state.json");
@@ -503,6 +557,23 @@ void GrpoTrainer::load(const std::string& dir) {
     }
   };
   restore(impl_->policy, "model");
+  if (impl_->lora()) {
+    KILN_CHECK(std::filesystem::exists(dir + "/adapter/adapter_config.json"), "grpo: checkpoint ", dir,
+               " has no adapter/ but the recipe trains LoRA adapters; resume with the recipe the run was started with");
+    // Into a view sharing the base, then copied in place: the optimizer holds the adapters' tensors.
+    model::Muse saved(impl_->policy.config(), impl_->policy.weights());
+    model::load_peft_adapter(saved, dir + "/adapter");
+    auto mine = model::lora_parameters(impl_->policy), theirs = model::lora_parameters(saved);
+    KILN_CHECK(mine.size() == theirs.size(), "grpo: checkpoint ", dir, "/adapter holds ", theirs.size(),
+               " adapters, the run trains ", mine.size());
+    at::NoGradGuard g;
+    for (size_t i = 0; i < mine.size(); ++i) {
+      KILN_CHECK(mine[i].first == theirs[i].first && mine[i].second.sizes() == theirs[i].second.sizes(), "grpo: checkpoint ",
+                 dir, "/adapter: ", theirs[i].first, " ", theirs[i].second.sizes(), " does not fit ", mine[i].first, " ",
+                 mine[i].second.sizes());
+      mine[i].second.copy_(theirs[i].second);
+    }
+  }
   if (impl_->reference) {
     KILN_CHECK(std::filesystem::exists(dir + "/reference/config.json"), "grpo: checkpoint ", dir,
                " has no reference/ policy but the recipe's kl_coef=", impl_->cfg.loss.kl_coef,
@@ -522,6 +593,7 @@ void GrpoTrainer::load(const std::string& dir) {
   impl_->stream.seek(st["data_position"].get<uint64_t>());
   impl_->engine->update_weights(impl_->cfg.parallel.rollout == "sharded" ? impl_->trained().named_parameters()
                                                                           : impl_->policy.named_parameters());
+  if (impl_->lora()) impl_->engine->update_adapters(model::lora_parameters(impl_->policy));
 }
 
 GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data,

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/comm.h"
+#include "model/lora.h"
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
 #include "rollout/engine.h"
@@ -38,6 +39,13 @@ struct GrpoConfig {
   uint64_t seed = 0;
   rollout::EngineConfig engine;
   ParallelConfig parallel;          // resolved against the group's size by the trainer
+  model::LoraConfig lora;           // rank > 0: train adapters on a frozen base (model/lora.h);
+                                    // the KL reference is then the base with adapters disabled
+  // After every weight sync the trainer and the rollout score the same probe tokens; a mean
+  // |log-prob difference| above the threshold stops the run. Threshold < 0: 1e-3 for an
+  // unquantised rollout, 1.0 for NVFP4 (which differs by its quantisation). 0 tokens: no check.
+  int64_t sync_check_tokens = 16;
+  double sync_check_threshold = -1;
   void validate() const;
 };
 
@@ -52,6 +60,10 @@ struct StepMetrics {
   MismatchMetrics mismatch_no_replay;     // with replay off (mismatch_ab)
   double routing_disagreement = 0;        // own vs replayed expert sets (mismatch_ab)
   double rollout_seconds = 0, train_seconds = 0;
+  // Weight sync to the rollout: adapters only (LoRA) or every weight; bytes sent, seconds, and the
+  // probe check's mean |log-prob difference| between trainer and rollout (-1: not checked).
+  int64_t sync_bytes = 0;
+  double sync_seconds = 0, sync_check = -1;
   int64_t tokens = 0;                     // prompt + response tokens trained on
   std::string to_json() const;
 };

@@ -184,7 +184,21 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     ro.get("prefill_chunk", g.engine.prefill_chunk);
     ro.get("cuda_graphs", g.engine.cuda_graphs);
     ro.get("quantization", g.engine.quantization);
+    ro.get("sync_check_tokens", g.sync_check_tokens);
+    ro.get("sync_check_threshold", g.sync_check_threshold);
     ro.finish();
+  }
+  {
+    auto lo = top.child("lora");
+    lo.get("rank", g.lora.rank);
+    lo.get("alpha", g.lora.alpha);
+    lo.get("targets", g.lora.targets);
+    lo.finish();
+    try {
+      g.lora.validate();
+    } catch (const Error& e) {
+      lo.fail("rank", e.what());
+    }
   }
   {
     auto w = top.child("reward");
@@ -275,8 +289,12 @@ std::string Recipe::to_yaml() const {
     << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key
     << "max_batch_tokens" << YAML::Value << g.engine.max_batch_tokens << YAML::Key << "prefill_chunk"
     << YAML::Value << g.engine.prefill_chunk << YAML::Key << "cuda_graphs" << YAML::Value << g.engine.cuda_graphs
-    << YAML::Key << "quantization" << YAML::Value << g.engine.quantization
-    << YAML::EndMap;
+    << YAML::Key << "quantization" << YAML::Value << g.engine.quantization << YAML::Key << "sync_check_tokens"
+    << YAML::Value << g.sync_check_tokens << YAML::Key << "sync_check_threshold" << YAML::Value
+    << g.sync_check_threshold << YAML::EndMap;
+  e << YAML::Key << "lora" << YAML::Value << YAML::BeginMap << YAML::Key << "rank" << YAML::Value << g.lora.rank
+    << YAML::Key << "alpha" << YAML::Value << g.lora.alpha << YAML::Key << "targets" << YAML::Value << YAML::Flow
+    << g.lora.targets << YAML::EndMap;
   e << YAML::Key << "reward" << YAML::Value << YAML::BeginMap << YAML::Key << "correct" << YAML::Value
     << g.reward.correct << YAML::Key << "format" << YAML::Value << g.reward.format << YAML::EndMap;
   e << YAML::Key << "sft" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << sft.steps

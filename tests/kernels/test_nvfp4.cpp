@@ -235,7 +235,7 @@ TEST(Nvfp4, GroupedReferenceIsOneLinearPerExpert) {
   int64_t start = 0;
   for (int64_t e = 0; e < 4; ++e) {
     if (rows[size_t(e)] == 0) continue;
-    Nvfp4Tensor one{q.packed[e], q.block_scale[e], q.tensor_scale[e], false};
+    Nvfp4Tensor one{q.packed[e], q.block_scale[e], q.tensor_scale[e], false, at::Tensor()};
     EXPECT_TRUE(test::all_equal(y.narrow(0, start, rows[size_t(e)]),
                                 nvfp4_linear_reference(x.narrow(0, start, rows[size_t(e)]), one)))
         << e;

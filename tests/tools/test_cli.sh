@@ -108,7 +108,7 @@ grep -q '"mismatch_no_replay"' "$tmp/run/metrics.jsonl" || { echo "FAIL: no A/B 
 grep -q "steps: 2" "$tmp/run/recipe.yaml" || { echo "FAIL: resolved recipe lacks steps: 2"; fails=$((fails+1)); }
 [ -f "$tmp/run/final/config.json" ] || { echo "FAIL: no final checkpoint"; fails=$((fails+1)); }
 # Resume: 2 steps, then continue to 4; the metrics of steps 3-4 equal an uninterrupted 4-step run's.
-strip_times() { grep '"reward"' "$1" | sed 's/"rollout_seconds":[^,]*,"train_seconds":[^,]*,//'; }
+strip_times() { grep '"reward"' "$1" | sed 's/"rollout_seconds":[^,]*,"train_seconds":[^,]*,//; s/"sync_seconds":[^,]*,//'; }
 check "train 4 steps" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 4 --out "$tmp/full"
 check "train 2 steps" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/part"
 check "resume to 4" "resumed from" "$kiln" train "$tmp/recipe.yaml" --steps 4 --resume "$tmp/part"
@@ -139,6 +139,25 @@ check "train with an NVFP4 rollout" "train: done" "$kiln" train "$tmp/nv.yaml" -
 grep -q "quantization: nvfp4" "$tmp/nvrun/recipe.yaml" || { echo "FAIL: resolved recipe lacks quantization"; fails=$((fails+1)); }
 sed 's/quantization: nvfp4/quantization: int4/' "$tmp/nv.yaml" > "$tmp/nvbad.yaml"
 check_fails "bad quantization" "quantization must be none, nvfp4 or w4a4" "$kiln" train "$tmp/nvbad.yaml" --steps 1 --out "$tmp/nvbad"
+# LoRA GRPO (recipes/lora-grpo-arith-tiny.yaml, shortened) from a short SFT warm start: the
+# reward and the held-out accuracy must rise; the PEFT adapter merges into a checkpoint.
+check "sft warm start for LoRA" "sft: done" "$kiln" sft "$src/recipes/grpo-arith-tiny.yaml" --steps 120 --out "$tmp/lora"
+check "LoRA GRPO" "PEFT adapter in" "$kiln" train "$src/recipes/lora-grpo-arith-tiny.yaml" --init-from "$tmp/lora/sft" \
+  --steps 20 --out "$tmp/lora"
+rewards=$(grep -o '"reward":[0-9.e+-]*' "$tmp/lora/metrics.jsonl" | cut -d: -f2)
+first=$(echo "$rewards" | head -5 | awk '{s+=$1} END {print s/NR}'); last=$(echo "$rewards" | tail -5 | awk '{s+=$1} END {print s/NR}')
+awk -v a="$first" -v b="$last" 'BEGIN {exit !(b > a + 0.02)}' || { echo "FAIL: LoRA reward did not rise ($first -> $last)"; fails=$((fails+1)); }
+accs=$(grep -o '"eval_accuracy":[0-9.e+-]*' "$tmp/lora/metrics.jsonl" | cut -d: -f2)
+awk -v a="$(echo "$accs" | head -1)" -v b="$(echo "$accs" | tail -1)" 'BEGIN {exit !(b > a + 0.05)}' \
+  || { echo "FAIL: LoRA held-out accuracy did not rise: $accs"; fails=$((fails+1)); }
+grep -q '"sync_bytes"' "$tmp/lora/metrics.jsonl" || { echo "FAIL: no sync bytes in the metrics"; fails=$((fails+1)); }
+grep -q '"r": 8' "$tmp/lora/adapter/adapter_config.json" || { echo "FAIL: adapter_config.json lacks r"; fails=$((fails+1)); }
+check "merge" "merged the rank-8 adapter" "$kiln" merge "$tmp/lora/sft" "$tmp/lora/adapter" "$tmp/lora/merged"
+check "generate from the merged model" "generated" "$kiln" generate --model "$tmp/lora/merged" --prompt "12+34=" --max-tokens 3
+check_fails "merge without an adapter" "adapter_config.json" "$kiln" merge "$tmp/lora/sft" "$tmp/none" "$tmp/x"
+sed 's/^  rank: 8 .*/  rank: -1/' "$src/recipes/lora-grpo-arith-tiny.yaml" > "$tmp/lorabad.yaml"
+sed -i "s|config: ../configs|config: $src/configs|" "$tmp/lorabad.yaml"
+check_fails "bad LoRA rank" "lora.rank" "$kiln" train "$tmp/lorabad.yaml" --steps 1 --out "$tmp/lorabad"
 # Optimizer keys: state on NVMe with a rule, and their errors with file, line and key.
 mkdir -p "$tmp/nvme"
 { cat "$tmp/recipe.yaml"; printf 'optim:\n  state: nvme\n  nvme_dir: %s\n  chunk_mb: 0.01\n  rules:\n    - {match: "*experts*", optimizer: adamw}\n' "$tmp/nvme"; } > "$tmp/nvme.yaml"

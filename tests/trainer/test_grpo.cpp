@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "model/lora.h"
 #include "trainer/grpo.h"
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
@@ -69,13 +70,13 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
 // Everything in a step's metrics but wall-clock times.
 std::string without_times(const StepMetrics& m) {
   StepMetrics c = m;
-  c.rollout_seconds = c.train_seconds = 0;
+  c.rollout_seconds = c.train_seconds = c.sync_seconds = 0;
   return c.to_json();
 }
 
 // Runs 4 steps straight, and 2 + save + load + 2 into other weights: every step's metrics and the
 // final weights must agree bitwise. The optimizer state lives where `state` says.
-void check_resume(double kl_coef, optimizers::Placement state = optimizers::Placement::kDevice) {
+void check_resume(double kl_coef, optimizers::Placement state = optimizers::Placement::kDevice, int64_t lora_rank = 0) {
   test::TempDir nvme;
   model::ModelConfig mc = test::byte_vocab_config();
   mc.init_std = 1.0;
@@ -86,6 +87,8 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   cfg.loss.kl_coef = kl_coef;
   cfg.optim.placement = state;
   cfg.optim.nvme_dir = nvme.path();
+  cfg.lora.rank = lora_rank;
+  cfg.lora.alpha = 2.0 * double(lora_rank);
   std::vector<std::string> straight;
   {
     GrpoTrainer t(a, cfg, CharTokenizer(128), data);
@@ -109,13 +112,17 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   for (size_t i = 0; i < a.named_parameters().size(); ++i)
     EXPECT_TRUE(test::all_equal(c.named_parameters()[i].second, a.named_parameters()[i].second))
         << a.named_parameters()[i].first;
+  const auto la = model::lora_parameters(a), lc = model::lora_parameters(c);
+  ASSERT_EQ(la.size(), lc.size());
+  EXPECT_EQ(la.empty(), lora_rank == 0);
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_TRUE(test::all_equal(lc[i].second, la[i].second)) << la[i].first;
   EXPECT_TRUE(test::throws_with([&] { resumed.load(dir / "nothing"); }, {"no checkpoint state"}));
   // A truncated optimizer state is named, and the checkpoint is left as it was.
   std::filesystem::copy(dir / "ckpt", dir / "cut", std::filesystem::copy_options::recursive);
   const std::string opt_file = dir / "cut/optimizer.safetensors";
   std::filesystem::resize_file(opt_file, std::filesystem::file_size(opt_file) - 100);
   EXPECT_TRUE(test::throws_with([&] { resumed.load(dir / "cut"); }, {"cut/optimizer.safetensors"}));
-  if (kl_coef != 0) {  // the reference policy is part of the checkpoint
+  if (kl_coef != 0 && lora_rank == 0) {  // the reference policy is part of the checkpoint (LoRA: the base itself)
     GrpoConfig no_kl = cfg;
     no_kl.loss.kl_coef = 0;
     model::Muse d = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
@@ -129,6 +136,43 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
 TEST(Grpo, ResumeFromACheckpointReproducesTheUninterruptedRunBitwise) { check_resume(0.0); }
 TEST(Grpo, ResumeWithTheKlTermRestoresTheReferencePolicy) { check_resume(0.05); }
 TEST(Grpo, ResumeWithOptimizerStateOnNvmeIsBitwiseToo) { check_resume(0.0, optimizers::Placement::kNvme); }
+// LoRA: only the adapters train (the base stays bitwise), the KL reference is the base with the
+// adapters off, and the checkpoint carries a PEFT adapter.
+TEST(Grpo, LoraTrainsOnlyAdaptersAndResumesBitwise) { check_resume(0.05, optimizers::Placement::kDevice, 4); }
+
+TEST(Grpo, LoraSyncsAdaptersOnlyAndChecksTheSync) {
+  model::ModelConfig mc = test::byte_vocab_config();
+  mc.init_std = 1.0;
+  model::Muse policy = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  const model::Muse base = policy.clone();
+  Dataset data = test::self_consistent_problems(policy, 200);
+  GrpoConfig cfg = small_grpo();
+  cfg.max_tokens = 1;
+  cfg.lora.rank = 4;
+  cfg.lora.alpha = 8;
+  cfg.loss.kl_coef = 0.05;
+  GrpoTrainer trainer(policy, cfg, CharTokenizer(128), data);
+  int64_t adapter_bytes = 0;
+  for (auto& [n, t] : model::lora_parameters(policy)) adapter_bytes += t.numel() * 4;
+  for (int s = 0; s < 3; ++s) {
+    StepMetrics m = trainer.step();
+    EXPECT_EQ(m.sync_bytes, adapter_bytes);  // adapters only
+    EXPECT_GE(m.sync_seconds, 0.0);
+    EXPECT_GE(m.sync_check, 0.0);
+    EXPECT_LT(m.sync_check, 1e-5);  // same base, fp32: the rollout scores as the trainer does
+    EXPECT_LT(m.mismatch.mean_abs_token, 1e-4) << m.to_json();
+    if (s > 0) EXPECT_GT(m.kl, 0.0);  // the adapters moved away from the base
+  }
+  for (size_t i = 0; i < base.named_parameters().size(); ++i)  // the base is frozen
+    EXPECT_TRUE(test::all_equal(policy.named_parameters()[i].second, base.named_parameters()[i].second));
+  double moved = 0;
+  for (auto& [n, t] : model::lora_parameters(policy))
+    if (n.find("lora_B") != std::string::npos) moved += t.abs().sum().item<double>();
+  EXPECT_GT(moved, 0.0);
+  GrpoConfig bad = cfg;
+  bad.lora.targets = {"embed_tokens"};
+  EXPECT_TRUE(test::throws_with([&] { GrpoTrainer t(policy, bad, CharTokenizer(128), data); }, {"unknown target"}));
+}
 
 TEST(Grpo, KlToTheFrozenReferenceStartsAtZeroAndGrows) {
   model::ModelConfig mc = test::byte_vocab_config();

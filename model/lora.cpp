@@ -1,0 +1,262 @@
+// LoRA adapters: the adapted-linear table, seeded init, merging, and the PEFT file layout.
+#include "model/lora.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "model/names.h"
+
+namespace kiln::model {
+namespace {
+
+// One adaptable linear of a layer.
+struct Slot {
+  const char* module;  // HF suffix; experts: "mlp.experts.<kind>" (one module per expert)
+  const char* kind;    // the target_modules name
+  at::Tensor LayerWeights::*dense;
+  kernels::Nvfp4Tensor LayerWeights::Nvfp4::*q;
+  at::Tensor LayerWeights::Lora::*a;
+  at::Tensor LayerWeights::Lora::*b;
+  bool expert;
+};
+
+const std::vector<Slot>& slots() {
+  using L = LayerWeights;
+  using Q = LayerWeights::Nvfp4;
+  using A = LayerWeights::Lora;
+  static const std::vector<Slot> s = {
+      {"self_attn.q_proj", "q_proj", &L::q_proj, &Q::q_proj, &A::q_a, &A::q_b, false},
+      {"self_attn.k_proj", "k_proj", &L::k_proj, &Q::k_proj, &A::k_a, &A::k_b, false},
+      {"self_attn.v_proj", "v_proj", &L::v_proj, &Q::v_proj, &A::v_a, &A::v_b, false},
+      {"self_attn.o_proj", "o_proj", &L::o_proj, &Q::o_proj, &A::o_a, &A::o_b, false},
+      {"mlp.pooler", "pooler", &L::pooler, &Q::pooler, &A::pool_a, &A::pool_b, false},
+      {"mlp.unpooler", "unpooler", &L::unpooler, &Q::unpooler, &A::unpool_a, &A::unpool_b, false},
+      {"mlp.experts.gate_proj", "gate_proj", &L::expert_gate, &Q::expert_gate, &A::gate_a, &A::gate_b, true},
+      {"mlp.experts.up_proj", "up_proj", &L::expert_up, &Q::expert_up, &A::up_a, &A::up_b, true},
+      {"mlp.experts.down_proj", "down_proj", &L::expert_down, &Q::expert_down, &A::down_a, &A::down_b, true},
+  };
+  return s;
+}
+
+std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i) + "."; }
+
+// HF module of one expert (e >= 0) or of a dense linear: "model.layers.2.mlp.experts.5.up_proj".
+std::string module_name(int64_t layer, const Slot& s, int64_t e) {
+  if (!s.expert) return layer_prefix(layer) + s.module;
+  return layer_prefix(layer) + "mlp.experts." + std::to_string(e) + "." + s.kind;
+}
+
+// (out, in) of a slot's weight (one expert's), from the dense weight or its NVFP4 copy.
+std::pair<int64_t, int64_t> out_in(const LayerWeights& l, const Slot& s) {
+  const at::Tensor& d = l.*s.dense;
+  if (d.defined()) return {d.size(-2), d.size(-1)};
+  const kernels::Nvfp4Tensor& q = l.nvfp4.*s.q;
+  KILN_CHECK(q.packed.defined(), "lora: ", s.module, " has no weights");
+  return {q.rows(), q.cols()};
+}
+
+bool targeted(const std::vector<std::string>& targets, const Slot& s) {
+  return std::find(targets.begin(), targets.end(), s.kind) != targets.end();
+}
+
+void write_text_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << text;
+    KILN_CHECK(f.good(), "lora: cannot write ", tmp);
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+}  // namespace
+
+void LoraConfig::validate() const {
+  KILN_CHECK(rank >= 0, "lora: rank must be >= 0 (got ", rank, ")");
+  if (rank == 0) return;
+  KILN_CHECK(alpha > 0, "lora: alpha must be positive (got ", alpha, ")");
+  KILN_CHECK(!targets.empty(), "lora: targets must name at least one module kind");
+  for (const std::string& t : targets) {
+    bool known = false;
+    for (const Slot& s : slots()) known |= t == s.kind;
+    KILN_CHECK(known, "lora: unknown target '", t,
+               "'; use q_proj, k_proj, v_proj, o_proj, pooler, unpooler, gate_proj, up_proj, down_proj");
+  }
+}
+
+void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed) {
+  cfg.validate();
+  KILN_CHECK(cfg.enabled(), "lora: add_lora needs rank > 0");
+  at::NoGradGuard g;
+  const int64_t r = cfg.rank;
+  auto opts = at::TensorOptions().dtype(m.dtype()).device(m.device());
+  for (int64_t i = 0; i < int64_t(m.weights().layers.size()); ++i) {
+    LayerWeights& l = m.weights().layers[size_t(i)];
+    l.lora = LayerWeights::Lora();
+    l.lora.scale = cfg.scale();
+    for (const Slot& s : slots()) {
+      if (!targeted(cfg.targets, s)) continue;
+      auto [out, in] = out_in(l, s);
+      const int64_t E = s.expert ? m.config().num_experts : 1;
+      std::vector<at::Tensor> as;
+      for (int64_t e = 0; e < E; ++e) {
+        // PEFT's init: Kaiming-uniform with a = sqrt(5), i.e. bound 1 / sqrt(in); B = 0.
+        const std::string name = module_name(i, s, e) + ".lora_A";
+        at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(detail::stream_seed(seed, name));
+        const double bound = 1.0 / std::sqrt(double(in));
+        as.push_back(at::empty({r, in}, at::kFloat).uniform_(-bound, bound, gen));
+      }
+      at::Tensor a = s.expert ? at::stack(as) : as[0];
+      l.lora.*s.a = a.to(opts).contiguous();
+      l.lora.*s.b = at::zeros(s.expert ? std::vector<int64_t>{E, out, r} : std::vector<int64_t>{out, r}, opts);
+    }
+  }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> lora_parameters(const Muse& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (int64_t i = 0; i < int64_t(m.weights().layers.size()); ++i) {
+    const LayerWeights& l = m.weights().layers[size_t(i)];
+    for (const Slot& s : slots()) {
+      if (!(l.lora.*s.a).defined()) continue;
+      out.emplace_back(layer_prefix(i) + s.module + ".lora_A", l.lora.*s.a);
+      out.emplace_back(layer_prefix(i) + s.module + ".lora_B", l.lora.*s.b);
+    }
+  }
+  return out;
+}
+
+int64_t lora_rank(const Muse& m) {
+  for (const LayerWeights& l : m.weights().layers)
+    for (const Slot& s : slots())
+      if ((l.lora.*s.a).defined()) return (l.lora.*s.a).size(-2);
+  return 0;
+}
+
+void merge_lora(Muse& m) {
+  at::NoGradGuard g;
+  for (int64_t i = 0; i < int64_t(m.weights().layers.size()); ++i) {
+    LayerWeights& l = m.weights().layers[size_t(i)];
+    for (const Slot& s : slots()) {
+      const at::Tensor& a = l.lora.*s.a;
+      if (!a.defined()) continue;
+      at::Tensor& w = l.*s.dense;
+      KILN_CHECK(w.defined(), "lora: merge layer ", i, " ", s.module, ": the base is NVFP4 only; dequantise it first");
+      at::Tensor delta = at::matmul((l.lora.*s.b).to(at::kFloat), a.to(at::kFloat)) * l.lora.scale;
+      w = (w.to(at::kFloat) + delta).to(w.scalar_type()).contiguous();
+    }
+    l.lora = LayerWeights::Lora();
+  }
+}
+
+void save_peft_adapter(const Muse& m, const std::string& dir) {
+  const int64_t r = lora_rank(m);
+  KILN_CHECK(r > 0, "lora: the model has no adapters to save");
+  std::vector<safetensors::NamedTensor> tensors;
+  std::set<std::string> kinds;
+  double scale = 0;
+  for (int64_t i = 0; i < int64_t(m.weights().layers.size()); ++i) {
+    const LayerWeights& l = m.weights().layers[size_t(i)];
+    for (const Slot& s : slots()) {
+      const at::Tensor& a = l.lora.*s.a;
+      if (!a.defined()) continue;
+      kinds.insert(s.kind);
+      scale = l.lora.scale;
+      const at::Tensor& b = l.lora.*s.b;
+      for (int64_t e = 0; e < (s.expert ? a.size(0) : 1); ++e) {
+        const std::string key = "base_model.model." + module_name(i, s, e);
+        tensors.push_back({key + ".lora_A.weight", (s.expert ? a[e] : a).detach().cpu().contiguous()});
+        tensors.push_back({key + ".lora_B.weight", (s.expert ? b[e] : b).detach().cpu().contiguous()});
+      }
+    }
+  }
+  std::filesystem::create_directories(dir);
+  safetensors::write_file(dir + "/adapter_model.safetensors", tensors);
+  nlohmann::ordered_json c;
+  c["peft_type"] = "LORA";
+  c["task_type"] = "CAUSAL_LM";
+  c["base_model_name_or_path"] = m.config().name;
+  c["r"] = r;
+  c["lora_alpha"] = scale * double(r);
+  c["lora_dropout"] = 0.0;
+  c["bias"] = "none";
+  c["fan_in_fan_out"] = false;
+  c["inference_mode"] = true;
+  c["target_modules"] = std::vector<std::string>(kinds.begin(), kinds.end());
+  write_text_atomic(dir + "/adapter_config.json", c.dump(2) + "\n");
+}
+
+void load_peft_adapter(Muse& m, const std::string& dir) {
+  const std::string cfg_path = dir + "/adapter_config.json";
+  std::ifstream in(cfg_path);
+  KILN_CHECK(in.good(), "lora: cannot open ", cfg_path, "; a PEFT adapter directory needs adapter_config.json");
+  nlohmann::json c;
+  try {
+    in >> c;
+  } catch (const nlohmann::json::exception& e) {
+    KILN_FAIL("lora: ", cfg_path, " is not valid JSON: ", e.what());
+  }
+  auto need = [&](const char* key) -> const nlohmann::json& {
+    KILN_CHECK(c.contains(key), "lora: ", cfg_path, ": missing key ", key);
+    return c[key];
+  };
+  KILN_CHECK(!c.contains("peft_type") || c["peft_type"] == "LORA", "lora: ", cfg_path,
+             ": peft_type must be \"LORA\" (got ", c["peft_type"].dump(), ")");
+  KILN_CHECK(need("r").is_number_integer() && c["r"].get<int64_t>() > 0, "lora: ", cfg_path,
+             ": r must be a positive integer (got ", c["r"].dump(), ")");
+  KILN_CHECK(need("lora_alpha").is_number() && c["lora_alpha"].get<double>() > 0, "lora: ", cfg_path,
+             ": lora_alpha must be a positive number (got ", c["lora_alpha"].dump(), ")");
+  LoraConfig lc;
+  lc.rank = c["r"].get<int64_t>();
+  lc.alpha = c["lora_alpha"].get<double>();
+  KILN_CHECK(need("target_modules").is_array(), "lora: ", cfg_path, ": target_modules must be a list of names");
+  lc.targets = c["target_modules"].get<std::vector<std::string>>();
+  lc.validate();
+
+  const std::string st_path = dir + "/adapter_model.safetensors";
+  auto file = safetensors::File::open(st_path);
+  std::set<std::string> unused;
+  for (const auto& t : file->tensors()) unused.insert(t.name);
+  auto load = [&](const std::string& key, const std::vector<int64_t>& shape) {
+    const safetensors::TensorInfo* info = file->find(key);
+    KILN_CHECK(info, "lora: ", st_path, ": missing tensor ", key, " (target_modules lists its kind)");
+    KILN_CHECK(info->shape == shape, "lora: ", st_path, ": tensor ", key, " has shape ", at::IntArrayRef(info->shape),
+               ", expected ", at::IntArrayRef(shape));
+    unused.erase(key);
+    return file->load(key, m.dtype());
+  };
+  const int64_t r = lc.rank;
+  for (int64_t i = 0; i < int64_t(m.weights().layers.size()); ++i) {
+    LayerWeights& l = m.weights().layers[size_t(i)];
+    LayerWeights::Lora lora;
+    lora.scale = lc.scale();
+    for (const Slot& s : slots()) {
+      if (!targeted(lc.targets, s)) continue;
+      auto [out, inw] = out_in(l, s);
+      std::vector<at::Tensor> as, bs;
+      for (int64_t e = 0; e < (s.expert ? m.config().num_experts : 1); ++e) {
+        const std::string key = "base_model.model." + module_name(i, s, e);
+        as.push_back(load(key + ".lora_A.weight", {r, inw}));
+        bs.push_back(load(key + ".lora_B.weight", {out, r}));
+      }
+      lora.*s.a = (s.expert ? at::stack(as) : as[0]).to(m.device()).contiguous();
+      lora.*s.b = (s.expert ? at::stack(bs) : bs[0]).to(m.device()).contiguous();
+    }
+    l.lora = lora;
+  }
+  KILN_CHECK(unused.empty(), "lora: ", st_path, ": ", unused.size(), " tensors match no adapted module, e.g. ",
+             *unused.begin());
+}
+
+}  // namespace kiln::model

@@ -1,0 +1,48 @@
+// LoRA adapters on the Muse linears (MUSE.md §7): W' = W + (alpha / r) B A on attention q/k/v/o,
+// the latent pooler and unpooler, and every routed expert's gate/up/down (per-expert adapters,
+// stacked). Applied unmerged in the forward (on a dense or an NVFP4 base); PEFT import/export;
+// merging into the base.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/muse.h"
+
+namespace kiln::model {
+
+struct LoraConfig {
+  int64_t rank = 0;        // 0: no adapters
+  double alpha = 64;
+  // Module kinds that get adapters: q_proj k_proj v_proj o_proj pooler unpooler gate_proj up_proj
+  // down_proj (the last three: every routed expert).
+  std::vector<std::string> targets = {"q_proj", "k_proj", "v_proj", "o_proj", "pooler",
+                                      "unpooler", "gate_proj", "up_proj", "down_proj"};
+  bool enabled() const { return rank > 0; }
+  double scale() const { return alpha / double(rank); }
+  void validate() const;   // rank >= 0, alpha > 0, known targets
+};
+
+// Adds adapters to `m`: A [r, in] Kaiming-uniform (bound 1/sqrt(in)) from a stream seeded by
+// (seed, name), B [out, r] zeros, in the model's dtype on its device. Experts get [E, r, in] and
+// [E, out, r]. Replaces adapters already there.
+void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed);
+// The adapters under their in-memory names ("model.layers.0.self_attn.q_proj.lora_A",
+// "model.layers.0.mlp.experts.gate_proj.lora_B" stacked [E, out, r]); empty without adapters.
+std::vector<std::pair<std::string, at::Tensor>> lora_parameters(const Muse& m);
+int64_t lora_rank(const Muse& m);  // 0 without adapters
+
+// W += (alpha / r) B A for every adapted linear (in fp32, then the weight's dtype), and the
+// adapters removed. Needs dense weights (dequantise an NVFP4 base first).
+void merge_lora(Muse& m);
+
+// PEFT layout: adapter_model.safetensors (base_model.model.<module>.lora_A.weight [r, in] and
+// lora_B.weight [out, r], one pair per expert) and adapter_config.json, written atomically.
+void save_peft_adapter(const Muse& m, const std::string& dir);
+// Reads a PEFT adapter into `m` (replacing its adapters); errors name the file, the tensor and
+// the expected shape, or the adapter_config.json key.
+void load_peft_adapter(Muse& m, const std::string& dir);
+
+}  // namespace kiln::model
