@@ -261,13 +261,16 @@ at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor
   if (input_scale.defined()) {
     s = input_scale.to(xf.device(), at::kFloat).reshape({});
   } else {
-    at::Tensor amax = xf.numel() > 0 ? xf.abs().amax() : at::zeros({}, xf.options());
-    s = at::where(amax > 0, amax / (6.0f * 448.0f), at::ones_like(amax));
+    // Dynamic: one scale per row (token), so a token's numerics do not depend on its batch. The
+    // division runs in fp64 so CPU and GPU agree (ATen divides by a scalar with a reciprocal on GPU).
+    at::Tensor amax = xf.abs().amax(-1, /*keepdim=*/true);  // [M, 1]
+    s = at::where(amax > 0, (amax.to(at::kDouble) / (6.0 * 448.0)).to(at::kFloat), at::ones_like(amax));
   }
   if (scale) *scale = s;
   at::Tensor blocks = xf.view({x.size(0), -1, kNvfp4Block});
-  at::Tensor sf = e4m3_round_values(blocks.abs().amax(-1, true) / (s * 6.0f));  // same order as the weights
-  at::Tensor block_scale = sf * s;
+  at::Tensor s3 = s.dim() == 2 ? s.unsqueeze(-1) : s;  // broadcasts over [M, K/16, 16]
+  at::Tensor sf = e4m3_round_values(blocks.abs().amax(-1, true) / (s3 * 6.0f));  // the weights' order
+  at::Tensor block_scale = sf * s3;
   at::Tensor codes = at::where(block_scale > 0, e2m1_round_values(blocks / block_scale), at::zeros_like(blocks));
   return (codes * sf).view_as(xf).to(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
 }
@@ -308,7 +311,8 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
     Nvfp4Tensor one{w.packed[e], w.block_scale[e], s2[e], w.kernel_layout, at::Tensor()};
     Nvfp4LinearOptions plain;
     at::Tensor part = nvfp4_linear_reference(xin.narrow(0, o[e], o[e + 1] - o[e]), one, plain);
-    if (extra.defined()) part = part * extra.to(part.scalar_type());
+    if (extra.defined())
+      part = part * (extra.dim() == 0 ? extra : extra.narrow(0, o[e], o[e + 1] - o[e])).to(part.scalar_type());
     y.narrow(0, o[e], o[e + 1] - o[e]).copy_(part);
   }
   return y;
@@ -335,9 +339,12 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4Li
   if (x.is_cuda() && supported && w.kernel_layout && !w.stacked()) {
     auto [xq, extra] = gemm_input(x, opt);
     at::Tensor xin = xq.to(x.scalar_type());
-    if (x.size(0) <= kFusedMaxRows) return nvfp4_linear_cuda(xin, w, extra);
-    at::Tensor y = at::linear(xin, unit_dequantize(w, x)) * w.tensor_scale;  // 0-dim: keeps x's dtype
-    return extra.defined() ? y * extra : y;
+    const bool scalar = !extra.defined() || extra.dim() == 0;  // else per-row (dynamic W4A4)
+    at::Tensor y = x.size(0) <= kFusedMaxRows
+                       ? nvfp4_linear_cuda(xin, w, scalar ? extra : at::Tensor())
+                       : at::linear(xin, unit_dequantize(w, x)) * w.tensor_scale;  // 0-dim: keeps x's dtype
+    if (!extra.defined() || (scalar && x.size(0) <= kFusedMaxRows)) return y;
+    return (y.to(at::kFloat) * extra).to(x.scalar_type());
   }
 #endif
   return nvfp4_linear_reference(x, w, opt);
@@ -351,7 +358,11 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
     auto [xq, extra] = gemm_input(x, opt);
     at::Tensor xin = xq.to(x.scalar_type());
     const int64_t E = w.packed.size(0);
-    if (x.size(0) <= kFusedMaxRows * E) return nvfp4_grouped_linear_cuda(xin, w, offsets, extra);
+    if (x.size(0) <= kFusedMaxRows * E) {
+      const bool scalar = !extra.defined() || extra.dim() == 0;
+      at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor());
+      return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
+    }
     // Prefill: one cuBLAS GEMM per expert on its dequantised weights (one expert's at a time).
     at::Tensor off = offsets.cpu();
     const int64_t* o = off.data_ptr<int64_t>();
@@ -360,7 +371,9 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
       if (o[e + 1] == o[e]) continue;
       Nvfp4Tensor one{w.packed[e], w.block_scale[e], w.tensor_scale[e], true, at::Tensor()};
       at::Tensor part = at::linear(xin.narrow(0, o[e], o[e + 1] - o[e]), unit_dequantize(one, x)) * one.tensor_scale;
-      y.narrow(0, o[e], o[e + 1] - o[e]).copy_(extra.defined() ? part * extra : part);
+      if (extra.defined())
+        part = part.to(at::kFloat) * (extra.dim() == 0 ? extra : extra.narrow(0, o[e], o[e + 1] - o[e]));
+      y.narrow(0, o[e], o[e + 1] - o[e]).copy_(part);
     }
     return y;
   }

@@ -58,9 +58,10 @@ Nvfp4Tensor nvfp4_to_modelopt_layout(const Nvfp4Tensor& q);
 // Options of a quantised linear.
 struct Nvfp4LinearOptions {
   // W4A4 (Blackwell numerics, emulated): activations are also quantised to NVFP4 per 16 values
-  // along K, each row block-scaled under a per-tensor scale: `input_scale` when defined (static,
-  // calibrated: amax_in / (6 * 448)), else the dynamic amax of x / (6 * 448). The product of the
-  // codes-times-block-scales accumulates in FP32 and is multiplied by input_scale * s2.
+  // along K under a second-level scale: `input_scale` when defined (static, calibrated: amax_in /
+  // (6 * 448)), else each row's own amax / (6 * 448) (dynamic per token, so a token's numerics do
+  // not depend on the rest of its batch). The product of the codes-times-block-scales accumulates
+  // in FP32 and is multiplied by that scale and s2.
   bool w4a4 = false;
   at::Tensor input_scale;  // float32 scalar, optional
 };
@@ -80,8 +81,8 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                 const Nvfp4LinearOptions& opt = {});
-// W4A4's activation step: x [M, K] -> the dequantised values e2m1(q) * sf (without the tensor
-// scale, which the GEMM applies), exact in bf16; `scale` is the per-tensor scale used.
+// W4A4's activation step: x [M, K] -> the dequantised values e2m1(q) * sf (without the second-level
+// scale, which the GEMM applies), exact in bf16; `scale` is that scale: [] (static) or [M, 1].
 at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor& input_scale, at::Tensor* scale);
 
 // The CUDA kernels (nvfp4_cuda.cpp); each throws in builds without CUDA. Inputs on one CUDA device.

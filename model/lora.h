@@ -14,7 +14,7 @@
 namespace kiln::model {
 
 struct LoraConfig {
-  int64_t rank = 0;        // 0: no adapters
+  int64_t rank = 0;        // 0: no adapters (a recipe's lora: section defaults to 32)
   double alpha = 64;
   // Module kinds that get adapters: q_proj k_proj v_proj o_proj pooler unpooler gate_proj up_proj
   // down_proj (the last three: every routed expert).

@@ -189,6 +189,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     ro.finish();
   }
   {
+    if (top.has("lora")) g.lora.rank = 32;  // a lora: section turns adapters on: rank 32, alpha 64
     auto lo = top.child("lora");
     lo.get("rank", g.lora.rank);
     lo.get("alpha", g.lora.alpha);

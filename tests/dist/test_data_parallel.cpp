@@ -174,8 +174,9 @@ TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
   check_grpo(Group::world().size(), 1);
   if (Group::world().size() == 4) check_grpo(2, 1);
   check_grpo(Group::world().size(), 1, /*kl_coef=*/0.05);  // the reference is an expert shard too
-  // The rollout engines serve their shards, exchanging tokens in lockstep.
-  check_grpo(Group::world().size(), 1, 0, "sharded");
+  // The rollout engines serve their shards, exchanging tokens in lockstep (needs ep > 1: at one
+  // rank, as on the one-GPU machine, the layout rightly refuses it).
+  if (Group::world().size() > 1) check_grpo(Group::world().size(), 1, 0, "sharded");
   if (Group::world().size() == 4) check_grpo(2, 1, 0, "sharded");
 }
 

@@ -175,26 +175,37 @@ TEST(Nvfp4, KernelLayoutMovesOnlySignBits) {
 }
 
 TEST(Nvfp4, ActivationQuantisationEqualsTheScalarEncoders) {
-  // Ties and every code: rows scaled so the values land on the E2M1 midpoints.
+  // Every code and tie in row 0; dynamic scales are per row (amax / (6 * 448)).
   at::manual_seed(5);
   for (int64_t m : {1, 19}) {
     at::Tensor x = at::randn({m, 48}) * 7;
     x[0].narrow(0, 0, 16).copy_(at::tensor({6.f, 0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, .25f, .75f, 1.25f, 1.75f,
                                             2.5f, 3.5f, 5.f, -6.f}));
+    if (m > 1) x[1].mul_(1000);  // a loud row does not change the others' scales
     at::Tensor s;
     at::Tensor fq = nvfp4_fake_quantize_activations(x, at::Tensor(), &s);
-    Nvfp4Tensor ref = nvfp4_quantize_reference(x);
-    EXPECT_EQ(s.item<float>(), ref.tensor_scale.item<float>());
-    ref.tensor_scale = at::ones({}, at::kFloat);  // codes times block scales
-    EXPECT_TRUE(test::all_equal(fq, nvfp4_dequantize_reference(ref))) << m;
-    // A static scale is used as given.
-    at::Tensor fixed = at::scalar_tensor(0.01f);
-    nvfp4_fake_quantize_activations(x, fixed, &s);
+    ASSERT_EQ(s.sizes(), at::IntArrayRef({m, 1}));
+    for (int64_t r = 0; r < m; ++r) {
+      const float amax = x[r].abs().max().item<float>();
+      const float sr = float(double(amax) / (6.0 * 448.0));
+      EXPECT_EQ(s[r][0].item<float>(), sr) << r;
+      for (int64_t b = 0; b < 3; ++b) {
+        const float bmax = x[r].narrow(0, 16 * b, 16).abs().max().item<float>();
+        const uint8_t sf = e4m3_encode(bmax / (sr * 6.0f));
+        for (int64_t j = 0; j < 16; ++j) {
+          const float v = x[r][16 * b + j].item<float>();
+          const float want = e2m1_decode(e2m1_encode(v / (e4m3_decode(sf) * sr))) * e4m3_decode(sf);
+          ASSERT_EQ(fq[r][16 * b + j].item<float>(), want) << "row " << r << " element " << 16 * b + j;
+        }
+      }
+    }
+    // A static scale is used as given, for every row.
+    nvfp4_fake_quantize_activations(x, at::scalar_tensor(0.01f), &s);
     EXPECT_EQ(s.item<float>(), 0.01f);
   }
   at::Tensor s;
   EXPECT_TRUE(test::all_equal(nvfp4_fake_quantize_activations(at::zeros({2, 16}), at::Tensor(), &s), at::zeros({2, 16})));
-  EXPECT_EQ(s.item<float>(), 1.0f);
+  EXPECT_TRUE(test::all_equal(s, at::ones({2, 1})));
 }
 
 TEST(Nvfp4, LinearReferencesAgreeWithDequantisedMatmul) {
@@ -216,7 +227,7 @@ TEST(Nvfp4, LinearReferencesAgreeWithDequantisedMatmul) {
       at::Tensor s;
       at::Tensor xq = nvfp4_fake_quantize_activations(x, at::Tensor(), &s);
       at::Tensor y4 = nvfp4_linear_reference(x, q, o);
-      at::Tensor e4 = at::matmul(xq.to(at::kDouble), nvfp4_dequantize_reference(q, at::kDouble).t()) * s.item<double>();
+      at::Tensor e4 = at::matmul(xq.to(at::kDouble), nvfp4_dequantize_reference(q, at::kDouble).t()) * s.to(at::kDouble);
       EXPECT_LE((y4.to(at::kDouble) - e4).abs().max().item<double>(), tol * e4.abs().max().item<double>());
       EXPECT_GT((y4.to(at::kDouble) - expect).abs().max().item<double>(), 0.0);  // it does quantise
     }
