@@ -415,6 +415,9 @@ struct GrpoTrainer::Impl {
   // sharded engine shares the trained tensors and a replica under expert parallelism gathers every
   // rank's experts. Then the probe check.
   void sync_rollout(StepMetrics& m) {
+#if KILN_WITH_CUDA
+    if (policy.device().is_cuda()) c10::cuda::device_synchronize();  // the optimizer's kernels are not the sync's
+#endif
     const auto t = Clock::now();
     if (lora()) {
       m.sync_bytes = engine->update_adapters(model::lora_parameters(policy));
