@@ -281,7 +281,7 @@ at::Tensor nvfp4_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, con
   check_linear_input(x, w, "nvfp4_linear");
   auto [xin, extra] = gemm_input(x, opt);
   Nvfp4Tensor unit = w;  // codes times block scales; the tensor scale goes in the epilogue
-  unit.tensor_scale = at::ones({}, at::kFloat);
+  unit.tensor_scale = at::ones({}, w.tensor_scale.options());
   at::Tensor xa = acc_of(xin);
   at::Tensor wq = nvfp4_dequantize_reference(unit, xa.scalar_type()).to(x.device());
   at::Tensor y = at::matmul(xa, wq.t()) * w.tensor_scale.to(x.device(), xa.scalar_type());
@@ -304,11 +304,10 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
   at::Tensor y = at::empty({x.size(0), w.rows()}, x.options());
   // W4A4 scales the whole grouped input with one per-tensor scale, as one GEMM call would.
   auto [xin, extra] = gemm_input(x, opt);
-  at::Tensor s2 = w.tensor_scale.cpu();
   for (int64_t e = 0; e < E; ++e) {
     KILN_CHECK(o[e + 1] >= o[e], "nvfp4_grouped_linear: offsets must not decrease (expert ", e, ")");
     if (o[e + 1] == o[e]) continue;
-    Nvfp4Tensor one{w.packed[e], w.block_scale[e], s2[e], w.kernel_layout, at::Tensor()};
+    Nvfp4Tensor one{w.packed[e], w.block_scale[e], w.tensor_scale[e], w.kernel_layout, at::Tensor()};
     Nvfp4LinearOptions plain;
     at::Tensor part = nvfp4_linear_reference(xin.narrow(0, o[e], o[e + 1] - o[e]), one, plain);
     if (extra.defined())

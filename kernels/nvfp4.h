@@ -77,7 +77,8 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
 // The fused kernels decode the weights once per 64 rows, so larger calls (prefill) dequantise the
 // codes times block scales (exact in bf16) and run cuBLAS / one GEMM per expert, the tensor scale
 // applied to the rounded product (one extra rounding). The grouped large path reads the offsets
-// on the host: it runs above 64 rows per expert, which a CUDA-graph decode step never reaches.
+// on the host: it runs above 64 rows per expert on average (rows > 64 E), so the rollout engine
+// captures no CUDA graph whose steps could reach it.
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                 const Nvfp4LinearOptions& opt = {});

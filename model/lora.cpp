@@ -58,11 +58,11 @@ std::string module_name(int64_t layer, const Slot& s, int64_t e) {
 }
 
 // (out, in) of a slot's weight (one expert's), from the dense weight or its NVFP4 copy.
-std::pair<int64_t, int64_t> out_in(const LayerWeights& l, const Slot& s) {
+std::pair<int64_t, int64_t> out_in(const LayerWeights& l, int64_t layer, const Slot& s) {
   const at::Tensor& d = l.*s.dense;
   if (d.defined()) return {d.size(-2), d.size(-1)};
   const kernels::Nvfp4Tensor& q = l.nvfp4.*s.q;
-  KILN_CHECK(q.packed.defined(), "lora: ", s.module, " has no weights");
+  KILN_CHECK(q.packed.defined(), "lora: layer ", layer, " ", s.module, " has no weights");
   return {q.rows(), q.cols()};
 }
 
@@ -107,7 +107,7 @@ void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed) {
     l.lora.scale = cfg.scale();
     for (const Slot& s : slots()) {
       if (!targeted(cfg.targets, s)) continue;
-      auto [out, in] = out_in(l, s);
+      auto [out, in] = out_in(l, i, s);
       const int64_t E = s.expert ? m.config().num_experts : 1;
       std::vector<at::Tensor> as;
       for (int64_t e = 0; e < E; ++e) {
@@ -155,6 +155,7 @@ void merge_lora(Muse& m) {
       KILN_CHECK(w.defined(), "lora: merge layer ", i, " ", s.module, ": the base is NVFP4 only; dequantise it first");
       at::Tensor delta = at::matmul((l.lora.*s.b).to(at::kFloat), a.to(at::kFloat)) * l.lora.scale;
       w = (w.to(at::kFloat) + delta).to(w.scalar_type()).contiguous();
+      l.nvfp4.*s.q = kernels::Nvfp4Tensor();  // the base's NVFP4 codes no longer describe it
     }
     l.lora = LayerWeights::Lora();
   }
@@ -221,7 +222,19 @@ void load_peft_adapter(Muse& m, const std::string& dir) {
   lc.rank = c["r"].get<int64_t>();
   lc.alpha = c["lora_alpha"].get<double>();
   KILN_CHECK(need("target_modules").is_array(), "lora: ", cfg_path, ": target_modules must be a list of names");
+  for (const auto& t : c["target_modules"])
+    KILN_CHECK(t.is_string(), "lora: ", cfg_path, ": target_modules holds a non-string ", t.dump());
   lc.targets = c["target_modules"].get<std::vector<std::string>>();
+  // Options that would change the arithmetic, which this reader does not implement.
+  KILN_CHECK(!c.value("use_rslora", false), "lora: ", cfg_path, ": use_rslora (scale alpha/sqrt(r)) is not supported");
+  KILN_CHECK(!c.value("use_dora", false), "lora: ", cfg_path, ": use_dora is not supported");
+  for (const char* key : {"rank_pattern", "alpha_pattern"})
+    KILN_CHECK(!c.contains(key) || c[key].is_null() || c[key].empty(), "lora: ", cfg_path, ": ", key,
+               " (per-module ranks or alphas) is not supported");
+  KILN_CHECK(!c.contains("layers_to_transform") || c["layers_to_transform"].is_null(), "lora: ", cfg_path,
+             ": layers_to_transform is not supported (adapters cover every layer)");
+  KILN_CHECK(!c.contains("bias") || c["bias"] == "none", "lora: ", cfg_path, ": bias must be \"none\" (got ",
+             c["bias"].dump(), ")");
   lc.validate();
 
   const std::string st_path = dir + "/adapter_model.safetensors";
@@ -243,7 +256,7 @@ void load_peft_adapter(Muse& m, const std::string& dir) {
     lora.scale = lc.scale();
     for (const Slot& s : slots()) {
       if (!targeted(lc.targets, s)) continue;
-      auto [out, inw] = out_in(l, s);
+      auto [out, inw] = out_in(l, i, s);
       std::vector<at::Tensor> as, bs;
       for (int64_t e = 0; e < (s.expert ? m.config().num_experts : 1); ++e) {
         const std::string key = "base_model.model." + module_name(i, s, e);

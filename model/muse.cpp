@@ -121,12 +121,13 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
                        const at::Tensor& order, int64_t k, at::Tensor& counts, const ForwardOptions& opt) {
   const auto& nv = lw.nvfp4;
   const bool quantized = !lw.expert_gate.defined();
+  KILN_CHECK(!quantized || nv.expert_gate.packed.defined(), "muse: layer ", layer,
+             " experts have neither dense nor NVFP4 weights");
   const int64_t n = order.size(0), E = quantized ? nv.expert_gate.packed.size(0) : lw.expert_gate.size(0);
   const auto& lo = lw.lora;
   const bool lora = !opt.disable_lora && (lo.gate_a.defined() || lo.up_a.defined() || lo.down_a.defined());
   if (quantized && !opt.observe_linear_input) {
     // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
-    KILN_CHECK(nv.expert_gate.packed.defined(), "muse: layer ", layer, " experts have neither dense nor NVFP4 weights");
     counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
     at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
     at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
@@ -146,7 +147,10 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
     return ys.index_select(0, inverse);
   }
 #if KILN_TORCH_AT_LEAST(2, 8)
-  if (opt.use_grouped_mm && !opt.observe_linear_input && z.is_cuda() && z.scalar_type() == at::kBFloat16) {
+  // _grouped_mm needs 16-byte rows: adapters of a rank that is not a multiple of 8 take the loop.
+  const at::Tensor& any_a = lo.gate_a.defined() ? lo.gate_a : lo.up_a.defined() ? lo.up_a : lo.down_a;
+  const bool aligned_lora = !lora || any_a.size(1) % 8 == 0;
+  if (opt.use_grouped_mm && aligned_lora && !opt.observe_linear_input && z.is_cuda() && z.scalar_type() == at::kBFloat16) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
     // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
     kernels::MoeLayout l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
@@ -213,6 +217,8 @@ at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& l
                                    const ForwardOptions& opt) {
   const int64_t E = cfg.num_experts, n = flat.size(0), S = group.size();
   const int64_t local = lw.expert_gate.defined() ? lw.expert_gate.size(0) : lw.nvfp4.expert_gate.packed.size(0);
+  KILN_CHECK(opt.disable_lora || !(lw.lora.gate_a.defined() || lw.lora.up_a.defined() || lw.lora.down_a.defined()),
+             "latent_moe: expert adapters (LoRA) are not supported with expert parallelism yet (layer ", layer, ")");
   KILN_CHECK(local * S == E, "latent_moe: expert parallel over ", S, " ranks needs ", E / S,
              " experts per rank, the weights hold ", local, " (use model::shard_experts)");
   at::Tensor owner = at::div(flat, local, "floor");

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -88,8 +89,9 @@ nlohmann::ordered_json quant_section(const ModelConfig& cfg) {
   return q;
 }
 
-// Parses hf_quant_config.json and checks that it describes the NVFP4 this code reads.
-void check_quant_config(const std::string& path) {
+// Parses hf_quant_config.json and checks that it describes the NVFP4 this code reads; returns the
+// layers whose experts exclude_modules keeps out of quantisation ("model.layers.<i>.mlp.experts*").
+std::vector<int64_t> check_quant_config(const std::string& path) {
   std::ifstream in(path);
   KILN_CHECK(in.good(), "nvfp4 checkpoint: cannot open ", path);
   nlohmann::json j;
@@ -105,6 +107,20 @@ void check_quant_config(const std::string& path) {
              ": quantization.quant_algo must be \"NVFP4\" (got ", q.contains("quant_algo") ? q["quant_algo"].dump() : "nothing", ")");
   KILN_CHECK(!q.contains("group_size") || q["group_size"] == kernels::kNvfp4Block, "nvfp4 checkpoint: ", path,
              ": quantization.group_size must be ", kernels::kNvfp4Block, " (got ", q["group_size"].dump(), ")");
+  std::vector<int64_t> bf16_layers;
+  if (!q.contains("exclude_modules")) return bf16_layers;
+  KILN_CHECK(q["exclude_modules"].is_array(), "nvfp4 checkpoint: ", path, ": quantization.exclude_modules must be a list");
+  const std::string head = "model.layers.", tail = ".mlp.experts";
+  for (const auto& v : q["exclude_modules"]) {
+    KILN_CHECK(v.is_string(), "nvfp4 checkpoint: ", path, ": exclude_modules holds a non-string ", v.dump());
+    const std::string m = v.get<std::string>();
+    const size_t at = m.find(tail);
+    if (m.rfind(head, 0) != 0 || at == std::string::npos) continue;
+    const std::string idx = m.substr(head.size(), at - head.size());
+    if (!idx.empty() && std::all_of(idx.begin(), idx.end(), ::isdigit)) bf16_layers.push_back(std::stoll(idx));
+  }
+  std::sort(bf16_layers.begin(), bf16_layers.end());
+  return bf16_layers;
 }
 
 }  // namespace
@@ -146,9 +162,14 @@ bool requantize(Muse& m, const std::string& name, const at::Tensor& dense) {
   const std::string head = "model.layers.";
   if (name.rfind(head, 0) != 0) return false;
   const size_t dot = name.find('.', head.size());
-  const int64_t layer = std::stoll(name.substr(head.size(), dot - head.size()));
+  int64_t layer = -1;
+  try {
+    layer = std::stoll(name.substr(head.size(), dot - head.size()));
+  } catch (const std::exception&) {
+    return false;  // not a layer tensor name
+  }
   const Slot* s = slot_of(name.substr(dot + 1));
-  if (!s || layer >= m.config().num_layers) return false;
+  if (!s || layer < 0 || layer >= m.config().num_layers) return false;
   LayerWeights& l = m.weights().layers[size_t(layer)];
   kernels::Nvfp4Tensor& q = l.nvfp4.*s->q;
   if ((l.*s->dense).defined() || !q.packed.defined()) return false;  // served dense
@@ -262,8 +283,15 @@ void save_nvfp4_checkpoint(const Muse& m, const std::string& dir, uint64_t max_s
 }
 
 Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device) {
-  check_quant_config(dir + "/hf_quant_config.json");
+  const std::vector<int64_t> excluded = check_quant_config(dir + "/hf_quant_config.json");
   ModelConfig cfg = ModelConfig::from_json_file(dir + "/config.json");
+  // Which layers keep BF16 experts: config.json's bf16_expert_layers, or else exclude_modules.
+  std::vector<int64_t> declared = cfg.bf16_expert_layers;
+  std::sort(declared.begin(), declared.end());
+  if (declared.empty()) cfg.bf16_expert_layers = excluded;
+  KILN_CHECK(declared.empty() || excluded.empty() || declared == excluded, "nvfp4 checkpoint ", dir,
+             ": config.json's bf16_expert_layers ", at::IntArrayRef(declared), " disagree with hf_quant_config.json's ",
+             "exclude_modules, which keep the experts of layers ", at::IntArrayRef(excluded), " out of NVFP4");
   safetensors::Checkpoint ckpt = safetensors::Checkpoint::open(dir);
   // Every quantised linear brings .weight, .weight_scale and .weight_scale_2; .input_scale is optional
   // but then present for all of them or none.

@@ -24,7 +24,8 @@ std::vector<std::string> nvfp4_exclude_modules(const ModelConfig& cfg);
 void quantize_model(Muse& m, bool kernel_layout, bool drop_dense);
 // A weight sync into an NVFP4-serving model: when `name` (a Muse::named_parameters name) is a
 // linear served from NVFP4, quantises `dense` into its storage in place (addresses unchanged, so
-// captured CUDA graphs stay valid) and returns true; false for every other tensor.
+// captured CUDA graphs stay valid) and returns true; false for every other tensor. Calibrated
+// input scales stay as they were (W4A4 keeps the step-0 activation ranges).
 bool requantize(Muse& m, const std::string& name, const at::Tensor& dense);
 // Dense weights (`dtype`, on the model's device) from the NVFP4 copies, for the linears that have
 // them: the trainer's BF16 view of an NVFP4 checkpoint. The NVFP4 copies stay (the engine takes them).

@@ -14,6 +14,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <set>
 
 #include "core/error.h"
 #include "kernels/sampling.h"
@@ -210,9 +211,15 @@ struct Engine::Impl : model::AttentionBackend {
     st.full_blocks_total = full_blocks;
     st.window_blocks_total = win_blocks;
     // Adapters on NVFP4 experts read the expert counts on the host: no graph capture then.
+    // So do NVFP4 experts when a decode step's rows (at most max_num_seqs rounded up to a bucket of
+    // 16, times top_k) can exceed 64 per expert: the grouped GEMM's prefill path reads offsets.
+    const bool many_rows = (ec.max_num_seqs + 15) * cfg.top_k > 64 * cfg.num_experts;
     bool host_sync = false;
-    for (const auto& l : model.weights().layers)
-      host_sync |= !l.expert_gate.defined() && (l.lora.gate_a.defined() || l.lora.up_a.defined() || l.lora.down_a.defined());
+    for (const auto& l : model.weights().layers) {
+      const bool nvfp4_experts = !l.expert_gate.defined();
+      host_sync |= nvfp4_experts && (l.lora.gate_a.defined() || l.lora.up_a.defined() || l.lora.down_a.defined());
+      host_sync |= nvfp4_experts && many_rows;
+    }
     if (ec.cuda_graphs && !ec.expert_group && !host_sync && DecodeGraphs::available(model)) {
       KvPools p{k_full, v_full, k_win, v_win, B, W, R, full_blocks, win_blocks, group_index};
       graphs = std::make_unique<DecodeGraphs>(model, std::move(p), ec.max_num_seqs);
@@ -742,8 +749,9 @@ void Engine::update_weights(const std::vector<std::pair<std::string, at::Tensor>
   at::NoGradGuard g;
   auto own = impl_->model.named_parameters();
   std::map<std::string, at::Tensor> by_name(own.begin(), own.end());
-  size_t copied = 0;
+  std::set<std::string> seen;
   for (const auto& [name, t] : named) {
+    KILN_CHECK(seen.insert(name).second, "rollout: update_weights got tensor ", name, " twice");
     auto it = by_name.find(name);
     if (it == by_name.end()) {
       // A linear served from NVFP4: re-quantised from the trainer's weights.
@@ -754,10 +762,10 @@ void Engine::update_weights(const std::vector<std::pair<std::string, at::Tensor>
     KILN_CHECK(t.sizes() == it->second.sizes(), "rollout: update_weights tensor ", name, " has shape ", t.sizes(),
                ", expected ", it->second.sizes());
     it->second.copy_(t);
-    ++copied;
   }
-  KILN_CHECK(copied == own.size(), "rollout: update_weights covered ", copied, " of the model's ", own.size(),
-             " tensors; pass every tensor of Muse::named_parameters()");
+  for (const auto& [name, t] : own)
+    KILN_CHECK(seen.count(name), "rollout: update_weights did not get ", name, " (", seen.size(),
+               " tensors given); pass every tensor of Muse::named_parameters()");
 }
 
 int64_t Engine::update_adapters(const std::vector<std::pair<std::string, at::Tensor>>& named) {
@@ -765,17 +773,20 @@ int64_t Engine::update_adapters(const std::vector<std::pair<std::string, at::Ten
   auto own = model::lora_parameters(impl_->model);
   KILN_CHECK(!own.empty(), "rollout: update_adapters: the engine's model has no LoRA adapters");
   std::map<std::string, at::Tensor> by_name(own.begin(), own.end());
-  KILN_CHECK(named.size() == own.size(), "rollout: update_adapters got ", named.size(), " tensors, the engine has ",
-             own.size(), " adapters");
+  std::set<std::string> seen;
   int64_t bytes = 0;
   for (const auto& [name, t] : named) {
     auto it = by_name.find(name);
     KILN_CHECK(it != by_name.end(), "rollout: update_adapters got ", name, ", which is not one of the engine's adapters");
+    KILN_CHECK(seen.insert(name).second, "rollout: update_adapters got ", name, " twice");
     KILN_CHECK(t.sizes() == it->second.sizes(), "rollout: update_adapters tensor ", name, " has shape ", t.sizes(),
                ", expected ", it->second.sizes());
     it->second.copy_(t);
     bytes += int64_t(t.numel()) * int64_t(t.element_size());
   }
+  for (const auto& [name, t] : own)
+    KILN_CHECK(seen.count(name), "rollout: update_adapters did not get ", name, " (", seen.size(), " of ", own.size(),
+               " adapters given)");
   return bytes;
 }
 

@@ -514,7 +514,8 @@ void GrpoTrainer::save(const std::string& dir) const {
       model::save_checkpoint(full_reference ? *full_reference : *impl_->reference, tmp + "/reference");
     std::ofstream f(tmp + "/state.json");
     f << nlohmann::json{{"step", impl_->steps}, {"data_position", impl_->stream.position()}, {"seed", impl_->cfg.seed},
-                        {"world", g.size()}, {"ep", impl_->cfg.parallel.ep}}.dump(2)
+                        {"world", g.size()}, {"ep", impl_->cfg.parallel.ep}, {"lora_rank", impl_->cfg.lora.rank},
+                        {"lora_alpha", impl_->cfg.lora.alpha}}.dump(2)
       << "\n";
     KILN_CHECK(f.good(), "grpo: cannot write ", tmp, "/state.json");
   }
@@ -546,8 +547,15 @@ void GrpoTrainer::load(const std::string& dir) {
              "grpo: checkpoint ", dir, " was written by ", st.value("world", 1), " ranks with ep=", st.value("ep", int64_t(1)),
              "; this run has ", impl_->group.size(), " ranks with ep=", impl_->cfg.parallel.ep,
              ": resume with the same layout (each rank's optimizer shard belongs to it)");
+  const auto& lc = impl_->cfg.lora;
+  KILN_CHECK(st.value("lora_rank", int64_t(0)) == lc.rank &&
+                 (lc.rank == 0 || st.value("lora_alpha", 0.0) == lc.alpha),
+             "grpo: checkpoint ", dir, " was written with lora rank ", st.value("lora_rank", int64_t(0)), " alpha ",
+             st.value("lora_alpha", 0.0), "; the recipe says rank ", lc.rank, " alpha ", lc.alpha,
+             ": resume with the recipe the run was started with");
   KILN_CHECK(st.value("seed", uint64_t(0)) == impl_->cfg.seed, "grpo: checkpoint ", dir, " was made with seed ",
              st.value("seed", uint64_t(0)), " but the recipe says ", impl_->cfg.seed);
+  bool base_changed = false;  // did the checkpoint's weights differ from the model's?
   auto restore = [&](model::Muse& into, const std::string& sub) {
     model::Muse saved = model::load_checkpoint(dir + "/" + sub, into.dtype(), into.device());
     at::NoGradGuard g;
@@ -556,6 +564,7 @@ void GrpoTrainer::load(const std::string& dir) {
     for (size_t i = 0; i < mine.size(); ++i) {
       KILN_CHECK(mine[i].second.sizes() == theirs[i].second.sizes(), "grpo: checkpoint ", dir, "/", sub, " tensor ",
                  mine[i].first, " has shape ", theirs[i].second.sizes(), ", the model ", mine[i].second.sizes());
+      base_changed = base_changed || !at::equal(mine[i].second, theirs[i].second);
       mine[i].second.copy_(theirs[i].second);
     }
   };
@@ -594,8 +603,10 @@ void GrpoTrainer::load(const std::string& dir) {
   if (auto* opt = impl_->zero->optimizer()) opt->load(dir + "/" + optimizer_file(impl_->group));
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
-  impl_->engine->update_weights(impl_->cfg.parallel.rollout == "sharded" ? impl_->trained().named_parameters()
-                                                                          : impl_->policy.named_parameters());
+  // LoRA's base is frozen: the engine keeps its (perhaps NVFP4) base unless the checkpoint's differs.
+  if (!impl_->lora() || base_changed)
+    impl_->engine->update_weights(impl_->cfg.parallel.rollout == "sharded" ? impl_->trained().named_parameters()
+                                                                            : impl_->policy.named_parameters());
   if (impl_->lora()) impl_->engine->update_adapters(model::lora_parameters(impl_->policy));
 }
 

@@ -197,8 +197,10 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     lo.finish();
     try {
       g.lora.validate();
-    } catch (const Error& e) {
-      lo.fail("rank", e.what());
+    } catch (const Error& e) {  // named at the key the check is about
+      const std::string what = e.what();
+      lo.fail(what.find("target") != std::string::npos ? "targets" : what.find("alpha") != std::string::npos ? "alpha" : "rank",
+              what);
     }
   }
   {

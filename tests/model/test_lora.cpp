@@ -128,6 +128,9 @@ TEST(Lora, PeftNamesShapesAndRoundTrip) {
   EXPECT_NE(e.find("has shape [3, 3], expected"), std::string::npos) << e;
   std::ofstream(dir.path() + "/adapter_config.json") << R"({"r": 4, "target_modules": ["q_proj"]})";
   EXPECT_TRUE(test::throws_with([&] { model::load_peft_adapter(back, dir.path()); }, {"missing key lora_alpha"}));
+  std::ofstream(dir.path() + "/adapter_config.json")
+      << R"({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_rslora": true})";
+  EXPECT_TRUE(test::throws_with([&] { model::load_peft_adapter(back, dir.path()); }, {"use_rslora", "not supported"}));
 }
 
 TEST(Lora, EngineAppliesAdaptersUnmergedAndSyncsThem) {
@@ -165,8 +168,10 @@ TEST(Lora, EngineAppliesAdaptersUnmergedAndSyncsThem) {
   bad = named;
   bad[0].first = "model.layers.0.self_attn.q_proj.lora_C";
   EXPECT_TRUE(test::throws_with([&] { engine.update_adapters(bad); }, {"lora_C", "not one of the engine's adapters"}));
+  bad = named;
+  const std::string last = bad.back().first;
   bad.pop_back();
-  EXPECT_TRUE(test::throws_with([&] { engine.update_adapters(bad); }, {"got", "adapters"}));
+  EXPECT_TRUE(test::throws_with([&] { engine.update_adapters(bad); }, {"did not get " + last}));
   // A full sync of a perturbed base: the rollout scores as the trainer does.
   Muse perturbed = policy.clone();
   {

@@ -177,6 +177,15 @@ TEST(Nvfp4Model, BadTensorsAreNamed) {
   odd.bf16_expert_layers = {};
   Muse o = Muse::init(odd, 1, at::kFloat, at::kCPU);
   EXPECT_TRUE(test::throws_with([&] { model::quantize_model(o, false, true); }, {"multiple of 16", "[8, 8]"}));
+  // exclude_modules that keep other layers' experts than config.json says.
+  {
+    std::ifstream in(dir.path() + "/hf_quant_config.json");
+    nlohmann::json j = nlohmann::json::parse(in);
+    j["quantization"]["exclude_modules"] = {"lm_head", "model.layers.0.mlp.experts.*"};
+    std::ofstream(dir.path() + "/hf_quant_config.json") << j.dump();
+  }
+  EXPECT_TRUE(test::throws_with([&] { model::load_checkpoint(dir.path(), at::kFloat, at::kCPU); },
+                                {"bf16_expert_layers [1]", "disagree", "layers [0]"}));
   // A checkpoint that is not NVFP4.
   {
     std::ofstream f(dir.path() + "/hf_quant_config.json");
@@ -226,7 +235,10 @@ TEST(Nvfp4Model, EngineServesNvfp4AndRequantisesOnSync) {
   EXPECT_TRUE(test::all_equal(engine.model().weights().layers[0].router, next.weights().layers[0].router));
   auto names = next.named_parameters();
   names.pop_back();
-  EXPECT_TRUE(test::throws_with([&] { engine.update_weights(names); }, {"covered"}));
+  EXPECT_TRUE(test::throws_with([&] { engine.update_weights(names); }, {"did not get lm_head.weight"}));
+  names = next.named_parameters();
+  names.push_back(names[0]);
+  EXPECT_TRUE(test::throws_with([&] { engine.update_weights(names); }, {"model.embed_tokens.weight twice"}));
   rollout::EngineConfig bad;
   bad.quantization = "fp8";
   EXPECT_TRUE(test::throws_with([&] { rollout::Engine e(m, bad); }, {"none, nvfp4 or w4a4", "fp8"}));
