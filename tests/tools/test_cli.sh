@@ -132,6 +132,10 @@ check "init for quantize" "wrote micronv" "$kiln" init "$tmp/micronv.yaml" "$tmp
 check "quantize" "wrote NVFP4 micronv" "$kiln" quantize "$tmp/nvbf16" "$tmp/nvfp4" --calib-seqs 2 --calib-len 16
 grep -q '"quant_algo": "NVFP4"' "$tmp/nvfp4/hf_quant_config.json" || { echo "FAIL: hf_quant_config.json lacks NVFP4"; fails=$((fails+1)); }
 check_fails "quantize twice" "already an NVFP4 checkpoint" "$kiln" quantize "$tmp/nvfp4" "$tmp/x"
+printf '12+34=46\n\n7+8=15\n' > "$tmp/calib.txt"
+check "quantize on calibration text" "on 2 sequences (14 tokens)" "$kiln" quantize "$tmp/nvbf16" "$tmp/nvtext" --calib-text "$tmp/calib.txt"
+printf 'caf\xc3\xa9\n' > "$tmp/calib-bad.txt"
+check_fails "calibration byte outside the vocabulary" "calib-bad.txt:1: byte 195" "$kiln" quantize "$tmp/nvbf16" "$tmp/x" --calib-text "$tmp/calib-bad.txt"
 check_fails "quantize K % 16" "multiple of 16" "$kiln" quantize "$tmp/ckpt" "$tmp/x"
 sed "s|config: $tmp/micro128.yaml|config: $tmp/micronv.yaml|; s/^  kv_cache_mb: 4/  kv_cache_mb: 4\n  quantization: nvfp4/" \
   "$tmp/recipe.yaml" > "$tmp/nv.yaml"
