@@ -487,6 +487,14 @@ struct GrpoTrainer::Impl {
 };
 
 namespace {
+// A cheap identity of a model's weights: the sum of every element, in fp64 (LoRA checkpoints
+// store the adapters only and check that they resume on the same base).
+double base_fingerprint(const model::Muse& m) {
+  at::NoGradGuard g;
+  double sum = 0;
+  for (const auto& [name, t] : m.named_parameters()) sum += t.detach().sum(at::kDouble).item<double>();
+  return sum;
+}
 // This rank's shard of the optimizer state in a checkpoint.
 std::string optimizer_file(const comm::Group& g) {
   return g.size() == 1 ? "optimizer.safetensors"
@@ -508,14 +516,16 @@ void GrpoTrainer::save(const std::string& dir) const {
   if (g.rank() == 0) {
     remove_tree(tmp);
     fs::create_directories(tmp);
-    model::save_checkpoint(impl_->policy, tmp + "/model");
+    // LoRA: the frozen base is the recipe's; only its fingerprint goes with the adapters.
     if (impl_->lora()) model::save_peft_adapter(impl_->policy, tmp + "/adapter");
+    else model::save_checkpoint(impl_->policy, tmp + "/model");
     if (impl_->reference)
       model::save_checkpoint(full_reference ? *full_reference : *impl_->reference, tmp + "/reference");
     std::ofstream f(tmp + "/state.json");
     f << nlohmann::json{{"step", impl_->steps}, {"data_position", impl_->stream.position()}, {"seed", impl_->cfg.seed},
                         {"world", g.size()}, {"ep", impl_->cfg.parallel.ep}, {"lora_rank", impl_->cfg.lora.rank},
-                        {"lora_alpha", impl_->cfg.lora.alpha}}.dump(2)
+                        {"lora_alpha", impl_->cfg.lora.alpha}, {"base_fingerprint", impl_->lora() ? base_fingerprint(impl_->policy) : 0.0}}
+             .dump(2)
       << "\n";
     KILN_CHECK(f.good(), "grpo: cannot write ", tmp, "/state.json");
   }
@@ -555,7 +565,6 @@ void GrpoTrainer::load(const std::string& dir) {
              ": resume with the recipe the run was started with");
   KILN_CHECK(st.value("seed", uint64_t(0)) == impl_->cfg.seed, "grpo: checkpoint ", dir, " was made with seed ",
              st.value("seed", uint64_t(0)), " but the recipe says ", impl_->cfg.seed);
-  bool base_changed = false;  // did the checkpoint's weights differ from the model's?
   auto restore = [&](model::Muse& into, const std::string& sub) {
     model::Muse saved = model::load_checkpoint(dir + "/" + sub, into.dtype(), into.device());
     at::NoGradGuard g;
@@ -564,11 +573,16 @@ void GrpoTrainer::load(const std::string& dir) {
     for (size_t i = 0; i < mine.size(); ++i) {
       KILN_CHECK(mine[i].second.sizes() == theirs[i].second.sizes(), "grpo: checkpoint ", dir, "/", sub, " tensor ",
                  mine[i].first, " has shape ", theirs[i].second.sizes(), ", the model ", mine[i].second.sizes());
-      base_changed = base_changed || !at::equal(mine[i].second, theirs[i].second);
       mine[i].second.copy_(theirs[i].second);
     }
   };
-  restore(impl_->policy, "model");
+  if (impl_->lora()) {
+    const double want = st.value("base_fingerprint", 0.0), have = base_fingerprint(impl_->policy);
+    KILN_CHECK(want == have, "grpo: checkpoint ", dir, " holds adapters for another base (fingerprint ", want,
+               ", this model's ", have, "); resume from the base the run started with");
+  } else {
+    restore(impl_->policy, "model");
+  }
   if (impl_->lora()) {
     KILN_CHECK(std::filesystem::exists(dir + "/adapter/adapter_config.json"), "grpo: checkpoint ", dir,
                " has no adapter/ but the recipe trains LoRA adapters; resume with the recipe the run was started with");
@@ -603,8 +617,8 @@ void GrpoTrainer::load(const std::string& dir) {
   if (auto* opt = impl_->zero->optimizer()) opt->load(dir + "/" + optimizer_file(impl_->group));
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
-  // LoRA's base is frozen: the engine keeps its (perhaps NVFP4) base unless the checkpoint's differs.
-  if (!impl_->lora() || base_changed)
+  // LoRA's base is frozen (and checked above): the engine keeps its (perhaps NVFP4) base.
+  if (!impl_->lora())
     impl_->engine->update_weights(impl_->cfg.parallel.rollout == "sharded" ? impl_->trained().named_parameters()
                                                                             : impl_->policy.named_parameters());
   if (impl_->lora()) impl_->engine->update_adapters(model::lora_parameters(impl_->policy));

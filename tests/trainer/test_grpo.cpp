@@ -103,7 +103,8 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
     t.save(dir / "ckpt");
     t.save(dir / "ckpt");  // replacing an existing checkpoint works too
   }
-  model::Muse c = model::Muse::init(mc, 99, at::kFloat, at::kCPU);  // other weights: load must replace them
+  // Other weights, which load must replace (LoRA: the same base, only adapters are checkpointed).
+  model::Muse c = model::Muse::init(mc, lora_rank > 0 ? 3 : 99, at::kFloat, at::kCPU);
   GrpoTrainer resumed(c, cfg, CharTokenizer(128), data);
   resumed.load(dir / "ckpt");
   EXPECT_EQ(resumed.steps_done(), 2);
@@ -112,6 +113,12 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   for (size_t i = 0; i < a.named_parameters().size(); ++i)
     EXPECT_TRUE(test::all_equal(c.named_parameters()[i].second, a.named_parameters()[i].second))
         << a.named_parameters()[i].first;
+  if (lora_rank > 0) {  // adapters for another base are refused
+    model::Muse other = model::Muse::init(mc, 99, at::kFloat, at::kCPU);
+    GrpoTrainer wrong(other, cfg, CharTokenizer(128), data);
+    EXPECT_TRUE(test::throws_with([&] { wrong.load(dir / "ckpt"); }, {"adapters for another base"}));
+    EXPECT_FALSE(std::filesystem::exists(dir / "ckpt/model"));
+  }
   const auto la = model::lora_parameters(a), lc = model::lora_parameters(c);
   ASSERT_EQ(la.size(), lc.size());
   EXPECT_EQ(la.empty(), lora_rank == 0);
