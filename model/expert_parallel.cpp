@@ -48,9 +48,13 @@ Muse shard_experts(const Muse& full, int rank, int size) {
   const int64_t per = E / size, first = int64_t(rank) * per;
   Weights w = full.weights();  // shares every tensor
   at::NoGradGuard no_grad;
-  for (LayerWeights& l : w.layers)
+  for (LayerWeights& l : w.layers) {
     for (at::Tensor* t : {&l.expert_gate, &l.expert_up, &l.expert_down, &l.expert_norm})
       *t = t->narrow(0, first, per).clone();
+    auto& a = l.lora;  // the experts' adapters split like the experts
+    for (at::Tensor* t : {&a.gate_a, &a.gate_b, &a.up_a, &a.up_b, &a.down_a, &a.down_b})
+      if (t->defined()) *t = t->narrow(0, first, per).clone();
+  }
   return Muse(full.config(), std::move(w));
 }
 

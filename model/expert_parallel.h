@@ -16,8 +16,8 @@ namespace kiln::model {
 // Whether a named parameter is one of the stacked expert tensors (sharded under expert parallelism).
 inline bool is_expert_tensor(const std::string& name) { return name.find("mlp.experts.") != std::string::npos; }
 
-// The experts [rank * E/size, (rank+1) * E/size) of every layer of `full`, copied; everything else
-// shared with `full`. Forward it with ForwardOptions::expert_group set to a group of `size` ranks.
+// The experts [rank * E/size, (rank+1) * E/size) of every layer of `full` (and their LoRA
+// adapters), copied; everything else shared with `full`. Forward it with ForwardOptions::expert_group set to a group of `size` ranks.
 Muse shard_experts(const Muse& full, int rank, int size);
 
 // Rows [sum(send[:j]), +send[j]) of x go to rank j; returns the rows received, in rank order

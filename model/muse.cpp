@@ -217,8 +217,9 @@ at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& l
                                    const ForwardOptions& opt) {
   const int64_t E = cfg.num_experts, n = flat.size(0), S = group.size();
   const int64_t local = lw.expert_gate.defined() ? lw.expert_gate.size(0) : lw.nvfp4.expert_gate.packed.size(0);
-  KILN_CHECK(opt.disable_lora || !(lw.lora.gate_a.defined() || lw.lora.up_a.defined() || lw.lora.down_a.defined()),
-             "latent_moe: expert adapters (LoRA) are not supported with expert parallelism yet (layer ", layer, ")");
+  for (const at::Tensor* a : {&lw.lora.gate_a, &lw.lora.up_a, &lw.lora.down_a})
+    KILN_CHECK(!a->defined() || a->size(0) == local, "latent_moe: layer ", layer, " holds expert adapters for ",
+               a->size(0), " experts but ", local, " expert weights (shard the adapters with model::shard_experts)");
   KILN_CHECK(local * S == E, "latent_moe: expert parallel over ", S, " ranks needs ", E / S,
              " experts per rank, the weights hold ", local, " (use model::shard_experts)");
   at::Tensor owner = at::div(flat, local, "floor");

@@ -161,6 +161,7 @@ struct GrpoTrainer::Impl {
     KILN_CHECK(tok.vocab_size() <= policy.config().vocab_size, "grpo: tokenizer vocabulary (", tok.vocab_size(),
                ") exceeds the model's vocab_size (", policy.config().vocab_size, ")");
     const int64_t ep = cfg.parallel.ep;
+    if (cfg.lora.enabled() && model::lora_rank(policy) == 0) model::add_lora(policy, cfg.lora, cfg.seed);
     if (ep > 1) {
       KILN_CHECK(cfg.prompts_per_step % group.size() == 0, "grpo: expert parallel needs prompts_per_step (",
                  cfg.prompts_per_step, ") divisible by the ranks (", group.size(),
@@ -170,9 +171,6 @@ struct GrpoTrainer::Impl {
       expert_dp = group.split(e, d);  // its own split call: colours need not differ from ep_group's
       shard = std::make_unique<model::Muse>(model::shard_experts(policy, e, int(ep)));
     }
-    KILN_CHECK(!cfg.lora.enabled() || ep == 1, "grpo: LoRA with expert parallelism (ep=", ep,
-               ") is not supported yet; use parallel.ep: 1");
-    if (cfg.lora.enabled() && model::lora_rank(policy) == 0) model::add_lora(policy, cfg.lora, cfg.seed);
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.rollout == "sharded") ec.expert_group = &ep_group;  // serves this rank's experts
     engine = std::make_unique<rollout::Engine>(cfg.parallel.rollout == "sharded" ? *shard : policy, ec);
@@ -180,7 +178,7 @@ struct GrpoTrainer::Impl {
     // parallelism); with LoRA the base itself, adapters disabled (no second copy).
     if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
     trained().set_requires_grad(!lora());
-    const auto named = lora() ? model::lora_parameters(policy) : trained().named_parameters();
+    const auto named = lora() ? model::lora_parameters(trained()) : trained().named_parameters();
     for (auto& [name, t] : named) t.requires_grad_(true);
     for (auto& [name, t] : named) {
       params.push_back(t);
@@ -306,7 +304,7 @@ struct GrpoTrainer::Impl {
     // lp_ref for the k3 KL term, with the same expert sets as lp_old.
     Scored ref;
     if (reference) ref = score(*reference, trajs, cfg.routing_replay);
-    if (lora() && cfg.loss.kl_coef != 0) ref = score(policy, trajs, cfg.routing_replay, /*base_only=*/true);
+    if (lora() && cfg.loss.kl_coef != 0) ref = score(trained(), trajs, cfg.routing_replay, /*base_only=*/true);
     // 5. Optimizer mini-steps: each over a disjoint slice of the trajectories, micro-batched.
     const double total_tokens = group.all_reduce(whole.mask.sum().item<double>());
     // Mini-step ms covers global trajectories [ms*per, (ms+1)*per); this rank holds [g0, g1).
@@ -400,6 +398,10 @@ struct GrpoTrainer::Impl {
   void copy_shard(model::Muse& full, model::Muse& part, bool into_full) const {
     at::NoGradGuard no_grad;
     auto f = full.named_parameters(), p = part.named_parameters();
+    const auto fl = model::lora_parameters(full), pl = model::lora_parameters(part);
+    f.insert(f.end(), fl.begin(), fl.end());
+    p.insert(p.end(), pl.begin(), pl.end());
+    KILN_CHECK(f.size() == p.size(), "grpo: the full model and its shard hold different tensors");
     for (size_t i = 0; i < f.size(); ++i) {
       at::Tensor &whole = f[i].second, &mine = p[i].second;
       if (whole.is_same(mine)) continue;
@@ -419,8 +421,10 @@ struct GrpoTrainer::Impl {
     if (policy.device().is_cuda()) c10::cuda::device_synchronize();  // the optimizer's kernels are not the sync's
 #endif
     const auto t = Clock::now();
-    if (lora()) {
-      m.sync_bytes = engine->update_adapters(model::lora_parameters(policy));
+    if (lora()) {  // a replica gathers the experts' adapters first; a sharded engine takes its own
+      if (cfg.parallel.rollout != "sharded") gather_experts();
+      const auto named = model::lora_parameters(cfg.parallel.rollout == "sharded" ? trained() : policy);
+      m.sync_bytes = engine->update_adapters(named);
     } else {
       if (cfg.parallel.rollout != "sharded") gather_experts();
       const auto named = cfg.parallel.rollout == "sharded" ? trained().named_parameters() : policy.named_parameters();
@@ -621,7 +625,9 @@ void GrpoTrainer::load(const std::string& dir) {
   if (!impl_->lora())
     impl_->engine->update_weights(impl_->cfg.parallel.rollout == "sharded" ? impl_->trained().named_parameters()
                                                                             : impl_->policy.named_parameters());
-  if (impl_->lora()) impl_->engine->update_adapters(model::lora_parameters(impl_->policy));
+  if (impl_->lora())
+    impl_->engine->update_adapters(model::lora_parameters(impl_->cfg.parallel.rollout == "sharded" ? impl_->trained()
+                                                                                                  : impl_->policy));
 }
 
 GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data,

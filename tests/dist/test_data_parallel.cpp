@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "model/lora.h"
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
 #include "tests/test_util.h"
@@ -113,7 +114,8 @@ TEST(DataParallel, ZeroOneStepEqualsTheUnshardedStepInEveryPlacement) {
 }
 
 // A GRPO run over every rank (experts sharded over `ep` of them) against the same run on one rank.
-void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::string& rollout = "replica") {
+void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::string& rollout = "replica",
+                int64_t lora_rank = 0) {
   const Group& w = Group::world();
   const Group alone = w.split(w.rank(), 0);  // a one-rank group: the reference run
   model::ModelConfig mc = test::byte_vocab_config();
@@ -131,6 +133,8 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
   cfg.mismatch_ab = true;
   cfg.optim.adamw.lr = cfg.optim.muon.lr = 1e-2;
   cfg.engine.kv_cache_bytes = 8 << 20;
+  cfg.lora.rank = lora_rank;
+  cfg.lora.alpha = 2.0 * double(lora_rank);
   GrpoTrainer one(m1, cfg, CharTokenizer(128), data, alone);
   cfg.parallel.ep = ep;
   cfg.parallel.rollout = rollout;
@@ -157,6 +161,12 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
   EXPECT_NEAR(all.evaluate(20), one.evaluate(20), 1e-12);
   all.sync_policy();
   auto p1 = m1.named_parameters(), pw = mw.named_parameters();
+  if (lora_rank > 0) {  // the base is frozen; the adapters (the experts' gathered back) are what trained
+    for (size_t i = 0; i < p1.size(); ++i) EXPECT_TRUE(test::all_equal(pw[i].second, p1[i].second)) << p1[i].first;
+    p1 = model::lora_parameters(m1);
+    pw = model::lora_parameters(mw);
+    ASSERT_EQ(p1.size(), pw.size());
+  }
   for (size_t i = 0; i < p1.size(); ++i) {
     // Not element-wise: AdamW turns gradient elements at rounding-noise level into full-size
     // steps whose sign the summation order decides (seen: lm_head rows, 0.014 apart at 4 ranks),
@@ -177,6 +187,9 @@ TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
   // The rollout engines serve their shards, exchanging tokens in lockstep (needs ep > 1: at one
   // rank, as on the one-GPU machine, the layout rightly refuses it).
   if (Group::world().size() > 1) check_grpo(Group::world().size(), 1, 0, "sharded");
+  // LoRA: the experts' adapters are sharded with the experts; replica and sharded engines.
+  check_grpo(Group::world().size(), 1, 0.05, "replica", /*lora_rank=*/4);
+  if (Group::world().size() > 1) check_grpo(Group::world().size(), 1, 0, "sharded", 4);
   if (Group::world().size() == 4) check_grpo(2, 1, 0, "sharded");
 }
 
