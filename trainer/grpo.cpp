@@ -439,21 +439,26 @@ struct GrpoTrainer::Impl {
   }
 
   // Trainer and rollout score the same probe (a training prompt and its answer); returns the mean
-  // |log-prob difference|, or -1 when not checked (no probe, or sharded engines).
+  // |log-prob difference|, or -1 when not checked. Under expert parallelism both forwards exchange
+  // tokens, so every rank of the group runs them together.
   double check_sync() {
-    if (cfg.sync_check_tokens == 0 || cfg.parallel.rollout == "sharded" || shard || data.train.empty()) return -1;
+    if (cfg.sync_check_tokens == 0 || data.train.empty()) return -1;
     std::vector<int64_t> probe = tok.encode(data.train[0].prompt + data.train[0].answer);
     if (int64_t(probe.size()) > cfg.sync_check_tokens) probe.resize(size_t(cfg.sync_check_tokens));
     if (probe.size() < 2) return -1;
     at::NoGradGuard g;
-    auto lp = [&](const model::Muse& m) {
+    auto lp = [&](const model::Muse& m, const comm::Group* experts) {
       model::PackedBatch b = model::PackedBatch::from_sequences({probe}, m.device());
       model::ForwardOptions o;
       o.load_balance = false;
+      o.expert_group = experts;
       o.targets = at::cat({b.tokens.narrow(0, 1, b.num_tokens() - 1), at::full({1}, -100L, b.tokens.options())});
       return m.forward(b, o).logprobs.narrow(0, 0, b.num_tokens() - 1).to(at::kDouble).cpu();
     };
-    const double diff = (lp(policy) - lp(engine->model())).abs().mean().item<double>();
+    const comm::Group* experts = shard ? &ep_group : nullptr;
+    const bool sharded_engine = cfg.parallel.rollout == "sharded";
+    const double diff =
+        (lp(trained(), experts) - lp(engine->model(), sharded_engine ? experts : nullptr)).abs().mean().item<double>();
     const double limit = cfg.sync_check_threshold >= 0 ? cfg.sync_check_threshold
                                                        : cfg.engine.quantization == "none" ? 1e-3 : 1.0;
     KILN_CHECK(std::isfinite(diff) && diff <= limit, "grpo: weight sync check failed after step ", steps,

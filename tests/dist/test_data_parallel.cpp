@@ -156,6 +156,9 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
     if (s == 0) EXPECT_GT(a.grad_norm, 0) << "all advantages zero: the comparison would be empty";
     // Both mismatches are fp32 noise (~1e-6); they must stay at that level.
     EXPECT_LT(b.mismatch.mean_abs_token, 1e-5) << "step " << s;
+    // The sync check runs under expert parallelism too (both forwards exchange tokens).
+    EXPECT_GE(b.sync_check, 0.0) << "step " << s;
+    EXPECT_LT(b.sync_check, 1e-5) << "step " << s;
     EXPECT_NEAR(b.routing_disagreement, a.routing_disagreement, 1e-12) << "step " << s;
   }
   EXPECT_NEAR(all.evaluate(20), one.evaluate(20), 1e-12);
