@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 
 #include "core/error.h"
 
@@ -18,6 +20,18 @@ void remove_tree(const std::string& path) {
   const int rc = nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
                       16, FTW_DEPTH | FTW_PHYS);
   KILN_CHECK(rc == 0, "files: cannot remove ", path, " (", std::strerror(errno), ")");
+}
+
+void write_text_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << text;
+    KILN_CHECK(f.good(), "files: cannot write ", tmp);
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  KILN_CHECK(!ec, "files: cannot rename ", tmp, " to ", path, " (", ec.message(), ")");
 }
 
 }  // namespace kiln

@@ -9,4 +9,8 @@ namespace kiln {
 // (seen on the H200 machine, 2026-11-29).
 void remove_tree(const std::string& path);
 
+// Writes `text` to `path` through a temporary file beside it and a rename, so a reader sees the old
+// file or the whole new one. Errors name the file.
+void write_text_atomic(const std::string& path, const std::string& text);
+
 }  // namespace kiln

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda_convert.cuh"
 #include "kernels/rms_norm_cuda.h"
 
 namespace kiln::kernels {
@@ -15,14 +16,6 @@ namespace {
 constexpr int kMaxThreads = 256;
 constexpr int kMaxChunks = 16;  // 16-byte chunks per thread held in registers: rows up to 32 KiB
 
-__device__ inline float to_float(float v) { return v; }
-__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ inline T from_float(float v);
-template <>
-__device__ inline float from_float<float>(float v) { return v; }
-template <>
-__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // y = cast(x * inv) * w, rounded twice exactly as the ATen reference does.
 template <typename T>

@@ -5,13 +5,12 @@
 
 #include <cstdint>
 
+#include "kernels/cuda_convert.cuh"
 #include "kernels/rope_cuda.h"
 
 namespace kiln::kernels {
 namespace {
 
-__device__ inline float to_float(float v) { return v; }
-__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ inline float round_to(float v, float) { return v; }
 __device__ inline float round_to(float v, __nv_bfloat16) { return __bfloat162float(__float2bfloat16_rn(v)); }
 __device__ inline void put(float* p, float v) { *p = v; }

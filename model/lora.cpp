@@ -14,51 +14,16 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/safetensors.h"
 #include "model/names.h"
 
 namespace kiln::model {
+using namespace detail;
 namespace {
 
-// One adaptable linear of a layer.
-struct Slot {
-  const char* module;  // HF suffix; experts: "mlp.experts.<kind>" (one module per expert)
-  const char* kind;    // the target_modules name
-  at::Tensor LayerWeights::*dense;
-  kernels::Nvfp4Tensor LayerWeights::Nvfp4::*q;
-  at::Tensor LayerWeights::Lora::*a;
-  at::Tensor LayerWeights::Lora::*b;
-  bool expert;
-};
-
-const std::vector<Slot>& slots() {
-  using L = LayerWeights;
-  using Q = LayerWeights::Nvfp4;
-  using A = LayerWeights::Lora;
-  static const std::vector<Slot> s = {
-      {"self_attn.q_proj", "q_proj", &L::q_proj, &Q::q_proj, &A::q_a, &A::q_b, false},
-      {"self_attn.k_proj", "k_proj", &L::k_proj, &Q::k_proj, &A::k_a, &A::k_b, false},
-      {"self_attn.v_proj", "v_proj", &L::v_proj, &Q::v_proj, &A::v_a, &A::v_b, false},
-      {"self_attn.o_proj", "o_proj", &L::o_proj, &Q::o_proj, &A::o_a, &A::o_b, false},
-      {"mlp.pooler", "pooler", &L::pooler, &Q::pooler, &A::pool_a, &A::pool_b, false},
-      {"mlp.unpooler", "unpooler", &L::unpooler, &Q::unpooler, &A::unpool_a, &A::unpool_b, false},
-      {"mlp.experts.gate_proj", "gate_proj", &L::expert_gate, &Q::expert_gate, &A::gate_a, &A::gate_b, true},
-      {"mlp.experts.up_proj", "up_proj", &L::expert_up, &Q::expert_up, &A::up_a, &A::up_b, true},
-      {"mlp.experts.down_proj", "down_proj", &L::expert_down, &Q::expert_down, &A::down_a, &A::down_b, true},
-  };
-  return s;
-}
-
-std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i) + "."; }
-
-// HF module of one expert (e >= 0) or of a dense linear: "model.layers.2.mlp.experts.5.up_proj".
-std::string module_name(int64_t layer, const Slot& s, int64_t e) {
-  if (!s.expert) return layer_prefix(layer) + s.module;
-  return layer_prefix(layer) + "mlp.experts." + std::to_string(e) + "." + s.kind;
-}
-
 // (out, in) of a slot's weight (one expert's), from the dense weight or its NVFP4 copy.
-std::pair<int64_t, int64_t> out_in(const LayerWeights& l, int64_t layer, const Slot& s) {
+std::pair<int64_t, int64_t> out_in(const LayerWeights& l, int64_t layer, const LinearSlot& s) {
   const at::Tensor& d = l.*s.dense;
   if (d.defined()) return {d.size(-2), d.size(-1)};
   const kernels::Nvfp4Tensor& q = l.nvfp4.*s.q;
@@ -66,18 +31,8 @@ std::pair<int64_t, int64_t> out_in(const LayerWeights& l, int64_t layer, const S
   return {q.rows(), q.cols()};
 }
 
-bool targeted(const std::vector<std::string>& targets, const Slot& s) {
+bool targeted(const std::vector<std::string>& targets, const LinearSlot& s) {
   return std::find(targets.begin(), targets.end(), s.kind) != targets.end();
-}
-
-void write_text_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << text;
-    KILN_CHECK(f.good(), "lora: cannot write ", tmp);
-  }
-  std::filesystem::rename(tmp, path);
 }
 
 }  // namespace
@@ -89,7 +44,7 @@ void LoraConfig::validate() const {
   KILN_CHECK(!targets.empty(), "lora: targets must name at least one module kind");
   for (const std::string& t : targets) {
     bool known = false;
-    for (const Slot& s : slots()) known |= t == s.kind;
+    for (const LinearSlot& s : linear_slots()) known |= t == s.kind;
     KILN_CHECK(known, "lora: unknown target '", t,
                "'; use q_proj, k_proj, v_proj, o_proj, pooler, unpooler, gate_proj, up_proj, down_proj");
   }
@@ -105,15 +60,15 @@ void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed) {
     LayerWeights& l = m.weights().layers[size_t(i)];
     l.lora = LayerWeights::Lora();
     l.lora.scale = cfg.scale();
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       if (!targeted(cfg.targets, s)) continue;
       auto [out, in] = out_in(l, i, s);
       const int64_t E = s.expert ? m.config().num_experts : 1;
       std::vector<at::Tensor> as;
       for (int64_t e = 0; e < E; ++e) {
         // PEFT's init: Kaiming-uniform with a = sqrt(5), i.e. bound 1 / sqrt(in); B = 0.
-        const std::string name = module_name(i, s, e) + ".lora_A";
-        at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(detail::stream_seed(seed, name));
+        const std::string name = linear_module(i, s, e) + ".lora_A";
+        at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(stream_seed(seed, name));
         const double bound = 1.0 / std::sqrt(double(in));
         as.push_back(at::empty({r, in}, at::kFloat).uniform_(-bound, bound, gen));
       }
@@ -128,7 +83,7 @@ std::vector<std::pair<std::string, at::Tensor>> lora_parameters(const Muse& m) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (int64_t i = 0; i < int64_t(m.weights().layers.size()); ++i) {
     const LayerWeights& l = m.weights().layers[size_t(i)];
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       if (!(l.lora.*s.a).defined()) continue;
       out.emplace_back(layer_prefix(i) + s.module + ".lora_A", l.lora.*s.a);
       out.emplace_back(layer_prefix(i) + s.module + ".lora_B", l.lora.*s.b);
@@ -139,7 +94,7 @@ std::vector<std::pair<std::string, at::Tensor>> lora_parameters(const Muse& m) {
 
 int64_t lora_rank(const Muse& m) {
   for (const LayerWeights& l : m.weights().layers)
-    for (const Slot& s : slots())
+    for (const LinearSlot& s : linear_slots())
       if ((l.lora.*s.a).defined()) return (l.lora.*s.a).size(-2);
   return 0;
 }
@@ -148,7 +103,7 @@ void merge_lora(Muse& m) {
   at::NoGradGuard g;
   for (int64_t i = 0; i < int64_t(m.weights().layers.size()); ++i) {
     LayerWeights& l = m.weights().layers[size_t(i)];
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       const at::Tensor& a = l.lora.*s.a;
       if (!a.defined()) continue;
       at::Tensor& w = l.*s.dense;
@@ -169,14 +124,14 @@ void save_peft_adapter(const Muse& m, const std::string& dir) {
   double scale = 0;
   for (int64_t i = 0; i < int64_t(m.weights().layers.size()); ++i) {
     const LayerWeights& l = m.weights().layers[size_t(i)];
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       const at::Tensor& a = l.lora.*s.a;
       if (!a.defined()) continue;
       kinds.insert(s.kind);
       scale = l.lora.scale;
       const at::Tensor& b = l.lora.*s.b;
       for (int64_t e = 0; e < (s.expert ? a.size(0) : 1); ++e) {
-        const std::string key = "base_model.model." + module_name(i, s, e);
+        const std::string key = "base_model.model." + linear_module(i, s, e);
         tensors.push_back({key + ".lora_A.weight", (s.expert ? a[e] : a).detach().cpu().contiguous()});
         tensors.push_back({key + ".lora_B.weight", (s.expert ? b[e] : b).detach().cpu().contiguous()});
       }
@@ -254,12 +209,12 @@ void load_peft_adapter(Muse& m, const std::string& dir) {
     LayerWeights& l = m.weights().layers[size_t(i)];
     LayerWeights::Lora lora;
     lora.scale = lc.scale();
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       if (!targeted(lc.targets, s)) continue;
       auto [out, inw] = out_in(l, i, s);
       std::vector<at::Tensor> as, bs;
       for (int64_t e = 0; e < (s.expert ? m.config().num_experts : 1); ++e) {
-        const std::string key = "base_model.model." + module_name(i, s, e);
+        const std::string key = "base_model.model." + linear_module(i, s, e);
         as.push_back(load(key + ".lora_A.weight", {r, inw}));
         bs.push_back(load(key + ".lora_B.weight", {out, r}));
       }

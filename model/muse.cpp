@@ -14,6 +14,7 @@
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
 #include "model/expert_parallel.h"
+#include "model/names.h"
 
 
 namespace kiln::model {
@@ -33,34 +34,19 @@ kernels::Nvfp4LinearOptions nvfp4_options(const kernels::Nvfp4Tensor& q, bool w4
   return o;
 }
 
-// One linear of a layer: its dense weight, NVFP4 copy and LoRA pair, and its HF module suffix.
-struct LinearRef {
-  at::Tensor LayerWeights::*dense;
-  kernels::Nvfp4Tensor LayerWeights::Nvfp4::*q;
-  at::Tensor LayerWeights::Lora::*a;
-  at::Tensor LayerWeights::Lora::*b;
-  const char* name;
-};
-using L = LayerWeights;
-constexpr LinearRef kQProj{&L::q_proj, &L::Nvfp4::q_proj, &L::Lora::q_a, &L::Lora::q_b, "self_attn.q_proj"};
-constexpr LinearRef kKProj{&L::k_proj, &L::Nvfp4::k_proj, &L::Lora::k_a, &L::Lora::k_b, "self_attn.k_proj"};
-constexpr LinearRef kVProj{&L::v_proj, &L::Nvfp4::v_proj, &L::Lora::v_a, &L::Lora::v_b, "self_attn.v_proj"};
-constexpr LinearRef kOProj{&L::o_proj, &L::Nvfp4::o_proj, &L::Lora::o_a, &L::Lora::o_b, "self_attn.o_proj"};
-constexpr LinearRef kPooler{&L::pooler, &L::Nvfp4::pooler, &L::Lora::pool_a, &L::Lora::pool_b, "mlp.pooler"};
-constexpr LinearRef kUnpooler{&L::unpooler, &L::Nvfp4::unpooler, &L::Lora::unpool_a, &L::Lora::unpool_b, "mlp.unpooler"};
-
 // x [T, K] . W^T from the dense weight, or from its NVFP4 copy when the dense one was released,
 // plus the LoRA term scale * B (A x) when the layer has adapters there.
-at::Tensor project(const at::Tensor& x, const LayerWeights& lw, const LinearRef& r, int64_t layer,
+at::Tensor project(const at::Tensor& x, const LayerWeights& lw, detail::LinearIndex which, int64_t layer,
                    const ForwardOptions& opt) {
-  if (opt.observe_linear_input) opt.observe_linear_input(layer, r.name, x);
+  const detail::LinearSlot& r = detail::linear_slots()[which];
+  if (opt.observe_linear_input) opt.observe_linear_input(layer, r.module, x);
   const at::Tensor& dense = lw.*r.dense;
   const kernels::Nvfp4Tensor& q = lw.nvfp4.*r.q;
   at::Tensor y;
   if (dense.defined()) {
     y = at::linear(x, dense);
   } else {
-    KILN_CHECK(q.packed.defined(), "muse: layer ", layer, " ", r.name, " has neither dense nor NVFP4 weights");
+    KILN_CHECK(q.packed.defined(), "muse: layer ", layer, " ", r.module, " has neither dense nor NVFP4 weights");
     y = kernels::nvfp4_linear(x, q, nvfp4_options(q, lw.nvfp4.w4a4));
   }
   const at::Tensor& a = lw.lora.*r.a;
@@ -89,9 +75,9 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   const int64_t T = h.size(0), hd = cfg.head_dim;
   const int64_t group = cfg.num_q_heads / cfg.num_kv_heads;
   const bool full = cfg.is_full_attention(layer);
-  at::Tensor q = project(h, lw, kQProj, layer, opt).view({T, cfg.num_q_heads, hd});
-  at::Tensor k = project(h, lw, kKProj, layer, opt).view({T, cfg.num_kv_heads, hd});
-  at::Tensor v = project(h, lw, kVProj, layer, opt).view({T, cfg.num_kv_heads, hd});
+  at::Tensor q = project(h, lw, detail::kQProj, layer, opt).view({T, cfg.num_q_heads, hd});
+  at::Tensor k = project(h, lw, detail::kKProj, layer, opt).view({T, cfg.num_kv_heads, hd});
+  at::Tensor v = project(h, lw, detail::kVProj, layer, opt).view({T, cfg.num_kv_heads, hd});
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
   at::Tensor o;
@@ -112,7 +98,7 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
     }
     o = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
   }
-  return project(o.reshape({T, cfg.q_size()}), lw, kOProj, layer, opt);
+  return project(o.reshape({T, cfg.q_size()}), lw, detail::kOProj, layer, opt);
 }
 
 // SwiGLU experts, W_down_e . (silu(W_gate_e . z) * (W_up_e . z)), for every slot; [T * k, d_l] in
@@ -125,7 +111,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
              " experts have neither dense nor NVFP4 weights");
   const int64_t n = order.size(0), E = quantized ? nv.expert_gate.packed.size(0) : lw.expert_gate.size(0);
   const auto& lo = lw.lora;
-  const bool lora = !opt.disable_lora && (lo.gate_a.defined() || lo.up_a.defined() || lo.down_a.defined());
+  const bool lora = !opt.disable_lora && lo.on_experts();
   if (quantized && !opt.observe_linear_input) {
     // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
     counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
@@ -267,7 +253,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   at::Tensor w = scores.gather(1, ids);
   w = w / w.sum(-1, true);  // renormalised over the chosen set, so gradients reach the router
 
-  at::Tensor z = project(h, lw, kPooler, layer, opt);  // [T, d_l]
+  at::Tensor z = project(h, lw, detail::kPooler, layer, opt);  // [T, d_l]
   at::Tensor flat = ids.reshape(-1);        // [T * k], slot order
   at::Tensor counts;  // [E] slots per expert
   at::Tensor y;
@@ -282,7 +268,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   const auto acc = w.scalar_type();
   at::Tensor m = (y.to(acc) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
   MoeOut r;
-  r.out = project(m.to(h.scalar_type()), lw, kUnpooler, layer, opt);
+  r.out = project(m.to(h.scalar_type()), lw, detail::kUnpooler, layer, opt);
   r.ids = ids;
   if (opt.load_balance) {
     at::Tensor f = counts.to(acc) / double(T * k);

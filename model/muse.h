@@ -51,6 +51,7 @@ struct LayerWeights {
     at::Tensor q_a, q_b, k_a, k_b, v_a, v_b, o_a, o_b, pool_a, pool_b, unpool_a, unpool_b;
     at::Tensor gate_a, gate_b, up_a, up_b, down_a, down_b;
     double scale = 0;  // alpha / r
+    bool on_experts() const { return gate_a.defined() || up_a.defined() || down_a.defined(); }
   } lora;
 };
 

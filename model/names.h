@@ -1,5 +1,5 @@
-// Checkpoint naming shared by the BF16 and NVFP4 checkpoint code (model/weights.cpp,
-// model/nvfp4_model.cpp): per-layer tensor suffixes, their shapes, slots and dtypes. Internal.
+// Naming shared inside model/: per-layer tensor suffixes, shapes, slots and dtypes of the
+// checkpoints, and the table of linears that NVFP4 quantises and LoRA adapts. Internal.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -26,6 +26,25 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> layer_shapes(const Mod
 std::string expert_name(const std::string& layer_prefix, int64_t e, const std::string& suffix);
 // The router is fp32 (fp64 in fp64 runs); every other tensor has the model dtype.
 at::ScalarType tensor_dtype(const std::string& suffix, at::ScalarType dtype);
+
+// One linear of a layer that NVFP4 quantises and LoRA adapts: its HF module suffix, its LoRA target
+// name, and the members holding its dense weight, NVFP4 copy and adapter pair.
+struct LinearSlot {
+  const char* module;  // "self_attn.q_proj"; experts "mlp.experts.gate_proj" (stacked, one module per expert)
+  const char* kind;    // "q_proj", ..., "gate_proj": the LoRA target_modules name
+  at::Tensor LayerWeights::*dense;
+  kernels::Nvfp4Tensor LayerWeights::Nvfp4::*q;
+  at::Tensor LayerWeights::Lora::*a;
+  at::Tensor LayerWeights::Lora::*b;
+  bool expert;
+};
+// Every such linear, in this order.
+enum LinearIndex { kQProj, kKProj, kVProj, kOProj, kPooler, kUnpooler, kGateProj, kUpProj, kDownProj };
+const std::vector<LinearSlot>& linear_slots();
+// "model.layers.<layer>." and the HF module of a slot there (expert `e` of an expert slot):
+// "model.layers.2.self_attn.q_proj", "model.layers.2.mlp.experts.5.up_proj".
+std::string layer_prefix(int64_t layer);
+std::string linear_module(int64_t layer, const LinearSlot& s, int64_t e);
 
 // Loads every tensor the config names from `ckpt` into a model of `dtype` on `device`, except those
 // `skip(layer, suffix)` selects (left undefined); `extra` are further names the checkpoint must

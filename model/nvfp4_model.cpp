@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/names.h"
@@ -23,61 +24,20 @@ namespace {
 
 constexpr float kFp4TimesFp8Max = 6.0f * 448.0f;
 
-// One quantisable linear of a layer: its HF module suffix, dense weight and NVFP4 copy.
-struct Slot {
-  const char* module;  // e.g. "self_attn.q_proj"; experts: "mlp.experts.gate_proj" (stacked)
-  at::Tensor LayerWeights::*dense;
-  kernels::Nvfp4Tensor LayerWeights::Nvfp4::*q;
-  bool expert;
-};
-
-const std::vector<Slot>& slots() {
-  using L = LayerWeights;
-  using Q = LayerWeights::Nvfp4;
-  static const std::vector<Slot> s = {
-      {"self_attn.q_proj", &L::q_proj, &Q::q_proj, false},
-      {"self_attn.k_proj", &L::k_proj, &Q::k_proj, false},
-      {"self_attn.v_proj", &L::v_proj, &Q::v_proj, false},
-      {"self_attn.o_proj", &L::o_proj, &Q::o_proj, false},
-      {"mlp.pooler", &L::pooler, &Q::pooler, false},
-      {"mlp.unpooler", &L::unpooler, &Q::unpooler, false},
-      {"mlp.experts.gate_proj", &L::expert_gate, &Q::expert_gate, true},
-      {"mlp.experts.up_proj", &L::expert_up, &Q::expert_up, true},
-      {"mlp.experts.down_proj", &L::expert_down, &Q::expert_down, true},
-  };
-  return s;
+bool quantized(const ModelConfig& cfg, int64_t layer, const LinearSlot& s) {
+  return !s.expert || experts_quantized(cfg, layer);
 }
-
-bool quantized(const ModelConfig& cfg, int64_t layer, const Slot& s) { return !s.expert || experts_quantized(cfg, layer); }
 
 // The slot stored under a layer-tensor suffix such as "self_attn.q_proj.weight", or nullptr.
-const Slot* slot_of(const std::string& suffix) {
-  for (const Slot& s : slots())
+const LinearSlot* slot_of(const std::string& suffix) {
+  for (const LinearSlot& s : linear_slots())
     if (suffix == std::string(s.module) + ".weight") return &s;
   return nullptr;
-}
-
-// HF module name of one expert (or of a dense linear when e < 0): "model.layers.3.mlp.experts.5.up_proj".
-std::string module_name(int64_t layer, const Slot& s, int64_t e) {
-  const std::string prefix = "model.layers." + std::to_string(layer) + ".";
-  if (!s.expert) return prefix + s.module;
-  const std::string m = s.module;  // "mlp.experts.<proj>"
-  return prefix + "mlp.experts." + std::to_string(e) + m.substr(std::string("mlp.experts").size());
 }
 
 kernels::Nvfp4Tensor quantize_dense(const at::Tensor& dense, bool kernel_layout) {
   kernels::Nvfp4Tensor q = kernels::nvfp4_quantize(dense.detach());
   return kernel_layout ? kernels::nvfp4_to_kernel_layout(q) : q;
-}
-
-void write_text_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << text;
-    KILN_CHECK(f.good(), "checkpoint: cannot write ", tmp);
-  }
-  std::filesystem::rename(tmp, path);
 }
 
 nlohmann::ordered_json quant_section(const ModelConfig& cfg) {
@@ -143,7 +103,7 @@ void quantize_model(Muse& m, bool kernel_layout, bool drop_dense) {
   const ModelConfig& cfg = m.config();
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     LayerWeights& l = m.weights().layers[size_t(i)];
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       if (!quantized(cfg, i, s)) continue;
       at::Tensor& dense = l.*s.dense;
       kernels::Nvfp4Tensor& q = l.nvfp4.*s.q;
@@ -168,7 +128,7 @@ bool requantize(Muse& m, const std::string& name, const at::Tensor& dense) {
   } catch (const std::exception&) {
     return false;  // not a layer tensor name
   }
-  const Slot* s = slot_of(name.substr(dot + 1));
+  const LinearSlot* s = slot_of(name.substr(dot + 1));
   if (!s || layer < 0 || layer >= m.config().num_layers) return false;
   LayerWeights& l = m.weights().layers[size_t(layer)];
   kernels::Nvfp4Tensor& q = l.nvfp4.*s->q;
@@ -188,7 +148,7 @@ bool requantize(Muse& m, const std::string& name, const at::Tensor& dense) {
 void dequantize_model(Muse& m, at::ScalarType dtype) {
   at::NoGradGuard g;
   for (LayerWeights& l : m.weights().layers)
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       const kernels::Nvfp4Tensor& q = l.nvfp4.*s.q;
       if (q.packed.defined()) l.*s.dense = kernels::nvfp4_dequantize(q, dtype).contiguous();
     }
@@ -213,7 +173,7 @@ void calibrate_input_scales(Muse& m, const PackedBatch& batch) {
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     LayerWeights& l = m.weights().layers[size_t(i)];
     const auto& seen = amax[size_t(i)];
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       kernels::Nvfp4Tensor& q = l.nvfp4.*s.q;
       if (!quantized(cfg, i, s)) continue;
       KILN_CHECK(q.packed.defined(), "nvfp4: calibrate layer ", i, " ", s.module, ": quantise the model first");
@@ -248,7 +208,7 @@ void save_nvfp4_checkpoint(const Muse& m, const std::string& dir, uint64_t max_s
   auto scalar = [](const at::Tensor& t) { return t.detach().to(at::kCPU, at::kFloat).reshape({}).contiguous(); };
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     LayerWeights& l = rest.layers[size_t(i)];
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       if (!quantized(cfg, i, s)) continue;
       kernels::Nvfp4Tensor q = l.nvfp4.*s.q;
       KILN_CHECK(q.packed.defined(), "nvfp4: save layer ", i, " ", s.module, ": quantise the model first");
@@ -256,7 +216,7 @@ void save_nvfp4_checkpoint(const Muse& m, const std::string& dir, uint64_t max_s
       l.*s.dense = at::Tensor();
       const int64_t count = s.expert ? q.packed.size(0) : 1;
       for (int64_t e = 0; e < count; ++e) {
-        const std::string base = module_name(i, s, s.expert ? e : -1);
+        const std::string base = linear_module(i, s, e);
         auto pick = [&](const at::Tensor& t) { return s.expert ? t[e] : t; };
         quant.push_back({base + ".weight", pick(q.packed).cpu().contiguous()});
         quant.push_back({base + ".weight_scale", pick(q.block_scale).cpu().contiguous().view(at::kByte),
@@ -296,16 +256,16 @@ Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Dev
   // Every quantised linear brings .weight, .weight_scale and .weight_scale_2; .input_scale is optional
   // but then present for all of them or none.
   auto skip = [&](int64_t layer, const std::string& suffix) {
-    const Slot* s = slot_of(suffix);
+    const LinearSlot* s = slot_of(suffix);
     return s && quantized(cfg, layer, *s);
   };
   std::set<std::string> extra;
   bool any_input = false, all_input = true;
   for (int64_t i = 0; i < cfg.num_layers; ++i)
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       if (!quantized(cfg, i, s)) continue;
       for (int64_t e = 0; e < (s.expert ? cfg.num_experts : 1); ++e) {
-        const std::string base = module_name(i, s, e);
+        const std::string base = linear_module(i, s, e);
         for (const char* part : {".weight", ".weight_scale", ".weight_scale_2"}) extra.insert(base + part);
         const bool has = ckpt.contains(base + ".input_scale");
         any_input |= has;
@@ -334,16 +294,16 @@ Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Dev
   for (const auto& [suffix, shape] : layer_shapes(cfg)) shapes[suffix] = shape;
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     LayerWeights& l = m.weights().layers[size_t(i)];
-    for (const Slot& s : slots()) {
+    for (const LinearSlot& s : linear_slots()) {
       if (!quantized(cfg, i, s)) continue;
       std::vector<int64_t> shape = shapes.at(std::string(s.module) + ".weight");
       if (s.expert) shape.erase(shape.begin());
       const int64_t N = shape[0], K = shape[1];
-      KILN_CHECK(K % kernels::kNvfp4Block == 0, "nvfp4 checkpoint ", ckpt.path(), ": ", module_name(i, s, 0), " has K = ",
+      KILN_CHECK(K % kernels::kNvfp4Block == 0, "nvfp4 checkpoint ", ckpt.path(), ": ", linear_module(i, s, 0), " has K = ",
                  K, ", which is not a multiple of ", kernels::kNvfp4Block);
       std::vector<at::Tensor> packed, block, s2, in;
       for (int64_t e = 0; e < (s.expert ? cfg.num_experts : 1); ++e) {
-        const std::string base = module_name(i, s, e);
+        const std::string base = linear_module(i, s, e);
         packed.push_back(raw(base + ".weight", safetensors::DType::U8, {N, K / 2}));
         block.push_back(raw(base + ".weight_scale", safetensors::DType::F8_E4M3, {N, K / kernels::kNvfp4Block})
                             .view(at::kByte));
@@ -355,7 +315,7 @@ Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Dev
       q.block_scale = s.expert ? at::stack(block) : block[0];
       q.tensor_scale = s.expert ? at::stack(s2) : s2[0];
       if (any_input) q.input_scale = s.expert ? at::stack(in) : in[0];
-      kernels::nvfp4_check(q, module_name(i, s, 0).c_str());
+      kernels::nvfp4_check(q, linear_module(i, s, 0).c_str());
       l.nvfp4.*s.q = q.to(device);
     }
   }

@@ -4,10 +4,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <filesystem>
-#include <fstream>
 #include <set>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/names.h"
@@ -24,7 +24,7 @@ void for_each_tensor(W& w, Fn&& fn) {
   fn("model.embed_tokens.weight", w.embed, true);
   for (int64_t i = 0; i < int64_t(w.layers.size()); ++i) {
     auto& l = w.layers[i];
-    const std::string p = "model.layers." + std::to_string(i) + ".";
+    const std::string p = layer_prefix(i);
     fn(p + "input_layernorm.weight", l.input_norm, true);
     fn(p + "self_attn.q_proj.weight", l.q_proj, true);
     fn(p + "self_attn.k_proj.weight", l.k_proj, true);
@@ -124,6 +124,30 @@ at::ScalarType tensor_dtype(const std::string& suffix, at::ScalarType dtype) {
   return suffix.rfind("mlp.router.", 0) == 0 ? router_dtype(dtype) : dtype;
 }
 
+const std::vector<LinearSlot>& linear_slots() {
+  using L = LayerWeights;
+  using Q = LayerWeights::Nvfp4;
+  using A = LayerWeights::Lora;
+  static const std::vector<LinearSlot> s = {
+      {"self_attn.q_proj", "q_proj", &L::q_proj, &Q::q_proj, &A::q_a, &A::q_b, false},
+      {"self_attn.k_proj", "k_proj", &L::k_proj, &Q::k_proj, &A::k_a, &A::k_b, false},
+      {"self_attn.v_proj", "v_proj", &L::v_proj, &Q::v_proj, &A::v_a, &A::v_b, false},
+      {"self_attn.o_proj", "o_proj", &L::o_proj, &Q::o_proj, &A::o_a, &A::o_b, false},
+      {"mlp.pooler", "pooler", &L::pooler, &Q::pooler, &A::pool_a, &A::pool_b, false},
+      {"mlp.unpooler", "unpooler", &L::unpooler, &Q::unpooler, &A::unpool_a, &A::unpool_b, false},
+      {"mlp.experts.gate_proj", "gate_proj", &L::expert_gate, &Q::expert_gate, &A::gate_a, &A::gate_b, true},
+      {"mlp.experts.up_proj", "up_proj", &L::expert_up, &Q::expert_up, &A::up_a, &A::up_b, true},
+      {"mlp.experts.down_proj", "down_proj", &L::expert_down, &Q::expert_down, &A::down_a, &A::down_b, true},
+  };
+  return s;
+}
+
+std::string layer_prefix(int64_t layer) { return "model.layers." + std::to_string(layer) + "."; }
+
+std::string linear_module(int64_t layer, const LinearSlot& s, int64_t e) {
+  return s.expert ? expert_name(layer_prefix(layer), e, s.module) : layer_prefix(layer) + s.module;
+}
+
 }  // namespace detail
 
 at::ScalarType parse_dtype(const std::string& name) {
@@ -147,19 +171,13 @@ Muse Muse::clone() const {
   for_each_tensor(w, [](const std::string&, at::Tensor& t, bool) {
     if (t.defined()) t = t.detach().clone();
   });
-  auto copy = [](at::Tensor& t) {
-    if (t.defined()) t = t.clone();
-  };
+  // The NVFP4 copies and the adapters too.
   for (LayerWeights& l : w.layers)
-    for (kernels::Nvfp4Tensor* q : {&l.nvfp4.q_proj, &l.nvfp4.k_proj, &l.nvfp4.v_proj, &l.nvfp4.o_proj, &l.nvfp4.pooler,
-                                    &l.nvfp4.unpooler, &l.nvfp4.expert_gate, &l.nvfp4.expert_up, &l.nvfp4.expert_down})
-      for (at::Tensor* t : {&q->packed, &q->block_scale, &q->tensor_scale, &q->input_scale}) copy(*t);
-  for (LayerWeights& l : w.layers) {
-    auto& a = l.lora;
-    for (at::Tensor* t : {&a.q_a, &a.q_b, &a.k_a, &a.k_b, &a.v_a, &a.v_b, &a.o_a, &a.o_b, &a.pool_a, &a.pool_b,
-                          &a.unpool_a, &a.unpool_b, &a.gate_a, &a.gate_b, &a.up_a, &a.up_b, &a.down_a, &a.down_b})
-      if (t->defined()) *t = t->detach().clone();
-  }
+    for (const LinearSlot& s : linear_slots()) {
+      kernels::Nvfp4Tensor& q = l.nvfp4.*s.q;
+      for (at::Tensor* t : {&q.packed, &q.block_scale, &q.tensor_scale, &q.input_scale, &(l.lora.*s.a), &(l.lora.*s.b)})
+        if (t->defined()) *t = t->detach().clone();
+    }
   return Muse(cfg_, std::move(w));
 }
 
@@ -180,7 +198,7 @@ Muse Muse::init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at:
   w.final_norm = finish(at::ones({cfg.hidden_size}), "");
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     LayerWeights l;
-    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    const std::string prefix = layer_prefix(i);
     for (const auto& [suffix, shape] : layer_shapes(cfg)) {
       at::Tensor t;
       const bool residual_out = suffix == "self_attn.o_proj.weight" || suffix == "mlp.experts.down_proj.weight" ||
@@ -230,13 +248,7 @@ void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_sha
   std::vector<safetensors::NamedTensor> tensors;
   for (auto& [name, t] : hf_tensors(model)) tensors.push_back({name, t});
   safetensors::write_checkpoint(dir, tensors, max_shard_bytes);
-  const std::string cfg_path = dir + "/config.json", tmp = cfg_path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << model.config().to_json();
-    KILN_CHECK(f.good(), "checkpoint: cannot write ", tmp);
-  }
-  std::filesystem::rename(tmp, cfg_path);
+  write_text_atomic(dir + "/config.json", model.config().to_json());
 }
 
 namespace detail {
@@ -246,7 +258,7 @@ Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, a
   std::set<std::string> expected = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"};
   expected.insert(extra.begin(), extra.end());
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
-    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    const std::string prefix = layer_prefix(i);
     for (const auto& [suffix, shape] : layer_shapes(cfg)) {
       if (skip && skip(i, suffix)) continue;
       if (!is_expert_stack(suffix)) expected.insert(prefix + suffix);
@@ -269,7 +281,7 @@ Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, a
   w.final_norm = load("model.norm.weight", {d}, dtype);
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     LayerWeights l;
-    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    const std::string prefix = layer_prefix(i);
     for (const auto& [suffix, shape] : layer_shapes(cfg)) {
       if (skip && skip(i, suffix)) continue;
       const at::ScalarType t = tensor_dtype(suffix, dtype);

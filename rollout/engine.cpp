@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -217,7 +218,7 @@ struct Engine::Impl : model::AttentionBackend {
     bool host_sync = false;
     for (const auto& l : model.weights().layers) {
       const bool nvfp4_experts = !l.expert_gate.defined();
-      host_sync |= nvfp4_experts && (l.lora.gate_a.defined() || l.lora.up_a.defined() || l.lora.down_a.defined());
+      host_sync |= nvfp4_experts && l.lora.on_experts();
       host_sync |= nvfp4_experts && many_rows;
     }
     if (ec.cuda_graphs && !ec.expert_group && !host_sync && DecodeGraphs::available(model)) {
@@ -745,49 +746,49 @@ std::vector<RequestOutput> Engine::generate(const std::vector<Request>& requests
   return out;
 }
 
-void Engine::update_weights(const std::vector<std::pair<std::string, at::Tensor>>& named) {
-  at::NoGradGuard g;
-  auto own = impl_->model.named_parameters();
-  std::map<std::string, at::Tensor> by_name(own.begin(), own.end());
-  std::set<std::string> seen;
-  for (const auto& [name, t] : named) {
-    KILN_CHECK(seen.insert(name).second, "rollout: update_weights got tensor ", name, " twice");
-    auto it = by_name.find(name);
-    if (it == by_name.end()) {
-      // A linear served from NVFP4: re-quantised from the trainer's weights.
-      KILN_CHECK(model::requantize(impl_->model, name, t), "rollout: update_weights got tensor ", name,
-                 ", which the model does not have");
-      continue;
-    }
-    KILN_CHECK(t.sizes() == it->second.sizes(), "rollout: update_weights tensor ", name, " has shape ", t.sizes(),
-               ", expected ", it->second.sizes());
-    it->second.copy_(t);
-  }
-  for (const auto& [name, t] : own)
-    KILN_CHECK(seen.count(name), "rollout: update_weights did not get ", name, " (", seen.size(),
-               " tensors given); pass every tensor of Muse::named_parameters()");
-}
+namespace {
 
-int64_t Engine::update_adapters(const std::vector<std::pair<std::string, at::Tensor>>& named) {
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Copies `named` into the same-named tensors of `own` in place, each once and with its shape; a
+// name `own` lacks goes to `other`, which takes it (true) or refuses it. Every tensor of `own` must
+// come. Returns the bytes copied. `what` names the call and `noun` the tensors in errors.
+int64_t copy_by_name(const char* what, const char* noun, const Named& own, const Named& named,
+                     const std::function<bool(const std::string&, const at::Tensor&)>& other) {
   at::NoGradGuard g;
-  auto own = model::lora_parameters(impl_->model);
-  KILN_CHECK(!own.empty(), "rollout: update_adapters: the engine's model has no LoRA adapters");
   std::map<std::string, at::Tensor> by_name(own.begin(), own.end());
   std::set<std::string> seen;
   int64_t bytes = 0;
   for (const auto& [name, t] : named) {
+    KILN_CHECK(seen.insert(name).second, "rollout: ", what, " got ", name, " twice");
     auto it = by_name.find(name);
-    KILN_CHECK(it != by_name.end(), "rollout: update_adapters got ", name, ", which is not one of the engine's adapters");
-    KILN_CHECK(seen.insert(name).second, "rollout: update_adapters got ", name, " twice");
-    KILN_CHECK(t.sizes() == it->second.sizes(), "rollout: update_adapters tensor ", name, " has shape ", t.sizes(),
-               ", expected ", it->second.sizes());
-    it->second.copy_(t);
+    if (it == by_name.end()) {
+      KILN_CHECK(other && other(name, t), "rollout: ", what, " got ", name, ", which is not one of the engine's ", noun);
+    } else {
+      KILN_CHECK(t.sizes() == it->second.sizes(), "rollout: ", what, " tensor ", name, " has shape ", t.sizes(),
+                 ", expected ", it->second.sizes());
+      it->second.copy_(t);
+    }
     bytes += int64_t(t.numel()) * int64_t(t.element_size());
   }
   for (const auto& [name, t] : own)
-    KILN_CHECK(seen.count(name), "rollout: update_adapters did not get ", name, " (", seen.size(), " of ", own.size(),
-               " adapters given)");
+    KILN_CHECK(seen.count(name), "rollout: ", what, " did not get ", name, " (", named.size(), " ", noun,
+               " given, the engine has ", own.size(), ")");
   return bytes;
+}
+
+}  // namespace
+
+void Engine::update_weights(const Named& named) {
+  // A linear served from NVFP4 has no dense tensor: it is re-quantised from the trainer's weights.
+  copy_by_name("update_weights", "tensors", impl_->model.named_parameters(), named,
+               [&](const std::string& name, const at::Tensor& t) { return model::requantize(impl_->model, name, t); });
+}
+
+int64_t Engine::update_adapters(const Named& named) {
+  const Named own = model::lora_parameters(impl_->model);
+  KILN_CHECK(!own.empty(), "rollout: update_adapters: the engine's model has no LoRA adapters");
+  return copy_by_name("update_adapters", "adapters", own, named, {});
 }
 
 EngineStats Engine::stats() const {

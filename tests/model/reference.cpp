@@ -60,6 +60,17 @@ model::ModelConfig micro_config() {
   return c;
 }
 
+model::ModelConfig nvfp4_micro_config() {
+  model::ModelConfig c = micro_config();
+  c.vocab_size = 23;
+  c.hidden_size = 32;
+  c.latent_size = 16;
+  c.expert_ffn_size = 32;
+  c.head_dim = 16;
+  c.init_std = 0.3;
+  return c;
+}
+
 ReferenceOutput reference_forward(const model::Muse& model, const std::vector<int64_t>& tokens,
                                   const at::Tensor& replay) {
   const model::ModelConfig& c = model.config();

@@ -20,5 +20,7 @@ ReferenceOutput reference_forward(const model::Muse& model, const std::vector<in
 
 // A micro config that runs in milliseconds: 2 layers (window then full), 4 experts top-2.
 model::ModelConfig micro_config();
+// The micro config with every quantised width a multiple of 16 (NVFP4, LoRA over NVFP4).
+model::ModelConfig nvfp4_micro_config();
 
 }  // namespace kiln::test

@@ -19,16 +19,7 @@ namespace {
 
 using model::Muse;
 
-model::ModelConfig lora_config() {  // widths that NVFP4 can quantise too
-  model::ModelConfig c = test::micro_config();
-  c.vocab_size = 23;
-  c.hidden_size = 32;
-  c.latent_size = 16;
-  c.expert_ffn_size = 32;
-  c.head_dim = 16;
-  c.init_std = 0.3;
-  return c;
-}
+model::ModelConfig lora_config() { return test::nvfp4_micro_config(); }  // NVFP4 can quantise it too
 
 model::LoraConfig lora(int64_t rank = 4) {
   model::LoraConfig l;

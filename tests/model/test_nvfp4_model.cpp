@@ -21,15 +21,7 @@ using model::Muse;
 
 // Every quantised width a multiple of 16; layer 1 keeps BF16 experts.
 model::ModelConfig nvfp4_config() {
-  model::ModelConfig c = test::micro_config();
-  c.vocab_size = 23;
-  c.hidden_size = 32;
-  c.latent_size = 16;
-  c.expert_ffn_size = 32;
-  c.head_dim = 16;
-  c.num_q_heads = 2;
-  c.num_kv_heads = 1;
-  c.init_std = 0.3;
+  model::ModelConfig c = test::nvfp4_micro_config();
   c.bf16_expert_layers = {1};
   return c;
 }
