@@ -54,20 +54,15 @@ at::Tensor project(const at::Tensor& x, const LayerWeights& lw, detail::LinearIn
   return y + at::linear(at::linear(x, a), lw.lora.*r.b) * lw.lora.scale;
 }
 
-// The experts' LoRA term for expert-sorted rows: one pair of small GEMMs per expert with rows
-// (host counts), so only the experts a token uses are applied.
-at::Tensor expert_lora(const at::Tensor& xs, const at::Tensor& a, const at::Tensor& b, const int64_t* counts,
-                       int64_t E, double scale) {
-  std::vector<at::Tensor> parts;
-  int64_t start = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    if (counts[e] == 0) continue;
-    parts.push_back(at::linear(at::linear(xs.narrow(0, start, counts[e]), a[e]), b[e]));
-    start += counts[e];
-  }
-  if (parts.empty()) return at::zeros({xs.size(0), b.size(1)}, xs.options());
-  return (parts.size() == 1 ? parts[0] : at::cat(parts, 0)) * scale;
+#if KILN_TORCH_AT_LEAST(2, 8)
+// The experts' LoRA term scale * B_e (A_e x) for rows grouped into padded per-expert segments
+// (offs: segment ends, int32): two torch grouped GEMMs, no host sync.
+at::Tensor grouped_lora(const at::Tensor& xp, const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
+                        double scale) {
+  at::Tensor ax = at::_grouped_mm(xp, a.transpose(1, 2), offsets);
+  return at::_grouped_mm(ax, b.transpose(1, 2), offsets) * scale;
 }
+#endif
 
 at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
                      const PackedBatch& batch, const at::Tensor& cos, const at::Tensor& sin,
@@ -112,45 +107,50 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   const int64_t n = order.size(0), E = quantized ? nv.expert_gate.packed.size(0) : lw.expert_gate.size(0);
   const auto& lo = lw.lora;
   const bool lora = !opt.disable_lora && lo.on_experts();
-  if (quantized && !opt.observe_linear_input) {
+  const bool grouped = opt.use_grouped_mm && (!lora || lo.experts_grouped()) && !opt.observe_linear_input &&
+                       z.is_cuda() && z.scalar_type() == at::kBFloat16;
+  if (quantized && !opt.observe_linear_input && (!lora || grouped)) {
     // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
     counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
     at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
     at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
     at::Tensor g = kernels::nvfp4_grouped_linear(zs, nv.expert_gate, offsets, nvfp4_options(nv.expert_gate, nv.w4a4));
     at::Tensor u = kernels::nvfp4_grouped_linear(zs, nv.expert_up, offsets, nvfp4_options(nv.expert_up, nv.w4a4));
-    at::Tensor host_counts;
-    if (lora) {  // adapters on an NVFP4 base: per-expert GEMMs (reads the counts on the host)
-      host_counts = counts.cpu();
-      const int64_t* c = host_counts.data_ptr<int64_t>();
-      if (lo.gate_a.defined()) g = g + expert_lora(zs, lo.gate_a, lo.gate_b, c, E, lo.scale);
-      if (lo.up_a.defined()) u = u + expert_lora(zs, lo.up_a, lo.up_b, c, E, lo.scale);
-    }
+#if KILN_TORCH_AT_LEAST(2, 8)
+    // Adapters on the NVFP4 base: torch's grouped GEMMs on a padded copy of the sorted rows
+    // (kernels::moe_layout); dest maps each sorted row to its padded row and back.
+    kernels::MoeLayout l;
+    auto add_lora = [&](at::Tensor& y, const at::Tensor& xs, const at::Tensor& a, const at::Tensor& b) {
+      if (!lora || !a.defined()) return;
+      at::Tensor xp = at::zeros({l.bound, xs.size(1)}, xs.options()).index_copy(0, l.dest, xs);
+      y = y + grouped_lora(xp, a, b, l.offsets, lo.scale).index_select(0, l.dest);
+    };
+    if (lora) l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
+    add_lora(g, zs, lo.gate_a, lo.gate_b);
+    add_lora(u, zs, lo.up_a, lo.up_b);
+#endif
     at::Tensor act = at::silu(g) * u;
     at::Tensor ys = kernels::nvfp4_grouped_linear(act, nv.expert_down, offsets, nvfp4_options(nv.expert_down, nv.w4a4));
-    if (lora && lo.down_a.defined()) ys = ys + expert_lora(act, lo.down_a, lo.down_b, host_counts.data_ptr<int64_t>(), E, lo.scale);
+#if KILN_TORCH_AT_LEAST(2, 8)
+    add_lora(ys, act, lo.down_a, lo.down_b);
+#endif
     at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
     return ys.index_select(0, inverse);
   }
 #if KILN_TORCH_AT_LEAST(2, 8)
-  // _grouped_mm needs 16-byte rows: adapters of a rank that is not a multiple of 8 take the loop.
-  const at::Tensor& any_a = lo.gate_a.defined() ? lo.gate_a : lo.up_a.defined() ? lo.up_a : lo.down_a;
-  const bool aligned_lora = !lora || any_a.size(1) % 8 == 0;
-  if (opt.use_grouped_mm && aligned_lora && !opt.observe_linear_input && z.is_cuda() && z.scalar_type() == at::kBFloat16) {
+  if (!quantized && grouped) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
     // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
     kernels::MoeLayout l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
     counts = l.counts;
     at::Tensor zp = at::zeros({l.bound, z.size(1)}, z.options()).index_copy(0, l.dest, z.index_select(0, l.src_token));
-    auto grouped = [&](const at::Tensor& x, const at::Tensor& w, const at::Tensor& a, const at::Tensor& b) {
+    auto expert = [&](const at::Tensor& x, const at::Tensor& w, const at::Tensor& a, const at::Tensor& b) {
       at::Tensor y = at::_grouped_mm(x, w.transpose(1, 2), l.offsets);
-      if (!lora || !a.defined()) return y;
-      at::Tensor ax = at::_grouped_mm(x, a.transpose(1, 2), l.offsets);
-      return y + at::_grouped_mm(ax, b.transpose(1, 2), l.offsets) * lo.scale;
+      return lora && a.defined() ? y + grouped_lora(x, a, b, l.offsets, lo.scale) : y;
     };
-    at::Tensor g = grouped(zp, lw.expert_gate, lo.gate_a, lo.gate_b);
-    at::Tensor u = grouped(zp, lw.expert_up, lo.up_a, lo.up_b);
-    at::Tensor y = grouped(at::silu(g) * u, lw.expert_down, lo.down_a, lo.down_b);
+    at::Tensor g = expert(zp, lw.expert_gate, lo.gate_a, lo.gate_b);
+    at::Tensor u = expert(zp, lw.expert_up, lo.up_a, lo.up_b);
+    at::Tensor y = expert(at::silu(g) * u, lw.expert_down, lo.down_a, lo.down_b);
     return y.index_select(0, l.slot_row);
   }
 #endif
@@ -418,6 +418,15 @@ at::Tensor PackedBatch::positions() const {
   for (int64_t s = 0; s < num_sequences(); ++s)
     for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) pos[t] = start_position(s) + t - cu_seqlens[s];
   return at::tensor(pos, at::kLong).to(tokens.device());
+}
+
+bool LayerWeights::Lora::experts_grouped() const {
+#if KILN_TORCH_AT_LEAST(2, 8)
+  const at::Tensor& a = gate_a.defined() ? gate_a : up_a.defined() ? up_a : down_a;
+  return a.defined() && a.size(1) % 8 == 0;
+#else
+  return false;
+#endif
 }
 
 Muse::Muse(ModelConfig cfg, Weights weights) : cfg_(std::move(cfg)), w_(std::move(weights)) {

@@ -52,6 +52,9 @@ struct LayerWeights {
     at::Tensor gate_a, gate_b, up_a, up_b, down_a, down_b;
     double scale = 0;  // alpha / r
     bool on_experts() const { return gate_a.defined() || up_a.defined() || down_a.defined(); }
+    // Expert adapters run as torch grouped GEMMs on CUDA bf16 (no host sync, so CUDA graphs can
+    // capture them): torch >= 2.8 and a rank whose rows are 16-byte aligned (a multiple of 8).
+    bool experts_grouped() const;
   } lora;
 };
 

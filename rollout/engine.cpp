@@ -211,14 +211,14 @@ struct Engine::Impl : model::AttentionBackend {
     v_win = at::zeros_like(k_win);
     st.full_blocks_total = full_blocks;
     st.window_blocks_total = win_blocks;
-    // Adapters on NVFP4 experts read the expert counts on the host: no graph capture then.
-    // So do NVFP4 experts when a decode step's rows (at most max_num_seqs rounded up to a bucket of
+    // Adapters on NVFP4 experts read the expert counts on the host unless torch's grouped GEMM
+    // takes them (Lora::experts_grouped): no graph capture then. So do NVFP4 experts when a decode step's rows (at most max_num_seqs rounded up to a bucket of
     // 16, times top_k) can exceed 64 per expert: the grouped GEMM's prefill path reads offsets.
     const bool many_rows = (ec.max_num_seqs + 15) * cfg.top_k > 64 * cfg.num_experts;
     bool host_sync = false;
     for (const auto& l : model.weights().layers) {
       const bool nvfp4_experts = !l.expert_gate.defined();
-      host_sync |= nvfp4_experts && l.lora.on_experts();
+      host_sync |= nvfp4_experts && l.lora.on_experts() && !l.lora.experts_grouped();
       host_sync |= nvfp4_experts && many_rows;
     }
     if (ec.cuda_graphs && !ec.expert_group && !host_sync && DecodeGraphs::available(model)) {
