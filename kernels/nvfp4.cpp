@@ -191,11 +191,12 @@ at::Tensor nvfp4_dequantize_reference(const Nvfp4Tensor& q, at::ScalarType dtype
   return at::stack(out).to(dtype);
 }
 
-Nvfp4Tensor nvfp4_quantize(const at::Tensor& w) {
+Nvfp4Tensor nvfp4_quantize(const at::Tensor& w, bool kernel_layout) {
 #if KILN_WITH_CUDA
-  if (w.is_cuda()) return nvfp4_quantize_cuda(w);
+  if (w.is_cuda()) return nvfp4_quantize_cuda(w, kernel_layout);  // writes either layout directly
 #endif
-  return nvfp4_quantize_reference(w).to(w.device());
+  Nvfp4Tensor q = nvfp4_quantize_reference(w);
+  return (kernel_layout ? nvfp4_to_kernel_layout(q) : q).to(w.device());
 }
 
 at::Tensor nvfp4_dequantize(const Nvfp4Tensor& q, at::ScalarType dtype) {

@@ -44,7 +44,8 @@ Nvfp4Tensor nvfp4_quantize_reference(const at::Tensor& w);
 // ModelOpt's 1.0 for zero blocks. ModelOpt layout only.
 at::Tensor nvfp4_dequantize_reference(const Nvfp4Tensor& q, at::ScalarType dtype = at::kFloat);
 // Dispatch: the CUDA kernels for CUDA tensors (bit-identical to the references), else the references.
-Nvfp4Tensor nvfp4_quantize(const at::Tensor& w);
+// kernel_layout: the codes in the GEMMs' layout (below); the CUDA quantiser writes it directly.
+Nvfp4Tensor nvfp4_quantize(const at::Tensor& w, bool kernel_layout = false);
 at::Tensor nvfp4_dequantize(const Nvfp4Tensor& q, at::ScalarType dtype);
 
 // The kernel layout: the same bytes, except that within each 32-bit word (8 codes, elements
@@ -87,7 +88,7 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
 at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor& input_scale, at::Tensor* scale);
 
 // The CUDA kernels (nvfp4_cuda.cpp); each throws in builds without CUDA. Inputs on one CUDA device.
-Nvfp4Tensor nvfp4_quantize_cuda(const at::Tensor& w);                       // bit-exact to the reference
+Nvfp4Tensor nvfp4_quantize_cuda(const at::Tensor& w, bool kernel_layout = false);  // bit-exact to the reference
 at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype);  // either layout
 // x bf16 or fp32 [M, K] (fp32 is split into two bf16 terms, hi + lo, ~16 mantissa bits); w in the
 // kernel layout; `scale` an fp32 scalar tensor multiplied into the epilogue with s2 (undefined = 1).

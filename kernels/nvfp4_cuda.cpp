@@ -49,7 +49,7 @@ Nvfp4DType dtype_of(at::ScalarType t) {
 }  // namespace
 #endif
 
-Nvfp4Tensor nvfp4_quantize_cuda(const at::Tensor& w) {
+Nvfp4Tensor nvfp4_quantize_cuda(const at::Tensor& w, bool kernel_layout) {
 #if KILN_WITH_CUDA
   KILN_CHECK(w.is_cuda(), "nvfp4_quantize_cuda: weights must be on a CUDA device (got ", w.device(), ")");
   KILN_CHECK((w.dim() == 2 || w.dim() == 3) && w.size(-1) % kNvfp4Block == 0,
@@ -67,12 +67,13 @@ Nvfp4Tensor nvfp4_quantize_cuda(const at::Tensor& w) {
   ps.back() = K / 2;
   ss.back() = K / kNvfp4Block;
   Nvfp4Tensor q;
+  q.kernel_layout = kernel_layout;
   q.packed = at::empty(ps, bytes);
   q.block_scale = at::empty(ss, bytes);
   q.tensor_scale = w.dim() == 3 ? at::ones({E}, w.options().dtype(at::kFloat)) : at::ones(at::IntArrayRef{}, w.options().dtype(at::kFloat));
   if (N * K == 0) return q;  // empty matrices: tensor scale 1, nothing else to write
   at::Tensor amax = at::empty({E}, w.options().dtype(at::kInt));
-  const cudaError_t err = launch_nvfp4_quantize(src.data_ptr(), dtype_of(src.scalar_type()), E, N, K,
+  const cudaError_t err = launch_nvfp4_quantize(src.data_ptr(), dtype_of(src.scalar_type()), E, N, K, kernel_layout,
                                                 q.packed.data_ptr<uint8_t>(), q.block_scale.data_ptr<uint8_t>(),
                                                 q.tensor_scale.data_ptr<float>(),
                                                 reinterpret_cast<uint32_t*>(amax.data_ptr<int32_t>()),

@@ -36,8 +36,7 @@ const LinearSlot* slot_of(const std::string& suffix) {
 }
 
 kernels::Nvfp4Tensor quantize_dense(const at::Tensor& dense, bool kernel_layout) {
-  kernels::Nvfp4Tensor q = kernels::nvfp4_quantize(dense.detach());
-  return kernel_layout ? kernels::nvfp4_to_kernel_layout(q) : q;
+  return kernels::nvfp4_quantize(dense.detach(), kernel_layout);
 }
 
 nlohmann::ordered_json quant_section(const ModelConfig& cfg) {

@@ -72,7 +72,7 @@ void bench_dense(at::Device device, double bw) {
     std::vector<at::Tensor> ws;
     for (int i = 0; i < std::max(nq, nb); ++i) {
       at::Tensor w = at::randn({N, K}, bf16) * 0.02;
-      if (i < nq) qs.push_back(kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_cuda(w)));
+      if (i < nq) qs.push_back(kernels::nvfp4_quantize_cuda(w, /*kernel_layout=*/true));
       if (i < nb) ws.push_back(w);
     }
     for (int64_t M : {1, 4, 16, 64, 256}) {
@@ -112,7 +112,7 @@ void bench_grouped_case(at::Device device, double bw, const char* name, int64_t 
   std::vector<at::Tensor> ws;
   for (int i = 0; i < std::max(nq, nb); ++i) {
     at::Tensor w = at::randn({E, N, K}, bf16) * 0.02;
-    if (i < nq) qs.push_back(kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_cuda(w)));
+    if (i < nq) qs.push_back(kernels::nvfp4_quantize_cuda(w, /*kernel_layout=*/true));
     if (i < nb) ws.push_back(w);
   }
   at::Tensor x = at::randn({R, K}, bf16);

@@ -46,8 +46,13 @@ TEST(CudaNvfp4, QuantizeIsBitExact) {
       at::Tensor w = spread_weights(shape);
       if (dtype == at::kHalf) w = w.clamp(-60000, 60000);
       w = w.to(dtype);
-      expect_same_quantization(kernels::nvfp4_quantize_cuda(w.cuda()), kernels::nvfp4_quantize_reference(w),
-                               str_cat("shape ", at::IntArrayRef(shape), " dtype ", dtype));
+      const Nvfp4Tensor ref = kernels::nvfp4_quantize_reference(w);
+      const std::string what = str_cat("shape ", at::IntArrayRef(shape), " dtype ", dtype);
+      expect_same_quantization(kernels::nvfp4_quantize_cuda(w.cuda()), ref, what);
+      // Written straight into the GEMMs' layout: the reference's codes with their signs moved.
+      const Nvfp4Tensor kq = kernels::nvfp4_quantize_cuda(w.cuda(), /*kernel_layout=*/true);
+      EXPECT_TRUE(kq.kernel_layout);
+      expect_same_quantization(kq, kernels::nvfp4_to_kernel_layout(ref), what + " kernel layout");
     }
   // A stack with an all-zero expert (tensor scale 1, codes and scales 0) and an all-zero matrix.
   at::Tensor stack = spread_weights({3, 5, 32});
