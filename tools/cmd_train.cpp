@@ -176,9 +176,12 @@ Run add_train(CLI::App& app) {
       if ((r.checkpoint_every > 0 && s % r.checkpoint_every == 0) || s == r.steps) trainer.save(ckpt);
       if (!lead) continue;
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      std::fprintf(stderr, "\rstep %lld/%lld  reward %.3f  acc %.3f  eval %.3f  mismatch %.2e  %.0f tok/s  ETA %.0f s   ",
+      std::fprintf(stderr,
+                   "\rstep %lld/%lld  reward %.3f  acc %.3f  eval %.3f  mismatch %.2e  sync %.1f MB %.1f ms (%.1f GB/s)  "
+                   "%.0f tok/s  ETA %.0f s   ",
                    (long long)s, (long long)r.steps, m.reward, m.accuracy, eval_acc, m.mismatch.mean_abs_token,
-                   double(tokens) / secs, secs / double(s - first + 1) * double(r.steps - s));
+                   double(m.sync_bytes) / 1e6, m.sync_seconds * 1e3, m.sync_gbps(), double(tokens) / secs,
+                   secs / double(s - first + 1) * double(r.steps - s));
       std::fflush(stderr);
     }
     trainer.sync_policy();  // collective: a sharded rollout leaves the full experts to the end

@@ -22,7 +22,7 @@ for m in rows:
     print(f"        R3 off mean|dlp| seq {off['mean_abs_seq']:.3e} tok {off['mean_abs_token']:.3e} max {off['max_abs']:.3e} k3 {off['k3_kl']:.3e} out[0.5,2] {off['frac_outside']:.2e}; routing disagreement {m['routing_disagreement']:.4f}; rollout {m['rollout_seconds']:.2f} s, train {m['train_seconds']:.2f} s")
     if "sync_bytes" in m:
         b, t = m["sync_bytes"], m["sync_seconds"]
-        print(f"        sync {b / 1e6:.2f} MB in {t * 1e3:.2f} ms ({b / max(t, 1e-9) / 1e9:.1f} GB/s); probe check {m.get('sync_check', -1):.2e}")
+        print(f"        sync {b / 1e6:.2f} MB in {t * 1e3:.2f} ms ({m.get('sync_gbps', b / max(t, 1e-9) / 1e9):.1f} GB/s); probe check {m.get('sync_check', -1):.2e}")
 PY
 }
 

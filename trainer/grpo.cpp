@@ -127,6 +127,7 @@ std::string StepMetrics::to_json() const {
   j["train_seconds"] = train_seconds;
   j["sync_bytes"] = sync_bytes;
   j["sync_seconds"] = sync_seconds;
+  j["sync_gbps"] = sync_gbps();
   if (sync_check >= 0) j["sync_check"] = sync_check;
   j["tokens"] = tokens;
   return j.dump();

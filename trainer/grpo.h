@@ -64,6 +64,7 @@ struct StepMetrics {
   // probe check's mean |log-prob difference| between trainer and rollout (-1: not checked).
   int64_t sync_bytes = 0;
   double sync_seconds = 0, sync_check = -1;
+  double sync_gbps() const { return sync_seconds > 0 ? double(sync_bytes) / sync_seconds / 1e9 : 0.0; }
   int64_t tokens = 0;                     // prompt + response tokens trained on
   std::string to_json() const;
 };

@@ -165,6 +165,8 @@ TEST(Grpo, LoraSyncsAdaptersOnlyAndChecksTheSync) {
     StepMetrics m = trainer.step();
     EXPECT_EQ(m.sync_bytes, adapter_bytes);  // adapters only
     EXPECT_GE(m.sync_seconds, 0.0);
+    if (m.sync_seconds > 0) EXPECT_NEAR(m.sync_gbps() * 1e9 * m.sync_seconds, double(adapter_bytes), 1.0);
+    EXPECT_NE(m.to_json().find("\"sync_gbps\""), std::string::npos);
     EXPECT_GE(m.sync_check, 0.0);
     EXPECT_LT(m.sync_check, 1e-5);  // same base, fp32: the rollout scores as the trainer does
     EXPECT_LT(m.mismatch.mean_abs_token, 1e-4) << m.to_json();
