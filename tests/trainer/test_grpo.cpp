@@ -147,6 +147,28 @@ TEST(Grpo, ResumeWithOptimizerStateOnNvmeIsBitwiseToo) { check_resume(0.0, optim
 // adapters off, and the checkpoint carries a PEFT adapter.
 TEST(Grpo, LoraTrainsOnlyAdaptersAndResumesBitwise) { check_resume(0.05, optimizers::Placement::kDevice, 4); }
 
+// A rollout whose weights are not the trainer's stops the run at the sync check, naming the step,
+// the difference and the threshold. Here the rollout serves NVFP4 codes (its scores differ by
+// ~1e-2) while the threshold is left at a bf16 rollout's level.
+TEST(Grpo, SyncCheckStopsTheRunWhenTheRolloutDisagrees) {
+  model::ModelConfig mc = test::byte_vocab_config();
+  model::Muse policy = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  Dataset data = test::self_consistent_problems(policy, 200);
+  GrpoConfig cfg = small_grpo();
+  cfg.max_tokens = 1;
+  cfg.engine.quantization = "nvfp4";
+  cfg.sync_check_threshold = 1e-3;
+  GrpoTrainer trainer(policy, cfg, CharTokenizer(128), data);
+  EXPECT_TRUE(test::throws_with([&] { trainer.step(); },
+                                {"weight sync check failed after step", "threshold 0.001", "not the trainer's"}));
+  // The default threshold for an NVFP4 rollout (1.0) lets the same run go on.
+  cfg.sync_check_threshold = -1;
+  GrpoTrainer lenient(policy, cfg, CharTokenizer(128), data);
+  StepMetrics m = lenient.step();
+  EXPECT_GT(m.sync_check, 1e-3) << m.to_json();
+  EXPECT_LT(m.sync_check, 1.0);
+}
+
 TEST(Grpo, LoraSyncsAdaptersOnlyAndChecksTheSync) {
   model::ModelConfig mc = test::byte_vocab_config();
   mc.init_std = 1.0;
