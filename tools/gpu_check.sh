@@ -92,6 +92,11 @@ for q in none nvfp4 w4a4; do
   echo "rollout quantization: $q" | tee -a "$out/grpo.txt"
   mismatch_report "$tmp/nv-$q/metrics.jsonl" | tee -a "$out/grpo.txt"
 done
+# W4A4 with dynamic per-token activation scales: a checkpoint without input scales.
+./build-gpu/kiln quantize "$tmp/small-bf16" "$tmp/small-nvfp4-dyn" --device cuda --no-calibrate > /dev/null
+./build-gpu/kiln train "$tmp/nv-w4a4.yaml" --init-from "$tmp/small-nvfp4-dyn" --out "$tmp/nv-w4a4-dyn" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
+echo "rollout quantization: w4a4, dynamic per-token scales (--no-calibrate)" | tee -a "$out/grpo.txt"
+mismatch_report "$tmp/nv-w4a4-dyn/metrics.jsonl" | tee -a "$out/grpo.txt"
 step "LoRA GRPO on the NVFP4 base: rank 32, alpha 64, adapter-only sync"
 sed "s|config: ../configs|config: $PWD/configs|" recipes/grpo-arith-small-nvfp4-gpu.yaml > "$tmp/lora.yaml"
 printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/lora.yaml"
