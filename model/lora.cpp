@@ -37,6 +37,19 @@ bool targeted(const std::vector<std::string>& targets, const LinearSlot& s) {
 
 }  // namespace
 
+int64_t lora_parameter_count(const ModelConfig& model, const LoraConfig& cfg) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [suffix, shape] : layer_shapes(model)) shapes[suffix] = shape;
+  int64_t per_layer = 0;
+  for (const LinearSlot& s : linear_slots()) {
+    if (!targeted(cfg.targets, s)) continue;
+    const std::vector<int64_t>& shape = shapes.at(std::string(s.module) + ".weight");  // [E,] out, in
+    const int64_t out = shape[shape.size() - 2], in = shape.back();
+    per_layer += cfg.rank * (in + out) * (s.expert ? model.num_experts : 1);
+  }
+  return per_layer * model.num_layers;
+}
+
 void LoraConfig::validate() const {
   KILN_CHECK(rank >= 0, "lora: rank must be >= 0 (got ", rank, ")");
   if (rank == 0) return;

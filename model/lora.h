@@ -29,6 +29,9 @@ struct LoraConfig {
 // (seed, name), B [out, r] zeros, in the model's dtype on its device. Experts get [E, r, in] and
 // [E, out, r]. Replaces adapters already there.
 void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed);
+// The adapter parameters add_lora creates for `model` (rank r: r * (in + out) per adapted matrix,
+// per expert for the expert targets), counted from the config alone.
+int64_t lora_parameter_count(const ModelConfig& model, const LoraConfig& cfg);
 // The adapters under their in-memory names ("model.layers.0.self_attn.q_proj.lora_A",
 // "model.layers.0.mlp.experts.gate_proj.lora_B" stacked [E, out, r]); empty without adapters.
 std::vector<std::pair<std::string, at::Tensor>> lora_parameters(const Muse& m);

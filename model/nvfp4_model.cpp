@@ -88,6 +88,31 @@ bool experts_quantized(const ModelConfig& cfg, int64_t layer) {
   return std::find(cfg.bf16_expert_layers.begin(), cfg.bf16_expert_layers.end(), layer) == cfg.bf16_expert_layers.end();
 }
 
+Nvfp4Footprint nvfp4_footprint(const ModelConfig& cfg, bool input_scales) {
+  Nvfp4Footprint f;
+  std::map<std::string, const LinearSlot*> linear;  // by tensor suffix
+  for (const LinearSlot& s : linear_slots()) linear[std::string(s.module) + ".weight"] = &s;
+  const int64_t scalar_bytes = input_scales ? 8 : 4;  // weight_scale_2 (and input_scale) per matrix
+  auto add_kept = [&](int64_t n, at::ScalarType t) {
+    f.kept_params += n;
+    f.bytes += n * int64_t(c10::elementSize(t));
+  };
+  for (int64_t layer = 0; layer < cfg.num_layers; ++layer)
+    for (const auto& [suffix, shape] : layer_shapes(cfg)) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      const auto it = linear.find(suffix);
+      if (it != linear.end() && (!it->second->expert || experts_quantized(cfg, layer))) {
+        f.quantized_params += n;
+        f.bytes += n / 2 + n / kernels::kNvfp4Block + (it->second->expert ? cfg.num_experts : 1) * scalar_bytes;
+      } else {
+        add_kept(n, tensor_dtype(suffix, at::kBFloat16));
+      }
+    }
+  add_kept(2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size, at::kBFloat16);  // embeddings, lm_head, final norm
+  return f;
+}
+
 std::vector<std::string> nvfp4_exclude_modules(const ModelConfig& cfg) {
   std::vector<std::string> out = {"lm_head", "model.embed_tokens", "model.norm", "model.layers.*.input_layernorm",
                                   "model.layers.*.post_attention_layernorm", "model.layers.*.pre_moe_layernorm",

@@ -18,6 +18,17 @@ bool experts_quantized(const ModelConfig& cfg, int64_t layer);
 // HF module names kept out of quantisation (hf_quant_config.json's exclude_modules).
 std::vector<std::string> nvfp4_exclude_modules(const ModelConfig& cfg);
 
+// What `kiln quantize` writes for `cfg`, counted from the config alone: the parameters stored as
+// NVFP4 codes, those kept at their own width (BF16; the router FP32), and the bytes of all the
+// checkpoint's tensors (codes, E4M3 block scales, FP32 tensor scales, and FP32 input scales when
+// `input_scales`). The rollout engine holds the same bytes.
+struct Nvfp4Footprint {
+  int64_t quantized_params = 0;
+  int64_t kept_params = 0;
+  int64_t bytes = 0;
+};
+Nvfp4Footprint nvfp4_footprint(const ModelConfig& cfg, bool input_scales = true);
+
 // Quantises every quantisable linear from its dense weight into LayerWeights::nvfp4 (the kernel
 // layout when `kernel_layout`). With `drop_dense` the dense copies are released, so the forward
 // serves NVFP4; linears that already hold NVFP4 weights and no dense ones are left as they are.

@@ -1,9 +1,12 @@
 // `kiln info <model.yaml>`: parameter counts by part, active parameters per token, the layer
-// pattern and KV-cache bytes, computed from the config alone (nothing is allocated).
+// pattern, KV-cache bytes, and the weights' size in BF16 and NVFP4 and that of LoRA adapters,
+// computed from the config alone (nothing is allocated).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "model/config.h"
+#include "model/lora.h"
+#include "model/nvfp4_model.h"
 #include "tools/commands.h"
 
 namespace kiln::tools {
@@ -13,6 +16,11 @@ std::string billions(int64_t n) {
   if (n >= 1000000000) return fmt::format("{:>10.2f} B", double(n) / 1e9);
   if (n >= 1000000) return fmt::format("{:>10.2f} M", double(n) / 1e6);
   return fmt::format("{:>10.2f} K", double(n) / 1e3);
+}
+
+std::string count(int64_t n) {  // billions() without the column padding
+  const std::string s = billions(n);
+  return s.substr(s.find_first_not_of(' '));
 }
 
 std::string bytes(double b) {
@@ -28,9 +36,11 @@ Run add_info(CLI::App& app) {
   auto* cmd = app.add_subcommand("info", "Print parameter counts, layer pattern and KV-cache size of a model config");
   auto path = std::make_shared<std::string>();
   auto context = std::make_shared<int64_t>(0);
+  auto lora_rank = std::make_shared<int64_t>(32);
   cmd->add_option("config", *path, "Model config (YAML), e.g. configs/muse-spark-open-816b.yaml")->required();
   cmd->add_option("--context", *context, "Context length for the KV-cache line (default: max_position_embeddings)");
-  return [path, context] {
+  cmd->add_option("--lora-rank", *lora_rank, "Rank for the LoRA adapters line (default: 32, a recipe's default)");
+  return [path, context, lora_rank] {
     const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(*path);
     const model::ParamCounts p = model::count_parameters(cfg);
     const int64_t ctx = *context > 0 ? *context : cfg.max_position_embeddings;
@@ -59,6 +69,18 @@ Run add_info(CLI::App& app) {
     fmt::print("KV cache (bf16) at context {}: {}/token, {} per sequence; {:.4f} of an all-full model\n", ctx,
                bytes(per_token), bytes(per_token * double(ctx)), per_token / full_per_token);
     fmt::print("weights in bf16: {}\n", bytes(2.0 * double(p.total())));
+    const model::Nvfp4Footprint nv = model::nvfp4_footprint(cfg);
+    fmt::print("weights in NVFP4 (kiln quantize, the rollout's copy): {}; {} as codes + block scales, {} kept "
+               "(router FP32, the rest BF16{})\n",
+               bytes(double(nv.bytes)), count(nv.quantized_params), count(nv.kept_params),
+               cfg.bf16_expert_layers.empty() ? "" : ", with the bf16_expert_layers' experts");
+    model::LoraConfig lc;
+    lc.rank = *lora_rank;
+    lc.validate();
+    const int64_t lp = model::lora_parameter_count(cfg, lc);
+    fmt::print("LoRA adapters, rank {} on every target: {} parameters; {} in BF16, about {} to train them "
+               "(16 bytes each: BF16 weight and gradient, FP32 master and two AdamW moments)\n",
+               lc.rank, count(lp), bytes(2.0 * double(lp)), bytes(16.0 * double(lp)));
   };
 }
 

@@ -83,6 +83,20 @@ TEST(Lora, OnlyAdaptersGetGradients) {
   for (auto& [n, t] : m.named_parameters()) EXPECT_FALSE(t.grad().defined()) << n;
 }
 
+TEST(Lora, ParameterCountFromTheConfigMatchesAddLora) {
+  for (const std::vector<std::string>& targets :
+       {model::LoraConfig().targets, std::vector<std::string>{"q_proj", "down_proj"}}) {
+    model::LoraConfig lc = lora();
+    lc.targets = targets;
+    Muse m = Muse::init(lora_config(), 1, at::kFloat, at::kCPU);
+    model::add_lora(m, lc, 3);
+    int64_t n = 0;
+    for (auto& [name, t] : model::lora_parameters(m)) n += t.numel();
+    EXPECT_GT(n, 0);
+    EXPECT_EQ(model::lora_parameter_count(lora_config(), lc), n) << targets.size() << " targets";
+  }
+}
+
 TEST(Lora, PeftNamesShapesAndRoundTrip) {
   Muse m = Muse::init(lora_config(), 1, at::kFloat, at::kCPU);
   model::add_lora(m, lora(), 3);

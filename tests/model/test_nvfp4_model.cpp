@@ -76,6 +76,13 @@ TEST(Nvfp4Model, CheckpointIsModelOptShaped) {
   model::save_nvfp4_checkpoint(m, dir.path());
   EXPECT_TRUE(model::is_nvfp4_checkpoint(dir.path()));
   auto ck = safetensors::Checkpoint::open(dir.path());
+  // The config-only count (`kiln info`) is the checkpoint's tensor bytes, exactly.
+  int64_t stored = 0;
+  for (const std::string& name : ck.names()) stored += int64_t(ck.info(name).end - ck.info(name).begin);
+  const model::Nvfp4Footprint fp = model::nvfp4_footprint(cfg);
+  EXPECT_EQ(fp.bytes, stored);
+  EXPECT_EQ(fp.quantized_params + fp.kept_params, model::count_parameters(cfg).total());
+  EXPECT_LT(model::nvfp4_footprint(cfg, /*input_scales=*/false).bytes, fp.bytes);
   const auto& w = ck.info("model.layers.0.self_attn.q_proj.weight");
   EXPECT_EQ(w.dtype, safetensors::DType::U8);
   EXPECT_EQ(w.shape, (std::vector<int64_t>{32, 16}));

@@ -22,7 +22,9 @@ check "help lists subcommands" "forward" "$kiln" --help
 for sub in info init forward generate; do check "$sub --help" "Usage" "$kiln" $sub --help; done
 info=$("$kiln" info "$src/configs/muse-spark-open-816b.yaml")
 for want in "experts                 798.86 B" "attention                13.52 B" "latent projections        4.16 B" \
-            "embedding + head          3.31 B" "46 sliding-window" "16 full attention" "active per token           42.78 B"; do
+            "embedding + head          3.31 B" "46 sliding-window" "16 full attention" "active per token           42.78 B" \
+            "weights in NVFP4 (kiln quantize, the rollout's copy): 469.04 GiB" \
+            "LoRA adapters, rank 32 on every target: 12.65 B parameters"; do
   [[ "$info" == *"$want"* ]] || { echo "FAIL: info lacks '$want'"; echo "$info"; fails=$((fails+1)); }
 done
 
@@ -108,7 +110,7 @@ grep -q '"mismatch_no_replay"' "$tmp/run/metrics.jsonl" || { echo "FAIL: no A/B 
 grep -q "steps: 2" "$tmp/run/recipe.yaml" || { echo "FAIL: resolved recipe lacks steps: 2"; fails=$((fails+1)); }
 [ -f "$tmp/run/final/config.json" ] || { echo "FAIL: no final checkpoint"; fails=$((fails+1)); }
 # Resume: 2 steps, then continue to 4; the metrics of steps 3-4 equal an uninterrupted 4-step run's.
-strip_times() { grep '"reward"' "$1" | sed 's/"rollout_seconds":[^,]*,"train_seconds":[^,]*,//; s/"sync_seconds":[^,]*,//'; }
+strip_times() { grep '"reward"' "$1" | sed 's/"rollout_seconds":[^,]*,"train_seconds":[^,]*,//; s/"sync_seconds":[^,]*,"sync_gbps":[^,]*,//'; }
 check "train 4 steps" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 4 --out "$tmp/full"
 check "train 2 steps" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/part"
 check "resume to 4" "resumed from" "$kiln" train "$tmp/recipe.yaml" --steps 4 --resume "$tmp/part"
