@@ -1,4 +1,4 @@
-// File-system helpers (see files.h).
+// File-system helpers (see files.h) and reading JSON files (json_file.h).
 #include "core/files.h"
 
 #include <ftw.h>
@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "core/json_file.h"
 
 namespace kiln {
 
@@ -32,6 +33,16 @@ void write_text_atomic(const std::string& path, const std::string& text) {
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   KILN_CHECK(!ec, "files: cannot rename ", tmp, " to ", path, " (", ec.message(), ")");
+}
+
+nlohmann::json read_json_file(const std::string& path, const std::string& what, const std::string& hint) {
+  std::ifstream in(path);
+  KILN_CHECK(in.good(), what, ": cannot open ", path, "; ", hint);
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    KILN_FAIL(what, ": ", path, " is not valid JSON: ", e.what());
+  }
 }
 
 }  // namespace kiln

@@ -559,6 +559,20 @@ cudaError_t launch_linear_w(const void* x, const uint8_t* packed, const uint8_t*
   return launch_linear_nt<4, 8, kF32>(x, packed, sfs, ts, extra, y, M, N, K, stream);
 }
 
+// Warps per block. Fewer than 8 K chunks: 4 (see launch_grouped_w). Otherwise 16 resident warps
+// per multiprocessor either way (2 blocks of 8 or one of 16), with 16 per block when that fills the
+// waves better (few row tiles, or a last wave mostly empty).
+template <bool kF32>
+cudaError_t launch_linear_blocks(const void* x, const uint8_t* packed, const uint8_t* sfs, const float* ts,
+                                 const float* extra, void* y, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
+  if (K < 8 * kSuper) return launch_linear_w<4, kF32>(x, packed, sfs, ts, extra, y, M, N, K, stream);
+  const int64_t tiles = (N + kRowsPerBlock - 1) / kRowsPerBlock, sms = num_sms();
+  auto efficiency = [&](int64_t slots) { return double(tiles) / double((tiles + slots - 1) / slots * slots); };
+  if (efficiency(sms) > efficiency(2 * sms) + 0.01)
+    return launch_linear_w<16, kF32>(x, packed, sfs, ts, extra, y, M, N, K, stream);
+  return launch_linear_w<8, kF32>(x, packed, sfs, ts, extra, y, M, N, K, stream);
+}
+
 template <int kMaxNT, int kWarps, bool kF32>
 cudaError_t launch_grouped_nt(const void* x, const int64_t* offsets, const uint8_t* packed, const uint8_t* sfs,
                               const float* ts, const float* extra, void* y, int64_t E, int64_t N, int64_t K,
@@ -649,20 +663,9 @@ cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* 
                                 int64_t K, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != Nvfp4DType::kFloat32 && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
-  const bool f32 = dtype == Nvfp4DType::kFloat32;
-  // 16 resident warps per multiprocessor either way (2 blocks of 8 or one of 16); 16 warps per
-  // block when that fills the waves better (few row tiles, or a last wave mostly empty).
-  const int64_t tiles = (N + kRowsPerBlock - 1) / kRowsPerBlock, sms = num_sms();
-  auto efficiency = [&](int64_t slots) { return double(tiles) / double((tiles + slots - 1) / slots * slots); };
-  const bool wide = K >= 8 * kSuper && efficiency(sms) > efficiency(2 * sms) + 0.01;
-  if (K < 8 * kSuper)  // fewer than 8 K chunks: blocks of 4 warps (see launch_grouped_w)
-    return f32 ? launch_linear_w<4, true>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream)
-               : launch_linear_w<4, false>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream);
-  if (wide)
-    return f32 ? launch_linear_w<16, true>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream)
-               : launch_linear_w<16, false>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream);
-  return f32 ? launch_linear_w<8, true>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream)
-             : launch_linear_w<8, false>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream);
+  return dtype == Nvfp4DType::kFloat32
+             ? launch_linear_blocks<true>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream)
+             : launch_linear_blocks<false>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream);
 }
 
 cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const int64_t* offsets, const uint8_t* packed,

@@ -3,7 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include <fstream>
+#include "core/json_file.h"
 
 namespace kiln::model {
 namespace {
@@ -128,14 +128,7 @@ std::string ModelConfig::to_json() const {
 }
 
 ModelConfig ModelConfig::from_json_file(const std::string& path) {
-  std::ifstream in(path);
-  KILN_CHECK(in.good(), "model config: cannot open ", path, "; a checkpoint directory needs config.json");
-  nlohmann::json j;
-  try {
-    in >> j;
-  } catch (const nlohmann::json::exception& e) {
-    KILN_FAIL("model config: ", path, ": invalid JSON (", e.what(), ")");
-  }
+  nlohmann::json j = read_json_file(path, "model config", "a checkpoint directory needs config.json");
   ModelConfig c;
   auto need = [&](const char* key, auto& out) {
     KILN_CHECK(j.contains(key), "model config: ", path, ": missing key ", key);

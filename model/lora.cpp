@@ -8,13 +8,13 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/json_file.h"
 #include "core/safetensors.h"
 #include "model/names.h"
 
@@ -168,14 +168,7 @@ void save_peft_adapter(const Muse& m, const std::string& dir) {
 
 void load_peft_adapter(Muse& m, const std::string& dir) {
   const std::string cfg_path = dir + "/adapter_config.json";
-  std::ifstream in(cfg_path);
-  KILN_CHECK(in.good(), "lora: cannot open ", cfg_path, "; a PEFT adapter directory needs adapter_config.json");
-  nlohmann::json c;
-  try {
-    in >> c;
-  } catch (const nlohmann::json::exception& e) {
-    KILN_FAIL("lora: ", cfg_path, " is not valid JSON: ", e.what());
-  }
+  nlohmann::json c = read_json_file(cfg_path, "lora", "a PEFT adapter directory needs adapter_config.json");
   auto need = [&](const char* key) -> const nlohmann::json& {
     KILN_CHECK(c.contains(key), "lora: ", cfg_path, ": missing key ", key);
     return c[key];

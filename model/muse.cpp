@@ -54,15 +54,19 @@ at::Tensor project(const at::Tensor& x, const LayerWeights& lw, detail::LinearIn
   return y + at::linear(at::linear(x, a), lw.lora.*r.b) * lw.lora.scale;
 }
 
-#if KILN_TORCH_AT_LEAST(2, 8)
 // The experts' LoRA term scale * B_e (A_e x) for rows grouped into padded per-expert segments
-// (offs: segment ends, int32): two torch grouped GEMMs, no host sync.
+// (offs: segment ends, int32): two torch grouped GEMMs, no host sync. Callers check
+// Lora::experts_grouped, which is false before torch 2.8.
 at::Tensor grouped_lora(const at::Tensor& xp, const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
                         double scale) {
+#if KILN_TORCH_AT_LEAST(2, 8)
   at::Tensor ax = at::_grouped_mm(xp, a.transpose(1, 2), offsets);
   return at::_grouped_mm(ax, b.transpose(1, 2), offsets) * scale;
-}
+#else
+  (void)xp, (void)a, (void)b, (void)offsets, (void)scale;
+  KILN_FAIL("muse: grouped expert adapters need torch >= 2.8");
 #endif
+}
 
 at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
                      const PackedBatch& batch, const at::Tensor& cos, const at::Tensor& sin,
@@ -116,7 +120,6 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
     at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
     at::Tensor g = kernels::nvfp4_grouped_linear(zs, nv.expert_gate, offsets, nvfp4_options(nv.expert_gate, nv.w4a4));
     at::Tensor u = kernels::nvfp4_grouped_linear(zs, nv.expert_up, offsets, nvfp4_options(nv.expert_up, nv.w4a4));
-#if KILN_TORCH_AT_LEAST(2, 8)
     // Adapters on the NVFP4 base: torch's grouped GEMMs on a padded copy of the sorted rows
     // (kernels::moe_layout); dest maps each sorted row to its padded row and back.
     kernels::MoeLayout l;
@@ -128,12 +131,9 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
     if (lora) l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
     add_lora(g, zs, lo.gate_a, lo.gate_b);
     add_lora(u, zs, lo.up_a, lo.up_b);
-#endif
     at::Tensor act = at::silu(g) * u;
     at::Tensor ys = kernels::nvfp4_grouped_linear(act, nv.expert_down, offsets, nvfp4_options(nv.expert_down, nv.w4a4));
-#if KILN_TORCH_AT_LEAST(2, 8)
     add_lora(ys, act, lo.down_a, lo.down_b);
-#endif
     at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
     return ys.index_select(0, inverse);
   }

@@ -8,12 +8,12 @@
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/json_file.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/names.h"
@@ -51,14 +51,7 @@ nlohmann::ordered_json quant_section(const ModelConfig& cfg) {
 // Parses hf_quant_config.json and checks that it describes the NVFP4 this code reads; returns the
 // layers whose experts exclude_modules keeps out of quantisation ("model.layers.<i>.mlp.experts*").
 std::vector<int64_t> check_quant_config(const std::string& path) {
-  std::ifstream in(path);
-  KILN_CHECK(in.good(), "nvfp4 checkpoint: cannot open ", path);
-  nlohmann::json j;
-  try {
-    in >> j;
-  } catch (const nlohmann::json::exception& e) {
-    KILN_FAIL("nvfp4 checkpoint: ", path, " is not valid JSON: ", e.what());
-  }
+  nlohmann::json j = read_json_file(path, "nvfp4 checkpoint", "an NVFP4 checkpoint needs hf_quant_config.json");
   KILN_CHECK(j.contains("quantization") && j["quantization"].is_object(), "nvfp4 checkpoint: ", path,
              ": missing object \"quantization\"");
   const auto& q = j["quantization"];
