@@ -7,9 +7,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "core/error.h"
 #include "core/torch_version.h"
+#include "kernels/nvfp4_layout.h"
 
 namespace kiln::kernels {
 namespace {
@@ -208,25 +210,27 @@ at::Tensor nvfp4_dequantize(const Nvfp4Tensor& q, at::ScalarType dtype) {
 
 namespace {
 
-// Moves sign bits within each 32-bit word: `to_kernel` true maps the ModelOpt order to the kernel's.
-Nvfp4Tensor permute_signs(const Nvfp4Tensor& q, bool to_kernel) {
+// Permutes the bits of every 32-bit word (nvfp4_layout.h): `to_kernel` true maps the ModelOpt order
+// to the kernel's. Each byte of a word contributes its bits through a 256-entry table, so the
+// whole tensor takes four gathers and three ORs on its own device.
+Nvfp4Tensor permute_words(const Nvfp4Tensor& q, bool to_kernel) {
   nvfp4_check(q);
   KILN_CHECK(q.kernel_layout != to_kernel, "nvfp4: weights are already in the ",
              to_kernel ? "kernel" : "ModelOpt", " layout");
-  at::Tensor bytes = q.packed.contiguous();
-  auto bit = [](int64_t b) { return int64_t(1) << b; };
-  at::Tensor w = bytes.view(at::kInt).to(at::kLong).bitwise_and(int64_t(0xFFFFFFFF));
-  at::Tensor out = w.bitwise_and(int64_t(0x77777777));
-  for (int64_t p = 0; p < 4; ++p) {
-    // ModelOpt: sign of element j at bit 4j+3. Kernel: element 2p at 4p+3, element 2p+1 at 4p+19.
-    const int64_t even_from = 8 * p + 3, even_to = 4 * p + 3, odd_from = 8 * p + 7, odd_to = 4 * p + 19;
-    const int64_t src_even = to_kernel ? even_from : even_to, dst_even = to_kernel ? even_to : even_from;
-    const int64_t src_odd = to_kernel ? odd_from : odd_to, dst_odd = to_kernel ? odd_to : odd_from;
-    out = out.bitwise_or(w.bitwise_and(bit(src_even)).div(bit(src_even), "floor").mul(bit(dst_even)));
-    out = out.bitwise_or(w.bitwise_and(bit(src_odd)).div(bit(src_odd), "floor").mul(bit(dst_odd)));
-  }
+  std::vector<int64_t> table(4 * 256);
+  for (int byte = 0; byte < 4; ++byte)
+    for (int v = 0; v < 256; ++v) {
+      const uint32_t word = uint32_t(v) << (8 * byte);
+      table[byte * 256 + v] = int64_t(to_kernel ? nvfp4_layout::to_kernel_word(word) : nvfp4_layout::to_modelopt_word(word));
+    }
+  at::Tensor lut = at::tensor(table, at::kLong).to(q.packed.device()).view({4, 256});
+  at::Tensor bytes = q.packed.contiguous().view({-1, 4}).to(at::kLong);  // little-endian words
+  at::Tensor out = at::zeros({bytes.size(0)}, bytes.options());
+  for (int64_t byte = 0; byte < 4; ++byte)
+    out.bitwise_or_(lut[byte].index_select(0, bytes.select(1, byte)));
   // Back to 32-bit words (two's complement for the top bit), then to the bytes.
-  at::Tensor words = at::where(out >= bit(31), out - bit(32), out).to(at::kInt);
+  const int64_t top = int64_t(1) << 31;
+  at::Tensor words = at::where(out >= top, out - 2 * top, out).to(at::kInt);
   Nvfp4Tensor r = q;
   r.packed = words.view(at::kByte).view(q.packed.sizes());
   r.kernel_layout = to_kernel;
@@ -251,8 +255,8 @@ std::pair<at::Tensor, at::Tensor> gemm_input(const at::Tensor& x, const Nvfp4Lin
 
 }  // namespace
 
-Nvfp4Tensor nvfp4_to_kernel_layout(const Nvfp4Tensor& q) { return permute_signs(q, true); }
-Nvfp4Tensor nvfp4_to_modelopt_layout(const Nvfp4Tensor& q) { return permute_signs(q, false); }
+Nvfp4Tensor nvfp4_to_kernel_layout(const Nvfp4Tensor& q) { return permute_words(q, true); }
+Nvfp4Tensor nvfp4_to_modelopt_layout(const Nvfp4Tensor& q) { return permute_words(q, false); }
 
 at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor& input_scale, at::Tensor* scale) {
   KILN_CHECK(x.dim() == 2 && x.size(1) % kNvfp4Block == 0, "nvfp4: W4A4 activations must be [M, K] with K a multiple of ",

@@ -11,6 +11,7 @@
 
 #include "kernels/cuda_convert.cuh"
 #include "kernels/nvfp4_cuda.h"
+#include "kernels/nvfp4_layout.h"
 
 namespace kiln::kernels {
 namespace {
@@ -95,28 +96,6 @@ __global__ void amax_kernel(const T* __restrict__ w, int64_t per_matrix, uint32_
   }
 }
 
-// The two orders of sign bits within a 32-bit word of 8 codes (nvfp4.h): ModelOpt puts element j's
-// at bit 4j+3; the kernel layout puts element 2p's at 4p+3 and element 2p+1's at 4p+19.
-__device__ __forceinline__ uint32_t modelopt_word(uint32_t w) {
-  uint32_t out = w & 0x77777777u;
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    out |= ((w >> (4 * p + 3)) & 1u) << (8 * p + 3);   // element 2p
-    out |= ((w >> (4 * p + 19)) & 1u) << (8 * p + 7);  // element 2p + 1
-  }
-  return out;
-}
-
-__device__ __forceinline__ uint32_t kernel_word(uint32_t w) {
-  uint32_t out = w & 0x77777777u;
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    out |= ((w >> (8 * p + 3)) & 1u) << (4 * p + 3);   // element 2p
-    out |= ((w >> (8 * p + 7)) & 1u) << (4 * p + 19);  // element 2p + 1
-  }
-  return out;
-}
-
 // One thread per 16-value block: the reference's arithmetic, operation for operation.
 template <typename T>
 __global__ void quantize_kernel(const T* __restrict__ w, int64_t blocks_per_matrix, int64_t num_blocks,
@@ -141,13 +120,13 @@ __global__ void quantize_kernel(const T* __restrict__ w, int64_t blocks_per_matr
       const uint32_t code = scale > 0.0f ? e2m1_encode(v[j] / scale) : 0u;
       word[j / 8] |= code << (4 * (j % 8));
     }
-    if (kernel_layout) word[0] = kernel_word(word[0]), word[1] = kernel_word(word[1]);
+    if (kernel_layout) word[0] = nvfp4_layout::to_kernel_word(word[0]), word[1] = nvfp4_layout::to_kernel_word(word[1]);
     reinterpret_cast<uint2*>(packed)[i] = make_uint2(word[0], word[1]);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dequantise: one thread per 16-value block. The kernel layout's sign bits are put back first.
+// Dequantise: one thread per 16-value block. A kernel-layout word is put back in ModelOpt order first.
 template <typename T>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ block_scale,
                                   const float* __restrict__ tensor_scale, int64_t blocks_per_matrix, int64_t num_blocks,
@@ -155,7 +134,7 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const uint
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_blocks; i += int64_t(gridDim.x) * blockDim.x) {
     const float scale = e4m3_decode(block_scale[i]) * tensor_scale[i / blocks_per_matrix];
     uint2 u = reinterpret_cast<const uint2*>(packed)[i];
-    if (kernel_layout) u = make_uint2(modelopt_word(u.x), modelopt_word(u.y));
+    if (kernel_layout) u = make_uint2(nvfp4_layout::to_modelopt_word(u.x), nvfp4_layout::to_modelopt_word(u.y));
     T* o = out + i * kBlock;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -212,34 +191,25 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One kernel-layout word (8 codes) -> 4 bf16x2 pairs through the block's byte tables: tl* hold the
-// low bytes and th* the high bytes of the bf16 values {0, .5, 1, 1.5, 2, 3, 4, 6} * sf. The sign
-// of element 2p sits at bit 4p+3 and of 2p+1 at bit 4p+19: one shift puts them at bits 15 and 31.
-__device__ __forceinline__ void decode_word(uint32_t w, uint32_t tl0, uint32_t tl1, uint32_t th0, uint32_t th1,
-                                            uint32_t* d) {
-  const uint32_t m = w & 0x77777777u, m1 = m >> 16;
-  const uint32_t lo0 = prmt(tl0, tl1, m), hi0 = prmt(th0, th1, m);
-  const uint32_t lo1 = prmt(tl0, tl1, m1), hi1 = prmt(th0, th1, m1);
-  d[0] = prmt(lo0, hi0, 0x5140) | ((w << 12) & 0x80008000u);
-  d[1] = prmt(lo0, hi0, 0x7362) | ((w << 8) & 0x80008000u);
-  d[2] = prmt(lo1, hi1, 0x5140) | ((w << 4) & 0x80008000u);
-  d[3] = prmt(lo1, hi1, 0x7362) | (w & 0x80008000u);
+// A 16-value block (two kernel-layout words, E4M3 scale sf >= 0) -> its 8 bf16x2 pairs of
+// e2m1 * sf * 2^-8, exact: each pair's code bits land on bf16 exponent/mantissa positions
+// (nvfp4_layout::pair_bits: e2m1 * 2^-126) and one multiply by bf16(sf * 2^118) scales them. The
+// 2^-8 keeps that factor below bf16's range limit (448 * 2^118 < 2^127); the epilogue multiplies
+// it back (kEpilogueUnscale), and since power-of-two scaling commutes with every rounding, the
+// outputs equal those of unscaled weights bit for bit.
+__device__ __forceinline__ void decode_block(uint32_t w0, uint32_t w1, uint32_t sf, uint32_t (&d)[8]) {
+  // E4M3 bits shifted into an fp32's exponent and mantissa, times 2^120: sf exactly, subnormals
+  // too; then times 2^118 (separately: 2^238 is not an fp32).
+  const float f = __uint_as_float((sf & 0x7Fu) << 20) * 0x1p120f * 0x1p118f;
+  const uint32_t c = prmt(__float_as_uint(f), 0, 0x3232);  // its bf16 (exact) in both halves
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    d[q] = mul_bf16x2(nvfp4_layout::pair_bits(w0, q), c);
+    d[4 + q] = mul_bf16x2(nvfp4_layout::pair_bits(w1, q), c);
+  }
 }
 
-// A 16-value block (two words, E4M3 scale sf >= 0) -> its 8 bf16x2 pairs, e2m1 * sf (exact in bf16).
-__device__ __forceinline__ void decode_block(uint32_t w0, uint32_t w1, uint32_t sf, uint32_t (&d)[8]) {
-  // E4M3 bits shifted into an fp32's exponent and mantissa, times 2^(127-7): exact, subnormals too.
-  const float f = __uint_as_float((sf & 0x7Fu) << 20) * 0x1p120f;
-  const uint32_t s = prmt(__float_as_uint(f), 0, 0x3232);  // its bf16 in both halves
-  const uint32_t p0 = mul_bf16x2(0x3F000000u, s);          // (0, 0.5) * sf
-  const uint32_t p1 = mul_bf16x2(0x3FC03F80u, s);          // (1, 1.5) * sf
-  const uint32_t p2 = mul_bf16x2(0x40404000u, s);          // (2, 3) * sf
-  const uint32_t p3 = mul_bf16x2(0x40C04080u, s);          // (4, 6) * sf
-  const uint32_t tl0 = prmt(p0, p1, 0x6420), tl1 = prmt(p2, p3, 0x6420);
-  const uint32_t th0 = prmt(p0, p1, 0x7531), th1 = prmt(p2, p3, 0x7531);
-  decode_word(w0, tl0, tl1, th0, th1, d);
-  decode_word(w1, tl0, tl1, th0, th1, d + 4);
-}
+constexpr float kEpilogueUnscale = 256.0f;  // undoes decode_block's 2^-8
 
 // A lane's weights for one super-chunk: per row r (g + 8r) 8 words (blocks c = 0..3, two words
 // each) and the 4 scale bytes.
@@ -478,7 +448,7 @@ __device__ __forceinline__ void gemm_tile(const void* x, int m_count, const uint
 }
 
 __device__ __forceinline__ float epilogue_scale(const float* tensor_scale, const float* extra) {
-  const float s2 = *tensor_scale;
+  const float s2 = *tensor_scale * kEpilogueUnscale;  // exact: a power of two
   return extra ? s2 * *extra : s2;
 }
 

@@ -48,11 +48,10 @@ at::Tensor nvfp4_dequantize_reference(const Nvfp4Tensor& q, at::ScalarType dtype
 Nvfp4Tensor nvfp4_quantize(const at::Tensor& w, bool kernel_layout = false);
 at::Tensor nvfp4_dequantize(const Nvfp4Tensor& q, at::ScalarType dtype);
 
-// The kernel layout: the same bytes, except that within each 32-bit word (8 codes, elements
-// 8i..8i+7) the sign bits are permuted so the GEMM decodes pairs with one shift: the magnitude
-// bits of element j stay in nibble j, the sign of element 2p goes to bit 4p+3 and the sign of
-// element 2p+1 to bit 4p+19 (p = 0..3). K must be a multiple of 16 (so rows hold whole words).
-// ATen bit ops: any device. The inverse restores the ModelOpt order.
+// The kernel layout: the same words, with the 32 bits of each (8 codes, elements 8i..8i+7)
+// permuted as kernels/nvfp4_layout.h defines, so the GEMM turns each pair of codes into a bf16x2
+// with a rotate and a mask or two. K must be a multiple of 16 (so rows hold whole words). ATen
+// gathers: any device. The inverse restores the ModelOpt order.
 Nvfp4Tensor nvfp4_to_kernel_layout(const Nvfp4Tensor& q);
 Nvfp4Tensor nvfp4_to_modelopt_layout(const Nvfp4Tensor& q);
 

@@ -3,9 +3,12 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "kernels/nvfp4.h"
+#include "kernels/nvfp4_layout.h"
 #include "tests/test_util.h"
 
 namespace kiln::kernels {
@@ -145,7 +148,11 @@ TEST(Nvfp4, StacksQuantiseEachMatrixOnItsOwn) {
   EXPECT_TRUE(test::throws_with([&] { nvfp4_dequantize_reference(bad); }, {"missing tensor scale"}));
 }
 
-TEST(Nvfp4, KernelLayoutMovesOnlySignBits) {
+TEST(Nvfp4, KernelLayoutIsAPermutationThatTheGemmDecodes) {
+  namespace layout = kernels::nvfp4_layout;
+  std::vector<int> seen(32, 0);  // a permutation of the 32 bits
+  for (int i = 0; i < 32; ++i) ++seen[size_t(layout::kernel_bit(i))];
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), 32);
   at::manual_seed(4);
   at::Tensor w = at::randn({7, 64});
   Nvfp4Tensor q = nvfp4_quantize_reference(w);
@@ -153,24 +160,46 @@ TEST(Nvfp4, KernelLayoutMovesOnlySignBits) {
   EXPECT_TRUE(k.kernel_layout);
   EXPECT_TRUE(test::all_equal(nvfp4_to_modelopt_layout(k).packed, q.packed));
   EXPECT_TRUE(test::all_equal(nvfp4_dequantize_reference(k), nvfp4_dequantize_reference(q)));
-  // Decode the kernel layout by its definition: magnitude of element j in nibble j, the sign of
-  // element 2p at bit 4p+3 and of element 2p+1 at bit 4p+19.
+  // The GEMM's decode, in host arithmetic: pair_bits read as two bf16 values is e2m1 * 2^-126
+  // (0.5 as the subnormal 2^-127) with the code's sign, for every element of every word.
   const uint8_t* a = q.packed.data_ptr<uint8_t>();
   const uint8_t* b = k.packed.data_ptr<uint8_t>();
-  int negatives = 0;
+  auto bf16 = [](uint32_t bits) {
+    float f;
+    const uint32_t u = bits << 16;
+    std::memcpy(&f, &u, 4);
+    return double(f);
+  };
+  int negatives = 0, halves = 0;
   for (int64_t word = 0; word < q.packed.numel() / 4; ++word) {
     uint32_t kw = 0;
     for (int i = 0; i < 4; ++i) kw |= uint32_t(b[word * 4 + i]) << (8 * i);
+    EXPECT_EQ(layout::to_modelopt_word(layout::to_kernel_word(kw)), kw);
     for (int j = 0; j < 8; ++j) {
       const uint8_t byte = a[word * 4 + j / 2];
       const uint8_t code = j % 2 == 0 ? byte & 0xF : byte >> 4;
-      const int sign_bit = j % 2 == 0 ? 4 * (j / 2) + 3 : 4 * (j / 2) + 19;
-      const uint8_t decoded = uint8_t(((kw >> (4 * j)) & 7) | (((kw >> sign_bit) & 1) << 3));
-      ASSERT_EQ(decoded, code) << "word " << word << " element " << j;
+      const uint32_t pair = layout::pair_bits(kw, j / 2);
+      const double got = bf16(j % 2 == 0 ? pair & 0xFFFF : pair >> 16) * std::ldexp(1.0, 126);
+      ASSERT_EQ(got, double(e2m1_decode(code))) << "word " << word << " element " << j << " code " << int(code);
+      if (std::signbit(got) != bool(code >> 3)) ADD_FAILURE() << "sign of word " << word << " element " << j;
       negatives += code >> 3;
+      halves += (code & 7) == 1;  // 0.5: the subnormal case
     }
   }
   EXPECT_GT(negatives, 100);
+  EXPECT_GT(halves, 10);
+  // Every code in every slot of a word (all 2^32 words would be too many; every nibble value in
+  // every position is enough for a bit permutation).
+  for (int j = 0; j < 8; ++j)
+    for (uint32_t code = 0; code < 16; ++code) {
+      const uint32_t word = code << (4 * j);
+      const uint32_t pair = layout::pair_bits(layout::to_kernel_word(word), j / 2);
+      const double got = bf16(j % 2 == 0 ? pair & 0xFFFF : pair >> 16) * std::ldexp(1.0, 126);
+      EXPECT_EQ(got, double(e2m1_decode(uint8_t(code)))) << "slot " << j << " code " << code;
+      EXPECT_EQ(std::signbit(got), bool(code >> 3)) << "slot " << j << " code " << code;
+      const uint32_t other = layout::pair_bits(layout::to_kernel_word(word), (j / 2 + 1) % 4);
+      EXPECT_EQ(other, 0u) << "slot " << j << " leaks into another pair";
+    }
   EXPECT_TRUE(test::throws_with([&] { nvfp4_to_kernel_layout(k); }, {"already in the kernel layout"}));
 }
 
