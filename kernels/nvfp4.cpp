@@ -210,20 +210,31 @@ at::Tensor nvfp4_dequantize(const Nvfp4Tensor& q, at::ScalarType dtype) {
 
 namespace {
 
-// Permutes the bits of every 32-bit word (nvfp4_layout.h): `to_kernel` true maps the ModelOpt order
-// to the kernel's. Each byte of a word contributes its bits through a 256-entry table, so the
-// whole tensor takes four gathers and three ORs on its own device.
-Nvfp4Tensor permute_words(const Nvfp4Tensor& q, bool to_kernel) {
+// The kernel layout's block places (nvfp4_layout::block_place) of one [N, nb] matrix, on `device`.
+at::Tensor block_places(int64_t N, int64_t nb, bool scale, at::Device device) {
+  at::Tensor places = at::empty({N * nb}, at::kLong);
+  int64_t* p = places.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) p[n * nb + b] = nvfp4_layout::block_place(n, b, N, nb, scale);
+  return places.to(device);
+}
+
+// Moves every block's codes and scale to its place (or back) and permutes the bits of every 32-bit
+// word (nvfp4_layout.h); `to_kernel` true maps the ModelOpt order to the kernel's. Each byte of a
+// word contributes its bits through a 256-entry table, so the words take four gathers and three
+// ORs, and the places one gather or scatter per tensor, on the tensors' own device.
+Nvfp4Tensor change_layout(const Nvfp4Tensor& q, bool to_kernel) {
   nvfp4_check(q);
   KILN_CHECK(q.kernel_layout != to_kernel, "nvfp4: weights are already in the ",
              to_kernel ? "kernel" : "ModelOpt", " layout");
+  const at::Device device = q.packed.device();
   std::vector<int64_t> table(4 * 256);
   for (int byte = 0; byte < 4; ++byte)
     for (int v = 0; v < 256; ++v) {
       const uint32_t word = uint32_t(v) << (8 * byte);
       table[byte * 256 + v] = int64_t(to_kernel ? nvfp4_layout::to_kernel_word(word) : nvfp4_layout::to_modelopt_word(word));
     }
-  at::Tensor lut = at::tensor(table, at::kLong).to(q.packed.device()).view({4, 256});
+  at::Tensor lut = at::tensor(table, at::kLong).to(device).view({4, 256});
   at::Tensor bytes = q.packed.contiguous().view({-1, 4}).to(at::kLong);  // little-endian words
   at::Tensor out = at::zeros({bytes.size(0)}, bytes.options());
   for (int64_t byte = 0; byte < 4; ++byte)
@@ -231,8 +242,17 @@ Nvfp4Tensor permute_words(const Nvfp4Tensor& q, bool to_kernel) {
   // Back to 32-bit words (two's complement for the top bit), then to the bytes.
   const int64_t top = int64_t(1) << 31;
   at::Tensor words = at::where(out >= top, out - 2 * top, out).to(at::kInt);
+  // Then the places: blocks of 8 code bytes and single scale bytes, per matrix.
+  const int64_t E = q.stacked() ? q.packed.size(0) : 1, N = q.rows(), nb = q.cols() / 16;
+  auto move = [&](const at::Tensor& t, bool scale) {
+    at::Tensor places = block_places(N, nb, scale, device);
+    at::Tensor v = t.contiguous().view(at::kByte).reshape({E, N * nb, scale ? 1 : 8});
+    if (!to_kernel) return v.index_select(1, places).view(t.sizes()).view(t.scalar_type());
+    return at::empty_like(v).index_copy_(1, places, v).view(t.sizes()).view(t.scalar_type());
+  };
   Nvfp4Tensor r = q;
-  r.packed = words.view(at::kByte).view(q.packed.sizes());
+  r.packed = move(words.view(at::kByte).view(q.packed.sizes()), false);
+  r.block_scale = move(q.block_scale, true);
   r.kernel_layout = to_kernel;
   return r;
 }
@@ -255,8 +275,8 @@ std::pair<at::Tensor, at::Tensor> gemm_input(const at::Tensor& x, const Nvfp4Lin
 
 }  // namespace
 
-Nvfp4Tensor nvfp4_to_kernel_layout(const Nvfp4Tensor& q) { return permute_words(q, true); }
-Nvfp4Tensor nvfp4_to_modelopt_layout(const Nvfp4Tensor& q) { return permute_words(q, false); }
+Nvfp4Tensor nvfp4_to_kernel_layout(const Nvfp4Tensor& q) { return change_layout(q, true); }
+Nvfp4Tensor nvfp4_to_modelopt_layout(const Nvfp4Tensor& q) { return change_layout(q, false); }
 
 at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor& input_scale, at::Tensor* scale) {
   KILN_CHECK(x.dim() == 2 && x.size(1) % kNvfp4Block == 0, "nvfp4: W4A4 activations must be [M, K] with K a multiple of ",

@@ -1,7 +1,7 @@
 // NVFP4 CUDA kernels: quantise (two passes: per-matrix amax, then one thread per 16-value block),
 // dequantise, and the W4A16 GEMMs. The GEMM swaps A and B of mma.m16n8k16 (16 weight rows x 8
-// tokens), decodes E2M1 x E4M3 to exact bf16 in registers with byte permutes through a per-block
-// table, and splits K over the warps of a block, reduced in shared memory in a fixed order.
+// tokens), reads each warp step's codes as one 4 KB tile and decodes them to exact bf16 in
+// registers (nvfp4_layout.h), and splits K over a block's warps, reduced in a fixed order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -98,9 +98,10 @@ __global__ void amax_kernel(const T* __restrict__ w, int64_t per_matrix, uint32_
 
 // One thread per 16-value block: the reference's arithmetic, operation for operation.
 template <typename T>
-__global__ void quantize_kernel(const T* __restrict__ w, int64_t blocks_per_matrix, int64_t num_blocks,
+__global__ void quantize_kernel(const T* __restrict__ w, int64_t N, int64_t nb, int64_t num_blocks,
                                 const uint32_t* __restrict__ amax, bool kernel_layout, uint8_t* __restrict__ packed,
                                 uint8_t* __restrict__ block_scale, float* __restrict__ tensor_scale) {
+  const int64_t blocks_per_matrix = N * nb;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_blocks; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t e = i / blocks_per_matrix;
     const float am = __uint_as_float(amax[e]);
@@ -112,7 +113,6 @@ __global__ void quantize_kernel(const T* __restrict__ w, int64_t blocks_per_matr
 #pragma unroll
     for (int j = 0; j < 16; ++j) bmax = fmaxf(bmax, fabsf(v[j]));
     const uint32_t sf = e4m3_encode_nonneg(bmax / (6.0f * s2));
-    block_scale[i] = uint8_t(sf);
     const float scale = e4m3_decode(sf) * s2;
     uint32_t word[2] = {0, 0};
 #pragma unroll
@@ -120,20 +120,36 @@ __global__ void quantize_kernel(const T* __restrict__ w, int64_t blocks_per_matr
       const uint32_t code = scale > 0.0f ? e2m1_encode(v[j] / scale) : 0u;
       word[j / 8] |= code << (4 * (j % 8));
     }
-    if (kernel_layout) word[0] = nvfp4_layout::to_kernel_word(word[0]), word[1] = nvfp4_layout::to_kernel_word(word[1]);
-    reinterpret_cast<uint2*>(packed)[i] = make_uint2(word[0], word[1]);
+    int64_t code_at = i, scale_at = i;
+    if (kernel_layout) {
+      word[0] = nvfp4_layout::to_kernel_word(word[0]), word[1] = nvfp4_layout::to_kernel_word(word[1]);
+      const int64_t local = i - e * blocks_per_matrix, n = local / nb, b = local % nb;
+      code_at = e * blocks_per_matrix + nvfp4_layout::block_place(n, b, N, nb, false);
+      scale_at = e * blocks_per_matrix + nvfp4_layout::block_place(n, b, N, nb, true);
+    }
+    block_scale[scale_at] = uint8_t(sf);
+    reinterpret_cast<uint2*>(packed)[code_at] = make_uint2(word[0], word[1]);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dequantise: one thread per 16-value block. A kernel-layout word is put back in ModelOpt order first.
+// Dequantise: one thread per 16-value block. A kernel-layout block is read from its place, its words
+// put back in ModelOpt order.
 template <typename T>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ block_scale,
-                                  const float* __restrict__ tensor_scale, int64_t blocks_per_matrix, int64_t num_blocks,
+                                  const float* __restrict__ tensor_scale, int64_t N, int64_t nb, int64_t num_blocks,
                                   bool kernel_layout, T* __restrict__ out) {
+  const int64_t blocks_per_matrix = N * nb;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_blocks; i += int64_t(gridDim.x) * blockDim.x) {
-    const float scale = e4m3_decode(block_scale[i]) * tensor_scale[i / blocks_per_matrix];
-    uint2 u = reinterpret_cast<const uint2*>(packed)[i];
+    const int64_t e = i / blocks_per_matrix;
+    int64_t code_at = i, scale_at = i;
+    if (kernel_layout) {
+      const int64_t local = i - e * blocks_per_matrix, n = local / nb, b = local % nb;
+      code_at = e * blocks_per_matrix + nvfp4_layout::block_place(n, b, N, nb, false);
+      scale_at = e * blocks_per_matrix + nvfp4_layout::block_place(n, b, N, nb, true);
+    }
+    const float scale = e4m3_decode(block_scale[scale_at]) * tensor_scale[e];
+    uint2 u = reinterpret_cast<const uint2*>(packed)[code_at];
     if (kernel_layout) u = make_uint2(nvfp4_layout::to_modelopt_word(u.x), nvfp4_layout::to_modelopt_word(u.y));
     T* o = out + i * kBlock;
 #pragma unroll
@@ -156,6 +172,8 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const uint
 
 constexpr int kRowsPerBlock = 32;
 constexpr int kSuper = 256;  // K per warp iteration
+static_assert(kRowsPerBlock == nvfp4_layout::kTileRows && kSuper == nvfp4_layout::kTileBlocks * kBlock,
+              "a warp step is one tile of the kernel layout");
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
@@ -316,6 +334,39 @@ __device__ __forceinline__ void load_w(WFrag& f, const uint8_t* wp, const uint8_
   }
 }
 
+// The same fragment from a whole tile (nvfp4_layout::block_place): 4 KB of codes and 512 scale
+// bytes, each warp load 512 contiguous bytes. Unaligned: the codes are 8-byte aligned, the scales
+// only byte-aligned (a grouped stack of odd shapes).
+template <bool kAligned>
+__device__ __forceinline__ void load_w_tile(WFrag& f, const uint8_t* w, const uint8_t* s, int lane) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint8_t* p = w + 1024 * r + 16 * lane;
+    if constexpr (kAligned) {
+      const uint4 a = ld_stream16(p), b = ld_stream16(p + 512);
+      f.w[r][0] = a.x, f.w[r][1] = a.y, f.w[r][2] = a.z, f.w[r][3] = a.w;
+      f.w[r][4] = b.x, f.w[r][5] = b.y, f.w[r][6] = b.z, f.w[r][7] = b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint2 v = ld_stream8(p + (i / 2) * 512 + (i % 2) * 8);
+        f.w[r][2 * i] = v.x, f.w[r][2 * i + 1] = v.y;
+      }
+    }
+  }
+  if constexpr (kAligned) {
+    const uint4 v = ld_stream16(s + 16 * lane);
+    f.s[0] = v.x, f.s[1] = v.y, f.s[2] = v.z, f.s[3] = v.w;
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      f.s[r] = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f.s[r] |= uint32_t(__ldg(s + 16 * lane + 4 * r + i)) << (8 * i);
+    }
+  }
+}
+
 // Activations of blocks C0 .. C0+G-1 of super-chunk sc, then their products.
 template <int NT, bool kF32, int C0, int G>
 __device__ __forceinline__ void super_group(const WFrag& wf, const void* const (&xrow)[NT], int64_t sc, int t,
@@ -359,9 +410,15 @@ __device__ __forceinline__ void gemm_tile(const void* x, int m_count, const uint
                                           float scale, void* y, int64_t N, int64_t K, int64_t row0, float4* red) {
   using T = typename std::conditional<kF32, float, __nv_bfloat16>::type;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
-  const int64_t wstride = K / 2, sstride = K / kBlock;
+  const int64_t wstride = K / 2, nb = K / kBlock, num_super = K / kSuper, nb32 = num_super * (kSuper / kBlock);
+  // Row tiles of 32 whole rows are tiled (nvfp4_layout::block_place), their K tails row-major after
+  // the tiles; a last partial tile is row-major as a whole.
+  const bool tiled = row0 + kRowsPerBlock <= N;
+  const int64_t n32 = N / kRowsPerBlock * kRowsPerBlock;
+  const int64_t tail_nb = tiled ? nb - nb32 : nb, tail_b0 = tiled ? nb32 : 0;
+  const int64_t tail_at = tiled ? n32 * nb32 + (row0 + g) * tail_nb : (row0 + g) * nb;  // in blocks
   const uint8_t* wp = packed + (row0 + g) * wstride;
-  const uint8_t* sp = sfs + (row0 + g) * sstride;
+  const uint8_t* sp = sfs + (row0 + g) * nb;
   unsigned valid = 0;
 #pragma unroll
   for (int r = 0; r < 4; ++r) valid |= unsigned(row0 + g + 8 * r < N) << r;
@@ -378,26 +435,36 @@ __device__ __forceinline__ void gemm_tile(const void* x, int m_count, const uint
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][n][i] = 0.0f;
 
-  const int64_t num_super = K / kSuper;
   const int64_t sc0 = num_super * warp / kWarps, sc1 = num_super * (warp + 1) / kWarps;
-  for (int64_t sc = sc0; sc < sc1; ++sc) {
-    WFrag wf;
-    load_w<kAligned>(wf, wp, sp, 8 * wstride, 8 * sstride, valid, sc, t);
-    super_product<NT, kF32>(wf, xrow, sc, t, acc);
+  if (tiled) {
+    const int64_t tile0 = (row0 / kRowsPerBlock) * num_super;
+    for (int64_t sc = sc0; sc < sc1; ++sc) {
+      WFrag wf;
+      load_w_tile<kAligned>(wf, packed + (tile0 + sc) * nvfp4_layout::kTileUnits * 8,
+                            sfs + (tile0 + sc) * nvfp4_layout::kTileUnits, lane);
+      super_product<NT, kF32>(wf, xrow, sc, t, acc);
+    }
+  } else {
+    for (int64_t sc = sc0; sc < sc1; ++sc) {
+      WFrag wf;
+      load_w<kAligned>(wf, wp, sp, 8 * wstride, 8 * nb, valid, sc, t);
+      super_product<NT, kF32>(wf, xrow, sc, t, acc);
+    }
   }
-  // The K tail (< 16 blocks): chunks of 4 blocks, chunk j on warp j, lane t on block 4j + t.
-  const int tail = int(K / kBlock - num_super * (kSuper / kBlock));
+  // The K tail (< 16 blocks, row-major): chunks of 4 blocks, chunk j on warp j, lane t on block 4j + t.
+  const int tail = int(nb - nb32);
   for (int j = warp; 4 * j < tail; j += kWarps) {
     const int b = 4 * j + t;
-    const int64_t blk = num_super * (kSuper / kBlock) + b;
+    const int64_t blk = nb32 + b;
     const bool ok = b < tail;
     WFrag wf;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       if (ok && ((valid >> r) & 1u)) {
-        const uint2 v = ld_stream8(wp + r * 8 * wstride + blk * 8);
+        const int64_t at = tail_at + r * 8 * tail_nb + (blk - tail_b0);
+        const uint2 v = ld_stream8(packed + 8 * at);
         wf.w[r][0] = v.x, wf.w[r][1] = v.y;
-        wf.s[r] = __ldg(sp + r * 8 * sstride + blk);
+        wf.s[r] = __ldg(sfs + at);
       } else {
         wf.w[r][0] = wf.w[r][1] = 0;
         wf.s[r] = 0;
@@ -548,7 +615,8 @@ cudaError_t launch_grouped_nt(const void* x, const int64_t* offsets, const uint8
                               const float* ts, const float* extra, void* y, int64_t E, int64_t N, int64_t K,
                               cudaStream_t stream) {
   const dim3 grid(unsigned(E), unsigned((N + kRowsPerBlock - 1) / kRowsPerBlock));
-  if (K % 32 == 0)
+  // Aligned: every expert's codes and scales start on 16 bytes (the stack's base does).
+  if (K % 32 == 0 && N * (K / kBlock) % 16 == 0)
     grouped_kernel<kMaxNT, kWarps, kF32, true><<<grid, kWarps * 32, 0, stream>>>(x, offsets, packed, sfs, ts, extra, y, N, K);
   else
     grouped_kernel<kMaxNT, kWarps, kF32, false><<<grid, kWarps * 32, 0, stream>>>(x, offsets, packed, sfs, ts, extra, y, N, K);
@@ -590,12 +658,12 @@ cudaError_t launch_nvfp4_quantize(const void* w, Nvfp4DType dtype, int64_t E, in
   if (dtype == Nvfp4DType::kFloat32) {
     const float* p = static_cast<const float*>(w);
     amax_kernel<float><<<agrid, kThreads, 0, stream>>>(p, per_matrix, amax_ws);
-    quantize_kernel<float><<<qgrid, kThreads, 0, stream>>>(p, N * K / kBlock, blocks, amax_ws, kernel_layout, packed,
+    quantize_kernel<float><<<qgrid, kThreads, 0, stream>>>(p, N, K / kBlock, blocks, amax_ws, kernel_layout, packed,
                                                            block_scale, tensor_scale);
   } else if (dtype == Nvfp4DType::kBFloat16) {
     const __nv_bfloat16* p = static_cast<const __nv_bfloat16*>(w);
     amax_kernel<__nv_bfloat16><<<agrid, kThreads, 0, stream>>>(p, per_matrix, amax_ws);
-    quantize_kernel<__nv_bfloat16><<<qgrid, kThreads, 0, stream>>>(p, N * K / kBlock, blocks, amax_ws,
+    quantize_kernel<__nv_bfloat16><<<qgrid, kThreads, 0, stream>>>(p, N, K / kBlock, blocks, amax_ws,
                                                                    kernel_layout, packed, block_scale, tensor_scale);
   } else {
     return cudaErrorInvalidValue;
@@ -610,18 +678,17 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_
   if (blocks == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   const unsigned grid = grid_for(blocks, kThreads);
-  const int64_t per = N * K / kBlock;
   switch (dtype) {
     case Nvfp4DType::kFloat32:
-      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, per, blocks, kernel_layout,
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, N, K / kBlock, blocks, kernel_layout,
                                                        static_cast<float*>(out));
       break;
     case Nvfp4DType::kBFloat16:
-      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, per, blocks, kernel_layout,
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, N, K / kBlock, blocks, kernel_layout,
                                                        static_cast<__nv_bfloat16*>(out));
       break;
     case Nvfp4DType::kFloat16:
-      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, per, blocks, kernel_layout,
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, N, K / kBlock, blocks, kernel_layout,
                                                        static_cast<__half*>(out));
       break;
   }

@@ -26,7 +26,7 @@ struct Nvfp4Tensor {
   at::Tensor packed;        // uint8 [(E,) N, K/2]: element 2j in the low nibble of byte j
   at::Tensor block_scale;   // uint8 [(E,) N, K/16]: FP8 E4M3 bits (safetensors F8_E4M3), row-major
   at::Tensor tensor_scale;  // float32 [] (or [E]): amax(W) / (6 * 448)
-  bool kernel_layout = false;  // packed holds the kernel's sign-bit order (nvfp4_to_kernel_layout)
+  bool kernel_layout = false;  // packed and block_scale in the GEMMs' layout (nvfp4_to_kernel_layout)
   at::Tensor input_scale;   // float32 [] (or [E]), optional: ModelOpt's static activation scale (W4A4)
   int64_t rows() const { return packed.size(-2); }
   int64_t cols() const { return packed.size(-1) * 2; }  // K
@@ -48,10 +48,11 @@ at::Tensor nvfp4_dequantize_reference(const Nvfp4Tensor& q, at::ScalarType dtype
 Nvfp4Tensor nvfp4_quantize(const at::Tensor& w, bool kernel_layout = false);
 at::Tensor nvfp4_dequantize(const Nvfp4Tensor& q, at::ScalarType dtype);
 
-// The kernel layout: the same words, with the 32 bits of each (8 codes, elements 8i..8i+7)
-// permuted as kernels/nvfp4_layout.h defines, so the GEMM turns each pair of codes into a bf16x2
-// with a rotate and a mask or two. K must be a multiple of 16 (so rows hold whole words). ATen
-// gathers: any device. The inverse restores the ModelOpt order.
+// The kernel layout (kernels/nvfp4_layout.h), same shapes: the 32 bits of each word (8 codes)
+// permuted, so the GEMM turns each pair of codes into a bf16x2 with a rotate and a mask or two; and
+// each matrix's blocks (codes and scales) moved so that a warp step of 32 rows x 256 K is one
+// contiguous tile. Experts still slice (the layout is per matrix); rows do not. ATen gathers: any
+// device. The inverse restores the ModelOpt order.
 Nvfp4Tensor nvfp4_to_kernel_layout(const Nvfp4Tensor& q);
 Nvfp4Tensor nvfp4_to_modelopt_layout(const Nvfp4Tensor& q);
 

@@ -1,6 +1,6 @@
-// The NVFP4 GEMMs' kernel layout of packed codes: a fixed permutation of the 32 bits of every word
-// of 8 codes, and the bit step of its decode. Shared by the CPU conversion (nvfp4.cpp), the CUDA
-// kernels (nvfp4.cu) and the tests; no torch or CUDA headers.
+// The NVFP4 GEMMs' kernel layout: a fixed permutation of the 32 bits of every word of 8 codes (and
+// the bit step of its decode), and the places of each 16-value block's codes and scale in a matrix.
+// Shared by the CPU conversion (nvfp4.cpp), the CUDA kernels (nvfp4.cu) and the tests; no torch.
 #pragma once
 #include <cstdint>
 
@@ -58,6 +58,32 @@ KILN_HOST_DEVICE inline uint32_t pair_bits(uint32_t w, int q) {
     case 2: return (w & kMag) | ((w << 5) & kSign);
     default: return (rotl(w, 25) & kMag) | ((w << 4) & kSign);
   }
+}
+
+// Where the blocks go. A matrix [N, K] has nb = K/16 blocks per row; the GEMM's warps read 32 rows
+// x 256 K (16 blocks per row) per step. Tiles of whole steps (rows below N32 = N rounded down to 32,
+// blocks below nb32 = nb rounded down to 16) come first, row tile by row tile and K step by K step,
+// each 512 blocks contiguous: 4 KB of codes and 512 scale bytes, in the order a warp's lanes load
+// them, so every warp load is 512 contiguous bytes. Lane 4g + t (g = 0..7, t = 0..3) holds rows
+// g + 8r (r = 0..3) and, of the step's 16 blocks, 2t, 2t+1, 8+2t, 9+2t. Then the K tails of the
+// first N32 rows (row-major, nb - nb32 blocks per row), then the last N - N32 rows (row-major,
+// nb blocks per row). Shapes do not change: a matrix of N < 32 rows or K < 256 stays row-major.
+constexpr int kTileRows = 32, kTileBlocks = 16;  // one warp step: 32 rows x 16 blocks (256 values)
+constexpr int64_t kTileUnits = kTileRows * kTileBlocks;
+
+// Index (in blocks: 8 bytes of codes, or one scale byte) of block b of row n; `scale` picks the
+// scales' order inside a tile.
+KILN_HOST_DEVICE inline int64_t block_place(int64_t n, int64_t b, int64_t N, int64_t nb, bool scale) {
+  const int64_t n32 = N / kTileRows * kTileRows, nb32 = nb / kTileBlocks * kTileBlocks;
+  if (n >= n32) return n * nb + b;  // the last rows: row-major, as before
+  if (b >= nb32) return n32 * nb32 + n * (nb - nb32) + (b - nb32);
+  const int64_t tile = (n / kTileRows) * (nb32 / kTileBlocks) + b / kTileBlocks;
+  const int rr = int(n % kTileRows), bb = int(b % kTileBlocks);
+  const int g = rr % 8, r = rr / 8, half = bb / 8, t = (bb % 8) / 2, sub = bb % 2, lane = 4 * g + t;
+  // Codes: lane's 16 bytes at 1024 r + 512 half + 16 lane. Scales: lane's 16 bytes hold, per r, a
+  // word whose bytes are blocks 2t, 2t+1, 8+2t, 9+2t.
+  const int in_tile = scale ? 16 * lane + 4 * r + 2 * half + sub : 128 * r + 64 * half + 2 * lane + sub;
+  return tile * kTileUnits + in_tile;
 }
 
 }  // namespace kiln::kernels::nvfp4_layout

@@ -173,9 +173,10 @@ TEST(CudaNvfp4, LinearExtraScaleAndStridedInput) {
 TEST(CudaNvfp4, GroupedLinearMatchesReference) {
   at::manual_seed(11);
   // Experts with 0, 1, 19 rows and more; the second set exceeds 16 rows per expert on average
-  // (the 4 n-tile body, with chunks of 32 and a 12-row remainder).
+  // (the 4 n-tile body, with chunks of 32 and a 12-row remainder). 96 x 1056 takes the aligned
+  // tiled path with a K tail; 111 x 4112 the unaligned one (odd scale offsets per expert).
   const std::vector<std::vector<int64_t>> count_sets = {{0, 1, 19, 0, 8, 40}, {0, 1, 19, 0, 8, 140}};
-  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{111, 4112}, {64, 48}, {19, 2080}})
+  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{111, 4112}, {64, 48}, {19, 2080}, {96, 1056}})
     for (const auto& counts : count_sets) {
       const int64_t E = int64_t(counts.size());
       std::vector<int64_t> off{0};

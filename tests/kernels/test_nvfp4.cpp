@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "kernels/nvfp4.h"
 #include "kernels/nvfp4_layout.h"
@@ -201,6 +203,73 @@ TEST(Nvfp4, KernelLayoutIsAPermutationThatTheGemmDecodes) {
       EXPECT_EQ(other, 0u) << "slot " << j << " leaks into another pair";
     }
   EXPECT_TRUE(test::throws_with([&] { nvfp4_to_kernel_layout(k); }, {"already in the kernel layout"}));
+}
+
+TEST(Nvfp4, KernelLayoutPlacesEachWarpStepAsOneTile) {
+  // What the GEMM's lanes read, written from the kernel's side: in a tile (32 whole rows x 256 K),
+  // lane 4g + t's 16 bytes at 1024 r (+ 512) are blocks 2t, 2t+1 (8+2t, 9+2t) of row g + 8r, and
+  // its scale word r holds the scales of blocks 2t, 2t+1, 8+2t, 9+2t. K tails of tiled rows follow
+  // the tiles row-major; the last N % 32 rows are row-major at their old place.
+  namespace layout = kernels::nvfp4_layout;
+  at::manual_seed(6);
+  struct Shape { int64_t E, N, K; };
+  for (const Shape& sh : {Shape{1, 70, 560}, Shape{1, 32, 256}, Shape{1, 19, 48}, Shape{2, 33, 4112}, Shape{3, 64, 16}}) {
+    SCOPED_TRACE("E " + std::to_string(sh.E) + " N " + std::to_string(sh.N) + " K " + std::to_string(sh.K));
+    at::Tensor w = at::randn({sh.E, sh.N, sh.K});
+    Nvfp4Tensor q = nvfp4_quantize_reference(sh.E == 1 ? w[0] : w);
+    Nvfp4Tensor k = nvfp4_to_kernel_layout(q);
+    Nvfp4Tensor back = nvfp4_to_modelopt_layout(k);
+    EXPECT_TRUE(test::all_equal(back.packed, q.packed));
+    EXPECT_TRUE(test::all_equal(back.block_scale, q.block_scale));
+    EXPECT_TRUE(test::all_equal(nvfp4_dequantize_reference(k), nvfp4_dequantize_reference(q)));
+    const int64_t N = sh.N, nb = sh.K / 16, n32 = N / 32 * 32, steps = nb / 16, nb32 = steps * 16;
+    for (bool scale : {false, true}) {  // block_place is a bijection
+      std::vector<int> seen(size_t(N * nb), 0);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t b = 0; b < nb; ++b) ++seen[size_t(layout::block_place(n, b, N, nb, scale))];
+      EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), N * nb);
+    }
+    at::Tensor qp = q.packed.contiguous(), kp = k.packed.contiguous();
+    at::Tensor qs = q.block_scale.contiguous().view(at::kByte), ks = k.block_scale.contiguous().view(at::kByte);
+    for (int64_t e = 0; e < sh.E; ++e) {
+      const uint8_t* a = qp.data_ptr<uint8_t>() + e * N * nb * 8;
+      const uint8_t* c = kp.data_ptr<uint8_t>() + e * N * nb * 8;
+      const uint8_t* as = qs.data_ptr<uint8_t>() + e * N * nb;
+      const uint8_t* cs = ks.data_ptr<uint8_t>() + e * N * nb;
+      auto word = [](const uint8_t* p) {
+        uint32_t v = 0;
+        for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i);
+        return v;
+      };
+      // Block b of row n at kernel block index `at`: both words permuted, the scale byte moved.
+      auto expect_block = [&](int64_t n, int64_t b, int64_t at, int64_t scale_at) {
+        for (int i = 0; i < 2; ++i)
+          ASSERT_EQ(word(c + 8 * at + 4 * i), layout::to_kernel_word(word(a + 8 * (n * nb + b) + 4 * i)))
+              << "row " << n << " block " << b;
+        ASSERT_EQ(cs[scale_at], as[n * nb + b]) << "scale of row " << n << " block " << b;
+      };
+      int64_t tiles_checked = 0;
+      for (int64_t rt = 0; rt < n32 / 32; ++rt)
+        for (int64_t sc = 0; sc < steps; ++sc, ++tiles_checked) {
+          const int64_t tile = rt * steps + sc;
+          for (int lane = 0; lane < 32; ++lane)
+            for (int r = 0; r < 4; ++r) {
+              const int g = lane / 4, t = lane % 4;
+              const int64_t n = 32 * rt + g + 8 * r;
+              const int blocks[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
+              for (int j = 0; j < 4; ++j)
+                expect_block(n, 16 * sc + blocks[j], tile * 512 + (1024 * r + 512 * (j / 2) + 16 * lane + 8 * (j % 2)) / 8,
+                             tile * 512 + 16 * lane + 4 * r + j);
+            }
+        }
+      EXPECT_EQ(tiles_checked, (n32 / 32) * steps);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t b = n < n32 ? nb32 : 0; b < nb; ++b) {
+          const int64_t at = n < n32 ? n32 * nb32 + n * (nb - nb32) + (b - nb32) : n * nb + b;
+          expect_block(n, b, at, at);
+        }
+    }
+  }
 }
 
 TEST(Nvfp4, ActivationQuantisationEqualsTheScalarEncoders) {
