@@ -1,5 +1,6 @@
 // CUDA paths against their references on odd sizes in fp32 and bf16: the RMSNorm kernel (shared
-// and per-row weights), the fused RoPE kernel (bitwise) and the MoE layout kernel (exact).
+// and per-row weights), the fused RoPE kernel (bitwise), the MoE layout kernel and the stream read
+// (exact).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -7,6 +8,7 @@
 #include "kernels/moe_layout.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
+#include "kernels/stream_read.h"
 #include "tests/test_util.h"
 
 namespace kiln {
@@ -122,6 +124,20 @@ TEST(CudaMoeLayout, EqualsReferenceExactly) {
         EXPECT_TRUE(test::all_equal(x.cpu(), y.cpu())) << "tokens " << tokens << " E " << E;
     }
   }
+}
+
+TEST(CudaStreamRead, EqualsReferenceExactlyAtAnyAlignment) {
+  at::manual_seed(5);
+  for (int64_t count : {int64_t(1), int64_t(19), int64_t(111), int64_t(4097), (int64_t(1) << 20) + 3})
+    for (int64_t skip : {0, 1, 3}) {  // word offsets 0, 4 and 12 bytes from a 16-byte boundary
+      at::Tensor words = at::randint(-(int64_t(1) << 31), int64_t(1) << 31, {count + skip}, at::kLong).to(at::kInt);
+      at::Tensor part = words.cuda().narrow(0, skip, count);
+      const int32_t want = kernels::xor_words_reference(words.narrow(0, skip, count)).item<int32_t>();
+      EXPECT_EQ(kernels::xor_words(part).item<int32_t>(), want) << "count " << count << " skip " << skip;
+      at::Tensor acc = at::scalar_tensor(want, at::TensorOptions().dtype(at::kInt).device(at::kCUDA));
+      kernels::xor_words_into(part, acc);  // x ^ x
+      EXPECT_EQ(acc.item<int32_t>(), 0) << "count " << count << " skip " << skip;
+    }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "kernels/moe_layout.h"
 #include "kernels/paged_attention.h"
 #include "kernels/sampling.h"
+#include "kernels/stream_read.h"
 #include "model/muse.h"
 #include "tests/test_util.h"
 
@@ -123,6 +124,17 @@ TEST(MoeLayoutReference, HandWorkedCase) {
   EXPECT_TRUE(test::all_equal(l.slot_row, at::tensor(std::vector<int64_t>{4, 0, 5, 8, 1, 6})));
   EXPECT_TRUE(test::throws_with([&] { kernels::moe_layout_reference(sorted, order, 4, 4, 4); },
                                 {"a multiple of top_k"}));
+}
+
+TEST(StreamReadReference, XorsLittleEndianWords) {
+  at::Tensor bytes = at::tensor(std::vector<int64_t>{1, 0, 0, 0, 2, 0, 0, 0, 0, 1, 0, 0x80}, at::kLong).to(at::kByte);
+  EXPECT_EQ(kernels::xor_words(bytes).item<int32_t>(), int32_t(0x80000103u));  // 1 ^ 2 ^ 0x80000100
+  EXPECT_EQ(kernels::xor_words(at::empty({0}, at::kFloat)).item<int32_t>(), 0);
+  EXPECT_EQ(kernels::xor_words(at::full({5}, 1.0f)).item<int32_t>(), int32_t(0x3F800000u));  // odd count
+  EXPECT_TRUE(test::throws_with([&] { kernels::xor_words(at::zeros({3}, at::kByte)); }, {"whole 32-bit words", "3 bytes"}));
+  at::Tensor acc = at::scalar_tensor(5, at::kInt);
+  kernels::xor_words_into(bytes, acc);  // accumulates: 5 ^ x
+  EXPECT_EQ(acc.item<int32_t>(), int32_t(0x80000106u));
 }
 
 }  // namespace
