@@ -96,7 +96,9 @@ __global__ void amax_kernel(const T* __restrict__ w, int64_t per_matrix, uint32_
   }
 }
 
-// One thread per 16-value block: the reference's arithmetic, operation for operation.
+// One thread per 16-value block: the reference's arithmetic, operation for operation. In the kernel
+// layout thread i writes the codes at place i (nvfp4_layout::block_at says whose), so the stores
+// are contiguous and the 32-byte reads of the source blocks are scattered instead.
 template <typename T>
 __global__ void quantize_kernel(const T* __restrict__ w, int64_t N, int64_t nb, int64_t num_blocks,
                                 const uint32_t* __restrict__ amax, bool kernel_layout, uint8_t* __restrict__ packed,
@@ -104,11 +106,17 @@ __global__ void quantize_kernel(const T* __restrict__ w, int64_t N, int64_t nb, 
   const int64_t blocks_per_matrix = N * nb;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_blocks; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t e = i / blocks_per_matrix;
+    int64_t src = i, scale_at = i;
+    if (kernel_layout) {
+      const nvfp4_layout::RowBlock rb = nvfp4_layout::block_at(i - e * blocks_per_matrix, N, nb);
+      src = e * blocks_per_matrix + rb.n * nb + rb.b;
+      scale_at = e * blocks_per_matrix + nvfp4_layout::block_place(rb.n, rb.b, N, nb, true);
+    }
     const float am = __uint_as_float(amax[e]);
     const float s2 = am > 0.0f ? am / (6.0f * 448.0f) : 1.0f;
     if (i == e * blocks_per_matrix) tensor_scale[e] = s2;
     float v[16];
-    load16(w + i * kBlock, v);
+    load16(w + src * kBlock, v);
     float bmax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) bmax = fmaxf(bmax, fabsf(v[j]));
@@ -120,15 +128,9 @@ __global__ void quantize_kernel(const T* __restrict__ w, int64_t N, int64_t nb, 
       const uint32_t code = scale > 0.0f ? e2m1_encode(v[j] / scale) : 0u;
       word[j / 8] |= code << (4 * (j % 8));
     }
-    int64_t code_at = i, scale_at = i;
-    if (kernel_layout) {
-      word[0] = nvfp4_layout::to_kernel_word(word[0]), word[1] = nvfp4_layout::to_kernel_word(word[1]);
-      const int64_t local = i - e * blocks_per_matrix, n = local / nb, b = local % nb;
-      code_at = e * blocks_per_matrix + nvfp4_layout::block_place(n, b, N, nb, false);
-      scale_at = e * blocks_per_matrix + nvfp4_layout::block_place(n, b, N, nb, true);
-    }
+    if (kernel_layout) word[0] = nvfp4_layout::to_kernel_word(word[0]), word[1] = nvfp4_layout::to_kernel_word(word[1]);
     block_scale[scale_at] = uint8_t(sf);
-    reinterpret_cast<uint2*>(packed)[code_at] = make_uint2(word[0], word[1]);
+    reinterpret_cast<uint2*>(packed)[i] = make_uint2(word[0], word[1]);
   }
 }
 

@@ -86,4 +86,21 @@ KILN_HOST_DEVICE inline int64_t block_place(int64_t n, int64_t b, int64_t N, int
   return tile * kTileUnits + in_tile;
 }
 
+// The inverse for the codes: the row n and block b whose codes sit at block index `place`.
+struct RowBlock {
+  int64_t n, b;
+};
+KILN_HOST_DEVICE inline RowBlock block_at(int64_t place, int64_t N, int64_t nb) {
+  const int64_t n32 = N / kTileRows * kTileRows, nb32 = nb / kTileBlocks * kTileBlocks;
+  if (place >= n32 * nb) return {place / nb, place % nb};
+  if (place >= n32 * nb32) {
+    const int64_t q = place - n32 * nb32, tail = nb - nb32;
+    return {q / tail, nb32 + q % tail};
+  }
+  const int64_t tile = place / kTileUnits, steps = nb32 / kTileBlocks;
+  const int in_tile = int(place % kTileUnits);
+  const int r = in_tile / 128, half = (in_tile % 128) / 64, lane = (in_tile % 64) / 2, sub = in_tile % 2;
+  return {(tile / steps) * kTileRows + lane / 4 + 8 * r, (tile % steps) * kTileBlocks + 8 * half + 2 * (lane % 4) + sub};
+}
+
 }  // namespace kiln::kernels::nvfp4_layout

@@ -229,6 +229,11 @@ TEST(Nvfp4, KernelLayoutPlacesEachWarpStepAsOneTile) {
         for (int64_t b = 0; b < nb; ++b) ++seen[size_t(layout::block_place(n, b, N, nb, scale))];
       EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), N * nb);
     }
+    for (int64_t n = 0; n < N; ++n)  // block_at inverts the codes' places
+      for (int64_t b = 0; b < nb; ++b) {
+        const layout::RowBlock rb = layout::block_at(layout::block_place(n, b, N, nb, false), N, nb);
+        ASSERT_TRUE(rb.n == n && rb.b == b) << "row " << n << " block " << b << " came back as " << rb.n << ", " << rb.b;
+      }
     at::Tensor qp = q.packed.contiguous(), kp = k.packed.contiguous();
     at::Tensor qs = q.block_scale.contiguous().view(at::kByte), ks = k.block_scale.contiguous().view(at::kByte);
     for (int64_t e = 0; e < sh.E; ++e) {
