@@ -23,6 +23,7 @@ float e4m3_decode(uint8_t bits);
 // One quantised matrix [N, K], or a stack of them [E, N, K] (the experts of a layer: one tensor
 // scale per matrix, as each expert is its own checkpoint tensor).
 struct Nvfp4Tensor {
+  // ModelOpt layout (below: the kernel layout moves blocks and permutes bits within each matrix).
   at::Tensor packed;        // uint8 [(E,) N, K/2]: element 2j in the low nibble of byte j
   at::Tensor block_scale;   // uint8 [(E,) N, K/16]: FP8 E4M3 bits (safetensors F8_E4M3), row-major
   at::Tensor tensor_scale;  // float32 [] (or [E]): amax(W) / (6 * 448)

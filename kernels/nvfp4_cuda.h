@@ -28,7 +28,7 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_
 // y [M, N] = (x [M, K] . (e2m1 * sf)^T) * s2 * (*scale), FP32 accumulation, y in x's dtype
 // (kFloat32 or kBFloat16; fp32 x runs as two bf16 terms hi + lo). packed [N, K/2] in the kernel
 // layout (nvfp4.h), block_scale [N, K/16], tensor_scale [1]; scale: one fp32 on the device or null.
-// All contiguous; x, y and packed 16-byte aligned. K a multiple of 16, M >= 0, N >= 1.
+// All contiguous; x, y, packed and block_scale 16-byte aligned. K a multiple of 16, M >= 0, N >= 1.
 cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* packed, const uint8_t* block_scale,
                                 const float* tensor_scale, const float* scale, void* y, int64_t M, int64_t N,
                                 int64_t K, cudaStream_t stream);

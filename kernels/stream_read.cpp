@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include "core/error.h"
@@ -46,6 +47,9 @@ void xor_words_into(const at::Tensor& t, at::Tensor& out) {
              "xor_words: out must be one int32 on ", t.device());
 #if KILN_WITH_CUDA
   if (t.is_cuda()) {
+    KILN_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0,
+               "xor_words: a CUDA tensor must start on a 4-byte boundary (it starts at byte offset ",
+               reinterpret_cast<uintptr_t>(t.data_ptr()) % 4, ")");
     const c10::cuda::CUDAGuard guard(t.device());
     const cudaError_t err = launch_xor_words(static_cast<const uint32_t*>(t.data_ptr()), count,
                                              reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()),

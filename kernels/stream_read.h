@@ -5,9 +5,10 @@
 
 namespace kiln::kernels {
 
-// t: any contiguous tensor whose byte count is a multiple of 4. Returns an int32 scalar on t's
-// device holding the XOR of its little-endian 32-bit words (0 for an empty tensor). CUDA tensors
-// take the kernel (no host sync, so it can be captured in a CUDA graph), others the reference.
+// t: any contiguous tensor whose byte count is a multiple of 4 (on CUDA, starting on a 4-byte
+// boundary). Returns an int32 scalar on t's device holding the XOR of its little-endian 32-bit
+// words (0 for an empty tensor). CUDA tensors take the kernel (no host sync, so it can be captured
+// in a CUDA graph), others the reference.
 at::Tensor xor_words(const at::Tensor& t);
 at::Tensor xor_words_reference(const at::Tensor& t);  // a host loop over a CPU copy
 // out (an int32 scalar on t's device) ^= the XOR of t's words: one kernel and nothing else, for

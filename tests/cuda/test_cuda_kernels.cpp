@@ -138,6 +138,8 @@ TEST(CudaStreamRead, EqualsReferenceExactlyAtAnyAlignment) {
       kernels::xor_words_into(part, acc);  // x ^ x
       EXPECT_EQ(acc.item<int32_t>(), 0) << "count " << count << " skip " << skip;
     }
+  at::Tensor bytes = at::zeros({4100}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+  EXPECT_TRUE(test::throws_with([&] { kernels::xor_words(bytes.narrow(0, 1, 4096)); }, {"4-byte boundary", "offset 1"}));
 }
 
 }  // namespace

@@ -40,7 +40,9 @@ void expect_same_quantization(const Nvfp4Tensor& got, const Nvfp4Tensor& want, c
 TEST(CudaNvfp4, QuantizeIsBitExact) {
   ASSERT_TRUE(at::hasCUDA()) << "the cuda label needs a GPU";
   at::manual_seed(7);
-  const std::vector<std::vector<int64_t>> shapes = {{19, 48}, {111, 4112}, {1, 16}, {3, 19, 64}, {4097, 32}};
+  // {2, 40, 272}: a stack whose matrices have whole tiles, a K tail and a partial row tile.
+  const std::vector<std::vector<int64_t>> shapes = {{19, 48},    {111, 4112}, {1, 16},
+                                                     {3, 19, 64}, {4097, 32},  {2, 40, 272}};
   for (const auto& shape : shapes)
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
       at::Tensor w = spread_weights(shape);
@@ -49,7 +51,7 @@ TEST(CudaNvfp4, QuantizeIsBitExact) {
       const Nvfp4Tensor ref = kernels::nvfp4_quantize_reference(w);
       const std::string what = str_cat("shape ", at::IntArrayRef(shape), " dtype ", dtype);
       expect_same_quantization(kernels::nvfp4_quantize_cuda(w.cuda()), ref, what);
-      // Written straight into the GEMMs' layout: the reference's codes with their signs moved.
+      // Written straight into the GEMMs' layout: the reference's blocks moved, their bits permuted.
       const Nvfp4Tensor kq = kernels::nvfp4_quantize_cuda(w.cuda(), /*kernel_layout=*/true);
       EXPECT_TRUE(kq.kernel_layout);
       expect_same_quantization(kq, kernels::nvfp4_to_kernel_layout(ref), what + " kernel layout");
@@ -91,7 +93,7 @@ TEST(CudaNvfp4, QuantizeTiesRoundToEven) {
 
 TEST(CudaNvfp4, DequantizeIsBitExact) {
   at::manual_seed(8);
-  for (const auto& shape : std::vector<std::vector<int64_t>>{{19, 48}, {111, 4112}, {3, 7, 64}}) {
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{19, 48}, {111, 4112}, {3, 7, 64}, {2, 40, 272}}) {
     const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights(shape));
     // Random codes and any finite scale byte too (ModelOpt writes 1.0 for zero blocks).
     Nvfp4Tensor r = q;
