@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "kernels/cuda_convert.cuh"
+#include "kernels/cuda_memory.cuh"
 #include "kernels/nvfp4_cuda.h"
 #include "kernels/nvfp4_layout.h"
 
@@ -187,20 +188,6 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
-}
-
-__device__ __forceinline__ uint4 ld_stream16(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint2 ld_stream8(const void* p) {
-  uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -565,17 +552,6 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(kMaxNT, kWarps))
       gemm_tile<kMaxNT, kWarps, kF32, kAligned>(xc, m_count, pk, sf, scale, yc, N, K, row0, red);
     }
   }
-}
-
-int num_sms() {
-  static int n = 0;
-  if (n == 0) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    if (n <= 0) n = 132;
-  }
-  return n;
 }
 
 template <int NT, int kWarps, bool kF32>

@@ -3,18 +3,11 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda_memory.cuh"
 #include "kernels/stream_read_cuda.h"
 
 namespace kiln::kernels {
 namespace {
-
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
 
 // Words [0, head) and [head + 4 vecs, count) one at a time; the 16-byte vectors in between.
 __global__ void xor_words_kernel(const uint32_t* __restrict__ words, int64_t count, int64_t head, int64_t vecs,
@@ -23,7 +16,7 @@ __global__ void xor_words_kernel(const uint32_t* __restrict__ words, int64_t cou
   const uint4* v = reinterpret_cast<const uint4*>(words + head);
   uint32_t x = 0;
   for (int64_t i = i0; i < vecs; i += stride) {
-    const uint4 u = ld_stream(v + i);
+    const uint4 u = ld_stream16(v + i);
     x ^= u.x ^ u.y ^ u.z ^ u.w;
   }
   for (int64_t i = i0; i < head; i += stride) x ^= words[i];
@@ -45,13 +38,10 @@ cudaError_t launch_xor_words(const uint32_t* words, int64_t count, uint32_t* out
   const int64_t misaligned = int64_t(reinterpret_cast<uintptr_t>(words) % 16) / 4;
   const int64_t head = std::min<int64_t>(count, misaligned ? 4 - misaligned : 0);
   const int64_t vecs = (count - head) / 4;
-  int dev = 0, sms = 132;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   constexpr int kThreads = 512;
   // Enough blocks to fill every multiprocessor (4 of 512 threads each), fewer for small inputs.
   const int64_t want = std::max<int64_t>(1, (std::max<int64_t>(vecs, count - 4 * vecs) + kThreads - 1) / kThreads);
-  const unsigned grid = unsigned(std::min<int64_t>(want, int64_t(sms) * 4));
+  const unsigned grid = unsigned(std::min<int64_t>(want, int64_t(num_sms()) * 4));
   xor_words_kernel<<<grid, kThreads, 0, stream>>>(words, count, head, vecs, out);
   return cudaGetLastError();
 }

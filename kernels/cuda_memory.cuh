@@ -1,0 +1,38 @@
+// Memory helpers shared by the CUDA kernels: streaming global loads that skip L1 (read-once data
+// such as weights) and the multiprocessor count that sizes grids. Include from .cu files.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kiln::kernels {
+
+// 16 bytes (16-byte aligned) through L2 only, with a 256-byte L2 prefetch of the line around it.
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// 8 bytes (8-byte aligned) through L2 only.
+__device__ __forceinline__ uint2 ld_stream8(const void* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+// Multiprocessors of the current device, read once (132 if the query fails).
+inline int num_sms() {
+  static int n = 0;
+  if (n == 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    if (n <= 0) n = 132;
+  }
+  return n;
+}
+
+}  // namespace kiln::kernels
