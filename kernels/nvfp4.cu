@@ -97,27 +97,30 @@ __global__ void amax_kernel(const T* __restrict__ w, int64_t per_matrix, uint32_
   }
 }
 
-// One thread per 16-value block: the reference's arithmetic, operation for operation. In the kernel
-// layout thread i writes the codes at place i (nvfp4_layout::block_at says whose), so the stores
-// are contiguous and the 32-byte reads of the source blocks are scattered instead.
+// One thread per 16-value block of matrix blockIdx.y: the reference's arithmetic, operation for
+// operation. In the kernel layout thread i writes the codes at place i (nvfp4_layout::block_at says
+// whose), so the stores are contiguous and the 32-byte reads of the source blocks are scattered.
+// Indices within a matrix are 32-bit (the launcher checks N * K / 16 < 2^32).
 template <typename T>
-__global__ void quantize_kernel(const T* __restrict__ w, int64_t N, int64_t nb, int64_t num_blocks,
-                                const uint32_t* __restrict__ amax, bool kernel_layout, uint8_t* __restrict__ packed,
-                                uint8_t* __restrict__ block_scale, float* __restrict__ tensor_scale) {
-  const int64_t blocks_per_matrix = N * nb;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_blocks; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t e = i / blocks_per_matrix;
-    int64_t src = i, scale_at = i;
+__global__ void quantize_kernel(const T* __restrict__ w, uint32_t N, uint32_t nb, const uint32_t* __restrict__ amax,
+                                bool kernel_layout, uint8_t* __restrict__ packed, uint8_t* __restrict__ block_scale,
+                                float* __restrict__ tensor_scale) {
+  const uint32_t per = N * nb, e = blockIdx.y;
+  const int64_t base = int64_t(e) * per;
+  const float am = __uint_as_float(amax[e]);
+  const float s2 = am > 0.0f ? am / (6.0f * 448.0f) : 1.0f;
+  if (blockIdx.x == 0 && threadIdx.x == 0) tensor_scale[e] = s2;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t step = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; step < per; step += stride) {
+    const uint32_t i = uint32_t(step);  // the loop counts in 64 bits: i + stride may pass 2^32
+    uint32_t src = i, scale_at = i;
     if (kernel_layout) {
-      const nvfp4_layout::RowBlock rb = nvfp4_layout::block_at(i - e * blocks_per_matrix, N, nb);
-      src = e * blocks_per_matrix + rb.n * nb + rb.b;
-      scale_at = e * blocks_per_matrix + nvfp4_layout::block_place(rb.n, rb.b, N, nb, true);
+      const nvfp4_layout::RowBlock<uint32_t> rb = nvfp4_layout::block_at(i, N, nb);
+      src = rb.n * nb + rb.b;
+      scale_at = nvfp4_layout::block_place(rb.n, rb.b, N, nb, true);
     }
-    const float am = __uint_as_float(amax[e]);
-    const float s2 = am > 0.0f ? am / (6.0f * 448.0f) : 1.0f;
-    if (i == e * blocks_per_matrix) tensor_scale[e] = s2;
     float v[16];
-    load16(w + src * kBlock, v);
+    load16(w + (base + src) * kBlock, v);
     float bmax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) bmax = fmaxf(bmax, fabsf(v[j]));
@@ -130,8 +133,8 @@ __global__ void quantize_kernel(const T* __restrict__ w, int64_t N, int64_t nb, 
       word[j / 8] |= code << (4 * (j % 8));
     }
     if (kernel_layout) word[0] = nvfp4_layout::to_kernel_word(word[0]), word[1] = nvfp4_layout::to_kernel_word(word[1]);
-    block_scale[scale_at] = uint8_t(sf);
-    reinterpret_cast<uint2*>(packed)[i] = make_uint2(word[0], word[1]);
+    block_scale[base + scale_at] = uint8_t(sf);
+    reinterpret_cast<uint2*>(packed)[base + i] = make_uint2(word[0], word[1]);
   }
 }
 
@@ -140,21 +143,23 @@ __global__ void quantize_kernel(const T* __restrict__ w, int64_t N, int64_t nb, 
 // put back in ModelOpt order.
 template <typename T>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ block_scale,
-                                  const float* __restrict__ tensor_scale, int64_t N, int64_t nb, int64_t num_blocks,
-                                  bool kernel_layout, T* __restrict__ out) {
-  const int64_t blocks_per_matrix = N * nb;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_blocks; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t e = i / blocks_per_matrix;
-    int64_t code_at = i, scale_at = i;
+                                  const float* __restrict__ tensor_scale, uint32_t N, uint32_t nb, bool kernel_layout,
+                                  T* __restrict__ out) {
+  const uint32_t per = N * nb, e = blockIdx.y;
+  const int64_t base = int64_t(e) * per;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t step = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; step < per; step += stride) {
+    const uint32_t i = uint32_t(step);  // the loop counts in 64 bits: i + stride may pass 2^32
+    uint32_t code_at = i, scale_at = i;
     if (kernel_layout) {
-      const int64_t local = i - e * blocks_per_matrix, n = local / nb, b = local % nb;
-      code_at = e * blocks_per_matrix + nvfp4_layout::block_place(n, b, N, nb, false);
-      scale_at = e * blocks_per_matrix + nvfp4_layout::block_place(n, b, N, nb, true);
+      const uint32_t n = i / nb, b = i % nb;
+      code_at = nvfp4_layout::block_place(n, b, N, nb, false);
+      scale_at = nvfp4_layout::block_place(n, b, N, nb, true);
     }
-    const float scale = e4m3_decode(block_scale[scale_at]) * tensor_scale[e];
-    uint2 u = reinterpret_cast<const uint2*>(packed)[code_at];
+    const float scale = e4m3_decode(block_scale[base + scale_at]) * tensor_scale[e];
+    uint2 u = reinterpret_cast<const uint2*>(packed)[base + code_at];
     if (kernel_layout) u = make_uint2(nvfp4_layout::to_modelopt_word(u.x), nvfp4_layout::to_modelopt_word(u.y));
-    T* o = out + i * kBlock;
+    T* o = out + (base + i) * kBlock;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const uint32_t code = ((j < 8 ? u.x : u.y) >> (4 * (j % 8))) & 0xFu;
@@ -611,8 +616,14 @@ cudaError_t launch_grouped_w(const void* x, const int64_t* offsets, const uint8_
   return launch_grouped_nt<kMaxNT, 8, kF32>(x, offsets, packed, sfs, ts, extra, y, E, N, K, stream);
 }
 
-unsigned grid_for(int64_t work, int threads) {
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>((work + threads - 1) / threads, int64_t(num_sms()) * 16)));
+// Grid of a per-block kernel over E matrices of `per` blocks each: y = the matrix, x = enough blocks
+// of `threads` to cover one matrix, about 16 per multiprocessor over all (a grid-stride loop does
+// the rest). Fails when a matrix's block count needs more than 32 bits or E is over the y limit.
+bool matrix_grid(int64_t E, int64_t per, int threads, dim3* grid) {
+  if (per >= (int64_t(1) << 32) || E > 65535) return false;
+  const int64_t cap = std::max<int64_t>(1, int64_t(num_sms()) * 16 / E);
+  *grid = dim3(unsigned(std::max<int64_t>(1, std::min<int64_t>((per + threads - 1) / threads, cap))), unsigned(E));
+  return true;
 }
 
 }  // namespace
@@ -632,16 +643,17 @@ cudaError_t launch_nvfp4_quantize(const void* w, Nvfp4DType dtype, int64_t E, in
   const dim3 agrid(unsigned(std::max<int64_t>(1, std::min<int64_t>((vecs + kThreads - 1) / kThreads,
                                                                    std::max<int64_t>(1, 4096 / E)))),
                    unsigned(E));
-  const unsigned qgrid = grid_for(blocks, kThreads);
+  dim3 qgrid;
+  if (!matrix_grid(E, N * K / kBlock, kThreads, &qgrid)) return cudaErrorInvalidValue;
   if (dtype == Nvfp4DType::kFloat32) {
     const float* p = static_cast<const float*>(w);
     amax_kernel<float><<<agrid, kThreads, 0, stream>>>(p, per_matrix, amax_ws);
-    quantize_kernel<float><<<qgrid, kThreads, 0, stream>>>(p, N, K / kBlock, blocks, amax_ws, kernel_layout, packed,
-                                                           block_scale, tensor_scale);
+    quantize_kernel<float><<<qgrid, kThreads, 0, stream>>>(p, uint32_t(N), uint32_t(K / kBlock), amax_ws, kernel_layout,
+                                                           packed, block_scale, tensor_scale);
   } else if (dtype == Nvfp4DType::kBFloat16) {
     const __nv_bfloat16* p = static_cast<const __nv_bfloat16*>(w);
     amax_kernel<__nv_bfloat16><<<agrid, kThreads, 0, stream>>>(p, per_matrix, amax_ws);
-    quantize_kernel<__nv_bfloat16><<<qgrid, kThreads, 0, stream>>>(p, N, K / kBlock, blocks, amax_ws,
+    quantize_kernel<__nv_bfloat16><<<qgrid, kThreads, 0, stream>>>(p, uint32_t(N), uint32_t(K / kBlock), amax_ws,
                                                                    kernel_layout, packed, block_scale, tensor_scale);
   } else {
     return cudaErrorInvalidValue;
@@ -655,18 +667,20 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_
   const int64_t blocks = E * N * K / kBlock;
   if (blocks == 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  const unsigned grid = grid_for(blocks, kThreads);
+  dim3 grid;
+  if (!matrix_grid(E, N * K / kBlock, kThreads, &grid)) return cudaErrorInvalidValue;
+  const uint32_t n32 = uint32_t(N), nb = uint32_t(K / kBlock);
   switch (dtype) {
     case Nvfp4DType::kFloat32:
-      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, N, K / kBlock, blocks, kernel_layout,
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, n32, nb, kernel_layout,
                                                        static_cast<float*>(out));
       break;
     case Nvfp4DType::kBFloat16:
-      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, N, K / kBlock, blocks, kernel_layout,
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, n32, nb, kernel_layout,
                                                        static_cast<__nv_bfloat16*>(out));
       break;
     case Nvfp4DType::kFloat16:
-      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, N, K / kBlock, blocks, kernel_layout,
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(packed, block_scale, tensor_scale, n32, nb, kernel_layout,
                                                        static_cast<__half*>(out));
       break;
   }

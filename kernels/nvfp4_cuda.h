@@ -14,7 +14,8 @@ enum class Nvfp4DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 // w [E, N, K] (E = 1 for one matrix), kFloat32 or kBFloat16, contiguous, 16-byte aligned; K a
 // multiple of 16. Writes packed [E, N, K/2] (ModelOpt order, or the GEMMs' kernel layout),
 // block_scale [E, N, K/16] (E4M3 bits), tensor_scale [E] fp32. amax_ws: E uint32 of device scratch
-// (zeroed here, then the per-matrix amax).
+// (zeroed here, then the per-matrix amax). Quantise and dequantise need N * K / 16 < 2^32 and
+// E <= 65535 (else cudaErrorInvalidValue).
 cudaError_t launch_nvfp4_quantize(const void* w, Nvfp4DType dtype, int64_t E, int64_t N, int64_t K, bool kernel_layout,
                                   uint8_t* packed, uint8_t* block_scale, float* tensor_scale, uint32_t* amax_ws,
                                   cudaStream_t stream);

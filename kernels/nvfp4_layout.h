@@ -69,38 +69,43 @@ KILN_HOST_DEVICE inline uint32_t pair_bits(uint32_t w, int q) {
 // first N32 rows (row-major, nb - nb32 blocks per row), then the last N - N32 rows (row-major,
 // nb blocks per row). Shapes do not change: a matrix of N < 32 rows or K < 256 stays row-major.
 constexpr int kTileRows = 32, kTileBlocks = 16;  // one warp step: 32 rows x 16 blocks (256 values)
-constexpr int64_t kTileUnits = kTileRows * kTileBlocks;
+constexpr int kTileUnits = kTileRows * kTileBlocks;
 
 // Index (in blocks: 8 bytes of codes, or one scale byte) of block b of row n; `scale` picks the
-// scales' order inside a tile.
-KILN_HOST_DEVICE inline int64_t block_place(int64_t n, int64_t b, int64_t N, int64_t nb, bool scale) {
-  const int64_t n32 = N / kTileRows * kTileRows, nb32 = nb / kTileBlocks * kTileBlocks;
+// scales' order inside a tile. I: the index type; the CUDA kernels use uint32_t within a matrix
+// (64-bit division by a runtime value costs several times the 32-bit one on the GPU).
+template <typename I>
+KILN_HOST_DEVICE inline I block_place(I n, I b, I N, I nb, bool scale) {
+  const I n32 = N / kTileRows * kTileRows, nb32 = nb / kTileBlocks * kTileBlocks;
   if (n >= n32) return n * nb + b;  // the last rows: row-major, as before
   if (b >= nb32) return n32 * nb32 + n * (nb - nb32) + (b - nb32);
-  const int64_t tile = (n / kTileRows) * (nb32 / kTileBlocks) + b / kTileBlocks;
+  const I tile = (n / kTileRows) * (nb32 / kTileBlocks) + b / kTileBlocks;
   const int rr = int(n % kTileRows), bb = int(b % kTileBlocks);
   const int g = rr % 8, r = rr / 8, half = bb / 8, t = (bb % 8) / 2, sub = bb % 2, lane = 4 * g + t;
   // Codes: lane's 16 bytes at 1024 r + 512 half + 16 lane. Scales: lane's 16 bytes hold, per r, a
   // word whose bytes are blocks 2t, 2t+1, 8+2t, 9+2t.
   const int in_tile = scale ? 16 * lane + 4 * r + 2 * half + sub : 128 * r + 64 * half + 2 * lane + sub;
-  return tile * kTileUnits + in_tile;
+  return tile * I(kTileUnits) + I(in_tile);
 }
 
 // The inverse for the codes: the row n and block b whose codes sit at block index `place`.
+template <typename I>
 struct RowBlock {
-  int64_t n, b;
+  I n, b;
 };
-KILN_HOST_DEVICE inline RowBlock block_at(int64_t place, int64_t N, int64_t nb) {
-  const int64_t n32 = N / kTileRows * kTileRows, nb32 = nb / kTileBlocks * kTileBlocks;
+template <typename I>
+KILN_HOST_DEVICE inline RowBlock<I> block_at(I place, I N, I nb) {
+  const I n32 = N / kTileRows * kTileRows, nb32 = nb / kTileBlocks * kTileBlocks;
   if (place >= n32 * nb) return {place / nb, place % nb};
   if (place >= n32 * nb32) {
-    const int64_t q = place - n32 * nb32, tail = nb - nb32;
+    const I q = place - n32 * nb32, tail = nb - nb32;
     return {q / tail, nb32 + q % tail};
   }
-  const int64_t tile = place / kTileUnits, steps = nb32 / kTileBlocks;
+  const I tile = place / kTileUnits, steps = nb32 / kTileBlocks;
   const int in_tile = int(place % kTileUnits);
   const int r = in_tile / 128, half = (in_tile % 128) / 64, lane = (in_tile % 64) / 2, sub = in_tile % 2;
-  return {(tile / steps) * kTileRows + lane / 4 + 8 * r, (tile % steps) * kTileBlocks + 8 * half + 2 * (lane % 4) + sub};
+  return {(tile / steps) * I(kTileRows) + I(lane / 4 + 8 * r),
+          (tile % steps) * I(kTileBlocks) + I(8 * half + 2 * (lane % 4) + sub)};
 }
 
 }  // namespace kiln::kernels::nvfp4_layout

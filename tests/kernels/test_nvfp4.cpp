@@ -231,8 +231,14 @@ TEST(Nvfp4, KernelLayoutPlacesEachWarpStepAsOneTile) {
     }
     for (int64_t n = 0; n < N; ++n)  // block_at inverts the codes' places
       for (int64_t b = 0; b < nb; ++b) {
-        const layout::RowBlock rb = layout::block_at(layout::block_place(n, b, N, nb, false), N, nb);
+        const layout::RowBlock<int64_t> rb = layout::block_at(layout::block_place(n, b, N, nb, false), N, nb);
         ASSERT_TRUE(rb.n == n && rb.b == b) << "row " << n << " block " << b << " came back as " << rb.n << ", " << rb.b;
+        for (bool scale : {false, true})  // the kernels' 32-bit arithmetic gives the same places
+          ASSERT_EQ(int64_t(layout::block_place<uint32_t>(uint32_t(n), uint32_t(b), uint32_t(N), uint32_t(nb), scale)),
+                    layout::block_place(n, b, N, nb, scale));
+        const layout::RowBlock<uint32_t> r32 = layout::block_at<uint32_t>(
+            uint32_t(layout::block_place(n, b, N, nb, false)), uint32_t(N), uint32_t(nb));
+        ASSERT_TRUE(r32.n == n && r32.b == b) << "row " << n << " block " << b << " (32-bit)";
       }
     at::Tensor qp = q.packed.contiguous(), kp = k.packed.contiguous();
     at::Tensor qs = q.block_scale.contiguous().view(at::kByte), ks = k.block_scale.contiguous().view(at::kByte);
