@@ -138,11 +138,13 @@ TEST(CudaNvfp4, LinearMatchesReference) {
     std::vector<int64_t> Ms;
   };
   // K: 16 and 48 (tail only), 2080 (8 super-chunks + 2 tail blocks, 16-byte loads), 4112 (16
-  // super-chunks + 1 tail block, 8-byte loads); N odd, one row tile up to 129; M over 1..4 n-tiles
-  // and several 32-token chunks.
+  // super-chunks + 1 tail block, 8-byte loads), 8208 and 8192 (32 super-chunks: a cluster of two
+  // blocks splits K, the tail on the second); N odd, one row tile up to 129; M over 1..4 n-tiles and
+  // several 32-token chunks.
   const std::vector<Case> cases = {{19, 16, {1, 19, 111}},         {111, 48, {1, 19, 64}},  {19, 4112, {1, 19, 111, 256}},
                                     {111, 2080, {1, 19, 64, 111}}, {4097, 48, {1, 19}},     {4097, 4112, {1, 19}},
-                                    {4097, 2080, {111}},          {256, 4096, {1, 16, 33}}};
+                                    {4097, 2080, {111}},          {256, 4096, {1, 16, 33}}, {111, 8208, {1, 19, 111}},
+                                    {96, 8192, {1, 16, 33}}};
   for (const Case& c : cases) {
     at::Tensor w = spread_weights({c.N, c.K}) * 1e-3;
     const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(w);
@@ -155,6 +157,9 @@ TEST(CudaNvfp4, LinearMatchesReference) {
         EXPECT_EQ(got.scalar_type(), dtype);
         EXPECT_TRUE(close_to_ref(got, ref.to(at::kFloat), dtype))
             << "M " << M << " N " << c.N << " K " << c.K << " dtype " << dtype;
+        // The warp and cluster sums run in a fixed order: a second call is bit-identical.
+        EXPECT_TRUE(test::all_equal(kernels::nvfp4_linear_cuda(x.cuda(), kq, at::Tensor()).cpu(), got.cpu()))
+            << "M " << M << " N " << c.N << " K " << c.K << " dtype " << dtype << ": not deterministic";
       }
   }
 }

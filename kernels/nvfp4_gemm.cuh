@@ -1,0 +1,412 @@
+// Device code of the NVFP4 W4A16 GEMMs (dense and grouped kernels in nvfp4.cu): the bit-exact
+// in-register decode, the fragment loads of the tiled kernel layout, and the per-tile product with
+// its fixed-order reduction over warps. A header so that benchmarks and probes can time variants.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda_convert.cuh"
+#include "kernels/cuda_memory.cuh"
+#include "kernels/nvfp4_layout.h"
+
+namespace kiln::kernels::nvfp4_gemm {
+
+constexpr int kBlock = 16;  // values per E4M3 block scale
+
+// 16 consecutive values of a 16-byte aligned row as floats.
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, float (&v)[16]) {
+  constexpr int kPer = 16 / int(sizeof(T));
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < 16 / kPer; ++i) {
+    const uint4 u = __ldg(q + i);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) v[i * kPer + j] = to_float(e[j]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// W4A16 GEMM.
+//
+// A warp owns 32 weight rows (two m16 tiles: rows g, g+8, g+16, g+24 of lane g = lane/4) and a
+// contiguous range of 256-wide K "super-chunks". In mma.m16n8k16 a lane's A and B registers cover
+// the same k-slots, so any physical k per (lane, register) works if A and B agree: lane t = lane%4
+// of a quad takes four whole 16-value blocks of each super-chunk (blocks 2t, 2t+1, 8+2t, 9+2t, so
+// each quad's 16-byte loads are contiguous), and for block c the mma step s (0..3) uses its value
+// pairs 2s (slots 2t, 2t+1) and 2s+1 (slots 2t+8, 2t+9), for the weights and the activations alike.
+
+constexpr int kRowsPerBlock = 32;
+constexpr int kSuper = 256;  // K per warp iteration
+static_assert(kRowsPerBlock == nvfp4_layout::kTileRows && kSuper == nvfp4_layout::kTileBlocks * kBlock,
+              "a warp step is one tile of the kernel layout");
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A 16-value block (two kernel-layout words, E4M3 scale sf >= 0) -> its 8 bf16x2 pairs of
+// e2m1 * sf * 2^-8, exact: each pair's code bits land on bf16 exponent/mantissa positions
+// (nvfp4_layout::pair_bits: e2m1 * 2^-126) and one multiply by bf16(sf * 2^118) scales them. The
+// 2^-8 keeps that factor below bf16's range limit (448 * 2^118 < 2^127); the epilogue multiplies
+// it back (kEpilogueUnscale), and since power-of-two scaling commutes with every rounding, the
+// outputs equal those of unscaled weights bit for bit.
+__device__ __forceinline__ void decode_block(uint32_t w0, uint32_t w1, uint32_t sf, uint32_t (&d)[8]) {
+  // E4M3 bits shifted into an fp32's exponent and mantissa, times 2^120: sf exactly, subnormals
+  // too; then times 2^118 (separately: 2^238 is not an fp32).
+  const float f = __uint_as_float((sf & 0x7Fu) << 20) * 0x1p120f * 0x1p118f;
+  const uint32_t c = prmt(__float_as_uint(f), 0, 0x3232);  // its bf16 (exact) in both halves
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    d[q] = mul_bf16x2(nvfp4_layout::pair_bits(w0, q), c);
+    d[4 + q] = mul_bf16x2(nvfp4_layout::pair_bits(w1, q), c);
+  }
+}
+
+constexpr float kEpilogueUnscale = 256.0f;  // undoes decode_block's 2^-8
+
+// A lane's weights for one super-chunk: per row r (g + 8r) 8 words (blocks c = 0..3, two words
+// each) and the 4 scale bytes.
+struct WFrag {
+  uint32_t w[4][8];
+  uint32_t s[4];
+};
+
+// A lane's activations for one 16-value block and one token: bf16 pairs; fp32 inputs carry a
+// second term lo = bf16(x - hi).
+template <bool kF32>
+struct XBlk {
+  uint32_t hi[8];
+  uint32_t lo[kF32 ? 8 : 1];
+};
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);  // a in the low half
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <bool kF32>
+__device__ __forceinline__ void load_x(XBlk<kF32>& f, const void* row, int64_t k) {
+  if constexpr (!kF32) {
+    if (row) {
+      const uint4* p = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(row) + k);
+      const uint4 a = __ldg(p), b = __ldg(p + 1);
+      f.hi[0] = a.x, f.hi[1] = a.y, f.hi[2] = a.z, f.hi[3] = a.w;
+      f.hi[4] = b.x, f.hi[5] = b.y, f.hi[6] = b.z, f.hi[7] = b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f.hi[i] = 0;
+    }
+  } else {
+    float v[16];
+    if (row) {
+      load16(static_cast<const float*>(row) + k, v);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float h0 = __bfloat162float(__float2bfloat16_rn(v[2 * i]));
+      const float h1 = __bfloat162float(__float2bfloat16_rn(v[2 * i + 1]));
+      f.hi[i] = pack_bf16x2(h0, h1);
+      f.lo[i] = pack_bf16x2(v[2 * i] - h0, v[2 * i + 1] - h1);  // exact differences
+    }
+  }
+}
+
+// acc[mt][n] += weights (block c of the fragment) x activations x[n], for both m16 tiles.
+template <int NT, bool kF32, int C>
+__device__ __forceinline__ void block_product(const WFrag& wf, const XBlk<kF32> (&x)[NT], float (&acc)[2][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    uint32_t top[8], bot[8];
+    decode_block(wf.w[2 * mt][2 * C], wf.w[2 * mt][2 * C + 1], (wf.s[2 * mt] >> (8 * C)) & 0xFFu, top);
+    decode_block(wf.w[2 * mt + 1][2 * C], wf.w[2 * mt + 1][2 * C + 1], (wf.s[2 * mt + 1] >> (8 * C)) & 0xFFu, bot);
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        mma_bf16(acc[mt][n], top[2 * s], bot[2 * s], top[2 * s + 1], bot[2 * s + 1], x[n].hi[2 * s], x[n].hi[2 * s + 1]);
+        if constexpr (kF32)
+          mma_bf16(acc[mt][n], top[2 * s], bot[2 * s], top[2 * s + 1], bot[2 * s + 1], x[n].lo[2 * s],
+                   x[n].lo[2 * s + 1]);
+      }
+  }
+}
+
+// Block offset (in 16-value blocks within a super-chunk) of lane t's block c.
+__device__ __forceinline__ int block_of(int c, int t) { return (c >> 1) * 8 + 2 * t + (c & 1); }
+
+template <bool kAligned>
+__device__ __forceinline__ void load_w(WFrag& f, const uint8_t* wp, const uint8_t* sp, int64_t wstride, int64_t sstride,
+                                       unsigned valid, int64_t sc, int t) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint8_t* w = wp + r * wstride + sc * (kSuper / 2);
+    const uint8_t* s = sp + r * sstride + sc * (kSuper / kBlock);
+    if ((valid >> r) & 1u) {
+      if constexpr (kAligned) {
+        const uint4 a = ld_stream16(w + 16 * t), b = ld_stream16(w + 64 + 16 * t);
+        f.w[r][0] = a.x, f.w[r][1] = a.y, f.w[r][2] = a.z, f.w[r][3] = a.w;
+        f.w[r][4] = b.x, f.w[r][5] = b.y, f.w[r][6] = b.z, f.w[r][7] = b.w;
+        f.s[r] = uint32_t(__ldg(reinterpret_cast<const unsigned short*>(s + 2 * t))) |
+                 (uint32_t(__ldg(reinterpret_cast<const unsigned short*>(s + 8 + 2 * t))) << 16);
+      } else {
+        f.s[r] = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int b = block_of(c, t);
+          const uint2 v = ld_stream8(w + 8 * b);
+          f.w[r][2 * c] = v.x, f.w[r][2 * c + 1] = v.y;
+          f.s[r] |= uint32_t(__ldg(s + b)) << (8 * c);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f.w[r][i] = 0;
+      f.s[r] = 0;
+    }
+  }
+}
+
+// The same fragment from a whole tile (nvfp4_layout::block_place): 4 KB of codes and 512 scale
+// bytes, each warp load 512 contiguous bytes. Unaligned: the codes are 8-byte aligned, the scales
+// only byte-aligned (a grouped stack of odd shapes).
+template <bool kAligned>
+__device__ __forceinline__ void load_w_tile(WFrag& f, const uint8_t* w, const uint8_t* s, int lane) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint8_t* p = w + 1024 * r + 16 * lane;
+    if constexpr (kAligned) {
+      const uint4 a = ld_stream16(p), b = ld_stream16(p + 512);
+      f.w[r][0] = a.x, f.w[r][1] = a.y, f.w[r][2] = a.z, f.w[r][3] = a.w;
+      f.w[r][4] = b.x, f.w[r][5] = b.y, f.w[r][6] = b.z, f.w[r][7] = b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint2 v = ld_stream8(p + (i / 2) * 512 + (i % 2) * 8);
+        f.w[r][2 * i] = v.x, f.w[r][2 * i + 1] = v.y;
+      }
+    }
+  }
+  if constexpr (kAligned) {
+    const uint4 v = ld_stream16(s + 16 * lane);
+    f.s[0] = v.x, f.s[1] = v.y, f.s[2] = v.z, f.s[3] = v.w;
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      f.s[r] = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f.s[r] |= uint32_t(__ldg(s + 16 * lane + 4 * r + i)) << (8 * i);
+    }
+  }
+}
+
+// Activations of blocks C0 .. C0+G-1 of super-chunk sc, then their products.
+template <int NT, bool kF32, int C0, int G>
+__device__ __forceinline__ void super_group(const WFrag& wf, const void* const (&xrow)[NT], int64_t sc, int t,
+                                            float (&acc)[2][NT][4]) {
+  XBlk<kF32> x[G][NT];
+#pragma unroll
+  for (int c = 0; c < G; ++c)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) load_x<kF32>(x[c][n], xrow[n], sc * kSuper + block_of(C0 + c, t) * kBlock);
+  block_product<NT, kF32, C0>(wf, x[0], acc);
+  if constexpr (G > 1) block_product<NT, kF32, C0 + 1>(wf, x[1], acc);
+  if constexpr (G > 2) {
+    block_product<NT, kF32, C0 + 2>(wf, x[2], acc);
+    block_product<NT, kF32, C0 + 3>(wf, x[3], acc);
+  }
+}
+
+template <int NT, bool kF32>
+__device__ __forceinline__ void super_product(const WFrag& wf, const void* const (&xrow)[NT], int64_t sc, int t,
+                                              float (&acc)[2][NT][4]) {
+  // About 32 registers of activations in flight: all four blocks' at once for one n-tile of bf16.
+  constexpr int G = kF32 ? (NT == 1 ? 2 : 1) : (NT == 1 ? 4 : NT == 2 ? 2 : 1);
+  if constexpr (G == 4) {
+    super_group<NT, kF32, 0, 4>(wf, xrow, sc, t, acc);
+  } else if constexpr (G == 2) {
+    super_group<NT, kF32, 0, 2>(wf, xrow, sc, t, acc);
+    super_group<NT, kF32, 2, 2>(wf, xrow, sc, t, acc);
+  } else {
+    super_group<NT, kF32, 0, 1>(wf, xrow, sc, t, acc);
+    super_group<NT, kF32, 1, 1>(wf, xrow, sc, t, acc);
+    super_group<NT, kF32, 2, 1>(wf, xrow, sc, t, acc);
+    super_group<NT, kF32, 3, 1>(wf, xrow, sc, t, acc);
+  }
+}
+
+// A warp's share of one block's work: 32 weight rows from row0 against m_count (<= 8 NT) tokens
+// starting at x, over part `part` of `parts` equal K ranges (whole super-chunks; the K tail goes to
+// the last part), split again over the block's kWarps warps. Adds into acc.
+template <int NT, int kWarps, bool kF32, bool kAligned>
+__device__ __forceinline__ void tile_partial(const void* x, int m_count, const uint8_t* packed, const uint8_t* sfs,
+                                             int64_t N, int64_t K, int64_t row0, int part, int parts,
+                                             float (&acc)[2][NT][4]) {
+  using T = typename std::conditional<kF32, float, __nv_bfloat16>::type;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
+  const int64_t wstride = K / 2, nb = K / kBlock, num_super = K / kSuper, nb32 = num_super * (kSuper / kBlock);
+  // Row tiles of 32 whole rows are tiled (nvfp4_layout::block_place), their K tails row-major after
+  // the tiles; a last partial tile is row-major as a whole.
+  const bool tiled = row0 + kRowsPerBlock <= N;
+  const int64_t n32 = N / kRowsPerBlock * kRowsPerBlock;
+  const int64_t tail_nb = tiled ? nb - nb32 : nb, tail_b0 = tiled ? nb32 : 0;
+  const int64_t tail_at = tiled ? n32 * nb32 + (row0 + g) * tail_nb : (row0 + g) * nb;  // in blocks
+  const uint8_t* wp = packed + (row0 + g) * wstride;
+  const uint8_t* sp = sfs + (row0 + g) * nb;
+  unsigned valid = 0;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) valid |= unsigned(row0 + g + 8 * r < N) << r;
+  const void* xrow[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+    xrow[n] = 8 * n + g < m_count ? static_cast<const void*>(static_cast<const T*>(x) + (8 * n + g) * K) : nullptr;
+
+  const int64_t p0 = num_super * part / parts, p1 = num_super * (part + 1) / parts;
+  const int64_t sc0 = p0 + (p1 - p0) * warp / kWarps, sc1 = p0 + (p1 - p0) * (warp + 1) / kWarps;
+  if (tiled) {
+    constexpr int64_t kUnits = nvfp4_layout::kTileUnits;
+    const uint8_t* tw = packed + (row0 / kRowsPerBlock) * num_super * kUnits * 8;
+    const uint8_t* ts = sfs + (row0 / kRowsPerBlock) * num_super * kUnits;
+    for (int64_t sc = sc0; sc < sc1; ++sc) {
+      WFrag wf;
+      load_w_tile<kAligned>(wf, tw + sc * kUnits * 8, ts + sc * kUnits, lane);
+      super_product<NT, kF32>(wf, xrow, sc, t, acc);
+    }
+  } else {
+    for (int64_t sc = sc0; sc < sc1; ++sc) {
+      WFrag wf;
+      load_w<kAligned>(wf, wp, sp, 8 * wstride, 8 * nb, valid, sc, t);
+      super_product<NT, kF32>(wf, xrow, sc, t, acc);
+    }
+  }
+  if (part != parts - 1) return;
+  // The K tail (< 16 blocks, row-major): chunks of 4 blocks, chunk j on warp j, lane t on block 4j + t.
+  const int tail = int(nb - nb32);
+  for (int j = warp; 4 * j < tail; j += kWarps) {
+    const int b = 4 * j + t;
+    const int64_t blk = nb32 + b;
+    const bool ok = b < tail;
+    WFrag wf;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      if (ok && ((valid >> r) & 1u)) {
+        const int64_t at = tail_at + r * 8 * tail_nb + (blk - tail_b0);
+        const uint2 v = ld_stream8(packed + 8 * at);
+        wf.w[r][0] = v.x, wf.w[r][1] = v.y;
+        wf.s[r] = __ldg(sfs + at);
+      } else {
+        wf.w[r][0] = wf.w[r][1] = 0;
+        wf.s[r] = 0;
+      }
+    }
+    XBlk<kF32> xb[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) load_x<kF32>(xb[n], ok ? xrow[n] : nullptr, blk * kBlock);
+    block_product<NT, kF32, 0>(wf, xb, acc);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][n][i] = 0.0f;
+}
+
+// acc += the lane's float4s of NT n-tiles at `from` (laid out [2][NT][32 lanes]).
+template <int NT>
+__device__ __forceinline__ void add_partial(float (&acc)[2][NT][4], const float4* from, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const float4 v = from[(mt * NT + n) * 32 + lane];
+      acc[mt][n][0] += v.x, acc[mt][n][1] += v.y, acc[mt][n][2] += v.z, acc[mt][n][3] += v.w;
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void put_partial(const float (&acc)[2][NT][4], float4* to, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      to[(mt * NT + n) * 32 + lane] = make_float4(acc[mt][n][0], acc[mt][n][1], acc[mt][n][2], acc[mt][n][3]);
+}
+
+// float4s of shared memory sum_warps needs.
+__host__ __device__ constexpr int red_size(int nt, int warps) { return (warps > 1 ? warps - 1 : 1) * 2 * nt * 32; }
+
+// Warp 0's acc becomes the sum over the block's warps, in warp order: warps 1.. write their partial
+// to red, one barrier, warp 0 adds them. A caller that reuses red needs another barrier first.
+template <int NT, int kWarps>
+__device__ __forceinline__ void sum_warps(float (&acc)[2][NT][4], float4* red) {
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  if (warp > 0) put_partial<NT>(acc, red + (warp - 1) * 2 * NT * 32, lane);
+  __syncthreads();
+  if (warp == 0)
+    for (int w = 1; w < kWarps; ++w) add_partial<NT>(acc, red + (w - 1) * 2 * NT * 32, lane);
+}
+
+// Warp 0 writes the tile: y (row stride N) = acc * scale, rows row0.., tokens < m_count.
+template <int NT, bool kF32>
+__device__ __forceinline__ void store_tile(const float (&acc)[2][NT][4], float scale, void* y, int64_t N, int64_t row0,
+                                           int m_count) {
+  using T = typename std::conditional<kF32, float, __nv_bfloat16>::type;
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
+  T* out = static_cast<T*>(y);
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t row = row0 + 16 * mt + g + 8 * (i / 2);
+        const int tok = 8 * n + 2 * t + (i % 2);
+        if (row < N && tok < m_count) out[tok * N + row] = from_float<T>(acc[mt][n][i] * scale);
+      }
+}
+
+// One block's whole tile: every warp's partial over all of K, summed in warp order, written by
+// warp 0. red: red_size(NT, kWarps) float4s of shared memory.
+template <int NT, int kWarps, bool kF32, bool kAligned>
+__device__ __forceinline__ void gemm_tile(const void* x, int m_count, const uint8_t* packed, const uint8_t* sfs,
+                                          float scale, void* y, int64_t N, int64_t K, int64_t row0, float4* red) {
+  float acc[2][NT][4];
+  zero_acc<NT>(acc);
+  tile_partial<NT, kWarps, kF32, kAligned>(x, m_count, packed, sfs, N, K, row0, 0, 1, acc);
+  sum_warps<NT, kWarps>(acc, red);
+  if (threadIdx.x < 32) store_tile<NT, kF32>(acc, scale, y, N, row0, m_count);
+}
+
+__device__ __forceinline__ float epilogue_scale(const float* tensor_scale, const float* extra) {
+  const float s2 = *tensor_scale * kEpilogueUnscale;  // exact: a power of two
+  return extra ? s2 * *extra : s2;
+}
+
+}  // namespace kiln::kernels::nvfp4_gemm
