@@ -138,8 +138,8 @@ TEST(CudaNvfp4, LinearMatchesReference) {
     std::vector<int64_t> Ms;
   };
   // K: 16 and 48 (tail only), 2080 (8 super-chunks + 2 tail blocks, 16-byte loads), 4112 (16
-  // super-chunks + 1 tail block, 8-byte loads), 8208 and 8192 (32 super-chunks: a cluster of two
-  // blocks splits K, the tail on the second); N odd, one row tile up to 129; M over 1..4 n-tiles and
+  // super-chunks + 1 tail block, 8-byte loads), 8208 and 8192 (32 super-chunks: up to 16 tokens a
+  // cluster of two blocks splits K, the tail on the second); N odd, one row tile up to 129; M over 1..4 n-tiles and
   // several 32-token chunks.
   const std::vector<Case> cases = {{19, 16, {1, 19, 111}},         {111, 48, {1, 19, 64}},  {19, 4112, {1, 19, 111, 256}},
                                     {111, 2080, {1, 19, 64, 111}}, {4097, 48, {1, 19}},     {4097, 4112, {1, 19}},
