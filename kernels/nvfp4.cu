@@ -3,7 +3,6 @@
 // tokens), reads each warp step's codes as one 4 KB tile and decodes them to exact bf16 in
 // registers (nvfp4_layout.h), and splits K over a block's warps (and, for long K, over a cluster of
 // blocks), reduced in a fixed order.
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -20,7 +19,7 @@
 namespace kiln::kernels {
 namespace {
 
-using namespace nvfp4_gemm;  // kBlock, load16 and the GEMM building blocks
+using namespace nvfp4_gemm;  // kBlock and the GEMM building blocks
 
 // ---------------------------------------------------------------------------------------------
 // Scalar codecs, bit-exact to the CPU reference (kernels/nvfp4.cpp). No fast math: every division
@@ -163,10 +162,8 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const uint
 // Blocks per multiprocessor the register budget is cut for: 16 warps when n-tiles are few.
 constexpr int min_blocks(int nt, int warps) { return (nt <= 2 ? 16 : 8) / warps > 1 ? (nt <= 2 ? 16 : 8) / warps : 1; }
 
-// Dense: block (token chunk, row tile, part) computes part `part` of kParts K ranges of its tile.
-// With kParts > 1 the parts of a tile form a thread-block cluster: each part's warp sum goes into
-// part 0's shared memory, and part 0 adds them in part order and writes y, so the result does not
-// depend on timing.
+// Dense: block (token chunk, row tile, part) computes part `part` of kParts K ranges of its tile;
+// with kParts > 1 the parts form a thread-block cluster and are summed in part order (sum_parts).
 template <int NT, int kWarps, int kParts, bool kF32, bool kAligned>
 __global__ void __launch_bounds__(kWarps * 32, min_blocks(NT, kWarps))
     linear_kernel(const void* __restrict__ x, const uint8_t* __restrict__ packed, const uint8_t* __restrict__ sfs,
@@ -184,20 +181,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(NT, kWarps))
   zero_acc<NT>(acc);
   tile_partial<NT, kWarps, kF32, kAligned>(xc, m_count, packed, sfs, N, K, row0, part, kParts, acc);
   sum_warps<NT, kWarps>(acc, red);
-  const float scale = epilogue_scale(tensor_scale, extra);
-  if constexpr (kParts == 1) {
-    if (threadIdx.x < 32) store_tile<NT, kF32>(acc, scale, yc, N, row0, m_count);
-  } else {
-    __shared__ float4 parts[(kParts - 1) * 2 * NT * 32];
-    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    if (part > 0 && threadIdx.x < 32)
-      put_partial<NT>(acc, cluster.map_shared_rank(parts, 0) + (part - 1) * 2 * NT * 32, int(threadIdx.x));
-    cluster.sync();
-    if (part == 0 && threadIdx.x < 32) {
-      for (int p = 1; p < kParts; ++p) add_partial<NT>(acc, parts + (p - 1) * 2 * NT * 32, int(threadIdx.x));
-      store_tile<NT, kF32>(acc, scale, yc, N, row0, m_count);
-    }
-  }
+  if (sum_parts<NT, kParts>(acc, part)) store_tile<NT, kF32>(acc, epilogue_scale(tensor_scale, extra), yc, N, row0, m_count);
 }
 
 // Grouped: block (expert, row tile) walks its expert's rows in chunks of up to 8 kMaxNT tokens,

@@ -2,6 +2,7 @@
 // in-register decode, the fragment loads of the tiled kernel layout, and the per-tile product with
 // its fixed-order reduction over warps. A header so that benchmarks and probes can time variants.
 #pragma once
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -14,20 +15,6 @@
 namespace kiln::kernels::nvfp4_gemm {
 
 constexpr int kBlock = 16;  // values per E4M3 block scale
-
-// 16 consecutive values of a 16-byte aligned row as floats.
-template <typename T>
-__device__ __forceinline__ void load16(const T* p, float (&v)[16]) {
-  constexpr int kPer = 16 / int(sizeof(T));
-  const uint4* q = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-  for (int i = 0; i < 16 / kPer; ++i) {
-    const uint4 u = __ldg(q + i);
-    const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) v[i * kPer + j] = to_float(e[j]);
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // W4A16 GEMM.
@@ -338,7 +325,10 @@ __device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
       for (int i = 0; i < 4; ++i) acc[mt][n][i] = 0.0f;
 }
 
-// acc += the lane's float4s of NT n-tiles at `from` (laid out [2][NT][32 lanes]).
+// float4s of one warp's partial tile in shared memory: [2 m-tiles][NT][32 lanes].
+__host__ __device__ constexpr int partial_size(int nt) { return 2 * nt * 32; }
+
+// acc += the lane's float4s of NT n-tiles at `from` (laid out as partial_size says).
 template <int NT>
 __device__ __forceinline__ void add_partial(float (&acc)[2][NT][4], const float4* from, int lane) {
 #pragma unroll
@@ -360,17 +350,36 @@ __device__ __forceinline__ void put_partial(const float (&acc)[2][NT][4], float4
 }
 
 // float4s of shared memory sum_warps needs.
-__host__ __device__ constexpr int red_size(int nt, int warps) { return (warps > 1 ? warps - 1 : 1) * 2 * nt * 32; }
+__host__ __device__ constexpr int red_size(int nt, int warps) { return (warps > 1 ? warps - 1 : 1) * partial_size(nt); }
 
 // Warp 0's acc becomes the sum over the block's warps, in warp order: warps 1.. write their partial
 // to red, one barrier, warp 0 adds them. A caller that reuses red needs another barrier first.
 template <int NT, int kWarps>
 __device__ __forceinline__ void sum_warps(float (&acc)[2][NT][4], float4* red) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  if (warp > 0) put_partial<NT>(acc, red + (warp - 1) * 2 * NT * 32, lane);
+  if (warp > 0) put_partial<NT>(acc, red + (warp - 1) * partial_size(NT), lane);
   __syncthreads();
   if (warp == 0)
-    for (int w = 1; w < kWarps; ++w) add_partial<NT>(acc, red + (w - 1) * 2 * NT * 32, lane);
+    for (int w = 1; w < kWarps; ++w) add_partial<NT>(acc, red + (w - 1) * partial_size(NT), lane);
+}
+
+// The K parts of a tile, one block each, form a thread-block cluster: after sum_warps, warp 0 of
+// each part > 0 writes its sum into part 0's shared memory, a cluster barrier, and warp 0 of part
+// 0 adds them in part order, so the result does not depend on timing. Returns true in the threads
+// that hold the tile's sum (warp 0 of part 0; with one part, warp 0).
+template <int NT, int kParts>
+__device__ __forceinline__ bool sum_parts(float (&acc)[2][NT][4], int part) {
+  const int lane = int(threadIdx.x) % 32;
+  const bool warp0 = threadIdx.x < 32;
+  if constexpr (kParts > 1) {
+    __shared__ float4 parts[(kParts - 1) * partial_size(NT)];
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    if (part > 0 && warp0) put_partial<NT>(acc, cluster.map_shared_rank(parts, 0) + (part - 1) * partial_size(NT), lane);
+    cluster.sync();
+    if (part == 0 && warp0)
+      for (int p = 1; p < kParts; ++p) add_partial<NT>(acc, parts + (p - 1) * partial_size(NT), lane);
+  }
+  return part == 0 && warp0;
 }
 
 // Warp 0 writes the tile: y (row stride N) = acc * scale, rows row0.., tokens < m_count.

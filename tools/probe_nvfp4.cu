@@ -1,7 +1,6 @@
 // Probe of the NVFP4 M = 1 dense GEMM (kiln_probe_nvfp4, CUDA builds only): times the library's
 // per-tile code (nvfp4_gemm.cuh) under other schedules and loaders, and splits it into its memory
 // and compute halves, against a read floor. Evidence for docs/PERFORMANCE.md, not a test.
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -128,7 +127,6 @@ __global__ void __launch_bounds__(W * 32) probe_kernel(const __nv_bfloat16* x, c
                                                        __nv_bfloat16* y, int64_t N, int64_t K) {
   extern __shared__ __align__(16) uint8_t stages[];
   __shared__ float4 red[red_size(1, W)];
-  __shared__ float4 parts[S > 1 ? (S - 1) * 2 * 32 : 1];
   __shared__ __align__(8) uint64_t bars[W][2];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int part = int(blockIdx.x % S);
@@ -146,14 +144,7 @@ __global__ void __launch_bounds__(W * 32) probe_kernel(const __nv_bfloat16* x, c
                   sfs + tile * ns * kUnits, p0 + (p1 - p0) * warp / W, p0 + (p1 - p0) * (warp + 1) / W, lane, acc);
   }
   sum_warps<1, W>(acc, red);
-  if constexpr (S > 1) {
-    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    if (part > 0 && warp == 0) put_partial<1>(acc, cluster.map_shared_rank(parts, 0) + (part - 1) * 64, lane);
-    cluster.sync();
-    if (part == 0 && warp == 0)
-      for (int p = 1; p < S; ++p) add_partial<1>(acc, parts + (p - 1) * 64, lane);
-  }
-  if (part == 0 && warp == 0) store_tile<1, false>(acc, 1.0f, y, N, row0, 1);
+  if (sum_parts<1, S>(acc, part)) store_tile<1, false>(acc, 1.0f, y, N, row0, 1);
 }
 
 void check(cudaError_t e, const char* what) {
