@@ -1,5 +1,5 @@
 // safetensors reading (mmap, full header validation, zero-copy views) and atomic writing of single
-// files and sharded checkpoints with model.safetensors.index.json (MUSE.md §5).
+// files and sharded checkpoints with model.safetensors.index.json (docs/MODEL.md §3.1).
 #include "core/safetensors.h"
 
 #include <ATen/ATen.h>

@@ -1,4 +1,4 @@
-// safetensors checkpoints (MUSE.md §5): memory-mapped reading with validation, atomic writing,
+// safetensors checkpoints (docs/MODEL.md §3.1): memory-mapped reading with validation, atomic writing,
 // single files and sharded directories with model.safetensors.index.json.
 #pragma once
 #include <ATen/core/Tensor.h>

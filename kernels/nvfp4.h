@@ -1,4 +1,4 @@
-// NVFP4 as MUSE.md §6 defines it: E2M1 codes (round-to-nearest-even, saturating), FP8 E4M3 block
+// NVFP4 as docs/MODEL.md §4 defines it: E2M1 codes (round-to-nearest-even, saturating), FP8 E4M3 block
 // scales (one per 16 values along K), an FP32 tensor scale, two codes per byte (element 0 in the low
 // nibble). CPU references, bit-exact, and the W4A16 / W4A4 linears the rollout engine serves with.
 #pragma once

@@ -1,4 +1,4 @@
-// Muse checkpoints on disk: HF tensor names (MUSE.md §4) in safetensors plus config.json.
+// Muse checkpoints on disk: HF tensor names (docs/MODEL.md §3.2) in safetensors plus config.json.
 // Experts are stacked [E, ...] in memory and stored one tensor per expert.
 #pragma once
 #include <ATen/core/Tensor.h>

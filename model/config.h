@@ -1,4 +1,4 @@
-// ModelConfig: the dimensions of a Muse latent-MoE model (MUSE.md §2), read from YAML or an
+// ModelConfig: the dimensions of a Muse latent-MoE model (docs/MODEL.md §2), read from YAML or an
 // HF-style config.json, validated, and counted (parameters by part, active per token, KV bytes).
 #pragma once
 #include <cstdint>
@@ -50,7 +50,7 @@ struct ModelConfig {
   std::string to_yaml() const;
 };
 
-// Parameter counts by part (MUSE.md §1 table).
+// Parameter counts by part (docs/MODEL.md §2.3).
 struct ParamCounts {
   int64_t embedding = 0;  // embed_tokens
   int64_t head = 0;       // lm_head (untied)
@@ -60,7 +60,7 @@ struct ParamCounts {
   int64_t experts = 0;    // gate, up, down of every routed expert
   int64_t norms = 0;      // sandwich norms, final norm, per-expert norms
   int64_t total() const { return embedding + head + attention + latent + router + experts + norms; }
-  // Per token, MUSE.md's convention: attention + latent + router + k/E of the experts + norms.
+  // Per token, the convention of docs/MODEL.md §2.3: attention + latent + router + k/E of the experts + norms.
   int64_t active_per_token = 0;
   int64_t active_expert_norms = 0;
 };

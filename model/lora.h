@@ -1,4 +1,4 @@
-// LoRA adapters on the Muse linears (MUSE.md §7): W' = W + (alpha / r) B A on attention q/k/v/o,
+// LoRA adapters on the Muse linears (docs/MODEL.md §5): W' = W + (alpha / r) B A on attention q/k/v/o,
 // the latent pooler and unpooler, and every routed expert's gate/up/down (per-expert adapters,
 // stacked). Applied unmerged in the forward (on a dense or an NVFP4 base); PEFT import/export;
 // merging into the base.

@@ -1,4 +1,4 @@
-// The Muse forward pass (MUSE.md §3): embedding, sandwich-normed attention and latent-MoE blocks,
+// The Muse forward pass (docs/MODEL.md §1): embedding, sandwich-normed attention and latent-MoE blocks,
 // final norm, lm_head. Packed variable-length batches; routing capture and replay.
 #include "model/muse.h"
 

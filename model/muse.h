@@ -1,4 +1,4 @@
-// The Muse latent-MoE model (MUSE.md §3), written once for trainer and rollout: weights, the
+// The Muse latent-MoE model (docs/MODEL.md §1), written once for trainer and rollout: weights, the
 // packed variable-length forward, log-probs of targets, routing capture and routing replay.
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -35,7 +35,7 @@ struct LayerWeights {
   at::Tensor expert_norm;     // [E, d_l]
   at::Tensor unpooler;        // [d, d_l]
   at::Tensor post_moe_norm;   // [d]
-  // NVFP4 copies of the quantisable linears (MUSE.md §6), from an NVFP4 checkpoint or
+  // NVFP4 copies of the quantisable linears (docs/MODEL.md §4), from an NVFP4 checkpoint or
   // model::quantize_model (model/nvfp4_model.h). A linear whose dense weight above is undefined runs
   // from here (the rollout engine's NVFP4 serving). Experts are stacked [E, ...]; they stay
   // undefined in the config's bf16_expert_layers. w4a4: they also quantise their activations

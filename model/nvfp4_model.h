@@ -1,4 +1,4 @@
-// NVFP4 Muse models (MUSE.md §6): which linears are quantised, quantising a model for serving,
+// NVFP4 Muse models (docs/MODEL.md §4): which linears are quantised, quantising a model for serving,
 // re-quantising after a weight sync, dequantising for training, activation calibration, and
 // ModelOpt-compatible checkpoints (U8 codes, F8_E4M3 block scales, F32 scales, hf_quant_config.json).
 #pragma once

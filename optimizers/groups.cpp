@@ -1,4 +1,4 @@
-// Parameter-group rules: glob matching on names, dimension bounds, and the MUSE.md §7 default.
+// Parameter-group rules: glob matching on names, dimension bounds, and the docs/MODEL.md §7.3 default.
 #include "optimizers/groups.h"
 
 #include "core/error.h"

@@ -1,5 +1,5 @@
 // Which optimizer each parameter gets: ordered rules on the name and the shape (first match wins),
-// then the default of MUSE.md §7 (Muon for attention, the latent projections and the experts;
+// then the default of docs/MODEL.md §7.3 (Muon for attention, the latent projections and the experts;
 // AdamW for embeddings, lm_head, norms and the router).
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -22,7 +22,7 @@ struct GroupRule {
   bool matches(const std::string& name, const at::Tensor& param) const;
 };
 
-// The default assignment (MUSE.md §7). Muon needs a matrix or a stack of matrices, so it applies
+// The default assignment (docs/MODEL.md §7.3). Muon needs a matrix or a stack of matrices, so it applies
 // only to parameters with 2 or 3 dimensions.
 bool default_uses_muon(const std::string& name, const at::Tensor& param);
 

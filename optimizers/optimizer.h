@@ -1,4 +1,4 @@
-// The trainer's optimizer (MUSE.md §7, issue 5): parameters split into Muon and AdamW groups by
+// The trainer's optimizer (docs/MODEL.md §7, issue 5): parameters split into Muon and AdamW groups by
 // rules, fp32 master weights for low-precision parameters, fp32 or bf16 moments, and the state
 // placed on the parameters' device, in CPU memory, or in files on an NVMe disk, updated in chunks.
 #pragma once

@@ -1,4 +1,4 @@
-// The update arithmetic of MUSE.md §7, applied to one parameter or one chunk of it: AdamW exactly as
+// The update arithmetic of docs/MODEL.md §7, applied to one parameter or one chunk of it: AdamW exactly as
 // torch.optim.AdamW (in ATen on any device, and a fused Eigen loop for the CPU), and Muon (Nesterov
 // momentum, 5 quintic Newton-Schulz steps on the wide orientation, RMS-matching scale, decoupled wd).
 #pragma once

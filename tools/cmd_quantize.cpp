@@ -1,4 +1,4 @@
-// `kiln quantize <bf16 dir> <out dir>`: an NVFP4 checkpoint in the ModelOpt format (MUSE.md §6),
+// `kiln quantize <bf16 dir> <out dir>`: an NVFP4 checkpoint in the ModelOpt format (docs/MODEL.md §4.4),
 // with activation scales calibrated on random token sequences or on lines of a text file.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>

@@ -1,4 +1,4 @@
-// RL quantities of MUSE.md §7: GRPO group advantages, the PPO-clip policy loss with its options
+// RL quantities of docs/MODEL.md §6: GRPO group advantages, the PPO-clip policy loss with its options
 // (aggregation, k3 KL to a reference, truncated importance sampling, GSPO's sequence ratio), the
 // train-vs-rollout mismatch metrics, and the routing disagreement between own and replayed top-k.
 #pragma once
@@ -54,7 +54,7 @@ struct PolicyLossOutput {
 
 PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossConfig& cfg);
 
-// Train-vs-rollout mismatch over response tokens, d = lp_old - lp_roll (MUSE.md §7).
+// Train-vs-rollout mismatch over response tokens, d = lp_old - lp_roll (docs/MODEL.md §6.9).
 struct MismatchMetrics {
   double mean_abs_seq = 0;      // mean |d| per sequence, then over sequences (the Miles convention)
   double mean_abs_token = 0;    // mean |d| over all response tokens

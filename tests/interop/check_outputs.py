@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reads kiln's files with the Python ecosystem's own readers (safetensors, h5py) and recomputes the
-log-probs with a separate PyTorch implementation of MUSE.md §3 written here from the spec. An NVFP4
-checkpoint (hf_quant_config.json) is decoded here from MUSE.md §6 first.
+log-probs with a separate PyTorch implementation of docs/MODEL.md §1 written here from the spec. An NVFP4
+checkpoint (hf_quant_config.json) is decoded here from docs/MODEL.md §4 first.
 Usage: check_outputs.py <checkpoint dir> <logprobs.safetensors> <logprobs.h5>"""
 import json
 import math

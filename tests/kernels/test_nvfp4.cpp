@@ -1,5 +1,5 @@
 // NVFP4 reference against hand-made vectors: every E2M1 and E4M3 code, every tie, saturation,
-// zero blocks, the nibble order, and the shape errors of MUSE.md §6.
+// zero blocks, the nibble order, and the shape errors of docs/MODEL.md §4.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 

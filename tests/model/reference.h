@@ -1,5 +1,5 @@
 // A naive Muse forward for tests: one sequence, one token at a time, plain loops in float64,
-// written from MUSE.md §3 without sharing code with model/.
+// written from docs/MODEL.md §1 without sharing code with model/.
 #pragma once
 #include <ATen/core/Tensor.h>
 

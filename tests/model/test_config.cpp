@@ -1,5 +1,5 @@
 // ModelConfig: the shipped configs, validation errors with key and line, the layer pattern and
-// the 816B parameter table of MUSE.md §1-2.
+// the 816B parameter table of docs/MODEL.md §2.3.
 #include <gtest/gtest.h>
 
 #include <fstream>
