@@ -283,6 +283,7 @@ Run add_bench(CLI::App& app) {
   cmd->add_option("case", a->name, "rmsnorm, forward, decode, train, optim or nvfp4")
       ->required()
       ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "train", "optim", "nvfp4"}));
+  void add_bench_tokenize(CLI::App&); add_bench_tokenize(*cmd);  // the tokenize case: tools/bench_tokenize.cpp
   cmd->add_option("model", a->model, "Model config (the same as --config), e.g. kiln bench train configs/muse-small.yaml");
   cmd->add_option("--device", a->device, "cpu or cuda")->capture_default_str();
   cmd->add_option("--config", a->config, "Model config for the forward case")->capture_default_str();
