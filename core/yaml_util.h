@@ -36,6 +36,12 @@ class MapReader {
     get(key, out);
   }
   MapReader child(const std::string& key);
+  // The raw node under `key` (undefined when absent), marked as read: for free-form values such as
+  // a map of template variables.
+  YAML::Node raw(const std::string& key) {
+    mark(key);
+    return std::as_const(node_)[key];
+  }
   // A list of mappings under `key` (absent: empty), each read as "path.key[i]".
   std::vector<MapReader> children(const std::string& key);
   // Throws for the first key that was not read, listing the known keys.

@@ -18,7 +18,9 @@
 #include "model/checkpoint.h"
 #include "rollout/engine.h"
 #include "tools/commands.h"
+#include "text/tokenizer.h"
 #include "tools/token_ids.h"
+#include "trainer/recipe.h"
 
 namespace kiln::tools {
 namespace {
@@ -31,11 +33,11 @@ struct Prompt {
   rollout::Request request;
 };
 
-// Byte-level tokenizer of the tiny models: each byte is its own id.
-std::vector<int64_t> encode_bytes(const std::string& text) {
-  std::vector<int64_t> ids;
-  for (char c : text) ids.push_back(static_cast<unsigned char>(c));
-  return ids;
+// Text prompts are encoded with the model's tokenizer (--tokenizer, or the files beside the
+// checkpoint), else byte by byte (the tiny models; ids outside the model's vocabulary are caught by
+// check_prompt with the prompt named).
+std::vector<int64_t> encode_text(const text::Tokenizer& tok, const std::string& text) {
+  return tok.encode(text, /*add_special_tokens=*/true);
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
@@ -71,7 +73,7 @@ void apply_overrides(const nlohmann::json& j, const std::string& where, rollout:
 // Reads a JSONL prompts file: one object per non-blank line with "prompt_ids" or "prompt". Prompt i
 // (counting all prompts so far) gets seed base_seed + i unless its line sets "seed".
 void read_prompts_file(const std::string& path, const rollout::SamplingParams& defaults, uint64_t base_seed,
-                       std::vector<Prompt>& out) {
+                       const text::Tokenizer& tok, std::vector<Prompt>& out) {
   std::ifstream in(path);
   KILN_CHECK(in.good(), "generate: cannot open --prompts file (path=", path, "); check the path");
   std::string line;
@@ -104,7 +106,7 @@ void read_prompts_file(const std::string& path, const rollout::SamplingParams& d
     } else {
       KILN_CHECK(j["prompt"].is_string(), "generate: ", where, ": \"prompt\" must be a string (got ",
                  j["prompt"].type_name(), ")");
-      p.request.prompt = encode_bytes(j["prompt"].get<std::string>());
+      p.request.prompt = encode_text(tok, j["prompt"].get<std::string>());
     }
     apply_overrides(j, where, p.request.params);
     out.push_back(std::move(p));
@@ -118,7 +120,7 @@ void check_prompt(const Prompt& p, int64_t vocab_size) {
   for (size_t i = 0; i < ids.size(); ++i)
     KILN_CHECK(ids[i] >= 0 && ids[i] < vocab_size, "generate: ", p.where, ": token ", i,
                " is outside the vocabulary (id=", ids[i], ", vocab_size=", vocab_size,
-               "); text prompts are byte-level, so use ids below vocab_size");
+               "); use ids below vocab_size, or a tokenizer that matches the model");
   const auto& s = p.request.params;
   KILN_CHECK(s.n >= 1, "generate: ", p.where, ": n must be at least 1 (n=", s.n, "); ask for one or more samples");
   KILN_CHECK(s.max_tokens >= 1, "generate: ", p.where, ": max_tokens must be at least 1 (max_tokens=", s.max_tokens,
@@ -196,11 +198,11 @@ Run add_generate(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "generate",
       "Sample completions of prompts with the rollout engine; print them or save them as HDF5.\n"
-      "Prompts file (JSONL): one object per line with \"prompt_ids\": [ints] or \"prompt\": \"text\" (byte-level:\n"
-      "each byte is its id); optional \"n\", \"max_tokens\", \"temperature\", \"top_p\", \"top_k\", \"seed\" override\n"
+      "Prompts file (JSONL): one object per line with \"prompt_ids\": [ints] or \"prompt\": \"text\" (encoded by the\n"
+      "model's tokenizer, or byte by byte for models without one); optional \"n\", \"max_tokens\", \"temperature\", \"top_p\", \"top_k\", \"seed\" override\n"
       "the flags; other keys are ignored. Prompt i's seed defaults to --seed + i.");
   struct Args {
-    std::string model, prompts_file, out, dtype = "fp32", device = "cpu";
+    std::string model, tokenizer, prompts_file, out, dtype = "fp32", device = "cpu";
     std::vector<std::string> prompts, stop;
     int64_t n = 1, max_tokens = 64, top_k = 0;
     double temperature = 1.0, top_p = 1.0;
@@ -210,6 +212,8 @@ Run add_generate(CLI::App& app) {
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("--model", a->model, "Checkpoint directory (config.json + safetensors)")->required();
+  cmd->add_option("--tokenizer", a->tokenizer,
+                  "Tokenizer (a folder or tokenizer.json / *.tiktoken); default: the checkpoint's files, else bytes");
   cmd->add_option("--prompts", a->prompts_file, "JSONL file of prompts (see above)");
   cmd->add_option("--prompt", a->prompts, "A prompt: text, or \"ids:1,2,3\" for token ids; repeat for more");
   cmd->add_option("-n,--num-samples", a->n, "Samples per prompt")->capture_default_str();
@@ -248,16 +252,23 @@ Run add_generate(CLI::App& app) {
     }
     // The flags' own values are checked once here so their errors name the flag, not a prompt.
     check_prompt(Prompt{"command-line flags", {{0}, defaults}}, std::numeric_limits<int64_t>::max());
+    // A tokenizer with files: its stop ids end samples unless --stop says otherwise.
+    std::shared_ptr<const text::Tokenizer> tok;
+    if (!a->tokenizer.empty()) tok = text::load_tokenizer(a->tokenizer);
+    else if (trainer::has_tokenizer_files(a->model)) tok = text::load_tokenizer(a->model);
+    const bool bytes = !tok;
+    if (bytes) tok = text::make_byte_tokenizer(256);
+    if (!bytes && a->stop.empty()) defaults.stop_token_ids = tok->stop_ids();
     std::vector<Prompt> prompts;
     for (size_t i = 0; i < a->prompts.size(); ++i) {
       const std::string& text = a->prompts[i];
       const std::string where = "--prompt #" + std::to_string(i + 1);
       Prompt p{where, {{}, defaults}};
       p.request.params.seed = a->seed + i;  // so that equal prompts still differ
-      p.request.prompt = text.rfind("ids:", 0) == 0 ? parse_ids(text.substr(4), "generate", where) : encode_bytes(text);
+      p.request.prompt = text.rfind("ids:", 0) == 0 ? parse_ids(text.substr(4), "generate", where) : encode_text(*tok, text);
       prompts.push_back(std::move(p));
     }
-    if (!a->prompts_file.empty()) read_prompts_file(a->prompts_file, defaults, a->seed, prompts);
+    if (!a->prompts_file.empty()) read_prompts_file(a->prompts_file, defaults, a->seed, *tok, prompts);
     KILN_CHECK(!prompts.empty(), "generate: no prompts given; pass --prompts FILE.jsonl or --prompt TEXT");
 
     at::NoGradGuard no_grad;
@@ -313,7 +324,8 @@ Run add_generate(CLI::App& app) {
           for (float lp : x.logprobs) sum += lp;
           fmt::print("request {} sample {} finish={} logprob_sum={:.4f}\n  ids: {}\n", r, s,
                      rollout::finish_reason_name(x.finish), sum, fmt::join(x.tokens, ","));
-          if (printable_text(x.tokens, text)) fmt::print("  text: \"{}\"\n", text);
+          if (!bytes) fmt::print("  text: {}\n", nlohmann::json(tok->decode(x.tokens)).dump());
+          else if (printable_text(x.tokens, text)) fmt::print("  text: \"{}\"\n", text);
         }
     }
     fmt::print("generated {} tokens in {} samples ({} prompts) in {:.2f} s, {:.1f} tok/s{}\n", num_tokens, num_samples,

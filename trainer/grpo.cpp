@@ -8,10 +8,13 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/serialize.h>
 #if KILN_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include <array>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -20,12 +23,76 @@
 #include "core/files.h"
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
+#include "text/tokenizer.h"
 
 namespace kiln::trainer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Every rank's string, in rank order (collective).
+std::vector<std::string> gather_strings(const comm::Group& g, const std::string& mine) {
+  at::Tensor bytes = at::empty({int64_t(mine.size())}, at::kByte);
+  if (!mine.empty()) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  at::Tensor sizes = g.all_gather(at::tensor({int64_t(mine.size())}, at::kLong));
+  at::Tensor all = g.all_gather_v(bytes);
+  std::vector<std::string> out;
+  int64_t at = 0;
+  for (int64_t r = 0; r < sizes.numel(); ++r) {
+    const int64_t n = sizes[r].item<int64_t>();
+    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + at, size_t(n));
+    at += n;
+  }
+  return out;
+}
+
+// A sample is correct when its "correct" component, or without one its reward, is at least 0.5.
+bool is_correct(const RewardResult& r) {
+  for (const auto& [name, v] : r.components)
+    if (name == "correct") return v >= 0.5;
+  return r.reward >= 0.5;
+}
+
+// Sums of each named reward component over this rank's samples; global_means averages them over
+// every rank's samples that carry the component.
+struct ComponentSums {
+  std::map<std::string, std::pair<double, double>> sums;  // name -> (sum, count)
+  void add(const std::string& name, double v) {
+    auto& [sum, count] = sums[name];
+    sum += v;
+    count += 1;
+  }
+  std::map<std::string, double> global_means(const comm::Group& g) const {
+    nlohmann::json mine = nlohmann::json::object();
+    for (const auto& [name, sc] : sums) mine[name] = {sc.first, sc.second};
+    std::map<std::string, std::pair<double, double>> all;
+    for (const std::string& part : gather_strings(g, mine.dump())) {
+      const nlohmann::json j = nlohmann::json::parse(part);  // named: items() must not outlive it
+      for (auto it = j.begin(); it != j.end(); ++it)
+        all[it.key()].first += it.value()[0].get<double>(), all[it.key()].second += it.value()[1].get<double>();
+    }
+    std::map<std::string, double> means;
+    for (const auto& [name, sc] : all) means[name] = sc.first / std::max(sc.second, 1.0);
+    return means;
+  }
+};
+
+// Peak device memory since the last reset (CUDA policies; 0 on the CPU).
+void reset_peak_memory() {
+#if KILN_WITH_CUDA
+  if (c10::cuda::device_count() > 0) c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
+#endif
+}
+double peak_memory_gb() {
+#if KILN_WITH_CUDA
+  if (c10::cuda::device_count() > 0) {
+    const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device());
+    return double(st.allocated_bytes[0].peak) / 1e9;  // [0]: StatType AGGREGATE in every torch version
+  }
+#endif
+  return 0.0;
+}
 
 // Per-token data of every rank, for the global mismatch metrics.
 struct Gathered {
@@ -96,10 +163,44 @@ void GrpoConfig::validate() const {
              prompts_per_step * samples_per_prompt, "] (got ", mini_steps, ")");
   KILN_CHECK(micro_batch_seqs >= 1, "grpo: micro_batch_seqs must be positive (got ", micro_batch_seqs, ")");
   reward.validate();
+  prompt.validate();
   engine.validate();
   schedule.validate();
   lora.validate();
   KILN_CHECK(sync_check_tokens >= 0, "grpo: sync_check_tokens must be >= 0 (got ", sync_check_tokens, ")");
+}
+
+void EvalConfig::validate() const {
+  KILN_CHECK(limit >= 0, "eval: limit must be >= 0 (got ", limit, ")");
+  KILN_CHECK(samples >= 1, "eval: samples must be at least 1 (got ", samples, ")");
+  KILN_CHECK(std::isfinite(temperature) && temperature >= 0, "eval: temperature must be finite and >= 0 (got ",
+             temperature, "); 0 is greedy");
+  KILN_CHECK(max_tokens >= 0, "eval: max_tokens must be >= 0 (got ", max_tokens, "); 0 uses grpo.max_tokens");
+}
+
+std::string EvalMetrics::to_json() const {
+  nlohmann::ordered_json j;
+  j["step"] = step;
+  j["eval_k"] = k;
+  auto put = [&](const EvalScore& s) {
+    return nlohmann::ordered_json{{"prompts", s.prompts}, {"mean_at_k", s.mean_at_k}, {"pass_at_k", s.pass_at_k},
+                                  {"mean_reward", s.reward}};
+  };
+  j["eval"] = put(all);
+  j["eval_accuracy"] = all.mean_at_k;
+  nlohmann::ordered_json by = nlohmann::ordered_json::object();
+  for (const auto& [source, s] : by_source) by[source] = put(s);
+  j["eval_by_source"] = by;
+  return j.dump();
+}
+
+Stats Stats::of(const std::vector<double>& values) {
+  Stats s;
+  if (values.empty()) return s;
+  s.min = *std::min_element(values.begin(), values.end());
+  s.max = *std::max_element(values.begin(), values.end());
+  s.mean = std::accumulate(values.begin(), values.end(), 0.0) / double(values.size());
+  return s;
 }
 
 std::string StepMetrics::to_json() const {
@@ -114,6 +215,18 @@ std::string StepMetrics::to_json() const {
   j["kl"] = kl;
   j["lr"] = lr;
   j["response_length"] = response_length;
+  j["response_length_min"] = response_lengths.min;
+  j["response_length_max"] = response_lengths.max;
+  j["truncated_fraction"] = truncated_fraction;
+  j["zero_variance_groups"] = zero_variance_groups;
+  if (!reward_components.empty()) j["reward_components"] = reward_components;
+  j["reward_failures"] = reward_failures;
+  if (reward_stats.num_answered > 0 || reward_stats.num_restarts > 0) {
+    const RewardStats& w = reward_stats;
+    j["reward_worker"] = {{"answered", w.num_answered}, {"timeouts", w.num_timeouts}, {"restarts", w.num_restarts},
+                          {"retries", w.num_retries}, {"garbage_lines", w.num_garbage_lines},
+                          {"mean_seconds", w.mean_seconds()}};
+  }
   auto put = [](const MismatchMetrics& m) {
     return nlohmann::ordered_json{{"mean_abs_seq", m.mean_abs_seq}, {"mean_abs_token", m.mean_abs_token},
                                   {"max_abs", m.max_abs}, {"k3_kl", m.k3_kl}, {"frac_outside", m.frac_outside}};
@@ -124,20 +237,27 @@ std::string StepMetrics::to_json() const {
     j["routing_disagreement"] = routing_disagreement;
   }
   j["rollout_seconds"] = rollout_seconds;
+  j["reward_seconds"] = reward_seconds;
+  j["lp_old_seconds"] = lp_old_seconds;
   j["train_seconds"] = train_seconds;
   j["sync_bytes"] = sync_bytes;
   j["sync_seconds"] = sync_seconds;
   j["sync_gbps"] = sync_gbps();
   if (sync_check >= 0) j["sync_check"] = sync_check;
+  j["step_seconds"] = step_seconds;
   j["tokens"] = tokens;
+  j["tokens_per_second"] = tokens_per_second;
+  if (peak_memory_gb > 0) j["peak_memory_gb"] = peak_memory_gb;
   return j.dump();
 }
 
 struct GrpoTrainer::Impl {
   model::Muse& policy;
   GrpoConfig cfg;
-  CharTokenizer tok;
-  Dataset data;
+  std::shared_ptr<const text::Tokenizer> tok;
+  std::shared_ptr<Reward> reward;
+  PrepareReport train_report, test_report;  // before `data`: prepared() fills them
+  Dataset data;                    // prompts rendered and tokenized
   DataStream stream;
   std::unique_ptr<rollout::Engine> engine;  // serves `policy` (a full replica) or, sharded, `*shard`
   comm::Group group;               // every rank: each holds its own share of the prompts
@@ -150,17 +270,21 @@ struct GrpoTrainer::Impl {
   std::unique_ptr<ZeroOne> zero;   // the optimizer, over the tensors this rank owns
   std::unique_ptr<OverlappedGradReducer> reducer;  // data parallel without expert shards
   std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
+  std::vector<SampleRecord> last;  // the last step's samples (this rank's), for sample dumps
   int64_t steps = 0;
 
-  Impl(model::Muse& p, GrpoConfig c, CharTokenizer t, Dataset d, const comm::Group& g)
-      : policy(p), cfg(std::move(c)), tok(std::move(t)), data(std::move(d)), stream(data.train, cfg.seed),
-        group(g) {
+  Impl(model::Muse& p, GrpoConfig c, std::shared_ptr<const text::Tokenizer> t, Dataset d, const comm::Group& g,
+       std::shared_ptr<Reward> r)
+      : policy(p), cfg(std::move(c)), tok(std::move(t)), reward(std::move(r)), data(prepared(std::move(d))),
+        stream(data.train, cfg.seed), group(g) {
     cfg.validate();
     cfg.parallel.resolve(group.size(), policy.config().num_experts);
     KILN_CHECK(cfg.prompts_per_step >= group.size(), "grpo: prompts_per_step (", cfg.prompts_per_step,
                ") must be at least the number of ranks (", group.size(), "): a prompt's group stays on one rank");
-    KILN_CHECK(tok.vocab_size() <= policy.config().vocab_size, "grpo: tokenizer vocabulary (", tok.vocab_size(),
-               ") exceeds the model's vocab_size (", policy.config().vocab_size, ")");
+    KILN_CHECK(tok->vocab_size() <= policy.config().vocab_size, "grpo: the tokenizer ", tok->name(), " has ",
+               tok->vocab_size(), " ids but the model's vocab_size is ", policy.config().vocab_size,
+               "; use a model config whose vocabulary covers the tokenizer");
+    if (!reward) reward = make_reward(cfg.reward);
     const int64_t ep = cfg.parallel.ep;
     if (cfg.lora.enabled() && model::lora_rank(policy) == 0) model::add_lora(policy, cfg.lora, cfg.seed);
     if (ep > 1) {
@@ -187,6 +311,17 @@ struct GrpoTrainer::Impl {
     }
     zero = std::make_unique<ZeroOne>(named, is_expert, group, expert_dp, cfg.optim);
     if (!shard && group.size() > 1) reducer = std::make_unique<OverlappedGradReducer>(group, params);
+  }
+
+  // The dataset with its prompts rendered and tokenized (config.prompt); the reports say how many
+  // were too long.
+  Dataset prepared(Dataset d) {
+    KILN_CHECK(tok, "grpo: no tokenizer given");
+    train_report = prepare_prompts(d.train, *tok, cfg.prompt);
+    test_report = prepare_prompts(d.test, *tok, cfg.prompt);
+    KILN_CHECK(!d.train.empty(), "grpo: no training prompt is left after the length filter (", train_report.too_long,
+               " longer than prompt.max_prompt_tokens=", cfg.prompt.max_prompt_tokens, "); raise the limit");
+    return d;
   }
 
   // Log-probs (and own routing) of every target under `model` (the current policy, or the frozen
@@ -223,79 +358,195 @@ struct GrpoTrainer::Impl {
     return {at::cat(lps, 0), at::cat(routes, 0)};
   }
 
+  // ---- the step, phase by phase ----
+
   StepMetrics step() {
+    const auto t_step = Clock::now();
+    reset_peak_memory();
     StepMetrics m;
     m.step = ++steps;
-    // 1-2. Prompts and rollouts.
-    auto t0 = Clock::now();
-    // Every rank draws the same prompts and takes its contiguous share; seeds use global indices.
-    std::vector<Problem> all = stream.next(cfg.prompts_per_step);
+    auto t = Clock::now();
+    Batch b = draw_prompts();
+    auto outs = sample(b);
+    m.rollout_seconds = seconds_since(t);
+    t = Clock::now();
+    std::vector<Trajectory> trajs = reward_samples(b, outs, m);
+    m.reward_seconds = seconds_since(t);
+    t = Clock::now();
+    OldLogprobs old = score_old(trajs, b, m);
+    m.lp_old_seconds = seconds_since(t);
+    t = Clock::now();
+    train(trajs, old, b, m);
+    m.train_seconds = seconds_since(t);
+    sync_rollout(m);
+    m.step_seconds = seconds_since(t_step);
+    m.tokens_per_second = double(m.tokens) / std::max(m.step_seconds, 1e-9);
+    m.peak_memory_gb = peak_memory_gb();
+    return m;
+  }
+
+  // This step's prompts: every rank draws the same ones and takes its contiguous share, so that
+  // sampling seeds can use global indices.
+  struct Batch {
+    std::vector<Example> prompts;  // this rank's
+    int64_t total = 0, first = 0;  // prompts in all; the global index of prompts[0]
+  };
+  Batch draw_prompts() {
+    std::vector<Example> all = stream.next(cfg.prompts_per_step);
     const int64_t P = int64_t(all.size()), R = group.size();
     const int64_t p0 = P * group.rank() / R, p1 = P * (group.rank() + 1) / R;
-    std::vector<Problem> problems(all.begin() + p0, all.begin() + p1);
+    return {std::vector<Example>(all.begin() + p0, all.begin() + p1), P, p0};
+  }
+
+  std::vector<rollout::RequestOutput> sample(const Batch& b) {
     std::vector<rollout::Request> reqs;
-    for (size_t i = 0; i < problems.size(); ++i) {
+    for (size_t i = 0; i < b.prompts.size(); ++i) {
       rollout::Request r;
-      r.prompt = tok.encode(problems[i].prompt);
+      r.prompt = b.prompts[i].prompt_ids;
       r.params.n = cfg.samples_per_prompt;
       r.params.max_tokens = cfg.max_tokens;
-      r.params.stop_token_ids = {tok.eos_id()};
+      r.params.stop_token_ids = tok->stop_ids();
       r.params.temperature = cfg.temperature;
       r.params.top_p = cfg.top_p;
       r.params.top_k = cfg.top_k;
-      r.params.seed = cfg.seed * 1000003ull + uint64_t(steps) * 1009ull + uint64_t(p0 + int64_t(i));
+      r.params.seed = cfg.seed * 1000003ull + uint64_t(steps) * 1009ull + uint64_t(b.first + int64_t(i));
       reqs.push_back(std::move(r));
     }
-    auto outs = engine->generate(reqs);
-    m.rollout_seconds = seconds_since(t0);
-    // 3. Rewards and group advantages.
-    auto t1 = Clock::now();
+    return engine->generate(reqs);
+  }
+
+  // Decodes and scores every sample, fills the reward metrics (global) and the group advantages.
+  std::vector<Trajectory> reward_samples(const Batch& b, const std::vector<rollout::RequestOutput>& outs,
+                                         StepMetrics& m) {
     std::vector<Trajectory> trajs;
-    std::vector<double> rewards;
-    double correct = 0, length = 0;
-    int64_t prompts_solved = 0;
+    std::vector<RewardRequest> reqs;
+    std::vector<double> lengths;
+    double truncated = 0;
     for (size_t i = 0; i < outs.size(); ++i) {
-      bool solved = false;
       for (const auto& s : outs[i].samples) {
         Trajectory t;
-        t.tokens = reqs[i].prompt;
+        t.tokens = b.prompts[i].prompt_ids;
         t.prompt_len = int64_t(t.tokens.size());
         t.tokens.insert(t.tokens.end(), s.tokens.begin(), s.tokens.end());
         t.rollout_lp = s.logprobs;
         t.routing = s.routing;
-        const std::string text = tok.decode_sample(s.tokens);
-        rewards.push_back(reward(text, problems[i].answer, cfg.reward));
-        const double right = exact_match_reward(text, problems[i].answer);
-        correct += right;
-        solved = solved || right > 0;
-        length += double(s.tokens.size());
         trajs.push_back(std::move(t));
+        reqs.push_back(reward_request(b.prompts[i], s, int64_t(reqs.size())));
+        lengths.push_back(double(s.tokens.size()));
+        truncated += reqs.back().truncated ? 1 : 0;
       }
-      prompts_solved += solved ? 1 : 0;
+    }
+    const RewardStats before = reward->stats();
+    const std::vector<RewardResult> results = reward->score(reqs);
+    m.reward_stats = global_reward_stats(reward->stats() - before);
+    KILN_CHECK(results.size() == reqs.size(), "grpo: the reward returned ", results.size(), " results for ",
+               reqs.size(), " samples");
+    std::vector<double> rewards, correct;
+    int64_t failures = 0, solved_prompts = 0, flat_groups = 0;
+    ComponentSums parts;
+    last.clear();
+    for (size_t i = 0; i < results.size(); ++i) {
+      const RewardResult& r = results[i];
+      rewards.push_back(r.reward);
+      correct.push_back(is_correct(r) ? 1.0 : 0.0);
+      failures += r.failed ? 1 : 0;
+      for (const auto& [name, v] : r.components) parts.add(name, v);
+      last.push_back({reqs[i].prompt, reqs[i].response, reqs[i].label, reqs[i].data_source, r.reward, {}, reqs[i].truncated});
+      for (const auto& [name, v] : r.components) last.back().components[name] = v;
+    }
+    const size_t n = size_t(cfg.samples_per_prompt);
+    for (size_t g = 0; g * n < rewards.size(); ++g) {
+      const auto first = rewards.begin() + std::ptrdiff_t(g * n), end = first + std::ptrdiff_t(n);
+      flat_groups += std::all_of(first, end, [&](double v) { return v == *first; }) ? 1 : 0;
+      solved_prompts += std::any_of(correct.begin() + std::ptrdiff_t(g * n), correct.begin() + std::ptrdiff_t((g + 1) * n),
+                                    [](double c) { return c > 0; }) ? 1 : 0;
     }
     at::Tensor adv = group_advantages(at::tensor(rewards, at::kDouble), cfg.samples_per_prompt, cfg.std_normalize);
     for (size_t i = 0; i < trajs.size(); ++i) trajs[i].advantage = adv[int64_t(i)].item<double>();
-    at::Tensor sums = at::tensor({std::accumulate(rewards.begin(), rewards.end(), 0.0), correct, length,
-                                  double(prompts_solved), double(trajs.size())}, at::kDouble);
+    at::Tensor sums = at::tensor({std::accumulate(rewards.begin(), rewards.end(), 0.0),
+                                  std::accumulate(correct.begin(), correct.end(), 0.0),
+                                  std::accumulate(lengths.begin(), lengths.end(), 0.0), double(solved_prompts),
+                                  double(trajs.size()), truncated, double(flat_groups), double(failures)}, at::kDouble);
     group.all_reduce(sums);
-    const double n = sums[4].item<double>();
-    m.reward = sums[0].item<double>() / n;
-    m.accuracy = sums[1].item<double>() / n;
-    m.response_length = sums[2].item<double>() / n;
-    m.pass_at_n = sums[3].item<double>() / double(P);
-    // 4. lp_old under replay and the mismatch metrics.
-    Scored old = score(trajs, cfg.routing_replay);
+    const double count = std::max(sums[4].item<double>(), 1.0);
+    m.reward = sums[0].item<double>() / count;
+    m.accuracy = sums[1].item<double>() / count;
+    m.response_length = sums[2].item<double>() / count;
+    m.pass_at_n = sums[3].item<double>() / double(b.total);
+    m.truncated_fraction = sums[5].item<double>() / count;
+    m.zero_variance_groups = sums[6].item<double>() / double(b.total);
+    m.reward_failures = int64_t(sums[7].item<double>());
+    m.response_lengths = global_stats(lengths);
+    m.reward_components = parts.global_means(group);
+    return trajs;
+  }
+
+  RewardRequest reward_request(const Example& ex, const rollout::Sample& s, int64_t id) const {
+    RewardRequest r;
+    r.id = id;
+    r.prompt = ex.prompt_text;
+    r.response = tok->decode(s.tokens, /*skip_special_tokens=*/true);
+    r.label = ex.label;
+    r.data_source = ex.data_source;
+    r.metadata = ex.metadata.empty() ? "{}" : ex.metadata;
+    r.truncated = s.finish == rollout::FinishReason::kLength;
+    return r;
+  }
+
+  // The reward counters summed over the ranks (each rank scores its own samples).
+  RewardStats global_reward_stats(const RewardStats& s) const {
+    at::Tensor v = at::tensor({double(s.num_requests), double(s.num_failures), double(s.num_timeouts),
+                               double(s.num_restarts), double(s.num_retries), double(s.num_garbage_lines),
+                               double(s.num_answered), s.total_seconds}, at::kDouble);
+    group.all_reduce(v);
+    RewardStats g;
+    g.num_requests = int64_t(v[0].item<double>());
+    g.num_failures = int64_t(v[1].item<double>());
+    g.num_timeouts = int64_t(v[2].item<double>());
+    g.num_restarts = int64_t(v[3].item<double>());
+    g.num_retries = int64_t(v[4].item<double>());
+    g.num_garbage_lines = int64_t(v[5].item<double>());
+    g.num_answered = int64_t(v[6].item<double>());
+    g.total_seconds = v[7].item<double>();
+    return g;
+  }
+
+  // Min, mean and max over every rank's values.
+  Stats global_stats(const std::vector<double>& values) const {
+    Stats local = Stats::of(values);
+    const bool any = !values.empty();
+    at::Tensor mm = at::tensor({any ? -local.min : -INFINITY, any ? local.max : -INFINITY}, at::kDouble);
+    group.all_reduce(mm, comm::ReduceOp::kMax);
+    const double sum = group.all_reduce(local.mean * double(values.size()));
+    const double count = group.all_reduce(double(values.size()));
+    Stats s;
+    if (count == 0) return s;
+    s.mean = sum / count;
+    s.min = -mm[0].item<double>();
+    s.max = mm[1].item<double>();
+    return s;
+  }
+
+  // lp_old (and lp_ref) for the loss, and the mismatch metrics over every rank's tokens.
+  struct OldLogprobs {
+    Scored old, ref;
+    double total_tokens = 0;  // response tokens, all ranks
+  };
+  OldLogprobs score_old(const std::vector<Trajectory>& trajs, const Batch& b, StepMetrics& m) {
+    OldLogprobs o;
+    o.old = score(trajs, cfg.routing_replay);
     Packed whole = pack(trajs, 0, trajs.size(), at::kCPU, at::kDouble);
     // The mismatch metrics see every rank's tokens (gathered; a copy on one rank).
-    const int64_t seq_offset = p0 * cfg.samples_per_prompt;
+    const double n = group.all_reduce(double(trajs.size()));
+    const int64_t seq_offset = b.first * cfg.samples_per_prompt;
     Gathered all_tok{group.all_gather_v(whole.rollout_lp), group.all_gather_v(whole.mask),
                      group.all_gather_v(whole.seq_ids + seq_offset), int64_t(n)};
     m.tokens = int64_t(group.all_reduce(double(whole.batch.num_tokens())));
-    m.mismatch = mismatch_metrics(group.all_gather_v(old.logprobs.cpu()), all_tok.rollout_lp, all_tok.mask,
+    m.mismatch = mismatch_metrics(group.all_gather_v(o.old.logprobs.cpu()), all_tok.rollout_lp, all_tok.mask,
                                   all_tok.seq_ids, all_tok.num_seqs);
     if (cfg.mismatch_ab) {
       Scored other = score(trajs, !cfg.routing_replay);
-      const Scored& no_replay = cfg.routing_replay ? other : old;
+      const Scored& no_replay = cfg.routing_replay ? other : o.old;
       m.has_no_replay = true;
       m.mismatch_no_replay = mismatch_metrics(group.all_gather_v(no_replay.logprobs.cpu()), all_tok.rollout_lp,
                                               all_tok.mask, all_tok.seq_ids, all_tok.num_seqs);
@@ -303,13 +554,17 @@ struct GrpoTrainer::Impl {
       m.routing_disagreement = routing_disagreement(own, replayed, at::ones({own.size(0)}));
     }
     // lp_ref for the k3 KL term, with the same expert sets as lp_old.
-    Scored ref;
-    if (reference) ref = score(*reference, trajs, cfg.routing_replay);
-    if (lora() && cfg.loss.kl_coef != 0) ref = score(trained(), trajs, cfg.routing_replay, /*base_only=*/true);
-    // 5. Optimizer mini-steps: each over a disjoint slice of the trajectories, micro-batched.
-    const double total_tokens = group.all_reduce(whole.mask.sum().item<double>());
+    if (reference) o.ref = score(*reference, trajs, cfg.routing_replay);
+    if (lora() && cfg.loss.kl_coef != 0) o.ref = score(trained(), trajs, cfg.routing_replay, /*base_only=*/true);
+    o.total_tokens = group.all_reduce(whole.mask.sum().item<double>());
+    return o;
+  }
+
+  // Optimizer mini-steps: each over a disjoint slice of the trajectories, micro-batched.
+  void train(const std::vector<Trajectory>& trajs, const OldLogprobs& o, const Batch& b, StepMetrics& m) {
     // Mini-step ms covers global trajectories [ms*per, (ms+1)*per); this rank holds [g0, g1).
-    const int64_t N = P * cfg.samples_per_prompt, g0 = p0 * cfg.samples_per_prompt, g1 = g0 + int64_t(trajs.size());
+    const int64_t N = b.total * cfg.samples_per_prompt, g0 = b.first * cfg.samples_per_prompt,
+                  g1 = g0 + int64_t(trajs.size());
     const int64_t per_mini = (N + cfg.mini_steps - 1) / cfg.mini_steps;
     double loss_sum = 0, clip_sum = 0, kl_sum = 0, norm_sum = 0;
     std::vector<int64_t> token_offsets = {0};
@@ -333,28 +588,27 @@ struct GrpoTrainer::Impl {
       const double slice_tokens = std::max(group.all_reduce(local_tokens), 1.0);
       for (at::Tensor& p : params) p.mutable_grad().reset();
       bool armed = false;
-      for (size_t b = mb; b < me; b += size_t(cfg.micro_batch_seqs)) {
-        const size_t e = std::min(me, b + size_t(cfg.micro_batch_seqs));
+      for (size_t mb0 = mb; mb0 < me; mb0 += size_t(cfg.micro_batch_seqs)) {
+        const size_t e = std::min(me, mb0 + size_t(cfg.micro_batch_seqs));
         if (reducer && e == me) reducer->arm(), armed = true;  // the last backward overlaps the reduction
         // Masks and advantages in the loss dtype (fp32 for a bf16 policy, like its log-probs).
-        Packed p = pack(trajs, b, e, policy.device(), model::router_dtype(policy.dtype()));
-        model::ForwardOptions o = forward_options();
-        o.targets = p.targets;
-        o.temperature = cfg.temperature;
-        if (cfg.routing_replay) o.replay_routing = p.routing;
-        auto out = trained().forward(p.batch, o);
+        Packed p = pack(trajs, mb0, e, policy.device(), model::router_dtype(policy.dtype()));
+        model::ForwardOptions fo = forward_options();
+        fo.targets = p.targets;
+        fo.temperature = cfg.temperature;
+        if (cfg.routing_replay) fo.replay_routing = p.routing;
+        auto out = trained().forward(p.batch, fo);
+        const int64_t t0 = token_offsets[mb0], nt = token_offsets[e] - token_offsets[mb0];
         PolicyLossInputs in;
         in.logprobs = out.logprobs;
-        in.old_logprobs = old.logprobs.narrow(0, token_offsets[b], token_offsets[e] - token_offsets[b])
-                              .to(policy.device(), out.logprobs.scalar_type());
+        in.old_logprobs = o.old.logprobs.narrow(0, t0, nt).to(policy.device(), out.logprobs.scalar_type());
         in.advantages = p.advantages;
         in.mask = p.mask;
         in.seq_ids = p.seq_ids;
         in.num_seqs = p.num_seqs;
         in.rollout_logprobs = p.rollout_lp;
-        if (ref.logprobs.defined())
-          in.ref_logprobs = ref.logprobs.narrow(0, token_offsets[b], token_offsets[e] - token_offsets[b])
-                                .to(policy.device(), out.logprobs.scalar_type());
+        if (o.ref.logprobs.defined())
+          in.ref_logprobs = o.ref.logprobs.narrow(0, t0, nt).to(policy.device(), out.logprobs.scalar_type());
         in.total_tokens = slice_tokens;
         in.total_seqs = double(ge - gb);
         auto lo = policy_loss(in, cfg.loss);
@@ -379,16 +633,10 @@ struct GrpoTrainer::Impl {
     }
     at::Tensor loss_parts = at::tensor({loss_sum, clip_sum, kl_sum}, at::kDouble);
     group.all_reduce(loss_parts);
-    loss_sum = loss_parts[0].item<double>();
-    clip_sum = loss_parts[1].item<double>();
-    kl_sum = loss_parts[2].item<double>();
-    m.loss = loss_sum / double(cfg.mini_steps);
-    m.clip_fraction = clip_sum / std::max(total_tokens, 1.0);
-    m.kl = kl_sum / std::max(total_tokens, 1.0);
+    m.loss = loss_parts[0].item<double>() / double(cfg.mini_steps);
+    m.clip_fraction = loss_parts[1].item<double>() / std::max(o.total_tokens, 1.0);
+    m.kl = loss_parts[2].item<double>() / std::max(o.total_tokens, 1.0);
     m.grad_norm = norm_sum / double(cfg.mini_steps);
-    m.train_seconds = seconds_since(t1);
-    sync_rollout(m);
-    return m;
   }
 
   // Expert parallel: a full model from the ranks' shards (experts all-gathered over ep_group, the
@@ -444,7 +692,11 @@ struct GrpoTrainer::Impl {
   // tokens, so every rank of the group runs them together.
   double check_sync() {
     if (cfg.sync_check_tokens == 0 || data.train.empty()) return -1;
-    std::vector<int64_t> probe = tok.encode(data.train[0].prompt + data.train[0].answer);
+    std::vector<int64_t> probe = data.train[0].prompt_ids;
+    if (!data.train[0].label.empty()) {
+      const std::vector<int64_t> label = tok->encode(data.train[0].label);
+      probe.insert(probe.end(), label.begin(), label.end());
+    }
     if (int64_t(probe.size()) > cfg.sync_check_tokens) probe.resize(size_t(cfg.sync_check_tokens));
     if (probe.size() < 2) return -1;
     at::NoGradGuard g;
@@ -473,26 +725,73 @@ struct GrpoTrainer::Impl {
     if (shard) shard_to_full(*shard, policy);
   }
 
-  double evaluate(int64_t limit) {
-    const int64_t count = std::min<int64_t>(limit, int64_t(data.test.size()));
-    if (count == 0) return 0.0;
-    // Each rank scores its share of the problems.
+  // Held-out evaluation: each rank samples and scores its share of the prompts; the scores are
+  // gathered per data_source.
+  EvalMetrics evaluate(const EvalConfig& ec) {
+    ec.validate();
+    EvalMetrics em;
+    em.step = steps;
+    em.k = ec.temperature == 0 ? 1 : ec.samples;
+    const int64_t count = std::min<int64_t>(ec.limit, int64_t(data.test.size()));
     const int64_t e0 = count * group.rank() / group.size(), e1 = count * (group.rank() + 1) / group.size();
     std::vector<rollout::Request> reqs;
     for (int64_t i = e0; i < e1; ++i) {
       rollout::Request r;
-      r.prompt = tok.encode(data.test[i].prompt);
-      r.params.n = 1;
-      r.params.max_tokens = cfg.max_tokens;
-      r.params.stop_token_ids = {tok.eos_id()};
-      r.params.temperature = 0;
+      r.prompt = data.test[size_t(i)].prompt_ids;
+      r.params.n = em.k;
+      r.params.max_tokens = ec.max_tokens > 0 ? ec.max_tokens : cfg.max_tokens;
+      r.params.stop_token_ids = tok->stop_ids();
+      r.params.temperature = ec.temperature;
+      r.params.top_p = cfg.top_p;
+      r.params.top_k = cfg.top_k;
+      r.params.seed = cfg.seed * 7919ull + uint64_t(steps) * 104729ull + uint64_t(i);
       reqs.push_back(std::move(r));
     }
     auto outs = engine->generate(reqs);
-    double correct = 0;
+    std::vector<RewardRequest> rr;
     for (int64_t i = e0; i < e1; ++i)
-      correct += exact_match_reward(tok.decode_sample(outs[size_t(i - e0)].samples[0].tokens), data.test[i].answer);
-    return group.all_reduce(correct) / double(count);
+      for (const auto& s : outs[size_t(i - e0)].samples)
+        rr.push_back(reward_request(data.test[size_t(i)], s, int64_t(rr.size())));
+    const std::vector<RewardResult> results = reward->score(rr);
+    // Per data_source: prompts, correct samples, prompts with one correct, reward sum.
+    std::map<std::string, std::array<double, 4>> mine;
+    for (int64_t i = e0; i < e1; ++i) {
+      double right = 0, rewards = 0;
+      for (int64_t j = 0; j < em.k; ++j) {
+        const RewardResult& r = results[size_t((i - e0) * em.k + j)];
+        right += is_correct(r) ? 1 : 0;
+        rewards += r.reward;
+      }
+      auto& e = mine[data.test[size_t(i)].data_source];  // value-initialised to zeros
+      e[0] += 1;
+      e[1] += right;
+      e[2] += right > 0 ? 1 : 0;
+      e[3] += rewards;
+    }
+    nlohmann::json local = nlohmann::json::object();
+    for (const auto& [source, v] : mine) local[source] = v;
+    double all[4] = {0, 0, 0, 0};
+    std::map<std::string, std::array<double, 4>> sums;
+    for (const std::string& part : gather_strings(group, local.dump())) {
+      const nlohmann::json j = nlohmann::json::parse(part);
+      for (auto it = j.begin(); it != j.end(); ++it) {
+        const auto v = it.value().get<std::array<double, 4>>();
+        for (size_t q = 0; q < 4; ++q) sums[it.key()][q] += v[q], all[q] += v[q];
+      }
+    }
+    auto score_of = [&](const double* v) {
+      EvalScore s;
+      s.prompts = int64_t(v[0]);
+      if (v[0] > 0) {
+        s.mean_at_k = v[1] / (v[0] * double(em.k));
+        s.pass_at_k = v[2] / v[0];
+        s.reward = v[3] / (v[0] * double(em.k));
+      }
+      return s;
+    };
+    em.all = score_of(all);
+    for (const auto& [source, v] : sums) em.by_source[source] = score_of(v.data());
+    return em;
   }
 };
 
@@ -636,12 +935,16 @@ void GrpoTrainer::load(const std::string& dir) {
                                                                                                   : impl_->policy));
 }
 
-GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data,
-                         const comm::Group& group)
-    : impl_(std::make_unique<Impl>(policy, std::move(config), std::move(tokenizer), std::move(data), group)) {}
+GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
+                         Dataset data, const comm::Group& group, std::shared_ptr<Reward> reward)
+    : impl_(std::make_unique<Impl>(policy, std::move(config), std::move(tokenizer), std::move(data), group,
+                                   std::move(reward))) {}
 GrpoTrainer::~GrpoTrainer() = default;
 StepMetrics GrpoTrainer::step() { return impl_->step(); }
-double GrpoTrainer::evaluate(int64_t limit) { return impl_->evaluate(limit); }
+EvalMetrics GrpoTrainer::evaluate(const EvalConfig& config) { return impl_->evaluate(config); }
+const PrepareReport& GrpoTrainer::train_prompts() const { return impl_->train_report; }
+const PrepareReport& GrpoTrainer::test_prompts() const { return impl_->test_report; }
+const std::vector<GrpoTrainer::SampleRecord>& GrpoTrainer::last_samples() const { return impl_->last; }
 int64_t GrpoTrainer::steps_done() const { return impl_->steps; }
 void GrpoTrainer::sync_policy() { impl_->gather_experts(); }
 const DataStream& GrpoTrainer::stream() const { return impl_->stream; }

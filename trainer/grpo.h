@@ -1,8 +1,10 @@
-// The GRPO loop (issue 4): draw prompts, sample n responses with the rollout engine, reward them,
-// score them with the trainer's forward under routing replay (lp_old, mismatch metrics), take
-// optimizer steps on the policy loss, and send the new weights back to the engine.
+// One GRPO step in named phases: draw prompts, sample n responses with the rollout engine, reward
+// them, score them with the trainer's forward under routing replay (lp_old, mismatch metrics), take
+// optimizer steps on the policy loss, and send the new weights back to the engine. Evaluation
+// (mean@k, pass@k per data_source) and checkpoints.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,7 +17,12 @@
 #include "trainer/losses.h"
 #include "trainer/parallel.h"
 #include "trainer/schedule.h"
-#include "trainer/tasks.h"
+#include "trainer/dataset.h"
+#include "trainer/rewards.h"
+
+namespace kiln::text {
+class Tokenizer;
+}
 
 namespace kiln::trainer {
 
@@ -28,7 +35,8 @@ struct GrpoConfig {
   int64_t top_k = 0;
   bool std_normalize = true;        // GRPO (true) or Dr. GRPO (false) advantages
   PolicyLossConfig loss;
-  RewardConfig reward;
+  RewardSpec reward;                // how responses are scored (trainer/rewards.h)
+  PromptFormat prompt;              // how prompts become ids: chat template, length filter
   optimizers::OptimizerConfig optim;  // Muon + AdamW groups, state placement
   LrSchedule schedule;              // per GRPO step (its mini-steps share one lr), scales both lrs
   double grad_clip = 1.0;           // max global grad norm; 0 = off
@@ -49,17 +57,57 @@ struct GrpoConfig {
   void validate() const;
 };
 
+// Evaluation on the held-out examples: k samples per prompt (greedy when temperature is 0, then
+// k = 1), scored by the training reward. A sample is correct when its "correct" component (or,
+// without one, its reward) is at least 0.5; mean@k averages correctness over all samples, pass@k
+// counts prompts with at least one correct sample.
+struct EvalConfig {
+  int64_t limit = 100;              // prompts evaluated (the first `limit` of the test set)
+  int64_t samples = 1;              // k
+  double temperature = 0;           // 0 = greedy
+  int64_t max_tokens = 0;           // 0 = grpo.max_tokens
+  void validate() const;
+};
+
+struct EvalScore {
+  int64_t prompts = 0;
+  double mean_at_k = 0, pass_at_k = 0, reward = 0;
+};
+
+struct EvalMetrics {
+  int64_t step = 0, k = 1;
+  EvalScore all;
+  std::map<std::string, EvalScore> by_source;   // per data_source
+  std::string to_json() const;
+};
+
+// Summary statistics of one quantity over a step's samples.
+struct Stats {
+  double mean = 0, min = 0, max = 0;
+  static Stats of(const std::vector<double>& values);  // all zero when empty
+};
+
 struct StepMetrics {
   int64_t step = 0;
   double reward = 0, accuracy = 0;        // mean reward; fraction of samples with the right answer
   double pass_at_n = 0;                   // fraction of prompts with at least one right sample
   double loss = 0, clip_fraction = 0, grad_norm = 0, kl = 0, lr = 0;  // lr: AdamW's, after the schedule
   double response_length = 0;             // mean generated tokens
+  Stats response_lengths;                 // generated tokens per sample
+  double truncated_fraction = 0;          // samples that hit max_tokens without a stop token
+  double zero_variance_groups = 0;        // fraction of prompts whose samples all got one reward
+  std::map<std::string, double> reward_components;  // mean of each named part of the reward
+  int64_t reward_failures = 0;            // samples the reward could not score (worker errors)
+  RewardStats reward_stats;               // this step's reward-worker counters, all ranks (timeouts, restarts, ...)
   MismatchMetrics mismatch;               // with routing replay as configured
   bool has_no_replay = false;
   MismatchMetrics mismatch_no_replay;     // with replay off (mismatch_ab)
   double routing_disagreement = 0;        // own vs replayed expert sets (mismatch_ab)
-  double rollout_seconds = 0, train_seconds = 0;
+  // Phase times: rollout, scoring (rewards), lp_old (and the A/B and reference forwards), train
+  // (the optimizer mini-steps) and sync (below), and the step in all.
+  double rollout_seconds = 0, reward_seconds = 0, lp_old_seconds = 0, train_seconds = 0, step_seconds = 0;
+  double tokens_per_second = 0;           // trained tokens (all ranks) per second of the step
+  double peak_memory_gb = 0;              // peak device memory of this rank since the last step (CUDA)
   // Weight sync to the rollout: adapters only (LoRA) or every weight; bytes sent, seconds, and the
   // probe check's mean |log-prob difference| between trainer and rollout (-1: not checked).
   int64_t sync_bytes = 0;
@@ -75,12 +123,25 @@ class GrpoTrainer {
   // several ranks (data parallel): each rank rolls out and trains on its share of every step's
   // prompts (whole groups), gradients are summed, each rank keeps the optimizer state of the
   // parameters it owns (ZeRO-1) and broadcasts them after the step. Metrics are global.
-  GrpoTrainer(model::Muse& policy, GrpoConfig config, CharTokenizer tokenizer, Dataset data,
-              const comm::Group& group = comm::Group::world());
+  // Prompts are rendered and tokenized here (config.prompt), over-long ones dropped. The reward
+  // is make_reward(config.reward) unless one is given.
+  GrpoTrainer(model::Muse& policy, GrpoConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
+              Dataset data, const comm::Group& group = comm::Group::world(), std::shared_ptr<Reward> reward = nullptr);
   ~GrpoTrainer();
   StepMetrics step();
-  // Greedy accuracy on up to `limit` held-out problems.
-  double evaluate(int64_t limit);
+  // Scores the held-out examples (collective).
+  EvalMetrics evaluate(const EvalConfig& config);
+  // The train/test prompts that survived the length filter, and how many were dropped.
+  const PrepareReport& train_prompts() const;
+  const PrepareReport& test_prompts() const;
+  // The last step's samples, for sample dumps: prompt, response, reward and its parts (this rank's).
+  struct SampleRecord {
+    std::string prompt, response, label, data_source;
+    double reward = 0;
+    std::map<std::string, double> components;
+    bool truncated = false;
+  };
+  const std::vector<SampleRecord>& last_samples() const;
   int64_t steps_done() const;
   // With experts sharded (ep > 1) and a sharded rollout, `policy`'s experts are only gathered by
   // save() and by this call (collective: every rank calls it). Otherwise they are always current.

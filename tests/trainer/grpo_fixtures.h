@@ -6,22 +6,34 @@
 
 #include "model/muse.h"
 #include "rollout/engine.h"
+#include "text/tokenizer.h"
+#include "trainer/grpo.h"
 #include "trainer/tasks.h"
 
 namespace kiln::test {
 
+// The muse-tiny byte tokenizer the trainer tests use.
+inline std::shared_ptr<const text::Tokenizer> byte_tokenizer() { return text::make_byte_tokenizer(128); }
+
+// A single-limit evaluation (greedy, one sample per prompt).
+inline trainer::EvalConfig eval_limit(int64_t limit) {
+  trainer::EvalConfig e;
+  e.limit = limit;
+  return e;
+}
+
 // Problems whose answer is the policy's own greedy one-token reply, so that sampled replies are
 // sometimes right and sometimes wrong and the advantages are not all zero.
 inline trainer::Dataset self_consistent_problems(const model::Muse& policy, int64_t count) {
-  trainer::CharTokenizer tok(128);
+  auto tok = byte_tokenizer();
   rollout::EngineConfig ec;
   ec.kv_cache_bytes = 8 << 20;
   rollout::Engine engine(policy, ec);
-  std::vector<trainer::Problem> all = trainer::arithmetic_problems(count, 2, 5), kept;
+  std::vector<trainer::Example> all = trainer::arithmetic_problems(count, 2, 5), kept;
   std::vector<rollout::Request> reqs;
   for (const auto& p : all) {
     rollout::Request r;
-    r.prompt = tok.encode(p.prompt);
+    r.prompt = tok->encode(p.prompt);
     r.params.temperature = 0;
     r.params.max_tokens = 1;
     reqs.push_back(r);
@@ -29,7 +41,10 @@ inline trainer::Dataset self_consistent_problems(const model::Muse& policy, int6
   auto outs = engine.generate(reqs);
   for (size_t i = 0; i < all.size(); ++i) {
     const int64_t t = outs[i].samples[0].tokens[0];
-    if (std::isalnum(int(t))) kept.push_back({all[i].prompt, std::string(1, char(t))});
+    if (!std::isalnum(int(t))) continue;
+    trainer::Example ex = all[i];
+    ex.label = std::string(1, char(t));
+    kept.push_back(ex);
   }
   return trainer::split(kept, 0.25, 1);
 }

@@ -1,6 +1,6 @@
-// Tasks and rewards of the GRPO demo: tokenizer round trip and errors, the arithmetic generator
-// (determinism, levels, answers checked by evaluating the prompt here), JSONL loading and its
-// errors, the train/test split, the resumable training stream, and the rewards on hand cases.
+// Datasets: the arithmetic generator (determinism, levels, labels checked by evaluating the prompt
+// here), JSONL loading with keys, its errors and the skip policy, the train/test split, the
+// resumable training stream, and prompt preparation (length filter, chats).
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -9,6 +9,8 @@
 #include <set>
 
 #include "tests/test_util.h"
+#include "text/tokenizer.h"
+#include "trainer/dataset.h"
 #include "trainer/tasks.h"
 
 namespace kiln {
@@ -16,17 +18,16 @@ namespace {
 
 using test::error_of;
 using test::throws_with;
-using trainer::CharTokenizer;
 using trainer::DataStream;
-using trainer::Problem;
+using trainer::Example;
 
-std::vector<std::string> prompts(const std::vector<Problem>& ps) {
+std::vector<std::string> prompts(const std::vector<Example>& ps) {
   std::vector<std::string> out;
   for (const auto& p : ps) out.push_back(p.prompt);
   return out;
 }
 
-std::set<std::string> prompt_set(const std::vector<Problem>& ps) {
+std::set<std::string> prompt_set(const std::vector<Example>& ps) {
   std::set<std::string> out;
   for (const auto& p : ps) out.insert(p.prompt);
   return out;
@@ -34,57 +35,6 @@ std::set<std::string> prompt_set(const std::vector<Problem>& ps) {
 
 void write_file(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;
-}
-
-// ---- tokenizer ----
-
-TEST(TokenizerTest, RoundTripsEveryPrintableAsciiChar) {
-  CharTokenizer tok;
-  std::string text;
-  for (int c = 32; c < 127; ++c) text += char(c);
-  text += "\n\t";
-  const std::vector<int64_t> ids = tok.encode(text);
-  ASSERT_EQ(ids.size(), text.size());
-  for (size_t i = 0; i < text.size(); ++i) EXPECT_EQ(ids[i], int64_t(static_cast<unsigned char>(text[i])));
-  EXPECT_EQ(tok.decode(ids), text);
-  EXPECT_EQ(tok.decode({}), "");
-}
-
-TEST(TokenizerTest, PadIsZeroAndEosIsNewline) {
-  CharTokenizer tok;
-  EXPECT_EQ(tok.pad_id(), 0);
-  EXPECT_EQ(tok.eos_id(), 10);
-  EXPECT_EQ(tok.encode("46\n"), (std::vector<int64_t>{'4', '6', tok.eos_id()}));
-  EXPECT_EQ(tok.decode({tok.pad_id()}), std::string(1, '\0'));
-}
-
-TEST(TokenizerTest, EncodeRejectsBytesOutsideVocabNamingCharAndPosition) {
-  CharTokenizer tok;
-  EXPECT_TRUE(throws_with([&] { tok.encode("12+\xC8="); }, {"char=\\xC8", "byte=200", "position=3", "vocab_size=128"}));
-  CharTokenizer small(64);
-  EXPECT_TRUE(throws_with([&] { small.encode("12a"); }, {"char='a'", "position=2", "vocab_size=64"}));
-  EXPECT_TRUE(throws_with([&] { tok.encode(std::string("1\0", 2)); }, {"pad", "position=1"}));
-}
-
-TEST(TokenizerTest, DecodeRejectsIdsOutsideVocab) {
-  CharTokenizer tok;
-  EXPECT_TRUE(throws_with([&] { tok.decode({'4', 128}); }, {"id=128", "position=1", "vocab_size=128"}));
-  EXPECT_TRUE(throws_with([&] { tok.decode({-1}); }, {"id=-1", "position=0"}));
-  EXPECT_EQ(tok.decode({127}), "\x7F");
-}
-
-TEST(TokenizerTest, SamplesWithIdsOutsideVocabDecodeToWrongAnswers) {
-  // A model vocabulary larger than the tokenizer's (muse-small: 65536) can sample such ids.
-  CharTokenizer tok(128);
-  const std::string text = tok.decode_sample({'4', 28341, '2', -1, '\n'});
-  EXPECT_EQ(text, std::string("4\0" "2\0\n", 5));
-  EXPECT_EQ(trainer::exact_match_reward(text, "42"), 0.0);
-  EXPECT_EQ(trainer::exact_match_reward(tok.decode_sample({'4', '2', '\n'}), "42"), 1.0);
-}
-
-TEST(TokenizerTest, RejectsVocabSizeWithoutRoomForEos) {
-  EXPECT_TRUE(throws_with([] { CharTokenizer t(10); }, {"vocab_size=10"}));
-  EXPECT_TRUE(throws_with([] { CharTokenizer t(257); }, {"vocab_size=257"}));
 }
 
 // ---- arithmetic problems ----
@@ -122,14 +72,14 @@ int64_t evaluate(const Parsed& p) {
   return 0;
 }
 
-TEST(ArithmeticTest, SameSeedGivesSameProblems) {
+TEST(ArithmeticTest, SameSeedGivesSameExamples) {
   for (int level = 1; level <= 4; ++level) {
     const auto a = trainer::arithmetic_problems(57, level, 7);
     const auto b = trainer::arithmetic_problems(57, level, 7);
     const auto c = trainer::arithmetic_problems(57, level, 8);
     EXPECT_EQ(prompts(a), prompts(b)) << "level " << level;
     EXPECT_NE(prompts(a), prompts(c)) << "level " << level;
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].answer, b[i].answer);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].label, b[i].label);
   }
   // The generator is ours (splitmix64), so these hold with every standard library.
   const auto golden = trainer::arithmetic_problems(3, 4, 42);
@@ -147,8 +97,8 @@ TEST(ArithmeticTest, LevelsUseTheirOperatorsOperandSizesAndCorrectAnswers) {
     const auto problems = trainer::arithmetic_problems(w.level == 1 ? 100 : 1111, w.level, 3);
     std::set<char> seen_ops;
     bool negative = false;
-    CharTokenizer tok;
-    for (const Problem& p : problems) {
+    text::ByteTokenizer tok(128);
+    for (const Example& p : problems) {
       const Parsed q = parse_prompt(p.prompt);
       seen_ops.insert(q.op);
       EXPECT_TRUE(w.ops.count(q.op)) << "level " << w.level << ": " << p.prompt;
@@ -157,9 +107,9 @@ TEST(ArithmeticTest, LevelsUseTheirOperatorsOperandSizesAndCorrectAnswers) {
       EXPECT_GE(q.b, w.lo) << p.prompt;
       EXPECT_LE(q.b, w.hi) << p.prompt;
       EXPECT_EQ(q.a_digits, std::to_string(q.a).size()) << "no leading zeros: " << p.prompt;
-      EXPECT_EQ(p.answer, std::to_string(evaluate(q))) << p.prompt;
-      negative |= p.answer[0] == '-';
-      EXPECT_NO_THROW(tok.encode(p.prompt + p.answer + "\n"));
+      EXPECT_EQ(p.label, std::to_string(evaluate(q))) << p.prompt;
+      negative |= p.label[0] == '-';
+      EXPECT_NO_THROW(tok.encode(p.prompt + p.label + "\n"));
     }
     EXPECT_EQ(seen_ops, w.ops) << "level " << w.level;
     EXPECT_EQ(negative, w.level >= 3) << "level " << w.level;
@@ -171,7 +121,7 @@ TEST(ArithmeticTest, LevelsUseTheirOperatorsOperandSizesAndCorrectAnswers) {
 TEST(ArithmeticTest, Level1HoldsEveryPairExactlyOnce) {
   const auto problems = trainer::arithmetic_problems(100, 1, 11);
   std::set<std::pair<int64_t, int64_t>> pairs;
-  for (const Problem& p : problems) {
+  for (const Example& p : problems) {
     const Parsed q = parse_prompt(p.prompt);
     pairs.insert({q.a, q.b});
   }
@@ -190,69 +140,171 @@ TEST(ArithmeticTest, RejectsUnknownDifficultyNamingTheLevels) {
 
 // ---- JSONL ----
 
-TEST(JsonlTest, ReadsStringAndNumberAnswersSkippingBlankLines) {
-  test::TempDir dir;
-  write_file(dir / "d.jsonl",
-             "{\"prompt\": \"12+34=\", \"answer\": \"46\"}\n"
-             "\n"
-             "   \n"
-             "{\"prompt\": \"5-8=\", \"answer\": -3, \"source\": \"extra keys are ignored\"}\r\n"
-             "{\"prompt\": \"2*23=\", \"answer\": 46.0}\n"
-             "{\"prompt\": \"5/2=\", \"answer\": 2.5}\n"
-             "{\"prompt\": \"zero pad\", \"answer\": \"046\"}");  // no final newline
-  const trainer::Dataset d = trainer::load_jsonl(dir / "d.jsonl", 0.0, 1);
-  EXPECT_TRUE(d.test.empty());
-  std::map<std::string, std::string> got;
-  for (const Problem& p : d.train) got[p.prompt] = p.answer;
-  EXPECT_EQ(got, (std::map<std::string, std::string>{
-                     {"12+34=", "46"}, {"5-8=", "-3"}, {"2*23=", "46"}, {"5/2=", "2.5"}, {"zero pad", "046"}}));
+trainer::JsonlOptions options(const std::string& label_key = "label") {
+  trainer::JsonlOptions o;
+  o.keys.label = label_key;
+  return o;
 }
 
-TEST(JsonlTest, EveryErrorNamesFileAndLine) {
+TEST(JsonlTest, ReadsPromptsLabelsSourcesAndMetadataSkippingBlankLines) {
   test::TempDir dir;
-  const std::string good = "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n\n";  // lines 1-2; the bad line is 3
+  write_file(dir / "d.jsonl",
+             "{\"prompt\": \"12+34=\", \"label\": \"46\", \"data_source\": \"add\"}\n"
+             "\n"
+             "   \n"
+             "{\"prompt\": \"5-8=\", \"label\": -3, \"source\": \"extra keys are ignored\"}\r\n"
+             "{\"prompt\": \"2*23=\", \"label\": 46.0, \"metadata\": {\"level\": 2}}\n"
+             "{\"prompt\": \"5/2=\", \"label\": 2.5}\n"
+             "{\"prompt\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": \"user\", \"content\": \"hi\"}],"
+             " \"label\": [\"a\", 1]}\n"
+             "{\"prompt\": \"zero pad\", \"label\": \"046\"}");  // no final newline
+  trainer::LoadReport report;
+  trainer::JsonlOptions o = options();
+  o.data_source = "default";
+  const auto d = trainer::load_jsonl(dir / "d.jsonl", o, &report);
+  ASSERT_EQ(d.size(), 6u);
+  EXPECT_EQ(report.lines, 6);
+  EXPECT_EQ(report.loaded, 6);
+  EXPECT_EQ(report.skipped, 0);
+  EXPECT_EQ(d[0].label, "46");
+  EXPECT_EQ(d[0].data_source, "add");
+  EXPECT_EQ(d[0].origin, dir / "d.jsonl:1");
+  EXPECT_EQ(d[1].label, "-3");
+  EXPECT_EQ(d[1].data_source, "default");
+  EXPECT_EQ(d[1].origin, dir / "d.jsonl:4");
+  EXPECT_EQ(d[2].label, "46");
+  EXPECT_EQ(d[2].metadata, "{\"level\":2}");
+  EXPECT_EQ(d[1].metadata, "{}");
+  EXPECT_EQ(d[3].label, "2.5");
+  EXPECT_TRUE(d[4].prompt.empty());
+  EXPECT_EQ(d[4].messages, "[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"hi\"}]");
+  EXPECT_EQ(d[4].label, "[\"a\",1]");
+  EXPECT_EQ(d[5].label, "046");
+}
+
+TEST(JsonlTest, KeysMayBeDottedPathsAndRenamed) {
+  test::TempDir dir;
+  write_file(dir / "v.jsonl",
+             "{\"question\": \"q1\", \"reward_model\": {\"ground_truth\": \"7\"}, \"src\": \"gsm8k\","
+             " \"extra_info\": {\"index\": 3}}\n");
+  trainer::JsonlOptions o;
+  o.keys = {"question", "reward_model.ground_truth", "src", "extra_info"};
+  const auto d = trainer::load_jsonl(dir / "v.jsonl", o);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].prompt, "q1");
+  EXPECT_EQ(d[0].label, "7");
+  EXPECT_EQ(d[0].data_source, "gsm8k");
+  EXPECT_EQ(d[0].metadata, "{\"index\":3}");
+  o.keys.label = "reward_model.missing";
+  EXPECT_TRUE(throws_with([&] { trainer::load_jsonl(dir / "v.jsonl", o); },
+                          {"v.jsonl:1", "missing key \"reward_model.missing\""}));
+  o.require_label = false;
+  EXPECT_EQ(trainer::load_jsonl(dir / "v.jsonl", o)[0].label, "");
+}
+
+TEST(JsonlTest, EveryErrorNamesFileLineAndKeyOrIsSkippedAndCounted) {
+  test::TempDir dir;
+  const std::string good = "{\"prompt\": \"1+1=\", \"label\": \"2\"}\n\n";  // lines 1-2; the bad line is 3
   struct Case {
     std::string line;
     std::vector<std::string> parts;
   };
   const std::vector<Case> cases = {
-      {"{\"prompt\": \"1+2=\", \"answer\": ", {"bad JSON"}},
+      {"{\"prompt\": \"1+2=\", \"label\": ", {"bad JSON"}},
       {"[1, 2]", {"expected a JSON object", "array"}},
-      {"{\"answer\": \"3\"}", {"missing key \"prompt\""}},
-      {"{\"prompt\": \"1+2=\"}", {"missing key \"answer\""}},
-      {"{\"prompt\": 12, \"answer\": \"3\"}", {"\"prompt\" has the wrong type", "type=number"}},
-      {"{\"prompt\": \"1+2=\", \"answer\": true}", {"\"answer\" has the wrong type", "type=boolean"}},
-      {"{\"prompt\": \"1+2=\", \"answer\": [3]}", {"\"answer\" has the wrong type", "type=array"}},
-      {"{\"prompt\": \"1+2=\", \"answer\": null}", {"\"answer\" has the wrong type", "type=null"}},
-      {"{\"prompt\": \"\", \"answer\": \"3\"}", {"\"prompt\" is empty"}},
-      {"{\"prompt\": \"1+2=\", \"answer\": \" 3\"}", {"can never match"}},
-      {"{\"prompt\": \"1+2=\", \"answer\": \"3\\n\"}", {"can never match"}},
+      {"{\"label\": \"3\"}", {"missing key \"prompt\""}},
+      {"{\"prompt\": \"1+2=\"}", {"missing key \"label\""}},
+      {"{\"prompt\": 12, \"label\": \"3\"}", {"\"prompt\" must be a string or a non-empty list of chat messages"}},
+      {"{\"prompt\": [], \"label\": \"3\"}", {"\"prompt\" must be a string or a non-empty list"}},
+      {"{\"prompt\": [{\"content\": \"x\"}], \"label\": \"3\"}", {"\"prompt\"[0] has no string \"role\""}},
+      {"{\"prompt\": [\"x\"], \"label\": \"3\"}", {"\"prompt\"[0] is a string"}},
+      {"{\"prompt\": [{\"role\": \"user\", \"content\": 5}], \"label\": \"3\"}", {"\"prompt\"[0].content is a number"}},
+      {"{\"prompt\": \"\", \"label\": \"3\"}", {"\"prompt\" is empty"}},
+      {"{\"prompt\": \"1+2=\", \"label\": \"3\", \"data_source\": 4}", {"\"data_source\" must be a string"}},
+      {"{\"prompt\": \"1+2=\", \"label\": \"3\", \"metadata\": [1]}", {"\"metadata\" must be a JSON object"}},
   };
   for (const Case& c : cases) {
     const std::string path = dir / "bad.jsonl";
     write_file(path, good + c.line + "\n" + good);
     std::vector<std::string> parts = c.parts;
     parts.push_back("load_jsonl: " + path + ":3:");
-    EXPECT_TRUE(throws_with([&] { trainer::load_jsonl(path, 0.1, 1); }, parts)) << c.line;
+    parts.push_back("bad_lines: skip");
+    EXPECT_TRUE(throws_with([&] { trainer::load_jsonl(path, options()); }, parts)) << c.line;
+    trainer::JsonlOptions skip = options();
+    skip.bad_lines = trainer::BadLines::kSkip;
+    trainer::LoadReport report;
+    EXPECT_EQ(trainer::load_jsonl(path, skip, &report).size(), 2u) << c.line;
+    EXPECT_EQ(report.skipped, 1) << c.line;
+    ASSERT_EQ(report.examples.size(), 1u);
+    EXPECT_NE(report.examples[0].find(path + ":3: "), std::string::npos) << report.examples[0];
   }
-  EXPECT_TRUE(throws_with([&] { trainer::load_jsonl(dir / "missing.jsonl", 0.1, 1); },
+  EXPECT_TRUE(throws_with([&] { trainer::load_jsonl(dir / "missing.jsonl", options()); },
                           {"cannot open", "missing.jsonl"}));
   write_file(dir / "empty.jsonl", "\n  \n");
-  EXPECT_TRUE(throws_with([&] { trainer::load_jsonl(dir / "empty.jsonl", 0.1, 1); }, {"no problems", "empty.jsonl"}));
-  write_file(dir / "ok.jsonl", good);
-  EXPECT_TRUE(throws_with([&] { trainer::load_jsonl(dir / "ok.jsonl", 1.0, 1); }, {"test_fraction=1"}));
+  EXPECT_TRUE(throws_with([&] { trainer::load_jsonl(dir / "empty.jsonl", options()); }, {"no usable lines", "empty.jsonl"}));
+  write_file(dir / "allbad.jsonl", "x\ny\n");
+  trainer::JsonlOptions skip = options();
+  skip.bad_lines = trainer::BadLines::kSkip;
+  EXPECT_TRUE(throws_with([&] { trainer::load_jsonl(dir / "allbad.jsonl", skip); }, {"no usable lines", "2 skipped"}));
 }
 
 TEST(JsonlTest, SplitsLikeSplit) {
   test::TempDir dir;
   const auto problems = trainer::arithmetic_problems(37, 2, 5);
   std::string text;
-  for (const Problem& p : problems) text += "{\"prompt\": \"" + p.prompt + "\", \"answer\": " + p.answer + "}\n";
+  for (const Example& p : problems) text += "{\"prompt\": \"" + p.prompt + "\", \"answer\": " + p.label + "}\n";
   write_file(dir / "a.jsonl", text);
-  const trainer::Dataset a = trainer::load_jsonl(dir / "a.jsonl", 0.25, 9);
+  const trainer::Dataset a = trainer::split(trainer::load_jsonl(dir / "a.jsonl", options("answer")), 0.25, 9);
   const trainer::Dataset b = trainer::split(problems, 0.25, 9);
   EXPECT_EQ(prompts(a.train), prompts(b.train));
   EXPECT_EQ(prompts(a.test), prompts(b.test));
+}
+
+// ---- prompt format ----
+
+TEST(PromptTest, TextPromptsAreTokenizedAndLongOnesDroppedAndCounted) {
+  auto tok = text::make_byte_tokenizer(128);
+  std::vector<Example> ex = trainer::arithmetic_problems(19, 2, 3);
+  ex[4].prompt = "1234567+1=";  // 10 tokens
+  trainer::PromptFormat f;
+  f.max_prompt_tokens = 9;
+  const trainer::PrepareReport r = trainer::prepare_prompts(ex, *tok, f);
+  EXPECT_EQ(r.kept, 18);
+  EXPECT_EQ(r.too_long, 1);
+  EXPECT_EQ(r.max_tokens, 6);
+  ASSERT_EQ(ex.size(), 18u);
+  for (const Example& e : ex) {
+    EXPECT_EQ(e.prompt_text, e.prompt);
+    EXPECT_EQ(e.prompt_ids, tok->encode(e.prompt));
+  }
+  f.max_prompt_tokens = -1;
+  EXPECT_TRUE(throws_with([&] { trainer::prepare_prompts(ex, *tok, f); }, {"max_prompt_tokens must be >= 0"}));
+  f = trainer::PromptFormat{};
+  f.template_kwargs = "[1]";
+  EXPECT_TRUE(throws_with([&] { f.validate(); }, {"template_kwargs must be a JSON object"}));
+}
+
+TEST(PromptTest, ChatsNeedATemplateAndSystemPromptsAreAdded) {
+  auto tok = text::make_byte_tokenizer(128);
+  Example chat;
+  chat.messages = "[{\"role\": \"user\", \"content\": \"hi\"}]";
+  chat.origin = "chats.jsonl:7";
+  std::vector<Example> ex = {chat};
+  EXPECT_TRUE(throws_with([&] { trainer::prepare_prompts(ex, *tok, {}); }, {"has no chat template"}));
+  trainer::PromptFormat never;
+  never.chat = trainer::ChatMode::kNever;
+  EXPECT_TRUE(throws_with([&] { trainer::prepare_prompts(ex, *tok, never); }, {"chats.jsonl:7", "prompt.chat is never"}));
+  trainer::PromptFormat sys;
+  sys.system_prompt = "Be brief.";
+  EXPECT_EQ(trainer::chat_messages(chat, sys),
+            "[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"hi\"}]");
+  Example text_prompt;
+  text_prompt.prompt = "2+2=";
+  EXPECT_EQ(trainer::chat_messages(text_prompt, {}), "[{\"role\":\"user\",\"content\":\"2+2=\"}]");
+  Example has_system = chat;
+  has_system.messages = "[{\"role\": \"system\", \"content\": \"mine\"}, {\"role\": \"user\", \"content\": \"hi\"}]";
+  EXPECT_EQ(trainer::chat_messages(has_system, sys),
+            "[{\"role\":\"system\",\"content\":\"mine\"},{\"role\":\"user\",\"content\":\"hi\"}]");
 }
 
 // ---- split ----
@@ -270,7 +322,7 @@ TEST(SplitTest, SizesDeterminismAndDisjointness) {
 
   const std::set<std::string> train = prompt_set(a.train);
   std::set<std::string> all(train);
-  for (const Problem& p : a.test) {
+  for (const Example& p : a.test) {
     EXPECT_FALSE(train.count(p.prompt)) << p.prompt;
     all.insert(p.prompt);
   }
@@ -278,15 +330,15 @@ TEST(SplitTest, SizesDeterminismAndDisjointness) {
 }
 
 TEST(SplitTest, DuplicatePromptsStayOnOneSide) {
-  std::vector<Problem> problems;
+  std::vector<Example> problems;
   for (int rep = 0; rep < 3; ++rep) {
-    for (const Problem& p : trainer::arithmetic_problems(19, 1, 6)) problems.push_back(p);
+    for (const Example& p : trainer::arithmetic_problems(19, 1, 6)) problems.push_back(p);
   }
   const trainer::Dataset d = trainer::split(problems, 0.5, 3);
   EXPECT_EQ(d.test.size(), 3u * 10u);  // round(0.5 * 19) = 10 distinct prompts, 3 copies each
   EXPECT_EQ(d.train.size(), 3u * 9u);
   const std::set<std::string> train = prompt_set(d.train);
-  for (const Problem& p : d.test) EXPECT_FALSE(train.count(p.prompt)) << p.prompt;
+  for (const Example& p : d.test) EXPECT_FALSE(train.count(p.prompt)) << p.prompt;
 }
 
 TEST(SplitTest, EdgeCasesAndBadFractions) {
@@ -302,12 +354,12 @@ TEST(SplitTest, EdgeCasesAndBadFractions) {
 
 // ---- training stream ----
 
-TEST(DataStreamTest, EachEpochVisitsEveryProblemOnce) {
+TEST(DataStreamTest, EachEpochVisitsEveryExampleOnce) {
   const auto problems = trainer::arithmetic_problems(19, 2, 8);
   DataStream stream(problems, 12);
   std::vector<std::string> seen;
   while (seen.size() < 5 * 19) {
-    for (const Problem& p : stream.next(7)) seen.push_back(p.prompt);  // batches span epochs
+    for (const Example& p : stream.next(7)) seen.push_back(p.prompt);  // batches span epochs
   }
   const std::set<std::string> all = prompt_set(problems);
   std::vector<std::vector<std::string>> epochs;
@@ -339,56 +391,11 @@ TEST(DataStreamTest, SeekToSavedPositionResumesTheSameSequence) {
   EXPECT_NE(prompts(other_seed.next(23)), batches[0]) << "seed matters";
 }
 
-TEST(DataStreamTest, RejectsEmptyProblemsAndNegativeBatch) {
-  EXPECT_TRUE(throws_with([] { DataStream s({}, 1); }, {"DataStream: no problems"}));
+TEST(DataStreamTest, RejectsEmptyExamplesAndNegativeBatch) {
+  EXPECT_TRUE(throws_with([] { DataStream s({}, 1); }, {"DataStream: no examples"}));
   DataStream s(trainer::arithmetic_problems(3, 1, 1), 1);
   EXPECT_TRUE(throws_with([&] { s.next(-1); }, {"n=-1"}));
   EXPECT_TRUE(s.next(0).empty());
-}
-
-// ---- rewards ----
-
-TEST(RewardTest, ExactMatchOnHandCases) {
-  EXPECT_EQ(trainer::exact_match_reward("46\n", "46"), 1.0);
-  EXPECT_EQ(trainer::exact_match_reward("46", "46"), 1.0);  // truncated, but the answer is right
-  EXPECT_EQ(trainer::exact_match_reward(" 46 \n", "46"), 1.0);
-  EXPECT_EQ(trainer::exact_match_reward("46\n99", "46"), 1.0);  // only up to the first eos counts
-  EXPECT_EQ(trainer::exact_match_reward("046\n", "46"), 0.0);
-  EXPECT_EQ(trainer::exact_match_reward("4 6\n", "46"), 0.0);
-  EXPECT_EQ(trainer::exact_match_reward("", "46"), 0.0);
-  EXPECT_EQ(trainer::exact_match_reward("\n46", "46"), 0.0);
-  EXPECT_EQ(trainer::exact_match_reward("-12\n", "-12"), 1.0);
-  EXPECT_EQ(trainer::exact_match_reward("12\n", "-12"), 0.0);
-  EXPECT_EQ(trainer::final_answer(" \t-7\r\n8"), "-7");
-}
-
-TEST(RewardTest, FormatOnHandCases) {
-  EXPECT_EQ(trainer::format_reward("46\n"), 1.0);
-  EXPECT_EQ(trainer::format_reward("-12\n"), 1.0);
-  EXPECT_EQ(trainer::format_reward("0\n"), 1.0);
-  EXPECT_EQ(trainer::format_reward("12"), 0.0);  // not terminated
-  EXPECT_EQ(trainer::format_reward(""), 0.0);
-  EXPECT_EQ(trainer::format_reward("\n"), 0.0);
-  EXPECT_EQ(trainer::format_reward("-\n"), 0.0);
-  EXPECT_EQ(trainer::format_reward("4 6\n"), 0.0);
-  EXPECT_EQ(trainer::format_reward(" 46\n"), 0.0);
-  EXPECT_EQ(trainer::format_reward("46\n\n"), 0.0);
-  EXPECT_EQ(trainer::format_reward("1-2\n"), 0.0);
-  EXPECT_EQ(trainer::format_reward("+3\n"), 0.0);
-}
-
-TEST(RewardTest, WeightedSum) {
-  trainer::RewardConfig cfg;
-  EXPECT_EQ(trainer::reward("46\n", "46", cfg), 1.0);
-  EXPECT_EQ(trainer::reward("47\n", "46", cfg), 0.0);
-  cfg.correct = 2.0;
-  cfg.format = 0.25;
-  EXPECT_EQ(trainer::reward("46\n", "46", cfg), 2.25);
-  EXPECT_EQ(trainer::reward("47\n", "46", cfg), 0.25);
-  EXPECT_EQ(trainer::reward(" 46\n", "46", cfg), 2.0);
-  EXPECT_EQ(trainer::reward("x", "46", cfg), 0.0);
-  cfg.format = std::numeric_limits<double>::infinity();
-  EXPECT_TRUE(throws_with([&] { trainer::reward("46\n", "46", cfg); }, {"RewardConfig", "format=inf"}));
 }
 
 }  // namespace

@@ -38,7 +38,7 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
   GrpoConfig cfg = small_grpo();
   cfg.max_tokens = 1;
   cfg.mismatch_ab = true;
-  GrpoTrainer trainer(policy, cfg, CharTokenizer(128), data);
+  GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
   double grad_seen = 0;
   for (int s = 1; s <= 3; ++s) {
     StepMetrics m = trainer.step();
@@ -62,7 +62,7 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
   EXPECT_GT(grad_seen, 0.0);
   EXPECT_FALSE(at::equal(before, policy.weights().layers[0].pooler.detach()));
   EXPECT_EQ(trainer.stream().position(), 12u);
-  const double acc = trainer.evaluate(8);
+  const double acc = trainer.evaluate(test::eval_limit(8)).all.mean_at_k;
   EXPECT_GE(acc, 0.0);
   EXPECT_LE(acc, 1.0);
 }
@@ -70,7 +70,8 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
 // Everything in a step's metrics but wall-clock times.
 std::string without_times(const StepMetrics& m) {
   StepMetrics c = m;
-  c.rollout_seconds = c.train_seconds = c.sync_seconds = 0;
+  c.rollout_seconds = c.reward_seconds = c.lp_old_seconds = c.train_seconds = c.sync_seconds = c.step_seconds = 0;
+  c.tokens_per_second = 0;
   return c.to_json();
 }
 
@@ -91,13 +92,13 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   cfg.lora.alpha = 2.0 * double(lora_rank);
   std::vector<std::string> straight;
   {
-    GrpoTrainer t(a, cfg, CharTokenizer(128), data);
+    GrpoTrainer t(a, cfg, test::byte_tokenizer(), data);
     for (int s = 0; s < 4; ++s) straight.push_back(without_times(t.step()));
   }
   test::TempDir dir;
   model::Muse b = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
   {
-    GrpoTrainer t(b, cfg, CharTokenizer(128), data);
+    GrpoTrainer t(b, cfg, test::byte_tokenizer(), data);
     t.step();
     t.step();
     t.save(dir / "ckpt");
@@ -105,7 +106,7 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   }
   // Other weights, which load must replace (LoRA: the same base, only adapters are checkpointed).
   model::Muse c = model::Muse::init(mc, lora_rank > 0 ? 3 : 99, at::kFloat, at::kCPU);
-  GrpoTrainer resumed(c, cfg, CharTokenizer(128), data);
+  GrpoTrainer resumed(c, cfg, test::byte_tokenizer(), data);
   resumed.load(dir / "ckpt");
   EXPECT_EQ(resumed.steps_done(), 2);
   EXPECT_EQ(without_times(resumed.step()), straight[2]);
@@ -115,7 +116,7 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
         << a.named_parameters()[i].first;
   if (lora_rank > 0) {  // adapters for another base are refused
     model::Muse other = model::Muse::init(mc, 99, at::kFloat, at::kCPU);
-    GrpoTrainer wrong(other, cfg, CharTokenizer(128), data);
+    GrpoTrainer wrong(other, cfg, test::byte_tokenizer(), data);
     EXPECT_TRUE(test::throws_with([&] { wrong.load(dir / "ckpt"); }, {"adapters for another base"}));
     EXPECT_FALSE(std::filesystem::exists(dir / "ckpt/model"));
   }
@@ -133,7 +134,7 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
     GrpoConfig no_kl = cfg;
     no_kl.loss.kl_coef = 0;
     model::Muse d = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
-    GrpoTrainer plain(d, no_kl, CharTokenizer(128), data);
+    GrpoTrainer plain(d, no_kl, test::byte_tokenizer(), data);
     plain.step();
     plain.save(dir / "plain");
     EXPECT_TRUE(test::throws_with([&] { resumed.load(dir / "plain"); }, {"has no reference/ policy", "kl_coef"}));
@@ -158,12 +159,12 @@ TEST(Grpo, SyncCheckStopsTheRunWhenTheRolloutDisagrees) {
   cfg.max_tokens = 1;
   cfg.engine.quantization = "nvfp4";
   cfg.sync_check_threshold = 1e-3;
-  GrpoTrainer trainer(policy, cfg, CharTokenizer(128), data);
+  GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
   EXPECT_TRUE(test::throws_with([&] { trainer.step(); },
                                 {"weight sync check failed after step", "threshold 0.001", "not the trainer's"}));
   // The default threshold for an NVFP4 rollout (1.0) lets the same run go on.
   cfg.sync_check_threshold = -1;
-  GrpoTrainer lenient(policy, cfg, CharTokenizer(128), data);
+  GrpoTrainer lenient(policy, cfg, test::byte_tokenizer(), data);
   StepMetrics m = lenient.step();
   EXPECT_GT(m.sync_check, 1e-3) << m.to_json();
   EXPECT_LT(m.sync_check, 1.0);
@@ -180,7 +181,7 @@ TEST(Grpo, LoraSyncsAdaptersOnlyAndChecksTheSync) {
   cfg.lora.rank = 4;
   cfg.lora.alpha = 8;
   cfg.loss.kl_coef = 0.05;
-  GrpoTrainer trainer(policy, cfg, CharTokenizer(128), data);
+  GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
   int64_t adapter_bytes = 0;
   for (auto& [n, t] : model::lora_parameters(policy)) adapter_bytes += t.numel() * 4;
   for (int s = 0; s < 3; ++s) {
@@ -202,7 +203,7 @@ TEST(Grpo, LoraSyncsAdaptersOnlyAndChecksTheSync) {
   EXPECT_GT(moved, 0.0);
   GrpoConfig bad = cfg;
   bad.lora.targets = {"embed_tokens"};
-  EXPECT_TRUE(test::throws_with([&] { GrpoTrainer t(policy, bad, CharTokenizer(128), data); }, {"unknown target"}));
+  EXPECT_TRUE(test::throws_with([&] { GrpoTrainer t(policy, bad, test::byte_tokenizer(), data); }, {"unknown target"}));
 }
 
 TEST(Grpo, KlToTheFrozenReferenceStartsAtZeroAndGrows) {
@@ -213,7 +214,7 @@ TEST(Grpo, KlToTheFrozenReferenceStartsAtZeroAndGrows) {
   GrpoConfig cfg = small_grpo();
   cfg.max_tokens = 1;
   cfg.loss.kl_coef = 0.1;
-  GrpoTrainer trainer(policy, cfg, CharTokenizer(128), data);
+  GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
   // Step 1's single mini-step trains the starting weights: the policy is the reference.
   const StepMetrics first = trainer.step();
   EXPECT_GE(first.kl, 0.0);
@@ -228,7 +229,7 @@ TEST(Grpo, ReplayOffStillRunsAndConfigErrorsAreClear) {
   model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
   GrpoConfig cfg = small_grpo();
   cfg.routing_replay = false;
-  GrpoTrainer trainer(policy, cfg, CharTokenizer(128), split(arithmetic_problems(32, 1, 6), 0.25, 1));
+  GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), split(arithmetic_problems(32, 1, 6), 0.25, 1));
   StepMetrics m = trainer.step();
   EXPECT_TRUE(std::isfinite(m.loss));
   GrpoConfig bad = small_grpo();

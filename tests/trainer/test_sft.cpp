@@ -5,6 +5,7 @@
 
 #include "trainer/sft.h"
 #include "tests/test_util.h"
+#include "tests/trainer/grpo_fixtures.h"
 #include "tests/trainer/small_model.h"
 
 namespace kiln::trainer {
@@ -16,7 +17,7 @@ TEST(Sft, LossFallsAndAnswersAreMemorised) {
   SftConfig cfg;
   cfg.batch_size = 8;
   cfg.optim.adamw.lr = 1e-2;
-  SftTrainer sft(m, cfg, CharTokenizer(128), arithmetic_problems(8, 1, 3));
+  SftTrainer sft(m, cfg, test::byte_tokenizer(), arithmetic_problems(8, 1, 3));
   const SftMetrics first = sft.step();
   SftMetrics last;
   for (int i = 0; i < 150; ++i) last = sft.step();

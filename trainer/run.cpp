@@ -1,0 +1,140 @@
+// The GRPO run loop and its logs (metrics.jsonl, TensorBoard, samples.jsonl, progress line).
+#include "trainer/run.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "core/comm.h"
+#include "core/error.h"
+#include "core/tensorboard.h"
+
+namespace kiln::trainer {
+namespace {
+
+std::FILE* open_log(const std::string& path, bool append) {
+  std::FILE* f = std::fopen(path.c_str(), append ? "a" : "w");
+  KILN_CHECK(f, "run: cannot open ", path, " for writing (", std::strerror(errno), "); check the run directory");
+  return f;
+}
+
+}  // namespace
+
+RunLog::RunLog(const std::string& dir, bool tensorboard, bool append) : dir_(dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  KILN_CHECK(!ec, "run: cannot create the run directory ", dir, " (", ec.message(), ")");
+  metrics_ = open_log(dir + "/metrics.jsonl", append);
+  if (tensorboard) tb_ = std::make_unique<tensorboard::EventWriter>(dir + "/tensorboard");
+}
+
+RunLog::~RunLog() {
+  if (metrics_) std::fclose(metrics_);
+  if (samples_) std::fclose(samples_);
+}
+
+void RunLog::write_line(const std::string& file, std::FILE* f, const std::string& line) {
+  const bool ok = std::fwrite(line.data(), 1, line.size(), f) == line.size() && std::fputc('\n', f) != EOF &&
+                  std::fflush(f) == 0;
+  KILN_CHECK(ok, "run: cannot write ", dir_, "/", file, " (", std::strerror(errno),
+             "); check the disk space and permissions of the run directory");
+}
+
+// Every numeric field of a metrics object as a TensorBoard scalar; nested objects become
+// "prefix/outer/inner".
+void RunLog::scalars(const std::string& prefix, const std::string& json, int64_t step) {
+  if (!tb_) return;
+  std::function<void(const std::string&, const nlohmann::json&)> put = [&](const std::string& tag,
+                                                                           const nlohmann::json& v) {
+    if (v.is_object()) {
+      for (auto& [k, inner] : v.items()) put(tag + "/" + k, inner);
+    } else if (v.is_number()) {
+      tb_->add_scalar(tag, v.get<double>(), step);
+    }
+  };
+  const nlohmann::json parsed = nlohmann::json::parse(json);  // named: items() must not outlive it
+  for (auto& [k, v] : parsed.items())
+    if (k != "step") put(prefix + "/" + k, v);
+  tb_->flush();
+}
+
+void RunLog::step(const StepMetrics& m) {
+  const std::string line = m.to_json();
+  write_line("metrics.jsonl", metrics_, line);
+  scalars("train", line, m.step);
+}
+
+void RunLog::eval(const EvalMetrics& m) {
+  const std::string line = m.to_json();
+  write_line("metrics.jsonl", metrics_, line);
+  scalars("eval", line, m.step);
+}
+
+void RunLog::samples(int64_t step, const std::vector<GrpoTrainer::SampleRecord>& samples) {
+  if (!samples_) samples_ = open_log(dir_ + "/samples.jsonl", true);
+  for (const auto& s : samples) {
+    nlohmann::ordered_json j{{"step", step},       {"prompt", s.prompt}, {"response", s.response},
+                             {"label", s.label},   {"data_source", s.data_source},
+                             {"reward", s.reward}, {"components", s.components},
+                             {"truncated", s.truncated}};
+    write_line("samples.jsonl", samples_, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+  }
+  if (tb_ && !samples.empty()) {
+    const auto& s = samples.front();
+    tb_->add_text("samples", "prompt:\n" + s.prompt + "\n\nresponse:\n" + s.response + "\n\nreward: " +
+                                 std::to_string(s.reward), step);
+    tb_->flush();
+  }
+}
+
+EvalMetrics run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress) {
+  const comm::Group& world = comm::Group::world();
+  const bool lead = world.rank() == 0;
+  const int64_t first = trainer.steps_done() + 1;
+  std::unique_ptr<RunLog> log;
+  if (lead) log = std::make_unique<RunLog>(c.out, c.tensorboard, /*append=*/first > 1);
+  const std::string ckpt = c.out + "/checkpoint";
+  auto evaluate = [&] {
+    EvalMetrics e = trainer.evaluate(c.eval);
+    if (lead) log->eval(e);
+    return e;
+  };
+  EvalMetrics last;
+  if (first == 1) {
+    last = evaluate();
+    if (lead && progress)
+      std::fprintf(progress, "step 0: held-out mean@%lld %.3f, pass@%lld %.3f\n", (long long)last.k,
+                   last.all.mean_at_k, (long long)last.k, last.all.pass_at_k);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  int64_t tokens = 0;
+  for (int64_t s = first; s <= c.steps; ++s) {
+    StepMetrics m = trainer.step();
+    tokens += m.tokens;
+    if (lead) log->step(m);
+    if (c.samples_every > 0 && s % c.samples_every == 0 && lead) {
+      const auto& all = trainer.last_samples();
+      const size_t n = std::min(all.size(), size_t(std::max<int64_t>(c.samples_per_dump, 0)));
+      log->samples(s, std::vector<GrpoTrainer::SampleRecord>(all.begin(), all.begin() + std::ptrdiff_t(n)));
+    }
+    if ((c.eval_every > 0 && s % c.eval_every == 0) || s == c.steps) last = evaluate();
+    if ((c.checkpoint_every > 0 && s % c.checkpoint_every == 0) || s == c.steps) trainer.save(ckpt);
+    if (!lead || !progress) continue;
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(progress,
+                 "\rstep %lld/%lld  reward %.3f  acc %.3f  eval %.3f  mismatch %.2e  sync %.1f MB %.1f ms (%.1f GB/s)  "
+                 "%.0f tok/s  ETA %.0f s   ",
+                 (long long)s, (long long)c.steps, m.reward, m.accuracy, last.all.mean_at_k, m.mismatch.mean_abs_token,
+                 double(m.sync_bytes) / 1e6, m.sync_seconds * 1e3, m.sync_gbps(), double(tokens) / secs,
+                 secs / double(s - first + 1) * double(c.steps - s));
+    std::fflush(progress);
+  }
+  if (lead && progress && first <= c.steps) std::fprintf(progress, "\n");
+  return last;
+}
+
+}  // namespace kiln::trainer

@@ -1,0 +1,58 @@
+// The outer GRPO loop that `kiln train` runs: the step loop with evaluation and checkpoint cadence,
+// and what a run leaves in its directory: metrics.jsonl, TensorBoard event files, sample dumps and
+// the live progress line. Rank 0 writes; every rank steps.
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "trainer/grpo.h"
+
+namespace kiln::tensorboard {
+class EventWriter;
+}
+
+namespace kiln::trainer {
+
+// Where one run's numbers go: <dir>/metrics.jsonl (one JSON object per step or evaluation),
+// TensorBoard events under <dir>/tensorboard/ (every numeric field, as "train/<key>" or
+// "eval/<key>"), and sample dumps in <dir>/samples.jsonl. Every write is checked: a full disk or
+// an unwritable file is an error naming the file.
+class RunLog {
+ public:
+  RunLog(const std::string& dir, bool tensorboard, bool append);
+  ~RunLog();
+  void step(const StepMetrics& m);
+  void eval(const EvalMetrics& m);
+  // One line per sample: step, prompt, response, label, data_source, reward, components.
+  void samples(int64_t step, const std::vector<GrpoTrainer::SampleRecord>& samples);
+
+ private:
+  void write_line(const std::string& file, std::FILE* f, const std::string& line);
+  void scalars(const std::string& prefix, const std::string& json, int64_t step);
+
+  std::string dir_;
+  std::FILE* metrics_ = nullptr;
+  std::FILE* samples_ = nullptr;
+  std::unique_ptr<tensorboard::EventWriter> tb_;
+};
+
+struct RunConfig {
+  int64_t steps = 20;
+  int64_t eval_every = 10;        // 0 = only at the start and the end
+  int64_t checkpoint_every = 0;   // 0 = only at the end
+  int64_t samples_every = 0;      // sample dumps every N steps; 0 = none
+  int64_t samples_per_dump = 16;  // samples written per dump (rank 0's first ones)
+  bool tensorboard = true;
+  EvalConfig eval;
+  std::string out;                // the run directory
+};
+
+// Runs the steps left (from trainer.steps_done() + 1 to config.steps): evaluates before the first
+// step of a fresh run, every eval_every steps and at the end; checkpoints into <out>/checkpoint
+// every checkpoint_every steps and at the end; prints the progress line to `progress` (rank 0,
+// nullptr for none). Returns the last evaluation.
+EvalMetrics run_grpo(GrpoTrainer& trainer, const RunConfig& config, std::FILE* progress);
+
+}  // namespace kiln::trainer
