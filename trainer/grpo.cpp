@@ -485,7 +485,12 @@ struct GrpoTrainer::Impl {
     RewardRequest r;
     r.id = id;
     r.prompt = ex.prompt_text;
-    r.response = tok->decode(s.tokens, /*skip_special_tokens=*/true);
+    // The response as sampled, less a special stop token that ended it (<|im_end|>): special
+    // tokens sampled inside a response stay visible to the reward, and a textual stop such as the
+    // byte tokenizer's '\n' stays part of the text.
+    std::vector<int64_t> ids = s.tokens;
+    if (s.finish == rollout::FinishReason::kStop && !ids.empty() && tok->is_special(ids.back())) ids.pop_back();
+    r.response = tok->decode(ids);
     r.label = ex.label;
     r.data_source = ex.data_source;
     r.metadata = ex.metadata.empty() ? "{}" : ex.metadata;

