@@ -2,7 +2,8 @@
 // Cases: rmsnorm (CUDA kernel vs ATen ops vs a device copy), forward (forward and forward+backward,
 // grouped GEMM vs per-expert loop), decode (engine decode vs full recompute vs the bytes roofline),
 // train (one training step's forward+backward on 8192 packed tokens: tok/s, model TFLOP/s, grouped
-// GEMM vs per-expert loop), optim (tools/bench_optim.cpp), nvfp4 (W4A16 GEMMs vs BF16: tools/bench_nvfp4.cpp).
+// GEMM vs per-expert loop), optim (tools/bench_optim.cpp), nvfp4 (W4A16 GEMMs vs BF16: tools/bench_nvfp4.cpp),
+// tokenize (kiln vs HF tokenizers' Node binding: tools/bench_tokenize.cpp).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>

@@ -3,6 +3,8 @@
 # tests of the same build), the GRPO smoke runs (bf16, NVFP4 rollouts, LoRA) and the benchmarks.
 # Four logs go to $OUT when set (the device tool returns at most 8 files): build.log, tests.log,
 # grpo.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,bench (the default: all) picks sections.
+# The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
+# .cache/device-deps into the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/kiln-gpu}"; mkdir -p "$out"
