@@ -1,5 +1,6 @@
-// `kiln plot <run_dir>`: a PNG of reward, accuracy (sampled, pass@n and held-out greedy) and the
-// train-vs-rollout mismatch against step, drawn by gnuplot from the run's metrics.jsonl.
+// `kiln plot <run_dir>`: a PNG of reward, accuracy (sampled, pass@n, held-out mean@k in all and per
+// data_source) and the train-vs-rollout mismatch against step, drawn by gnuplot from the run's
+// metrics.jsonl.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -7,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
+#include <vector>
 
 #include "core/error.h"
 #include "tools/commands.h"
@@ -30,6 +33,7 @@ Run add_plot(CLI::App& app) {
     std::ofstream steps(steps_dat), evals(eval_dat);
     std::string line;
     int64_t n_steps = 0;
+    std::map<std::string, std::string> by_source;  // data_source -> "step value" lines
     for (int lineno = 1; std::getline(in, line); ++lineno) {
       if (line.empty()) continue;
       nlohmann::json j;
@@ -40,6 +44,9 @@ Run add_plot(CLI::App& app) {
       }
       if (j.contains("eval_accuracy")) {
         evals << j["step"].get<int64_t>() << " " << j["eval_accuracy"].get<double>() << "\n";
+        if (j.contains("eval_by_source"))
+          for (auto it = j["eval_by_source"].begin(); it != j["eval_by_source"].end(); ++it)
+            by_source[it.key()] += fmt::format("{} {}\n", j["step"].get<int64_t>(), it.value()["mean_at_k"].get<double>());
       } else if (j.contains("reward")) {
         const double no_replay = j.contains("mismatch_no_replay") ? j["mismatch_no_replay"]["mean_abs_seq"].get<double>()
                                                                    : std::nan("");
@@ -52,21 +59,34 @@ Run add_plot(CLI::App& app) {
     steps.close();
     evals.close();
     KILN_CHECK(n_steps > 0, "plot: ", metrics, " holds no step lines yet");
+    // One dashed line per data_source, when there is more than one.
+    std::vector<std::string> files = {steps_dat, eval_dat};
+    std::string source_plots;
+    if (by_source.size() > 1) {
+      for (const auto& [source, rows] : by_source) {
+        const std::string f = a->run + "/.plot-eval-" + std::to_string(files.size()) + ".dat";
+        std::ofstream(f) << rows;
+        files.push_back(f);
+        source_plots += ", '" + f + "' u 1:2 w lp pt 6 dt 2 t 'held-out " + source + "'";
+      }
+    }
     const std::string script = a->run + "/.plot.gp";
+    files.push_back(script);
     {
       std::ofstream gp(script);
       gp << "set terminal pngcairo noenhanced size 1100,700\nset output '" << png << "'\n"
          << "set multiplot layout 2,1 title 'kiln GRPO: " << a->run << "'\n"
          << "set key outside right\nset grid\nset yrange [0:1]\nset ylabel 'reward / accuracy'\n"
          << "plot '" << steps_dat << "' u 1:2 w l lw 2 t 'reward', '' u 1:3 w l lw 2 t 'sampled accuracy', "
-         << "'' u 1:6 w l lw 1 t 'prompts with a right sample (pass@n)', '" << eval_dat << "' u 1:2 w lp pt 7 lw 2 t 'held-out greedy accuracy'\n"
+         << "'' u 1:6 w l lw 1 t 'prompts with a right sample (pass@n)', '" << eval_dat << "' u 1:2 w lp pt 7 lw 2 t 'held-out mean@k'"
+         << source_plots << "\n"
          << "set autoscale y\nset logscale y\nset xlabel 'step'\nset ylabel 'mean |lp_old - lp_roll|'\n"
          << "plot '" << steps_dat << "' u 1:4 w l lw 2 t 'mismatch (replay as configured)', '' u 1:5 w l lw 2 t "
          << "'mismatch (replay off)'\nunset multiplot\n";
     }
     const int rc = std::system(("gnuplot '" + script + "' 2>&1").c_str());
     KILN_CHECK(rc == 0, "plot: gnuplot failed (exit ", rc, ") on ", script, "; is gnuplot installed (apt gnuplot-nox)?");
-    for (const auto& f : {steps_dat, eval_dat, script}) std::remove(f.c_str());
+    for (const auto& f : files) std::remove(f.c_str());
     fmt::print("wrote {} ({} steps)\n", png, n_steps);
   };
 }
