@@ -297,8 +297,8 @@ struct GrpoTrainer::Impl {
       shard = std::make_unique<model::Muse>(model::shard_experts(policy, e, int(ep)));
     }
     rollout::EngineConfig ec = cfg.engine;
-    if (cfg.parallel.rollout == "sharded") ec.expert_group = &ep_group;  // serves this rank's experts
-    engine = std::make_unique<rollout::Engine>(cfg.parallel.rollout == "sharded" ? *shard : policy, ec);
+    if (cfg.parallel.sharded_rollout()) ec.expert_group = &ep_group;  // serves this rank's experts
+    engine = std::make_unique<rollout::Engine>(cfg.parallel.sharded_rollout() ? *shard : policy, ec);
     // The KL reference: a frozen copy of what is trained (an expert shard under expert
     // parallelism); with LoRA the base itself, adapters disabled (no second copy).
     if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
@@ -676,12 +676,12 @@ struct GrpoTrainer::Impl {
 #endif
     const auto t = Clock::now();
     if (lora()) {  // a replica gathers the experts' adapters first; a sharded engine takes its own
-      if (cfg.parallel.rollout != "sharded") gather_experts();
-      const auto named = model::lora_parameters(cfg.parallel.rollout == "sharded" ? trained() : policy);
+      if (!cfg.parallel.sharded_rollout()) gather_experts();
+      const auto named = model::lora_parameters(cfg.parallel.sharded_rollout() ? trained() : policy);
       m.sync_bytes = engine->update_adapters(named);
     } else {
-      if (cfg.parallel.rollout != "sharded") gather_experts();
-      const auto named = cfg.parallel.rollout == "sharded" ? trained().named_parameters() : policy.named_parameters();
+      if (!cfg.parallel.sharded_rollout()) gather_experts();
+      const auto named = cfg.parallel.sharded_rollout() ? trained().named_parameters() : policy.named_parameters();
       engine->update_weights(named);
       for (const auto& [name, w] : named) m.sync_bytes += int64_t(w.numel()) * int64_t(w.element_size());
     }
@@ -714,7 +714,7 @@ struct GrpoTrainer::Impl {
       return m.forward(b, o).logprobs.narrow(0, 0, b.num_tokens() - 1).to(at::kDouble).cpu();
     };
     const comm::Group* experts = shard ? &ep_group : nullptr;
-    const bool sharded_engine = cfg.parallel.rollout == "sharded";
+    const bool sharded_engine = cfg.parallel.sharded_rollout();
     const double diff =
         (lp(trained(), experts) - lp(engine->model(), sharded_engine ? experts : nullptr)).abs().mean().item<double>();
     const double limit = cfg.sync_check_threshold >= 0 ? cfg.sync_check_threshold
@@ -822,7 +822,7 @@ void GrpoTrainer::save(const std::string& dir) const {
   const std::string tmp = dir + ".tmp", old = dir + ".old";
   // Under expert parallelism the reference is a shard: every rank helps assemble the full one.
   std::unique_ptr<model::Muse> full_reference;
-  if (impl_->cfg.parallel.rollout == "sharded") impl_->gather_experts();  // the full model to write
+  if (impl_->cfg.parallel.sharded_rollout()) impl_->gather_experts();  // the full model to write
   if (impl_->reference && impl_->shard) {
     full_reference = std::make_unique<model::Muse>(impl_->policy.clone());
     impl_->shard_to_full(*impl_->reference, *full_reference);
@@ -933,10 +933,10 @@ void GrpoTrainer::load(const std::string& dir) {
   impl_->stream.seek(st["data_position"].get<uint64_t>());
   // LoRA's base is frozen (and checked above): the engine keeps its (perhaps NVFP4) base.
   if (!impl_->lora())
-    impl_->engine->update_weights(impl_->cfg.parallel.rollout == "sharded" ? impl_->trained().named_parameters()
+    impl_->engine->update_weights(impl_->cfg.parallel.sharded_rollout() ? impl_->trained().named_parameters()
                                                                             : impl_->policy.named_parameters());
   if (impl_->lora())
-    impl_->engine->update_adapters(model::lora_parameters(impl_->cfg.parallel.rollout == "sharded" ? impl_->trained()
+    impl_->engine->update_adapters(model::lora_parameters(impl_->cfg.parallel.sharded_rollout() ? impl_->trained()
                                                                                                   : impl_->policy));
 }
 

@@ -13,16 +13,26 @@
 
 namespace kiln::trainer {
 
+RolloutPlacement parse_rollout_placement(const std::string& name) {
+  if (name == "replica") return RolloutPlacement::kReplica;
+  if (name == "sharded") return RolloutPlacement::kSharded;
+  KILN_FAIL("parallel: rollout must be replica or sharded (got '", name, "')");
+}
+
+const char* rollout_placement_name(RolloutPlacement p) {
+  return p == RolloutPlacement::kSharded ? "sharded" : "replica";
+}
+
 std::string ParallelConfig::describe() const {
-  return str_cat("dp=", dp, " ep=", ep, " tp=", tp, ep > 1 ? str_cat(" rollout=", rollout) : std::string());
+  return str_cat("dp=", dp, " ep=", ep, " tp=", tp,
+                 ep > 1 ? str_cat(" rollout=", rollout_placement_name(rollout)) : std::string());
 }
 
 void ParallelConfig::resolve(int64_t world, int64_t num_experts) {
   const std::string given = str_cat("(given dp=", dp, ", ep=", ep, ", tp=", tp, "; world size ", world,
                                     ", num_experts ", num_experts, ")");
   KILN_CHECK(tp == 1, "parallel: tp is reserved for later and must be 1 ", given);
-  KILN_CHECK(rollout == "replica" || (rollout == "sharded" && ep > 1), "parallel: rollout must be replica, or sharded",
-             " with ep > 1 (got '", rollout, "') ", given);
+  KILN_CHECK(!sharded_rollout() || ep > 1, "parallel: rollout sharded needs ep > 1 ", given);
   KILN_CHECK(ep >= 1 && ep <= num_experts && num_experts % ep == 0,
              "parallel: ep must be at least 1, at most num_experts, and divide num_experts evenly ", given);
   if (dp == 0) {

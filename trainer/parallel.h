@@ -16,12 +16,18 @@
 
 namespace kiln::trainer {
 
+// Where the rollout engine's experts live under expert parallelism: a full replica on every rank
+// (gathered after each step), or each rank's own shard (the group's engines step in lockstep).
+enum class RolloutPlacement { kReplica, kSharded };
+RolloutPlacement parse_rollout_placement(const std::string& name);  // "replica" or "sharded"
+const char* rollout_placement_name(RolloutPlacement p);
+
 struct ParallelConfig {
   int64_t dp = 0;  // data-parallel ranks; 0: world size / ep
   int64_t ep = 1;  // expert-parallel ranks
   int64_t tp = 1;  // reserved: must be 1
-  std::string rollout = "replica";  // ep > 1: the rollout engine serves a full replica of the
-                                    // model (gathered after each step) or this rank's "sharded" experts
+  RolloutPlacement rollout = RolloutPlacement::kReplica;  // kSharded needs ep > 1
+  bool sharded_rollout() const { return rollout == RolloutPlacement::kSharded; }
   // Fills dp and checks dp * ep == world, ep | num_experts, tp == 1, rollout. Errors list every value.
   void resolve(int64_t world, int64_t num_experts);
   std::string describe() const;

@@ -360,7 +360,13 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     p.get("dp", g.parallel.dp);
     p.get("ep", g.parallel.ep);
     p.get("tp", g.parallel.tp);
-    p.get("rollout", g.parallel.rollout);
+    std::string placement = rollout_placement_name(g.parallel.rollout);
+    p.get("rollout", placement);
+    try {
+      g.parallel.rollout = parse_rollout_placement(placement);
+    } catch (const Error& e) {
+      p.fail("rollout", e.what());
+    }
     p.finish();
   }
   {
@@ -516,7 +522,7 @@ std::string Recipe::to_yaml() const {
     << g.schedule.min_ratio << YAML::EndMap;
   e << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap << YAML::Key << "dp" << YAML::Value << g.parallel.dp
     << YAML::Key << "ep" << YAML::Value << g.parallel.ep << YAML::Key << "tp" << YAML::Value << g.parallel.tp
-    << YAML::Key << "rollout" << YAML::Value << g.parallel.rollout
+    << YAML::Key << "rollout" << YAML::Value << rollout_placement_name(g.parallel.rollout)
     << YAML::EndMap;
   e << YAML::Key << "rollout" << YAML::Value << YAML::BeginMap << YAML::Key << "kv_cache_mb" << YAML::Value
     << double(g.engine.kv_cache_bytes) / double(1 << 20) << YAML::Key << "block_size" << YAML::Value

@@ -137,7 +137,7 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
   cfg.lora.alpha = 2.0 * double(lora_rank);
   GrpoTrainer one(m1, cfg, test::byte_tokenizer(), data, alone);
   cfg.parallel.ep = ep;
-  cfg.parallel.rollout = rollout;
+  cfg.parallel.rollout = parse_rollout_placement(rollout);
   GrpoTrainer all(mw, cfg, test::byte_tokenizer(), data, w);
   for (int s = 0; s < 3; ++s) {
     StepMetrics a = one.step(), b = all.step();
@@ -207,6 +207,12 @@ TEST(DataParallel, LayoutErrorsNameEveryValue) {
   r.dp = 0;
   r.resolve(4, 8);
   EXPECT_EQ(r.dp, 4);
+  ParallelConfig sharded_alone;
+  sharded_alone.rollout = RolloutPlacement::kSharded;
+  EXPECT_TRUE(test::throws_with([&] { sharded_alone.resolve(4, 8); }, {"rollout sharded needs ep > 1", "ep=1"}));
+  EXPECT_EQ(parse_rollout_placement("sharded"), RolloutPlacement::kSharded);
+  EXPECT_STREQ(rollout_placement_name(RolloutPlacement::kReplica), "replica");
+  EXPECT_TRUE(test::throws_with([] { parse_rollout_placement("both"); }, {"replica or sharded", "'both'"}));
 }
 
 }  // namespace

@@ -222,6 +222,9 @@ check "sft on 2 ranks" "sft: done" mpi -np 2 "$kiln" sft "$tmp/recipe.yaml" --st
 check "train with experts over 2 ranks" "dp=1 ep=2" mpi -np 2 "$kiln" train "$tmp/ep2.yaml" --steps 2 --out "$tmp/ep2"
 check "resume expert-parallel" "resumed from" mpi -np 2 "$kiln" train "$tmp/ep2.yaml" --steps 3 --resume "$tmp/ep2"
 sed 's/^  ep: 2$/  ep: 2\n  rollout: sharded/' "$tmp/ep2.yaml" > "$tmp/ep2s.yaml"
+sed 's/^  ep: 2$/  ep: 2\n  rollout: both/' "$tmp/ep2.yaml" > "$tmp/ep2bad.yaml"
+check_fails "bad rollout placement" "parallel.rollout: parallel: rollout must be replica or sharded (got 'both')" \
+  "$kiln" train "$tmp/ep2bad.yaml" --steps 1 --out "$tmp/ep2bad"
 check "sharded rollout engines" "rollout=sharded" mpi -np 2 "$kiln" train "$tmp/ep2s.yaml" --steps 2 --out "$tmp/ep2s"
 check "resume them" "resumed from" mpi -np 2 "$kiln" train "$tmp/ep2s.yaml" --steps 3 --resume "$tmp/ep2s"
 check "sharded, uninterrupted" "train: done" mpi -np 2 "$kiln" train "$tmp/ep2s.yaml" --steps 3 --out "$tmp/ep2sfull"
