@@ -286,6 +286,15 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
   return t;
 }
 
+bool has_tokenizer_files(const std::string& dir) {
+  return is_directory(dir) && (is_file(dir + "/tokenizer.json") || !tiktoken_files(dir).empty());
+}
+
+std::string tokenizer_dir(const Tokenizer& tokenizer) {
+  if (is_directory(tokenizer.name())) return tokenizer.name();
+  return is_file(tokenizer.name()) ? parent_dir(tokenizer.name()) : "";
+}
+
 void copy_tokenizer_files(const std::string& from_dir, const std::string& to_dir) {
   KILN_CHECK(is_directory(from_dir), "tokenizer: cannot copy tokenizer files from ", from_dir,
              ": not a directory; give the model directory");

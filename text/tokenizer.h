@@ -124,6 +124,11 @@ class StreamDecoder {
   std::string pending_;  // bytes of an unfinished UTF-8 character
 };
 
+// Whether `dir` holds a tokenizer load_tokenizer can read (tokenizer.json or a *.tiktoken file).
+bool has_tokenizer_files(const std::string& dir);
+// The folder a loaded tokenizer's files are in, or "" for one with no files (the byte tokenizer).
+std::string tokenizer_dir(const Tokenizer& tokenizer);
+
 // The files a kiln checkpoint carries for its tokenizer: copies tokenizer.json,
 // tokenizer_config.json, generation_config.json, chat_template.jinja and *.tiktoken that exist in
 // `from_dir` into `to_dir` (created if missing).

@@ -20,7 +20,6 @@
 #include "tools/commands.h"
 #include "text/tokenizer.h"
 #include "tools/token_ids.h"
-#include "trainer/recipe.h"
 
 namespace kiln::tools {
 namespace {
@@ -255,7 +254,7 @@ Run add_generate(CLI::App& app) {
     // A tokenizer with files: its stop ids end samples unless --stop says otherwise.
     std::shared_ptr<const text::Tokenizer> tok;
     if (!a->tokenizer.empty()) tok = text::load_tokenizer(a->tokenizer);
-    else if (trainer::has_tokenizer_files(a->model)) tok = text::load_tokenizer(a->model);
+    else if (text::has_tokenizer_files(a->model)) tok = text::load_tokenizer(a->model);
     const bool bytes = !tok;
     if (bytes) tok = text::make_byte_tokenizer(256);
     if (!bytes && a->stop.empty()) defaults.stop_token_ids = tok->stop_ids();

@@ -78,7 +78,7 @@ void report_data(const Setup& s) {
 
 // A checkpoint carries the tokenizer it was trained with, so that it loads on its own.
 void copy_tokenizer(const text::Tokenizer& tok, const std::string& dir) {
-  const std::string from = trainer::tokenizer_dir(tok);
+  const std::string from = text::tokenizer_dir(tok);
   if (!from.empty()) text::copy_tokenizer_files(from, dir);
 }
 

@@ -213,13 +213,19 @@ void PromptFormat::validate() const {
   KILN_CHECK(kw.is_object(), "prompt: template_kwargs must be a JSON object (got ", kw.type_name(), ")");
 }
 
-std::string chat_messages(const Example& example, const PromptFormat& format) {
+namespace {
+json chat_of(const Example& example, const PromptFormat& format) {
   json msgs = example.messages.empty() ? json::array({{{"role", "user"}, {"content", example.prompt}}})
                                        : json::parse(example.messages);
   const bool has_system = !msgs.empty() && msgs[0].value("role", "") == "system";
   if (!format.system_prompt.empty() && !has_system)
     msgs.insert(msgs.begin(), json{{"role", "system"}, {"content", format.system_prompt}});
-  return msgs.dump();
+  return msgs;
+}
+}  // namespace
+
+std::string chat_messages(const Example& example, const PromptFormat& format) {
+  return chat_of(example, format).dump();
 }
 
 PrepareReport prepare_prompts(std::vector<Example>& examples, const text::Tokenizer& tokenizer,
@@ -249,7 +255,7 @@ PrepareReport prepare_prompts(std::vector<Example>& examples, const text::Tokeni
     KILN_CHECK(!chat || format.chat != ChatMode::kNever, "prompt: ", ex.origin,
                " holds chat messages but prompt.chat is never; set it to auto or give text prompts");
     if (chat) {
-      ex.prompt_text = text::apply_chat_template(chat_template(), json::parse(chat_messages(ex, format)), options);
+      ex.prompt_text = text::apply_chat_template(chat_template(), chat_of(ex, format), options);
       ex.prompt_ids = tokenizer.encode(ex.prompt_text, /*add_special_tokens=*/false);
     } else {
       ex.prompt_text = ex.prompt;

@@ -12,7 +12,6 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
-#include <array>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -54,40 +53,33 @@ bool is_correct(const RewardResult& r) {
   return r.reward >= 0.5;
 }
 
-// Sums of each named reward component over this rank's samples; global_means averages them over
-// every rank's samples that carry the component.
-struct ComponentSums {
-  std::map<std::string, std::pair<double, double>> sums;  // name -> (sum, count)
-  void add(const std::string& name, double v) {
-    auto& [sum, count] = sums[name];
-    sum += v;
-    count += 1;
-  }
-  std::map<std::string, double> global_means(const comm::Group& g) const {
-    nlohmann::json mine = nlohmann::json::object();
-    for (const auto& [name, sc] : sums) mine[name] = {sc.first, sc.second};
-    std::map<std::string, std::pair<double, double>> all;
-    for (const std::string& part : gather_strings(g, mine.dump())) {
-      const nlohmann::json j = nlohmann::json::parse(part);  // named: items() must not outlive it
-      for (auto it = j.begin(); it != j.end(); ++it)
-        all[it.key()].first += it.value()[0].get<double>(), all[it.key()].second += it.value()[1].get<double>();
+// Sums under names that may differ between ranks (reward components, data sources): each rank's
+// map, added up key by key over every rank (collective).
+using KeyedSums = std::map<std::string, std::vector<double>>;
+KeyedSums all_reduce_keyed(const comm::Group& g, const KeyedSums& mine) {
+  KeyedSums all;
+  for (const std::string& part : gather_strings(g, nlohmann::json(mine).dump()))
+    for (const auto& [key, v] : nlohmann::json::parse(part).get<KeyedSums>()) {
+      std::vector<double>& into = all[key];
+      into.resize(std::max(into.size(), v.size()));
+      for (size_t i = 0; i < v.size(); ++i) into[i] += v[i];
     }
-    std::map<std::string, double> means;
-    for (const auto& [name, sc] : all) means[name] = sc.first / std::max(sc.second, 1.0);
-    return means;
-  }
-};
+  return all;
+}
 
-// Peak device memory since the last reset (CUDA policies; 0 on the CPU).
-void reset_peak_memory() {
+// Peak memory of a CUDA policy's device since the last reset; 0 on the CPU.
 #if KILN_WITH_CUDA
-  if (c10::cuda::device_count() > 0) c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
+c10::DeviceIndex cuda_index(at::Device d) { return d.has_index() ? d.index() : c10::cuda::current_device(); }
+#endif
+void reset_peak_memory(at::Device d) {
+#if KILN_WITH_CUDA
+  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(cuda_index(d));
 #endif
 }
-double peak_memory_gb() {
+double peak_memory_gb(at::Device d) {
 #if KILN_WITH_CUDA
-  if (c10::cuda::device_count() > 0) {
-    const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device());
+  if (d.is_cuda()) {
+    const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(d));
     return double(st.allocated_bytes[0].peak) / 1e9;  // [0]: StatType AGGREGATE in every torch version
   }
 #endif
@@ -194,15 +186,6 @@ std::string EvalMetrics::to_json() const {
   return j.dump();
 }
 
-Stats Stats::of(const std::vector<double>& values) {
-  Stats s;
-  if (values.empty()) return s;
-  s.min = *std::min_element(values.begin(), values.end());
-  s.max = *std::max_element(values.begin(), values.end());
-  s.mean = std::accumulate(values.begin(), values.end(), 0.0) / double(values.size());
-  return s;
-}
-
 std::string StepMetrics::to_json() const {
   nlohmann::ordered_json j;
   j["step"] = step;
@@ -215,8 +198,8 @@ std::string StepMetrics::to_json() const {
   j["kl"] = kl;
   j["lr"] = lr;
   j["response_length"] = response_length;
-  j["response_length_min"] = response_lengths.min;
-  j["response_length_max"] = response_lengths.max;
+  j["response_length_min"] = response_length_min;
+  j["response_length_max"] = response_length_max;
   j["truncated_fraction"] = truncated_fraction;
   j["zero_variance_groups"] = zero_variance_groups;
   if (!reward_components.empty()) j["reward_components"] = reward_components;
@@ -362,7 +345,7 @@ struct GrpoTrainer::Impl {
 
   StepMetrics step() {
     const auto t_step = Clock::now();
-    reset_peak_memory();
+    reset_peak_memory(policy.device());
     StepMetrics m;
     m.step = ++steps;
     auto t = Clock::now();
@@ -381,7 +364,7 @@ struct GrpoTrainer::Impl {
     sync_rollout(m);
     m.step_seconds = seconds_since(t_step);
     m.tokens_per_second = double(m.tokens) / std::max(m.step_seconds, 1e-9);
-    m.peak_memory_gb = peak_memory_gb();
+    m.peak_memory_gb = peak_memory_gb(policy.device());
     return m;
   }
 
@@ -438,21 +421,25 @@ struct GrpoTrainer::Impl {
     }
     const RewardStats before = reward->stats();
     const std::vector<RewardResult> results = reward->score(reqs);
-    m.reward_stats = global_reward_stats(reward->stats() - before);
+    const RewardStats worker = reward->stats() - before;
     KILN_CHECK(results.size() == reqs.size(), "grpo: the reward returned ", results.size(), " results for ",
                reqs.size(), " samples");
     std::vector<double> rewards, correct;
     int64_t failures = 0, solved_prompts = 0, flat_groups = 0;
-    ComponentSums parts;
+    KeyedSums parts;  // component -> (sum, count)
     last.clear();
     for (size_t i = 0; i < results.size(); ++i) {
       const RewardResult& r = results[i];
       rewards.push_back(r.reward);
       correct.push_back(is_correct(r) ? 1.0 : 0.0);
       failures += r.failed ? 1 : 0;
-      for (const auto& [name, v] : r.components) parts.add(name, v);
       last.push_back({reqs[i].prompt, reqs[i].response, reqs[i].label, reqs[i].data_source, r.reward, {}, reqs[i].truncated});
-      for (const auto& [name, v] : r.components) last.back().components[name] = v;
+      for (const auto& [name, v] : r.components) {
+        std::vector<double>& p = parts[name];
+        p.resize(2);
+        p[0] += v, p[1] += 1;
+        last.back().components[name] = v;
+      }
     }
     const size_t n = size_t(cfg.samples_per_prompt);
     for (size_t g = 0; g * n < rewards.size(); ++g) {
@@ -463,21 +450,39 @@ struct GrpoTrainer::Impl {
     }
     at::Tensor adv = group_advantages(at::tensor(rewards, at::kDouble), cfg.samples_per_prompt, cfg.std_normalize);
     for (size_t i = 0; i < trajs.size(); ++i) trajs[i].advantage = adv[int64_t(i)].item<double>();
+    // Every count and sum of the step in one reduction; min and max lengths in a second.
     at::Tensor sums = at::tensor({std::accumulate(rewards.begin(), rewards.end(), 0.0),
                                   std::accumulate(correct.begin(), correct.end(), 0.0),
                                   std::accumulate(lengths.begin(), lengths.end(), 0.0), double(solved_prompts),
-                                  double(trajs.size()), truncated, double(flat_groups), double(failures)}, at::kDouble);
+                                  truncated, double(flat_groups), double(failures), double(worker.num_answered),
+                                  double(worker.num_timeouts), double(worker.num_restarts), double(worker.num_retries),
+                                  double(worker.num_garbage_lines), worker.total_seconds}, at::kDouble);
     group.all_reduce(sums);
-    const double count = std::max(sums[4].item<double>(), 1.0);
-    m.reward = sums[0].item<double>() / count;
-    m.accuracy = sums[1].item<double>() / count;
-    m.response_length = sums[2].item<double>() / count;
-    m.pass_at_n = sums[3].item<double>() / double(b.total);
-    m.truncated_fraction = sums[5].item<double>() / count;
-    m.zero_variance_groups = sums[6].item<double>() / double(b.total);
-    m.reward_failures = int64_t(sums[7].item<double>());
-    m.response_lengths = global_stats(lengths);
-    m.reward_components = parts.global_means(group);
+    auto sum = [&](int64_t i) { return sums[i].item<double>(); };
+    const double count = double(b.total * cfg.samples_per_prompt);  // every prompt has n samples
+    m.reward = sum(0) / count;
+    m.accuracy = sum(1) / count;
+    m.response_length = sum(2) / count;
+    m.pass_at_n = sum(3) / double(b.total);
+    m.truncated_fraction = sum(4) / count;
+    m.zero_variance_groups = sum(5) / double(b.total);
+    m.reward_failures = int64_t(sum(6));
+    m.reward_stats.num_requests = int64_t(count);
+    m.reward_stats.num_failures = m.reward_failures;
+    m.reward_stats.num_answered = int64_t(sum(7));
+    m.reward_stats.num_timeouts = int64_t(sum(8));
+    m.reward_stats.num_restarts = int64_t(sum(9));
+    m.reward_stats.num_retries = int64_t(sum(10));
+    m.reward_stats.num_garbage_lines = int64_t(sum(11));
+    m.reward_stats.total_seconds = sum(12);
+    // -min and max, so that one max-reduction gives both; a rank without samples adds nothing.
+    at::Tensor mm = at::tensor({lengths.empty() ? -INFINITY : -*std::min_element(lengths.begin(), lengths.end()),
+                                lengths.empty() ? -INFINITY : *std::max_element(lengths.begin(), lengths.end())},
+                               at::kDouble);
+    group.all_reduce(mm, comm::ReduceOp::kMax);
+    m.response_length_min = -mm[0].item<double>();
+    m.response_length_max = mm[1].item<double>();
+    for (const auto& [name, sc] : all_reduce_keyed(group, parts)) m.reward_components[name] = sc[0] / std::max(sc[1], 1.0);
     return trajs;
   }
 
@@ -498,40 +503,6 @@ struct GrpoTrainer::Impl {
     return r;
   }
 
-  // The reward counters summed over the ranks (each rank scores its own samples).
-  RewardStats global_reward_stats(const RewardStats& s) const {
-    at::Tensor v = at::tensor({double(s.num_requests), double(s.num_failures), double(s.num_timeouts),
-                               double(s.num_restarts), double(s.num_retries), double(s.num_garbage_lines),
-                               double(s.num_answered), s.total_seconds}, at::kDouble);
-    group.all_reduce(v);
-    RewardStats g;
-    g.num_requests = int64_t(v[0].item<double>());
-    g.num_failures = int64_t(v[1].item<double>());
-    g.num_timeouts = int64_t(v[2].item<double>());
-    g.num_restarts = int64_t(v[3].item<double>());
-    g.num_retries = int64_t(v[4].item<double>());
-    g.num_garbage_lines = int64_t(v[5].item<double>());
-    g.num_answered = int64_t(v[6].item<double>());
-    g.total_seconds = v[7].item<double>();
-    return g;
-  }
-
-  // Min, mean and max over every rank's values.
-  Stats global_stats(const std::vector<double>& values) const {
-    Stats local = Stats::of(values);
-    const bool any = !values.empty();
-    at::Tensor mm = at::tensor({any ? -local.min : -INFINITY, any ? local.max : -INFINITY}, at::kDouble);
-    group.all_reduce(mm, comm::ReduceOp::kMax);
-    const double sum = group.all_reduce(local.mean * double(values.size()));
-    const double count = group.all_reduce(double(values.size()));
-    Stats s;
-    if (count == 0) return s;
-    s.mean = sum / count;
-    s.min = -mm[0].item<double>();
-    s.max = mm[1].item<double>();
-    return s;
-  }
-
   // lp_old (and lp_ref) for the loss, and the mismatch metrics over every rank's tokens.
   struct OldLogprobs {
     Scored old, ref;
@@ -542,10 +513,10 @@ struct GrpoTrainer::Impl {
     o.old = score(trajs, cfg.routing_replay);
     Packed whole = pack(trajs, 0, trajs.size(), at::kCPU, at::kDouble);
     // The mismatch metrics see every rank's tokens (gathered; a copy on one rank).
-    const double n = group.all_reduce(double(trajs.size()));
+    const int64_t n = b.total * cfg.samples_per_prompt;
     const int64_t seq_offset = b.first * cfg.samples_per_prompt;
     Gathered all_tok{group.all_gather_v(whole.rollout_lp), group.all_gather_v(whole.mask),
-                     group.all_gather_v(whole.seq_ids + seq_offset), int64_t(n)};
+                     group.all_gather_v(whole.seq_ids + seq_offset), n};
     m.tokens = int64_t(group.all_reduce(double(whole.batch.num_tokens())));
     m.mismatch = mismatch_metrics(group.all_gather_v(o.old.logprobs.cpu()), all_tok.rollout_lp, all_tok.mask,
                                   all_tok.seq_ids, all_tok.num_seqs);
@@ -759,7 +730,7 @@ struct GrpoTrainer::Impl {
         rr.push_back(reward_request(data.test[size_t(i)], s, int64_t(rr.size())));
     const std::vector<RewardResult> results = reward->score(rr);
     // Per data_source: prompts, correct samples, prompts with one correct, reward sum.
-    std::map<std::string, std::array<double, 4>> mine;
+    KeyedSums mine;
     for (int64_t i = e0; i < e1; ++i) {
       double right = 0, rewards = 0;
       for (int64_t j = 0; j < em.k; ++j) {
@@ -767,23 +738,17 @@ struct GrpoTrainer::Impl {
         right += is_correct(r) ? 1 : 0;
         rewards += r.reward;
       }
-      auto& e = mine[data.test[size_t(i)].data_source];  // value-initialised to zeros
+      std::vector<double>& e = mine[data.test[size_t(i)].data_source];
+      e.resize(4);
       e[0] += 1;
       e[1] += right;
       e[2] += right > 0 ? 1 : 0;
       e[3] += rewards;
     }
-    nlohmann::json local = nlohmann::json::object();
-    for (const auto& [source, v] : mine) local[source] = v;
+    const KeyedSums sums = all_reduce_keyed(group, mine);
     double all[4] = {0, 0, 0, 0};
-    std::map<std::string, std::array<double, 4>> sums;
-    for (const std::string& part : gather_strings(group, local.dump())) {
-      const nlohmann::json j = nlohmann::json::parse(part);
-      for (auto it = j.begin(); it != j.end(); ++it) {
-        const auto v = it.value().get<std::array<double, 4>>();
-        for (size_t q = 0; q < 4; ++q) sums[it.key()][q] += v[q], all[q] += v[q];
-      }
-    }
+    for (const auto& [source, v] : sums)
+      for (size_t q = 0; q < 4; ++q) all[q] += v[q];
     auto score_of = [&](const double* v) {
       EvalScore s;
       s.prompts = int64_t(v[0]);

@@ -81,19 +81,13 @@ struct EvalMetrics {
   std::string to_json() const;
 };
 
-// Summary statistics of one quantity over a step's samples.
-struct Stats {
-  double mean = 0, min = 0, max = 0;
-  static Stats of(const std::vector<double>& values);  // all zero when empty
-};
-
 struct StepMetrics {
   int64_t step = 0;
   double reward = 0, accuracy = 0;        // mean reward; fraction of samples with the right answer
   double pass_at_n = 0;                   // fraction of prompts with at least one right sample
   double loss = 0, clip_fraction = 0, grad_norm = 0, kl = 0, lr = 0;  // lr: AdamW's, after the schedule
   double response_length = 0;             // mean generated tokens
-  Stats response_lengths;                 // generated tokens per sample
+  double response_length_min = 0, response_length_max = 0;  // generated tokens, over all samples
   double truncated_fraction = 0;          // samples that hit max_tokens without a stop token
   double zero_variance_groups = 0;        // fraction of prompts whose samples all got one reward
   std::map<std::string, double> reward_components;  // mean of each named part of the reward

@@ -569,27 +569,9 @@ Dataset load_data(const Recipe& r, LoadReport* train_report, LoadReport* eval_re
   return d;
 }
 
-bool has_tokenizer_files(const std::string& dir) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (fs::exists(fs::path(dir) / "tokenizer.json", ec)) return true;
-  if (!fs::is_directory(dir, ec)) return false;
-  for (const auto& entry : fs::directory_iterator(dir, ec))
-    if (entry.path().extension() == ".tiktoken") return true;
-  return false;
-}
-
-std::string tokenizer_dir(const text::Tokenizer& tok) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (fs::is_directory(tok.name(), ec)) return tok.name();
-  if (fs::is_regular_file(tok.name(), ec)) return fs::path(tok.name()).parent_path().string();
-  return "";  // the byte tokenizer: no files
-}
-
 std::shared_ptr<const text::Tokenizer> load_recipe_tokenizer(const Recipe& r, const model::ModelConfig& model) {
   if (!r.tokenizer.empty()) return text::load_tokenizer(r.tokenizer);
-  if (!r.init_from.empty() && has_tokenizer_files(r.init_from)) return text::load_tokenizer(r.init_from);
+  if (!r.init_from.empty() && text::has_tokenizer_files(r.init_from)) return text::load_tokenizer(r.init_from);
   return text::make_byte_tokenizer(std::min<int64_t>(model.vocab_size, 256));
 }
 

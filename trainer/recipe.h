@@ -52,11 +52,6 @@ struct Recipe {
 // `train_report`/`eval_report` (may be null) say how many lines were read and skipped.
 Dataset load_data(const Recipe& recipe, LoadReport* train_report = nullptr, LoadReport* eval_report = nullptr);
 
-// Whether `dir` holds a tokenizer (tokenizer.json or a *.tiktoken file).
-bool has_tokenizer_files(const std::string& dir);
-// The folder a loaded tokenizer's files are in, or "" for one with no files (the byte tokenizer).
-std::string tokenizer_dir(const text::Tokenizer& tokenizer);
-
 // The recipe's tokenizer (see Recipe::tokenizer); the byte tokenizer covers min(vocab_size, 256).
 std::shared_ptr<const text::Tokenizer> load_recipe_tokenizer(const Recipe& recipe, const model::ModelConfig& model);
 

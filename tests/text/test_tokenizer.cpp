@@ -535,5 +535,22 @@ TEST(CopyTokenizerFilesTest, CopiesOnlyTheTokenizerFiles) {
   EXPECT_TRUE(throws_with([&] { copy_tokenizer_files(from / "nope", to.path()); }, {"nope", "not a directory"}));
 }
 
+TEST(CopyTokenizerFilesTest, FindsTheFolderOfATokenizer) {
+  test::TempDir json_dir, rank_dir, empty;
+  write_file(json_dir / "tokenizer.json", "{}");
+  write_file(rank_dir / "cl100k_base.tiktoken", "");
+  write_file(empty / "config.json", "{}");
+  EXPECT_TRUE(has_tokenizer_files(json_dir.path()));
+  EXPECT_TRUE(has_tokenizer_files(rank_dir.path()));
+  EXPECT_FALSE(has_tokenizer_files(empty.path()));
+  EXPECT_FALSE(has_tokenizer_files(empty / "missing"));
+  EXPECT_EQ(tokenizer_dir(ByteTokenizer()), "");  // no files behind it
+  test::TempDir tiny;
+  write_file(tiny / "tiny.tiktoken", tiny_ranks());
+  TiktokenOptions o;
+  o.pattern = R"( ?\S+|\s+)";
+  EXPECT_EQ(tokenizer_dir(*load_tiktoken(tiny / "tiny.tiktoken", o)), tiny.path());
+}
+
 }  // namespace
 }  // namespace kiln::text
