@@ -35,6 +35,21 @@ void write_text_atomic(const std::string& path, const std::string& text) {
   KILN_CHECK(!ec, "files: cannot rename ", tmp, " to ", path, " (", ec.message(), ")");
 }
 
+void check_distinct_output(const std::string& out, const std::vector<std::string>& inputs, const std::string& what) {
+  namespace fs = std::filesystem;
+  auto canonical = [](const std::string& p) {
+    std::error_code ec;
+    fs::path c = fs::weakly_canonical(fs::absolute(p), ec);
+    return (ec ? fs::absolute(p).lexically_normal() : c).string();
+  };
+  const std::string o = canonical(out);
+  for (const auto& in : inputs) {
+    const std::string i = canonical(in);
+    KILN_CHECK(o != i, what, ": the output ", out, " would overwrite the input ", in,
+               "; write to another directory");
+  }
+}
+
 nlohmann::json read_json_file(const std::string& path, const std::string& what, const std::string& hint) {
   std::ifstream in(path);
   KILN_CHECK(in.good(), what, ": cannot open ", path, "; ", hint);

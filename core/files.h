@@ -1,6 +1,7 @@
 // File-system helpers that kiln needs beyond <filesystem>.
 #pragma once
 #include <string>
+#include <vector>
 
 namespace kiln {
 
@@ -12,5 +13,9 @@ void remove_tree(const std::string& path);
 // Writes `text` to `path` through a temporary file beside it and a rename, so a reader sees the old
 // file or the whole new one. Errors name the file.
 void write_text_atomic(const std::string& path, const std::string& text);
+
+// Throws when the folder `out` is one of `inputs` (the same place after links and ".."): writing
+// it would overwrite what is being read. `what` names the command in the message.
+void check_distinct_output(const std::string& out, const std::vector<std::string>& inputs, const std::string& what);
 
 }  // namespace kiln

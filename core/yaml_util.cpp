@@ -3,9 +3,57 @@
 
 namespace kiln::yaml {
 
+namespace {
+
+// yaml-cpp keeps both entries of a repeated key and reads the first; a config must not say two things.
+void check_unique_keys(const YAML::Node& node, const std::string& file) {
+  if (node.IsSequence()) {
+    for (const auto& item : node) check_unique_keys(item, file);
+  } else if (node.IsMap()) {
+    std::map<std::string, int> seen;  // key -> its first line
+    for (const auto& kv : node) {
+      const int line = kv.first.Mark().line + 1;
+      if (kv.first.IsScalar()) {
+        const auto [it, fresh] = seen.emplace(kv.first.Scalar(), line);
+        KILN_CHECK(fresh, "config: ", file, ":", line, ": key '", kv.first.Scalar(), "' appears twice in one mapping (first at line ",
+                   it->second, "); delete one");
+      }
+      check_unique_keys(kv.second, file);
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> diff(const YAML::Node& a, const YAML::Node& b, const std::string& path) {
+  const std::string here = path.empty() ? "(the document)" : path;
+  if (a.Type() != b.Type()) return {here};
+  std::vector<std::string> out;
+  auto add = [&](std::vector<std::string> more) { out.insert(out.end(), more.begin(), more.end()); };
+  if (a.IsScalar()) {
+    if (a.Scalar() != b.Scalar()) out.push_back(here);
+  } else if (a.IsSequence()) {
+    if (a.size() != b.size()) return {here};
+    for (size_t i = 0; i < a.size(); ++i) add(diff(a[i], b[i], path + "[" + std::to_string(i) + "]"));
+  } else if (a.IsMap()) {
+    std::set<std::string> keys;
+    for (const auto& kv : a) keys.insert(kv.first.as<std::string>());
+    for (const auto& kv : b) keys.insert(kv.first.as<std::string>());
+    for (const auto& k : keys) {
+      const std::string sub = path.empty() ? k : path + "." + k;
+      const YAML::Node x = a[k], y = b[k];
+      if (!x.IsDefined() || !y.IsDefined()) out.push_back(sub);
+      else add(diff(x, y, sub));
+    }
+  }
+  return out;
+}
+
 YAML::Node load_file(const std::string& path) {
   try {
-    return YAML::LoadFile(path);
+    YAML::Node root = YAML::LoadFile(path);
+    check_unique_keys(root, path);
+    return root;
   } catch (const YAML::BadFile&) {
     KILN_FAIL("config: cannot open file (path=", path, "); check the path");
   } catch (const YAML::ParserException& e) {

@@ -14,8 +14,12 @@
 
 namespace kiln::yaml {
 
-// Parses a YAML file; a syntax error names the file and line.
+// Parses a YAML file; a syntax error or a key given twice in one mapping names the file and line.
 YAML::Node load_file(const std::string& path);
+
+// The key paths ("optim.lr", "reward.parts[1].weight") where two documents differ: a value, a
+// type, or a key present in one only. Equal documents give an empty list.
+std::vector<std::string> diff(const YAML::Node& a, const YAML::Node& b, const std::string& path = "");
 
 // Where each key was read from ("file:line: path.key"), for validation errors after parsing.
 using Locations = std::map<std::string, std::string>;

@@ -26,4 +26,8 @@ Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device de
 // "bf16" / "bfloat16" / "fp32" / "float32" / "fp64" / "float64" -> torch dtype.
 at::ScalarType parse_dtype(const std::string& name);
 
+// "cpu", "cuda" or "cuda:N" -> a device this process can use; otherwise an error that starts with
+// `where` (the option or recipe key) and says what is missing (no CUDA build, no such GPU).
+at::Device parse_device(const std::string& name, const std::string& where);
+
 }  // namespace kiln::model

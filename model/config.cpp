@@ -15,6 +15,14 @@ std::string locate(const yaml::Locations& where, const std::string& key) {
 
 }  // namespace
 
+RouterScore parse_router_score(const std::string& name) {
+  if (name == "softmax") return RouterScore::kSoftmax;
+  if (name == "sigmoid") return RouterScore::kSigmoid;
+  KILN_FAIL("router_score must be softmax or sigmoid (got '", name, "')");
+}
+
+const char* router_score_name(RouterScore s) { return s == RouterScore::kSigmoid ? "sigmoid" : "softmax"; }
+
 int64_t ModelConfig::num_full_layers() const {
   int64_t n = 0;
   for (int64_t i = 0; i < num_layers; ++i) n += is_full_attention(i) ? 1 : 0;
@@ -38,6 +46,18 @@ void ModelConfig::validate(const yaml::Locations& where) const {
   positive("sliding_window", sliding_window);
   positive("full_attention_period", full_attention_period);
   positive("max_position_embeddings", max_position_embeddings);
+  // Far beyond any real model, and small enough that every count (docs/MODEL.md §2.3) fits int64.
+  auto at_most = [&](const char* key, int64_t v, int64_t limit) {
+    KILN_CHECK(v <= limit, locate(where, key), ": ", v, " is beyond what kiln supports (at most ", limit, ")");
+  };
+  at_most("vocab_size", vocab_size, int64_t(1) << 31);
+  at_most("num_layers", num_layers, 4096);
+  for (const auto& [key, v] : {std::pair<const char*, int64_t>{"hidden_size", hidden_size}, {"latent_size", latent_size},
+                               {"expert_ffn_size", expert_ffn_size}, {"head_dim", head_dim}})
+    at_most(key, v, int64_t(1) << 20);
+  at_most("num_q_heads", num_q_heads, 4096);
+  at_most("num_kv_heads", num_kv_heads, 4096);
+  at_most("max_position_embeddings", max_position_embeddings, int64_t(1) << 31);
   KILN_CHECK(num_experts <= 256, locate(where, "num_experts"),
              ": routing ids are stored as uint8, so at most 256 experts (num_experts=", num_experts, ")");
   KILN_CHECK(top_k <= num_experts, locate(where, "top_k"), ": must not exceed num_experts (top_k=",
@@ -51,8 +71,6 @@ void ModelConfig::validate(const yaml::Locations& where) const {
   KILN_CHECK(rms_norm_eps > 0 && rms_norm_eps < 1, locate(where, "rms_norm_eps"),
              ": must be in (0, 1) (rms_norm_eps=", rms_norm_eps, ")");
   KILN_CHECK(init_std > 0, locate(where, "init_std"), ": must be positive (init_std=", init_std, ")");
-  KILN_CHECK(router_score == "softmax" || router_score == "sigmoid", locate(where, "router_score"),
-             ": must be softmax or sigmoid (router_score=", router_score, ")");
   KILN_CHECK(dtype == "bfloat16" || dtype == "float32", locate(where, "dtype"),
              ": must be bfloat16 or float32 (dtype=", dtype, ")");
   for (int64_t l : bf16_expert_layers) {
@@ -79,7 +97,8 @@ ModelConfig ModelConfig::from_yaml(yaml::MapReader& r) {
   r.get("max_position_embeddings", c.max_position_embeddings);
   r.get("rope_theta", c.rope_theta);
   r.get("rms_norm_eps", c.rms_norm_eps);
-  r.get("router_score", c.router_score);
+  std::string score = router_score_name(c.router_score);
+  r.get("router_score", score);
   r.get("bf16_expert_layers", c.bf16_expert_layers);
   r.get("init_std", c.init_std);
   r.get("dtype", c.dtype);
@@ -89,6 +108,11 @@ ModelConfig ModelConfig::from_yaml(yaml::MapReader& r) {
     // Validation names keys relative to the model mapping.
     std::string rel = key.substr(key.rfind('.') == std::string::npos ? 0 : key.rfind('.') + 1);
     where[rel] = loc;
+  }
+  try {
+    c.router_score = parse_router_score(score);
+  } catch (const Error& e) {
+    KILN_FAIL(locate(where, "router_score"), ": ", e.what());
   }
   c.validate(where);
   return c;
@@ -119,7 +143,7 @@ std::string ModelConfig::to_json() const {
   j["max_position_embeddings"] = max_position_embeddings;
   j["rope_theta"] = rope_theta;
   j["rms_norm_eps"] = rms_norm_eps;
-  j["router_score"] = router_score;
+  j["router_score"] = router_score_name(router_score);
   j["bf16_expert_layers"] = bf16_expert_layers;
   j["initializer_range"] = init_std;
   j["torch_dtype"] = dtype;
@@ -159,7 +183,13 @@ ModelConfig ModelConfig::from_json_file(const std::string& path) {
   opt("max_position_embeddings", c.max_position_embeddings);
   opt("rope_theta", c.rope_theta);
   opt("rms_norm_eps", c.rms_norm_eps);
-  opt("router_score", c.router_score);
+  std::string score = router_score_name(c.router_score);
+  opt("router_score", score);
+  try {
+    c.router_score = parse_router_score(score);
+  } catch (const Error& e) {
+    KILN_FAIL("model config: ", path, ": key router_score: ", e.what());
+  }
   opt("bf16_expert_layers", c.bf16_expert_layers);
   opt("initializer_range", c.init_std);
   opt("torch_dtype", c.dtype);
@@ -187,7 +217,7 @@ std::string ModelConfig::to_yaml() const {
   out << YAML::Key << "max_position_embeddings" << YAML::Value << max_position_embeddings;
   out << YAML::Key << "rope_theta" << YAML::Value << rope_theta;
   out << YAML::Key << "rms_norm_eps" << YAML::Value << rms_norm_eps;
-  out << YAML::Key << "router_score" << YAML::Value << router_score;
+  out << YAML::Key << "router_score" << YAML::Value << router_score_name(router_score);
   out << YAML::Key << "bf16_expert_layers" << YAML::Value << YAML::Flow << bf16_expert_layers;
   out << YAML::Key << "init_std" << YAML::Value << init_std;
   out << YAML::Key << "dtype" << YAML::Value << dtype;

@@ -9,6 +9,12 @@
 
 namespace kiln::model {
 
+// How router logits become expert scores: softmax (renormalised over the top-k) or sigmoid (with a
+// per-expert selection bias). Named "softmax"/"sigmoid" in YAML and config.json.
+enum class RouterScore { kSoftmax, kSigmoid };
+RouterScore parse_router_score(const std::string& name);  // throws naming the accepted values
+const char* router_score_name(RouterScore s);
+
 struct ModelConfig {
   std::string name = "muse";
   int64_t vocab_size = 0;
@@ -26,7 +32,7 @@ struct ModelConfig {
   int64_t max_position_embeddings = 1 << 20;
   double rope_theta = 500000.0;
   double rms_norm_eps = 1e-6;
-  std::string router_score = "softmax";  // softmax (+ renorm over top-k) or sigmoid (+ selection bias)
+  RouterScore router_score = RouterScore::kSoftmax;
   std::vector<int64_t> bf16_expert_layers;  // layers whose experts stay BF16 in NVFP4 checkpoints
   double init_std = 0.02;
   std::string dtype = "bfloat16";   // checkpoint dtype of every tensor but the router (always F32)

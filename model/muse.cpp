@@ -240,7 +240,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
                   const at::Tensor& replay, const ForwardOptions& opt) {
   const int64_t T = h.size(0), k = cfg.top_k, E = cfg.num_experts;
   at::Tensor logits = at::linear(h.to(lw.router.scalar_type()), lw.router);  // [T, E] fp32
-  const bool sigmoid = cfg.router_score == "sigmoid";
+  const bool sigmoid = cfg.router_score == RouterScore::kSigmoid;
   at::Tensor scores = sigmoid ? at::sigmoid(logits) : at::softmax(logits, -1);
   at::Tensor ids;
   if (replay.defined()) {
@@ -445,8 +445,13 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   KILN_CHECK(batch.tokens.dim() == 1 && batch.tokens.size(0) == T && batch.tokens.scalar_type() == at::kLong,
              "forward: tokens must be int64 [", T, "] to match cu_seqlens (got ", batch.tokens.sizes(), " ",
              batch.tokens.scalar_type(), ")");
-  for (int64_t s = 0; s < batch.num_sequences(); ++s)
+  for (int64_t s = 0; s < batch.num_sequences(); ++s) {
     KILN_CHECK(batch.cu_seqlens[s + 1] >= batch.cu_seqlens[s], "forward: cu_seqlens must not decrease (at ", s, ")");
+    const int64_t end = (batch.start_positions.empty() ? 0 : batch.start_positions[size_t(s)]) +
+                        batch.cu_seqlens[s + 1] - batch.cu_seqlens[s];
+    KILN_CHECK(end <= cfg_.max_position_embeddings, "forward: sequence ", s, " reaches position ", end,
+               ", beyond the model's max_position_embeddings (", cfg_.max_position_embeddings, ")");
+  }
   KILN_CHECK(batch.start_positions.empty() || int64_t(batch.start_positions.size()) == batch.num_sequences(),
              "forward: start_positions must have one entry per sequence (got ", batch.start_positions.size(),
              " for ", batch.num_sequences(), " sequences)");

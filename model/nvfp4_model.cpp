@@ -75,6 +75,28 @@ std::vector<int64_t> check_quant_config(const std::string& path) {
   return bf16_layers;
 }
 
+
+// The values of one quantised linear (on the CPU, once at load): block scales that are E4M3 NaN
+// (0x7F, 0xFF) or negative, and tensor or input scales that are not finite and positive, would turn
+// every output of the layer into garbage without an error.
+void check_scales(const at::Tensor& block, const at::Tensor& tensor_scale, const at::Tensor& input_scale,
+                  const std::string& what, const std::string& file) {
+  const at::Tensor b = block.view(at::kByte);
+  const at::Tensor nan = b.eq(0x7F).logical_or_(b.eq(0xFF)), negative = b.ge(0x81).logical_and_(b.ne(0xFF));
+  KILN_CHECK(!nan.any().item<bool>(), "nvfp4 checkpoint ", file, ": ", what, ".weight_scale holds ",
+             nan.sum().item<int64_t>(), " NaN block scale(s) (E4M3 0x7F/0xFF)");
+  KILN_CHECK(!negative.any().item<bool>(), "nvfp4 checkpoint ", file, ": ", what, ".weight_scale holds ",
+             negative.sum().item<int64_t>(), " negative block scale(s); scales are magnitudes");
+  auto positive = [&](const at::Tensor& t, const char* name) {
+    if (!t.defined()) return;
+    const at::Tensor bad = at::isfinite(t).logical_not_().logical_or_(t.le(0)).reshape({-1});
+    KILN_CHECK(!bad.any().item<bool>(), "nvfp4 checkpoint ", file, ": ", what, ".", name, " must be finite and > 0 (got ",
+               t.reshape({-1})[bad.nonzero()[0][0]].item<double>(), ")");
+  };
+  positive(tensor_scale, "weight_scale_2");
+  positive(input_scale, "input_scale");
+}
+
 }  // namespace
 
 bool experts_quantized(const ModelConfig& cfg, int64_t layer) {
@@ -326,6 +348,7 @@ Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Dev
                             .view(at::kByte));
         s2.push_back(raw(base + ".weight_scale_2", safetensors::DType::F32, {}));
         if (any_input) in.push_back(raw(base + ".input_scale", safetensors::DType::F32, {}));
+        check_scales(block.back(), s2.back(), any_input ? in.back() : at::Tensor(), base, ckpt.path());
       }
       kernels::Nvfp4Tensor q;
       q.packed = s.expert ? at::stack(packed) : packed[0];

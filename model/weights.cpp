@@ -111,7 +111,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> layer_shapes(const Mod
       {"mlp.unpooler.weight", {d, dl}},
       {"post_moe_layernorm.weight", {d}},
   };
-  if (c.router_score == "sigmoid") s.push_back({"mlp.router.e_score_correction_bias", {E}});
+  if (c.router_score == RouterScore::kSigmoid) s.push_back({"mlp.router.e_score_correction_bias", {E}});
   return s;
 }
 
@@ -155,6 +155,24 @@ at::ScalarType parse_dtype(const std::string& name) {
   if (name == "fp32" || name == "float32") return at::kFloat;
   if (name == "fp64" || name == "float64") return at::kDouble;
   KILN_FAIL("dtype: unknown dtype '", name, "'; use bf16, fp32 or fp64");
+}
+
+at::Device parse_device(const std::string& name, const std::string& where) {
+  const bool cuda = name == "cuda" || name.rfind("cuda:", 0) == 0;
+  KILN_CHECK(name == "cpu" || cuda, where, ": unknown device '", name, "'; use cpu, cuda or cuda:N");
+  if (!cuda) return at::Device(at::kCPU);
+  KILN_CHECK(at::hasCUDA(), where, ": device '", name, "' needs CUDA, but this kiln build or machine has none",
+             " (a CPU libtorch, or no GPU visible); use cpu");
+  int64_t index = -1;
+  if (name.size() > 5) {
+    const std::string digits = name.substr(5);
+    KILN_CHECK(!digits.empty() && digits.size() < 4 && digits.find_first_not_of("0123456789") == std::string::npos,
+               where, ": device '", name, "': expected cuda:N with N a GPU index");
+    index = std::stoll(digits);
+    KILN_CHECK(index < int64_t(at::getNumGPUs()), where, ": device '", name, "': this machine has ", at::getNumGPUs(),
+               " GPU(s)");
+  }
+  return index < 0 ? at::Device(at::kCUDA) : at::Device(at::kCUDA, c10::DeviceIndex(index));
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {
@@ -244,12 +262,31 @@ std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model) {
 }
 
 void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_shard_bytes) {
-  std::filesystem::create_directories(dir);
   std::vector<safetensors::NamedTensor> tensors;
-  for (auto& [name, t] : hf_tensors(model)) tensors.push_back({name, t});
+  for (auto& [name, t] : hf_tensors(model)) {
+    // NaN weights are never written: a diverged model must not replace a good checkpoint.
+    const at::Tensor bad = at::isfinite(t).logical_not_();
+    KILN_CHECK(!bad.any().item<bool>(), "checkpoint: refusing to write ", dir, ": tensor ", name, " holds ",
+               bad.sum().item<int64_t>(), " NaN/inf value(s); the model has diverged");
+    tensors.push_back({name, t});
+  }
+  std::filesystem::create_directories(dir);
   safetensors::write_checkpoint(dir, tensors, max_shard_bytes);
   write_text_atomic(dir + "/config.json", model.config().to_json());
 }
+
+namespace {
+
+void check_finite(const at::Tensor& t, const std::string& name, const std::string& file) {
+  const at::Tensor bad = at::isfinite(t).logical_not_().reshape({-1});
+  if (!bad.any().item<bool>()) return;
+  const int64_t at_index = bad.nonzero()[0][0].item<int64_t>();
+  KILN_FAIL("checkpoint: tensor ", name, " in ", file, " holds ", bad.sum().item<int64_t>(),
+            " NaN/inf value(s) (the first at flat index ", at_index, ", ", t.reshape({-1})[at_index].item<double>(),
+            "); the checkpoint was saved from a diverged run or is damaged");
+}
+
+}  // namespace
 
 namespace detail {
 
@@ -268,11 +305,21 @@ Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, a
   }
   ckpt.expect_names(expected);
 
-  auto load = [&](const std::string& name, const std::vector<int64_t>& shape, at::ScalarType t) {
+  // Every tensor as save_checkpoint writes it: the config's shape and dtype (the router F32), and
+  // finite values (one pass each; a NaN weight would only show later as NaN log-probs).
+  const at::ScalarType stored = parse_dtype(cfg.dtype);
+  auto load = [&](const std::string& name, const std::vector<int64_t>& shape, at::ScalarType t,
+                  const std::string& suffix = "") {
     const auto& info = ckpt.info(name);
     KILN_CHECK(info.shape == shape, "checkpoint: tensor ", name, " in ", ckpt.path(), " has shape ",
                at::IntArrayRef(info.shape), " but the config needs ", at::IntArrayRef(shape));
-    return ckpt.load(name, t).to(device);
+    const safetensors::DType want = safetensors::dtype_of(tensor_dtype(suffix, stored));
+    KILN_CHECK(info.dtype == want, "checkpoint: tensor ", name, " in ", ckpt.path(), " is ",
+               safetensors::dtype_name(info.dtype), " but config.json's torch_dtype ", cfg.dtype, " needs ",
+               safetensors::dtype_name(want));
+    at::Tensor loaded = ckpt.load(name, t);
+    check_finite(loaded, name, ckpt.path());
+    return loaded.to(device);
   };
   Weights w;
   const int64_t V = cfg.vocab_size, d = cfg.hidden_size;
@@ -286,12 +333,12 @@ Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, a
       if (skip && skip(i, suffix)) continue;
       const at::ScalarType t = tensor_dtype(suffix, dtype);
       if (!is_expert_stack(suffix)) {
-        *layer_slot(l, suffix) = load(prefix + suffix, shape, t);
+        *layer_slot(l, suffix) = load(prefix + suffix, shape, t, suffix);
         continue;
       }
       std::vector<int64_t> one(shape.begin() + 1, shape.end());
       std::vector<at::Tensor> experts;
-      for (int64_t e = 0; e < cfg.num_experts; ++e) experts.push_back(load(expert_name(prefix, e, suffix), one, t));
+      for (int64_t e = 0; e < cfg.num_experts; ++e) experts.push_back(load(expert_name(prefix, e, suffix), one, t, suffix));
       *layer_slot(l, suffix) = at::stack(experts, 0);
     }
     w.layers.push_back(std::move(l));

@@ -104,15 +104,25 @@ std::pair<int64_t, double> sample_token(const at::Tensor& logits, const Sampling
   return {order[pick], std::log(prob[pick])};
 }
 
+Quantization parse_quantization(const std::string& name) {
+  if (name == "none") return Quantization::kNone;
+  if (name == "nvfp4") return Quantization::kNvfp4;
+  if (name == "w4a4") return Quantization::kW4a4;
+  KILN_FAIL("quantization must be none, nvfp4 or w4a4 (got '", name, "')");
+}
+
+const char* quantization_name(Quantization q) {
+  return q == Quantization::kNvfp4 ? "nvfp4" : q == Quantization::kW4a4 ? "w4a4" : "none";
+}
+
 void EngineConfig::validate() const {
   KILN_CHECK(kv_cache_bytes > 0, "rollout config: kv_cache_bytes must be positive (got ", kv_cache_bytes, ")");
   KILN_CHECK(block_size > 0, "rollout config: block_size must be positive (got ", block_size, ")");
   KILN_CHECK(max_num_seqs > 0, "rollout config: max_num_seqs must be positive (got ", max_num_seqs, ")");
   KILN_CHECK(max_batch_tokens > 0, "rollout config: max_batch_tokens must be positive (got ", max_batch_tokens, ")");
   KILN_CHECK(prefill_chunk > 0, "rollout config: prefill_chunk must be positive (got ", prefill_chunk, ")");
-  KILN_CHECK(quantization == "none" || quantization == "nvfp4" || quantization == "w4a4",
-             "rollout config: quantization must be none, nvfp4 or w4a4 (got '", quantization, "')");
-  KILN_CHECK(quantization == "none" || !expert_group, "rollout config: quantization '", quantization,
+  KILN_CHECK(quantization == Quantization::kNone || !expert_group, "rollout config: quantization '",
+             quantization_name(quantization),
              "' is not supported with sharded (expert-parallel) engines yet; use parallel.rollout: replica");
 }
 
@@ -180,10 +190,10 @@ struct Engine::Impl : model::AttentionBackend {
 
   Impl(const model::Muse& m, EngineConfig config) : model(m.clone()), cfg(m.config()), ec(config) {
     ec.validate();
-    if (ec.quantization != "none") {
+    if (ec.quantization != Quantization::kNone) {
       // The GEMM kernels read their own sign-bit layout; the CPU reference reads ModelOpt's.
       model::quantize_model(model, /*kernel_layout=*/model.device().is_cuda(), /*drop_dense=*/true);
-      for (auto& l : model.weights().layers) l.nvfp4.w4a4 = ec.quantization == "w4a4";
+      for (auto& l : model.weights().layers) l.nvfp4.w4a4 = ec.quantization == Quantization::kW4a4;
     }
     B = ec.block_size;
     W = cfg.sliding_window;

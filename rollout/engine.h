@@ -48,6 +48,13 @@ struct RequestOutput {
   std::vector<Sample> samples;      // params.n of them, in sample order
 };
 
+// The weights an engine serves: kNone (the model's dtype), kNvfp4 (W4A16: NVFP4 weights, the
+// model's dtype for activations) or kW4a4 (activations quantised too: Blackwell numerics, emulated).
+// Named "none", "nvfp4" and "w4a4" in recipes and on the command line.
+enum class Quantization { kNone, kNvfp4, kW4a4 };
+Quantization parse_quantization(const std::string& name);  // throws naming the accepted values
+const char* quantization_name(Quantization q);
+
 struct EngineConfig {
   int64_t kv_cache_bytes = 64ll << 20;  // budget for both KV pools
   int64_t block_size = 16;              // tokens per KV block
@@ -56,11 +63,9 @@ struct EngineConfig {
   int64_t prefill_chunk = 512;          // longest prefill piece of one sequence per step
   bool cuda_graphs = true;              // pure decode steps of a bf16 CUDA model replay captured
                                         // graphs (rollout/decode_graph.h); false: run eagerly
-  // Weights served: "none" (the model's dtype), "nvfp4" (W4A16: NVFP4 weights, the model's dtype
-  // for activations) or "w4a4" (activations quantised too: Blackwell numerics, emulated). NVFP4
-  // copies the model already holds (an NVFP4 checkpoint's) are served as they are; the rest are
-  // quantised from the dense weights. update_weights() re-quantises.
-  std::string quantization = "none";
+  // Weights served. NVFP4 copies the model already holds (an NVFP4 checkpoint's) are served as they
+  // are; the rest are quantised from the dense weights. update_weights() re-quantises.
+  Quantization quantization = Quantization::kNone;
   const comm::Group* expert_group = nullptr;  // the model is an expert shard (model/expert_parallel.h):
                                         // generate() steps in lockstep with the group's engines, a
                                         // rank without work joining each exchange with one dummy

@@ -16,6 +16,7 @@
 
 #include "core/error.h"
 #include "kernels/rms_norm.h"
+#include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/muse.h"
 #include "rollout/engine.h"
@@ -230,7 +231,7 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
     };
     auto measure = [&](bool use_graphs, const std::string& quant) {
       ec.cuda_graphs = use_graphs;
-      ec.quantization = quant;
+      ec.quantization = rollout::parse_quantization(quant);
       rollout::Engine engine(m, ec);
       if (device.is_cuda()) run(engine);
       return run(engine);
@@ -275,7 +276,7 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
 Run add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench", "Benchmarks, each against a baseline timed in the same run");
   struct Args {
-    std::string name, device = "cuda", config = "configs/muse-small.yaml", model, nvme_dir = "/tmp",
+    std::string name, device, config = "configs/muse-small.yaml", model, nvme_dir = "/tmp",
                 quantization = "none";
     double chunk_mb = 64;
     int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192;
@@ -286,18 +287,20 @@ Run add_bench(CLI::App& app) {
       ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "train", "optim", "nvfp4"}));
   void add_bench_tokenize(CLI::App&); add_bench_tokenize(*cmd);  // the tokenize case: tools/bench_tokenize.cpp
   cmd->add_option("model", a->model, "Model config (the same as --config), e.g. kiln bench train configs/muse-small.yaml");
-  cmd->add_option("--device", a->device, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--device", a->device, "cpu, cuda or cuda:N (default: cuda when there is one, else cpu)");
   cmd->add_option("--config", a->config, "Model config for the forward case")->capture_default_str();
-  cmd->add_option("--seqs", a->seqs, "Sequences per batch (forward)")->capture_default_str();
-  cmd->add_option("--len", a->len, "Tokens per sequence (forward) or prompt length (decode)")->capture_default_str();
-  cmd->add_option("--gen", a->gen, "Generated tokens per sample (decode)")->capture_default_str();
+  cmd->add_option("--seqs", a->seqs, "Sequences per batch (forward)")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--len", a->len, "Tokens per sequence (forward) or prompt length (decode)")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--gen", a->gen, "Generated tokens per sample (decode)")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--nvme-dir", a->nvme_dir, "Directory for the NVMe state (optim)")->capture_default_str();
-  cmd->add_option("--chunk-mb", a->chunk_mb, "Optimizer state chunk in MiB (optim)")->capture_default_str();
+  cmd->add_option("--chunk-mb", a->chunk_mb, "Optimizer state chunk in MiB (optim)")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--quantization", a->quantization, "Rollout weights (decode): none, nvfp4 or w4a4")
+      ->check(CLI::IsMember({"none", "nvfp4", "w4a4"}))
       ->capture_default_str();
-  cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->capture_default_str();
+  cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->check(CLI::PositiveNumber)->capture_default_str();
   return [a] {
-    const at::Device device(a->device);
+    const std::string name = a->device.empty() ? (at::hasCUDA() ? "cuda" : "cpu") : a->device;
+    const at::Device device = model::parse_device(name, "bench: --device");
     const std::string config = a->model.empty() ? a->config : a->model;
     if (a->name == "rmsnorm") bench_rmsnorm(device);
     else if (a->name == "decode") bench_decode(device, config, a->len, a->gen, a->quantization);

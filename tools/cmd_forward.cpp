@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+
+#include <algorithm>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <fstream>
@@ -55,7 +57,7 @@ Run add_forward(CLI::App& app) {
       KILN_CHECK(!seqs[i].empty(), "forward: sequence #", i + 1, " is empty");
 
     at::NoGradGuard no_grad;
-    const at::Device device(a->device);
+    const at::Device device = model::parse_device(a->device, "forward: --device");
     const model::Muse m = model::load_checkpoint(a->model, model::parse_dtype(a->dtype), device);
     const model::PackedBatch batch = model::PackedBatch::from_sequences(seqs, device);
     // Target of token t is token t+1 of the same sequence; the last token of each has none.
@@ -68,6 +70,16 @@ Run add_forward(CLI::App& app) {
     model::ForwardOptions opt;
     opt.targets = at::tensor(targets, at::kLong);
     const model::ForwardOutput out = m.forward(batch, opt);
+    // A NaN or inf log-prob is not "no log-prob": the model overflowed (the checkpoint's values
+    // were checked on load). Say where, instead of writing it out as data.
+    const at::Tensor bad = at::isfinite(out.logprobs).logical_not_().logical_and_(opt.targets.to(out.logprobs.device()).ne(-100));
+    if (bad.any().item<bool>()) {
+      const int64_t t = bad.nonzero()[0][0].item<int64_t>();
+      const auto seq = std::upper_bound(batch.cu_seqlens.begin(), batch.cu_seqlens.end(), t) - batch.cu_seqlens.begin() - 1;
+      KILN_FAIL("forward: the log-prob of sequence ", seq, " position ", t + 1 - batch.cu_seqlens[size_t(seq)],
+                " is ", out.logprobs[t].item<double>(), " (", bad.sum().item<int64_t>(),
+                " non-finite in all); the model overflows on this input in ", a->dtype);
+    }
 
     // logprobs[t] = log p(token t | tokens before it); NaN for each sequence's first token.
     at::Tensor next = out.logprobs.to(at::kCPU, at::kFloat);

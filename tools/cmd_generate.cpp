@@ -221,7 +221,7 @@ Run add_generate(CLI::App& app) {
   cmd->add_option("--temperature", a->temperature, "Sampling temperature; 0 = greedy")->capture_default_str();
   cmd->add_option("--top-p", a->top_p, "Nucleus mass kept, (0, 1]")->capture_default_str();
   cmd->add_option("--top-k", a->top_k, "Keep the k most likely tokens; 0 = all")->capture_default_str();
-  cmd->add_option("--seed", a->seed, "Base seed; prompt i uses seed + i unless its line sets \"seed\"")
+  cmd->add_option("--seed", a->seed, "Base seed; prompt i uses seed + i unless its line sets \"seed\"")->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_option("--stop", a->stop, "Stop token ids (repeat or comma list, e.g. \"2,7\")");
   cmd->add_option("--out", a->out, "Save samples, log-probs and routing to this .h5/.hdf5 file");
@@ -271,7 +271,7 @@ Run add_generate(CLI::App& app) {
     KILN_CHECK(!prompts.empty(), "generate: no prompts given; pass --prompts FILE.jsonl or --prompt TEXT");
 
     at::NoGradGuard no_grad;
-    const at::Device device(a->device);
+    const at::Device device = model::parse_device(a->device, "generate: --device");
     const model::Muse m = model::load_checkpoint(a->model, model::parse_dtype(a->dtype), device);
     std::vector<rollout::Request> requests;
     for (const Prompt& p : prompts) {

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "core/files.h"
 #include "model/checkpoint.h"
 #include "model/lora.h"
 #include "tools/commands.h"
@@ -21,10 +22,11 @@ Run add_merge(CLI::App& app) {
       ->required();
   cmd->add_option("out", a->out, "Output directory")->required();
   cmd->add_option("--device", a->device, "Where to merge (cpu or cuda)")->capture_default_str();
-  cmd->add_option("--max-shard-gb", a->max_shard_gb, "Largest safetensors shard in GB")->capture_default_str();
+  cmd->add_option("--max-shard-gb", a->max_shard_gb, "Largest safetensors shard in GB")->check(CLI::PositiveNumber)->capture_default_str();
   return [a] {
+    check_distinct_output(a->out, {a->base, a->adapter}, "merge");
     const model::ModelConfig cfg = model::ModelConfig::from_json_file(a->base + "/config.json");
-    model::Muse m = model::load_checkpoint(a->base, model::parse_dtype(cfg.dtype), at::Device(a->device));
+    model::Muse m = model::load_checkpoint(a->base, model::parse_dtype(cfg.dtype), model::parse_device(a->device, "merge: --device"));
     model::load_peft_adapter(m, a->adapter);
     const int64_t rank = model::lora_rank(m);
     model::merge_lora(m);

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "model/checkpoint.h"
 #include "model/nvfp4_model.h"
 #include "tools/commands.h"
@@ -61,14 +62,15 @@ Run add_quantize(CLI::App& app) {
   cmd->add_option("--calib-text", a->calib_text, "Calibrate input scales on this file's lines (byte ids)");
   cmd->add_option("--calib-seqs", a->calib_seqs, "Otherwise, on this many random sequences")->capture_default_str();
   cmd->add_option("--calib-len", a->calib_len, "... of this many tokens")->capture_default_str();
-  cmd->add_option("--seed", a->seed, "Seed of the random calibration sequences")->capture_default_str();
+  cmd->add_option("--seed", a->seed, "Seed of the random calibration sequences")->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_flag("--no-calibrate", a->no_calibrate, "Write no input_scale tensors (W4A4 then scales dynamically)");
-  cmd->add_option("--max-shard-gb", a->max_shard_gb, "Largest safetensors shard in GB")->capture_default_str();
+  cmd->add_option("--max-shard-gb", a->max_shard_gb, "Largest safetensors shard in GB")->check(CLI::PositiveNumber)->capture_default_str();
   return [a] {
+    check_distinct_output(a->out, {a->in}, "quantize");
     KILN_CHECK(!model::is_nvfp4_checkpoint(a->in), "quantize: ", a->in, " is already an NVFP4 checkpoint");
     KILN_CHECK(a->calib_seqs > 0 && a->calib_len > 0, "quantize: --calib-seqs and --calib-len must be positive");
     const model::ModelConfig cfg = model::ModelConfig::from_json_file(a->in + "/config.json");
-    const at::Device device(a->device);
+    const at::Device device = model::parse_device(a->device, "quantize: --device");
     model::Muse m = model::load_checkpoint(a->in, model::parse_dtype(cfg.dtype), device);
     model::quantize_model(m, /*kernel_layout=*/false, /*drop_dense=*/false);
     if (!a->no_calibrate) {

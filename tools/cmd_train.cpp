@@ -4,12 +4,15 @@
 // prints and writes; a GPU rank uses the device of its local rank.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #if KILN_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -17,7 +20,9 @@
 
 #include "core/comm.h"
 #include "core/error.h"
+#include "core/checkpoint_dir.h"
 #include "core/files.h"
+#include "core/yaml_util.h"
 #include "model/checkpoint.h"
 #include "model/lora.h"
 #include "tools/commands.h"
@@ -38,9 +43,55 @@ struct Setup {
   trainer::LoadReport train_lines, eval_lines;
 };
 
+// What a command writes into its run directory; any of them there means the directory is used.
+const std::vector<std::string> kTrainOutputs = {"recipe.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard",
+                                                "checkpoint",  "checkpoint.old", "checkpoint.tmp", "final", "adapter"};
+const std::vector<std::string> kSftOutputs = {"sft-recipe.yaml", "sft-metrics.jsonl", "sft"};
+
+// How a command may treat a run directory that already holds its outputs.
+enum class Reuse { kRefuse, kOverwrite, kResume };
+
+// A used run directory is refused (a second run would append to its metrics and replace its
+// checkpoints), emptied of this command's outputs with --overwrite, or continued with --resume.
+void claim_run_dir(const std::string& dir, const std::vector<std::string>& outputs, Reuse reuse, const char* cmd) {
+  if (reuse == Reuse::kResume) return;
+  std::vector<std::string> found;
+  for (const auto& name : outputs)
+    if (std::filesystem::exists(std::filesystem::symlink_status(dir + "/" + name))) found.push_back(name);
+  if (found.empty()) return;
+  KILN_CHECK(reuse == Reuse::kOverwrite, cmd, ": the run directory ", dir, " already holds a run (",
+             fmt::format("{}", fmt::join(found, ", ")), "); pass --resume ", dir,
+             " to continue it, --overwrite to replace it, or another --out");
+  comm::Group::world().barrier();  // every rank has looked before rank 0 clears
+  if (comm::Group::world().rank() == 0)
+    for (const auto& name : found) remove_tree(dir + "/" + name);
+  comm::Group::world().barrier();
+}
+
+// A resumed run keeps its recipe: anything but the step count differing from the recipe it was
+// started with (its resolved recipe.yaml) is refused, naming the keys.
+void check_same_recipe(const std::string& dir, const trainer::Recipe& r) {
+  const std::string saved = dir + "/recipe.yaml";
+  KILN_CHECK(std::filesystem::exists(saved), "train: --resume ", dir, ": no recipe.yaml there; is it a run directory?");
+  YAML::Node before = yaml::load_file(saved), now = YAML::Load(r.to_yaml());
+  // A resumed run may be extended (steps) and named by another path (out); its weights come from
+  // the checkpoint, whatever the model was built from first (config, init_from).
+  for (YAML::Node* n : {&before, &now}) {
+    for (const char* key : {"steps", "out"})
+      if ((*n)["run"].IsMap()) (*n)["run"].remove(key);
+    for (const char* key : {"config", "init_from"})
+      if ((*n)["model"].IsMap()) (*n)["model"].remove(key);
+  }
+  const std::vector<std::string> changed = yaml::diff(before, now);
+  KILN_CHECK(changed.empty(), "train: --resume ", dir, ": the recipe differs from the one the run was started with (",
+             saved, ") at ", fmt::format("{}", fmt::join(changed, ", ")),
+             "; resume with that recipe (only --steps and the model's source may change), or start a new run");
+}
+
 // Reads the recipe, applies the flags, writes the resolved recipe and builds model, tokenizer and data.
 Setup prepare(const std::string& path, const std::string& out, const std::string& init_from,
-              const char* resolved_name, const std::function<void(trainer::Recipe&)>& overrides) {
+              const char* resolved_name, const std::vector<std::string>& outputs, Reuse reuse,
+              const std::function<void(trainer::Recipe&)>& overrides) {
   Setup s{trainer::Recipe::from_yaml_file(path), nullptr, nullptr, {}, {}, {}};
   trainer::Recipe& r = s.recipe;
   overrides(r);
@@ -48,10 +99,13 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   if (!out.empty()) r.run.out = out;
   if (!init_from.empty()) r.init_from = init_from, r.model_config.clear();
   const comm::Group& world = comm::Group::world();
+  claim_run_dir(r.run.out, outputs, reuse, resolved_name == std::string("recipe.yaml") ? "train" : "sft");
+  if (reuse == Reuse::kResume) check_same_recipe(r.run.out, r);
+  world.barrier();  // every rank has looked at the directory before rank 0 writes into it
   std::error_code ec;
   std::filesystem::create_directories(r.run.out, ec);  // ranks race here; a real failure shows at the first write
   const at::ScalarType dtype = model::parse_dtype(r.dtype);
-  at::Device device(r.device);
+  at::Device device = model::parse_device(r.device, "recipe model.device");
   if (device.is_cuda() && !device.has_index() && world.size() > 1) {
     device = at::Device(at::kCUDA, c10::DeviceIndex(world.local_rank()));
 #if KILN_WITH_CUDA
@@ -76,10 +130,20 @@ void report_data(const Setup& s) {
   }
 }
 
-// A checkpoint carries the tokenizer it was trained with, so that it loads on its own.
-void copy_tokenizer(const text::Tokenizer& tok, const std::string& dir) {
+// Writes the weights with the tokenizer they were trained with (so that the folder loads on its
+// own) into dir.tmp, syncs it and renames it to `dir`: a kill leaves no half-written `dir`.
+void save_model_dir(const model::Muse& policy, const text::Tokenizer& tok, const std::string& dir) {
+  const std::string tmp = dir + ".tmp";
+  remove_tree(tmp);
+  model::save_checkpoint(policy, tmp);
   const std::string from = text::tokenizer_dir(tok);
-  if (!from.empty()) text::copy_tokenizer_files(from, dir);
+  if (!from.empty()) text::copy_tokenizer_files(from, tmp);
+  sync_tree(tmp);
+  remove_tree(dir);  // claim_run_dir left none unless --overwrite asked for it to go
+  std::error_code ec;
+  std::filesystem::rename(tmp, dir, ec);
+  KILN_CHECK(!ec, "train: cannot rename ", tmp, " to ", dir, " (", ec.message(), ")");
+  sync_parent(dir);
 }
 
 }  // namespace
@@ -89,15 +153,18 @@ Run add_sft(CLI::App& app) {
   struct Args {
     std::string recipe, out;
     int64_t steps = -1;
+    bool overwrite = false;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("recipe", a->recipe, "Recipe (YAML)")->required();
   cmd->add_option("--out", a->out, "Run directory (overrides run.out); weights go to <out>/sft");
-  cmd->add_option("--steps", a->steps, "SFT steps (overrides sft.steps)");
+  cmd->add_option("--steps", a->steps, "SFT steps (overrides sft.steps)")->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--overwrite", a->overwrite, "Replace the sft outputs already in the run directory");
   return [a] {
-    Setup s = prepare(a->recipe, a->out, "", "sft-recipe.yaml", [&](trainer::Recipe& r) {
-      if (a->steps >= 0) r.sft.steps = a->steps;
-    });
+    Setup s = prepare(a->recipe, a->out, "", "sft-recipe.yaml", kSftOutputs,
+                      a->overwrite ? Reuse::kOverwrite : Reuse::kRefuse, [&](trainer::Recipe& r) {
+                        if (a->steps >= 0) r.sft.steps = a->steps;
+                      });
     trainer::Recipe& r = s.recipe;
     const bool lead = comm::Group::world().rank() == 0;
     if (lead) report_data(s);
@@ -121,10 +188,9 @@ Run add_sft(CLI::App& app) {
       std::fflush(stderr);
     }
     if (lead) {
-      std::fclose(log);
+      KILN_CHECK(std::fclose(log) == 0, "sft: cannot write ", log_path, " (", std::strerror(errno), "); check the disk space");
       std::fprintf(stderr, "\n");
-      model::save_checkpoint(*s.policy, r.run.out + "/sft");
-      copy_tokenizer(*s.tokenizer, r.run.out + "/sft");
+      save_model_dir(*s.policy, *s.tokenizer, r.run.out + "/sft");
     }
     // Held-out accuracy of the warm-started model, measured the way GRPO measures it.
     trainer::GrpoTrainer probe(*s.policy, r.grpo, s.tokenizer, s.data);
@@ -140,16 +206,20 @@ Run add_train(CLI::App& app) {
   struct Args {
     std::string recipe, out, init_from, resume;
     int64_t steps = -1;
+    bool overwrite = false;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("recipe", a->recipe, "Recipe (YAML), e.g. recipes/grpo-arith-tiny.yaml")->required();
   cmd->add_option("--out", a->out, "Run directory (overrides run.out)");
-  cmd->add_option("--steps", a->steps, "GRPO steps (overrides run.steps)");
+  cmd->add_option("--steps", a->steps, "GRPO steps (overrides run.steps)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--init-from", a->init_from, "Start from this checkpoint (overrides model.*), e.g. <out>/sft");
-  cmd->add_option("--resume", a->resume, "Continue the run in this directory from its <dir>/checkpoint");
+  cmd->add_option("--resume", a->resume, "Continue the run in this directory from its newest complete checkpoint");
+  cmd->add_flag("--overwrite", a->overwrite, "Replace the run already in the run directory (its metrics and checkpoints)");
   return [a] {
-    Setup s = prepare(a->recipe, a->resume.empty() ? a->out : a->resume, a->init_from, "recipe.yaml",
-                      [&](trainer::Recipe& r) {
+    KILN_CHECK(a->resume.empty() || !a->overwrite, "train: --resume and --overwrite exclude each other");
+    const Reuse reuse = !a->resume.empty() ? Reuse::kResume : a->overwrite ? Reuse::kOverwrite : Reuse::kRefuse;
+    Setup s = prepare(a->recipe, a->resume.empty() ? a->out : a->resume, a->init_from, "recipe.yaml", kTrainOutputs,
+                      reuse, [&](trainer::Recipe& r) {
                         if (a->steps >= 0) r.run.steps = a->steps;
                       });
     trainer::Recipe& r = s.recipe;
@@ -170,14 +240,19 @@ Run add_train(CLI::App& app) {
     if (lead) {
       const auto& tp = trainer.train_prompts();
       fmt::print("train: {} steps of {} prompts x {} samples; {} train / {} test prompts ({} too long, dropped; "
-                 "mean {:.0f}, max {} tokens); tokenizer {}; {} rank(s), {}; run dir {}\n",
+                 "mean {:.0f}, max {} tokens); tokenizer {}; {} rank(s), {}; run dir {} (checkpoint {})\n",
                  r.run.steps, r.grpo.prompts_per_step, r.grpo.samples_per_prompt, tp.kept, trainer.test_prompts().kept,
                  tp.too_long + trainer.test_prompts().too_long, tp.mean_tokens, tp.max_tokens, s.tokenizer->name(),
-                 world.size(), layout.describe(), r.run.out);
+                 world.size(), layout.describe(), r.run.out,
+                 r.run.checkpoint_every > 0 ? fmt::format("every {} steps and at the end", r.run.checkpoint_every)
+                                            : std::string("at the end only"));
     }
     const std::string ckpt = r.run.out + "/checkpoint";
     if (!a->resume.empty()) {
       trainer.load(ckpt);
+      KILN_CHECK(trainer.steps_done() <= r.run.steps, "train: the checkpoint in ", ckpt, " is at step ",
+                 trainer.steps_done(), ", past run.steps=", r.run.steps, "; pass --steps ", trainer.steps_done(),
+                 " or more to continue the run");
       if (lead) fmt::print("train: resumed from {} at step {}\n", ckpt, trainer.steps_done());
     }
     const trainer::EvalMetrics last = trainer::run_grpo(trainer, r.run, lead ? stderr : nullptr);
@@ -190,8 +265,7 @@ Run add_train(CLI::App& app) {
                  last.k, last.all.mean_at_k, r.run.out, r.run.out, r.run.out);
       return;
     }
-    model::save_checkpoint(policy, r.run.out + "/final");
-    copy_tokenizer(*s.tokenizer, r.run.out + "/final");
+    save_model_dir(policy, *s.tokenizer, r.run.out + "/final");
     fmt::print("train: done; held-out mean@{} {:.3f}; metrics in {}/metrics.jsonl, weights in {}/final\n", last.k,
                last.all.mean_at_k, r.run.out, r.run.out);
   };

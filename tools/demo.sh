@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 out="${1:-runs/grpo-arith-tiny}"
 recipe=recipes/grpo-arith-tiny.yaml
 start=$(date +%s)
-./build/kiln sft "$recipe" --out "$out"    # ends with the warm start's held-out accuracy
+./build/kiln sft "$recipe" --out "$out" --overwrite    # ends with the warm start's held-out accuracy; a rerun replaces the last
 echo
-./build/kiln train "$recipe" --init-from "$out/sft" --out "$out"    # ends with GRPO's
+./build/kiln train "$recipe" --init-from "$out/sft" --out "$out" --overwrite    # ends with GRPO's
 echo
 ./build/kiln plot "$out"
 echo "demo: $(( $(date +%s) - start )) s; run directory $out"

@@ -11,9 +11,9 @@ out="${2:-runs/$(basename "$recipe" .yaml)}"
 start=$(date +%s)
 tools/fetch_references.sh > /dev/null
 python3 recipes/make_arith_chat.py runs/arith-chat
-./build/kiln sft "$recipe" --out "$out"
+./build/kiln sft "$recipe" --out "$out" --overwrite
 echo
-./build/kiln train "$recipe" --init-from "$out/sft" --out "$out"
+./build/kiln train "$recipe" --init-from "$out/sft" --out "$out" --overwrite
 echo
 if command -v gnuplot > /dev/null; then ./build/kiln plot "$out"; fi
 echo "demo_chat: $(( $(date +%s) - start )) s; run directory $out"

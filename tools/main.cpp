@@ -2,10 +2,14 @@
 // and turns any error into one clear line and a non-zero exit (MPI_Abort of the whole job under
 // MPI, so no rank hangs waiting for the one that failed).
 #include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
+#include <new>
 #include <string>
+#include <vector>
 
 #include "core/comm.h"
 #include "core/error.h"
@@ -20,6 +24,34 @@ int fail(const std::string& msg) {
   std::fflush(stderr);
   kiln::comm::abort_job(1);
   return 1;
+}
+
+// Edit distance, for "did you mean" on a mistyped command.
+size_t distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// "kiln trian": name the commands (and the nearest one) instead of CLI11's "A subcommand is required".
+std::string unknown_command(const std::string& given, const std::map<std::string, kiln::tools::Run>& runs) {
+  std::string names, nearest;
+  size_t best = 3;  // suggest only within two edits
+  for (const auto& [name, run] : runs) {
+    names += (names.empty() ? "" : ", ") + name;
+    if (distance(given, name) < best) best = distance(given, name), nearest = name;
+  }
+  return "unknown command '" + given + "'" + (nearest.empty() ? "" : "; did you mean '" + nearest + "'?") +
+         " The commands are " + names + " (kiln --help)";
 }
 
 }  // namespace
@@ -45,6 +77,7 @@ int main(int argc, char** argv) {
       {"quantize", kiln::tools::add_quantize(app)},
       {"merge", kiln::tools::add_merge(app)},
   };
+  if (argc > 1 && argv[1][0] != '-' && !runs.count(argv[1])) return fail(unknown_command(argv[1], runs));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -55,6 +88,11 @@ int main(int argc, char** argv) {
   }
   try {
     for (auto* sub : app.get_subcommands()) runs.at(sub->get_name())();
+  } catch (const c10::Error& e) {  // from libtorch: its message, not its C++ backtrace
+    return fail(e.what_without_backtrace());
+  } catch (const std::bad_alloc&) {
+    return fail(std::string("out of memory (host allocation failed) in kiln ") + argv[1] +
+                "; use a smaller model, batch or chunk, or a machine with more memory");
   } catch (const std::exception& e) {
     return fail(e.what());
   }

@@ -18,11 +18,13 @@
 #include <fstream>
 #include <numeric>
 
+#include "core/checkpoint_dir.h"
 #include "core/error.h"
 #include "core/files.h"
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "text/tokenizer.h"
+#include "trainer/update_guard.h"
 
 namespace kiln::trainer {
 namespace {
@@ -149,7 +151,14 @@ void GrpoConfig::validate() const {
   KILN_CHECK(samples_per_prompt >= 2, "grpo: samples_per_prompt must be at least 2 for group advantages (got ",
              samples_per_prompt, ")");
   KILN_CHECK(max_tokens > 0, "grpo: max_tokens must be positive (got ", max_tokens, ")");
-  KILN_CHECK(temperature > 0, "grpo: temperature must be positive for RL sampling (got ", temperature, ")");
+  KILN_CHECK(std::isfinite(temperature) && temperature > 0,
+             "grpo: temperature must be positive and finite for RL sampling (got ", temperature, ")");
+  KILN_CHECK(std::isfinite(top_p) && top_p > 0 && top_p <= 1, "grpo: top_p must be in (0, 1] (got ", top_p, ")");
+  KILN_CHECK(top_k >= 0, "grpo: top_k must be >= 0 (got ", top_k, "); 0 is off");
+  KILN_CHECK(std::isfinite(grad_clip) && grad_clip >= 0, "grpo: grad_clip must be finite and >= 0 (got ", grad_clip,
+             "); 0 turns clipping off");
+  KILN_CHECK(stop_after_nonfinite >= 1, "grpo: stop_after_nonfinite must be at least 1 (got ", stop_after_nonfinite,
+             "): that many non-finite gradient norms in a row stop the run");
   optim.validate();
   KILN_CHECK(mini_steps >= 1 && mini_steps <= prompts_per_step * samples_per_prompt, "grpo: mini_steps must be in [1, ",
              prompts_per_step * samples_per_prompt, "] (got ", mini_steps, ")");
@@ -195,6 +204,7 @@ std::string StepMetrics::to_json() const {
   j["loss"] = loss;
   j["clip_fraction"] = clip_fraction;
   j["grad_norm"] = grad_norm;
+  j["skipped_updates"] = skipped_updates;
   j["kl"] = kl;
   j["lr"] = lr;
   j["response_length"] = response_length;
@@ -255,12 +265,14 @@ struct GrpoTrainer::Impl {
   std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
   std::vector<SampleRecord> last;  // the last step's samples (this rank's), for sample dumps
   int64_t steps = 0;
+  UpdateGuard guard;               // skips updates with a non-finite gradient norm
 
   Impl(model::Muse& p, GrpoConfig c, std::shared_ptr<const text::Tokenizer> t, Dataset d, const comm::Group& g,
        std::shared_ptr<Reward> r)
       : policy(p), cfg(std::move(c)), tok(std::move(t)), reward(std::move(r)), data(prepared(std::move(d))),
         stream(data.train, cfg.seed), group(g) {
     cfg.validate();
+    guard.limit = cfg.stop_after_nonfinite;
     cfg.parallel.resolve(group.size(), policy.config().num_experts);
     KILN_CHECK(cfg.prompts_per_step >= group.size(), "grpo: prompts_per_step (", cfg.prompts_per_step,
                ") must be at least the number of ranks (", group.size(), "): a prompt's group stays on one rank");
@@ -595,24 +607,32 @@ struct GrpoTrainer::Impl {
       }
       // Sum the ranks' gradients, then global grad-norm clipping (an infinite bound when off still
       // reports the norm); the owners step and broadcast.
+      double norm = 0;
       if (shard) {
         zero->all_reduce_grads();
-        norm_sum += clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip);
+        norm = clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip);
       } else {
         if (reducer) {
           if (!armed) reducer->arm();  // no trajectories here in this mini-step: still joins in
           reducer->finish();
         }
-        norm_sum += torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
+        norm = torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
       }
-      zero->step();
+      // A non-finite global norm (the same on every rank) skips this update everywhere.
+      if (guard.admit(norm, loss_sum, "grpo", steps)) {
+        norm_sum += norm;
+        zero->step();
+      } else {
+        ++m.skipped_updates;
+      }
     }
     at::Tensor loss_parts = at::tensor({loss_sum, clip_sum, kl_sum}, at::kDouble);
     group.all_reduce(loss_parts);
     m.loss = loss_parts[0].item<double>() / double(cfg.mini_steps);
     m.clip_fraction = loss_parts[1].item<double>() / std::max(o.total_tokens, 1.0);
     m.kl = loss_parts[2].item<double>() / std::max(o.total_tokens, 1.0);
-    m.grad_norm = norm_sum / double(cfg.mini_steps);
+    const int64_t applied = cfg.mini_steps - m.skipped_updates;
+    m.grad_norm = applied > 0 ? norm_sum / double(applied) : std::nan("");
   }
 
   // Expert parallel: a full model from the ranks' shards (experts all-gathered over ep_group, the
@@ -686,10 +706,15 @@ struct GrpoTrainer::Impl {
     };
     const comm::Group* experts = shard ? &ep_group : nullptr;
     const bool sharded_engine = cfg.parallel.sharded_rollout();
-    const double diff =
-        (lp(trained(), experts) - lp(engine->model(), sharded_engine ? experts : nullptr)).abs().mean().item<double>();
+    const at::Tensor mine = lp(trained(), experts);
+    const at::Tensor theirs = lp(engine->model(), sharded_engine ? experts : nullptr);
+    // Non-finite on the trainer's side is divergence, not a bad sync: say so.
+    KILN_CHECK(at::isfinite(mine).all().item<bool>(), "grpo: after step ", steps,
+               " the policy's own log-probs are not finite: the weights hold NaN or inf (the run diverged); lower "
+               "the lr and resume from the last checkpoint");
+    const double diff = (mine - theirs).abs().mean().item<double>();
     const double limit = cfg.sync_check_threshold >= 0 ? cfg.sync_check_threshold
-                                                       : cfg.engine.quantization == "none" ? 1e-3 : 1.0;
+                                                       : cfg.engine.quantization == rollout::Quantization::kNone ? 1e-3 : 1.0;
     KILN_CHECK(std::isfinite(diff) && diff <= limit, "grpo: weight sync check failed after step ", steps,
                ": trainer and rollout log-probs differ by ", diff, " (mean over ", probe.size() - 1,
                " probe tokens; threshold ", limit, "); the rollout's weights are not the trainer's");
@@ -782,9 +807,9 @@ std::string optimizer_file(const comm::Group& g) {
 }  // namespace
 
 void GrpoTrainer::save(const std::string& dir) const {
-  namespace fs = std::filesystem;
   const comm::Group& g = impl_->group;
-  const std::string tmp = dir + ".tmp", old = dir + ".old";
+  const CheckpointDir ck(dir);  // written as dir.tmp, state.json last, then swapped in
+  const std::string tmp = ck.tmp();
   // Under expert parallelism the reference is a shard: every rank helps assemble the full one.
   std::unique_ptr<model::Muse> full_reference;
   if (impl_->cfg.parallel.sharded_rollout()) impl_->gather_experts();  // the full model to write
@@ -793,35 +818,44 @@ void GrpoTrainer::save(const std::string& dir) const {
     impl_->shard_to_full(*impl_->reference, *full_reference);
   }
   if (g.rank() == 0) {
-    remove_tree(tmp);
-    fs::create_directories(tmp);
+    ck.begin();
     // LoRA: the frozen base is the recipe's; only its fingerprint goes with the adapters.
     if (impl_->lora()) model::save_peft_adapter(impl_->policy, tmp + "/adapter");
     else model::save_checkpoint(impl_->policy, tmp + "/model");
+    // model/ loads on its own (kiln generate, --init-from): it carries the tokenizer it was trained with.
+    if (!impl_->lora()) {
+      const std::string tokenizer_files = text::tokenizer_dir(*impl_->tok);
+      if (!tokenizer_files.empty()) text::copy_tokenizer_files(tokenizer_files, tmp + "/model");
+    }
     if (impl_->reference)
       model::save_checkpoint(full_reference ? *full_reference : *impl_->reference, tmp + "/reference");
-    std::ofstream f(tmp + "/state.json");
-    f << nlohmann::json{{"step", impl_->steps}, {"data_position", impl_->stream.position()}, {"seed", impl_->cfg.seed},
-                        {"world", g.size()}, {"ep", impl_->cfg.parallel.ep}, {"lora_rank", impl_->cfg.lora.rank},
-                        {"lora_alpha", impl_->cfg.lora.alpha}, {"base_fingerprint", impl_->lora() ? base_fingerprint(impl_->policy) : 0.0}}
-             .dump(2)
-      << "\n";
-    KILN_CHECK(f.good(), "grpo: cannot write ", tmp, "/state.json");
   }
   g.barrier();
   if (auto* opt = impl_->zero->optimizer()) opt->save(tmp + "/" + optimizer_file(g));  // each rank its own shard
   g.barrier();
-  // Swap in the new checkpoint; the old one is removed only once the new one is in place.
+  // state.json last: it marks the checkpoint complete; the old one goes only once the new one is in place.
   if (g.rank() == 0) {
-    remove_tree(old);
-    if (fs::exists(dir)) fs::rename(dir, old);
-    fs::rename(tmp, dir);
-    remove_tree(old);
+    ck.write_marker(nlohmann::json{{"step", impl_->steps},
+                                   {"data_position", impl_->stream.position()},
+                                   {"seed", impl_->cfg.seed},
+                                   {"world", g.size()},
+                                   {"ep", impl_->cfg.parallel.ep},
+                                   {"lora_rank", impl_->cfg.lora.rank},
+                                   {"lora_alpha", impl_->cfg.lora.alpha},
+                                   {"base_fingerprint", impl_->lora() ? base_fingerprint(impl_->policy) : 0.0}}
+                        .dump(2) + "\n");
+    ck.commit();
   }
   g.barrier();
 }
 
 void GrpoTrainer::load(const std::string& dir) {
+  // Whatever interrupted the last save, the newest complete checkpoint is put in place first.
+  int64_t found = 0;
+  if (impl_->group.rank() == 0) found = CheckpointDir(dir).recover();
+  KILN_CHECK(found >= 0, "grpo: no complete checkpoint at ", dir, " (nor ", dir, ".old or ", dir,
+             ".tmp with a state.json); nothing to resume from");
+  impl_->group.barrier();
   std::ifstream f(dir + "/state.json");
   KILN_CHECK(f.good(), "grpo: no checkpoint state at ", dir, "/state.json; expected a directory written by save()");
   nlohmann::json st;

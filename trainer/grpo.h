@@ -40,6 +40,7 @@ struct GrpoConfig {
   optimizers::OptimizerConfig optim;  // Muon + AdamW groups, state placement
   LrSchedule schedule;              // per GRPO step (its mini-steps share one lr), scales both lrs
   double grad_clip = 1.0;           // max global grad norm; 0 = off
+  int64_t stop_after_nonfinite = 3; // non-finite gradient norms in a row that stop the run; each is skipped
   int64_t mini_steps = 1;           // optimizer steps per GRPO step, over disjoint slices of the batch
   int64_t micro_batch_seqs = 64;    // sequences per forward/backward (gradient accumulation)
   bool routing_replay = true;       // R3: the trainer's forward uses the rollout's expert sets
@@ -86,6 +87,7 @@ struct StepMetrics {
   double reward = 0, accuracy = 0;        // mean reward; fraction of samples with the right answer
   double pass_at_n = 0;                   // fraction of prompts with at least one right sample
   double loss = 0, clip_fraction = 0, grad_norm = 0, kl = 0, lr = 0;  // lr: AdamW's, after the schedule
+  int64_t skipped_updates = 0;           // mini-steps whose gradient norm was not finite (not applied)
   double response_length = 0;             // mean generated tokens
   double response_length_min = 0, response_length_max = 0;  // generated tokens, over all samples
   double truncated_fraction = 0;          // samples that hit max_tokens without a stop token

@@ -22,6 +22,16 @@ std::string resolve(const std::string& path, const std::string& recipe) {
   return std::filesystem::exists(beside) ? beside.string() : path;
 }
 
+// A reward worker's argv resolves like the recipe's paths: an argument naming a file that exists
+// beside the recipe but not in the current directory becomes that file, so a recipe that ships its
+// worker next to it runs from anywhere. command[0] without a '/' is a program on PATH and stays.
+void resolve_worker_paths(RewardSpec& spec, const std::string& recipe) {
+  auto& argv = spec.worker.command;
+  for (size_t i = 0; i < argv.size(); ++i)
+    if (i > 0 || argv[i].find('/') != std::string::npos) argv[i] = resolve(argv[i], recipe);
+  for (auto& part : spec.parts) resolve_worker_paths(part, recipe);
+}
+
 // The optimizer keys shared by the optim (GRPO) and sft sections.
 void read_optim(yaml::MapReader& m, optimizers::OptimizerConfig& o) {
   using optimizers::Placement;
@@ -348,6 +358,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     auto o = top.child("optim");
     read_optim(o, g.optim);
     o.get("grad_clip", g.grad_clip);
+    o.get("stop_after_nonfinite", g.stop_after_nonfinite);
     o.get("mini_steps", g.mini_steps);
     o.get("micro_batch_seqs", g.micro_batch_seqs);
     o.get("warmup_steps", g.schedule.warmup_steps);
@@ -379,7 +390,13 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     ro.get("max_batch_tokens", g.engine.max_batch_tokens);
     ro.get("prefill_chunk", g.engine.prefill_chunk);
     ro.get("cuda_graphs", g.engine.cuda_graphs);
-    ro.get("quantization", g.engine.quantization);
+    std::string quantization = rollout::quantization_name(g.engine.quantization);
+    ro.get("quantization", quantization);
+    try {
+      g.engine.quantization = rollout::parse_quantization(quantization);
+    } catch (const Error& e) {
+      ro.fail("quantization", e.what());
+    }
     ro.get("sync_check_tokens", g.sync_check_tokens);
     ro.get("sync_check_threshold", g.sync_check_threshold);
     ro.finish();
@@ -414,6 +431,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     s.get("batch_size", r.sft.batch_size);
     read_optim(s, r.sft.optim);
     s.get("grad_clip", r.sft.grad_clip);
+    s.get("stop_after_nonfinite", r.sft.stop_after_nonfinite);
     s.get("warmup_steps", r.sft.schedule.warmup_steps);
     s.get("lr_decay", r.sft.schedule.decay);
     s.get("min_lr_ratio", r.sft.schedule.min_ratio);
@@ -467,6 +485,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
   r.data_path = resolve(r.data_path, path);
   r.eval_path = resolve(r.eval_path, path);
   r.tokenizer = resolve(r.tokenizer, path);
+  resolve_worker_paths(g.reward, path);
   return r;
 }
 
@@ -515,8 +534,8 @@ std::string Recipe::to_yaml() const {
     << YAML::EndMap;
   e << YAML::Key << "optim" << YAML::Value << YAML::BeginMap;
   emit_optim(e, g.optim);
-  e << YAML::Key << "grad_clip" << YAML::Value
-    << g.grad_clip << YAML::Key << "mini_steps" << YAML::Value << g.mini_steps << YAML::Key << "micro_batch_seqs"
+  e << YAML::Key << "grad_clip" << YAML::Value << g.grad_clip << YAML::Key << "stop_after_nonfinite" << YAML::Value
+    << g.stop_after_nonfinite << YAML::Key << "mini_steps" << YAML::Value << g.mini_steps << YAML::Key << "micro_batch_seqs"
     << YAML::Value << g.micro_batch_seqs << YAML::Key << "warmup_steps" << YAML::Value << g.schedule.warmup_steps
     << YAML::Key << "lr_decay" << YAML::Value << g.schedule.decay << YAML::Key << "min_lr_ratio" << YAML::Value
     << g.schedule.min_ratio << YAML::EndMap;
@@ -529,7 +548,7 @@ std::string Recipe::to_yaml() const {
     << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key
     << "max_batch_tokens" << YAML::Value << g.engine.max_batch_tokens << YAML::Key << "prefill_chunk"
     << YAML::Value << g.engine.prefill_chunk << YAML::Key << "cuda_graphs" << YAML::Value << g.engine.cuda_graphs
-    << YAML::Key << "quantization" << YAML::Value << g.engine.quantization << YAML::Key << "sync_check_tokens"
+    << YAML::Key << "quantization" << YAML::Value << rollout::quantization_name(g.engine.quantization) << YAML::Key << "sync_check_tokens"
     << YAML::Value << g.sync_check_tokens << YAML::Key << "sync_check_threshold" << YAML::Value
     << g.sync_check_threshold << YAML::EndMap;
   e << YAML::Key << "lora" << YAML::Value << YAML::BeginMap << YAML::Key << "rank" << YAML::Value << g.lora.rank
@@ -540,8 +559,8 @@ std::string Recipe::to_yaml() const {
   e << YAML::Key << "sft" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << sft.steps
     << YAML::Key << "batch_size" << YAML::Value << sft.batch_size;
   emit_optim(e, sft.optim);
-  e << YAML::Key << "grad_clip" << YAML::Value
-    << sft.grad_clip << YAML::Key << "warmup_steps" << YAML::Value << sft.schedule.warmup_steps << YAML::Key
+  e << YAML::Key << "grad_clip" << YAML::Value << sft.grad_clip << YAML::Key << "stop_after_nonfinite"
+    << YAML::Value << sft.stop_after_nonfinite << YAML::Key << "warmup_steps" << YAML::Value << sft.schedule.warmup_steps << YAML::Key
     << "lr_decay" << YAML::Value << sft.schedule.decay << YAML::Key << "min_lr_ratio" << YAML::Value
     << sft.schedule.min_ratio << YAML::EndMap;
   e << YAML::Key << "eval" << YAML::Value << YAML::BeginMap << YAML::Key << "every" << YAML::Value << run.eval_every

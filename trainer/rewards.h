@@ -109,7 +109,8 @@ struct MathSpec {
 // type: worker. An external scorer: a pool of persistent processes speaking JSONL on stdin/stdout
 // (protocol in trainer/reward_worker.h and recipes/reward_worker_example.py).
 struct WorkerSpec {
-  std::vector<std::string> command;  // argv; command[0] is looked up on PATH (relative paths: from the cwd)
+  std::vector<std::string> command;  // argv; command[0] is looked up on PATH; in a recipe, a relative
+                                     // path is taken from the cwd, else beside the recipe
   int num_workers = 1;               // processes in the pool, started on first use
   int max_in_flight = 4;             // requests written to one worker before its answers come back
   double timeout_s = 60;             // per request, from when it is sent; a worker past it is killed

@@ -41,7 +41,7 @@ class RunLog {
 struct RunConfig {
   int64_t steps = 20;
   int64_t eval_every = 10;        // 0 = only at the start and the end
-  int64_t checkpoint_every = 0;   // 0 = only at the end
+  int64_t checkpoint_every = 20;  // and at the end; 0 = only at the end
   int64_t samples_every = 0;      // sample dumps every N steps; 0 = none
   int64_t samples_per_dump = 16;  // samples written per dump (rank 0's first ones)
   bool tensorboard = true;

@@ -6,22 +6,31 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+
 #include "core/error.h"
 #include "text/tokenizer.h"
 #include "trainer/parallel.h"
+#include "trainer/update_guard.h"
 
 namespace kiln::trainer {
 
 void SftConfig::validate() const {
   KILN_CHECK(steps >= 0, "sft: steps must be >= 0 (got ", steps, ")");
   KILN_CHECK(batch_size > 0, "sft: batch_size must be positive (got ", batch_size, ")");
+  KILN_CHECK(std::isfinite(grad_clip) && grad_clip >= 0, "sft: grad_clip must be finite and >= 0 (got ", grad_clip,
+             "); 0 turns clipping off");
+  KILN_CHECK(stop_after_nonfinite >= 1, "sft: stop_after_nonfinite must be at least 1 (got ", stop_after_nonfinite,
+             "): that many non-finite gradient norms in a row stop the run");
   optim.validate();
   schedule.validate();
   prompt.validate();
 }
 
 std::string SftMetrics::to_json() const {
-  return nlohmann::ordered_json{{"step", step}, {"loss", loss}, {"token_accuracy", token_accuracy}}.dump();
+  // A non-finite loss is written as null (JSON has no NaN), with skipped marking the update.
+  return nlohmann::ordered_json{{"step", step}, {"loss", loss}, {"token_accuracy", token_accuracy}, {"skipped", skipped}}
+      .dump();
 }
 
 struct SftTrainer::Impl {
@@ -34,11 +43,13 @@ struct SftTrainer::Impl {
   std::unique_ptr<ZeroOne> zero;   // the optimizer, over the tensors this rank owns
   std::unique_ptr<OverlappedGradReducer> reducer;  // more than one rank
   int64_t steps = 0;
+  UpdateGuard guard;
 
   Impl(model::Muse& m, SftConfig c, std::shared_ptr<const text::Tokenizer> t, std::vector<Example> train,
        const comm::Group& g)
       : model(m), cfg(c), tok(std::move(t)), stream(prepared(std::move(train)), c.seed), group(g) {
     cfg.validate();
+    guard.limit = cfg.stop_after_nonfinite;
     KILN_CHECK(cfg.batch_size >= group.size(), "sft: batch_size (", cfg.batch_size,
                ") must be at least the data-parallel ranks (", group.size(), ")");
     model.set_requires_grad(true);
@@ -85,10 +96,11 @@ struct SftTrainer::Impl {
     if (reducer) reducer->arm();
     loss.backward();
     if (reducer) reducer->finish();
-    torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
-    zero->step();
+    const double norm = torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
     SftMetrics m;
     m.step = ++steps;
+    m.skipped = !guard.admit(norm, loss.item<double>(), "sft", m.step);
+    if (!m.skipped) zero->step();
     at::Tensor right = out.logits.detach().argmax(-1).eq(o.targets).logical_and(mask);
     at::Tensor sums = at::tensor({loss.item<double>(), right.sum().item<double>()}, at::kDouble);
     group.all_reduce(sums);

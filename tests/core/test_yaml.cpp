@@ -95,5 +95,23 @@ TEST(Yaml, MissingRequiredKeyAndSyntaxError) {
   EXPECT_NE(error_of([&] { yaml::load_file(dir / "nope.yaml"); }).find("cannot open"), std::string::npos);
 }
 
+TEST(Yaml, AKeyGivenTwiceIsAnErrorNamingBothLines) {
+  test::TempDir dir;
+  std::string msg = error_of([&] { yaml::load_file(write(dir, "a: 1\nb:\n  c: 2\n  d: 3\n  c: 4\n")); });
+  EXPECT_NE(msg.find("c.yaml:5: key 'c' appears twice in one mapping (first at line 3)"), std::string::npos) << msg;
+  msg = error_of([&] { yaml::load_file(write(dir, "list:\n  - {x: 1, x: 2}\n")); });
+  EXPECT_NE(msg.find("key 'x' appears twice"), std::string::npos) << msg;
+  EXPECT_NO_THROW(yaml::load_file(write(dir, "a: {c: 1}\nb: {c: 1}\n")));  // the same key in two mappings
+}
+
+TEST(Yaml, DiffNamesEveryChangedKeyPath) {
+  const YAML::Node a = YAML::Load("optim: {lr: 0.1, clip: 1}\nparts: [{w: 1}, {w: 2}]\nrun: {steps: 5}\n");
+  EXPECT_TRUE(yaml::diff(a, a).empty());
+  const YAML::Node b = YAML::Load("optim: {lr: 0.2, clip: 1, extra: 3}\nparts: [{w: 1}, {w: 5}]\nrun: {steps: 5}\n");
+  EXPECT_EQ(yaml::diff(a, b), (std::vector<std::string>{"optim.extra", "optim.lr", "parts[1].w"}));
+  EXPECT_EQ(yaml::diff(a, YAML::Load("optim: 3\nparts: []\nrun: {steps: 5}\n")),
+            (std::vector<std::string>{"optim", "parts"}));
+}
+
 }  // namespace
 }  // namespace kiln

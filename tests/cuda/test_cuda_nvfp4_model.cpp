@@ -167,7 +167,7 @@ TEST(CudaNvfp4Serving, EngineDecodesNvfp4InCudaGraphsAndRequantisesOnSync) {
     for (const char* mode : {"nvfp4", "w4a4"}) {
       const bool bf16 = dtype == at::kBFloat16, w4a4 = std::string(mode) == "w4a4";
       rollout::EngineConfig ec;
-      ec.quantization = mode;
+      ec.quantization = rollout::parse_quantization(mode);
       ec.kv_cache_bytes = 4 << 20;
       rollout::Engine engine(m, ec);
       const double diff = decode_vs_rescoring(engine, reqs);
@@ -241,7 +241,7 @@ TEST(CudaLora, GroupedGemmAdaptersMatchTheCpuLoopAndTrain) {
   // agrees with its own rescoring, and its grouped adapters with its per-expert loop.
   at::NoGradGuard g;
   rollout::EngineConfig ec;
-  ec.quantization = "nvfp4";
+  ec.quantization = rollout::Quantization::kNvfp4;
   ec.kv_cache_bytes = 4 << 20;
   rollout::Engine engine(gpu, ec);
   std::vector<rollout::Request> reqs(2);

@@ -119,7 +119,7 @@ ReferenceOutput reference_forward(const model::Muse& model, const std::vector<in
       double mx = logits.max().item<double>(), z = 0;
       for (int64_t e = 0; e < c.num_experts; ++e) {
         const double s = logits[e].item<double>();
-        if (c.router_score == "sigmoid") {
+        if (c.router_score == model::RouterScore::kSigmoid) {
           p[e] = 1.0 / (1.0 + std::exp(-s));
         } else {
           p[e] = std::exp(s - mx);
@@ -127,7 +127,7 @@ ReferenceOutput reference_forward(const model::Muse& model, const std::vector<in
         }
       }
       for (int64_t e = 0; e < c.num_experts; ++e) {
-        if (c.router_score != "sigmoid") p[e] /= z;
+        if (c.router_score != model::RouterScore::kSigmoid) p[e] /= z;
         sel[e] = p[e] + (lw.router_bias.defined() ? lw.router_bias[e].item<double>() : 0.0);
       }
       std::vector<int64_t> chosen;

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 
 #include "core/safetensors.h"
@@ -110,9 +111,55 @@ TEST(Checkpoint, MissingUnexpectedAndMisshapedTensorsAreNamed) {
   });
   EXPECT_NE(msg.find("model.layers.0.mlp.pooler.weight"), std::string::npos) << msg;
   EXPECT_NE(msg.find("shape"), std::string::npos) << msg;
+  // NaN or inf values, and bytes of another dtype (F32 bytes labelled I32), are named on load.
+  msg = rewrite([](auto& ts) {
+    for (auto& t : ts)
+      if (t.name == "model.layers.1.self_attn.k_proj.weight") {
+        t.tensor = t.tensor.clone();
+        t.tensor.view({-1})[5] = INFINITY;
+        t.tensor.view({-1})[9] = NAN;
+      }
+  });
+  for (const char* part : {"model.layers.1.self_attn.k_proj.weight", "holds 2 NaN/inf value(s)", "flat index 5"})
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
+  msg = rewrite([](auto& ts) {
+    for (auto& t : ts)
+      if (t.name == "model.norm.weight") t.dtype = safetensors::DType::I32;
+  });
+  for (const char* part : {"model.norm.weight", "is I32", "needs F32"}) EXPECT_NE(msg.find(part), std::string::npos) << msg;
+  msg = rewrite([](auto& ts) {
+    for (auto& t : ts)
+      if (t.name == "model.layers.0.mlp.router.weight") t.tensor = t.tensor.to(at::kBFloat16);
+  });
+  for (const char* part : {"model.layers.0.mlp.router.weight", "is BF16", "needs F32"})
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
   std::filesystem::remove(dir / "config.json");
   EXPECT_NE(error_of([&] { model::load_checkpoint(dir.path(), at::kFloat, at::kCPU); }).find("config.json"),
             std::string::npos);
+}
+
+// A diverged model is never written: save_checkpoint names the first non-finite tensor and leaves
+// the directory as it was.
+TEST(Checkpoint, NonFiniteWeightsAreNeverSaved) {
+  Muse m = Muse::init(test::micro_config(), 2, at::kFloat, at::kCPU);
+  test::TempDir dir;
+  m.weights().layers[0].expert_norm.view({-1})[3] = NAN;
+  const std::string msg = error_of([&] { model::save_checkpoint(m, dir / "ck"); });
+  for (const char* part : {"refusing to write", "model.layers.0.mlp.experts.", "norm.weight", "holds 1 NaN/inf"})
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
+  EXPECT_FALSE(std::filesystem::exists(dir / "ck"));
+}
+
+// Positions beyond max_position_embeddings are refused instead of extrapolating RoPE silently.
+TEST(Checkpoint, ForwardRefusesPositionsBeyondTheConfig) {
+  model::ModelConfig c = test::micro_config();
+  c.max_position_embeddings = 6;
+  Muse m = Muse::init(c, 2, at::kFloat, at::kCPU);
+  EXPECT_NO_THROW(m.forward(model::PackedBatch::from_sequences({{1, 2, 3, 4, 5, 6}}, m.device()), {}));
+  const std::string msg =
+      error_of([&] { m.forward(model::PackedBatch::from_sequences({{1, 2}, {1, 2, 3, 4, 5, 6, 7}}, m.device()), {}); });
+  for (const char* part : {"sequence 1 reaches position 7", "max_position_embeddings (6)"})
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
 }
 
 }  // namespace

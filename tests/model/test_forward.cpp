@@ -28,7 +28,7 @@ std::vector<std::vector<int64_t>> random_sequences(const std::vector<int64_t>& l
 // Checks the packed forward of several odd-length sequences against the reference.
 void check_against_reference(const model::ModelConfig& cfg, at::ScalarType dtype, double rtol, double atol) {
   Muse m = Muse::init(cfg, 7, dtype, at::kCPU);
-  if (cfg.router_score == "sigmoid") {
+  if (cfg.router_score == model::RouterScore::kSigmoid) {
     at::manual_seed(1);  // a non-zero selection bias, so selection and weights differ
     for (auto& lw : m.weights().layers) lw.router_bias.copy_(at::randn_like(lw.router_bias) * 0.3);
   }
@@ -59,7 +59,7 @@ TEST(Forward, PackedMatchesNaiveReferenceFp32) {
 
 TEST(Forward, PackedMatchesReferenceWithSigmoidRouterAndWideGqa) {
   model::ModelConfig cfg = test::micro_config();
-  cfg.router_score = "sigmoid";
+  cfg.router_score = model::RouterScore::kSigmoid;
   cfg.num_q_heads = 4;
   cfg.num_kv_heads = 2;
   cfg.num_layers = 5;  // full layers 1 and 4: the pattern is anchored at the end

@@ -57,7 +57,7 @@ TEST(Gradients, EveryParameterMatchesFiniteDifferencesSoftmaxRouter) { check_gra
 
 TEST(Gradients, EveryParameterMatchesFiniteDifferencesSigmoidRouter) {
   model::ModelConfig cfg = test::micro_config();
-  cfg.router_score = "sigmoid";
+  cfg.router_score = model::RouterScore::kSigmoid;
   check_gradients(cfg);
 }
 

@@ -199,7 +199,7 @@ TEST(Lora, AdaptersOverAnNvfp4Base) {
   at::manual_seed(6);
   randomise_b(policy);
   rollout::EngineConfig ec;
-  ec.quantization = "nvfp4";
+  ec.quantization = rollout::Quantization::kNvfp4;
   rollout::Engine engine(policy, ec);  // keeps the policy's codes, adds its adapters unmerged
   EXPECT_FALSE(engine.model().weights().layers[0].expert_up.defined());
   EXPECT_TRUE(engine.model().weights().layers[0].lora.up_a.defined());

@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -171,6 +173,22 @@ TEST(Nvfp4Model, BadTensorsAreNamed) {
   e = rewrite(q + ".weight_scale_2", at::Tensor(), std::nullopt);
   EXPECT_NE(e.find(q + ".weight_scale_2"), std::string::npos) << e;
   EXPECT_NE(e.find("missing"), std::string::npos) << e;
+  // Scale values that would make the layer's output garbage: NaN or negative block scales, and a
+  // tensor scale that is zero, negative or NaN.
+  at::Tensor blocks = at::full({32, 2}, 0x38, at::kByte);  // E4M3 1.0
+  blocks[3][1] = 0x7F;
+  e = rewrite(q + ".weight_scale", blocks, safetensors::DType::F8_E4M3);
+  EXPECT_NE(e.find(q + ".weight_scale holds 1 NaN block scale(s)"), std::string::npos) << e;
+  blocks[3][1] = 0xB8;  // -1.0
+  e = rewrite(q + ".weight_scale", blocks, safetensors::DType::F8_E4M3);
+  EXPECT_NE(e.find(q + ".weight_scale holds 1 negative block scale(s)"), std::string::npos) << e;
+  for (float bad : {0.0f, -2.0f, NAN}) {
+    e = rewrite(q + ".weight_scale_2", at::scalar_tensor(bad, at::kFloat), std::nullopt);
+    EXPECT_NE(e.find(q + ".weight_scale_2 must be finite and > 0"), std::string::npos) << e;
+  }
+  const std::string expert = "model.layers.0.mlp.experts.1.up_proj";
+  e = rewrite(expert + ".weight_scale_2", at::scalar_tensor(0.0f, at::kFloat), std::nullopt);
+  EXPECT_NE(e.find(expert + ".weight_scale_2 must be finite and > 0 (got 0)"), std::string::npos) << e;
   // K not a multiple of 16 cannot be quantised.
   model::ModelConfig odd = test::micro_config();
   odd.bf16_expert_layers = {};
@@ -198,7 +216,7 @@ TEST(Nvfp4Model, EngineServesNvfp4AndRequantisesOnSync) {
   model::ModelConfig cfg = nvfp4_config();
   Muse m = Muse::init(cfg, 7, at::kFloat, at::kCPU);
   rollout::EngineConfig ec;
-  ec.quantization = "nvfp4";
+  ec.quantization = rollout::Quantization::kNvfp4;
   rollout::Engine engine(m, ec);
   EXPECT_FALSE(engine.model().weights().layers[0].o_proj.defined());
   rollout::Request r;
@@ -238,9 +256,9 @@ TEST(Nvfp4Model, EngineServesNvfp4AndRequantisesOnSync) {
   names = next.named_parameters();
   names.push_back(names[0]);
   EXPECT_TRUE(test::throws_with([&] { engine.update_weights(names); }, {"model.embed_tokens.weight twice"}));
-  rollout::EngineConfig bad;
-  bad.quantization = "fp8";
-  EXPECT_TRUE(test::throws_with([&] { rollout::Engine e(m, bad); }, {"none, nvfp4 or w4a4", "fp8"}));
+  EXPECT_TRUE(test::throws_with([&] { rollout::parse_quantization("fp8"); }, {"none, nvfp4 or w4a4", "fp8"}));
+  for (auto q : {rollout::Quantization::kNone, rollout::Quantization::kNvfp4, rollout::Quantization::kW4a4})
+    EXPECT_EQ(rollout::parse_quantization(rollout::quantization_name(q)), q);
 }
 
 }  // namespace

