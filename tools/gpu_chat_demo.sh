@@ -33,9 +33,12 @@ if [ -z "${KILN_SFT_STEPS:-}" ]; then
   last="$run"
 fi
 t=$(date +%s)
+# The metrics so far reach $OUT even when the call is cut off at its limit.
+(while sleep 20; do cp "$run/metrics.jsonl" "$out/chat-metrics.jsonl" 2>/dev/null; done) & copier=$!
 ./build-gpu/kiln train "$recipe" --init-from "$last/sft" --out "$run" ${KILN_GRPO_STEPS:+--steps $KILN_GRPO_STEPS} 2>&1 \
   | tr '\r' '\n' | grep -E "^step 0|train:|error|Error" | tail -5 | tee -a "$log"
 echo "grpo: $(( $(date +%s) - t )) s" | tee -a "$log"
+kill $copier 2>/dev/null
 grep eval_accuracy "$run/metrics.jsonl" | python3 -c '
 import sys, json
 for l in sys.stdin:
