@@ -35,6 +35,12 @@ void write_text_atomic(const std::string& path, const std::string& text) {
   KILN_CHECK(!ec, "files: cannot rename ", tmp, " to ", path, " (", ec.message(), ")");
 }
 
+void check_input_file(const std::string& path, const std::string& what, const std::string& hint) {
+  struct stat st;
+  KILN_CHECK(stat(path.c_str(), &st) == 0, what, ": cannot open ", path, " (", std::strerror(errno), "); ", hint);
+  KILN_CHECK(!S_ISDIR(st.st_mode), what, ": ", path, " is a directory; ", hint);
+}
+
 void check_distinct_output(const std::string& out, const std::vector<std::string>& inputs, const std::string& what) {
   namespace fs = std::filesystem;
   auto canonical = [](const std::string& p) {
@@ -51,6 +57,7 @@ void check_distinct_output(const std::string& out, const std::vector<std::string
 }
 
 nlohmann::json read_json_file(const std::string& path, const std::string& what, const std::string& hint) {
+  check_input_file(path, what, hint);
   std::ifstream in(path);
   KILN_CHECK(in.good(), what, ": cannot open ", path, "; ", hint);
   try {

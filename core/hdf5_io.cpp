@@ -17,7 +17,14 @@ namespace kiln::hdf5 {
 namespace {
 
 // Our messages replace HDF5's own stack dumps on stderr.
-void quiet() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+// Before HDF5's first use: no automatic error printing, and no atexit handler. Every file kiln
+// opens is closed explicitly; after a close that failed (a full disk) HDF5 keeps the file half
+// open, and its atexit handler then crashed retrying the flush (exit 139 after the right error).
+void quiet() {
+  static const bool once = [] { return H5dont_atexit() >= 0; }();
+  (void)once;
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+}
 
 // The most specific message on HDF5's error stack, then clears it.
 std::string hdf5_error() {
@@ -30,6 +37,8 @@ std::string hdf5_error() {
            },
            &out);
   H5Eclear2(H5E_DEFAULT);
+  for (char& c : out)
+    if (c == '\n') c = ' ';  // one line: some HDF5 messages carry newlines
   return out.empty() ? std::string("unknown") : out;
 }
 

@@ -1,6 +1,8 @@
 // Strict YAML reading: key tracking, locations and error messages with file, line and key path.
 #include "core/yaml_util.h"
 
+#include "core/files.h"
+
 namespace kiln::yaml {
 
 namespace {
@@ -50,6 +52,7 @@ std::vector<std::string> diff(const YAML::Node& a, const YAML::Node& b, const st
 }
 
 YAML::Node load_file(const std::string& path) {
+  check_input_file(path, "config", "give a YAML file");
   try {
     YAML::Node root = YAML::LoadFile(path);
     check_unique_keys(root, path);

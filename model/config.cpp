@@ -153,6 +153,7 @@ std::string ModelConfig::to_json() const {
 
 ModelConfig ModelConfig::from_json_file(const std::string& path) {
   nlohmann::json j = read_json_file(path, "model config", "a checkpoint directory needs config.json");
+  KILN_CHECK(j.is_object(), "model config: ", path, ": expected a JSON object of keys to values, got a ", j.type_name());
   ModelConfig c;
   auto need = [&](const char* key, auto& out) {
     KILN_CHECK(j.contains(key), "model config: ", path, ": missing key ", key);
@@ -165,8 +166,8 @@ ModelConfig ModelConfig::from_json_file(const std::string& path) {
   auto opt = [&](const char* key, auto& out) {
     if (j.contains(key)) need(key, out);
   };
-  KILN_CHECK(j.value("model_type", std::string()) == "muse", "model config: ", path,
-             ": model_type must be \"muse\" (got ", j.value("model_type", std::string("<none>")), ")");
+  const nlohmann::json type = j.contains("model_type") ? j.at("model_type") : nlohmann::json("<none>");
+  KILN_CHECK(type == "muse", "model config: ", path, ": model_type must be \"muse\" (got ", type.dump(), ")");
   opt("name", c.name);
   need("vocab_size", c.vocab_size);
   need("hidden_size", c.hidden_size);

@@ -40,6 +40,9 @@ class Evaluator {
  private:
   const std::unordered_map<std::string, Value>& context_;
   int depth_ = 0;
+  // The scopes macros were defined in, alive until the render ends. A macro holds its scope
+  // weakly: that scope holds the macro, and a strong reference would make a cycle that leaks.
+  std::vector<ScopePtr> macro_homes_;
 
   Flow exec_body(const Body& body, const ScopePtr& scope, std::string& out) {
     for (const auto& stmt : body) {
@@ -194,9 +197,11 @@ class Evaluator {
 
   // A macro (or a call block's `caller`): its body runs in a new scope under the one it was defined in.
   Value make_macro(const Stmt& s, const ScopePtr& defined_in, std::string label) {
-    return Value::callable(label, [this, &s, defined_in, label](const CallArgs& call) {
+    macro_homes_.push_back(defined_in);
+    std::weak_ptr<Scope> home = defined_in;
+    return Value::callable(label, [this, &s, home, label](const CallArgs& call) {
       if (depth_ >= kMaxCallDepth) fail(label + " recursed deeper than " + std::to_string(kMaxCallDepth) + " calls");
-      ScopePtr scope = child_of(defined_in);
+      ScopePtr scope = child_of(home.lock());
       const size_t num_params = s.params.size();
       ValueList extra;
       for (size_t i = 0; i < call.positional.size(); ++i) {
@@ -212,7 +217,8 @@ class Evaluator {
       Dict kwargs;
       bool has_caller = false;
       for (const auto& [key, value] : call.keyword) {
-        auto param = std::find_if(s.params.begin(), s.params.end(), [&](const Param& p) { return p.name == key; });
+        const std::string& name = key;  // a structured binding cannot be captured before C++20 (clang)
+        auto param = std::find_if(s.params.begin(), s.params.end(), [&](const Param& p) { return p.name == name; });
         if (param != s.params.end()) {
           if (scope->vars.count(key)) fail(label + " got multiple values for argument '" + key + "'");
           scope->vars[key] = value;

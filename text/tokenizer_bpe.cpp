@@ -348,6 +348,12 @@ size_t parse_model(const JsonReader& r, const json& m, BpeTokenizer& t,
     vocab[it.key()] = id;
     max_id = std::max(max_id, id);
   }
+  // Ids index tables: a sparse id would allocate for tokens that do not exist (a real vocabulary
+  // numbers its tokens 0..n-1).
+  if (max_id >= 2 * int64_t(vocab_json.size()) + 1024)
+    r.fail(path + ".vocab", "ids are sparse: the largest is " + std::to_string(max_id) + " for " +
+                                std::to_string(vocab_json.size()) + " tokens",
+           "number the tokens from 0 without large gaps");
   t.resize(size_t(max_id + 1));
   std::vector<std::string> model_bytes(size_t(max_id + 1));
   for (const auto& [token, id] : vocab) {
@@ -543,6 +549,8 @@ std::unique_ptr<Tokenizer> load_tiktoken_file(const std::string& path, const Tik
   std::vector<bool> seen;
   std::string bytes;
   size_t line_no = 0, pos = 0;
+  // Ranks index tables: one far beyond the number of tokens would allocate for nothing.
+  const int64_t total_lines = int64_t(std::count(text.begin(), text.end(), '\n')) + 1;
   while (pos < text.size()) {
     size_t eol = text.find('\n', pos);
     if (eol == std::string::npos) eol = text.size();
@@ -566,6 +574,8 @@ std::unique_ptr<Tokenizer> load_tiktoken_file(const std::string& path, const Tik
     }
     KILN_CHECK(ok && !bytes.empty(), "tokenizer: ", path, ":", line_no, ": expected '<base64 token> <rank>' (line='",
                std::string(line.substr(0, 80)), "'); give a tiktoken rank file");
+    KILN_CHECK(rank < 2 * total_lines + 1024, "tokenizer: ", path, ":", line_no, ": rank ", rank, " is far beyond the ",
+               total_lines, " lines of the file; ranks are token ids numbered from 0 without large gaps");
     if (size_t(rank) >= token_bytes.size()) {
       token_bytes.resize(size_t(rank) + 1);
       seen.resize(size_t(rank) + 1);

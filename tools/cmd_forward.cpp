@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/hdf5_io.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
@@ -44,6 +45,7 @@ Run add_forward(CLI::App& app) {
     for (size_t i = 0; i < a->tokens.size(); ++i)
       seqs.push_back(parse_ids(a->tokens[i], "forward", "--tokens #" + std::to_string(i + 1)));
     if (!a->tokens_file.empty()) {
+      check_input_file(a->tokens_file, "forward: --tokens-file", "give a file with one sequence of ids per line");
       std::ifstream in(a->tokens_file);
       KILN_CHECK(in.good(), "forward: cannot open --tokens-file ", a->tokens_file);
       std::string line;

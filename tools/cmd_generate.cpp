@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/hdf5_io.h"
 #include "model/checkpoint.h"
 #include "rollout/engine.h"
@@ -73,6 +74,7 @@ void apply_overrides(const nlohmann::json& j, const std::string& where, rollout:
 // (counting all prompts so far) gets seed base_seed + i unless its line sets "seed".
 void read_prompts_file(const std::string& path, const rollout::SamplingParams& defaults, uint64_t base_seed,
                        const text::Tokenizer& tok, std::vector<Prompt>& out) {
+  check_input_file(path, "generate: --prompts", "give a JSONL file of prompts");
   std::ifstream in(path);
   KILN_CHECK(in.good(), "generate: cannot open --prompts file (path=", path, "); check the path");
   std::string line;

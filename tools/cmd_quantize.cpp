@@ -20,6 +20,7 @@ std::vector<std::vector<int64_t>> calibration_sequences(const std::string& path,
                                                         uint64_t seed, int64_t vocab) {
   std::vector<std::vector<int64_t>> out;
   if (!path.empty()) {
+    check_input_file(path, "quantize: --calib-text", "give a text file, one calibration sequence per line");
     std::ifstream in(path);
     KILN_CHECK(in.good(), "quantize: cannot open calibration text ", path);
     std::string line;
@@ -70,6 +71,8 @@ Run add_quantize(CLI::App& app) {
     KILN_CHECK(!model::is_nvfp4_checkpoint(a->in), "quantize: ", a->in, " is already an NVFP4 checkpoint");
     KILN_CHECK(a->calib_seqs > 0 && a->calib_len > 0, "quantize: --calib-seqs and --calib-len must be positive");
     const model::ModelConfig cfg = model::ModelConfig::from_json_file(a->in + "/config.json");
+    KILN_CHECK(a->no_calibrate || a->calib_len <= cfg.max_position_embeddings, "quantize: --calib-len ", a->calib_len,
+               " is beyond the model's max_position_embeddings (", cfg.max_position_embeddings, ")");
     const at::Device device = model::parse_device(a->device, "quantize: --device");
     model::Muse m = model::load_checkpoint(a->in, model::parse_dtype(cfg.dtype), device);
     model::quantize_model(m, /*kernel_layout=*/false, /*drop_dense=*/false);

@@ -35,6 +35,10 @@
 namespace kiln::tools {
 namespace {
 
+// --steps accepts 0..10^9. CLI11 2.1 saturates an integer too large for int64 to its maximum, so
+// the bound is what turns "--steps 99999999999999999999" into an error instead of an endless run.
+CLI::Range step_count() { return CLI::Range(int64_t{0}, int64_t{1'000'000'000}, "STEPS"); }
+
 struct Setup {
   trainer::Recipe recipe;
   std::unique_ptr<model::Muse> policy;
@@ -158,7 +162,7 @@ Run add_sft(CLI::App& app) {
   auto a = std::make_shared<Args>();
   cmd->add_option("recipe", a->recipe, "Recipe (YAML)")->required();
   cmd->add_option("--out", a->out, "Run directory (overrides run.out); weights go to <out>/sft");
-  cmd->add_option("--steps", a->steps, "SFT steps (overrides sft.steps)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--steps", a->steps, "SFT steps (overrides sft.steps)")->check(step_count());
   cmd->add_flag("--overwrite", a->overwrite, "Replace the sft outputs already in the run directory");
   return [a] {
     Setup s = prepare(a->recipe, a->out, "", "sft-recipe.yaml", kSftOutputs,
@@ -211,7 +215,7 @@ Run add_train(CLI::App& app) {
   auto a = std::make_shared<Args>();
   cmd->add_option("recipe", a->recipe, "Recipe (YAML), e.g. recipes/grpo-arith-tiny.yaml")->required();
   cmd->add_option("--out", a->out, "Run directory (overrides run.out)");
-  cmd->add_option("--steps", a->steps, "GRPO steps (overrides run.steps)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--steps", a->steps, "GRPO steps (overrides run.steps)")->check(step_count());
   cmd->add_option("--init-from", a->init_from, "Start from this checkpoint (overrides model.*), e.g. <out>/sft");
   cmd->add_option("--resume", a->resume, "Continue the run in this directory from its newest complete checkpoint");
   cmd->add_flag("--overwrite", a->overwrite, "Replace the run already in the run directory (its metrics and checkpoints)");
@@ -237,6 +241,13 @@ Run add_train(CLI::App& app) {
     }
     if (lead) report_data(s);
     trainer::GrpoTrainer trainer(policy, r.grpo, s.tokenizer, s.data);
+    const std::string ckpt = r.run.out + "/checkpoint";
+    if (!a->resume.empty()) {
+      trainer.load(ckpt);
+      KILN_CHECK(trainer.steps_done() <= r.run.steps, "train: the checkpoint in ", ckpt, " is at step ",
+                 trainer.steps_done(), ", past run.steps=", r.run.steps, "; pass --steps ", trainer.steps_done(),
+                 " or more to continue the run");
+    }
     if (lead) {
       const auto& tp = trainer.train_prompts();
       fmt::print("train: {} steps of {} prompts x {} samples; {} train / {} test prompts ({} too long, dropped; "
@@ -247,14 +258,7 @@ Run add_train(CLI::App& app) {
                  r.run.checkpoint_every > 0 ? fmt::format("every {} steps and at the end", r.run.checkpoint_every)
                                             : std::string("at the end only"));
     }
-    const std::string ckpt = r.run.out + "/checkpoint";
-    if (!a->resume.empty()) {
-      trainer.load(ckpt);
-      KILN_CHECK(trainer.steps_done() <= r.run.steps, "train: the checkpoint in ", ckpt, " is at step ",
-                 trainer.steps_done(), ", past run.steps=", r.run.steps, "; pass --steps ", trainer.steps_done(),
-                 " or more to continue the run");
-      if (lead) fmt::print("train: resumed from {} at step {}\n", ckpt, trainer.steps_done());
-    }
+    if (!a->resume.empty() && lead) fmt::print("train: resumed from {} at step {}\n", ckpt, trainer.steps_done());
     const trainer::EvalMetrics last = trainer::run_grpo(trainer, r.run, lead ? stderr : nullptr);
     trainer.sync_policy();  // collective: a sharded rollout leaves the full experts to the end
     if (!lead) return;

@@ -65,6 +65,8 @@ int main(int argc, char** argv) {
   CLI::App app{"kiln: RL training for latent-MoE language models (Muse Spark Open)", "kiln"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "kiln 0.1.0");
+  // A bad option is one line, like every other kiln error (CLI11's default adds a second line).
+  app.failure_message([](const CLI::App*, const CLI::Error& e) { return std::string(e.what()) + " (see --help)\n"; });
   std::map<std::string, kiln::tools::Run> runs = {
       {"info", kiln::tools::add_info(app)},
       {"init", kiln::tools::add_init(app)},

@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "trainer/rng.h"
@@ -77,6 +78,8 @@ Example parse_line(const std::string& line, const JsonlOptions& o) {
     const size_t colon = what.find(": ", what.find("column"));
     throw BadLine{str_cat("bad JSON at column ", e.byte, " (",
                           colon == std::string::npos ? what : what.substr(colon + 2), ")")};
+  } catch (const json::exception& e) {  // out_of_range: a number past double's range
+    throw BadLine{str_cat("bad JSON (", e.what(), ")")};
   }
   if (!j.is_object()) throw BadLine{str_cat("expected a JSON object, got ", j.type_name())};
   Example ex;
@@ -119,6 +122,7 @@ bool blank(const std::string& line) {
 
 std::vector<Example> load_jsonl(const std::string& path, const JsonlOptions& options, LoadReport* report) {
   KILN_CHECK(!options.keys.prompt.empty(), "load_jsonl: the prompt key is empty; name the key that holds the prompt");
+  check_input_file(path, "load_jsonl", "give a JSONL file, one example per line");
   std::ifstream in(path);
   KILN_CHECK(in.good(), "load_jsonl: cannot open file (path=", path, "); check the path");
   LoadReport local;

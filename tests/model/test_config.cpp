@@ -74,6 +74,28 @@ TEST(Config, JsonRoundTrip) {
   EXPECT_EQ(back.to_yaml(), c.to_yaml());
 }
 
+// Found by fuzz_model_config: a config.json that is valid JSON but not an object.
+TEST(Config, JsonThatIsNotAnObjectIsNamed) {
+  test::TempDir dir;
+  for (const char* text : {"5", "[1]", "\"muse\"", "null"}) {
+    std::ofstream(dir / "config.json") << text;
+    EXPECT_TRUE(test::throws_with([&] { ModelConfig::from_json_file(dir / "config.json"); },
+                                  {"config.json", "expected a JSON object"}))
+        << text;
+  }
+}
+
+TEST(Config, JsonModelTypeOfTheWrongTypeIsAnError) {
+  // Found by fuzzing: a numeric model_type threw nlohmann's type_error past the reader.
+  test::TempDir dir;
+  for (const char* text : {"{\"model_type\": 128}", "{\"model_type\": null}", "{}"}) {
+    std::ofstream(dir / "config.json") << text;
+    EXPECT_TRUE(test::throws_with([&] { ModelConfig::from_json_file(dir / "config.json"); },
+                                  {"config.json", "model_type must be \"muse\""}))
+        << text;
+  }
+}
+
 TEST(Config, ErrorsNameTheKeyAndLine) {
   test::TempDir dir;
   std::string base;

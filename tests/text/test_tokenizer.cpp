@@ -454,6 +454,9 @@ TEST(TokenizerJsonTest, ErrorsNameTheFileThePathAndTheType) {
       {"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}, {"invert", false}};
   expect_error(t, {"pre_tokenizer.pattern", "does not compile"});
   t = tiny_tokenizer();
+  t["model"]["vocab"]["far"] = 10000000;  // found by fuzz_tokenizer: a 10M-entry table for one token
+  expect_error(t, {"model.vocab", "ids are sparse: the largest is 10000000"});
+  t = tiny_tokenizer();
   t["normalizer"] = {{"type", "BertNormalizer"}};
   expect_error(t, {"normalizer.type", "'BertNormalizer'"});
   t = tiny_tokenizer();

@@ -44,6 +44,8 @@ sliding_window: 4
 dtype: float32
 YAML
 check "init" "wrote micro" "$kiln" init "$tmp/micro.yaml" "$tmp/ckpt" --seed 3
+out=$("$kiln" init "$tmp/micro.yaml" "$tmp/ckpt-neg" --seed -1 2>&1) && { echo "FAIL: --seed -1 was accepted"; fails=$((fails+1)); }
+[[ "$out" == *"--seed"* ]] || { echo "FAIL: --seed -1 error does not name the option: $out"; fails=$((fails+1)); }
 check "forward prints" "sequence 1" "$kiln" forward --model "$tmp/ckpt" --tokens "1,2,3,4" --tokens "5 6 7"
 printf '1 2 3\n\n4,5\n' > "$tmp/tokens.txt"
 check "forward to safetensors" "wrote log-probs of 5 tokens in 2 sequences" \
@@ -62,6 +64,9 @@ check "generate to hdf5" "in 5 samples (2 prompts)" \
 [ -s "$tmp/s.h5" ] || { echo "FAIL: no generate hdf5 output"; fails=$((fails+1)); }
 
 check_fails "missing config" "cannot open" "$kiln" info "$tmp/nope.yaml"
+mkdir -p "$tmp/adir"
+check_fails "a folder as the recipe" "config: $tmp/adir is a directory; give a YAML file" "$kiln" train "$tmp/adir"
+check_fails "a folder as the prompts" "generate: --prompts: $tmp/adir is a directory" "$kiln" generate --model "$tmp/ckpt" --prompts "$tmp/adir"
 check_fails "a mistyped command" "unknown command 'trian'; did you mean 'train'?" "$kiln" trian x.yaml
 check_fails "an unknown device" "forward: --device: unknown device 'tpu'" "$kiln" forward --model "$tmp/ckpt" --tokens 1,2 --device tpu
 if ! "$kiln" bench rmsnorm --device cuda > /dev/null 2>&1; then  # a CPU build: a clear line, not a backtrace
@@ -93,6 +98,19 @@ check_fails "generate bad n type" "bad_n.jsonl:1: \"n\" must be an integer" \
   "$kiln" generate --model "$tmp/ckpt" --prompts "$tmp/bad_n.jsonl"
 check_fails "generate bad out suffix" "--out must end" \
   "$kiln" generate --model "$tmp/ckpt" --prompt "ids:1" --out "$tmp/s.txt"
+# A full disk at HDF5's close: one line naming the file, exit 1 (HDF5's exit handler crashed here
+# with 139), no temp file left. Needs a small tmpfs: root and a mount namespace that allows it.
+mkdir -p "$tmp/full"
+if [ "$(id -u)" = 0 ] && mount -t tmpfs -o size=16k tmpfs "$tmp/full" 2> /dev/null; then
+  out=$("$kiln" generate --model "$tmp/ckpt" --prompt "ids:1,2" -n 8 --max-tokens 60 --out "$tmp/full/s.h5" 2>&1 | tr '\r' '\n' | grep -v '^generate: [0-9]')
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 1 ] || { echo "FAIL: generate onto a full disk exited $rc, expected 1: $out"; fails=$((fails+1)); }
+  [[ "$out" == *"s.h5.tmp"*"No space left on device"* ]] || { echo "FAIL: full-disk error lacks the file and cause: $out"; fails=$((fails+1)); }
+  [ -z "$(ls "$tmp/full")" ] || { echo "FAIL: a full disk left $(ls "$tmp/full")"; fails=$((fails+1)); }
+  umount "$tmp/full"
+else
+  echo "SKIP: generate onto a full disk (needs root and tmpfs mounts)"
+fi
 
 
 # kiln train: a 2-step GRPO run of a micro model, and a recipe error with file and line.
@@ -142,7 +160,10 @@ sed 's/^  lr: .*/  lr: 0.5/' "$tmp/recipe.yaml" > "$tmp/recipe-lr.yaml"
 grep -q "lr: 0.5" "$tmp/recipe-lr.yaml" || printf 'optim:\n  lr: 0.5\n' >> "$tmp/recipe-lr.yaml"
 check_fails "resume with another lr" "differs from the one the run was started with" \
   "$kiln" train "$tmp/recipe-lr.yaml" --steps 5 --resume "$tmp/part"
+check_fails "resume past the run's steps" "is at step 4, past run.steps=1" \
+  "$kiln" train "$tmp/recipe.yaml" --steps 1 --resume "$tmp/part"
 check_fails "--resume and --overwrite" "exclude each other" "$kiln" train "$tmp/recipe.yaml" --resume "$tmp/part" --overwrite
+check_fails "--steps beyond int64" "not in range 0 to 1000000000" "$kiln" train "$tmp/recipe.yaml" --steps 99999999999999999999 --out "$tmp/huge-steps"
 { cat "$tmp/recipe.yaml"; printf 'run:\n  steps: 9\n'; } > "$tmp/recipe-dup.yaml"
 check_fails "a key given twice" "recipe-dup.yaml:" "$kiln" train "$tmp/recipe-dup.yaml" --out "$tmp/dup"
 # A kill at every point of writing a checkpoint: --resume finds the newest complete one (step 2
@@ -176,6 +197,7 @@ check "init for quantize" "wrote micronv" "$kiln" init "$tmp/micronv.yaml" "$tmp
 check "quantize" "wrote NVFP4 micronv" "$kiln" quantize "$tmp/nvbf16" "$tmp/nvfp4" --calib-seqs 2 --calib-len 16
 grep -q '"quant_algo": "NVFP4"' "$tmp/nvfp4/hf_quant_config.json" || { echo "FAIL: hf_quant_config.json lacks NVFP4"; fails=$((fails+1)); }
 check_fails "quantize twice" "already an NVFP4 checkpoint" "$kiln" quantize "$tmp/nvfp4" "$tmp/x"
+check_fails "calib-len beyond max positions" "is beyond the model's max_position_embeddings" "$kiln" quantize "$tmp/nvbf16" "$tmp/nvq2" --calib-len 2000000
 check_fails "quantize onto its input" "would overwrite the input" "$kiln" quantize "$tmp/nvbf16" "$tmp/nvbf16/"
 printf '12+34=46\n\n7+8=15\n' > "$tmp/calib.txt"
 check "quantize on calibration text" "on 2 sequences (14 tokens)" "$kiln" quantize "$tmp/nvbf16" "$tmp/nvtext" --calib-text "$tmp/calib.txt"

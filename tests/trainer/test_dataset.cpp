@@ -211,6 +211,7 @@ TEST(JsonlTest, EveryErrorNamesFileLineAndKeyOrIsSkippedAndCounted) {
   };
   const std::vector<Case> cases = {
       {"{\"prompt\": \"1+2=\", \"label\": ", {"bad JSON"}},
+      {"{\"prompt\": \"1+2=\", \"label\": 2e99999}", {"bad JSON", "number overflow"}},  // found by fuzz_jsonl
       {"[1, 2]", {"expected a JSON object", "array"}},
       {"{\"label\": \"3\"}", {"missing key \"prompt\""}},
       {"{\"prompt\": \"1+2=\"}", {"missing key \"label\""}},
