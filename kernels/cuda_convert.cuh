@@ -19,6 +19,12 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// kVec values moved as one aligned access (16 bytes for 8 bf16 or 4 floats).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Vec {
+  T v[kVec];
+};
+
 // 16 consecutive values of a 16-byte aligned row as floats.
 template <typename T>
 __device__ __forceinline__ void load16(const T* p, float (&v)[16]) {

@@ -1,11 +1,14 @@
-// RMSNorm reference (ATen ops) and the dispatch/binding for the CUDA kernel in rms_norm.cu.
+// RMSNorm reference (ATen ops), the dispatch/binding for the CUDA kernels in rms_norm.cu, and the
+// autograd function that runs them forward and backward in training.
 #include "kernels/rms_norm.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "core/error.h"
 #if KILN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -13,6 +16,95 @@
 #endif
 
 namespace kiln::kernels {
+namespace {
+
+[[maybe_unused]] bool cuda_dtype(const at::Tensor& x) { return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16; }
+
+#if KILN_WITH_CUDA
+// The forward kernel on x viewed as [rows, cols]: weight [cols], per-row [rows, cols], or per
+// segment [S, cols] with ends [S] int32.
+at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends, double eps) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor ec = ends.numel() > 0 ? ends.contiguous() : at::Tensor();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  const bool per_row = !ec.defined() && weight.dim() == 2;
+  const int64_t w_stride = per_row ? cols : 0;
+  const int32_t* e = ec.defined() ? ec.data_ptr<int32_t>() : nullptr;
+  const int segments = ec.defined() ? int(ec.size(0)) : 1;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t err =
+      x.scalar_type() == at::kFloat
+          ? launch_rms_norm_f32(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), rows, cols, w_stride,
+                                e, segments, float(eps), stream)
+          : launch_rms_norm_bf16(xc.data_ptr(), wc.data_ptr(), y.data_ptr(), rows, cols, w_stride, e, segments,
+                                 float(eps), stream);
+  KILN_CHECK(err == cudaSuccess, "rms_norm_cuda: kernel launch failed: ", cudaGetErrorString(err));
+  return y;
+}
+
+// dx, and dw (undefined unless need_dw) in the weight's shape and dtype.
+std::pair<at::Tensor, at::Tensor> backward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends,
+                                                const at::Tensor& dy, double eps, bool need_dw) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = x.contiguous(), wc = weight.contiguous(), gc = dy.contiguous().to(x.scalar_type());
+  at::Tensor ec = ends.numel() > 0 ? ends.contiguous() : at::Tensor();
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  const int segments = ec.defined() ? int(ec.size(0)) : 1;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int parts = int(std::max<int64_t>(1, std::min<int64_t>(4 * sms / segments, rows / segments)));
+  at::Tensor dx = at::empty_like(xc);
+  at::Tensor part = at::empty({int64_t(segments) * parts, cols}, x.options().dtype(at::kFloat));
+  const int32_t* e = ec.defined() ? ec.data_ptr<int32_t>() : nullptr;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t err =
+      x.scalar_type() == at::kFloat
+          ? launch_rms_norm_backward_f32(xc.data_ptr<float>(), wc.data_ptr<float>(), e, segments, gc.data_ptr<float>(),
+                                         dx.data_ptr<float>(), part.data_ptr<float>(), rows, cols, parts, float(eps),
+                                         stream)
+          : launch_rms_norm_backward_bf16(xc.data_ptr(), wc.data_ptr(), e, segments, gc.data_ptr(), dx.data_ptr(),
+                                          part.data_ptr<float>(), rows, cols, parts, float(eps), stream);
+  KILN_CHECK(err == cudaSuccess, "rms_norm backward: kernel launch failed: ", cudaGetErrorString(err));
+  at::Tensor dw;
+  if (need_dw) dw = part.view({segments, parts, cols}).sum(1).to(weight.scalar_type()).view(weight.sizes());
+  return {dx, dw};
+}
+
+// Forward and backward through the CUDA kernels; ends empty for a shared weight row (autograd
+// functions take no undefined tensors).
+struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& ends, double eps) {
+    ctx->save_for_backward({x, weight, ends});
+    ctx->saved_data["eps"] = eps;
+    return forward_cuda(x, weight, ends, eps);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [dx, dw] = backward_cuda(saved[0], saved[1], saved[2], grads[0], ctx->saved_data["eps"].toDouble(),
+                                  ctx->needs_input_grad(1));
+    return {dx, dw, at::Tensor(), at::Tensor()};
+  }
+};
+#endif
+
+[[maybe_unused]] at::Tensor no_segments(const at::Tensor& x) { return at::empty({0}, x.options().dtype(at::kInt)); }
+
+// The fused path takes 2-D-or-more CUDA float/bf16 rows no wider than the backward kernel allows,
+// with the weight in x's dtype.
+[[maybe_unused]] bool train_kernel_applies(const at::Tensor& x, const at::Tensor& weight) {
+#if KILN_WITH_CUDA
+  return x.is_cuda() && weight.is_cuda() && cuda_dtype(x) && x.scalar_type() == weight.scalar_type() &&
+         x.dim() >= 1 && x.numel() > 0 && x.size(-1) <= kMaxBackwardCols;
+#else
+  (void)x, (void)weight;
+  return false;
+#endif
+}
+
+}  // namespace
 
 at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -24,12 +116,44 @@ at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, dou
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 #if KILN_WITH_CUDA
   const bool needs_grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
-  const bool supported = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
   const bool per_row = weight.dim() == 2 && x.dim() == 2 && weight.sizes() == x.sizes();
-  if (x.is_cuda() && !needs_grad && supported && (weight.dim() == 1 || per_row) && x.numel() > 0)
+  if (x.is_cuda() && !needs_grad && cuda_dtype(x) && (weight.dim() == 1 || per_row) && x.numel() > 0)
     return rms_norm_cuda(x, weight, eps);
+  if (needs_grad && weight.dim() == 1 && weight.size(0) == x.size(-1) && train_kernel_applies(x, weight))
+    return RmsNormFunction::apply(x, weight, no_segments(x), eps);
 #endif
   return rms_norm_reference(x, weight, eps);
+}
+
+at::Tensor segment_rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends,
+                                      double eps) {
+  at::Tensor rows = at::arange(x.size(0), x.options().dtype(at::kLong));
+  at::Tensor segment = at::searchsorted(ends.to(at::kLong), rows, /*out_int32=*/false, /*right=*/true);
+  return rms_norm_reference(x, weight.index_select(0, segment), eps);
+}
+
+at::Tensor segment_rms_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends, double eps) {
+  KILN_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1) && ends.dim() == 1 &&
+                 ends.size(0) == weight.size(0) && ends.scalar_type() == at::kInt && ends.device() == x.device(),
+             "segment_rms_norm: x [rows, n], weight [S, n] and ends [S] int32 on x's device (got x ", x.sizes(),
+             ", weight ", weight.sizes(), ", ends ", ends.sizes(), " ", ends.scalar_type(), ")");
+#if KILN_WITH_CUDA
+  if (train_kernel_applies(x, weight)) return RmsNormFunction::apply(x, weight, ends, eps);
+#endif
+  return segment_rms_norm_reference(x, weight, ends, eps);
+}
+
+at::Tensor rms_norm_train_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
+#if KILN_WITH_CUDA
+  KILN_CHECK(train_kernel_applies(x, weight) && weight.dim() == 1 && weight.size(0) == x.size(-1),
+             "rms_norm_train_cuda: x [..., n] and weight [n], CUDA float32 or bfloat16 of one dtype, n <= ",
+             kMaxBackwardCols, " (got x ", x.sizes(), " ", x.scalar_type(), " on ", x.device(), ", weight ",
+             weight.sizes(), " ", weight.scalar_type(), ")");
+  return RmsNormFunction::apply(x, weight, no_segments(x), eps);
+#else
+  (void)x, (void)weight, (void)eps;
+  KILN_FAIL("rms_norm_train_cuda: this build has no CUDA kernels (KILN_WITH_CUDA=0); rebuild with KILN_CUDA=ON");
+#endif
 }
 
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -51,11 +175,12 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double e
   cudaError_t err;
   if (x.scalar_type() == at::kFloat) {
     err = launch_rms_norm_f32(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), rows, cols,
-                              w_stride, float(eps), stream);
+                              w_stride, nullptr, 1, float(eps), stream);
   } else {
     KILN_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm_cuda: only float32 and bfloat16 (got ",
                x.scalar_type(), ")");
-    err = launch_rms_norm_bf16(xc.data_ptr(), wc.data_ptr(), y.data_ptr(), rows, cols, w_stride, float(eps), stream);
+    err = launch_rms_norm_bf16(xc.data_ptr(), wc.data_ptr(), y.data_ptr(), rows, cols, w_stride, nullptr, 1,
+                               float(eps), stream);
   }
   KILN_CHECK(err == cudaSuccess, "rms_norm_cuda: kernel launch failed: ", cudaGetErrorString(err));
   return y;

@@ -1,11 +1,15 @@
 // Fused RMSNorm CUDA kernels: one block per row, fp32 sum of squares, Llama-convention rounding
 // (normalised value cast to the storage dtype, then multiplied by the weight). Rows whose width is a
 // multiple of 16 bytes use 16-byte loads and keep the row in registers; others take a scalar path.
-// The weight is one row shared by all rows (w_stride 0) or one row per row (w_stride = cols).
+// The weight is one row shared by all rows (w_stride 0), one row per row (w_stride = cols), or one
+// row per segment of rows (ends: each segment's end row; the per-expert norm of the grouped MoE).
+// The backward (training) recomputes the statistics, writes dx, and reduces the weight gradient
+// per segment into fixed partials that the caller sums: deterministic, no atomics.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda_convert.cuh"
 #include "kernels/rms_norm_cuda.h"
@@ -21,6 +25,20 @@ constexpr int kMaxChunks = 16;  // 16-byte chunks per thread held in registers: 
 template <typename T>
 __device__ inline T normalise(T x, T w, float inv) {
   return from_float<T>(to_float(from_float<T>(to_float(x) * inv)) * to_float(w));
+}
+
+// The weight row of `row`: row * w_stride, or, with segment ends, the segment holding the row
+// (the first s with ends[s] > row; ends is sorted and short, so a binary search).
+__device__ inline int64_t weight_offset(int64_t row, int64_t cols, int64_t w_stride, const int32_t* ends,
+                                        int num_segments) {
+  if (ends == nullptr) return row * w_stride;
+  int lo = 0, hi = num_segments - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (int64_t(ends[mid]) > row) hi = mid;
+    else lo = mid + 1;
+  }
+  return int64_t(lo) * cols;
 }
 
 // Sum over the block; every thread gets the total.
@@ -41,9 +59,10 @@ __device__ inline float block_sum(float v) {
 
 template <typename T>
 __global__ void rms_norm_scalar(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                                int64_t cols, int64_t w_stride, float eps) {
+                                int64_t cols, int64_t w_stride, const int32_t* __restrict__ ends,
+                                int num_segments, float eps) {
   const T* row = x + blockIdx.x * cols;
-  w += blockIdx.x * w_stride;
+  w += weight_offset(blockIdx.x, cols, w_stride, ends, num_segments);
   T* out = y + blockIdx.x * cols;
   float sum = 0.f;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -62,8 +81,9 @@ struct alignas(16) Chunk {
 
 template <typename T, int kChunks>
 __global__ void rms_norm_vector(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                                int64_t cols, int64_t w_stride, float eps) {
-  w += blockIdx.x * w_stride;
+                                int64_t cols, int64_t w_stride, const int32_t* __restrict__ ends,
+                                int num_segments, float eps) {
+  w += weight_offset(blockIdx.x, cols, w_stride, ends, num_segments);
   using C = Chunk<T>;
   const int64_t num_chunks = cols / C::kSize;
   const C* row = reinterpret_cast<const C*>(x + blockIdx.x * cols);
@@ -98,16 +118,17 @@ __global__ void rms_norm_vector(const T* __restrict__ x, const T* __restrict__ w
 }
 
 template <typename T, int kChunks>
-bool try_vector(const T* x, const T* w, T* y, int64_t rows, int64_t cols, int64_t w_stride, float eps,
-                int threads, int64_t num_chunks, cudaStream_t stream) {
+bool try_vector(const T* x, const T* w, T* y, int64_t rows, int64_t cols, int64_t w_stride, const int32_t* ends,
+                int num_segments, float eps, int threads, int64_t num_chunks, cudaStream_t stream) {
   if (num_chunks > int64_t(kChunks) * threads) return false;
-  rms_norm_vector<T, kChunks><<<dim3(unsigned(rows)), dim3(threads), 0, stream>>>(x, w, y, cols, w_stride, eps);
+  rms_norm_vector<T, kChunks>
+      <<<dim3(unsigned(rows)), dim3(threads), 0, stream>>>(x, w, y, cols, w_stride, ends, num_segments, eps);
   return true;
 }
 
 template <typename T>
-cudaError_t launch(const T* x, const T* w, T* y, int64_t rows, int64_t cols, int64_t w_stride, float eps,
-                   cudaStream_t stream) {
+cudaError_t launch(const T* x, const T* w, T* y, int64_t rows, int64_t cols, int64_t w_stride, const int32_t* ends,
+                   int num_segments, float eps, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   constexpr int64_t kSize = Chunk<T>::kSize;
   const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w) |
@@ -115,28 +136,173 @@ cudaError_t launch(const T* x, const T* w, T* y, int64_t rows, int64_t cols, int
   if (aligned && cols % kSize == 0) {
     const int64_t num_chunks = cols / kSize;
     const int threads = int(std::min<int64_t>(kMaxThreads, (num_chunks + 31) / 32 * 32));
-    if (try_vector<T, 1>(x, w, y, rows, cols, w_stride, eps, threads, num_chunks, stream) ||
-        try_vector<T, 2>(x, w, y, rows, cols, w_stride, eps, threads, num_chunks, stream) ||
-        try_vector<T, 4>(x, w, y, rows, cols, w_stride, eps, threads, num_chunks, stream) ||
-        try_vector<T, 8>(x, w, y, rows, cols, w_stride, eps, threads, num_chunks, stream) ||
-        try_vector<T, kMaxChunks>(x, w, y, rows, cols, w_stride, eps, threads, num_chunks, stream))
+    const auto v = [&](auto chunks) {
+      return try_vector<T, decltype(chunks)::value>(x, w, y, rows, cols, w_stride, ends, num_segments, eps, threads,
+                                                     num_chunks, stream);
+    };
+    if (v(std::integral_constant<int, 1>()) || v(std::integral_constant<int, 2>()) ||
+        v(std::integral_constant<int, 4>()) || v(std::integral_constant<int, 8>()) ||
+        v(std::integral_constant<int, kMaxChunks>()))
       return cudaGetLastError();
   }
-  rms_norm_scalar<T><<<dim3(unsigned(rows)), dim3(kMaxThreads), 0, stream>>>(x, w, y, cols, w_stride, eps);
+  rms_norm_scalar<T>
+      <<<dim3(unsigned(rows)), dim3(kMaxThreads), 0, stream>>>(x, w, y, cols, w_stride, ends, num_segments, eps);
   return cudaGetLastError();
+}
+
+// Backward, one row at a time per block; block (p, s) takes the rows p, p + parts, ... of segment
+// s. Each thread owns the same columns in every row (kChunks chunks of kVec values), keeps its
+// weight values in registers, and accumulates the weight gradient there; the block's sum goes to
+// dw_part[s * parts + p]. With xhat = x * inv and g = dy * w:
+//   dx = inv * (g - xhat * mean(g * xhat)),   dw = sum over rows of dy * cast(xhat)
+// (the reference's weight gradient multiplies by the normalised value rounded to T).
+template <typename T, int kVec, int kChunks>
+__global__ void rms_norm_backward(const T* __restrict__ x, const T* __restrict__ w, const int32_t* __restrict__ ends,
+                                  const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ dw_part,
+                                  int64_t rows, int64_t cols, int parts, float eps) {
+  __shared__ float2 sums[kMaxThreads / 32];
+  const int s = blockIdx.y;
+  const int64_t begin = ends == nullptr || s == 0 ? 0 : ends[s - 1];
+  const int64_t end = ends == nullptr ? rows : ends[s];
+  const T* wr = ends == nullptr ? w : w + int64_t(s) * cols;
+  float wv[kChunks][kVec], acc[kChunks][kVec];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c0 = (threadIdx.x + int64_t(i) * blockDim.x) * kVec;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      wv[i][j] = c0 + j < cols ? to_float(wr[c0 + j]) : 0.f;
+      acc[i][j] = 0.f;
+    }
+  }
+  for (int64_t r = begin + blockIdx.x; r < end; r += parts) {  // uniform across the block
+    const T* xr = x + r * cols;
+    const T* dyr = dy + r * cols;
+    float xv[kChunks][kVec], gv[kChunks][kVec];
+    float ss = 0.f, gx = 0.f;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int64_t c0 = (threadIdx.x + int64_t(i) * blockDim.x) * kVec;
+      if (kVec > 1 && c0 < cols) {  // a whole chunk: cols is a multiple of kVec
+        Chunk<T> xc = *reinterpret_cast<const Chunk<T>*>(xr + c0);
+        Chunk<T> dc = *reinterpret_cast<const Chunk<T>*>(dyr + c0);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          xv[i][j] = to_float(xc.v[j]);
+          gv[i][j] = to_float(dc.v[j]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          xv[i][j] = c0 + j < cols ? to_float(xr[c0 + j]) : 0.f;
+          gv[i][j] = c0 + j < cols ? to_float(dyr[c0 + j]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        ss += xv[i][j] * xv[i][j];
+        gx += gv[i][j] * wv[i][j] * xv[i][j];
+      }
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      ss += __shfl_xor_sync(0xffffffffu, ss, offset);
+      gx += __shfl_xor_sync(0xffffffffu, gx, offset);
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    if (lane == 0) sums[warp] = make_float2(ss, gx);
+    __syncthreads();
+    float2 tot = make_float2(0.f, 0.f);
+    for (int i = 0; i < warps; ++i) {
+      tot.x += sums[i].x;
+      tot.y += sums[i].y;
+    }
+    __syncthreads();  // sums is rewritten by the next row
+    const float inv = rsqrtf(tot.x / float(cols) + eps);
+    const float m = inv * tot.y / float(cols);  // mean(g * xhat)
+    T* dxr = dx + r * cols;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int64_t c0 = (threadIdx.x + int64_t(i) * blockDim.x) * kVec;
+      Chunk<T> out;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float xhat = xv[i][j] * inv;
+        out.v[j % Chunk<T>::kSize] = from_float<T>(inv * (gv[i][j] * wv[i][j] - xhat * m));
+        acc[i][j] += gv[i][j] * to_float(from_float<T>(xhat));
+        if (kVec == 1 && c0 + j < cols) dxr[c0 + j] = out.v[0];
+      }
+      if (kVec > 1 && c0 < cols) *reinterpret_cast<Chunk<T>*>(dxr + c0) = out;
+    }
+  }
+  // The block's columns are disjoint across threads: each thread writes its own partials.
+  float* part = dw_part + (int64_t(s) * parts + blockIdx.x) * cols;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c0 = (threadIdx.x + int64_t(i) * blockDim.x) * kVec;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      if (c0 + j < cols) part[c0 + j] = acc[i][j];
+  }
+}
+
+template <typename T, int kVec, int kChunks>
+bool try_backward(const T* x, const T* w, const int32_t* ends, int num_segments, const T* dy, T* dx, float* dw_part,
+                  int64_t rows, int64_t cols, int parts, float eps, cudaStream_t stream) {
+  const int64_t per_thread = int64_t(kVec) * kChunks;
+  const int64_t threads = std::max<int64_t>(32, ((cols + per_thread - 1) / per_thread + 31) / 32 * 32);
+  if (threads > kMaxThreads) return false;
+  rms_norm_backward<T, kVec, kChunks><<<dim3(unsigned(parts), unsigned(num_segments)), dim3(unsigned(threads)), 0,
+                                        stream>>>(x, w, ends, dy, dx, dw_part, rows, cols, parts, eps);
+  return true;
+}
+
+template <typename T>
+cudaError_t launch_backward(const T* x, const T* w, const int32_t* ends, int num_segments, const T* dy, T* dx,
+                            float* dw_part, int64_t rows, int64_t cols, int parts, float eps, cudaStream_t stream) {
+  if (cols > kMaxBackwardCols) return cudaErrorInvalidValue;
+  constexpr int kSize = Chunk<T>::kSize;
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w) |
+                        reinterpret_cast<uintptr_t>(dy) | reinterpret_cast<uintptr_t>(dx)) % 16 == 0;
+  if (aligned && cols % kSize == 0) {
+    if (try_backward<T, kSize, 1>(x, w, ends, num_segments, dy, dx, dw_part, rows, cols, parts, eps, stream) ||
+        try_backward<T, kSize, 2>(x, w, ends, num_segments, dy, dx, dw_part, rows, cols, parts, eps, stream) ||
+        try_backward<T, kSize, 4>(x, w, ends, num_segments, dy, dx, dw_part, rows, cols, parts, eps, stream))
+      return cudaGetLastError();
+  }
+  if (try_backward<T, 1, 4>(x, w, ends, num_segments, dy, dx, dw_part, rows, cols, parts, eps, stream) ||
+      try_backward<T, 1, 16>(x, w, ends, num_segments, dy, dx, dw_part, rows, cols, parts, eps, stream) ||
+      try_backward<T, 1, 32>(x, w, ends, num_segments, dy, dx, dw_part, rows, cols, parts, eps, stream))
+    return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
 cudaError_t launch_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t cols,
-                                int64_t w_stride, float eps, cudaStream_t stream) {
-  return launch(x, w, y, rows, cols, w_stride, eps, stream);
+                                int64_t w_stride, const int32_t* ends, int num_segments, float eps,
+                                cudaStream_t stream) {
+  return launch(x, w, y, rows, cols, w_stride, ends, num_segments, eps, stream);
 }
 
 cudaError_t launch_rms_norm_bf16(const void* x, const void* w, void* y, int64_t rows, int64_t cols,
-                                 int64_t w_stride, float eps, cudaStream_t stream) {
+                                 int64_t w_stride, const int32_t* ends, int num_segments, float eps,
+                                 cudaStream_t stream) {
   return launch(static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w),
-                static_cast<__nv_bfloat16*>(y), rows, cols, w_stride, eps, stream);
+                static_cast<__nv_bfloat16*>(y), rows, cols, w_stride, ends, num_segments, eps, stream);
+}
+
+cudaError_t launch_rms_norm_backward_f32(const float* x, const float* w, const int32_t* ends, int num_segments,
+                                         const float* dy, float* dx, float* dw_part, int64_t rows, int64_t cols,
+                                         int parts, float eps, cudaStream_t stream) {
+  return launch_backward(x, w, ends, num_segments, dy, dx, dw_part, rows, cols, parts, eps, stream);
+}
+
+cudaError_t launch_rms_norm_backward_bf16(const void* x, const void* w, const int32_t* ends, int num_segments,
+                                          const void* dy, void* dx, float* dw_part, int64_t rows, int64_t cols,
+                                          int parts, float eps, cudaStream_t stream) {
+  using B = __nv_bfloat16;
+  return launch_backward(static_cast<const B*>(x), static_cast<const B*>(w), ends, num_segments,
+                         static_cast<const B*>(dy), static_cast<B*>(dx), dw_part, rows, cols, parts, eps, stream);
 }
 
 }  // namespace kiln::kernels

@@ -1,15 +1,30 @@
 // RMSNorm, Llama convention: y = cast(x_f32 * rsqrt(mean(x_f32^2) + eps)) * w. The reference runs
-// anywhere through ATen ops (autograd included); a fused CUDA kernel serves inference on GPU.
+// anywhere through ATen ops (autograd included); fused CUDA kernels serve inference and, through an
+// autograd function with its own backward kernel, training.
 #pragma once
 #include <ATen/core/Tensor.h>
 
 namespace kiln::kernels {
 
 // x [..., n], weight [n] or broadcastable to x (e.g. per-row weights [rows, n]).
-// Normalises in fp32 (fp64 for fp64 inputs). Dispatches to the CUDA kernel when x is a CUDA
-// float/bf16 tensor, weight is [n] (or, for 2-D x, one weight row per row: the per-expert norms),
-// and no gradient is needed; otherwise runs the reference.
+// Normalises in fp32 (fp64 for fp64 inputs). On a CUDA float/bf16 tensor: the forward kernel when
+// no gradient is needed (weight [n], or for 2-D x one weight row per row); with a gradient and a
+// weight [n], n <= 8192, the fused forward and backward kernels. Otherwise the reference.
+// The fused backward computes in fp32 from x (the reference's autograd rounds each op to x's
+// dtype), and its weight gradient is summed in a fixed order: deterministic.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// Rows in segments, each with its own weight row: x [rows, n], weight [S, n], ends [S] int32 (the
+// sorted end row of each segment; the last is rows). Row r uses weight row s, the first with
+// ends[s] > r: the per-expert norm over expert-sorted rows. Differentiable; fused kernels on CUDA
+// (float/bf16, n <= 8192), where the weight gradient is one ordered sum per segment.
+at::Tensor segment_rms_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends, double eps);
+at::Tensor segment_rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends,
+                                      double eps);
+
+// The training path alone (fused forward + backward kernels), for tests and benches; throws
+// where it does not apply.
+at::Tensor rms_norm_train_cuda(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // The ATen reference, always available.
 at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps);

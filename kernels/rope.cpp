@@ -1,7 +1,9 @@
-// RoPE: the ATen reference (what autograd uses) and the binding of the CUDA kernel in rope.cu.
+// RoPE: the ATen reference, the binding of the CUDA kernel in rope.cu, and an autograd function
+// whose backward is the same kernel with the sine negated.
 #include "kernels/rope.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "core/error.h"
@@ -13,6 +15,27 @@
 #endif
 
 namespace kiln::kernels {
+namespace {
+
+#if KILN_WITH_CUDA
+// y = x * cos + rotate_half(x) * sin is linear in x with the transpose x -> x * cos - rotate_half(x * sin);
+// since sin repeats across the two halves, rotate_half(x * sin) = rotate_half(x) * sin, so the
+// backward is the forward with -sin.
+struct RopeFunction : public torch::autograd::Function<RopeFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return apply_rope_cuda(x, cos, sin);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {apply_rope_cuda(grads[0].contiguous(), saved[0], saved[1].neg()), at::Tensor(), at::Tensor()};
+  }
+};
+#endif
+
+}  // namespace
 
 at::Tensor apply_rope_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t half = x.size(-1) / 2;
@@ -25,9 +48,12 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   const bool needs_grad = at::GradMode::is_enabled() && (x.requires_grad() || cos.requires_grad() || sin.requires_grad());
   const bool supported = (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                          cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type();
-  if (x.is_cuda() && !needs_grad && supported && x.dim() == 3 && x.size(2) % 2 == 0 && cos.dim() == 2 &&
-      cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2))
-    return apply_rope_cuda(x, cos, sin);
+  const bool shapes = x.dim() == 3 && x.size(2) % 2 == 0 && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                      cos.size(0) == x.size(0) && cos.size(1) == x.size(2);
+  if (x.is_cuda() && supported && shapes) {
+    if (!needs_grad) return apply_rope_cuda(x, cos, sin);
+    if (!cos.requires_grad() && !sin.requires_grad()) return RopeFunction::apply(x, cos, sin);
+  }
 #endif
   return apply_rope_reference(x, cos, sin);
 }

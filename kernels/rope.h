@@ -5,8 +5,9 @@
 
 namespace kiln::kernels {
 
-// x [T, H, hd]; cos and sin [T, hd] in x's dtype. Dispatches to the CUDA kernel for contiguous
-// CUDA fp32/bf16 inputs when no gradient is needed; otherwise runs the reference.
+// x [T, H, hd]; cos and sin [T, hd] in x's dtype. Dispatches to the CUDA kernel for CUDA
+// fp32/bf16 inputs, forward only or, when x needs a gradient (not cos or sin), through an autograd
+// function whose backward is the kernel with -sin; otherwise runs the reference.
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor apply_rope_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // The CUDA kernel (bitwise equal to the reference); throws in builds without CUDA.

@@ -30,4 +30,8 @@ at::ScalarType parse_dtype(const std::string& name);
 // `where` (the option or recipe key) and says what is missing (no CUDA build, no such GPU).
 at::Device parse_device(const std::string& name, const std::string& where);
 
+// Peak memory allocated on a CUDA device since the last reset, in GB; 0 on the CPU.
+void reset_peak_memory(at::Device device);
+double peak_memory_gb(at::Device device);
+
 }  // namespace kiln::model

@@ -9,10 +9,14 @@
 #include "core/comm.h"
 #include "core/error.h"
 #include "core/torch_version.h"
+#include "kernels/flash_varlen.h"
+#include "kernels/logprob.h"
 #include "kernels/moe_layout.h"
+#include "kernels/moe_rows.h"
 #include "kernels/nvfp4.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
+#include "kernels/swiglu.h"
 #include "model/expert_parallel.h"
 #include "model/names.h"
 
@@ -68,9 +72,16 @@ at::Tensor grouped_lora(const at::Tensor& xp, const at::Tensor& a, const at::Ten
 #endif
 }
 
+// The packed batch for varlen flash attention: cu_seqlens on the device and the longest sequence.
+struct FlashPlan {
+  at::Tensor cu_seqlens;  // [S + 1] int32; undefined: flash attention is not used
+  int64_t max_len = 0;
+};
+
 at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
                      const PackedBatch& batch, const at::Tensor& cos, const at::Tensor& sin,
-                     AttentionBackend* backend, const PaddedLayout& padded, const ForwardOptions& opt) {
+                     AttentionBackend* backend, const PaddedLayout& padded, const FlashPlan& flash,
+                     const ForwardOptions& opt) {
   const int64_t T = h.size(0), hd = cfg.head_dim;
   const int64_t group = cfg.num_q_heads / cfg.num_kv_heads;
   const bool full = cfg.is_full_attention(layer);
@@ -82,6 +93,8 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   at::Tensor o;
   if (backend) {
     o = backend->attend(layer, full, batch, q, k, v);
+  } else if (flash.cu_seqlens.defined()) {
+    o = kernels::flash_varlen_attention(q, k, v, flash.cu_seqlens, flash.max_len, full ? 0 : cfg.sliding_window);
   } else if (padded.num_problems > 1 && padded.score_bytes(cfg.num_q_heads) <= kPaddedScoreBytes) {
     o = padded_attention(padded, q, k, v, full, cfg.sliding_window);
   } else {
@@ -229,6 +242,48 @@ at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& l
   return back.index_select(0, inverse);
 }
 
+// The fused training path of the latent MoE: dense experts on CUDA in bf16 through torch's
+// grouped GEMM, no expert parallelism, no observer.
+bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, const ForwardOptions& opt) {
+#if KILN_TORCH_AT_LEAST(2, 8)
+  const bool lora = !opt.disable_lora && lw.lora.on_experts();
+  return opt.use_fused && opt.use_grouped_mm && lw.expert_gate.defined() && z.is_cuda() &&
+         z.scalar_type() == at::kBFloat16 && !opt.observe_linear_input && (!lora || lw.lora.experts_grouped()) &&
+         k <= 16;
+#else
+  (void)lw, (void)z, (void)k, (void)opt;
+  return false;
+#endif
+}
+
+// Experts, per-expert norm and the FP32 weighted combine, [T, d_l] in z's dtype: z goes to its
+// experts' padded rows (kernels::moe_dispatch), three grouped GEMMs with a fused SwiGLU, the
+// norm over each expert's segment of rows (kernels::segment_rms_norm) and the weighted sum of
+// every token's k rows (kernels::moe_combine), each one kernel forward and backward.
+at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, const at::Tensor& z, const at::Tensor& flat,
+                         const at::Tensor& w, at::Tensor& counts, const ForwardOptions& opt) {
+#if KILN_TORCH_AT_LEAST(2, 8)
+  const int64_t k = cfg.top_k, E = lw.expert_gate.size(0);
+  const auto& lo = lw.lora;
+  const bool lora = !opt.disable_lora && lo.on_experts();
+  auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
+  kernels::MoeLayout l = kernels::moe_layout(std::get<0>(sorted), std::get<1>(sorted), E, k, kGroupAlign);
+  counts = l.counts;
+  auto expert = [&](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& a, const at::Tensor& b) {
+    at::Tensor y = at::_grouped_mm(x, weight.transpose(1, 2), l.offsets);
+    return lora && a.defined() ? y + grouped_lora(x, a, b, l.offsets, lo.scale) : y;
+  };
+  at::Tensor zp = kernels::moe_dispatch(z, l.slot_row, k, l.bound);
+  at::Tensor act = kernels::swiglu(expert(zp, lw.expert_gate, lo.gate_a, lo.gate_b), expert(zp, lw.expert_up, lo.up_a, lo.up_b));
+  at::Tensor y = expert(act, lw.expert_down, lo.down_a, lo.down_b);
+  at::Tensor yn = kernels::segment_rms_norm(y, lw.expert_norm, l.offsets, cfg.rms_norm_eps);
+  return kernels::moe_combine(yn, w, l.slot_row);
+#else
+  (void)cfg, (void)lw, (void)z, (void)flat, (void)w, (void)counts, (void)opt;
+  KILN_FAIL("muse: the fused MoE path needs torch >= 2.8");
+#endif
+}
+
 struct MoeOut {
   at::Tensor out;         // [T, d]
   at::Tensor ids;         // [T, k] int64
@@ -260,6 +315,12 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   if (opt.expert_group && opt.expert_group->size() > 1) {
     y = expert_parallel_experts(cfg, lw, layer, z, flat, k, *opt.expert_group, opt).view({T, k, -1});
     counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
+  } else if (fused_moe_applies(lw, z, k, opt)) {
+    MoeOut r;
+    r.out = project(fused_experts(cfg, lw, z, flat, w, counts, opt), lw, detail::kUnpooler, layer, opt);
+    r.ids = ids;
+    if (opt.load_balance) r.balance = (counts.to(w.scalar_type()) / double(T * k) * scores.mean(0)).sum() * double(E);
+    return r;
   } else {
     auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
     y = run_experts(lw, layer, z, std::get<0>(sorted), std::get<1>(sorted), k, counts, opt);
@@ -481,9 +542,17 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
                opt.positions.scalar_type(), " on ", opt.positions.device(), ")");
   at::Tensor positions = opt.positions.defined() ? opt.positions : batch.positions();
   auto [cos, sin] = rope_tables(positions, cfg_.head_dim, cfg_.rope_theta, dtype());
-  // Many sequences: one padded attention per layer instead of a loop over sequences.
+  // Varlen flash attention where libtorch has it (CUDA bf16); otherwise, for many sequences, one
+  // padded attention per layer instead of a loop over sequences.
+  FlashPlan flash;
+  if (!opt.attention && opt.use_fused && kernels::flash_varlen_available(device(), dtype())) {
+    std::vector<int32_t> cu(batch.cu_seqlens.begin(), batch.cu_seqlens.end());
+    for (int64_t s = 0; s < batch.num_sequences(); ++s)
+      flash.max_len = std::max(flash.max_len, batch.cu_seqlens[s + 1] - batch.cu_seqlens[s]);
+    flash.cu_seqlens = at::tensor(cu, at::kInt).to(device());
+  }
   PaddedLayout padded;
-  if (!opt.attention && batch.num_sequences() > 1) {
+  if (!opt.attention && !flash.cu_seqlens.defined() && batch.num_sequences() > 1) {
     std::vector<std::vector<int64_t>> rows, pos;
     for (int64_t s = 0; s < batch.num_sequences(); ++s) {
       const int64_t b = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - b;
@@ -503,7 +572,8 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   for (int64_t i = 0; i < L; ++i) {
     const LayerWeights& lw = w_.layers[i];
     const double eps = cfg_.rms_norm_eps;
-    at::Tensor a = attention(cfg_, lw, i, rms_norm(x, lw.input_norm, eps), batch, cos, sin, opt.attention, padded, opt);
+    at::Tensor a =
+        attention(cfg_, lw, i, rms_norm(x, lw.input_norm, eps), batch, cos, sin, opt.attention, padded, flash, opt);
     x = x + rms_norm(a, lw.post_attn_norm, eps);
     MoeOut moe = latent_moe(cfg_, lw, i, rms_norm(x, lw.pre_moe_norm, eps),
                             replay.defined() ? replay.select(1, i) : at::Tensor(), opt);
@@ -535,10 +605,18 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
     const int64_t chunk = std::max<int64_t>(1, opt.logprob_chunk);
     for (int64_t a = 0; a < T; a += chunk) {
       const int64_t n = std::min(chunk, T - a);
-      // Only the chosen logit and the logsumexp are kept: no [T, V] log-softmax is built.
-      at::Tensor logits = out.logits.defined() ? out.logits.narrow(0, a, n) : this->logits(xn.narrow(0, a, n));
+      // Only the chosen logit and the logsumexp are kept: no [T, V] log-softmax is built (and on
+      // CUDA no fp32 copy of the logits: kernels::token_logprobs).
+      at::Tensor target = safe.narrow(0, a, n);
+      if (!out.logits.defined()) {
+        lps.push_back(opt.use_fused ? kernels::token_logprobs(xn.narrow(0, a, n), w_.lm_head, target, opt.temperature)
+                                    : kernels::token_logprobs_reference(xn.narrow(0, a, n), w_.lm_head, target,
+                                                                        opt.temperature));
+        continue;
+      }
+      at::Tensor logits = out.logits.narrow(0, a, n);
       if (opt.temperature != 1.0) logits = logits / opt.temperature;
-      at::Tensor picked = logits.gather(1, safe.narrow(0, a, n).unsqueeze(1)).squeeze(1);
+      at::Tensor picked = logits.gather(1, target.unsqueeze(1)).squeeze(1);
       lps.push_back(picked - at::logsumexp(logits, {-1}));
     }
     at::Tensor lp = lps.size() == 1 ? lps[0] : at::cat(lps, 0);

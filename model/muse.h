@@ -98,6 +98,9 @@ struct ForwardOptions {
   at::Tensor replay_routing;    // [T, L, k] uint8: use these expert sets instead of own top-k
   int64_t logprob_chunk = 2048; // tokens per lm_head chunk when computing log-probs
   bool use_grouped_mm = true;   // torch's grouped GEMM for experts where available (CUDA, bf16)
+  bool use_fused = true;        // CUDA bf16 with the grouped GEMM: varlen flash attention and the
+                                // fused MoE kernels (dispatch, SwiGLU, per-expert norm, combine);
+                                // off: the ATen composition they replace (tests and benches compare)
   AttentionBackend* attention = nullptr;  // not owned; nullptr = self-attention within the batch
   bool skip_head = false;       // stop after the final norm: return `hidden` only (rollout samples
                                 // from the rows it needs)
@@ -132,6 +135,9 @@ class Muse {
   // Random init: each tensor (each expert separately) from its own stream seeded by (seed, name),
   // so the result does not depend on order, device or sharding.
   static Muse init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device);
+  // The same shapes and scales drawn on `device` by its own generator (seeded with `seed`): seconds
+  // instead of minutes for full-width benchmark configs, but not init's values.
+  static Muse init_on_device(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device);
 
   const ModelConfig& config() const { return cfg_; }
   const Weights& weights() const { return w_; }

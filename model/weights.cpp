@@ -2,6 +2,10 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#if KILN_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 #include <filesystem>
 #include <set>
@@ -175,6 +179,32 @@ at::Device parse_device(const std::string& name, const std::string& where) {
   return index < 0 ? at::Device(at::kCUDA) : at::Device(at::kCUDA, c10::DeviceIndex(index));
 }
 
+#if KILN_WITH_CUDA
+namespace {
+c10::DeviceIndex cuda_index(at::Device d) { return d.has_index() ? d.index() : c10::cuda::current_device(); }
+}  // namespace
+#endif
+
+void reset_peak_memory(at::Device device) {
+#if KILN_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(cuda_index(device));
+#else
+  (void)device;
+#endif
+}
+
+double peak_memory_gb(at::Device device) {
+#if KILN_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device));
+    return double(st.allocated_bytes[0].peak) / 1e9;  // [0]: StatType AGGREGATE in every torch version
+  }
+#else
+  (void)device;
+#endif
+  return 0.0;
+}
+
 std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for_each_tensor(w_, [&](const std::string& n, const at::Tensor& t, bool trainable) {
@@ -203,7 +233,12 @@ void Muse::set_requires_grad(bool on) {
   for (auto [name, t] : named_parameters()) t.requires_grad_(on);  // handles share the weights
 }
 
-Muse Muse::init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device) {
+namespace {
+
+// The weights of `cfg` at init: norms one, the router bias zero, every matrix from
+// draw(shape, std, name, suffix) (an expert stack [E, ...] whole), in its dtype on `device`.
+template <typename Draw>
+Muse build(const ModelConfig& cfg, at::ScalarType dtype, at::Device device, const Draw& draw) {
   cfg.validate();
   const double std = cfg.init_std;
   const double out_std = std / std::sqrt(2.0 * double(cfg.num_layers));  // residual-writing matrices
@@ -211,9 +246,9 @@ Muse Muse::init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at:
     return t.to(device, tensor_dtype(suffix, dtype)).contiguous();
   };
   Weights w;
-  w.embed = finish(normal({cfg.vocab_size, cfg.hidden_size}, std, seed, "model.embed_tokens.weight"), "");
-  w.lm_head = finish(normal({cfg.vocab_size, cfg.hidden_size}, std, seed, "lm_head.weight"), "");
-  w.final_norm = finish(at::ones({cfg.hidden_size}), "");
+  w.embed = finish(draw(std::vector<int64_t>{cfg.vocab_size, cfg.hidden_size}, std, "model.embed_tokens.weight", ""), "");
+  w.lm_head = finish(draw(std::vector<int64_t>{cfg.vocab_size, cfg.hidden_size}, std, "lm_head.weight", ""), "");
+  w.final_norm = finish(at::ones({cfg.hidden_size}, at::TensorOptions().device(device)), "");
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     LayerWeights l;
     const std::string prefix = layer_prefix(i);
@@ -221,24 +256,42 @@ Muse Muse::init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at:
       at::Tensor t;
       const bool residual_out = suffix == "self_attn.o_proj.weight" || suffix == "mlp.experts.down_proj.weight" ||
                                 suffix == "mlp.unpooler.weight";
-      const double s = residual_out ? out_std : std;
       if (suffix.find("norm") != std::string::npos) {
-        t = at::ones(shape);
+        t = at::ones(shape, at::TensorOptions().device(device));
       } else if (suffix == "mlp.router.e_score_correction_bias") {
-        t = at::zeros(shape);
-      } else if (is_expert_stack(suffix)) {
-        std::vector<at::Tensor> experts;
-        std::vector<int64_t> one(shape.begin() + 1, shape.end());
-        for (int64_t e = 0; e < cfg.num_experts; ++e) experts.push_back(normal(one, s, seed, expert_name(prefix, e, suffix)));
-        t = at::stack(experts, 0);
+        t = at::zeros(shape, at::TensorOptions().device(device));
       } else {
-        t = normal(shape, s, seed, prefix + suffix);
+        t = draw(shape, residual_out ? out_std : std, prefix, suffix);
       }
       *layer_slot(l, suffix) = finish(t, suffix);
     }
     w.layers.push_back(std::move(l));
   }
   return Muse(cfg, std::move(w));
+}
+
+}  // namespace
+
+Muse Muse::init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device) {
+  // Each tensor, each expert on its own, from the CPU stream of (seed, its name).
+  return build(cfg, dtype, device, [&](const std::vector<int64_t>& shape, double std, const std::string& prefix,
+                                       const std::string& suffix) {
+    if (!is_expert_stack(suffix)) return normal(shape, std, seed, prefix + suffix);
+    std::vector<at::Tensor> experts;
+    const std::vector<int64_t> one(shape.begin() + 1, shape.end());
+    for (int64_t e = 0; e < cfg.num_experts; ++e) experts.push_back(normal(one, std, seed, expert_name(prefix, e, suffix)));
+    return at::stack(experts, 0);
+  });
+}
+
+Muse Muse::init_on_device(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device) {
+  at::Generator gen = device.is_cuda() ? at::Generator() : at::make_generator<at::CPUGeneratorImpl>(seed);
+  if (device.is_cuda()) at::manual_seed(seed);
+  return build(cfg, dtype, device, [&](const std::vector<int64_t>& shape, double std, const std::string&,
+                                       const std::string& suffix) {
+    const auto opt = at::TensorOptions().device(device).dtype(tensor_dtype(suffix, dtype));
+    return (device.is_cuda() ? at::randn(shape, opt) : at::randn(shape, gen, opt)).mul_(std);
+  });
 }
 
 std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model) {

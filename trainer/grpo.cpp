@@ -8,7 +8,6 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/serialize.h>
 #if KILN_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
@@ -67,25 +66,6 @@ KeyedSums all_reduce_keyed(const comm::Group& g, const KeyedSums& mine) {
       for (size_t i = 0; i < v.size(); ++i) into[i] += v[i];
     }
   return all;
-}
-
-// Peak memory of a CUDA policy's device since the last reset; 0 on the CPU.
-#if KILN_WITH_CUDA
-c10::DeviceIndex cuda_index(at::Device d) { return d.has_index() ? d.index() : c10::cuda::current_device(); }
-#endif
-void reset_peak_memory(at::Device d) {
-#if KILN_WITH_CUDA
-  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(cuda_index(d));
-#endif
-}
-double peak_memory_gb(at::Device d) {
-#if KILN_WITH_CUDA
-  if (d.is_cuda()) {
-    const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(d));
-    return double(st.allocated_bytes[0].peak) / 1e9;  // [0]: StatType AGGREGATE in every torch version
-  }
-#endif
-  return 0.0;
 }
 
 // Per-token data of every rank, for the global mismatch metrics.
@@ -357,7 +337,7 @@ struct GrpoTrainer::Impl {
 
   StepMetrics step() {
     const auto t_step = Clock::now();
-    reset_peak_memory(policy.device());
+    model::reset_peak_memory(policy.device());
     StepMetrics m;
     m.step = ++steps;
     auto t = Clock::now();
@@ -376,7 +356,7 @@ struct GrpoTrainer::Impl {
     sync_rollout(m);
     m.step_seconds = seconds_since(t_step);
     m.tokens_per_second = double(m.tokens) / std::max(m.step_seconds, 1e-9);
-    m.peak_memory_gb = peak_memory_gb(policy.device());
+    m.peak_memory_gb = model::peak_memory_gb(policy.device());
     return m;
   }
 

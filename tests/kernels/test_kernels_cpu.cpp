@@ -1,6 +1,7 @@
 // The kernels' CPU references: paged decode attention equals the model's plain attention over the
-// same keys (full and window, shuffled blocks, rings), the sampler's greedy and tie rules, and the
-// MoE layout on a hand-worked case.
+// same keys (full and window, shuffled blocks, rings), the sampler's greedy and tie rules, the
+// MoE layout on a hand-worked case, and the training kernels' references (segment RMSNorm, MoE
+// dispatch and combine with their gradients, SwiGLU).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -8,10 +9,14 @@
 #include <numeric>
 #include <random>
 
+#include "kernels/flash_varlen.h"
 #include "kernels/moe_layout.h"
+#include "kernels/moe_rows.h"
 #include "kernels/paged_attention.h"
+#include "kernels/rms_norm.h"
 #include "kernels/sampling.h"
 #include "kernels/stream_read.h"
+#include "kernels/swiglu.h"
 #include "model/muse.h"
 #include "tests/test_util.h"
 
@@ -135,6 +140,64 @@ TEST(StreamReadReference, XorsLittleEndianWords) {
   at::Tensor acc = at::scalar_tensor(5, at::kInt);
   kernels::xor_words_into(bytes, acc);  // accumulates: 5 ^ x
   EXPECT_EQ(acc.item<int32_t>(), int32_t(0x80000106u));
+}
+
+}  // namespace
+}  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// The training kernels' references (what the CPU runs, and what the CUDA kernels are held to).
+
+TEST(SegmentRmsNormReference, EachRowUsesItsSegmentsWeight) {
+  at::manual_seed(7);
+  const int64_t rows = 19, cols = 5;
+  at::Tensor x = at::randn({rows, cols}, at::kDouble), w = at::rand({4, cols}, at::kDouble) + 0.5;
+  at::Tensor ends = at::tensor(std::vector<int32_t>{3, 3, 11, 19}, at::kInt);  // segment 1 is empty
+  at::Tensor y = kernels::segment_rms_norm(x, w, ends, 1e-6);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t s = r < 3 ? 0 : r < 11 ? 2 : 3;
+    KILN_EXPECT_CLOSE(y[r], kernels::rms_norm_reference(x[r], w[s], 1e-6), 1e-12, 1e-12);
+  }
+  EXPECT_TRUE(test::throws_with([&] { kernels::segment_rms_norm(x, w, ends.to(at::kLong), 1e-6); },
+                                {"segment_rms_norm", "int32"}));
+}
+
+TEST(MoeRowsReference, DispatchAndCombineByHandAndTheirGradients) {
+  // 3 tokens, k = 2, rows padded to 8: slot t*2+j goes to row slot_row[t*2+j].
+  at::Tensor slot_row = at::tensor(std::vector<int64_t>{5, 0, 1, 6, 2, 7}, at::kLong);
+  at::Tensor z = at::arange(6, at::kDouble).view({3, 2}).requires_grad_(true);
+  at::Tensor zp = kernels::moe_dispatch(z, slot_row, 2, 8);
+  at::Tensor expect = at::zeros({8, 2}, at::kDouble);
+  for (int64_t s = 0; s < 6; ++s) expect[slot_row[s].item<int64_t>()] = z[s / 2].detach();
+  EXPECT_TRUE(test::all_equal(zp.detach(), expect));
+  at::Tensor g = at::randn({8, 2}, at::kDouble);
+  zp.backward(g);
+  for (int64_t t = 0; t < 3; ++t)
+    KILN_EXPECT_CLOSE(z.grad()[t], g[slot_row[2 * t].item<int64_t>()] + g[slot_row[2 * t + 1].item<int64_t>()], 1e-12, 1e-12);
+
+  at::Tensor y = at::randn({8, 2}, at::kDouble).requires_grad_(true);
+  at::Tensor w = at::rand({3, 2}, at::kDouble).requires_grad_(true);
+  at::Tensor m = kernels::moe_combine(y, w, slot_row);
+  at::Tensor dm = at::randn({3, 2}, at::kDouble);
+  m.backward(dm);
+  for (int64_t t = 0; t < 3; ++t) {
+    const int64_t a = slot_row[2 * t].item<int64_t>(), b = slot_row[2 * t + 1].item<int64_t>();
+    KILN_EXPECT_CLOSE(m[t], w[t][0] * y[a] + w[t][1] * y[b], 1e-12, 1e-12);
+    KILN_EXPECT_CLOSE(w.grad()[t][0], (dm[t] * y[a]).sum(), 1e-12, 1e-12);
+    KILN_EXPECT_CLOSE(y.grad()[a], dm[t] * w[t][0], 1e-12, 1e-12);
+  }
+  EXPECT_EQ(y.grad()[3].abs().sum().item<double>(), 0.0);  // a padding row gets no gradient
+  EXPECT_TRUE(test::throws_with([&] { kernels::moe_combine(y, w, slot_row.narrow(0, 0, 5)); },
+                                {"moe_combine", "tokens * k = 6"}));
+}
+
+TEST(SwigluReference, IsSiluTimesUpAndFlashIsOffOnTheCpu) {
+  at::Tensor g = at::randn({19, 3}, at::kDouble), u = at::randn({19, 3}, at::kDouble);
+  KILN_EXPECT_CLOSE(kernels::swiglu(g, u), g * at::sigmoid(g) * u, 1e-12, 1e-12);
+  EXPECT_FALSE(kernels::flash_varlen_available(at::Device(at::kCPU), at::kBFloat16));
+  EXPECT_TRUE(test::throws_with([&] { kernels::swiglu(g, u.narrow(0, 0, 18)); }, {"swiglu", "must match"}));
 }
 
 }  // namespace
