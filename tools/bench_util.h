@@ -14,6 +14,10 @@ void sync(at::Device device);
 // Median seconds per call of `fn` over `iters` calls after `warmup` calls.
 double time_it(at::Device device, const std::function<void()>& fn, int warmup = 3, int iters = 20);
 
+// Runs `fn` once under the Kineto profiler (CPU ops, and CUDA kernels on a CUDA device) and saves
+// a Chrome trace to `path` (tools/profile_summary.py reads it).
+void profile_to(const std::string& path, at::Device device, const std::function<void()>& fn);
+
 // `seqs` random sequences of `len` tokens packed into one batch; opt.targets gets their ids.
 model::PackedBatch random_batch(const model::ModelConfig& cfg, int64_t seqs, int64_t len, at::Device device,
                                 model::ForwardOptions& opt);

@@ -122,13 +122,16 @@ double train_step_flops(const model::ModelConfig& c, int64_t seqs, int64_t len) 
   return 3.0 * forward;
 }
 
-void bench_train(at::Device device, const std::string& config, int64_t seqs, int64_t tokens) {
+void bench_train(at::Device device, const std::string& config, int64_t seqs, int64_t tokens,
+                 const std::string& profile) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
   KILN_CHECK(seqs >= 1 && tokens % seqs == 0, "bench train: --tokens ", tokens, " must split into --seqs ", seqs,
              " equal sequences");
   const int64_t len = tokens / seqs;
   const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
-  model::Muse m = model::Muse::init(cfg, 0, dtype, device);
+  // On the GPU the weights are drawn there: a full-width layer's 13B parameters take minutes on the CPU.
+  model::Muse m = device.is_cuda() ? model::Muse::init_on_device(cfg, 0, dtype, device)
+                                   : model::Muse::init(cfg, 0, dtype, device);
   m.set_requires_grad(true);
   model::ForwardOptions opt;
   model::PackedBatch batch = random_batch(cfg, seqs, len, device, opt);
@@ -136,20 +139,40 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
   fmt::print("train step: {} in {} on {}, {} sequences x {} tokens packed; forward + backward of the mean "
              "log-prob loss (optimizer excluded); {:.4g} TFLOP per step\n",
              cfg.name, at::toString(dtype), device.str(), seqs, len, flops / 1e12);
-  fmt::print("{:>16} {:>12} {:>10} {:>10}\n", "experts", "tok/s", "TFLOP/s", "ms/step");
-  double t[2];
-  const char* names[2] = {"per-expert loop", "grouped GEMM"};
-  // The grouped GEMM is CUDA-only: on the CPU the loop is the one path, timed once.
-  const int paths = device.is_cuda() ? 2 : 1;
-  for (int g = 0; g < paths; ++g) {
-    opt.use_grouped_mm = g == 1;
-    t[g] = time_it(device, [&] {
-      for (auto& [n, p] : m.named_parameters()) p.mutable_grad() = at::Tensor();
-      (-m.forward(batch, opt).logprobs.mean()).backward();
-    }, 2, 7);
-    fmt::print("{:>16} {:>12.0f} {:>10.3f} {:>10.1f}\n", names[g], double(tokens) / t[g], flops / t[g] / 1e12, t[g] * 1e3);
+  fmt::print("{:>22} {:>12} {:>10} {:>10} {:>12}\n", "path", "tok/s", "TFLOP/s", "ms/step", "peak GB");
+  // The experts as a loop of per-expert GEMMs; torch's grouped GEMM with the MoE, attention and
+  // loss as ATen ops (use_fused off); and the fused training kernels. The grouped paths are
+  // CUDA-only: on the CPU the loop is the one path, timed once.
+  struct Path {
+    const char* name;
+    bool grouped, fused;
+  };
+  std::vector<Path> paths = {{"per-expert loop", false, false}};
+  if (device.is_cuda()) {
+    // 256 experts one GEMM at a time take seconds a step and say nothing new: the loop is left out.
+    if (cfg.num_experts > 64) paths.clear();
+    paths.push_back({"grouped, ATen ops", true, false});
+    paths.push_back({"grouped + fused", true, true});
   }
-  if (paths == 2) fmt::print("grouped / loop: {:.2f}x\n", t[0] / t[1]);
+  std::vector<double> t;
+  auto step = [&] {
+    for (auto& [n, p] : m.named_parameters()) p.mutable_grad() = at::Tensor();
+    (-m.forward(batch, opt).logprobs.mean()).backward();
+  };
+  for (const Path& p : paths) {
+    opt.use_grouped_mm = p.grouped;
+    opt.use_fused = p.fused;
+    model::reset_peak_memory(device);
+    t.push_back(time_it(device, step, 2, 7));
+    fmt::print("{:>22} {:>12.0f} {:>10.3f} {:>10.1f} {:>12.2f}\n", p.name, double(tokens) / t.back(),
+               flops / t.back() / 1e12, t.back() * 1e3, model::peak_memory_gb(device));
+  }
+  if (paths.size() == 3) fmt::print("grouped / loop: {:.2f}x\n", t[0] / t[1]);
+  if (paths.size() >= 2) fmt::print("fused / ATen ops: {:.2f}x\n", t[t.size() - 2] / t.back());
+  if (!profile.empty()) {
+    profile_to(profile, device, step);
+    fmt::print("profile of one {} step: {}\n", paths.back().name, profile);
+  }
 }
 
 // Bytes one decode step must read for `batch` sequences at context `ctx`: every non-expert weight,
@@ -280,6 +303,7 @@ Run add_bench(CLI::App& app) {
                 quantization = "none";
     double chunk_mb = 64;
     int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192;
+    std::string profile;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("case", a->name, "rmsnorm, forward, decode, train, optim or nvfp4")
@@ -298,13 +322,14 @@ Run add_bench(CLI::App& app) {
       ->check(CLI::IsMember({"none", "nvfp4", "w4a4"}))
       ->capture_default_str();
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; tools/profile_summary.py)");
   return [a] {
     const std::string name = a->device.empty() ? (at::hasCUDA() ? "cuda" : "cpu") : a->device;
     const at::Device device = model::parse_device(name, "bench: --device");
     const std::string config = a->model.empty() ? a->config : a->model;
     if (a->name == "rmsnorm") bench_rmsnorm(device);
     else if (a->name == "decode") bench_decode(device, config, a->len, a->gen, a->quantization);
-    else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens);
+    else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
     else if (a->name == "nvfp4") bench_nvfp4(device);
     else bench_forward(device, config, a->seqs, a->len);

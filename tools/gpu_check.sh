@@ -2,7 +2,9 @@
 # One device call: build kiln against torch's libtorch with CUDA, run the cuda tests (and the cpu
 # tests of the same build), the GRPO smoke runs (bf16, NVFP4 rollouts, LoRA) and the benchmarks.
 # Four logs go to $OUT when set (the device tool returns at most 8 files): build.log, tests.log,
-# grpo.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,bench (the default: all) picks sections.
+# grpo.txt, train.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,train,bench (the default: all) picks sections.
+# The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
+# KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
 # .cache/device-deps into the call.
 set -uo pipefail
@@ -11,7 +13,7 @@ out="${OUT:-/tmp/kiln-gpu}"; mkdir -p "$out"
 jobs=$(nproc)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH="/usr/local/cuda/bin:$PATH"
-sections="${KILN_GPU_CHECK:-tests,grpo,bench}"
+sections="${KILN_GPU_CHECK:-tests,grpo,train,bench}"
 want() { [[ ",$sections," == *",$1,"* ]]; }
 step() { echo; echo "=== $* ($(date +%T))"; }
 mismatch_report() {  # mismatch_report <metrics.jsonl>: per step, R3 on and off
@@ -114,6 +116,26 @@ printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/lora.yaml"
 echo "LoRA rank 32 on the NVFP4 rollout" | tee -a "$out/grpo.txt"
 mismatch_report "$tmp/lora/metrics.jsonl" | tee -a "$out/grpo.txt"
 fi  # grpo
+if want train; then
+step "bench train (muse-small, 8 x 1024 packed tokens) against the plain-PyTorch peer, eager and compiled"
+./build-gpu/kiln bench train configs/muse-small.yaml --device cuda --profile "$tmp/kiln-train.json" 2>&1 | tee -a "$out/train.txt"
+peer="${KILN_PEER_DIR:-.cache/peers}"
+if [ -f "$peer/torch_peer.py" ]; then
+  PYTHONUNBUFFERED=1 python3 "$peer/torch_peer.py" train 2>&1 | tee -a "$out/train.txt"
+  python3 tools/peer_ratio.py "$out/train.txt" 2>&1 | tee -a "$out/train.txt"
+  PYTHONUNBUFFERED=1 python3 tools/profile_peer.py "$peer" "$tmp" 2>&1 | tail -2
+  step "bench train, one full-width latent-MoE layer (configs/muse-full-layer.yaml) against the peer's layer, eager"
+  ./build-gpu/kiln bench train configs/muse-full-layer.yaml --device cuda 2>&1 | tee "$tmp/full.txt" | tee -a "$out/train.txt"
+  PYTHONUNBUFFERED=1 python3 tools/peer_layer.py "$peer" 2>&1 | tee -a "$tmp/full.txt" | tee -a "$out/train.txt"
+  python3 tools/peer_ratio.py "$tmp/full.txt" "full-width layer, kiln / peer" 2>&1 | tee -a "$out/train.txt"
+else
+  echo "no peer in $peer (copy torch_peer.py and muse_torch.py there): no ratio measured" | tee -a "$out/train.txt"
+fi
+for t in kiln-train peer-eager peer-compiled; do
+  [ -f "$tmp/$t.json" ] && python3 tools/profile_summary.py "$tmp/$t.json" --label "$t" 2>&1 | tee -a "$out/profile.txt"
+done
+fi  # train
+
 if want bench; then
 step "bench rmsnorm"
 ./build-gpu/kiln bench rmsnorm --device cuda 2>&1 | tee -a "$out/bench.txt"
@@ -125,8 +147,6 @@ step "bench decode (muse-small)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 2>&1 | tee -a "$out/bench.txt"
 step "bench decode (muse-small, NVFP4 W4A16 weights, against the bf16 engine)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 2>&1 | tee -a "$out/bench.txt"
-step "bench train (muse-small, 8192 packed tokens)"
-./build-gpu/kiln bench train configs/muse-small.yaml --device cuda 2>&1 | tee -a "$out/bench.txt"
 step "bench optim (muse-small; NVMe state under /tmp)"
 mkdir -p /tmp/kiln-nvme
 ./build-gpu/kiln bench optim --device cuda --config configs/muse-small.yaml --nvme-dir /tmp/kiln-nvme 2>&1 | tee -a "$out/bench.txt"
