@@ -30,6 +30,11 @@ at::ScalarType parse_dtype(const std::string& name);
 // `where` (the option or recipe key) and says what is missing (no CUDA build, no such GPU).
 at::Device parse_device(const std::string& name, const std::string& where);
 
+// The GPU a rank uses when the recipe says "cuda" without an index: its local rank modulo the
+// devices it can see. Under `srun --gpus-per-task=1` each rank sees one device (index 0) while its
+// local rank counts the node's ranks. visible must be positive.
+int64_t device_for_rank(int64_t local_rank, int64_t visible);
+
 // Peak memory allocated on a CUDA device since the last reset, in GB; 0 on the CPU.
 void reset_peak_memory(at::Device device);
 double peak_memory_gb(at::Device device);

@@ -179,6 +179,12 @@ at::Device parse_device(const std::string& name, const std::string& where) {
   return index < 0 ? at::Device(at::kCUDA) : at::Device(at::kCUDA, c10::DeviceIndex(index));
 }
 
+int64_t device_for_rank(int64_t local_rank, int64_t visible) {
+  KILN_CHECK(visible > 0 && local_rank >= 0, "device: local rank ", local_rank, " sees ", visible,
+             " CUDA devices; a GPU rank needs at least one (check CUDA_VISIBLE_DEVICES and the scheduler's GPU request)");
+  return local_rank % visible;
+}
+
 #if KILN_WITH_CUDA
 namespace {
 c10::DeviceIndex cuda_index(at::Device d) { return d.has_index() ? d.index() : c10::cuda::current_device(); }

@@ -20,6 +20,7 @@
 
 #include "core/comm.h"
 #include "core/error.h"
+#include "core/stop_signal.h"
 #include "core/checkpoint_dir.h"
 #include "core/files.h"
 #include "core/yaml_util.h"
@@ -111,8 +112,8 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   const at::ScalarType dtype = model::parse_dtype(r.dtype);
   at::Device device = model::parse_device(r.device, "recipe model.device");
   if (device.is_cuda() && !device.has_index() && world.size() > 1) {
-    device = at::Device(at::kCUDA, c10::DeviceIndex(world.local_rank()));
 #if KILN_WITH_CUDA
+    device = at::Device(at::kCUDA, c10::DeviceIndex(model::device_for_rank(world.local_rank(), c10::cuda::device_count())));
     c10::cuda::set_device(device.index());
 #endif
   }
@@ -259,7 +260,15 @@ Run add_train(CLI::App& app) {
                                             : std::string("at the end only"));
     }
     if (!a->resume.empty() && lead) fmt::print("train: resumed from {} at step {}\n", ckpt, trainer.steps_done());
-    const trainer::EvalMetrics last = trainer::run_grpo(trainer, r.run, lead ? stderr : nullptr);
+    stop_signal::install();  // a scheduler's SIGTERM/SIGUSR1: checkpoint after this step and exit
+    const trainer::RunResult result = trainer::run_grpo(trainer, r.run, lead ? stderr : nullptr);
+    const trainer::EvalMetrics& last = result.last;
+    if (result.stopped_at > 0) {
+      if (lead)
+        fmt::print("train: stopped by {} after step {} of {}; checkpoint in {}; continue with kiln train {} --resume {}\n",
+                   stop_signal::name(result.stop_signal), result.stopped_at, r.run.steps, ckpt, a->recipe, r.run.out);
+      return;
+    }
     trainer.sync_policy();  // collective: a sharded rollout leaves the full experts to the end
     if (!lead) return;
     if (model::lora_rank(policy) > 0) {  // the base is unchanged: write the adapters alone

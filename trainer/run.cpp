@@ -12,6 +12,7 @@
 
 #include "core/comm.h"
 #include "core/error.h"
+#include "core/stop_signal.h"
 #include "core/tensorboard.h"
 
 namespace kiln::trainer {
@@ -92,7 +93,7 @@ void RunLog::samples(int64_t step, const std::vector<GrpoTrainer::SampleRecord>&
   }
 }
 
-EvalMetrics run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress) {
+RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress) {
   const comm::Group& world = comm::Group::world();
   const bool lead = world.rank() == 0;
   const int64_t first = trainer.steps_done() + 1;
@@ -123,7 +124,15 @@ EvalMetrics run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progre
       log->samples(s, std::vector<GrpoTrainer::SampleRecord>(all.begin(), all.begin() + std::ptrdiff_t(n)));
     }
     if ((c.eval_every > 0 && s % c.eval_every == 0) || s == c.steps) last = evaluate();
-    if ((c.checkpoint_every > 0 && s % c.checkpoint_every == 0) || s == c.steps) trainer.save(ckpt);
+    const bool saved = (c.checkpoint_every > 0 && s % c.checkpoint_every == 0) || s == c.steps;
+    if (saved) trainer.save(ckpt);
+    // A signal seen by any rank stops all of them after the same step.
+    const int sig = int(world.all_reduce(double(stop_signal::received()), comm::ReduceOp::kMax));
+    if (sig != 0 && s < c.steps) {
+      if (!saved) trainer.save(ckpt);
+      if (lead && progress) std::fprintf(progress, "\n");
+      return RunResult{last, s, sig};
+    }
     if (!lead || !progress) continue;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::fprintf(progress,
@@ -135,7 +144,7 @@ EvalMetrics run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progre
     std::fflush(progress);
   }
   if (lead && progress && first <= c.steps) std::fprintf(progress, "\n");
-  return last;
+  return RunResult{last, 0, 0};
 }
 
 }  // namespace kiln::trainer

@@ -49,10 +49,17 @@ struct RunConfig {
   std::string out;                // the run directory
 };
 
+struct RunResult {
+  EvalMetrics last;          // the last evaluation
+  int64_t stopped_at = 0;    // the step after which a stop signal ended the run; 0: it ran to the end
+  int stop_signal = 0;       // that signal (core/stop_signal.h)
+};
+
 // Runs the steps left (from trainer.steps_done() + 1 to config.steps): evaluates before the first
 // step of a fresh run, every eval_every steps and at the end; checkpoints into <out>/checkpoint
 // every checkpoint_every steps and at the end; prints the progress line to `progress` (rank 0,
-// nullptr for none). Returns the last evaluation.
-EvalMetrics run_grpo(GrpoTrainer& trainer, const RunConfig& config, std::FILE* progress);
+// nullptr for none). After each step every rank learns whether any received a stop signal
+// (stop_signal::received(), one all-reduce); if so they checkpoint that step and return early.
+RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& config, std::FILE* progress);
 
 }  // namespace kiln::trainer

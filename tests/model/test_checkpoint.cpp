@@ -84,6 +84,32 @@ TEST(Checkpoint, InitIsSeededPerTensor) {
   EXPECT_TRUE(test::all_equal(d.weights().layers[0].expert_gate.narrow(0, 0, 4), a.weights().layers[0].expert_gate));
 }
 
+TEST(Checkpoint, InitOnDeviceHasInitsShapesDtypesAndScale) {
+  const model::ModelConfig cfg = test::micro_config();
+  Muse a = Muse::init(cfg, 5, at::kFloat, at::kCPU);
+  Muse b = Muse::init_on_device(cfg, 5, at::kFloat, at::kCPU), c = Muse::init_on_device(cfg, 5, at::kFloat, at::kCPU);
+  const auto na = a.named_parameters(), nb = b.named_parameters(), nc = c.named_parameters();
+  ASSERT_EQ(na.size(), nb.size());
+  for (size_t i = 0; i < na.size(); ++i) {
+    EXPECT_EQ(na[i].first, nb[i].first);
+    EXPECT_EQ(na[i].second.sizes(), nb[i].second.sizes()) << na[i].first;
+    EXPECT_EQ(na[i].second.scalar_type(), nb[i].second.scalar_type()) << na[i].first;
+    EXPECT_TRUE(test::all_equal(nb[i].second, nc[i].second)) << na[i].first;  // one seed, one draw
+    if (na[i].second.numel() >= 256) {  // the same scale, within sampling noise
+      const double sa = na[i].second.std().item<double>(), sb = nb[i].second.std().item<double>();
+      EXPECT_NEAR(sb / sa, 1.0, 0.25) << na[i].first;
+    }
+  }
+}
+
+TEST(Checkpoint, DeviceForRankWrapsAroundTheVisibleDevices) {
+  EXPECT_EQ(model::device_for_rank(0, 8), 0);
+  EXPECT_EQ(model::device_for_rank(5, 8), 5);
+  EXPECT_EQ(model::device_for_rank(3, 1), 0);  // srun --gpus-per-task=1: each rank sees its one GPU
+  EXPECT_EQ(model::device_for_rank(9, 4), 1);
+  EXPECT_TRUE(test::throws_with([] { model::device_for_rank(0, 0); }, {"sees 0 CUDA devices", "CUDA_VISIBLE_DEVICES"}));
+}
+
 TEST(Checkpoint, MissingUnexpectedAndMisshapedTensorsAreNamed) {
   Muse m = Muse::init(test::micro_config(), 2, at::kFloat, at::kCPU);
   test::TempDir dir;

@@ -180,6 +180,26 @@ for point in written synced moved_old moved_new removed_old; do
     "$kiln" train "$tmp/recipe-ck1.yaml" --steps 3 --resume "$tmp/kill"
   ls -d "$tmp/kill"/checkpoint.* > /dev/null 2>&1 && { echo "FAIL: kill at $point left $(ls -d "$tmp/kill"/checkpoint.*)"; fails=$((fails+1)); }
 done
+# A scheduler's warning (SIGTERM, or SIGUSR1, which mpirun passes on to every rank): the run
+# checkpoints the step it is on, exits 0 saying how to continue, and --resume goes on from there.
+stop_and_resume() {  # stop_and_resume <name> <signal> <launcher...>
+  local name="$1" sig="$2"; shift 2
+  "$@" "$kiln" train "$tmp/recipe.yaml" --steps 500 --out "$tmp/$name" > "$tmp/$name.log" 2>&1 &
+  local pid=$! i
+  for i in $(seq 1 600); do
+    [ "$(cat "$tmp/$name/metrics.jsonl" 2>/dev/null | grep -c '"reward"')" -ge 2 ] && break
+    sleep 0.1
+  done
+  kill -"$sig" $pid; wait $pid; local rc=$?
+  [ $rc -eq 0 ] || { echo "FAIL: $name: exit $rc after SIG$sig"; tail -3 "$tmp/$name.log"; fails=$((fails+1)); }
+  grep -q "train: stopped by SIG$sig after step" "$tmp/$name.log" || { echo "FAIL: $name: no stop line: $(tail -2 "$tmp/$name.log")"; fails=$((fails+1)); }
+  local at; at=$(grep -o "after step [0-9]*" "$tmp/$name.log" | grep -o "[0-9]*$")
+  [ "$at" = "$(grep -c '"reward"' "$tmp/$name/metrics.jsonl")" ] || { echo "FAIL: $name: stopped at '$at' but metrics hold other steps"; fails=$((fails+1)); }
+  [ -e "$tmp/$name/final" ] && { echo "FAIL: $name: a stopped run wrote final/"; fails=$((fails+1)); }
+  check "resume after SIG$sig ($name)" "resumed from $tmp/$name/checkpoint at step $at" \
+    "$@" "$kiln" train "$tmp/recipe.yaml" --steps $((at + 1)) --resume "$tmp/$name"
+}
+stop_and_resume sigterm TERM env
 if command -v gnuplot > /dev/null; then  # tools/setup.sh installs it; the GPU machine lacks it
   check "plot" "wrote $tmp/full/metrics.png (4 steps)" "$kiln" plot "$tmp/full"
   [ "$(head -c 4 "$tmp/full/metrics.png" | od -An -c | tr -d ' ')" = "211PNG" ] || { echo "FAIL: metrics.png is not a PNG"; fails=$((fails+1)); }
@@ -282,6 +302,7 @@ fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 mpi() { timeout 300 mpirun --oversubscribe "$@"; }
 check "train on 2 ranks" "train: done" mpi -np 2 "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/dp2"
+stop_and_resume sigusr1-2ranks USR1 mpirun --oversubscribe -np 2  # not timeout: it would not pass SIGUSR1 on
 [ "$(grep -c '"reward"' "$tmp/dp2/metrics.jsonl" 2>/dev/null)" = 2 ] || { echo "FAIL: 2-rank metrics.jsonl lacks 2 step lines"; fails=$((fails+1)); }
 for r in 0 1; do
   [ -f "$tmp/dp2/checkpoint/optimizer-rank$r-of-2.safetensors" ] || { echo "FAIL: no optimizer shard of rank $r"; fails=$((fails+1)); }
