@@ -5,9 +5,15 @@
 #include <ATen/ATen.h>
 #include <mpi.h>
 
+#include <atomic>
+#include <chrono>
 #include <climits>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "core/error.h"
 
@@ -28,6 +34,55 @@ void check_mpi(int rc, const char* what) {
   MPI_Error_string(rc, msg, &len);
   KILN_FAIL("comm: ", what, " failed: ", std::string(msg, size_t(len)));
 }
+
+// The collective timeout (set_collective_timeout): what this rank is blocked in, and since when.
+// A watchdog thread aborts the job when one wait outlasts the timeout, naming the rank and the call.
+std::atomic<const char*> g_waiting_in{nullptr};
+std::atomic<int64_t> g_waiting_since_ms{0};
+std::atomic<double> g_timeout_s{0.0};
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Marks one blocking MPI call for the watchdog.
+class Waiting {
+ public:
+  explicit Waiting(const char* what) {
+    if (g_timeout_s.load() <= 0) return;
+    g_waiting_since_ms = now_ms();
+    g_waiting_in = what;
+  }
+  ~Waiting() { g_waiting_in = nullptr; }
+  Waiting(const Waiting&) = delete;
+  Waiting& operator=(const Waiting&) = delete;
+};
+
+[[noreturn]] void watchdog(int rank) {
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const char* what = g_waiting_in.load();
+    const double timeout = g_timeout_s.load();
+    if (!what || timeout <= 0) continue;
+    const double waited = double(now_ms() - g_waiting_since_ms.load()) / 1000.0;
+    if (waited <= timeout) continue;
+    std::fprintf(stderr,
+                 "kiln: error: comm: rank %d has waited %.0f s in %s (parallel.collective_timeout_s = %g): another "
+                 "rank stopped answering or died; aborting the job\n",
+                 rank, waited, what, timeout);
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 3);
+    std::_Exit(3);
+  }
+}
+
+// A blocking MPI call, watched: KILN_MPI(MPI_Allreduce(...), "MPI_Allreduce").
+#define KILN_MPI(call, what)        \
+  do {                              \
+    const Waiting waiting_(what);   \
+    check_mpi((call), (what));      \
+  } while (0)
 
 MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kSum ? MPI_SUM : op == ReduceOp::kMax ? MPI_MAX : MPI_MIN; }
 
@@ -83,7 +138,7 @@ struct Group::Impl {
     if (!nccl) {
       ncclUniqueId id;
       if (rank == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
-      check_mpi(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm), "MPI_Bcast of the NCCL id");
+      KILN_MPI(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm), "MPI_Bcast of the NCCL id");
       check_nccl(ncclCommInitRank(&nccl, size, id, rank), "ncclCommInitRank");
     }
     return nccl;
@@ -131,6 +186,15 @@ bool active() {
   return init && !fin;
 }
 
+void set_collective_timeout(double seconds) {
+  KILN_CHECK(std::isfinite(seconds) && seconds >= 0, "comm: the collective timeout must be a number of seconds >= 0 "
+             "(got ", seconds, ")");
+  g_timeout_s = seconds;
+  static std::once_flag started;
+  if (seconds > 0 && active() && Group::world().size() > 1)
+    std::call_once(started, [] { std::thread(watchdog, Group::world().rank()).detach(); });
+}
+
 void abort_job(int code) {
   if (active() && Group::world().size() > 1) MPI_Abort(MPI_COMM_WORLD, code);
 }
@@ -151,7 +215,7 @@ int Group::local_rank() const {
     if (const char* v = std::getenv(var)) return std::atoi(v);
   if (!impl_ || impl_->comm == MPI_COMM_NULL) return 0;
   MPI_Comm node;
-  check_mpi(MPI_Comm_split_type(impl_->comm, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node), "node split");
+  KILN_MPI(MPI_Comm_split_type(impl_->comm, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node), "node split");
   int r = 0;
   MPI_Comm_rank(node, &r);
   MPI_Comm_free(&node);
@@ -162,7 +226,7 @@ Group Group::split(int color, int key) const {
   Group g;
   if (!impl_ || impl_->comm == MPI_COMM_NULL) return g;
   g.impl_ = std::make_shared<Impl>();
-  check_mpi(MPI_Comm_split(impl_->comm, color, key, &g.impl_->comm), "MPI_Comm_split");
+  KILN_MPI(MPI_Comm_split(impl_->comm, color, key, &g.impl_->comm), "MPI_Comm_split");
   g.impl_->owned = true;
   MPI_Comm_rank(g.impl_->comm, &g.rank_);
   MPI_Comm_size(g.impl_->comm, &g.size_);
@@ -194,7 +258,7 @@ void Group::all_reduce(at::Tensor& t, ReduceOp op) const {
   const int64_t n = t.numel(), elem = int64_t(t.element_size());
   auto* p = static_cast<char*>(t.data_ptr());
   for (int64_t i = 0; i < n; i += kMaxCount)
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, p + i * elem, int(std::min(kMaxCount, n - i)), mpi_type(t.scalar_type()),
+    KILN_MPI(MPI_Allreduce(MPI_IN_PLACE, p + i * elem, int(std::min(kMaxCount, n - i)), mpi_type(t.scalar_type()),
                             mpi_op(op), impl_->comm),
               "MPI_Allreduce");
 }
@@ -202,7 +266,7 @@ void Group::all_reduce(at::Tensor& t, ReduceOp op) const {
 double Group::all_reduce(double v, ReduceOp op) const {
   if (size_ == 1) return v;
   double out = 0;
-  check_mpi(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, mpi_op(op), impl_->comm), "MPI_Allreduce");
+  KILN_MPI(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, mpi_op(op), impl_->comm), "MPI_Allreduce");
   return out;
 }
 
@@ -244,7 +308,7 @@ at::Tensor Group::all_gather(const at::Tensor& t) const {
 #endif
   at::Tensor host = src.cpu(), out = at::empty(shape, host.options());
   const int bytes = checked_int(int64_t(host.nbytes()), "all_gather");
-  check_mpi(MPI_Allgather(host.data_ptr(), bytes, MPI_BYTE, out.data_ptr(), bytes, MPI_BYTE, impl_->comm),
+  KILN_MPI(MPI_Allgather(host.data_ptr(), bytes, MPI_BYTE, out.data_ptr(), bytes, MPI_BYTE, impl_->comm),
             "MPI_Allgather");
   return out.to(t.device());
 }
@@ -286,7 +350,7 @@ void Group::broadcast(at::Tensor& t, int root) const {
   auto* p = static_cast<char*>(t.data_ptr());
   const int64_t bytes = int64_t(t.nbytes()), step = kMaxCount;
   for (int64_t i = 0; i < bytes; i += step)
-    check_mpi(MPI_Bcast(p + i, int(std::min(step, bytes - i)), MPI_BYTE, root, impl_->comm), "MPI_Bcast");
+    KILN_MPI(MPI_Bcast(p + i, int(std::min(step, bytes - i)), MPI_BYTE, root, impl_->comm), "MPI_Bcast");
 }
 
 at::Tensor Group::all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& send_rows,
@@ -302,7 +366,7 @@ at::Tensor Group::all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& 
   if (size_ == 1)
     rc.copy_(sc);
   else
-    check_mpi(MPI_Alltoall(sc.data_ptr(), 1, MPI_INT64_T, rc.data_ptr(), 1, MPI_INT64_T, impl_->comm), "MPI_Alltoall");
+    KILN_MPI(MPI_Alltoall(sc.data_ptr(), 1, MPI_INT64_T, rc.data_ptr(), 1, MPI_INT64_T, impl_->comm), "MPI_Alltoall");
   std::vector<int64_t> recv(rc.data_ptr<int64_t>(), rc.data_ptr<int64_t>() + size_);
   if (recv_rows) *recv_rows = recv;
   std::vector<int64_t> shape = t.sizes().vec();
@@ -346,7 +410,7 @@ at::Tensor Group::all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& 
     so += scount[size_t(j)];
     ro += rcount[size_t(j)];
   }
-  check_mpi(MPI_Alltoallv(host.data_ptr(), scount.data(), sdispl.data(), MPI_BYTE, out.data_ptr(), rcount.data(),
+  KILN_MPI(MPI_Alltoallv(host.data_ptr(), scount.data(), sdispl.data(), MPI_BYTE, out.data_ptr(), rcount.data(),
                           rdispl.data(), MPI_BYTE, impl_->comm),
             "MPI_Alltoallv");
   return out.to(t.device());
@@ -362,7 +426,7 @@ struct Work::State {
 
 void Work::wait() {
   if (!state_) return;
-  check_mpi(MPI_Wait(&state_->request, MPI_STATUS_IGNORE), "MPI_Wait");
+  KILN_MPI(MPI_Wait(&state_->request, MPI_STATUS_IGNORE), "MPI_Wait");
   state_.reset();
 }
 
@@ -384,7 +448,7 @@ Work Group::all_reduce_async(at::Tensor& t) const {
 }
 
 void Group::barrier() const {
-  if (size_ > 1) check_mpi(MPI_Barrier(impl_->comm), "MPI_Barrier");
+  if (size_ > 1) KILN_MPI(MPI_Barrier(impl_->comm), "MPI_Barrier");
 }
 
 }  // namespace kiln::comm

@@ -32,6 +32,10 @@ void finalize();
 bool active();  // init ran and finalize did not
 // Ends every rank of the job now (MPI_Abort) when there is more than one; else returns.
 void abort_job(int code);
+// From now on a blocking MPI call (every collective of Group over MPI) that waits longer than
+// `seconds` prints which rank waited how long in which call and aborts the job; 0 turns it off.
+// NCCL work is asynchronous and not watched here. Starts a watchdog thread once (multi-rank jobs).
+void set_collective_timeout(double seconds);
 
 class Group {
  public:

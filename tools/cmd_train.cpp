@@ -104,6 +104,7 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   if (!out.empty()) r.run.out = out;
   if (!init_from.empty()) r.init_from = init_from, r.model_config.clear();
   const comm::Group& world = comm::Group::world();
+  comm::set_collective_timeout(r.grpo.parallel.collective_timeout_s);
   claim_run_dir(r.run.out, outputs, reuse, resolved_name == std::string("recipe.yaml") ? "train" : "sft");
   if (reuse == Reuse::kResume) check_same_recipe(r.run.out, r);
   world.barrier();  // every rank has looked at the directory before rank 0 writes into it

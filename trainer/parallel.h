@@ -27,6 +27,9 @@ struct ParallelConfig {
   int64_t ep = 1;  // expert-parallel ranks
   int64_t tp = 1;  // reserved: must be 1
   RolloutPlacement rollout = RolloutPlacement::kReplica;  // kSharded needs ep > 1
+  // A blocking MPI collective that waits longer aborts the job naming the rank and the call
+  // (comm::set_collective_timeout); 0 = wait forever. Long enough for rank 0's checkpoint writes.
+  double collective_timeout_s = 1800;
   bool sharded_rollout() const { return rollout == RolloutPlacement::kSharded; }
   // Fills dp and checks dp * ep == world, ep | num_experts, tp == 1, rollout. Errors list every value.
   void resolve(int64_t world, int64_t num_experts);

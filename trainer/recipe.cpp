@@ -1,6 +1,7 @@
 // Recipe parsing with strict keys (core/yaml_util.h) and its resolved YAML form.
 #include "trainer/recipe.h"
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
@@ -371,6 +372,9 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     p.get("dp", g.parallel.dp);
     p.get("ep", g.parallel.ep);
     p.get("tp", g.parallel.tp);
+    p.get("collective_timeout_s", g.parallel.collective_timeout_s);
+    if (!std::isfinite(g.parallel.collective_timeout_s) || g.parallel.collective_timeout_s < 0)
+      p.fail("collective_timeout_s", "must be a number of seconds >= 0 (0: no timeout)");
     std::string placement = rollout_placement_name(g.parallel.rollout);
     p.get("rollout", placement);
     try {
@@ -541,8 +545,8 @@ std::string Recipe::to_yaml() const {
     << g.schedule.min_ratio << YAML::EndMap;
   e << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap << YAML::Key << "dp" << YAML::Value << g.parallel.dp
     << YAML::Key << "ep" << YAML::Value << g.parallel.ep << YAML::Key << "tp" << YAML::Value << g.parallel.tp
-    << YAML::Key << "rollout" << YAML::Value << rollout_placement_name(g.parallel.rollout)
-    << YAML::EndMap;
+    << YAML::Key << "rollout" << YAML::Value << rollout_placement_name(g.parallel.rollout) << YAML::Key
+    << "collective_timeout_s" << YAML::Value << g.parallel.collective_timeout_s << YAML::EndMap;
   e << YAML::Key << "rollout" << YAML::Value << YAML::BeginMap << YAML::Key << "kv_cache_mb" << YAML::Value
     << double(g.engine.kv_cache_bytes) / double(1 << 20) << YAML::Key << "block_size" << YAML::Value
     << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key

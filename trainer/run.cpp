@@ -6,9 +6,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <thread>
 
 #include "core/comm.h"
 #include "core/error.h"
@@ -93,6 +95,15 @@ void RunLog::samples(int64_t step, const std::vector<GrpoTrainer::SampleRecord>&
   }
 }
 
+namespace {
+// For the collective-timeout test: KILN_STALL_AT=<step>:<rank> makes that rank stop answering
+// after that step (it sleeps for an hour), as a hung or wedged rank would.
+void stall_for_tests(int64_t step, int rank) {
+  const char* v = std::getenv("KILN_STALL_AT");
+  if (v && std::to_string(step) + ":" + std::to_string(rank) == v) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+}  // namespace
+
 RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress) {
   const comm::Group& world = comm::Group::world();
   const bool lead = world.rank() == 0;
@@ -124,6 +135,7 @@ RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress
       log->samples(s, std::vector<GrpoTrainer::SampleRecord>(all.begin(), all.begin() + std::ptrdiff_t(n)));
     }
     if ((c.eval_every > 0 && s % c.eval_every == 0) || s == c.steps) last = evaluate();
+    stall_for_tests(s, world.rank());
     const bool saved = (c.checkpoint_every > 0 && s % c.checkpoint_every == 0) || s == c.steps;
     if (saved) trainer.save(ckpt);
     // A signal seen by any rank stops all of them after the same step.

@@ -303,6 +303,18 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS
 mpi() { timeout 300 mpirun --oversubscribe "$@"; }
 check "train on 2 ranks" "train: done" mpi -np 2 "$kiln" train "$tmp/recipe.yaml" --steps 2 --out "$tmp/dp2"
 stop_and_resume sigusr1-2ranks USR1 mpirun --oversubscribe -np 2  # not timeout: it would not pass SIGUSR1 on
+# A rank that stops answering (KILN_STALL_AT=<step>:<rank> puts it to sleep): the other waits in the
+# step's all-reduce past parallel.collective_timeout_s, names itself and the call, and the job ends.
+{ cat "$tmp/recipe.yaml"; printf 'parallel:\n  collective_timeout_s: 2\n'; } > "$tmp/stall.yaml"
+start=$(date +%s)
+out=$(mpi -np 2 -x KILN_STALL_AT=1:1 "$kiln" train "$tmp/stall.yaml" --steps 3 --out "$tmp/stall" 2>&1) \
+  && { echo "FAIL: a stalled rank: the job exited 0"; fails=$((fails+1)); }
+[[ "$out" == *"comm: rank 0 has waited"*"in MPI_Allreduce (parallel.collective_timeout_s = 2)"* ]] \
+  || { echo "FAIL: a stalled rank: no timeout line: $(echo "$out" | grep -v '^step' | tail -4)"; fails=$((fails+1)); }
+[ $(( $(date +%s) - start )) -lt 120 ] || { echo "FAIL: a stalled rank: the job took $(( $(date +%s) - start )) s to end"; fails=$((fails+1)); }
+sed 's/collective_timeout_s: 2/collective_timeout_s: -1/' "$tmp/stall.yaml" > "$tmp/stallbad.yaml"
+check_fails "a negative collective timeout" "collective_timeout_s: must be a number of seconds >= 0" \
+  "$kiln" train "$tmp/stallbad.yaml" --steps 1 --out "$tmp/stallbad"
 [ "$(grep -c '"reward"' "$tmp/dp2/metrics.jsonl" 2>/dev/null)" = 2 ] || { echo "FAIL: 2-rank metrics.jsonl lacks 2 step lines"; fails=$((fails+1)); }
 for r in 0 1; do
   [ -f "$tmp/dp2/checkpoint/optimizer-rank$r-of-2.safetensors" ] || { echo "FAIL: no optimizer shard of rank $r"; fails=$((fails+1)); }
