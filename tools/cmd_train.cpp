@@ -80,12 +80,16 @@ void check_same_recipe(const std::string& dir, const trainer::Recipe& r) {
   KILN_CHECK(std::filesystem::exists(saved), "train: --resume ", dir, ": no recipe.yaml there; is it a run directory?");
   YAML::Node before = yaml::load_file(saved), now = YAML::Load(r.to_yaml());
   // A resumed run may be extended (steps) and named by another path (out); its weights come from
-  // the checkpoint, whatever the model was built from first (config, init_from).
+  // the checkpoint, whatever the model was built from first (config, init_from); a requeued job
+  // may wait longer or shorter in its collectives.
   for (YAML::Node* n : {&before, &now}) {
     for (const char* key : {"steps", "out"})
       if ((*n)["run"].IsMap()) (*n)["run"].remove(key);
     for (const char* key : {"config", "init_from"})
       if ((*n)["model"].IsMap()) (*n)["model"].remove(key);
+    // How long a collective may wait is the job's, not the run's (and runs started before the key
+    // existed have none).
+    if ((*n)["parallel"].IsMap()) (*n)["parallel"].remove("collective_timeout_s");
   }
   const std::vector<std::string> changed = yaml::diff(before, now);
   KILN_CHECK(changed.empty(), "train: --resume ", dir, ": the recipe differs from the one the run was started with (",
