@@ -200,6 +200,7 @@ stop_and_resume() {  # stop_and_resume <name> <signal> <launcher...>
     "$@" "$kiln" train "$tmp/recipe.yaml" --steps $((at + 1)) --resume "$tmp/$name"
 }
 stop_and_resume sigterm TERM env
+bash -n "$src/tools/slurm/train.sbatch" || { echo "FAIL: tools/slurm/train.sbatch does not parse"; fails=$((fails+1)); }
 if command -v gnuplot > /dev/null; then  # tools/setup.sh installs it; the GPU machine lacks it
   check "plot" "wrote $tmp/full/metrics.png (4 steps)" "$kiln" plot "$tmp/full"
   [ "$(head -c 4 "$tmp/full/metrics.png" | od -An -c | tr -d ' ')" = "211PNG" ] || { echo "FAIL: metrics.png is not a PNG"; fails=$((fails+1)); }
