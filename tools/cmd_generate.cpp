@@ -1,5 +1,7 @@
 // `kiln generate --model <dir>`: samples completions of prompts (a JSONL file or --prompt) with the
-// rollout engine, then prints them or saves tokens, log-probs and routing as HDF5.
+// rollout engine, then prints them or saves tokens, log-probs and routing as HDF5. `kiln mismatch`
+// samples the same way, then rescores every sampled token with the trainer's forward (the
+// rollout's routing replayed, and the model's own) and reports the train-vs-rollout gap.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -9,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -21,6 +24,8 @@
 #include "tools/commands.h"
 #include "text/tokenizer.h"
 #include "tools/token_ids.h"
+#include "trainer/losses.h"
+#include "trainer/scoring.h"
 
 namespace kiln::tools {
 namespace {
@@ -148,7 +153,7 @@ bool printable_text(const std::vector<int64_t>& ids, std::string& text) {
 // Writes the samples flat, one row per sample, in request then sample order.
 void write_samples(const std::string& path, const std::vector<rollout::Request>& requests,
                    const std::vector<rollout::RequestOutput>& outputs, const std::string& model,
-                   const std::string& dtype) {
+                   const std::string& dtype, const std::function<void(hdf5::Writer&)>& extra = {}) {
   std::vector<int64_t> tokens, lengths, prompt_lengths, offsets{0}, prompt_tokens, routing_offsets{0};
   std::vector<int64_t> request_index, sample_index, finish;
   std::vector<float> logprobs;
@@ -190,18 +195,103 @@ void write_samples(const std::string& path, const std::vector<rollout::Request>&
   w.attribute("model", model);
   w.attribute("dtype", dtype);
   w.attribute("finish_reason_codes", "0=stop,1=length");
+  if (extra) extra(w);
   w.commit();
+}
+
+// What `kiln mismatch` measured: the trainer's log-prob of every sampled token with the rollout's
+// routing replayed and with its own, and the routing it chose itself.
+struct Rescored {
+  at::Tensor lp_rollout, lp_replay, lp_own;  // [response tokens] float64, in sample order
+  at::Tensor own_routing, rollout_routing;   // [response tokens, L, k] uint8
+  trainer::MismatchMetrics replay, own;
+  std::vector<std::string> token_where;      // "request r sample s token i" per response token
+};
+
+Rescored rescore(const model::Muse& m, const std::vector<rollout::Request>& requests,
+                 const std::vector<rollout::RequestOutput>& outputs, double temperature, int64_t micro_batch) {
+  std::vector<trainer::Trajectory> trajs;
+  Rescored r;
+  for (size_t q = 0; q < outputs.size(); ++q)
+    for (size_t s = 0; s < outputs[q].samples.size(); ++s) {
+      const rollout::Sample& x = outputs[q].samples[s];
+      if (x.tokens.empty()) continue;
+      trainer::Trajectory t;
+      t.tokens = requests[q].prompt;
+      t.prompt_len = int64_t(t.tokens.size());
+      t.tokens.insert(t.tokens.end(), x.tokens.begin(), x.tokens.end());
+      t.rollout_lp = x.logprobs;
+      t.routing = x.routing.cpu().to(at::kByte);
+      for (size_t i = 0; i < x.tokens.size(); ++i)
+        r.token_where.push_back(fmt::format("request {} sample {} token {}", q, s, i));
+      trajs.push_back(std::move(t));
+    }
+  KILN_CHECK(!trajs.empty(), "mismatch: no sample has a generated token; raise --max-tokens");
+  const trainer::Packed whole = trainer::pack(trajs, 0, trajs.size(), at::kCPU, at::kDouble);
+  const trainer::Scored replay = trainer::score_trajectories(m, trajs, true, micro_batch, temperature, {});
+  const trainer::Scored own = trainer::score_trajectories(m, trajs, false, micro_batch, temperature, {});
+  const int64_t n = int64_t(trajs.size());
+  r.replay = trainer::mismatch_metrics(replay.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, n);
+  r.own = trainer::mismatch_metrics(own.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, n);
+  // Position t predicts token t + 1: the response tokens' rows, and the routing of the token that
+  // produced each prediction.
+  at::Tensor rows = whole.mask.nonzero().squeeze(1);
+  r.lp_rollout = whole.rollout_lp.index_select(0, rows);
+  r.lp_replay = replay.logprobs.cpu().index_select(0, rows);
+  r.lp_own = own.logprobs.cpu().index_select(0, rows);
+  r.own_routing = own.routing.index_select(0, rows);
+  r.rollout_routing = whole.routing.index_select(0, rows);
+  return r;
+}
+
+void print_mismatch(const Rescored& r, int64_t worst) {
+  auto row = [](const char* name, const trainer::MismatchMetrics& x) {
+    fmt::print("  {:<22} {:>12.3e} {:>12.3e} {:>10.3e} {:>10.3e} {:>12.3e}\n", name, x.mean_abs_seq, x.mean_abs_token,
+               x.max_abs, x.k3_kl, x.frac_outside);
+  };
+  fmt::print("mismatch over {} response tokens, d = lp_trainer - lp_rollout:\n", r.replay.tokens);
+  fmt::print("  {:<22} {:>12} {:>12} {:>10} {:>10} {:>12}\n", "", "mean|d| seq", "mean|d| tok", "max|d|", "k3 KL",
+             "exp(d)!~[.5,2]");
+  row("rollout routing (R3)", r.replay);
+  row("own routing", r.own);
+  at::Tensor d = (r.lp_replay - r.lp_rollout).abs();
+  std::vector<std::string> qs;
+  for (double q : {0.5, 0.9, 0.99, 0.999}) qs.push_back(fmt::format("p{:g} {:.3e}", q * 100, at::quantile(d, q).item<double>()));
+  fmt::print("|d| quantiles (R3): {}\n", fmt::join(qs, ", "));
+  // Per layer: the fraction of response tokens whose own top-k set differs from the rollout's.
+  at::Tensor own = std::get<0>(at::sort(r.own_routing.to(at::kLong), -1));
+  at::Tensor roll = std::get<0>(at::sort(r.rollout_routing.to(at::kLong), -1));
+  at::Tensor differs = own.ne(roll).any(-1).to(at::kDouble);  // [tokens, L]
+  std::vector<std::string> layers;
+  for (int64_t l = 0; l < differs.size(1); ++l) layers.push_back(fmt::format("{:.4f}", differs.select(1, l).mean().item<double>()));
+  fmt::print("own routing differs from the rollout's: {:.4f} of (token, layer) pairs; by layer {}\n",
+             differs.mean().item<double>(), fmt::join(layers, " "));
+  const int64_t k = std::min<int64_t>(worst, d.numel());
+  if (k <= 0) return;
+  at::Tensor top = std::get<1>(d.topk(k));
+  fmt::print("largest |d| (R3):\n");
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t t = top[i].item<int64_t>();
+    fmt::print("  {}: lp_rollout {:.5f}, lp_trainer {:.5f} (own routing {:.5f})\n", r.token_where[size_t(t)],
+               r.lp_rollout[t].item<double>(), r.lp_replay[t].item<double>(), r.lp_own[t].item<double>());
+  }
 }
 
 }  // namespace
 
-Run add_generate(CLI::App& app) {
-  auto* cmd = app.add_subcommand(
-      "generate",
-      "Sample completions of prompts with the rollout engine; print them or save them as HDF5.\n"
+// `generate`, or with `mismatch` set `kiln mismatch`: the same sampling, then the rescoring.
+Run add_sampling_command(CLI::App& app, bool mismatch) {
+  const char* prompts_help =
       "Prompts file (JSONL): one object per line with \"prompt_ids\": [ints] or \"prompt\": \"text\" (encoded by the\n"
       "model's tokenizer, or byte by byte for models without one); optional \"n\", \"max_tokens\", \"temperature\", \"top_p\", \"top_k\", \"seed\" override\n"
-      "the flags; other keys are ignored. Prompt i's seed defaults to --seed + i.");
+      "the flags; other keys are ignored. Prompt i's seed defaults to --seed + i.";
+  auto* cmd = app.add_subcommand(
+      mismatch ? "mismatch" : "generate",
+      (mismatch ? std::string("Sample with the rollout engine, then rescore every sampled token with the trainer's forward\n"
+                              "(rollout routing replayed, and the model's own) and report the train-vs-rollout log-prob gap.\n"
+                              "No weight changes.\n")
+                : std::string("Sample completions of prompts with the rollout engine; print them or save them as HDF5.\n")) +
+          prompts_help);
   struct Args {
     std::string model, tokenizer, prompts_file, out, dtype = "fp32", device = "cpu";
     std::vector<std::string> prompts, stop;
@@ -210,6 +300,8 @@ Run add_generate(CLI::App& app) {
     uint64_t seed = 0;
     int64_t kv_cache_mb = 256, block_size = 16, max_num_seqs = 64, max_batch_tokens = 2048, prefill_chunk = 512;
     bool quiet = false;
+    std::string quantization = "none";
+    int64_t micro_batch_seqs = 64, worst = 5;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("--model", a->model, "Checkpoint directory (config.json + safetensors)")->required();
@@ -236,7 +328,17 @@ Run add_generate(CLI::App& app) {
   cmd->add_option("--prefill-chunk", a->prefill_chunk, "Longest prefill piece per sequence per step")
       ->capture_default_str();
   cmd->add_flag("--quiet", a->quiet, "No progress line on stderr");
-  return [a] {
+  cmd->add_option("--quantization", a->quantization, "Rollout weights: none, nvfp4 (W4A16) or w4a4")
+      ->check(CLI::IsMember({"none", "nvfp4", "w4a4"}))
+      ->capture_default_str();
+  if (mismatch) {
+    cmd->add_option("--micro-batch-seqs", a->micro_batch_seqs, "Sequences per rescoring forward")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
+    cmd->add_option("--worst", a->worst, "Tokens with the largest gap to list")->check(CLI::NonNegativeNumber)->capture_default_str();
+  }
+  const char* what = mismatch ? "mismatch" : "generate";
+  return [a, mismatch, what] {
     // Everything that can be checked without the model is checked first, so a typo costs no load.
     KILN_CHECK(a->out.empty() || ends_with(a->out, ".h5") || ends_with(a->out, ".hdf5"),
                "generate: --out must end in .h5 or .hdf5 (out=", a->out, ")");
@@ -281,7 +383,16 @@ Run add_generate(CLI::App& app) {
       requests.push_back(p.request);
     }
 
+    if (mismatch)
+      for (const Prompt& p : prompts) {
+        const rollout::SamplingParams& sp = p.request.params;
+        KILN_CHECK(sp.temperature == defaults.temperature && sp.top_p == 1.0 && sp.top_k == 0, what, ": ", p.where,
+                   " samples at temperature ", sp.temperature, ", top_p ", sp.top_p, ", top_k ", sp.top_k,
+                   "; the rescoring uses one distribution: give the temperature with --temperature and leave top_p 1 "
+                   "and top_k 0 (a truncated distribution is not the trainer's)");
+      }
     rollout::EngineConfig ec;
+    ec.quantization = rollout::parse_quantization(a->quantization);
     ec.kv_cache_bytes = a->kv_cache_mb << 20;
     ec.block_size = a->block_size;
     ec.max_num_seqs = a->max_num_seqs;
@@ -314,6 +425,23 @@ Run add_generate(CLI::App& app) {
     int64_t num_tokens = 0, num_samples = 0;
     for (const auto& r : outputs)
       for (const auto& s : r.samples) num_tokens += int64_t(s.tokens.size()), ++num_samples;
+    if (mismatch) {
+      const Rescored r = rescore(m, requests, outputs, defaults.temperature > 0 ? defaults.temperature : 1.0,
+                                 a->micro_batch_seqs);
+      fmt::print("{} samples of {} prompts from {} (rollout weights {}, {} on {}), rescored by the trainer's forward\n",
+                 num_samples, outputs.size(), a->model, a->quantization, a->dtype, device.str());
+      print_mismatch(r, a->worst);
+      if (!a->out.empty())
+        write_samples(a->out, requests, outputs, a->model, a->dtype, [&](hdf5::Writer& w) {
+          // Per response token, in the order of "tokens": the trainer's log-probs and its own routing.
+          w.write("lp_trainer_replay", r.lp_replay.to(at::kFloat));
+          w.write("lp_trainer_own", r.lp_own.to(at::kFloat));
+          w.write("routing_trainer_own", r.own_routing);
+          w.attribute("quantization", a->quantization);
+        });
+      if (!a->out.empty()) fmt::print("wrote {}\n", a->out);
+      return;
+    }
     if (!a->out.empty()) {
       write_samples(a->out, requests, outputs, a->model, a->dtype);
     } else {
@@ -334,5 +462,8 @@ Run add_generate(CLI::App& app) {
                a->out.empty() ? "" : fmt::format("; wrote {}", a->out));
   };
 }
+
+Run add_generate(CLI::App& app) { return add_sampling_command(app, /*mismatch=*/false); }
+Run add_mismatch(CLI::App& app) { return add_sampling_command(app, /*mismatch=*/true); }
 
 }  // namespace kiln::tools

@@ -18,6 +18,7 @@ Run add_train(CLI::App& app);
 Run add_sft(CLI::App& app);
 Run add_plot(CLI::App& app);
 Run add_generate(CLI::App& app);
+Run add_mismatch(CLI::App& app);
 Run add_quantize(CLI::App& app);
 Run add_merge(CLI::App& app);
 

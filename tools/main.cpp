@@ -76,6 +76,7 @@ int main(int argc, char** argv) {
       {"sft", kiln::tools::add_sft(app)},
       {"plot", kiln::tools::add_plot(app)},
       {"generate", kiln::tools::add_generate(app)},
+      {"mismatch", kiln::tools::add_mismatch(app)},
       {"quantize", kiln::tools::add_quantize(app)},
       {"merge", kiln::tools::add_merge(app)},
   };

@@ -23,6 +23,7 @@
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "text/tokenizer.h"
+#include "trainer/scoring.h"
 #include "trainer/update_guard.h"
 
 namespace kiln::trainer {
@@ -73,56 +74,6 @@ struct Gathered {
   at::Tensor rollout_lp, mask, seq_ids;
   int64_t num_seqs = 0;
 };
-
-// One sampled response, laid out for training.
-struct Trajectory {
-  std::vector<int64_t> tokens;      // prompt + response
-  int64_t prompt_len = 0;
-  std::vector<float> rollout_lp;    // per response token
-  at::Tensor routing;               // [tokens, L, k] uint8 from the rollout
-  double advantage = 0;
-};
-
-// A packed micro-batch of trajectories. Position t predicts token t+1; response positions carry
-// mask 1.
-struct Packed {
-  model::PackedBatch batch;
-  at::Tensor targets, mask, seq_ids, rollout_lp, advantages, routing;
-  int64_t num_seqs = 0;
-};
-
-Packed pack(const std::vector<Trajectory>& trajs, size_t begin, size_t end, at::Device device,
-            at::ScalarType dtype) {
-  Packed p;
-  std::vector<std::vector<int64_t>> seqs;
-  std::vector<int64_t> targets, seq_ids;
-  std::vector<double> mask, lp, adv;
-  std::vector<at::Tensor> routing;
-  for (size_t i = begin; i < end; ++i) {
-    const Trajectory& t = trajs[i];
-    seqs.push_back(t.tokens);
-    const int64_t n = int64_t(t.tokens.size());
-    for (int64_t j = 0; j < n; ++j) {
-      const bool response = j + 1 >= t.prompt_len && j + 1 < n;
-      targets.push_back(j + 1 < n ? t.tokens[j + 1] : -100);
-      mask.push_back(response ? 1.0 : 0.0);
-      lp.push_back(response ? t.rollout_lp[j + 1 - t.prompt_len] : 0.0);
-      adv.push_back(t.advantage);
-      seq_ids.push_back(int64_t(i - begin));
-    }
-    routing.push_back(t.routing);
-  }
-  p.batch = model::PackedBatch::from_sequences(seqs, device);
-  auto opts = at::TensorOptions().dtype(dtype).device(device);
-  p.targets = at::tensor(targets, at::kLong).to(device);
-  p.mask = at::tensor(mask, at::kDouble).to(opts);
-  p.seq_ids = at::tensor(seq_ids, at::kLong).to(device);
-  p.rollout_lp = at::tensor(lp, at::kDouble).to(opts);
-  p.advantages = at::tensor(adv, at::kDouble).to(opts);
-  p.routing = at::cat(routing, 0);
-  p.num_seqs = int64_t(end - begin);
-  return p;
-}
 
 }  // namespace
 
@@ -300,11 +251,7 @@ struct GrpoTrainer::Impl {
   }
 
   // Log-probs (and own routing) of every target under `model` (the current policy, or the frozen
-  // reference), micro-batched.
-  struct Scored {
-    at::Tensor logprobs;  // [T]
-    at::Tensor routing;   // [T, L, k]
-  };
+  // reference), micro-batched (trainer/scoring.h).
   model::Muse& trained() { return shard ? *shard : policy; }
   bool lora() const { return cfg.lora.enabled(); }
   // Forward options of the trained model: the expert exchange under expert parallelism.
@@ -315,22 +262,9 @@ struct GrpoTrainer::Impl {
   }
   Scored score(const std::vector<Trajectory>& trajs, bool replay) { return score(trained(), trajs, replay); }
   Scored score(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay, bool base_only = false) {
-    at::NoGradGuard g;
-    std::vector<at::Tensor> lps, routes;
-    for (size_t b = 0; b < trajs.size(); b += size_t(cfg.micro_batch_seqs)) {
-      const size_t e = std::min(trajs.size(), b + size_t(cfg.micro_batch_seqs));
-      Packed p = pack(trajs, b, e, model.device(), at::kDouble);
-      model::ForwardOptions o = forward_options();
-      o.targets = p.targets;
-      o.temperature = cfg.temperature;
-      o.load_balance = false;
-      o.disable_lora = base_only;
-      if (replay) o.replay_routing = p.routing;
-      auto out = model.forward(p.batch, o);
-      lps.push_back(out.logprobs.to(at::kDouble));
-      routes.push_back(out.routing.cpu());
-    }
-    return {at::cat(lps, 0), at::cat(routes, 0)};
+    model::ForwardOptions o = forward_options();
+    o.disable_lora = base_only;
+    return score_trajectories(model, trajs, replay, cfg.micro_batch_seqs, cfg.temperature, o);
   }
 
   // ---- the step, phase by phase ----

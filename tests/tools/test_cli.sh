@@ -62,6 +62,17 @@ printf '{"prompt_ids": [1, 2, 3]}\n\n{"prompt_ids": [4, 5], "n": 3, "temperature
 check "generate to hdf5" "in 5 samples (2 prompts)" \
   "$kiln" generate --model "$tmp/ckpt" --prompts "$tmp/prompts.jsonl" -n 2 --max-tokens 4 --out "$tmp/s.h5"
 [ -s "$tmp/s.h5" ] || { echo "FAIL: no generate hdf5 output"; fails=$((fails+1)); }
+# kiln mismatch: the same sampling, rescored by the trainer's forward. In fp32 on the CPU the two
+# agree to rounding, with the rollout's routing and with the model's own.
+out=$("$kiln" mismatch --model "$tmp/ckpt" --prompt "ids:1,2,3" --prompt "ids:4" -n 3 --max-tokens 5 --quiet --out "$tmp/mm.h5" 2>&1) \
+  || { echo "FAIL: mismatch: $out"; fails=$((fails+1)); }
+for want in "rollout routing (R3)" "own routing" "|d| quantiles" "by layer" "largest |d|" "wrote $tmp/mm.h5"; do
+  [[ "$out" == *"$want"* ]] || { echo "FAIL: mismatch lacks '$want': $out"; fails=$((fails+1)); }
+done
+r3=$(echo "$out" | grep "rollout routing (R3)" | awk '{print $5}')
+awk -v d="$r3" 'BEGIN {exit !(d != "" && d + 0 < 1e-5)}' || { echo "FAIL: fp32 mismatch $r3 is not at rounding level"; fails=$((fails+1)); }
+check_fails "mismatch with top-p" "the rescoring uses one distribution" \
+  "$kiln" mismatch --model "$tmp/ckpt" --prompt "ids:1,2" --top-p 0.9 --quiet
 
 check_fails "missing config" "cannot open" "$kiln" info "$tmp/nope.yaml"
 mkdir -p "$tmp/adir"

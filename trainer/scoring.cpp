@@ -1,0 +1,64 @@
+// Trajectories packed for the trainer's forward, and their log-probs under a model.
+#include "trainer/scoring.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+
+namespace kiln::trainer {
+
+Packed pack(const std::vector<Trajectory>& trajs, size_t begin, size_t end, at::Device device,
+            at::ScalarType dtype) {
+  Packed p;
+  std::vector<std::vector<int64_t>> seqs;
+  std::vector<int64_t> targets, seq_ids;
+  std::vector<double> mask, lp, adv;
+  std::vector<at::Tensor> routing;
+  for (size_t i = begin; i < end; ++i) {
+    const Trajectory& t = trajs[i];
+    seqs.push_back(t.tokens);
+    const int64_t n = int64_t(t.tokens.size());
+    for (int64_t j = 0; j < n; ++j) {
+      const bool response = j + 1 >= t.prompt_len && j + 1 < n;
+      targets.push_back(j + 1 < n ? t.tokens[j + 1] : -100);
+      mask.push_back(response ? 1.0 : 0.0);
+      lp.push_back(response ? t.rollout_lp[j + 1 - t.prompt_len] : 0.0);
+      adv.push_back(t.advantage);
+      seq_ids.push_back(int64_t(i - begin));
+    }
+    routing.push_back(t.routing);
+  }
+  p.batch = model::PackedBatch::from_sequences(seqs, device);
+  auto opts = at::TensorOptions().dtype(dtype).device(device);
+  p.targets = at::tensor(targets, at::kLong).to(device);
+  p.mask = at::tensor(mask, at::kDouble).to(opts);
+  p.seq_ids = at::tensor(seq_ids, at::kLong).to(device);
+  p.rollout_lp = at::tensor(lp, at::kDouble).to(opts);
+  p.advantages = at::tensor(adv, at::kDouble).to(opts);
+  p.routing = at::cat(routing, 0);
+  p.num_seqs = int64_t(end - begin);
+  return p;
+}
+
+Scored score_trajectories(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay,
+                          int64_t micro_batch_seqs, double temperature, const model::ForwardOptions& base) {
+  at::NoGradGuard g;
+  std::vector<at::Tensor> lps, routes;
+  const size_t step = size_t(std::max<int64_t>(1, micro_batch_seqs));
+  for (size_t b = 0; b < trajs.size(); b += step) {
+    const size_t e = std::min(trajs.size(), b + step);
+    Packed p = pack(trajs, b, e, model.device(), at::kDouble);
+    model::ForwardOptions o = base;
+    o.targets = p.targets;
+    o.temperature = temperature;
+    o.load_balance = false;
+    if (replay) o.replay_routing = p.routing;
+    auto out = model.forward(p.batch, o);
+    lps.push_back(out.logprobs.to(at::kDouble));
+    routes.push_back(out.routing.cpu());
+  }
+  return {at::cat(lps, 0), at::cat(routes, 0)};
+}
+
+}  // namespace kiln::trainer

@@ -1,0 +1,45 @@
+// Sampled responses laid out for the trainer's forward (Trajectory, pack) and their log-probs
+// under a model, with the rollout's routing replayed or the model's own (score_trajectories):
+// what GRPO's lp_old and `kiln mismatch` compute.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "model/muse.h"
+
+namespace kiln::trainer {
+
+// One sampled response, laid out for training.
+struct Trajectory {
+  std::vector<int64_t> tokens;      // prompt + response
+  int64_t prompt_len = 0;
+  std::vector<float> rollout_lp;    // per response token
+  at::Tensor routing;               // [tokens, L, k] uint8 from the rollout
+  double advantage = 0;
+};
+
+// A packed micro-batch of trajectories. Position t predicts token t+1; response positions carry
+// mask 1.
+struct Packed {
+  model::PackedBatch batch;
+  at::Tensor targets, mask, seq_ids, rollout_lp, advantages, routing;
+  int64_t num_seqs = 0;
+};
+
+// Trajectories [begin, end) packed on `device`; mask, rollout_lp and advantages in `dtype`.
+Packed pack(const std::vector<Trajectory>& trajs, size_t begin, size_t end, at::Device device, at::ScalarType dtype);
+
+struct Scored {
+  at::Tensor logprobs;  // [T] float64, every position of the packed trajectories (0 where no target)
+  at::Tensor routing;   // [T, L, k] uint8 on the CPU: the routing the forward used
+};
+
+// Log-probs of every target of `trajs` under `model` at `temperature`, in micro-batches of
+// `micro_batch_seqs` trajectories, with the rollout's routing replayed or the model's own. `base`
+// carries the other forward options (the expert group, disable_lora). No gradient.
+Scored score_trajectories(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay,
+                          int64_t micro_batch_seqs, double temperature, const model::ForwardOptions& base);
+
+}  // namespace kiln::trainer
