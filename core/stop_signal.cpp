@@ -4,6 +4,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <initializer_list>
 
 namespace kiln::stop_signal {
 namespace {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -340,6 +341,10 @@ std::string percent_format(const std::string& fmt, const Value& args) {
       if (next >= list.size()) fail("not enough arguments for format string");
       arg = list[next++];
     }
+    // Found by fuzz_chat_template: a width past int64 threw out of std::stoll. Real templates use
+    // a few digits; the formatting buffer holds 512 bytes.
+    if (width.size() > 3 || precision.size() > 3)
+      fail("unsupported construct: a format width or precision above 999 ('%" + width + "." + precision + "')");
     int64_t w = width.empty() ? 0 : std::stoll(width);
     bool left = flags.find('-') != std::string::npos;
     std::string spec = "%" + flags + width + (has_precision ? "." + (precision.empty() ? "0" : precision) : "");
@@ -775,7 +780,14 @@ Value attr_path(const Value& item, const Value& attribute) {
     std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
     bool numeric =
         !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit((unsigned char)c); });
-    v = get_item(v, numeric ? Value::integer(std::stoll(part)) : Value::string(part));
+    int64_t index = 0;
+    if (numeric && std::from_chars(part.data(), part.data() + part.size(), index).ec != std::errc()) {
+      // Python's int has no bound, but no list here is that long and no key that large: found by
+      // fuzz_chat_template (std::stoll threw out_of_range past the renderer).
+      v = Value::undefined(object_name(v) + " has no element " + part);
+    } else {
+      v = get_item(v, numeric ? Value::integer(index) : Value::string(part));
+    }
     if (dot == std::string::npos) return v;
     start = dot + 1;
   }

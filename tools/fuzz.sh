@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 runs="${RUNS:-1000000}"
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(safetensors model_config jsonl tokenizer chat_template)
+[ ${#targets[@]} -gt 0 ] || targets=(safetensors model_config jsonl tokenizer chat_template recipe)
 # clang and libFuzzer's runtime from Debian, installed here when missing (as tools/setup.sh does).
 if ! command -v clang++ > /dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a > /dev/null 2>&1; then
   sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"

@@ -170,6 +170,11 @@ TEST(JinjaErrors, RuntimeErrorsNameTheTemplateLineAndColumn) {
   EXPECT_TRUE(throws_with([] { render("{{ ([1]|select)|length }}"); }, {"object of type 'generator' has no len()"}));
   EXPECT_TRUE(throws_with([] { render("{{ [1]|map('string')|tojson }}"); },
                           {"Object of type generator is not JSON serializable"}));
+  // Found by fuzz_chat_template: numbers past int64 in an attribute path and a format width.
+  EXPECT_EQ(render("{{ [[1, 2]]|map(attribute='99999999999999999999')|list|length }}"), "1");
+  EXPECT_TRUE(throws_with([] { render("{{ [[1]]|map(attribute='99999999999999999999')|list|tojson }}"); },
+                          {"not JSON serializable"}));
+  EXPECT_TRUE(throws_with([] { render("{{ '%99999999999999999999d' % 5 }}"); }, {"format width or precision above 999"}));
   EXPECT_TRUE(throws_with([] { ChatTemplate("x", "t").render(ojson::array()); },
                           {"chat template t: the render context must be a JSON object (type=array)"}));
 }
