@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/types.h>  // clip_grad.h uses torch::Tensor without including it
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/serialize.h>
 #if KILN_WITH_CUDA

@@ -2,6 +2,7 @@
 #include "trainer/sft.h"
 
 #include <ATen/ATen.h>
+#include <torch/types.h>  // clip_grad.h uses torch::Tensor without including it
 #include <torch/nn/utils/clip_grad.h>
 
 #include <nlohmann/json.hpp>
