@@ -15,6 +15,10 @@ void check_unique_keys(const YAML::Node& node, const std::string& file) {
     std::map<std::string, int> seen;  // key -> its first line
     for (const auto& kv : node) {
       const int line = kv.first.Mark().line + 1;
+      // Found by fuzz_recipe: a key that is a mapping or a list ('{a: 1}: 2') threw yaml-cpp's bad
+      // conversion wherever a reader took keys as names.
+      KILN_CHECK(kv.first.IsScalar(), "config: ", file, ":", line, ": a key must be a name, not a ",
+                 kv.first.IsMap() ? "mapping" : kv.first.IsSequence() ? "list" : "null");
       if (kv.first.IsScalar()) {
         const auto [it, fresh] = seen.emplace(kv.first.Scalar(), line);
         KILN_CHECK(fresh, "config: ", file, ":", line, ": key '", kv.first.Scalar(), "' appears twice in one mapping (first at line ",

@@ -10,6 +10,7 @@
 #include "core/yaml_util.h"
 #include "model/config.h"
 #include "text/tokenizer.h"
+#include "text/unicode.h"
 #include "trainer/tasks.h"
 
 namespace kiln::trainer {
@@ -17,10 +18,17 @@ namespace {
 
 // A path in a recipe is taken relative to the current directory when it exists there, else
 // relative to the recipe's folder.
+// Whether `path` names something; a name the OS refuses (too long, say) names nothing. Found by
+// fuzz_recipe: the throwing overload of exists() ended the run with filesystem_error.
+bool exists_quietly(const std::filesystem::path& path) {
+  std::error_code ec;
+  return std::filesystem::exists(path, ec) && !ec;
+}
+
 std::string resolve(const std::string& path, const std::string& recipe) {
-  if (path.empty() || std::filesystem::exists(path)) return path;
+  if (path.empty() || exists_quietly(path)) return path;
   auto beside = std::filesystem::path(recipe).parent_path() / path;
-  return std::filesystem::exists(beside) ? beside.string() : path;
+  return exists_quietly(beside) ? beside.string() : path;
 }
 
 // A reward worker's argv resolves like the recipe's paths: an argument naming a file that exists
@@ -117,7 +125,7 @@ nlohmann::json yaml_to_json(const YAML::Node& n) {
   if (!n.IsDefined() || n.IsNull()) return nullptr;
   if (n.IsMap()) {
     nlohmann::json j = nlohmann::json::object();
-    for (const auto& kv : n) j[kv.first.as<std::string>()] = yaml_to_json(kv.second);
+    for (const auto& kv : n) j[kv.first.Scalar()] = yaml_to_json(kv.second);  // keys: names (yaml::load_file)
     return j;
   }
   if (n.IsSequence()) {
@@ -309,12 +317,18 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
       p.fail("chat", "must be auto (chats through the template, text as it is), always or never (got " + chat + ")");
     f.chat = chat == "always" ? ChatMode::kAlways : chat == "never" ? ChatMode::kNever : ChatMode::kAuto;
     p.get("system", f.system_prompt);
+    // Prompts and template variables become JSON for the chat template: text must be UTF-8.
+    if (!text::unicode::is_valid_utf8(f.system_prompt)) p.fail("system", "must be UTF-8 text");
     p.get("add_generation_prompt", f.add_generation_prompt);
     p.get("max_prompt_tokens", f.max_prompt_tokens);
     const YAML::Node kw = p.raw("template_kwargs");
     if (kw.IsDefined()) {
       if (!kw.IsMap()) p.fail("template_kwargs", "must be a mapping of template variables, e.g. {enable_thinking: false}");
-      f.template_kwargs = yaml_to_json(kw).dump();
+      try {
+        f.template_kwargs = yaml_to_json(kw).dump();
+      } catch (const nlohmann::json::exception&) {  // found by fuzz_recipe: invalid UTF-8 ended the run
+        p.fail("template_kwargs", "must be UTF-8 text");
+      }
     }
     p.finish();
     try {

@@ -104,6 +104,14 @@ TEST(Yaml, AKeyGivenTwiceIsAnErrorNamingBothLines) {
   EXPECT_NO_THROW(yaml::load_file(write(dir, "a: {c: 1}\nb: {c: 1}\n")));  // the same key in two mappings
 }
 
+TEST(Yaml, AKeyThatIsNotANameIsAnError) {
+  // Found by fuzz_recipe: such a key threw yaml-cpp's bad conversion past every reader.
+  test::TempDir dir;
+  EXPECT_TRUE(test::throws_with([&] { yaml::load_file(write(dir, "a:\n  {b: 1}: 2\n")); }, {"c.yaml:2: a key must be a name, not a mapping"}));
+  EXPECT_TRUE(test::throws_with([&] { yaml::load_file(write(dir, "[1, 2]: 3\n")); }, {"a key must be a name, not a list"}));
+  EXPECT_TRUE(test::throws_with([&] { yaml::load_file(write(dir, "~: 3\n")); }, {"a key must be a name, not a null"}));
+}
+
 TEST(Yaml, DiffNamesEveryChangedKeyPath) {
   const YAML::Node a = YAML::Load("optim: {lr: 0.1, clip: 1}\nparts: [{w: 1}, {w: 2}]\nrun: {steps: 5}\n");
   EXPECT_TRUE(yaml::diff(a, a).empty());

@@ -177,6 +177,11 @@ check_fails "--resume and --overwrite" "exclude each other" "$kiln" train "$tmp/
 check_fails "--steps beyond int64" "not in range 0 to 1000000000" "$kiln" train "$tmp/recipe.yaml" --steps 99999999999999999999 --out "$tmp/huge-steps"
 { cat "$tmp/recipe.yaml"; printf 'run:\n  steps: 9\n'; } > "$tmp/recipe-dup.yaml"
 check_fails "a key given twice" "recipe-dup.yaml:" "$kiln" train "$tmp/recipe-dup.yaml" --out "$tmp/dup"
+# Found by fuzz_recipe: text that is not UTF-8 where it becomes JSON for the chat template.
+{ cat "$tmp/recipe.yaml"; printf 'prompt:\n  template_kwargs: {x: "a\xffb"}\n'; } > "$tmp/recipe-kw.yaml"
+check_fails "template_kwargs that are not UTF-8" "template_kwargs: must be UTF-8 text" "$kiln" train "$tmp/recipe-kw.yaml" --out "$tmp/kw"
+{ cat "$tmp/recipe.yaml"; printf 'prompt:\n  system: "a\xffb"\n'; } > "$tmp/recipe-sys.yaml"
+check_fails "a system prompt that is not UTF-8" "system: must be UTF-8 text" "$kiln" train "$tmp/recipe-sys.yaml" --out "$tmp/sys"
 # A kill at every point of writing a checkpoint: --resume finds the newest complete one (step 2
 # once its state.json is written, else step 1) and the run finishes.
 sed 's/^run:/run:\n  checkpoint_every: 1/' "$tmp/recipe.yaml" > "$tmp/recipe-ck1.yaml"
