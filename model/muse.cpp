@@ -247,7 +247,8 @@ at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& l
 bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, const ForwardOptions& opt) {
 #if KILN_TORCH_AT_LEAST(2, 8)
   const bool lora = !opt.disable_lora && lw.lora.on_experts();
-  return opt.use_fused && opt.use_grouped_mm && lw.expert_gate.defined() && z.is_cuda() &&
+  const bool expert_parallel = opt.expert_group && opt.expert_group->size() > 1;
+  return opt.use_fused && opt.use_grouped_mm && !expert_parallel && lw.expert_gate.defined() && z.is_cuda() &&
          z.scalar_type() == at::kBFloat16 && !opt.observe_linear_input && (!lora || lw.lora.experts_grouped()) &&
          k <= 16;
 #else
@@ -311,23 +312,22 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   at::Tensor z = project(h, lw, detail::kPooler, layer, opt);  // [T, d_l]
   at::Tensor flat = ids.reshape(-1);        // [T * k], slot order
   at::Tensor counts;  // [E] slots per expert
-  at::Tensor y;
-  if (opt.expert_group && opt.expert_group->size() > 1) {
-    y = expert_parallel_experts(cfg, lw, layer, z, flat, k, *opt.expert_group, opt).view({T, k, -1});
-    counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
-  } else if (fused_moe_applies(lw, z, k, opt)) {
-    MoeOut r;
-    r.out = project(fused_experts(cfg, lw, z, flat, w, counts, opt), lw, detail::kUnpooler, layer, opt);
-    r.ids = ids;
-    if (opt.load_balance) r.balance = (counts.to(w.scalar_type()) / double(T * k) * scores.mean(0)).sum() * double(E);
-    return r;
+  at::Tensor m;       // [T, d_l]: the FP32 weighted sum of each token's k normed expert rows
+  if (fused_moe_applies(lw, z, k, opt)) {
+    m = fused_experts(cfg, lw, z, flat, w, counts, opt);  // summed in fp32, stored in z's dtype
   } else {
-    auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
-    y = run_experts(lw, layer, z, std::get<0>(sorted), std::get<1>(sorted), k, counts, opt);
-    y = rms_norm(y, lw.expert_norm.index_select(0, flat), cfg.rms_norm_eps).view({T, k, -1});
+    at::Tensor y;
+    if (opt.expert_group && opt.expert_group->size() > 1) {
+      y = expert_parallel_experts(cfg, lw, layer, z, flat, k, *opt.expert_group, opt).view({T, k, -1});
+      counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
+    } else {
+      auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
+      y = run_experts(lw, layer, z, std::get<0>(sorted), std::get<1>(sorted), k, counts, opt);
+      y = rms_norm(y, lw.expert_norm.index_select(0, flat), cfg.rms_norm_eps).view({T, k, -1});
+    }
+    m = (y.to(w.scalar_type()) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
   }
   const auto acc = w.scalar_type();
-  at::Tensor m = (y.to(acc) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
   MoeOut r;
   r.out = project(m.to(h.scalar_type()), lw, detail::kUnpooler, layer, opt);
   r.ids = ids;
