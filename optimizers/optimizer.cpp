@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/safetensors.h"
+#include "kernels/adamw.h"
 #include "optimizers/nvme.h"
 
 #if KILN_WITH_CUDA
@@ -250,6 +251,10 @@ struct Optimizer::Impl {
   // The update of chunk `c` with its state in `st` (flat, on the compute device). `eigen` uses the
   // fused CPU loop for AdamW (st on the CPU).
   void update(const Chunk& c, Views st, bool eigen) {
+    if (!eigen) {
+      std::vector<kernels::AdamWTensors> one;
+      if (add_fused_adamw(c, st, one)) return kernels::adamw_fused(one, hyper());
+    }
     Param& P = params[c.param];
     const int64_t e0 = c.u0 * P.unit, n = (c.u1 - c.u0) * P.unit;
     at::Tensor pflat = P.p.detach().view(-1).narrow(0, e0, n);
@@ -269,11 +274,36 @@ struct Optimizer::Impl {
     if (w.data_ptr() != pflat.data_ptr()) pflat.copy_(w);
   }
 
+  kernels::AdamWHyper hyper() const {
+    return {adamw.lr, adamw.beta1, adamw.beta2, adamw.eps, adamw.weight_decay, step};
+  }
+
+  // Appends chunk c's AdamW update to `batch` when the multi-tensor CUDA kernel takes it (its
+  // state `st` on the parameter's GPU); false leaves it to update()'s ATen ops.
+  bool add_fused_adamw(const Chunk& c, const Views& st, std::vector<kernels::AdamWTensors>& batch) const {
+    const Param& P = params[c.param];
+    if (!cfg.fused || P.kind != Kind::kAdamW || !st[kM].is_cuda()) return false;
+    const int64_t e0 = c.u0 * P.unit, n = (c.u1 - c.u0) * P.unit;
+    at::Tensor pflat = P.p.detach().view(-1).narrow(0, e0, n);
+    at::Tensor g = P.p.grad().reshape(-1).narrow(0, e0, n);
+    if (g.device() != st[kM].device()) return false;
+    kernels::AdamWTensors t{P.used[kMaster] ? st[kMaster] : pflat, g.contiguous(), st[kM], st[kV],
+                            P.used[kMaster] ? pflat : at::Tensor()};
+    if (!kernels::adamw_fused_supported(t)) return false;
+    batch.push_back(std::move(t));
+    return true;
+  }
+
+  // Every AdamW tensor in one multi-tensor launch where the kernel applies; Muon matrix by stack.
   void step_device() {
+    std::vector<kernels::AdamWTensors> fused;
     for (size_t i = 0; i < params.size(); ++i) {
       Param& P = params[i];
-      if (P.p.grad().defined()) update({i, 0, P.units}, P.state, false);
+      if (!P.p.grad().defined()) continue;
+      const Chunk whole{i, 0, P.units};
+      if (!add_fused_adamw(whole, P.state, fused)) update(whole, P.state, false);
     }
+    kernels::adamw_fused(fused, hyper());
   }
 
   // Chunk `c` with host-side state `hv`: on the CPU, or streamed through device buffer b.

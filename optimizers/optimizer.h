@@ -37,6 +37,7 @@ struct OptimizerConfig {
   int64_t chunk_bytes = 64ll << 20;       // state bytes per chunk (rounded to whole Muon matrices)
   bool master_weights = true;             // fp32 master copies of bf16/fp16 parameters
   at::ScalarType moment_dtype = at::kFloat;  // or kBFloat16
+  bool fused = true;  // AdamW on CUDA state: one multi-tensor kernel (false: ATen ops, the reference)
   std::string state_tag = "rank0";        // distinguishes the state files of ranks sharing nvme_dir
   void validate() const;
 };

@@ -1,10 +1,12 @@
 // `kiln bench optim`: optimizer steps against baselines timed in the same run — the fused CPU AdamW
 // against torch::optim::AdamW, every state placement against the all-on-device update and against
-// the PCIe and disk bounds, Muon batched against per-matrix, and Muon's share of a training step.
+// the PCIe and disk bounds, the multi-tensor CUDA AdamW against the ATen update, torch's fused
+// AdamW and the copy bandwidth, Muon batched against per-matrix, and Muon's share of a step.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <torch/optim/adamw.h>
+#include <torch/version.h>
 #if KILN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #endif
@@ -132,7 +134,56 @@ void placements(at::Device device, const std::string& nvme_dir, double chunk_mb)
              t_nvme / (tw + tr));
 }
 
-// 3. Muon's orthogonalisation on a layer's expert stack: one batched call against a per-matrix loop.
+// 3. AdamW with the state on the GPU: the multi-tensor kernel against the ATen ops it replaced,
+// torch's own fused AdamW (fp32 parameters: the same 28 B per parameter), and a device copy.
+void device_adamw(at::Device device) {
+  Named bf16 = synthetic_params(256 << 20, at::kBFloat16, device), f32 = synthetic_params(256 << 20, at::kFloat, device);
+  const double n = double(numel(bf16));
+  OptimizerConfig fast = adamw_only(Placement::kDevice, "", 64), slow = fast;
+  slow.fused = false;
+  Optimizer o_fast(bf16, fast), o_f32(f32, fast);
+  const double t_fast = time_it(device, [&] { o_fast.step(); }, 2, 9);
+  const double t_f32 = time_it(device, [&] { o_f32.step(); }, 2, 9);
+  double t_slow = 0;
+  {
+    Optimizer o_slow(bf16, slow);
+    t_slow = time_it(device, [&] { o_slow.step(); }, 2, 9);
+  }
+  at::Tensor a = at::empty({1ll << 30}, at::TensorOptions().dtype(at::kByte).device(device)), b = at::empty_like(a);
+  const double copy_bw = 2.0 * double(a.nbytes()) / time_it(device, [&] { b.copy_(a); }, 2, 9);  // read + write
+  const double bytes = 28 * n;  // g 2 + master 8 + moments 16 + parameter 2 (fp32: g 4 + p 8 + moments 16)
+  fmt::print("AdamW with the state on {}: {:.1f}M parameters in {} tensors, 28 B/param touched; device copy "
+             "(read + write) {:.0f} GB/s\n", device.str(), n / 1e6, bf16.size(), copy_bw / 1e9);
+  fmt::print("{:>44} {:>9} {:>9} {:>9}\n", "", "ms/step", "GB/s", "of copy");
+  auto row = [&](const char* what, double t) {
+    fmt::print("{:>44} {:>9.2f} {:>9.0f} {:>8.0f}%\n", what, t * 1e3, bytes / t / 1e9, 100 * bytes / t / copy_bw);
+  };
+  row("kiln multi-tensor kernel, bf16 + fp32 master", t_fast);
+  row("kiln multi-tensor kernel, fp32", t_f32);
+  row("kiln ATen ops (before), bf16 + fp32 master", t_slow);
+#if TORCH_VERSION_MAJOR >= 2
+  {
+    std::vector<at::Tensor> p, g, m, v, steps;
+    for (auto& [name, t] : f32) {
+      p.push_back(t.detach().clone());
+      g.push_back(t.grad());
+      m.push_back(at::zeros_like(t));
+      v.push_back(at::zeros_like(t));
+      steps.push_back(at::ones({}, t.options()));
+    }
+    const double t_torch = time_it(device, [&] {
+      at::_fused_adamw_(p, g, m, v, {}, steps, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false);
+    }, 2, 9);
+    row("torch _fused_adamw_ (torch.optim fused), fp32", t_torch);
+    fmt::print("  kiln multi-tensor / ATen ops: {:.2f}x; / torch fused (fp32 both): {:.2f}x\n\n", t_slow / t_fast,
+               t_torch / t_f32);
+  }
+#else
+  fmt::print("  kiln multi-tensor / ATen ops: {:.2f}x (torch's fused AdamW needs torch >= 2)\n\n", t_slow / t_fast);
+#endif
+}
+
+// 4. Muon's orthogonalisation on a layer's expert stack: one batched call against a per-matrix loop.
 void muon_batched(at::Device device, const model::ModelConfig& cfg) {
   const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   at::Tensor g = at::randn({cfg.num_experts, cfg.expert_ffn_size, cfg.latent_size},
@@ -146,7 +197,7 @@ void muon_batched(at::Device device, const model::ModelConfig& cfg) {
              t_loop * 1e3, t_loop / t_batched);
 }
 
-// 4. The optimizer's share of one training step (forward + backward on 8192 packed tokens).
+// 5. The optimizer's share of one training step (forward + backward on 8192 packed tokens).
 void step_share(at::Device device, const model::ModelConfig& cfg) {
   const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   model::Muse m = model::Muse::init(cfg, 0, dtype, device);
@@ -171,6 +222,13 @@ void step_share(at::Device device, const model::ModelConfig& cfg) {
              "AdamW {:.1f} ms ({} tensors); Muon is {:.1f}% of the step, the optimizer {:.1f}%\n",
              cfg.name, at::toString(dtype), device.str(), seqs * len, t_model * 1e3, t_muon * 1e3, muon.size(),
              t_adamw * 1e3, adamw.size(), 100 * t_muon / total, 100 * (t_muon + t_adamw) / total);
+  // An RL optimizer step accumulates many micro-batches: the forward+backward time scales with the
+  // micro-batches (measured above per micro-batch), the optimizer's does not.
+  for (int64_t tokens : {int64_t(1) << 17, int64_t(1) << 20}) {
+    const double micro = double(tokens) / double(seqs * len), t = micro * t_model + t_muon + t_adamw;
+    fmt::print("  at {} tokens per optimizer step ({:.0f} micro-batches of {}): Muon {:.2f}%, the optimizer {:.2f}%\n",
+               tokens, micro, seqs * len, 100 * t_muon / t, 100 * (t_muon + t_adamw) / t);
+  }
 }
 
 }  // namespace
@@ -180,6 +238,7 @@ void bench_optim(at::Device device, const std::string& config, const std::string
   at::manual_seed(0);
   cpu_adamw();
   placements(device, nvme_dir, chunk_mb);
+  if (device.is_cuda()) device_adamw(device);
   muon_batched(device, cfg);
   step_share(device, cfg);
 }

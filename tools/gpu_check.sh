@@ -2,7 +2,7 @@
 # One device call: build kiln against torch's libtorch with CUDA, run the cuda tests (and the cpu
 # tests of the same build), the GRPO smoke runs (bf16, NVFP4 rollouts, LoRA) and the benchmarks.
 # Four logs go to $OUT when set (the device tool returns at most 8 files): build.log, tests.log,
-# grpo.txt, train.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,train,bench (the default: all) picks sections.
+# grpo.txt, train.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,train,bench (the default: all; optim: bench optim alone) picks sections.
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -125,13 +125,13 @@ if [ -f "$peer/torch_peer.py" ]; then
   python3 tools/peer_ratio.py "$out/train.txt" 2>&1 | tee -a "$out/train.txt"
   PYTHONUNBUFFERED=1 python3 tools/profile_peer.py "$peer" "$tmp" 2>&1 | tail -2
   step "bench train, one full-width latent-MoE layer (configs/muse-full-layer.yaml) against the peer's layer, eager"
-  ./build-gpu/kiln bench train configs/muse-full-layer.yaml --device cuda 2>&1 | tee "$tmp/full.txt" | tee -a "$out/train.txt"
+  ./build-gpu/kiln bench train configs/muse-full-layer.yaml --device cuda --profile "$tmp/kiln-full.json" 2>&1 | tee "$tmp/full.txt" | tee -a "$out/train.txt"
   PYTHONUNBUFFERED=1 python3 tools/peer_layer.py "$peer" 2>&1 | tee -a "$tmp/full.txt" | tee -a "$out/train.txt"
   python3 tools/peer_ratio.py "$tmp/full.txt" "full-width layer, kiln / peer" 2>&1 | tee -a "$out/train.txt"
 else
   echo "no peer in $peer (copy torch_peer.py and muse_torch.py there): no ratio measured" | tee -a "$out/train.txt"
 fi
-for t in kiln-train peer-eager peer-compiled; do
+for t in kiln-train peer-eager peer-compiled kiln-full; do
   [ -f "$tmp/$t.json" ] && python3 tools/profile_summary.py "$tmp/$t.json" --label "$t" 2>&1 | tee -a "$out/profile.txt"
 done
 fi  # train
@@ -147,10 +147,14 @@ step "bench decode (muse-small)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 2>&1 | tee -a "$out/bench.txt"
 step "bench decode (muse-small, NVFP4 W4A16 weights, against the bf16 engine)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 2>&1 | tee -a "$out/bench.txt"
-step "bench optim (muse-small; NVMe state under /tmp)"
-mkdir -p /tmp/kiln-nvme
-./build-gpu/kiln bench optim --device cuda --config configs/muse-small.yaml --nvme-dir /tmp/kiln-nvme 2>&1 | tee -a "$out/bench.txt"
 step "bench forward (muse-small)"
 ./build-gpu/kiln bench forward --device cuda --config configs/muse-small.yaml --seqs 8 --len 1024 2>&1 | tee -a "$out/bench.txt"
 fi  # bench
+if want bench || want optim; then
+step "bench optim (muse-small; NVMe state under /tmp)"
+mkdir -p /tmp/kiln-nvme
+./build-gpu/kiln bench optim --device cuda --config configs/muse-small.yaml --nvme-dir /tmp/kiln-nvme 2>&1 | tee -a "$out/bench.txt"
+rm -rf /tmp/kiln-nvme
+fi  # optim
+rm -rf "$tmp"
 step done
