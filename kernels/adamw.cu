@@ -65,12 +65,15 @@ __device__ __forceinline__ void store4(void* p, uint8_t code, int64_t i, const f
   *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p) + i) = raw;
 }
 
-// torch.optim.AdamW's order: decay, the moments (lerp, then the addcmul), then the addcdiv.
+// torch.optim.AdamW's order: decay, the moments (lerp, then the addcmul), then the addcdiv. Every
+// operation rounds on its own (no contraction into FMAs), so that the vector and scalar paths,
+// and so any chunking of a tensor, give the same bits.
 __device__ __forceinline__ void adamw_one(float& w, float g, float& m, float& v, const AdamWScalars& s) {
-  w *= s.decay;
-  m += s.one_minus_beta1 * (g - m);
-  v = v * s.beta2 + s.one_minus_beta2 * g * g;
-  w -= s.step_size * (m / (sqrtf(v) / s.sqrt_bc2 + s.eps));
+  w = __fmul_rn(w, s.decay);
+  m = __fadd_rn(m, __fmul_rn(s.one_minus_beta1, __fsub_rn(g, m)));
+  v = __fadd_rn(__fmul_rn(v, s.beta2), __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.sqrt_bc2), s.eps);
+  w = __fsub_rn(w, __fmul_rn(s.step_size, __fdiv_rn(m, denom)));
 }
 
 __global__ void __launch_bounds__(kThreads) adamw_kernel(const __grid_constant__ Batch b, const AdamWScalars s) {

@@ -123,7 +123,7 @@ double train_step_flops(const model::ModelConfig& c, int64_t seqs, int64_t len) 
 }
 
 void bench_train(at::Device device, const std::string& config, int64_t seqs, int64_t tokens,
-                 const std::string& profile) {
+                 const std::string& profile, bool only_fused) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
   KILN_CHECK(seqs >= 1 && tokens % seqs == 0, "bench train: --tokens ", tokens, " must split into --seqs ", seqs,
              " equal sequences");
@@ -150,8 +150,8 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
   std::vector<Path> paths = {{"per-expert loop", false, false}};
   if (device.is_cuda()) {
     // 256 experts one GEMM at a time take seconds a step and say nothing new: the loop is left out.
-    if (cfg.num_experts > 64) paths.clear();
-    paths.push_back({"grouped, ATen ops", true, false});
+    if (cfg.num_experts > 64 || only_fused) paths.clear();
+    if (!only_fused) paths.push_back({"grouped, ATen ops", true, false});
     paths.push_back({"grouped + fused", true, true});
   }
   std::vector<double> t;
@@ -167,6 +167,16 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
     fmt::print("{:>22} {:>12.0f} {:>10.3f} {:>10.1f} {:>12.2f}\n", p.name, double(tokens) / t.back(),
                flops / t.back() / 1e12, t.back() * 1e3, model::peak_memory_gb(device));
   }
+  // What the peak holds besides the weights and their gradients (both in the weights' dtype): the
+  // activations kept for the backward and the kernels' workspace, per token.
+  int64_t weight_bytes = 0;
+  for (auto& [n, p] : m.named_parameters()) weight_bytes += p.numel() * int64_t(p.element_size());
+  const double act = model::peak_memory_gb(device) * 1e9 - 2.0 * double(weight_bytes);
+  if (device.is_cuda())
+    fmt::print("memory ({}): weights {:.2f} GB, gradients {:.2f} GB, the rest of the peak {:.2f} GB = {:.1f} KB per "
+               "token, {:.1f} KB per token and layer\n",
+               paths.back().name, weight_bytes / 1e9, weight_bytes / 1e9, act / 1e9, act / double(tokens) / 1e3,
+               act / double(tokens) / double(cfg.num_layers) / 1e3);
   if (paths.size() == 3) fmt::print("grouped / loop: {:.2f}x\n", t[0] / t[1]);
   if (paths.size() >= 2) fmt::print("fused / ATen ops: {:.2f}x\n", t[t.size() - 2] / t.back());
   if (!profile.empty()) {
@@ -304,6 +314,7 @@ Run add_bench(CLI::App& app) {
     double chunk_mb = 64;
     int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192;
     std::string profile;
+    bool only_fused = false;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("case", a->name, "rmsnorm, forward, decode, train, optim or nvfp4")
@@ -323,13 +334,14 @@ Run add_bench(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; tools/profile_summary.py)");
+  cmd->add_flag("--only-fused", a->only_fused, "Time only the grouped + fused path (train; for ncu and quick runs)");
   return [a] {
     const std::string name = a->device.empty() ? (at::hasCUDA() ? "cuda" : "cpu") : a->device;
     const at::Device device = model::parse_device(name, "bench: --device");
     const std::string config = a->model.empty() ? a->config : a->model;
     if (a->name == "rmsnorm") bench_rmsnorm(device);
     else if (a->name == "decode") bench_decode(device, config, a->len, a->gen, a->quantization);
-    else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile);
+    else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
     else if (a->name == "nvfp4") bench_nvfp4(device);
     else bench_forward(device, config, a->seqs, a->len);

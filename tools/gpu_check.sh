@@ -2,7 +2,9 @@
 # One device call: build kiln against torch's libtorch with CUDA, run the cuda tests (and the cpu
 # tests of the same build), the GRPO smoke runs (bf16, NVFP4 rollouts, LoRA) and the benchmarks.
 # Four logs go to $OUT when set (the device tool returns at most 8 files): build.log, tests.log,
-# grpo.txt, train.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,train,bench (the default: all; optim: bench optim alone) picks sections.
+# grpo.txt, train.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,train,bench (the default) picks sections; also grpostep (the GRPO step's
+# phases, fused kernels on and off), optim (bench optim alone, also part of bench) and ncu (kernel
+# metrics of the fused path's memory-bound kernels, into profile.txt).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -56,7 +58,7 @@ tmp=$(mktemp -d)
 if want tests; then
 step "ctest -L cuda"
 (cd build-gpu && ctest -L cuda --output-on-failure -V > "$tmp/ctest-cuda.log" 2>&1)
-grep -E "bf16|agreement|nvfp4|Passed|Failed|tests passed|FAIL|Error|Failure|Expected|Which is|actual|diff" "$tmp/ctest-cuda.log" \
+grep -E "bf16|agreement|nvfp4|grouped \+ fused|elements differ|Passed|Failed|tests passed|FAIL|Error|Failure|Expected|Which is|actual|diff" "$tmp/ctest-cuda.log" \
   | head -200 | tee -a "$out/tests.log"
 # Left to CI: the CLI run (minutes), the tests against npm references (TokenizerReference, ...
 # and TiktokenTest.GptOss*, which read files this machine cannot fetch) and the TensorBoard tests
@@ -116,6 +118,34 @@ printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/lora.yaml"
 echo "LoRA rank 32 on the NVFP4 rollout" | tee -a "$out/grpo.txt"
 mismatch_report "$tmp/lora/metrics.jsonl" | tee -a "$out/grpo.txt"
 fi  # grpo
+if want grpostep; then
+step "GRPO step phases: muse-small, 16 prompts x 8 samples x 128 tokens, fused kernels on and off"
+for fused in true false; do
+  sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  max_tokens: .*/  max_tokens: 128/" \
+      -e "s/^  mismatch_ab: .*/  mismatch_ab: false\n  fused_kernels: $fused/" -e "s/^  every: .*/  every: 1000/" \
+      -e "s/^  steps: .*/  steps: 4/" recipes/grpo-arith-small-gpu.yaml > "$tmp/step-$fused.yaml"
+  ./build-gpu/kiln train "$tmp/step-$fused.yaml" --out "$tmp/step-$fused" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
+  python3 - "$tmp/step-$fused/metrics.jsonl" "fused_kernels: $fused" <<'PY' 2>&1 | tee -a "$out/grpo.txt"
+import sys, json, statistics as st
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l][1:]  # the first step warms up
+keys = ["rollout_seconds", "reward_seconds", "lp_old_seconds", "train_seconds", "sync_seconds"]
+med = {k: st.median(r.get(k, 0.0) for r in rows) for k in keys}
+total = st.median(r["step_seconds"] for r in rows)
+toks = st.median(r.get("tokens", 0) for r in rows)
+print(f"{sys.argv[2]}: step {total*1e3:.0f} ms (median of {len(rows)}), {toks:.0f} tokens; " +
+      ", ".join(f"{k.split('_')[0]} {med[k]*1e3:.0f} ms ({100*med[k]/total:.1f}%)" for k in keys) +
+      f", other {1e3*(total-sum(med.values())):.0f} ms")
+PY
+done
+fi  # grpostep
+if want ncu; then
+step "ncu: the fused path's MoE row kernels and RMSNorm backward on the full-width layer"
+for k in "moe_expand:2" "moe_reduce:2" "rms_norm_backward:6"; do
+  ncu --kernel-name "regex:${k%%:*}" --launch-count "${k##*:}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section Occupancy --section LaunchStats ./build-gpu/kiln bench train configs/muse-full-layer.yaml --device cuda \
+    --only-fused 2>&1 | grep -vE "^==PROF==|^train step|^ +path" | tee -a "$out/profile.txt" | grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Grid Size|Block Size|Registers" | head -60
+done
+fi  # ncu
 if want train; then
 step "bench train (muse-small, 8 x 1024 packed tokens) against the plain-PyTorch peer, eager and compiled"
 ./build-gpu/kiln bench train configs/muse-small.yaml --device cuda --profile "$tmp/kiln-train.json" 2>&1 | tee -a "$out/train.txt"

@@ -236,7 +236,9 @@ struct GrpoTrainer::Impl {
       params.push_back(t);
       is_expert.push_back(shard && model::is_expert_tensor(name));
     }
-    zero = std::make_unique<ZeroOne>(named, is_expert, group, expert_dp, cfg.optim);
+    optimizers::OptimizerConfig oc = cfg.optim;
+    oc.fused = cfg.fused_kernels;
+    zero = std::make_unique<ZeroOne>(named, is_expert, group, expert_dp, oc);
     if (!shard && group.size() > 1) reducer = std::make_unique<OverlappedGradReducer>(group, params);
   }
 
@@ -259,6 +261,7 @@ struct GrpoTrainer::Impl {
   model::ForwardOptions forward_options() const {
     model::ForwardOptions o;
     if (shard) o.expert_group = &ep_group;
+    o.use_fused = cfg.fused_kernels;
     return o;
   }
   Scored score(const std::vector<Trajectory>& trajs, bool replay) { return score(trained(), trajs, replay); }

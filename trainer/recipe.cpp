@@ -349,6 +349,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     s.get("std_normalize", g.std_normalize);
     s.get("routing_replay", g.routing_replay);
     s.get("mismatch_ab", g.mismatch_ab);
+    s.get("fused_kernels", g.fused_kernels);
     s.finish();
   }
   {
@@ -542,7 +543,8 @@ std::string Recipe::to_yaml() const {
     << YAML::Key << "max_tokens" << YAML::Value << g.max_tokens << YAML::Key << "temperature" << YAML::Value
     << g.temperature << YAML::Key << "top_p" << YAML::Value << g.top_p << YAML::Key << "top_k" << YAML::Value
     << g.top_k << YAML::Key << "std_normalize" << YAML::Value << g.std_normalize << YAML::Key << "routing_replay"
-    << YAML::Value << g.routing_replay << YAML::Key << "mismatch_ab" << YAML::Value << g.mismatch_ab << YAML::EndMap;
+    << YAML::Value << g.routing_replay << YAML::Key << "mismatch_ab" << YAML::Value << g.mismatch_ab << YAML::Key << "fused_kernels" << YAML::Value
+    << g.fused_kernels << YAML::EndMap;
   e << YAML::Key << "loss" << YAML::Value << YAML::BeginMap << YAML::Key << "eps_low" << YAML::Value
     << g.loss.eps_low << YAML::Key << "eps_high" << YAML::Value << g.loss.eps_high << YAML::Key << "aggregation"
     << YAML::Value

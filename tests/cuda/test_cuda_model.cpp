@@ -64,33 +64,48 @@ TEST(CudaModel, Bf16ForwardTracksFp32CpuReference) {
   EXPECT_GT(agree, 0.9);
 }
 
+// The bf16 expert loop (ATen ops) and the grouped GEMM with the fused kernels, each against the
+// same model in fp32 on the GPU. Both are measured against fp32 rather than one against the other:
+// the loop's per-expert-norm weight gradient is a bf16 index_add (atomics), the least exact of the
+// two, so a bound between them mostly measures the reference.
 TEST(CudaModel, GroupedGemmEqualsExpertLoop) {
   Muse cpu = Muse::init(cuda_config(), 3, at::kFloat, at::kCPU);
-  Muse gpu = to_device(cpu, at::kCUDA, at::kBFloat16);
+  Muse f32 = to_device(cpu, at::kCUDA, at::kFloat), gpu = to_device(cpu, at::kCUDA, at::kBFloat16);
+  f32.set_requires_grad(true);
   gpu.set_requires_grad(true);
   auto seqs = sequences(97);
   PackedBatch batch = PackedBatch::from_sequences(seqs, at::kCUDA);
   ForwardOptions opt;
   opt.targets = at::randint(97, {batch.num_tokens()}, at::kLong);
-  std::vector<at::Tensor> grads[2];
-  at::Tensor lps[2];
-  for (int g = 0; g < 2; ++g) {
-    opt.use_grouped_mm = g == 1;
-    for (auto& [n, p] : gpu.named_parameters()) p.mutable_grad() = at::Tensor();
-    auto out = gpu.forward(batch, opt);
-    // The loop's routing, replayed: a near tie that bf16 rounding flips would move a token's
+  std::vector<at::Tensor> grads[3];  // fp32 loop, bf16 loop, bf16 grouped + fused
+  at::Tensor lps[3];
+  for (int g = 0; g < 3; ++g) {
+    Muse& m = g == 0 ? f32 : gpu;
+    opt.use_grouped_mm = g == 2;
+    for (auto& [n, p] : m.named_parameters()) p.mutable_grad() = at::Tensor();
+    auto out = m.forward(batch, opt);
+    // The fp32 routing, replayed: a near tie that bf16 rounding flips would move a token's
     // experts, which says nothing about the GEMMs.
     if (g == 0) opt.replay_routing = out.routing;
     out.logprobs.sum().backward();
-    lps[g] = out.logprobs.detach().cpu();
-    for (auto& [n, p] : gpu.named_parameters()) grads[g].push_back(p.grad().to(at::kCPU, at::kFloat));
+    lps[g] = out.logprobs.detach().to(at::kCPU, at::kFloat);
+    for (auto& [n, p] : m.named_parameters()) grads[g].push_back(p.grad().to(at::kCPU, at::kFloat));
   }
-  KILN_EXPECT_CLOSE(lps[1], lps[0], 1e-2, 1e-2);
+  KILN_EXPECT_CLOSE(lps[1], lps[0], 2e-2, 2e-2);
+  KILN_EXPECT_CLOSE(lps[2], lps[0], 2e-2, 2e-2);
   auto names = gpu.named_parameters();
+  double worst[2] = {0, 0};
+  std::string worst_name[2];
   for (size_t i = 0; i < names.size(); ++i) {
     const double scale = grads[0][i].abs().max().item<double>() + 1e-12;
-    EXPECT_LT((grads[1][i] - grads[0][i]).abs().max().item<double>() / scale, 5e-2) << names[i].first;
+    for (int g = 1; g < 3; ++g) {
+      const double e = (grads[g][i] - grads[0][i]).abs().max().item<double>() / scale;
+      if (e > worst[g - 1]) worst[g - 1] = e, worst_name[g - 1] = names[i].first;
+      EXPECT_LT(e, g == 2 ? 5e-2 : 1e-1) << names[i].first << (g == 2 ? " (grouped + fused)" : " (bf16 loop)");
+    }
   }
+  std::printf("bf16 gradients against fp32, worst max|d|/max|g|: loop %.3e (%s), grouped + fused %.3e (%s)\n",
+              worst[0], worst_name[0].c_str(), worst[1], worst_name[1].c_str());
 }
 
 TEST(CudaModel, CheckpointLoadsOntoGpu) {

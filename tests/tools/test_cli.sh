@@ -152,6 +152,7 @@ out=$("$kiln" train "$tmp/recipe.yaml" --steps -5 --out "$tmp/neg" 2>&1) && { ec
 grep -q '"mismatch_no_replay"' "$tmp/run/metrics.jsonl" || { echo "FAIL: no A/B mismatch in metrics"; fails=$((fails+1)); }
 [ "$(grep -c eval_accuracy "$tmp/run/metrics.jsonl")" = 3 ] || { echo "FAIL: expected 3 eval lines"; fails=$((fails+1)); }
 grep -q "steps: 2" "$tmp/run/recipe.yaml" || { echo "FAIL: resolved recipe lacks steps: 2"; fails=$((fails+1)); }
+grep -q "fused_kernels: true" "$tmp/run/recipe.yaml" || { echo "FAIL: resolved recipe lacks grpo.fused_kernels"; fails=$((fails+1)); }
 [ -f "$tmp/run/final/config.json" ] || { echo "FAIL: no final checkpoint"; fails=$((fails+1)); }
 # Resume: 2 steps, then continue to 4; the metrics of steps 3-4 equal an uninterrupted 4-step run's.
 strip_times() { grep '"reward"' "$1" | sed -E 's/"[a-z_]*(seconds|per_second|gbps)":[^,}]*,?//g'; }
