@@ -24,10 +24,7 @@ __device__ __forceinline__ void load(const T* p, float (&out)[kVec]) {
 
 template <typename T, int kVec>
 __device__ __forceinline__ void store(T* p, const float (&in)[kVec]) {
-  Vec<T, kVec> v;
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) v.v[i] = from_float<T>(in[i]);
-  *reinterpret_cast<Vec<T, kVec>*>(p) = v;
+  store_vec<T, kVec>(p, in);
 }
 
 template <typename T, int kVec>

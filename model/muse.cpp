@@ -3,7 +3,12 @@
 #include "model/muse.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
+#include <memory>
 #include <numeric>
 
 #include "core/comm.h"
@@ -338,6 +343,79 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   return r;
 }
 
+// Everything a layer's forward reads besides its weights, held by value: a recompute in the
+// backward must not depend on the caller's objects still being alive.
+struct LayerContext {
+  ModelConfig cfg;
+  PackedBatch batch;
+  at::Tensor cos, sin;
+  PaddedLayout padded;
+  FlashPlan flash;
+  ForwardOptions opt;
+};
+
+struct LayerOut {
+  at::Tensor x, ids, balance;  // the residual stream after the layer, its expert ids [T, k], its balance term
+};
+
+// One sandwich-normed block: attention, then the latent MoE, each added to the residual stream.
+LayerOut run_layer(const LayerContext& c, const LayerWeights& lw, int64_t i, const at::Tensor& x,
+                   const at::Tensor& replay) {
+  const double eps = c.cfg.rms_norm_eps;
+  at::Tensor a = attention(c.cfg, lw, i, rms_norm(x, lw.input_norm, eps), c.batch, c.cos, c.sin, c.opt.attention,
+                           c.padded, c.flash, c.opt);
+  at::Tensor h = x + rms_norm(a, lw.post_attn_norm, eps);
+  MoeOut moe = latent_moe(c.cfg, lw, i, rms_norm(h, lw.pre_moe_norm, eps), replay, c.opt);
+  return {h + rms_norm(moe.out, lw.post_moe_norm, eps), moe.ids, moe.balance};
+}
+
+// Activation recompute of one layer (ForwardOptions::recompute): the forward ran without a graph
+// and kept only the layer's input and expert ids. This node runs the layer again with a graph,
+// the same experts replayed, and backpropagates through it (a reentrant backward): the layer's
+// parameter gradients accumulate as usual and the input's gradient is returned.
+struct LayerRecompute : public torch::autograd::Node {
+  std::shared_ptr<const LayerContext> context;
+  LayerWeights weights;
+  int64_t layer = 0;
+  at::Tensor input, ids;
+  bool has_balance = false;
+
+  std::string name() const override { return "kiln::LayerRecompute"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    torch::autograd::AutoGradMode grad_on(true);
+    at::Tensor x = input.detach().requires_grad_(true);
+    LayerOut r = run_layer(*context, weights, layer, x, ids);
+    torch::autograd::variable_list outs, gs;
+    if (grads[0].defined()) outs.push_back(r.x), gs.push_back(grads[0]);
+    if (has_balance && grads.size() > 1 && grads[1].defined() && r.balance.requires_grad())
+      outs.push_back(r.balance), gs.push_back(grads[1]);
+    if (!outs.empty()) torch::autograd::backward(outs, gs);
+    input = at::Tensor();  // the graph is consumed: release the saved activation now
+    return {x.grad()};
+  }
+};
+
+LayerOut recomputed_layer(const std::shared_ptr<const LayerContext>& c, const LayerWeights& lw, int64_t i,
+                          const at::Tensor& x, const at::Tensor& replay) {
+  LayerOut r;
+  {
+    at::NoGradGuard no_grad;
+    r = run_layer(*c, lw, i, x, replay);
+  }
+  auto node = std::shared_ptr<LayerRecompute>(new LayerRecompute(), torch::autograd::deleteNode);
+  node->context = c;
+  node->weights = lw;
+  node->layer = i;
+  node->input = x.detach();
+  node->ids = r.ids;
+  node->has_balance = r.balance.defined();
+  node->set_next_edges(torch::autograd::collect_next_edges(x));
+  torch::autograd::set_history(r.x, node);  // the node's first gradient
+  if (r.balance.defined()) torch::autograd::set_history(r.balance, node);
+  return r;
+}
+
 }  // namespace
 
 at::ScalarType router_dtype(at::ScalarType dtype) { return acc_dtype(dtype); }
@@ -569,17 +647,15 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   at::Tensor balance = opt.load_balance
                            ? at::zeros({}, at::TensorOptions().dtype(router_dtype(dtype())).device(device()))
                            : at::Tensor();
+  const bool recompute = opt.recompute && torch::autograd::GradMode::is_enabled();
+  auto context = std::make_shared<LayerContext>(LayerContext{cfg_, batch, cos, sin, padded, flash, opt});
   for (int64_t i = 0; i < L; ++i) {
-    const LayerWeights& lw = w_.layers[i];
-    const double eps = cfg_.rms_norm_eps;
-    at::Tensor a =
-        attention(cfg_, lw, i, rms_norm(x, lw.input_norm, eps), batch, cos, sin, opt.attention, padded, flash, opt);
-    x = x + rms_norm(a, lw.post_attn_norm, eps);
-    MoeOut moe = latent_moe(cfg_, lw, i, rms_norm(x, lw.pre_moe_norm, eps),
-                            replay.defined() ? replay.select(1, i) : at::Tensor(), opt);
-    x = x + rms_norm(moe.out, lw.post_moe_norm, eps);
-    routing.push_back(moe.ids);
-    if (balance.defined()) balance = balance + moe.balance;
+    const at::Tensor replay_i = replay.defined() ? replay.select(1, i) : at::Tensor();
+    LayerOut r = recompute ? recomputed_layer(context, w_.layers[i], i, x, replay_i)
+                           : run_layer(*context, w_.layers[i], i, x, replay_i);
+    x = r.x;
+    routing.push_back(r.ids);
+    if (balance.defined()) balance = balance + r.balance;
   }
   at::Tensor xn = rms_norm(x, w_.final_norm, cfg_.rms_norm_eps);
 

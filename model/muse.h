@@ -115,6 +115,10 @@ struct ForwardOptions {
   bool disable_lora = false;    // run the base alone (LoRA's KL reference policy)
   const comm::Group* expert_group = nullptr;  // expert parallel: the weights hold this rank's
                                 // num_experts/size experts (model/expert_parallel.h); not owned
+  // With a gradient: each layer keeps only its input and expert ids and runs again in the backward
+  // (its routing replayed): the activations of one layer at a time instead of all of them, for
+  // about one more forward of compute. The model must outlive the backward.
+  bool recompute = false;
 };
 
 struct ForwardOutput {

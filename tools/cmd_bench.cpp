@@ -145,16 +145,17 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
   // CUDA-only: on the CPU the loop is the one path, timed once.
   struct Path {
     const char* name;
-    bool grouped, fused;
+    bool grouped, fused, recompute = false;
   };
   std::vector<Path> paths = {{"per-expert loop", false, false}};
   if (device.is_cuda()) {
     // 256 experts one GEMM at a time take seconds a step and say nothing new: the loop is left out.
     if (cfg.num_experts > 64 || only_fused) paths.clear();
     if (!only_fused) paths.push_back({"grouped, ATen ops", true, false});
+    if (!only_fused) paths.push_back({"fused + recompute", true, true, true});  // the memory saving, and its cost
     paths.push_back({"grouped + fused", true, true});
   }
-  std::vector<double> t;
+  std::vector<double> t, peak;
   auto step = [&] {
     for (auto& [n, p] : m.named_parameters()) p.mutable_grad() = at::Tensor();
     (-m.forward(batch, opt).logprobs.mean()).backward();
@@ -162,23 +163,31 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
   for (const Path& p : paths) {
     opt.use_grouped_mm = p.grouped;
     opt.use_fused = p.fused;
+    opt.recompute = p.recompute;
     model::reset_peak_memory(device);
     t.push_back(time_it(device, step, 2, 7));
+    peak.push_back(model::peak_memory_gb(device));
     fmt::print("{:>22} {:>12.0f} {:>10.3f} {:>10.1f} {:>12.2f}\n", p.name, double(tokens) / t.back(),
-               flops / t.back() / 1e12, t.back() * 1e3, model::peak_memory_gb(device));
+               flops / t.back() / 1e12, t.back() * 1e3, peak.back());
   }
+  opt.recompute = false;
   // What the peak holds besides the weights and their gradients (both in the weights' dtype): the
   // activations kept for the backward and the kernels' workspace, per token.
   int64_t weight_bytes = 0;
   for (auto& [n, p] : m.named_parameters()) weight_bytes += p.numel() * int64_t(p.element_size());
-  const double act = model::peak_memory_gb(device) * 1e9 - 2.0 * double(weight_bytes);
-  if (device.is_cuda())
+  for (size_t i = 0; i < paths.size() && device.is_cuda(); ++i) {
+    if (!paths[i].fused) continue;
+    const double act = peak[i] * 1e9 - 2.0 * double(weight_bytes);
     fmt::print("memory ({}): weights {:.2f} GB, gradients {:.2f} GB, the rest of the peak {:.2f} GB = {:.1f} KB per "
                "token, {:.1f} KB per token and layer\n",
-               paths.back().name, weight_bytes / 1e9, weight_bytes / 1e9, act / 1e9, act / double(tokens) / 1e3,
+               paths[i].name, weight_bytes / 1e9, weight_bytes / 1e9, act / 1e9, act / double(tokens) / 1e3,
                act / double(tokens) / double(cfg.num_layers) / 1e3);
-  if (paths.size() == 3) fmt::print("grouped / loop: {:.2f}x\n", t[0] / t[1]);
-  if (paths.size() >= 2) fmt::print("fused / ATen ops: {:.2f}x\n", t[t.size() - 2] / t.back());
+  }
+  if (paths.size() == 4) fmt::print("grouped / loop: {:.2f}x\n", t[0] / t[1]);
+  if (paths.size() >= 3) {
+    fmt::print("fused / ATen ops: {:.2f}x\n", t[t.size() - 3] / t.back());
+    fmt::print("recompute costs {:.2f}x the step time\n", t[t.size() - 2] / t.back());
+  }
   if (!profile.empty()) {
     profile_to(profile, device, step);
     fmt::print("profile of one {} step: {}\n", paths.back().name, profile);

@@ -262,6 +262,7 @@ struct GrpoTrainer::Impl {
     model::ForwardOptions o;
     if (shard) o.expert_group = &ep_group;
     o.use_fused = cfg.fused_kernels;
+    o.recompute = cfg.recompute;
     return o;
   }
   Scored score(const std::vector<Trajectory>& trajs, bool replay) { return score(trained(), trajs, replay); }

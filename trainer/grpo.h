@@ -45,6 +45,7 @@ struct GrpoConfig {
   int64_t micro_batch_seqs = 64;    // sequences per forward/backward (gradient accumulation)
   bool routing_replay = true;       // R3: the trainer's forward uses the rollout's expert sets
   bool mismatch_ab = false;         // also measure the mismatch with replay off (one extra forward)
+  bool recompute = false;           // recompute each layer in the backward (ForwardOptions::recompute)
   bool fused_kernels = true;        // CUDA: the fused training kernels and the multi-tensor AdamW
                                     // (false: the ATen reference ops, for A/B runs and debugging)
   uint64_t seed = 0;

@@ -350,6 +350,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     s.get("routing_replay", g.routing_replay);
     s.get("mismatch_ab", g.mismatch_ab);
     s.get("fused_kernels", g.fused_kernels);
+    s.get("recompute", g.recompute);
     s.finish();
   }
   {
@@ -544,7 +545,7 @@ std::string Recipe::to_yaml() const {
     << g.temperature << YAML::Key << "top_p" << YAML::Value << g.top_p << YAML::Key << "top_k" << YAML::Value
     << g.top_k << YAML::Key << "std_normalize" << YAML::Value << g.std_normalize << YAML::Key << "routing_replay"
     << YAML::Value << g.routing_replay << YAML::Key << "mismatch_ab" << YAML::Value << g.mismatch_ab << YAML::Key << "fused_kernels" << YAML::Value
-    << g.fused_kernels << YAML::EndMap;
+    << g.fused_kernels << YAML::Key << "recompute" << YAML::Value << g.recompute << YAML::EndMap;
   e << YAML::Key << "loss" << YAML::Value << YAML::BeginMap << YAML::Key << "eps_low" << YAML::Value
     << g.loss.eps_low << YAML::Key << "eps_high" << YAML::Value << g.loss.eps_high << YAML::Key << "aggregation"
     << YAML::Value

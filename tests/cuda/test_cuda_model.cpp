@@ -101,11 +101,46 @@ TEST(CudaModel, GroupedGemmEqualsExpertLoop) {
     for (int g = 1; g < 3; ++g) {
       const double e = (grads[g][i] - grads[0][i]).abs().max().item<double>() / scale;
       if (e > worst[g - 1]) worst[g - 1] = e, worst_name[g - 1] = names[i].first;
-      EXPECT_LT(e, g == 2 ? 5e-2 : 1e-1) << names[i].first << (g == 2 ? " (grouped + fused)" : " (bf16 loop)");
+      // bf16 gradients over ~100 tokens: a few percent of the largest entry (the embedding's and
+      // the router's, accumulated in bf16 by autograd, reach 5%); a wrong gradient is off by O(1).
+      EXPECT_LT(e, 1e-1) << names[i].first << (g == 2 ? " (grouped + fused)" : " (bf16 loop)");
     }
   }
   std::printf("bf16 gradients against fp32, worst max|d|/max|g|: loop %.3e (%s), grouped + fused %.3e (%s)\n",
               worst[0], worst_name[0].c_str(), worst[1], worst_name[1].c_str());
+}
+
+// The layer recompute on the fused bf16 path: log-probs and gradients as with stored activations
+// (the same expert sets replayed, so near ties cannot move a token), and the backward's peak lower.
+TEST(CudaModel, RecomputeMatchesStoredActivationsInBf16) {
+  Muse gpu = to_device(Muse::init(cuda_config(), 6, at::kFloat, at::kCPU), at::kCUDA, at::kBFloat16);
+  gpu.set_requires_grad(true);
+  auto seqs = sequences(97);
+  PackedBatch batch = PackedBatch::from_sequences(seqs, at::kCUDA);
+  ForwardOptions opt;
+  opt.targets = at::randint(97, {batch.num_tokens()}, at::kLong);
+  {
+    at::NoGradGuard g;
+    opt.replay_routing = gpu.forward(batch, opt).routing;
+  }
+  std::vector<at::Tensor> grads[2];
+  at::Tensor lps[2], routing[2];
+  for (int r = 0; r < 2; ++r) {
+    opt.recompute = r == 1;
+    for (auto& [n, p] : gpu.named_parameters()) p.mutable_grad() = at::Tensor();
+    auto out = gpu.forward(batch, opt);
+    (out.logprobs.sum() + out.load_balance_loss).backward();
+    lps[r] = out.logprobs.detach().to(at::kCPU, at::kFloat);
+    routing[r] = out.routing.cpu();
+    for (auto& [n, p] : gpu.named_parameters()) grads[r].push_back(p.grad().to(at::kCPU, at::kFloat));
+  }
+  EXPECT_TRUE(test::all_equal(routing[1], routing[0]));
+  KILN_EXPECT_CLOSE(lps[1], lps[0], 1e-2, 1e-2);
+  auto names = gpu.named_parameters();
+  for (size_t i = 0; i < names.size(); ++i) {
+    const double scale = grads[0][i].abs().max().item<double>() + 1e-12;
+    EXPECT_LT((grads[1][i] - grads[0][i]).abs().max().item<double>() / scale, 5e-2) << names[i].first;
+  }
 }
 
 TEST(CudaModel, CheckpointLoadsOntoGpu) {
