@@ -5,6 +5,8 @@
 #if KILN_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
 #endif
 
 #include <filesystem>
@@ -197,6 +199,21 @@ void reset_peak_memory(at::Device device) {
 #else
   (void)device;
 #endif
+}
+
+double device_memory_bytes(at::Device device) {
+#if KILN_WITH_CUDA
+  if (device.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(cuda_index(device));
+    size_t free = 0, total = 0;
+    const cudaError_t err = cudaMemGetInfo(&free, &total);
+    KILN_CHECK(err == cudaSuccess, "cudaMemGetInfo on ", device, ": ", cudaGetErrorString(err));
+    return double(total);
+  }
+#else
+  (void)device;
+#endif
+  return 0.0;
 }
 
 double peak_memory_gb(at::Device device) {

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -29,6 +30,7 @@
 #include "tools/commands.h"
 #include "text/tokenizer.h"
 #include "trainer/grpo.h"
+#include "trainer/plan.h"
 #include "trainer/recipe.h"
 #include "trainer/run.h"
 #include "trainer/sft.h"
@@ -97,6 +99,27 @@ void check_same_recipe(const std::string& dir, const trainer::Recipe& r) {
              "; resume with that recipe (only --steps and the model's source may change), or start a new run");
 }
 
+// Before a GPU model is allocated: the recipe's memory plan (trainer/plan.h) on this job's ranks and
+// this GPU. A recipe the plan says cannot fit is refused with the plan's numbers, not an OOM later.
+void check_plan(const trainer::Recipe& r, const comm::Group& world, at::Device device) {
+  const model::ModelConfig cfg = r.init_from.empty() ? model::ModelConfig::from_yaml_file(r.model_config)
+                                                     : model::ModelConfig::from_json_file(r.init_from + "/config.json");
+  trainer::ParallelConfig par = r.grpo.parallel;
+  par.resolve(world.size(), cfg.num_experts);
+  trainer::Cluster c;
+  c.nodes = 1;
+  c.gpus_per_node = world.size();  // the per-GPU numbers depend on the world, not on how nodes split it
+  c.gpu_bytes = model::device_memory_bytes(device);
+  c.host_bytes = c.nvme_bytes = std::numeric_limits<double>::infinity();  // not checked here
+  const int64_t prompt = r.grpo.prompt.max_prompt_tokens > 0 ? r.grpo.prompt.max_prompt_tokens : 256;
+  const trainer::Plan plan = trainer::make_plan(cfg, trainer::plan_job(r.grpo, r.dtype, prompt), c,
+                                                {par.dp, par.ep, 1, trainer::DenseSharding::kReplicated});
+  KILN_CHECK(plan.fits(), "train: by kiln's memory plan this recipe does not fit ", device, ": ",
+             fmt::format("{}", fmt::join(plan.problems, "; ")), ". Lower optim.micro_batch_seqs or rollout.kv_cache_mb, "
+             "set grpo.recompute: true, move the optimizer state (optim.state: cpu), or add ranks (parallel.ep); "
+             "`kiln plan` prints the whole plan and searches layouts. The plan:\n", plan.report());
+}
+
 // Reads the recipe, applies the flags, writes the resolved recipe and builds model, tokenizer and data.
 Setup prepare(const std::string& path, const std::string& out, const std::string& init_from,
               const char* resolved_name, const std::vector<std::string>& outputs, Reuse reuse,
@@ -122,6 +145,7 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
     c10::cuda::set_device(device.index());
 #endif
   }
+  if (resolved_name == std::string("recipe.yaml") && device.is_cuda()) check_plan(r, world, device);
   s.policy = std::make_unique<model::Muse>(
       r.init_from.empty() ? model::Muse::init(model::ModelConfig::from_yaml_file(r.model_config), r.model_seed, dtype, device)
                           : model::load_checkpoint(r.init_from, dtype, device));

@@ -21,5 +21,6 @@ Run add_generate(CLI::App& app);
 Run add_mismatch(CLI::App& app);
 Run add_quantize(CLI::App& app);
 Run add_merge(CLI::App& app);
+Run add_plan(CLI::App& app);
 
 }  // namespace kiln::tools

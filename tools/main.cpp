@@ -79,6 +79,7 @@ int main(int argc, char** argv) {
       {"mismatch", kiln::tools::add_mismatch(app)},
       {"quantize", kiln::tools::add_quantize(app)},
       {"merge", kiln::tools::add_merge(app)},
+      {"plan", kiln::tools::add_plan(app)},
   };
   if (argc > 1 && argv[1][0] != '-' && !runs.count(argv[1])) return fail(unknown_command(argv[1], runs));
   try {

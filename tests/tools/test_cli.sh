@@ -75,6 +75,17 @@ check_fails "mismatch with top-p" "the rescoring uses one distribution" \
   "$kiln" mismatch --model "$tmp/ckpt" --prompt "ids:1,2" --top-p 0.9 --quiet
 
 check_fails "missing config" "cannot open" "$kiln" info "$tmp/nope.yaml"
+# kiln plan: the README's 816B plans, a checked layout, and a size it cannot read.
+check "plan 816B full-parameter" "fewest nodes of 8 GPUs that fit: 16" \
+  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/grpo-816b.yaml" --nodes 0 --sharded-init
+check "plan 816B LoRA" "fewest nodes of 8 GPUs that fit: 4" \
+  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/lora-grpo-816b.yaml" --nodes 0 --sharded-init
+check "plan a layout that does not fit" "the other ranks' experts (kiln today keeps the whole policy" \
+  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/grpo-816b.yaml" --nodes 16 --ep 128
+check "plan muse-small on one GPU" "fits" \
+  "$kiln" plan "$src/configs/muse-small.yaml" "$src/recipes/grpo-arith-small-gpu.yaml" --gpus-per-node 1
+check_fails "plan with a bad size" "plan: --gpu-mem: unknown unit 'parsecs'" \
+  "$kiln" plan "$src/configs/muse-small.yaml" "$src/recipes/grpo-arith-small-gpu.yaml" --gpu-mem 3parsecs
 mkdir -p "$tmp/adir"
 check_fails "a folder as the recipe" "config: $tmp/adir is a directory; give a YAML file" "$kiln" train "$tmp/adir"
 check_fails "a folder as the prompts" "generate: --prompts: $tmp/adir is a directory" "$kiln" generate --model "$tmp/ckpt" --prompts "$tmp/adir"

@@ -1,0 +1,185 @@
+// The memory plan (trainer/plan.h): each item against the arithmetic done here from the parameter
+// counts, layouts that cannot exist, the state placements, LoRA, recompute, the activation
+// estimate against what the H200 measured, and the 816B plans the README quotes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "model/config.h"
+#include "tests/test_util.h"
+#include "trainer/plan.h"
+
+namespace kiln::trainer {
+namespace {
+
+model::ModelConfig small() { return model::ModelConfig::from_yaml_file(test::source_path("configs/muse-small.yaml")); }
+model::ModelConfig big() {
+  return model::ModelConfig::from_yaml_file(test::source_path("configs/muse-spark-open-816b.yaml"));
+}
+
+double item(const Plan& p, const std::string& prefix) {
+  for (const PlanItem& i : p.gpu)
+    if (i.what.rfind(prefix, 0) == 0) return i.bytes;
+  return -1;
+}
+
+Cluster one_gpu() {
+  Cluster c;
+  c.nodes = 1;
+  c.gpus_per_node = 1;
+  return c;
+}
+
+TEST(Plan, ItemsFollowFromTheParameterCounts) {
+  const model::ModelConfig cfg = small();
+  const model::ParamCounts n = model::count_parameters(cfg);
+  PlanJob job;  // bf16, Muon, fp32 masters and moments, state on the device
+  Cluster c = one_gpu();
+  c.gpus_per_node = 4;
+  const Plan p = make_plan(cfg, job, c, {2, 2, 1, DenseSharding::kReplicated});
+  ASSERT_TRUE(p.fits()) << p.report();
+  const double experts = double(n.experts), dense = double(n.total() - n.experts);
+  EXPECT_DOUBLE_EQ(item(p, "expert weights"), experts / 2 * 2);
+  EXPECT_DOUBLE_EQ(item(p, "the other ranks' experts"), experts / 2 * 2);  // kiln today under ep > 1
+  EXPECT_DOUBLE_EQ(item(p, "dense weights"), dense * 2);
+  EXPECT_DOUBLE_EQ(item(p, "gradients"), (experts / 2 + dense) * 2);
+  // Masters 4 B for all; Muon one fp32 moment (experts, attention, latent), AdamW two (the rest).
+  const double muon = double(n.experts + n.attention + n.latent), adamw = double(n.total()) - muon;
+  EXPECT_DOUBLE_EQ(item(p, "optimizer state"), (4.0 * double(n.total()) + 4 * muon + 8 * adamw) / 4);
+  double sum = 0;
+  for (const PlanItem& i : p.gpu) sum += i.bytes;
+  EXPECT_DOUBLE_EQ(p.gpu_used, sum);
+  EXPECT_DOUBLE_EQ(p.kv_left, c.gpu_bytes - c.reserve_bytes - sum);
+  const double kv_token = model::kv_cache_bytes_per_token(cfg, job.seq_len);
+  EXPECT_EQ(p.kv_tokens, int64_t(p.kv_left / kv_token));
+  // Sharded init removes the full copy; ZeRO-3 splits the dense part and its gradients.
+  job.full_policy_copy = false;
+  const Plan z = make_plan(cfg, job, c, {2, 2, 1, DenseSharding::kZero3});
+  EXPECT_LT(item(z, "the other ranks' experts"), 0);
+  EXPECT_DOUBLE_EQ(item(z, "dense weights"), dense / 4 * 2);
+  EXPECT_DOUBLE_EQ(item(z, "gradients"), (experts / 2 + dense / 4) * 2);
+  EXPECT_FALSE(z.layout.implemented());
+  EXPECT_TRUE(p.layout.implemented());
+}
+
+TEST(Plan, ImpossibleLayoutsAreNamed) {
+  const model::ModelConfig cfg = small();  // 64 experts, 16 q and 2 kv heads
+  Cluster c = one_gpu();
+  c.gpus_per_node = 6;
+  const Plan a = make_plan(cfg, PlanJob{}, c, {2, 3, 1, DenseSharding::kReplicated});
+  ASSERT_FALSE(a.fits());
+  EXPECT_NE(a.problems[0].find("ep 3 does not divide the 64 experts"), std::string::npos) << a.problems[0];
+  const Plan b = make_plan(cfg, PlanJob{}, c, {1, 2, 1, DenseSharding::kReplicated});
+  EXPECT_NE(b.problems[0].find("is not the cluster's 6 GPUs"), std::string::npos) << b.problems[0];
+  c.gpus_per_node = 4;
+  const Plan t = make_plan(cfg, PlanJob{}, c, {1, 1, 4, DenseSharding::kTensor});
+  EXPECT_NE(t.problems[0].find("tp 4 must divide"), std::string::npos) << t.problems[0];
+}
+
+TEST(Plan, PlacementsLoraAndRecomputeMoveTheRightBytes) {
+  const model::ModelConfig cfg = small();
+  const Cluster c = one_gpu();
+  const Layout l{1, 1, 1, DenseSharding::kReplicated};
+  PlanJob job;
+  const Plan device = make_plan(cfg, job, c, l);
+  job.state_placement = "cpu";
+  const Plan host = make_plan(cfg, job, c, l);
+  EXPECT_LT(item(host, "optimizer state"), 0);
+  EXPECT_DOUBLE_EQ(item(host, "optimizer chunk buffers"), 2 * job.chunk_bytes);
+  ASSERT_EQ(host.host.size(), 1u);
+  EXPECT_DOUBLE_EQ(host.host[0].bytes, item(device, "optimizer state"));
+  job.state_placement = "nvme";
+  const Plan nvme = make_plan(cfg, job, c, l);  // the cluster has no NVMe
+  ASSERT_EQ(nvme.nvme.size(), 1u);
+  EXPECT_FALSE(nvme.fits());
+  EXPECT_NE(nvme.problems.back().find("NVMe: needs"), std::string::npos);
+
+  job = PlanJob{};
+  job.recompute = true;
+  const Plan rc = make_plan(cfg, job, c, l);
+  EXPECT_LT(rc.gpu_used, device.gpu_used);
+  const double tokens = double(job.micro_batch_seqs * job.seq_len);
+  const double stored = tokens * (double(cfg.num_layers) * 2.0 * double(cfg.hidden_size) +
+                                  layer_activation_bytes_per_token(cfg) + 2.0 * double(cfg.vocab_size) +
+                                  8.0 * double(cfg.hidden_size));
+  EXPECT_NEAR(rc.gpu_used - device.gpu_used, stored - tokens * (double(cfg.num_layers) *
+                                                                    layer_activation_bytes_per_token(cfg) +
+                                                                2.0 * double(cfg.vocab_size) + 8.0 * double(cfg.hidden_size)),
+              1.0);
+
+  job = PlanJob{};
+  job.lora = true;
+  job.lora_rank = 8;
+  job.lora_targets = {"q_proj", "gate_proj"};
+  const Plan lo = make_plan(cfg, job, c, l);
+  const double expert_adapters = double(cfg.num_layers * cfg.num_experts * 8 * (cfg.latent_size + cfg.expert_ffn_size));
+  const double q_adapters = double(cfg.num_layers * 8 * (cfg.hidden_size + cfg.q_size()));
+  EXPECT_DOUBLE_EQ(item(lo, "LoRA adapters on the experts"), expert_adapters * 2);
+  EXPECT_DOUBLE_EQ(item(lo, "LoRA adapters on the dense part"), q_adapters * 2);
+  EXPECT_DOUBLE_EQ(item(lo, "gradients (adapters)"), (expert_adapters + q_adapters) * 2);
+  EXPECT_DOUBLE_EQ(item(lo, "optimizer state"), (expert_adapters + q_adapters) * (4 + 4));  // masters + Muon
+
+  Cluster tiny = c;
+  tiny.gpu_bytes = 8.0 * (1ll << 30);
+  const Plan over = make_plan(cfg, PlanJob{}, tiny, l);
+  ASSERT_FALSE(over.fits());
+  EXPECT_NE(over.problems[0].find("short by"), std::string::npos) << over.problems[0];
+  EXPECT_NE(over.report().find("does not fit"), std::string::npos);
+}
+
+// kiln bench train on the H200, 2026-12-02: 94.5 KB per token and layer on muse-small (the peak's
+// 887 KB per token less its 131 KB of bf16 logits, over 8 layers) and 409 KB on the full-width layer.
+TEST(Plan, ActivationEstimateIsWithinTenPercentOfTheH200) {
+  EXPECT_NEAR(layer_activation_bytes_per_token(small()) / 94.5e3, 1.0, 0.1);
+  model::ModelConfig full =
+      model::ModelConfig::from_yaml_file(test::source_path("configs/muse-full-layer.yaml"));
+  EXPECT_NEAR(layer_activation_bytes_per_token(full) / 409.3e3, 1.0, 0.1);
+}
+
+// The README's plans: 816B full-parameter GRPO first fits on 16 nodes of 8 H200s (ep 128, the
+// dense part under ZeRO-3), LoRA GRPO on 4; neither fits with kiln's full policy copy.
+TEST(Plan, The816bPlansOfTheReadme) {
+  const model::ModelConfig cfg = big();
+  PlanJob job;
+  job.micro_batch_seqs = 1;
+  job.seq_len = 5120;
+  job.recompute = true;
+  job.rollout_quantization = "nvfp4";
+  job.rollout_sharded = true;
+  job.kv_cache_bytes = 16.0 * (1ll << 30);
+  job.full_policy_copy = false;
+  auto fewest = [&](const PlanJob& j) {
+    for (int64_t nodes = 1; nodes <= 64; ++nodes) {
+      Cluster c;
+      c.nodes = nodes;
+      for (const Plan& p : search_layouts(cfg, j, c))
+        if (p.fits()) return nodes;
+    }
+    return int64_t(-1);
+  };
+  EXPECT_EQ(fewest(job), 16);
+  PlanJob lora = job;
+  lora.lora = true;
+  lora.lora_rank = 32;
+  lora.lora_targets = {"q_proj", "k_proj", "v_proj", "o_proj", "pooler", "unpooler", "gate_proj", "up_proj", "down_proj"};
+  EXPECT_EQ(fewest(lora), 4);
+  job.full_policy_copy = true;
+  Cluster c;
+  c.nodes = 16;
+  for (const Plan& p : search_layouts(cfg, job, c)) EXPECT_FALSE(p.fits()) << p.layout.describe();
+}
+
+TEST(Plan, SizesParseWithUnits) {
+  EXPECT_DOUBLE_EQ(parse_bytes("141GiB", "x"), 141.0 * (1ll << 30));
+  EXPECT_DOUBLE_EQ(parse_bytes("2 TB", "x"), 2e12);
+  EXPECT_DOUBLE_EQ(parse_bytes("512mib", "x"), 512.0 * (1 << 20));
+  EXPECT_DOUBLE_EQ(parse_bytes("0", "x"), 0);
+  EXPECT_TRUE(test::throws_with([] { parse_bytes("12 parsecs", "plan: --gpu-mem"); },
+                                {"plan: --gpu-mem", "unknown unit 'parsecs'"}));
+  EXPECT_TRUE(test::throws_with([] { parse_bytes("lots", "plan: --host-mem"); }, {"plan: --host-mem", "not a size"}));
+  EXPECT_TRUE(test::throws_with([] { parse_bytes("-3GB", "plan: --nvme"); }, {"non-negative"}));
+  EXPECT_EQ(format_bytes(1536.0), "1.50 KiB");
+}
+
+}  // namespace
+}  // namespace kiln::trainer

@@ -1,0 +1,116 @@
+// `kiln plan <model.yaml> <recipe.yaml>`: the job's memory per GPU and per node for a cluster
+// (trainer/plan.h), the best layouts, or the fewest nodes that fit. Nothing is allocated.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "model/config.h"
+#include "tools/commands.h"
+#include "trainer/plan.h"
+#include "trainer/recipe.h"
+
+namespace kiln::tools {
+namespace {
+
+struct PlanArgs {
+  std::string model, recipe;
+  int64_t nodes = 1, gpus_per_node = 8, seq_len = 0, show = 6, max_nodes = 1024;
+  std::string gpu_mem = "140GiB", reserve = "6GiB", host_mem = "2TiB", nvme = "0";
+  int64_t dp = 0, ep = 0, tp = 1;
+  std::string dense = "replicated";
+  bool implemented_only = false;
+  bool sharded_init = false;
+};
+
+// The best plan on `c` (implemented layouts only when asked), or none.
+const trainer::Plan* best(const std::vector<trainer::Plan>& plans, bool implemented_only) {
+  for (const trainer::Plan& p : plans)
+    if (p.fits() && (!implemented_only || p.layout.implemented())) return &p;
+  return nullptr;
+}
+
+void run_plan(const PlanArgs& a) {
+  const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(a.model);
+  const trainer::Recipe r = trainer::Recipe::from_yaml_file(a.recipe);
+  const int64_t prompt = r.grpo.prompt.max_prompt_tokens > 0 ? r.grpo.prompt.max_prompt_tokens : 256;
+  trainer::PlanJob job = trainer::plan_job(r.grpo, r.dtype, prompt);
+  if (a.seq_len > 0) job.seq_len = a.seq_len;
+  job.full_policy_copy = !a.sharded_init;
+  trainer::Cluster c;
+  c.nodes = a.nodes;
+  c.gpus_per_node = a.gpus_per_node;
+  c.gpu_bytes = trainer::parse_bytes(a.gpu_mem, "plan: --gpu-mem");
+  c.reserve_bytes = trainer::parse_bytes(a.reserve, "plan: --reserve");
+  c.host_bytes = trainer::parse_bytes(a.host_mem, "plan: --host-mem");
+  c.nvme_bytes = trainer::parse_bytes(a.nvme, "plan: --nvme");
+  fmt::print("plan: {} ({}) with {}: {} sequences of {} tokens per micro-batch{}, {} weights, {}{}, optimizer "
+             "state on {}, rollout {} ({})\n",
+             cfg.name, a.model, a.recipe, job.micro_batch_seqs, job.seq_len, job.recompute ? " (recompute)" : "",
+             job.weight_bytes == 2 ? "bf16" : "fp32",
+             job.lora ? fmt::format("LoRA rank {}", job.lora_rank) : std::string("full-parameter"),
+             job.muon ? " with Muon" : " (AdamW)", job.state_placement, job.rollout_quantization,
+             job.rollout_sharded ? "sharded" : "replica");
+  if (job.full_policy_copy)
+    fmt::print("(as kiln runs today: under ep > 1 every rank also holds the whole policy; --sharded-init plans without it)\n");
+  if (a.ep > 0) {  // one layout, checked
+    trainer::Layout l;
+    l.ep = a.ep;
+    l.tp = a.tp;
+    l.dense = trainer::parse_dense_sharding(a.dense);
+    l.dp = a.dp > 0 ? a.dp : c.world() / std::max<int64_t>(1, a.ep * a.tp);
+    fmt::print("{}", trainer::make_plan(cfg, job, c, l).report());
+    return;
+  }
+  if (a.nodes == 0) {  // the fewest nodes with a layout that fits
+    for (int64_t n = 1; n <= a.max_nodes; ++n) {
+      c.nodes = n;
+      const std::vector<trainer::Plan> plans = trainer::search_layouts(cfg, job, c);
+      if (const trainer::Plan* p = best(plans, a.implemented_only)) {
+        fmt::print("fewest nodes of {} GPUs that fit{}: {}\n{}", c.gpus_per_node,
+                   a.implemented_only ? " (layouts kiln trains today)" : "", n, p->report());
+        if (const trainer::Plan* today = best(plans, true); !a.implemented_only && today != p)
+          fmt::print("with a layout kiln trains today (dense replicated, tp 1): {}\n",
+                     today ? today->layout.describe() : std::string("none fits on this many nodes"));
+        return;
+      }
+    }
+    KILN_FAIL("plan: no layout fits on up to ", a.max_nodes, " nodes of ", c.gpus_per_node, " GPUs (raise --max-nodes)");
+  }
+  const std::vector<trainer::Plan> plans = trainer::search_layouts(cfg, job, c);
+  KILN_CHECK(!plans.empty(), "plan: no valid dp x ep x tp layout for ", c.world(), " GPUs and ", cfg.num_experts,
+             " experts");
+  const trainer::Plan* p = best(plans, a.implemented_only);
+  fmt::print("{}", (p ? *p : plans.front()).report());
+  fmt::print("\nlayouts, best first (GPU memory used of {}):\n", trainer::format_bytes(c.gpu_bytes));
+  for (size_t i = 0; i < plans.size() && int64_t(i) < a.show; ++i)
+    fmt::print("  {:<40} {:>12}  {}{}\n", plans[i].layout.describe(), trainer::format_bytes(plans[i].gpu_used),
+               plans[i].fits() ? "fits" : "does not fit", plans[i].layout.implemented() ? "" : " (not implemented yet)");
+}
+
+}  // namespace
+
+Run add_plan(CLI::App& app) {
+  auto* cmd = app.add_subcommand("plan", "Memory per GPU and per node of a GRPO job on a cluster, and the layouts that fit");
+  auto a = std::make_shared<PlanArgs>();
+  cmd->add_option("model", a->model, "Model config (YAML), e.g. configs/muse-spark-open-816b.yaml")->required();
+  cmd->add_option("recipe", a->recipe, "GRPO recipe (YAML): batch, optimizer, LoRA, rollout")->required();
+  cmd->add_option("--nodes", a->nodes, "Nodes (0: the fewest that fit)")->check(CLI::Range(int64_t(0), int64_t(1) << 20))->capture_default_str();
+  cmd->add_option("--gpus-per-node", a->gpus_per_node, "GPUs per node")->check(CLI::Range(int64_t(1), int64_t(1024)))->capture_default_str();
+  cmd->add_option("--gpu-mem", a->gpu_mem, "Memory per GPU")->capture_default_str();
+  cmd->add_option("--reserve", a->reserve, "Per GPU, kept free for the CUDA context, workspaces and fragmentation")->capture_default_str();
+  cmd->add_option("--host-mem", a->host_mem, "Host memory per node")->capture_default_str();
+  cmd->add_option("--nvme", a->nvme, "NVMe space per node (optimizer state placement nvme)")->capture_default_str();
+  cmd->add_option("--seq-len", a->seq_len, "Tokens per sequence (default: the recipe's max prompt tokens, or 256, + max_tokens)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--ep", a->ep, "Check this layout instead of searching: expert-parallel ranks")->check(CLI::PositiveNumber);
+  cmd->add_option("--dp", a->dp, "... data-parallel ranks (default: the rest)")->check(CLI::PositiveNumber);
+  cmd->add_option("--tp", a->tp, "... tensor-parallel ranks")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--dense", a->dense, "... dense part: replicated, zero3 or tp")->capture_default_str();
+  cmd->add_option("--show", a->show, "Layouts listed after the best one")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--max-nodes", a->max_nodes, "Largest cluster tried with --nodes 0")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_flag("--implemented", a->implemented_only, "Only layouts kiln trains today (tp 1, dense replicated)");
+  cmd->add_flag("--sharded-init", a->sharded_init,
+                "Plan with sharded init and load: no rank holds the whole model (kiln today keeps it under ep > 1)");
+  return [a] { run_plan(*a); };
+}
+
+}  // namespace kiln::tools

@@ -1,0 +1,317 @@
+// The memory plan: per-GPU, per-node host and NVMe bytes of a GRPO job from the model's shapes, the
+// recipe's choices and a layout, the check against the cluster, and the search over layouts.
+#include "trainer/plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+
+#include "core/error.h"
+#include "model/lora.h"
+#include "model/nvfp4_model.h"
+#include "trainer/grpo.h"
+
+namespace kiln::trainer {
+
+const char* dense_sharding_name(DenseSharding d) {
+  switch (d) {
+    case DenseSharding::kReplicated: return "replicated";
+    case DenseSharding::kZero3: return "zero3";
+    case DenseSharding::kTensor: return "tp";
+  }
+  return "?";
+}
+
+DenseSharding parse_dense_sharding(const std::string& name) {
+  for (DenseSharding d : {DenseSharding::kReplicated, DenseSharding::kZero3, DenseSharding::kTensor})
+    if (name == dense_sharding_name(d)) return d;
+  KILN_FAIL("plan: unknown dense sharding '", name, "'; expected replicated, zero3 or tp");
+}
+
+bool Layout::implemented() const { return tp == 1 && dense == DenseSharding::kReplicated; }
+
+std::string Layout::describe() const {
+  return fmt::format("dp {} x ep {} x tp {}, dense {}", dp, ep, tp, dense_sharding_name(dense));
+}
+
+PlanJob plan_job(const GrpoConfig& g, const std::string& dtype, int64_t max_prompt_tokens) {
+  PlanJob j;
+  j.weight_bytes = dtype == "fp32" || dtype == "float32" ? 4 : dtype == "fp64" || dtype == "float64" ? 8 : 2;
+  j.lora = g.lora.enabled();
+  j.lora_rank = g.lora.rank;
+  j.lora_targets = g.lora.targets;
+  j.muon = g.optim.use_muon;
+  j.master_weights = g.optim.master_weights;
+  j.moment_bytes = g.optim.moment_dtype == at::kBFloat16 ? 2 : 4;
+  j.state_placement = optimizers::placement_name(g.optim.placement);
+  j.chunk_bytes = double(g.optim.chunk_bytes);
+  j.micro_batch_seqs = g.micro_batch_seqs;
+  j.seq_len = max_prompt_tokens + g.max_tokens;
+  j.recompute = g.recompute;
+  j.rollout_quantization = rollout::quantization_name(g.engine.quantization);
+  j.rollout_sharded = g.parallel.sharded_rollout();
+  j.kv_cache_bytes = double(g.engine.kv_cache_bytes);
+  return j;
+}
+
+namespace {
+
+// The structural count below (every tensor the fused path saves for the backward) over-counts what
+// the caching allocator's peak shows: on the H200 on 2026-12-02 `kiln bench train` measured 94.5
+// KB per token and layer on muse-small (887 KB per token, less its 131 KB of saved bf16 logits, over
+// 8 layers) against 136.7 structural (0.69), and 409 KB on the full-width layer against 563 (0.73).
+constexpr double kActivationCalibration = 0.71;
+
+struct Parts {
+  double experts = 0, dense = 0;          // parameters
+  double dense_tp = 0;                    // the dense parameters tensor parallelism splits
+  double muon_dense = 0, adamw_dense = 0; // the dense parameters by optimizer group
+};
+
+Parts parts_of(const model::ModelConfig& cfg, bool muon) {
+  const model::ParamCounts c = model::count_parameters(cfg);
+  Parts p;
+  p.experts = double(c.experts);
+  p.dense = double(c.total() - c.experts);
+  p.dense_tp = double(c.attention + c.latent + c.embedding + c.head);
+  // The default groups (optimizers/groups.h): Muon for attention, the latent projections and the
+  // experts; AdamW for embedding, head, norms and the router.
+  p.muon_dense = muon ? double(c.attention + c.latent) : 0;
+  p.adamw_dense = p.dense - p.muon_dense;
+  return p;
+}
+
+double lora_count(const model::ModelConfig& cfg, const PlanJob& job, bool experts) {
+  model::LoraConfig lc;
+  lc.rank = job.lora_rank;
+  lc.targets.clear();
+  for (const std::string& t : job.lora_targets) {
+    const bool is_expert = t == "gate_proj" || t == "up_proj" || t == "down_proj";
+    if (is_expert == experts) lc.targets.push_back(t);
+  }
+  return lc.targets.empty() ? 0.0 : double(model::lora_parameter_count(cfg, lc));
+}
+
+}  // namespace
+
+double layer_activation_bytes_per_token(const model::ModelConfig& c) {
+  const double d = double(c.hidden_size), dl = double(c.latent_size), k = double(c.top_k);
+  const double ffn = double(c.expert_ffn_size), q = double(c.q_size()), kv = double(c.kv_size());
+  // bf16 values: the norms' inputs and outputs, the residual and the unpooler's output (6 d); q
+  // and the attention output, k and v; the pooled row and the combined one (2 d_l); per routed
+  // slot the dispatched row, the expert's output and its normed copy (3 d_l) and gate, up and
+  // their SwiGLU (3 I). fp32: the router's logits and scores (2 E).
+  const double values = 6 * d + 2 * q + 2 * kv + 2 * dl + k * (3 * dl + 3 * ffn);
+  return kActivationCalibration * (2 * values + 8.0 * double(c.num_experts));
+}
+
+Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& L) {
+  Plan plan;
+  plan.layout = L;
+  plan.cluster = cluster;
+  const int64_t world = cluster.world();
+  const double wb = double(job.weight_bytes);
+  auto gpu = [&](const std::string& what, double b) {
+    if (b > 0) plan.gpu.push_back({what, b});
+  };
+  auto host = [&](const std::string& what, double b) {
+    if (b > 0) plan.host.push_back({what, b});
+  };
+  if (L.dp * L.ep * L.tp != world)
+    plan.problems.push_back(fmt::format("the layout's dp x ep x tp = {} is not the cluster's {} GPUs",
+                                        L.dp * L.ep * L.tp, world));
+  if (cfg.num_experts % L.ep != 0)
+    plan.problems.push_back(fmt::format("ep {} does not divide the {} experts", L.ep, cfg.num_experts));
+  if (L.tp > cluster.gpus_per_node || cfg.num_kv_heads % L.tp != 0 || cfg.num_q_heads % L.tp != 0)
+    plan.problems.push_back(fmt::format("tp {} must divide the {} query and {} key-value heads and fit in a node of {}",
+                                        L.tp, cfg.num_q_heads, cfg.num_kv_heads, cluster.gpus_per_node));
+  if ((L.tp > 1) != (L.dense == DenseSharding::kTensor))
+    plan.problems.push_back("tp > 1 goes with dense sharding tp, and tp 1 with replicated or zero3");
+  if (!plan.problems.empty()) return plan;
+
+  const Parts p = parts_of(cfg, job.muon);
+  const double ep = double(L.ep), tp = double(L.tp), W = double(world);
+  // The share of the dense part one rank holds: whole, its tp slice (the router and norms stay
+  // whole), or 1/world under ZeRO-3.
+  const double dense_held = L.dense == DenseSharding::kZero3  ? p.dense / W
+                            : L.dense == DenseSharding::kTensor ? p.dense_tp / tp + (p.dense - p.dense_tp)
+                                                                : p.dense;
+
+  // Trained model: weights, gradients.
+  gpu("expert weights (1/ep of every layer's experts)", p.experts / ep * wb);
+  if (L.ep > 1 && job.full_policy_copy)
+    gpu("the other ranks' experts (kiln today keeps the whole policy beside its shard)",
+        p.experts * (ep - 1) / ep * wb);
+  gpu(fmt::format("dense weights ({})", dense_sharding_name(L.dense)), dense_held * wb);
+  if (L.dense == DenseSharding::kZero3)
+    gpu("two layers' dense weights gathered (ZeRO-3 prefetch)", 2 * p.dense / double(cfg.num_layers) * wb);
+  double trained_experts = p.experts, trained_dense = p.dense, trained_muon_dense = p.muon_dense;
+  if (job.lora) {
+    trained_experts = lora_count(cfg, job, true);
+    trained_dense = lora_count(cfg, job, false);
+    trained_muon_dense = job.muon ? trained_dense : 0;
+    gpu("LoRA adapters on the experts (1/ep)", trained_experts / ep * wb);
+    gpu("LoRA adapters on the dense part", trained_dense * wb);
+  }
+  const double grad_dense = job.lora ? trained_dense
+                            : L.dense == DenseSharding::kZero3 ? p.dense / W
+                            : dense_held;
+  gpu(job.lora ? "gradients (adapters)" : "gradients", (trained_experts / ep + grad_dense) * wb);
+
+  // Optimizer state: ZeRO-1 splits every tensor's state over the ranks holding a copy of it, so
+  // each rank keeps 1/world of it. Masters for low-precision weights, then the moments.
+  const double trained = trained_experts + trained_dense;
+  const double master = job.master_weights && job.weight_bytes < 4 ? 4.0 * trained : 0.0;
+  const double muon_params = (job.muon ? trained_experts : 0.0) + trained_muon_dense;
+  const double moments = double(job.moment_bytes) * (muon_params + 2.0 * (trained - muon_params));
+  const double state = (master + moments) / W;
+  const bool on_gpu = job.state_placement == "device";
+  if (on_gpu) {
+    gpu("optimizer state (ZeRO-1: masters and moments, 1/world)", state);
+  } else {
+    if (job.state_placement != "cpu_update") gpu("optimizer chunk buffers (2, streamed)", 2 * job.chunk_bytes);
+    if (job.state_placement == "nvme") {
+      plan.nvme.push_back({"optimizer state of the node's ranks", state * double(cluster.gpus_per_node)});
+      host("optimizer staging buffers (2 per rank, pinned)", 2 * job.chunk_bytes * double(cluster.gpus_per_node));
+    } else {
+      host("optimizer state of the node's ranks (pinned)", state * double(cluster.gpus_per_node));
+    }
+  }
+
+  // Activations of one micro-batch.
+  const double tokens = double(job.micro_batch_seqs) * double(job.seq_len);
+  const double layer = layer_activation_bytes_per_token(cfg);
+  const double attn_share = (4.0 * double(cfg.q_size() + cfg.kv_size())) * kActivationCalibration;
+  const double layer_tp = layer - attn_share + attn_share / tp;
+  const double head = 2.0 * double(cfg.vocab_size) / tp + 8.0 * double(cfg.hidden_size);  // bf16 logits, embedding
+  const double L_ = double(cfg.num_layers);
+  if (job.recompute)
+    gpu(fmt::format("activations, {} tokens, layers recomputed", int64_t(tokens)),
+        tokens * (L_ * double(cfg.hidden_size) * wb + layer_tp + head));
+  else
+    gpu(fmt::format("activations, {} tokens (recompute: {})", int64_t(tokens),
+                    format_bytes(tokens * (L_ * double(cfg.hidden_size) * wb + layer_tp + head))),
+        tokens * (L_ * layer_tp + head));
+
+  // The rollout engine's weights: an unquantised engine serves the trained tensors themselves.
+  if (job.rollout_quantization != "none") {
+    const model::Nvfp4Footprint nv = model::nvfp4_footprint(cfg, job.rollout_quantization == "nvfp4");
+    const double quantized_bytes = double(nv.bytes) - double(nv.kept_params) * wb;  // the kept ones are shared
+    // The quantised experts (those of bf16_expert_layers stay BF16, shared with the trainer) as a
+    // share of the quantised parameters; the rest are the dense linears.
+    const double n_bf16 = double(cfg.bf16_expert_layers.size()), n_layers = double(cfg.num_layers);
+    const double q_experts = p.experts * (n_layers - n_bf16) / n_layers;
+    const double expert_share = std::min(1.0, q_experts / std::max(1.0, double(nv.quantized_params)));
+    const double shard = job.rollout_sharded ? quantized_bytes * (expert_share / ep + (1 - expert_share) / tp)
+                                             : quantized_bytes;
+    gpu(fmt::format("rollout {} weights ({})", job.rollout_quantization, job.rollout_sharded ? "shard" : "replica"),
+        shard);
+  } else if (!job.rollout_sharded && L.ep > 1 && !job.full_policy_copy) {
+    gpu("rollout replica's other experts (bf16)", p.experts * (ep - 1) / ep * wb);
+  }
+
+  for (const PlanItem& i : plan.gpu) plan.gpu_used += i.bytes;
+  for (const PlanItem& i : plan.host) plan.host_used += i.bytes;
+  for (const PlanItem& i : plan.nvme) plan.nvme_used += i.bytes;
+  plan.kv_left = cluster.gpu_bytes - cluster.reserve_bytes - plan.gpu_used;
+  const double kv_token = model::kv_cache_bytes_per_token(cfg, std::max<int64_t>(1, job.seq_len)) /
+                          (cfg.num_kv_heads % L.tp == 0 ? tp : 1.0);
+  plan.kv_tokens = plan.kv_left > 0 ? int64_t(plan.kv_left / kv_token) : 0;
+  if (plan.kv_left < job.kv_cache_bytes)
+    plan.problems.push_back(fmt::format(
+        "GPU: needs {} + the KV cache's {} + {} reserve, has {} (short by {})", format_bytes(plan.gpu_used),
+        format_bytes(job.kv_cache_bytes), format_bytes(cluster.reserve_bytes), format_bytes(cluster.gpu_bytes),
+        format_bytes(job.kv_cache_bytes - plan.kv_left)));
+  if (plan.host_used > cluster.host_bytes)
+    plan.problems.push_back(fmt::format("host memory: needs {} per node, has {} (short by {})",
+                                        format_bytes(plan.host_used), format_bytes(cluster.host_bytes),
+                                        format_bytes(plan.host_used - cluster.host_bytes)));
+  if (plan.nvme_used > cluster.nvme_bytes)
+    plan.problems.push_back(fmt::format("NVMe: needs {} per node, has {} (short by {})", format_bytes(plan.nvme_used),
+                                        format_bytes(cluster.nvme_bytes),
+                                        format_bytes(plan.nvme_used - cluster.nvme_bytes)));
+  return plan;
+}
+
+std::string Plan::report() const {
+  std::string s = fmt::format("layout: {} on {} node(s) x {} GPUs{}\n", layout.describe(), cluster.nodes,
+                              cluster.gpus_per_node, layout.implemented() ? "" : " (not implemented yet)");
+  auto table = [&](const char* title, const std::vector<PlanItem>& items, double used, double cap) {
+    if (items.empty()) return;
+    s += fmt::format("{}\n", title);
+    for (const PlanItem& i : items) s += fmt::format("  {:>12}  {}\n", format_bytes(i.bytes), i.what);
+    s += fmt::format("  {:>12}  total, of {}\n", format_bytes(used), format_bytes(cap));
+  };
+  table("per GPU", gpu, gpu_used, cluster.gpu_bytes);
+  if (!gpu.empty())
+    s += fmt::format("  {:>12}  left for the KV cache after a {} reserve: {} tokens\n", format_bytes(kv_left),
+                     format_bytes(cluster.reserve_bytes), kv_tokens);
+  table("per node, host memory", host, host_used, cluster.host_bytes);
+  table("per node, NVMe", nvme, nvme_used, cluster.nvme_bytes);
+  if (fits()) {
+    s += "fits\n";
+  } else {
+    s += "does not fit:\n";
+    for (const std::string& p : problems) s += "  " + p + "\n";
+  }
+  return s;
+}
+
+std::vector<Plan> search_layouts(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster) {
+  std::vector<Plan> plans;
+  const int64_t world = cluster.world();
+  for (int64_t ep = 1; ep <= std::min(world, cfg.num_experts); ++ep) {
+    if (cfg.num_experts % ep != 0 || world % ep != 0) continue;
+    for (int64_t tp = 1; tp <= cluster.gpus_per_node; tp *= 2) {
+      if ((world / ep) % tp != 0) continue;
+      for (DenseSharding d : {DenseSharding::kReplicated, DenseSharding::kZero3, DenseSharding::kTensor}) {
+        if ((tp > 1) != (d == DenseSharding::kTensor)) continue;
+        Plan p = make_plan(cfg, job, cluster, {world / ep / tp, ep, tp, d});
+        if (p.problems.empty() || p.gpu_used > 0) plans.push_back(std::move(p));
+      }
+    }
+  }
+  std::stable_sort(plans.begin(), plans.end(), [](const Plan& a, const Plan& b) {
+    if (a.fits() != b.fits()) return a.fits();
+    if (a.layout.implemented() != b.layout.implemented()) return a.layout.implemented();
+    return a.kv_left > b.kv_left;
+  });
+  return plans;
+}
+
+double parse_bytes(const std::string& text, const std::string& what) {
+  size_t i = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &i);
+  } catch (const std::exception&) {
+    KILN_FAIL(what, ": '", text, "' is not a size; expected a number with a unit such as 141GiB, 2TB or 512MiB");
+  }
+  std::string unit;
+  for (; i < text.size(); ++i)
+    if (!std::isspace(static_cast<unsigned char>(text[i]))) unit += char(std::tolower(static_cast<unsigned char>(text[i])));
+  const std::pair<const char*, double> units[] = {{"", 1},           {"b", 1},
+                                                  {"kb", 1e3},       {"mb", 1e6},
+                                                  {"gb", 1e9},       {"tb", 1e12},
+                                                  {"kib", 1024.0},   {"mib", 1048576.0},
+                                                  {"gib", 1073741824.0}, {"tib", 1099511627776.0}};
+  for (const auto& [name, scale] : units)
+    if (unit == name) {
+      KILN_CHECK(std::isfinite(v) && v >= 0, what, ": '", text, "' must be a non-negative size");
+      return v * scale;
+    }
+  KILN_FAIL(what, ": unknown unit '", unit, "' in '", text, "'; expected B, KB, MB, GB, TB, KiB, MiB, GiB or TiB");
+}
+
+std::string format_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  const bool neg = b < 0;
+  b = std::fabs(b);
+  while (b >= 1024 && u < 5) b /= 1024, ++u;
+  return fmt::format("{}{:.2f} {}", neg ? "-" : "", b, units[u]);
+}
+
+}  // namespace kiln::trainer

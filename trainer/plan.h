@@ -1,0 +1,94 @@
+// The memory plan of a GRPO job (issue 21): what each GPU, each node's host memory and its NVMe
+// hold for a model, a recipe and a cluster under a dp x ep x tp layout with the dense part
+// replicated or sharded. `kiln plan` prints it and searches layouts; `kiln train` checks its own.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace kiln::trainer {
+
+struct GrpoConfig;
+
+struct Cluster {
+  int64_t nodes = 1, gpus_per_node = 8;
+  double gpu_bytes = 140.0 * (1ll << 30);   // per GPU (an H200 shows 143,771 MiB)
+  double reserve_bytes = 6.0 * (1ll << 30); // per GPU: CUDA context, cuBLAS/NCCL workspaces, fragmentation
+  double host_bytes = 2.0 * (1ll << 40);    // per node
+  double nvme_bytes = 0;                    // per node; 0: none
+  int64_t world() const { return nodes * gpus_per_node; }
+};
+
+// How the dense part (attention, latent projections, router, norms, embedding and head) is held.
+enum class DenseSharding {
+  kReplicated,  // every rank holds it whole, with its gradients (kiln today)
+  kZero3,       // parameters, gradients and state sharded over all ranks, a layer gathered at a time
+  kTensor,      // attention heads, latent projections and the vocabulary split over tp ranks of a node
+};
+const char* dense_sharding_name(DenseSharding d);
+DenseSharding parse_dense_sharding(const std::string& name);  // replicated | zero3 | tp
+
+struct Layout {
+  int64_t dp = 1, ep = 1, tp = 1;
+  DenseSharding dense = DenseSharding::kReplicated;
+  bool implemented() const;  // what kiln trains today: tp 1, dense replicated (ZeRO-1 state)
+  std::string describe() const;
+};
+
+// What the recipe decides about memory, read from its GRPO section (or set by hand in tests).
+struct PlanJob {
+  int64_t weight_bytes = 2;          // per parameter: 2 for bf16, 4 for fp32
+  bool lora = false;
+  int64_t lora_rank = 0;
+  std::vector<std::string> lora_targets;
+  bool muon = true;
+  bool master_weights = true;
+  int64_t moment_bytes = 4;          // fp32 or bf16 moments
+  std::string state_placement = "device";  // device | cpu | cpu_update | nvme
+  double chunk_bytes = 64.0 * (1 << 20);
+  int64_t micro_batch_seqs = 64;
+  int64_t seq_len = 1024;            // prompt + response tokens of one sequence
+  bool recompute = false;
+  std::string rollout_quantization = "none";  // none | nvfp4 | w4a4
+  bool rollout_sharded = false;      // each rank serves its expert shard (else a full replica)
+  double kv_cache_bytes = 64.0 * (1 << 20);
+  bool full_policy_copy = true;      // kiln today: under ep > 1 each rank still holds the whole
+                                     // trained model besides its expert shard
+};
+PlanJob plan_job(const GrpoConfig& g, const std::string& dtype, int64_t max_prompt_tokens);
+
+struct PlanItem {
+  std::string what;
+  double bytes = 0;
+};
+
+struct Plan {
+  Layout layout;
+  Cluster cluster;
+  std::vector<PlanItem> gpu, host, nvme;  // per GPU; per node
+  double gpu_used = 0, host_used = 0, nvme_used = 0;
+  double kv_left = 0;                     // per GPU after everything else and the reserve
+  int64_t kv_tokens = 0;                  // tokens of seq_len-long sequences the left-over holds
+  std::vector<std::string> problems;      // empty: it fits
+  bool fits() const { return problems.empty(); }
+  std::string report() const;             // the tables and the verdict
+};
+
+// Activation bytes per token kept for the backward by one layer (the fused CUDA path), from the
+// layer's shapes: calibrated on the H200 against `kiln bench train` (see plan.cpp).
+double layer_activation_bytes_per_token(const model::ModelConfig& cfg);
+
+Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& layout);
+
+// Every layout of the cluster's world (ep dividing the experts, tp a power of two within a node
+// dividing the heads, each dense sharding), best first: fitting before not, implemented before
+// not, then the most memory left per GPU.
+std::vector<Plan> search_layouts(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster);
+
+// "141GiB", "2 TB", "512MiB", "0": bytes. Throws naming `what` on anything else.
+double parse_bytes(const std::string& text, const std::string& what);
+std::string format_bytes(double bytes);
+
+}  // namespace kiln::trainer
