@@ -3,8 +3,9 @@
 # tests of the same build), the GRPO smoke runs (bf16, NVFP4 rollouts, LoRA) and the benchmarks.
 # Four logs go to $OUT when set (the device tool returns at most 8 files): build.log, tests.log,
 # grpo.txt, train.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,train,bench (the default) picks sections; also grpostep (the GRPO step's
-# phases, fused kernels on and off), optim (bench optim alone, also part of bench) and ncu (kernel
-# metrics of the fused path's memory-bound kernels, into profile.txt).
+# phases, fused kernels on and off), optim (bench optim alone, also part of bench), ncu (kernel
+# metrics of the fused path's memory-bound kernels, into profile.txt) and calibrate (kiln plan
+# against the measured peak memory of muse-small GRPO runs).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -138,6 +139,27 @@ print(f"{sys.argv[2]}: step {total*1e3:.0f} ms (median of {len(rows)}), {toks:.0
 PY
 done
 fi  # grpostep
+if want calibrate; then
+step "kiln plan against measured peaks: muse-small GRPO (bf16; LoRA; optimizer state in CPU memory)"
+for v in base lora cpu; do
+  sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  every: .*/  every: 1000/" -e "s/^  steps: .*/  steps: 3/" \
+      -e "s/^  mismatch_ab: .*/  mismatch_ab: false/" recipes/grpo-arith-small-gpu.yaml > "$tmp/cal-$v.yaml"
+  [ "$v" = lora ] && printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/cal-$v.yaml"
+  [ "$v" = cpu ] && sed -i "s/^optim:/optim:\n  state: cpu/" "$tmp/cal-$v.yaml"
+  ./build-gpu/kiln train "$tmp/cal-$v.yaml" --out "$tmp/cal-$v" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -1
+  seq=$(python3 -c "import json,sys; r=[json.loads(l) for l in open('$tmp/cal-$v/metrics.jsonl') if '\"tokens\"' in l]; print(max(1, round(max(x['tokens'] for x in r) / 128)))")
+  planned=$(./build-gpu/kiln plan configs/muse-small.yaml "$tmp/cal-$v.yaml" --gpus-per-node 1 --seq-len "$seq" | grep -m1 "total, of" | awk '{print $1, $2}')
+  python3 - "$tmp/cal-$v/metrics.jsonl" "$v" "$seq" "$planned" <<'PY' 2>&1 | tee -a "$out/grpo.txt"
+import sys, json
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"peak_memory_gb"' in l]
+peak = max(r["peak_memory_gb"] for r in rows) * 1e9 / 2**30
+n, unit = sys.argv[4].split()
+plan = float(n) * {"GiB": 1, "MiB": 1 / 1024, "TiB": 1024}[unit] + 2.0  # + the recipe's 2 GiB KV cache
+print(f"calibration {sys.argv[2]}: measured peak {peak:.2f} GiB, planned {plan:.2f} GiB (with the KV cache), "
+      f"planned / measured {plan / peak:.3f} (sequences of {sys.argv[3]} tokens)")
+PY
+done
+fi  # calibrate
 if want ncu; then
 step "ncu: the fused path's MoE row kernels and RMSNorm backward on the full-width layer"
 for k in "moe_expand:2" "moe_reduce:2" "rms_norm_backward:6"; do
