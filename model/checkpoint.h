@@ -22,6 +22,10 @@ void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_sha
 // file and tensor for missing, unexpected or wrongly shaped tensors. An NVFP4 checkpoint
 // (model/nvfp4_model.h) loads dequantised to `dtype`, its NVFP4 copies kept for the rollout engine.
 Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device);
+// The experts of rank `rank` of `size` (model/expert_parallel.h's shard_experts of the whole model)
+// and everything else, reading only those experts' tensors: a rank's host and device memory hold
+// its share. NVFP4 checkpoints are still read whole, then cut.
+Muse load_checkpoint_shard(const std::string& dir, at::ScalarType dtype, at::Device device, int rank, int size);
 
 // "bf16" / "bfloat16" / "fp32" / "float32" / "fp64" / "float64" -> torch dtype.
 at::ScalarType parse_dtype(const std::string& name);

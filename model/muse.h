@@ -142,6 +142,10 @@ class Muse {
   // The same shapes and scales drawn on `device` by its own generator (seeded with `seed`): seconds
   // instead of minutes for full-width benchmark configs, but not init's values.
   static Muse init_on_device(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device);
+  // Rank `rank` of `size`'s expert shard, drawn alone: equal to shard_experts(init(...), rank, size)
+  // (each expert has its own stream), without ever holding the other ranks' experts.
+  static Muse init_shard(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device, int rank,
+                         int size);
 
   const ModelConfig& config() const { return cfg_; }
   const Weights& weights() const { return w_; }

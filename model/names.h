@@ -46,10 +46,20 @@ const std::vector<LinearSlot>& linear_slots();
 std::string layer_prefix(int64_t layer);
 std::string linear_module(int64_t layer, const LinearSlot& s, int64_t e);
 
+// The experts [first, first + count) of every layer: an expert-parallel rank's shard. count < 0: all.
+struct ExpertRange {
+  int64_t first = 0, count = -1;
+  int64_t size(const ModelConfig& cfg) const { return count < 0 ? cfg.num_experts : count; }
+};
+// The range of rank `rank` of `size`, checked (E must split evenly).
+ExpertRange expert_shard(const ModelConfig& cfg, int rank, int size);
+
 // Loads every tensor the config names from `ckpt` into a model of `dtype` on `device`, except those
 // `skip(layer, suffix)` selects (left undefined); `extra` are further names the checkpoint must
-// hold. Errors name missing, unexpected and misshapen tensors.
+// hold. Of the experts only `experts` are read (each expert is its own tensor in the file, so a
+// shard reads only its share). Errors name missing, unexpected and misshapen tensors.
 Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, at::ScalarType dtype, at::Device device,
-                  const std::function<bool(int64_t, const std::string&)>& skip, const std::set<std::string>& extra);
+                  const std::function<bool(int64_t, const std::string&)>& skip, const std::set<std::string>& extra,
+                  ExpertRange experts = {});
 
 }  // namespace kiln::model::detail

@@ -16,6 +16,7 @@
 #include "core/files.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
+#include "model/expert_parallel.h"
 #include "model/names.h"
 #include "model/nvfp4_model.h"
 
@@ -261,7 +262,8 @@ namespace {
 // The weights of `cfg` at init: norms one, the router bias zero, every matrix from
 // draw(shape, std, name, suffix) (an expert stack [E, ...] whole), in its dtype on `device`.
 template <typename Draw>
-Muse build(const ModelConfig& cfg, at::ScalarType dtype, at::Device device, const Draw& draw) {
+Muse build(const ModelConfig& cfg, at::ScalarType dtype, at::Device device, const Draw& draw,
+           int64_t num_experts_held) {
   cfg.validate();
   const double std = cfg.init_std;
   const double out_std = std / std::sqrt(2.0 * double(cfg.num_layers));  // residual-writing matrices
@@ -275,7 +277,8 @@ Muse build(const ModelConfig& cfg, at::ScalarType dtype, at::Device device, cons
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     LayerWeights l;
     const std::string prefix = layer_prefix(i);
-    for (const auto& [suffix, shape] : layer_shapes(cfg)) {
+    for (auto [suffix, shape] : layer_shapes(cfg)) {
+      if (is_expert_stack(suffix)) shape[0] = num_experts_held;  // a shard holds its experts only
       at::Tensor t;
       const bool residual_out = suffix == "self_attn.o_proj.weight" || suffix == "mlp.experts.down_proj.weight" ||
                                 suffix == "mlp.unpooler.weight";
@@ -296,15 +299,23 @@ Muse build(const ModelConfig& cfg, at::ScalarType dtype, at::Device device, cons
 }  // namespace
 
 Muse Muse::init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device) {
-  // Each tensor, each expert on its own, from the CPU stream of (seed, its name).
+  return init_shard(cfg, seed, dtype, device, 0, 1);
+}
+
+Muse Muse::init_shard(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device, int rank,
+                      int size) {
+  const detail::ExpertRange r = detail::expert_shard(cfg, rank, size);
+  // Each tensor, each expert on its own, from the CPU stream of (seed, its name): a shard draws
+  // exactly the values the whole model has there.
   return build(cfg, dtype, device, [&](const std::vector<int64_t>& shape, double std, const std::string& prefix,
                                        const std::string& suffix) {
     if (!is_expert_stack(suffix)) return normal(shape, std, seed, prefix + suffix);
     std::vector<at::Tensor> experts;
     const std::vector<int64_t> one(shape.begin() + 1, shape.end());
-    for (int64_t e = 0; e < cfg.num_experts; ++e) experts.push_back(normal(one, std, seed, expert_name(prefix, e, suffix)));
+    for (int64_t e = r.first; e < r.first + r.size(cfg); ++e)
+      experts.push_back(normal(one, std, seed, expert_name(prefix, e, suffix)));
     return at::stack(experts, 0);
-  });
+  }, r.size(cfg));
 }
 
 Muse Muse::init_on_device(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device) {
@@ -314,7 +325,7 @@ Muse Muse::init_on_device(const ModelConfig& cfg, uint64_t seed, at::ScalarType 
                                        const std::string& suffix) {
     const auto opt = at::TensorOptions().device(device).dtype(tensor_dtype(suffix, dtype));
     return (device.is_cuda() ? at::randn(shape, opt) : at::randn(shape, gen, opt)).mul_(std);
-  });
+  }, cfg.num_experts);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model) {
@@ -366,8 +377,16 @@ void check_finite(const at::Tensor& t, const std::string& name, const std::strin
 
 namespace detail {
 
+ExpertRange expert_shard(const ModelConfig& cfg, int rank, int size) {
+  KILN_CHECK(size >= 1 && rank >= 0 && rank < size && cfg.num_experts % size == 0, "expert shard: ",
+             cfg.num_experts, " experts do not split evenly over ", size, " ranks (rank ", rank, ")");
+  const int64_t per = cfg.num_experts / size;
+  return {int64_t(rank) * per, per};
+}
+
 Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, at::ScalarType dtype, at::Device device,
-                  const std::function<bool(int64_t, const std::string&)>& skip, const std::set<std::string>& extra) {
+                  const std::function<bool(int64_t, const std::string&)>& skip, const std::set<std::string>& extra,
+                  ExpertRange range) {
   std::set<std::string> expected = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"};
   expected.insert(extra.begin(), extra.end());
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
@@ -414,7 +433,8 @@ Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, a
       }
       std::vector<int64_t> one(shape.begin() + 1, shape.end());
       std::vector<at::Tensor> experts;
-      for (int64_t e = 0; e < cfg.num_experts; ++e) experts.push_back(load(expert_name(prefix, e, suffix), one, t, suffix));
+      for (int64_t e = range.first; e < range.first + range.size(cfg); ++e)
+        experts.push_back(load(expert_name(prefix, e, suffix), one, t, suffix));
       *layer_slot(l, suffix) = at::stack(experts, 0);
     }
     w.layers.push_back(std::move(l));
@@ -425,9 +445,17 @@ Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, a
 }  // namespace detail
 
 Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device) {
-  if (is_nvfp4_checkpoint(dir)) return load_nvfp4_checkpoint(dir, dtype, device);
+  return load_checkpoint_shard(dir, dtype, device, 0, 1);
+}
+
+Muse load_checkpoint_shard(const std::string& dir, at::ScalarType dtype, at::Device device, int rank, int size) {
+  if (is_nvfp4_checkpoint(dir)) {  // not yet read by shard: loaded whole, then cut
+    Muse full = load_nvfp4_checkpoint(dir, dtype, device);
+    return size == 1 ? full : shard_experts(full, rank, size);
+  }
   ModelConfig cfg = ModelConfig::from_json_file(dir + "/config.json");
-  return load_tensors(cfg, safetensors::Checkpoint::open(dir), dtype, device, {}, {});
+  return load_tensors(cfg, safetensors::Checkpoint::open(dir), dtype, device, {}, {},
+                      detail::expert_shard(cfg, rank, size));
 }
 
 }  // namespace kiln::model

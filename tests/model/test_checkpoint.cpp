@@ -1,5 +1,5 @@
 // Muse checkpoints: HF names and dtypes, save/load round trips (single and sharded), seeded init,
-// and clear errors for missing, unexpected and mis-shaped tensors.
+// expert-sharded init and load, and clear errors for missing, unexpected and mis-shaped tensors.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -8,6 +8,7 @@
 
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
+#include "model/expert_parallel.h"
 #include "tests/model/reference.h"
 #include "tests/test_util.h"
 
@@ -82,6 +83,42 @@ TEST(Checkpoint, InitIsSeededPerTensor) {
   more.num_experts = 6;
   Muse d = Muse::init(more, 5, at::kFloat, at::kCPU);
   EXPECT_TRUE(test::all_equal(d.weights().layers[0].expert_gate.narrow(0, 0, 4), a.weights().layers[0].expert_gate));
+}
+
+// Every tensor of a and b, by name, bitwise.
+::testing::AssertionResult same_model(const Muse& a, const Muse& b) {
+  auto na = a.named_parameters(), nb = b.named_parameters();
+  if (na.size() != nb.size()) return ::testing::AssertionFailure() << na.size() << " vs " << nb.size() << " tensors";
+  for (size_t i = 0; i < na.size(); ++i) {
+    if (na[i].first != nb[i].first) return ::testing::AssertionFailure() << na[i].first << " vs " << nb[i].first;
+    auto r = test::all_equal(na[i].second, nb[i].second);
+    if (!r) return r << " (" << na[i].first << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// A rank's shard drawn or read alone equals the whole model cut (model/expert_parallel.h), at 1, 2
+// and 4 ranks, so the union of the shards is the one-process model; the other ranks' experts are
+// never drawn or read.
+TEST(Checkpoint, ShardedInitAndLoadEqualTheWholeModelCut) {
+  const model::ModelConfig cfg = test::micro_config();
+  ASSERT_EQ(cfg.num_experts % 4, 0);
+  const Muse whole = Muse::init(cfg, 11, at::kFloat, at::kCPU);
+  test::TempDir dir;
+  model::save_checkpoint(whole, dir.path(), /*max_shard_bytes=*/20000);  // several files
+  for (int size : {1, 2, 4})
+    for (int rank = 0; rank < size; ++rank) {
+      const Muse cut = size == 1 ? whole : model::shard_experts(whole, rank, size);
+      const Muse drawn = Muse::init_shard(cfg, 11, at::kFloat, at::kCPU, rank, size);
+      EXPECT_EQ(drawn.weights().layers[0].expert_gate.size(0), cfg.num_experts / size);
+      EXPECT_TRUE(same_model(drawn, cut)) << "init, rank " << rank << " of " << size;
+      const Muse read = model::load_checkpoint_shard(dir.path(), at::kFloat, at::kCPU, rank, size);
+      EXPECT_TRUE(same_model(read, cut)) << "load, rank " << rank << " of " << size;
+    }
+  EXPECT_TRUE(test::throws_with([&] { Muse::init_shard(cfg, 11, at::kFloat, at::kCPU, 0, 3); },
+                                {"experts do not split evenly over 3 ranks"}));
+  EXPECT_TRUE(test::throws_with([&] { model::load_checkpoint_shard(dir.path(), at::kFloat, at::kCPU, 4, 4); },
+                                {"rank 4"}));
 }
 
 TEST(Checkpoint, InitOnDeviceHasInitsShapesDtypesAndScale) {
