@@ -76,6 +76,16 @@ __device__ __forceinline__ void adamw_one(float& w, float g, float& m, float& v,
   w = __fsub_rn(w, __fmul_rn(s.step_size, __fdiv_rn(m, denom)));
 }
 
+// Element k of slice t, one value at a time (misaligned slices and vector tails).
+__device__ __forceinline__ void adamw_element(const AdamWSlice& t, int64_t k, const AdamWScalars& s) {
+  float w = load1(t.w, t.w_dtype, k), m = load1(t.m, t.m_dtype, k), v = load1(t.v, t.m_dtype, k);
+  adamw_one(w, load1(t.g, t.g_dtype, k), m, v, s);
+  store1(t.w, t.w_dtype, k, w);
+  store1(t.m, t.m_dtype, k, m);
+  store1(t.v, t.m_dtype, k, v);
+  if (t.p) store1(t.p, t.p_dtype, k, w);
+}
+
 __global__ void __launch_bounds__(kThreads) adamw_kernel(const __grid_constant__ Batch b, const AdamWScalars s) {
   // The slice of this block: the last with first_block <= blockIdx.x.
   int lo = 0, hi = b.count - 1;
@@ -104,26 +114,12 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const __grid_constant__
         store4(t.v, t.m_dtype, i, v);
         if (t.p) store4(t.p, t.p_dtype, i, w);
       } else {
-        for (int64_t k = i; k < end; ++k) {
-          float w = load1(t.w, t.w_dtype, k), m = load1(t.m, t.m_dtype, k), v = load1(t.v, t.m_dtype, k);
-          adamw_one(w, load1(t.g, t.g_dtype, k), m, v, s);
-          store1(t.w, t.w_dtype, k, w);
-          store1(t.m, t.m_dtype, k, m);
-          store1(t.v, t.m_dtype, k, v);
-          if (t.p) store1(t.p, t.p_dtype, k, w);
-        }
+        for (int64_t k = i; k < end; ++k) adamw_element(t, k, s);
       }
     }
     return;
   }
-  for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) {
-    float w = load1(t.w, t.w_dtype, k), m = load1(t.m, t.m_dtype, k), v = load1(t.v, t.m_dtype, k);
-    adamw_one(w, load1(t.g, t.g_dtype, k), m, v, s);
-    store1(t.w, t.w_dtype, k, w);
-    store1(t.m, t.m_dtype, k, m);
-    store1(t.v, t.m_dtype, k, v);
-    if (t.p) store1(t.p, t.p_dtype, k, w);
-  }
+  for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) adamw_element(t, k, s);
 }
 
 // A pointer fit for 4-element accesses of its dtype (16 bytes for fp32, 8 for 16-bit types).
