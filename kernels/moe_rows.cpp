@@ -29,8 +29,9 @@ bool kernel_applies(const at::Tensor& x, int64_t k) {
 }
 
 // out (pre-filled) gets x's rows at slot_row, scaled by w when given; dots gets <x[t], y[row]>.
+// `what` names the caller in a launch error (the dispatch, or the combine's backward).
 void expand_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& slot_row, int64_t k, at::Tensor& out,
-                 const at::Tensor& y, at::Tensor* dots) {
+                 const at::Tensor& y, at::Tensor* dots, const char* what) {
   const int64_t T = x.size(0), C = x.size(1);
   at::Tensor xc = x.contiguous(), sc = slot_row.contiguous();
   at::Tensor wc = w.defined() ? w.contiguous() : w, yc = y.defined() ? y.contiguous() : y;
@@ -39,7 +40,7 @@ void expand_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& slo
                                  sc.data_ptr<int64_t>(), T, int(k), C, out.data_ptr(),
                                  yc.defined() ? yc.data_ptr() : nullptr, dots ? dots->data_ptr<float>() : nullptr,
                                  c10::cuda::getCurrentCUDAStream()),
-               "moe_dispatch");
+               what);
 }
 
 at::Tensor reduce_rows(const at::Tensor& y, const at::Tensor& w, const at::Tensor& slot_row, int64_t tokens, int64_t k) {
@@ -59,7 +60,7 @@ struct DispatchFunction : public torch::autograd::Function<DispatchFunction> {
     ctx->save_for_backward({slot_row});
     ctx->saved_data["k"] = k;
     at::Tensor out = at::zeros({bound, z.size(1)}, z.options());
-    expand_into(z, at::Tensor(), slot_row, k, out, at::Tensor(), nullptr);
+    expand_into(z, at::Tensor(), slot_row, k, out, at::Tensor(), nullptr, "moe_dispatch");
     return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -86,7 +87,7 @@ struct CombineFunction : public torch::autograd::Function<CombineFunction> {
     const c10::cuda::CUDAGuard guard(y.device());
     at::Tensor dm = grads[0].to(y.scalar_type());
     at::Tensor dy = at::zeros_like(y), dw;
-    expand_into(dm, weights, slot_row, weights.size(1), dy, y, &dw);
+    expand_into(dm, weights, slot_row, weights.size(1), dy, y, &dw, "moe_combine backward");
     return {dy, dw, at::Tensor()};
   }
 };
