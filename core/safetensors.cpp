@@ -15,6 +15,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <set>
 #include <limits>
 #include <sstream>
 
@@ -606,13 +609,10 @@ void write_file(const std::string& path, const std::vector<NamedTensor>& tensors
   publish(guard, tmp, path);
 }
 
-void write_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,
-                      uint64_t max_shard_bytes) {
-  KILN_CHECK(max_shard_bytes > 0, "safetensors: max_shard_bytes must be positive (dir=", dir,
-             "); pass a shard size in bytes");
-  const fs::path root(dir);
+namespace {
 
-  std::vector<uint64_t> sizes;
+// Sizes of `tensors` (checked for duplicate names) and their total.
+uint64_t sizes_of(const std::string& dir, const std::vector<NamedTensor>& tensors, std::vector<uint64_t>& sizes) {
   uint64_t total = 0;
   std::set<std::string> names;
   for (const NamedTensor& nt : tensors) {
@@ -622,18 +622,20 @@ void write_checkpoint(const std::string& dir, const std::vector<NamedTensor>& te
     sizes.push_back(plan(nt, dir).nbytes);
     total += sizes.back();
   }
+  return total;
+}
+
+void make_dir(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   KILN_CHECK(!ec, "safetensors: cannot create the checkpoint directory (dir=", dir, ", error=",
              ec.message(), "); check permissions");
-  if (total <= max_shard_bytes) {
-    write_file((root / kSingleName).string(), tensors);
-    // A stale index would take precedence over the file just written.
-    fs::remove(root / kIndexName, ec);
-    return;
-  }
+}
 
-  // Greedy in order; a tensor larger than the limit gets a shard of its own.
+// Greedy in order, at most max_shard_bytes per shard; a tensor larger than the limit gets a shard of
+// its own. Shard s is written to file_name(s, count); returns the weight map.
+json write_shards(const std::string& dir, const std::vector<NamedTensor>& tensors, const std::vector<uint64_t>& sizes,
+                  uint64_t max_shard_bytes, const std::function<std::string(size_t, size_t)>& file_name) {
   std::vector<std::vector<NamedTensor>> shards;
   uint64_t shard_bytes = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -644,24 +646,104 @@ void write_checkpoint(const std::string& dir, const std::vector<NamedTensor>& te
     shards.back().push_back(tensors[i]);
     shard_bytes += sizes[i];
   }
-  const size_t num_shards = shards.size();
   json weight_map = json::object();
-  for (size_t s = 0; s < num_shards; ++s) {
-    char name[64];
-    std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", s + 1, num_shards);
-    write_file((root / name).string(), shards[s]);
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const std::string name = file_name(s, shards.size());
+    write_file((fs::path(dir) / name).string(), shards[s]);
     for (const NamedTensor& nt : shards[s]) weight_map[nt.name] = name;
   }
+  return weight_map;
+}
 
-  // The index goes last: a checkpoint with an index is complete.
-  json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-  const std::string text = index.dump(2) + "\n";
-  const std::string path = (root / kIndexName).string();
+// Writes `text` to dir/name atomically.
+void write_text_file(const std::string& dir, const std::string& name, const std::string& text, const char* what) {
+  const std::string path = (fs::path(dir) / name).string();
   const std::string tmp = temp_path_for(path);
   TempFileGuard guard(tmp);
   guard.fd() = open_temp(tmp, path);
-  write_all(guard.fd(), text.data(), text.size(), path, "index");
+  write_all(guard.fd(), text.data(), text.size(), path, what);
   publish(guard, tmp, path);
+}
+
+constexpr const char* kPartPrefix = ".index-part-";
+
+}  // namespace
+
+void write_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,
+                      uint64_t max_shard_bytes) {
+  KILN_CHECK(max_shard_bytes > 0, "safetensors: max_shard_bytes must be positive (dir=", dir,
+             "); pass a shard size in bytes");
+  std::vector<uint64_t> sizes;
+  const uint64_t total = sizes_of(dir, tensors, sizes);
+  make_dir(dir);
+  const fs::path root(dir);
+  if (total <= max_shard_bytes) {
+    write_file((root / kSingleName).string(), tensors);
+    // A stale index would take precedence over the file just written.
+    std::error_code ec;
+    fs::remove(root / kIndexName, ec);
+    return;
+  }
+  const json weight_map = write_shards(dir, tensors, sizes, max_shard_bytes, [](size_t s, size_t n) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", s + 1, n);
+    return std::string(name);
+  });
+  // The index goes last: a checkpoint with an index is complete.
+  json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  write_text_file(dir, kIndexName, index.dump(2) + "\n", "index");
+}
+
+void write_checkpoint_part(const std::string& dir, const std::vector<NamedTensor>& tensors, const std::string& stem,
+                           uint64_t max_shard_bytes) {
+  KILN_CHECK(max_shard_bytes > 0 && !stem.empty() && stem.find('/') == std::string::npos,
+             "safetensors: a checkpoint part needs a positive max_shard_bytes and a file stem without '/' (dir=",
+             dir, ", stem='", stem, "')");
+  std::vector<uint64_t> sizes;
+  const uint64_t total = sizes_of(dir, tensors, sizes);
+  make_dir(dir);
+  const json weight_map = write_shards(dir, tensors, sizes, max_shard_bytes, [&](size_t s, size_t) {
+    char n[32];
+    std::snprintf(n, sizeof(n), "-%05zu.safetensors", s + 1);
+    return stem + n;
+  });
+  json part = {{"total_size", total}, {"weight_map", weight_map}};
+  write_text_file(dir, kPartPrefix + stem + ".json", part.dump() + "\n", "index part");
+}
+
+void merge_checkpoint_index(const std::string& dir) {
+  std::vector<fs::path> parts;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec))
+    if (entry.path().filename().string().rfind(kPartPrefix, 0) == 0) parts.push_back(entry.path());
+  KILN_CHECK(!ec && !parts.empty(), "safetensors: no checkpoint parts (", kPartPrefix, "*.json) in ", dir,
+             "; every writer calls write_checkpoint_part before the index is merged");
+  std::sort(parts.begin(), parts.end());
+  json weight_map = json::object();
+  std::map<std::string, std::string> from;  // tensor -> the part that wrote it
+  uint64_t total = 0;
+  for (const fs::path& p : parts) {
+    std::ifstream f(p);
+    json part;
+    try {
+      f >> part;
+    } catch (const json::exception& e) {
+      KILN_FAIL("safetensors: checkpoint part ", p.string(), " is not valid JSON (", e.what(), ")");
+    }
+    KILN_CHECK(part.is_object() && part.contains("weight_map") && part["weight_map"].is_object() &&
+                   part.contains("total_size") && part["total_size"].is_number_unsigned(),
+               "safetensors: checkpoint part ", p.string(), " lacks weight_map or total_size");
+    total += part["total_size"].get<uint64_t>();
+    for (auto& [name, file] : part["weight_map"].items()) {
+      KILN_CHECK(!from.count(name), "safetensors: tensor ", name, " is written by two checkpoint parts, ", from[name],
+                 " and ", p.filename().string(), " (dir=", dir, ")");
+      from[name] = p.filename().string();
+      weight_map[name] = file;
+    }
+  }
+  json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  write_text_file(dir, kIndexName, index.dump(2) + "\n", "index");
+  for (const fs::path& p : parts) fs::remove(p, ec);
 }
 
 }  // namespace kiln::safetensors

@@ -94,4 +94,13 @@ void write_file(const std::string& path, const std::vector<NamedTensor>& tensors
 void write_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,
                       uint64_t max_shard_bytes = 5ull << 30);
 
+// One writer's part of a checkpoint that several write at once (each rank its own tensors): files
+// <stem>-00001.safetensors, ... of at most max_shard_bytes each and a small part index
+// .index-part-<stem>.json. Once every writer is done, one caller runs merge_checkpoint_index, which
+// joins the parts into model.safetensors.index.json (last: it marks the checkpoint complete) and
+// removes them. No tensor passes between writers; a tensor two parts wrote is an error.
+void write_checkpoint_part(const std::string& dir, const std::vector<NamedTensor>& tensors, const std::string& stem,
+                           uint64_t max_shard_bytes = 5ull << 30);
+void merge_checkpoint_index(const std::string& dir);
+
 }  // namespace kiln::safetensors

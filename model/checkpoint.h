@@ -14,9 +14,17 @@ namespace kiln::model {
 // Every tensor under its HF checkpoint name (experts split per expert), in checkpoint dtype:
 // the config's dtype, the router in F32. Tensors may stay on the model's device.
 std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model);
+// The same for an expert shard whose first expert is `first_expert`, with or without the dense part.
+std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model, int64_t first_expert, bool dense);
 
 // Writes config.json and model.safetensors (sharded above max_shard_bytes) into `dir`.
 void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_shard_bytes = 5ull << 30);
+// Rank `rank` of `size`'s part of a checkpoint written by every expert-parallel rank at once: its
+// experts under their global indices (and, with_dense, the rest and config.json; exactly one rank
+// says so). Once all have written, one rank calls safetensors::merge_checkpoint_index(dir); the
+// directory then loads like save_checkpoint's, whole or by shard. No tensor moves between ranks.
+void save_checkpoint_part(const Muse& shard, const std::string& dir, int rank, int size, bool with_dense,
+                          uint64_t max_shard_bytes = 5ull << 30);
 
 // Reads `dir` (config.json + safetensors) into a model of `dtype` on `device`. Errors name the
 // file and tensor for missing, unexpected or wrongly shaped tensors. An NVFP4 checkpoint

@@ -328,7 +328,9 @@ Muse Muse::init_on_device(const ModelConfig& cfg, uint64_t seed, at::ScalarType 
   }, cfg.num_experts);
 }
 
-std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model) {
+std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model) { return hf_tensors(model, 0, true); }
+
+std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model, int64_t first_expert, bool dense) {
   const ModelConfig& cfg = model.config();
   const at::ScalarType store = parse_dtype(cfg.dtype);
   std::vector<std::pair<std::string, at::Tensor>> out;
@@ -339,27 +341,50 @@ std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model) {
     const std::string marker = ".mlp.experts.";
     const size_t at_pos = name.find(marker);
     if (at_pos == std::string::npos) {
-      out.emplace_back(name, v);
+      if (dense) out.emplace_back(name, v);
       return;
     }
     const std::string prefix = name.substr(0, at_pos + 1), suffix = name.substr(at_pos + 1);
-    for (int64_t e = 0; e < v.size(0); ++e) out.emplace_back(expert_name(prefix, e, suffix), v[e]);
+    for (int64_t e = 0; e < v.size(0); ++e) out.emplace_back(expert_name(prefix, first_expert + e, suffix), v[e]);
   });
   return out;
 }
 
-void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_shard_bytes) {
+namespace {
+// The tensors to write, refused when one holds NaN or inf: a diverged model must not replace a
+// good checkpoint.
+std::vector<safetensors::NamedTensor> finite_tensors(std::vector<std::pair<std::string, at::Tensor>> named,
+                                                     const std::string& dir) {
   std::vector<safetensors::NamedTensor> tensors;
-  for (auto& [name, t] : hf_tensors(model)) {
-    // NaN weights are never written: a diverged model must not replace a good checkpoint.
+  for (auto& [name, t] : named) {
     const at::Tensor bad = at::isfinite(t).logical_not_();
     KILN_CHECK(!bad.any().item<bool>(), "checkpoint: refusing to write ", dir, ": tensor ", name, " holds ",
                bad.sum().item<int64_t>(), " NaN/inf value(s); the model has diverged");
     tensors.push_back({name, t});
   }
+  return tensors;
+}
+}  // namespace
+
+void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_shard_bytes) {
+  std::vector<safetensors::NamedTensor> tensors = finite_tensors(hf_tensors(model), dir);
   std::filesystem::create_directories(dir);
   safetensors::write_checkpoint(dir, tensors, max_shard_bytes);
   write_text_atomic(dir + "/config.json", model.config().to_json());
+}
+
+void save_checkpoint_part(const Muse& shard, const std::string& dir, int rank, int size, bool with_dense,
+                          uint64_t max_shard_bytes) {
+  const ModelConfig& cfg = shard.config();
+  const detail::ExpertRange r = detail::expert_shard(cfg, rank, size);
+  KILN_CHECK(shard.weights().layers.empty() || shard.weights().layers[0].expert_gate.size(0) == r.size(cfg),
+             "checkpoint: rank ", rank, " of ", size, " writes ", r.size(cfg), " experts per layer but its model holds ",
+             shard.weights().layers[0].expert_gate.size(0));
+  char stem[48];
+  std::snprintf(stem, sizeof(stem), "model-rank%05d-of-%05d", rank, size);
+  safetensors::write_checkpoint_part(dir, finite_tensors(hf_tensors(shard, r.first, with_dense), dir), stem,
+                                     max_shard_bytes);
+  if (with_dense) write_text_atomic(dir + "/config.json", cfg.to_json());
 }
 
 namespace {

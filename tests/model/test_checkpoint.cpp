@@ -121,6 +121,56 @@ TEST(Checkpoint, ShardedInitAndLoadEqualTheWholeModelCut) {
                                 {"rank 4"}));
 }
 
+// Every rank writes its own part (its experts; rank 0 also the dense part), one merges the index:
+// the directory loads whole and by shard exactly, no part holds another rank's experts, and a
+// missing or doubled part is an error naming the tensors.
+TEST(Checkpoint, PartsWrittenByEveryRankLoadWholeAndByShard) {
+  const model::ModelConfig cfg = test::micro_config();
+  const Muse whole = Muse::init(cfg, 13, at::kFloat, at::kCPU);
+  for (int size : {1, 2, 4}) {
+    test::TempDir dir;
+    for (int rank = 0; rank < size; ++rank)
+      model::save_checkpoint_part(size == 1 ? whole : model::shard_experts(whole, rank, size), dir.path(), rank, size,
+                                  rank == 0, /*max_shard_bytes=*/8000);
+    safetensors::merge_checkpoint_index(dir.path());
+    int parts_left = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+      parts_left += e.path().filename().string().rfind(".index-part-", 0) == 0;
+    EXPECT_EQ(parts_left, 0);
+    EXPECT_TRUE(same_model(model::load_checkpoint(dir.path(), at::kFloat, at::kCPU), whole)) << size << " ranks";
+    for (int rank = 0; rank < size; ++rank)
+      EXPECT_TRUE(same_model(model::load_checkpoint_shard(dir.path(), at::kFloat, at::kCPU, rank, size),
+                             size == 1 ? whole : model::shard_experts(whole, rank, size)))
+          << "rank " << rank << " of " << size;
+    if (size == 4) {  // rank 1's files hold its expert (1) and nothing else
+      int seen = 0;
+      for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+        const std::string f = e.path().filename().string();
+        if (f.rfind("model-rank00001-of-00004-", 0) != 0) continue;
+        const auto file = safetensors::File::open(e.path().string());
+        for (const auto& t : file->tensors()) {
+          EXPECT_NE(t.name.find(".mlp.experts.1."), std::string::npos) << f << " holds " << t.name;
+          ++seen;
+        }
+      }
+      EXPECT_EQ(seen, cfg.num_layers * 4);  // gate, up, down, norm of one expert per layer
+    }
+  }
+  test::TempDir missing, doubled;
+  model::save_checkpoint_part(model::shard_experts(whole, 0, 2), missing.path(), 0, 2, true);
+  safetensors::merge_checkpoint_index(missing.path());
+  EXPECT_TRUE(test::throws_with([&] { model::load_checkpoint(missing.path(), at::kFloat, at::kCPU); },
+                                {"missing=", "mlp.experts."}));
+  model::save_checkpoint_part(model::shard_experts(whole, 0, 2), doubled.path(), 0, 2, true);
+  model::save_checkpoint_part(model::shard_experts(whole, 1, 2), doubled.path(), 1, 2, true);
+  EXPECT_TRUE(test::throws_with([&] { safetensors::merge_checkpoint_index(doubled.path()); },
+                                {"is written by two checkpoint parts"}));
+  test::TempDir none;
+  EXPECT_TRUE(test::throws_with([&] { safetensors::merge_checkpoint_index(none.path()); }, {"no checkpoint parts"}));
+  EXPECT_TRUE(test::throws_with([&] { model::save_checkpoint_part(whole, none.path(), 0, 2, true); },
+                                {"writes 2 experts per layer but its model holds 4"}));
+}
+
 TEST(Checkpoint, InitOnDeviceHasInitsShapesDtypesAndScale) {
   const model::ModelConfig cfg = test::micro_config();
   Muse a = Muse::init(cfg, 5, at::kFloat, at::kCPU);
