@@ -21,6 +21,7 @@
 #include "core/checkpoint_dir.h"
 #include "core/error.h"
 #include "core/files.h"
+#include "core/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "text/tokenizer.h"
@@ -729,18 +730,30 @@ void GrpoTrainer::save(const std::string& dir) const {
   const comm::Group& g = impl_->group;
   const CheckpointDir ck(dir);  // written as dir.tmp, state.json last, then swapped in
   const std::string tmp = ck.tmp();
+  // Under expert parallelism each expert shard's first copy writes its own experts (rank 0 the rest
+  // too) and rank 0 joins the indexes: no expert moves between ranks. LoRA exports the gathered
+  // adapters from rank 0.
+  const bool parts = impl_->shard && !impl_->lora();
   // Under expert parallelism the reference is a shard: every rank helps assemble the full one.
   std::unique_ptr<model::Muse> full_reference;
-  if (impl_->cfg.parallel.sharded_rollout()) impl_->gather_experts();  // the full model to write
+  if (impl_->cfg.parallel.sharded_rollout() && !parts) impl_->gather_experts();  // the full model to write
   if (impl_->reference && impl_->shard) {
     full_reference = std::make_unique<model::Muse>(impl_->policy.clone());
     impl_->shard_to_full(*impl_->reference, *full_reference);
   }
+  if (g.rank() == 0) ck.begin();
+  g.barrier();  // dir.tmp exists for every rank's files
+  if (parts) {
+    const int64_t ep = impl_->cfg.parallel.ep;
+    if (impl_->expert_dp.rank() == 0)
+      model::save_checkpoint_part(*impl_->shard, tmp + "/model", int(g.rank() % ep), int(ep), g.rank() == 0);
+    g.barrier();
+    if (g.rank() == 0) safetensors::merge_checkpoint_index(tmp + "/model");
+  }
   if (g.rank() == 0) {
-    ck.begin();
     // LoRA: the frozen base is the recipe's; only its fingerprint goes with the adapters.
     if (impl_->lora()) model::save_peft_adapter(impl_->policy, tmp + "/adapter");
-    else model::save_checkpoint(impl_->policy, tmp + "/model");
+    else if (!parts) model::save_checkpoint(impl_->policy, tmp + "/model");
     // model/ loads on its own (kiln generate, --init-from): it carries the tokenizer it was trained with.
     if (!impl_->lora()) {
       const std::string tokenizer_files = text::tokenizer_dir(*impl_->tok);

@@ -2,7 +2,11 @@
 // gradients, a ZeRO-1 step equals the unsharded step, and a GRPO run matches the one-rank run.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <filesystem>
+
+#include "model/checkpoint.h"
 #include "model/lora.h"
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
@@ -169,6 +173,33 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
     p1 = model::lora_parameters(m1);
     pw = model::lora_parameters(mw);
     ASSERT_EQ(p1.size(), pw.size());
+  }
+  if (ep > 1 && lora_rank == 0) {
+    // The checkpoint: each expert shard's first copy wrote its experts, rank 0 the rest and the
+    // index. It loads as the gathered policy, bitwise, and a second trainer resumes from it.
+    at::Tensor id = at::tensor(std::vector<int64_t>{int64_t(::getpid())});
+    w.broadcast(id, 0);  // one directory for every rank (they share the machine)
+    const std::string dir = "/tmp/kiln-mpi-ckpt-" + std::to_string(id.item<int64_t>()) + "-" + rollout +
+                            std::to_string(ep) + (kl_coef != 0 ? "kl" : "");
+    all.save(dir);
+    if (w.rank() == 0) {
+      model::Muse saved = model::load_checkpoint(dir + "/model", at::kFloat, at::kCPU);
+      auto ps = saved.named_parameters(), pm = mw.named_parameters();
+      ASSERT_EQ(ps.size(), pm.size());
+      for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(test::all_equal(ps[i].second, pm[i].second)) << ps[i].first;
+      int parts = 0;
+      for (const auto& f : std::filesystem::directory_iterator(dir + "/model"))
+        parts += f.path().filename().string().rfind("model-rank", 0) == 0;
+      EXPECT_GE(parts, ep) << "one or more files per expert shard";
+    }
+    model::Muse mr = model::Muse::init(mc, 4, at::kFloat, at::kCPU);  // other weights: the load must replace them
+    GrpoTrainer resumed(mr, cfg, test::byte_tokenizer(), data, w);
+    resumed.load(dir);
+    resumed.sync_policy();
+    auto pr = mr.named_parameters(), pm = mw.named_parameters();
+    for (size_t i = 0; i < pr.size(); ++i) EXPECT_TRUE(test::all_equal(pr[i].second, pm[i].second)) << pr[i].first;
+    w.barrier();
+    if (w.rank() == 0) std::filesystem::remove_all(dir);
   }
   for (size_t i = 0; i < p1.size(); ++i) {
     // Not element-wise: AdamW turns gradient elements at rounding-noise level into full-size
