@@ -203,9 +203,13 @@ void write_samples(const std::string& path, const std::vector<rollout::Request>&
 // routing replayed and with its own, and the routing it chose itself.
 struct Rescored {
   at::Tensor lp_rollout, lp_replay, lp_own;  // [response tokens] float64, in sample order
+  at::Tensor lp_alone;                       // the same with R3, every sequence in a batch of its own
+  at::Tensor entropy;                        // [response tokens] the trainer's entropy there (nats)
+  at::Tensor position;                       // [response tokens] int64: the token's index in its response
   at::Tensor own_routing, rollout_routing;   // [response tokens, L, k] uint8
   trainer::MismatchMetrics replay, own;
-  std::vector<std::string> token_where;      // "request r sample s token i" per response token
+  std::vector<std::string> token_where;      // "request r sample s token i: ...context [token]"
+  int64_t micro_batch = 0;
 };
 
 Rescored rescore(const model::Muse& m, const std::vector<rollout::Request>& requests,
@@ -222,14 +226,22 @@ Rescored rescore(const model::Muse& m, const std::vector<rollout::Request>& requ
       t.tokens.insert(t.tokens.end(), x.tokens.begin(), x.tokens.end());
       t.rollout_lp = x.logprobs;
       t.routing = x.routing.cpu().to(at::kByte);
-      for (size_t i = 0; i < x.tokens.size(); ++i)
-        r.token_where.push_back(fmt::format("request {} sample {} token {}", q, s, i));
+      for (size_t i = 0; i < x.tokens.size(); ++i) {
+        // The six ids before the token (prompt included), then the token.
+        const size_t at_ = size_t(t.prompt_len) + i, from = at_ >= 6 ? at_ - 6 : 0;
+        std::vector<int64_t> ctx(t.tokens.begin() + long(from), t.tokens.begin() + long(at_));
+        r.token_where.push_back(fmt::format("request {} sample {} token {}: {}{} [{}]", q, s, i, from > 0 ? "... " : "",
+                                            fmt::join(ctx, " "), t.tokens[at_]));
+      }
       trajs.push_back(std::move(t));
     }
   KILN_CHECK(!trajs.empty(), "mismatch: no sample has a generated token; raise --max-tokens");
   const trainer::Packed whole = trainer::pack(trajs, 0, trajs.size(), at::kCPU, at::kDouble);
   const trainer::Scored replay = trainer::score_trajectories(m, trajs, true, micro_batch, temperature, {});
   const trainer::Scored own = trainer::score_trajectories(m, trajs, false, micro_batch, temperature, {});
+  // The batch-composition effect: each sequence scored alone against inside its micro-batch.
+  const trainer::Scored alone = trainer::score_trajectories(m, trajs, true, 1, temperature, {});
+  const at::Tensor entropy = trainer::token_entropies(m, trajs, micro_batch, temperature, {});
   const int64_t n = int64_t(trajs.size());
   r.replay = trainer::mismatch_metrics(replay.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, n);
   r.own = trainer::mismatch_metrics(own.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, n);
@@ -239,6 +251,16 @@ Rescored rescore(const model::Muse& m, const std::vector<rollout::Request>& requ
   r.lp_rollout = whole.rollout_lp.index_select(0, rows);
   r.lp_replay = replay.logprobs.cpu().index_select(0, rows);
   r.lp_own = own.logprobs.cpu().index_select(0, rows);
+  r.lp_alone = alone.logprobs.cpu().index_select(0, rows);
+  r.entropy = entropy.index_select(0, rows);
+  // Each response token's index in its response: the row minus its sequence's first response row.
+  std::vector<int64_t> pos;
+  for (const trainer::Trajectory& t : trajs)
+    for (size_t i = 0; i + size_t(t.prompt_len) < t.tokens.size(); ++i) pos.push_back(int64_t(i));
+  r.position = at::tensor(pos, at::kLong);
+  KILN_CHECK(r.position.numel() == r.lp_rollout.numel(), "mismatch: ", r.position.numel(), " response positions for ",
+             r.lp_rollout.numel(), " scored tokens");
+  r.micro_batch = micro_batch;
   r.own_routing = own.routing.index_select(0, rows);
   r.rollout_routing = whole.routing.index_select(0, rows);
   return r;
@@ -266,14 +288,35 @@ void print_mismatch(const Rescored& r, int64_t worst) {
   for (int64_t l = 0; l < differs.size(1); ++l) layers.push_back(fmt::format("{:.4f}", differs.select(1, l).mean().item<double>()));
   fmt::print("own routing differs from the rollout's: {:.4f} of (token, layer) pairs; by layer {}\n",
              differs.mean().item<double>(), fmt::join(layers, " "));
+  // The gap by the trainer's entropy at the token and by the token's place in its response.
+  auto by = [&](const char* what, const at::Tensor& key, const std::vector<double>& edges, const char* unit) {
+    std::vector<std::string> cells;
+    for (size_t b = 0; b + 1 < edges.size(); ++b) {
+      const at::Tensor in = key.ge(edges[b]).logical_and(key.lt(edges[b + 1]));
+      const int64_t n = in.sum().item<int64_t>();
+      if (n == 0) continue;
+      cells.push_back(fmt::format("[{:g}, {:g}){} {:.3e} ({} tok)", edges[b], edges[b + 1], unit,
+                                  d.masked_select(in).mean().item<double>(), n));
+    }
+    fmt::print("mean|d| (R3) by {}: {}\n", what, fmt::join(cells, ", "));
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  by("entropy", r.entropy, {0, 0.1, 0.5, 1, 2, 4, inf}, " nats");
+  by("position", r.position.to(at::kDouble), {0, 1, 4, 16, 64, 256, 1024, inf}, "");
+  const at::Tensor comp = (r.lp_alone - r.lp_replay).abs();
+  fmt::print("batch composition (R3): each sequence scored alone vs in micro-batches of {}: mean|d| {:.3e}, max|d| "
+             "{:.3e}; corr(|d|, entropy) {:.3f}\n",
+             r.micro_batch, comp.mean().item<double>(), comp.max().item<double>(),
+             at::corrcoef(at::stack({d, r.entropy})).index({0, 1}).item<double>());
   const int64_t k = std::min<int64_t>(worst, d.numel());
   if (k <= 0) return;
   at::Tensor top = std::get<1>(d.topk(k));
   fmt::print("largest |d| (R3):\n");
   for (int64_t i = 0; i < k; ++i) {
     const int64_t t = top[i].item<int64_t>();
-    fmt::print("  {}: lp_rollout {:.5f}, lp_trainer {:.5f} (own routing {:.5f})\n", r.token_where[size_t(t)],
-               r.lp_rollout[t].item<double>(), r.lp_replay[t].item<double>(), r.lp_own[t].item<double>());
+    fmt::print("  {}: lp_rollout {:.5f}, lp_trainer {:.5f} (own routing {:.5f}), entropy {:.3f}\n",
+               r.token_where[size_t(t)], r.lp_rollout[t].item<double>(), r.lp_replay[t].item<double>(),
+               r.lp_own[t].item<double>(), r.entropy[t].item<double>());
   }
 }
 
@@ -437,6 +480,8 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
           w.write("lp_trainer_replay", r.lp_replay.to(at::kFloat));
           w.write("lp_trainer_own", r.lp_own.to(at::kFloat));
           w.write("routing_trainer_own", r.own_routing);
+          w.write("lp_trainer_alone", r.lp_alone.to(at::kFloat));
+          w.write("entropy_trainer", r.entropy.to(at::kFloat));
           w.attribute("quantization", a->quantization);
         });
       if (!a->out.empty()) fmt::print("wrote {}\n", a->out);

@@ -61,4 +61,24 @@ Scored score_trajectories(const model::Muse& model, const std::vector<Trajectory
   return {at::cat(lps, 0), at::cat(routes, 0)};
 }
 
+at::Tensor token_entropies(const model::Muse& model, const std::vector<Trajectory>& trajs, int64_t micro_batch_seqs,
+                           double temperature, const model::ForwardOptions& base) {
+  at::NoGradGuard g;
+  std::vector<at::Tensor> out;
+  const size_t step = size_t(std::max<int64_t>(1, micro_batch_seqs));
+  for (size_t b = 0; b < trajs.size(); b += step) {
+    Packed p = pack(trajs, b, std::min(trajs.size(), b + step), model.device(), at::kDouble);
+    model::ForwardOptions o = base;
+    o.skip_head = true;
+    o.load_balance = false;
+    o.replay_routing = p.routing;
+    const at::Tensor hidden = model.forward(p.batch, o).hidden;
+    for (int64_t r = 0; r < hidden.size(0); r += 1024) {
+      const at::Tensor logp = at::log_softmax(model.logits(hidden.narrow(0, r, std::min<int64_t>(1024, hidden.size(0) - r))).to(at::kDouble) / temperature, -1);
+      out.push_back(-(logp.exp() * logp).sum(-1).cpu());
+    }
+  }
+  return at::cat(out, 0);
+}
+
 }  // namespace kiln::trainer

@@ -42,4 +42,10 @@ struct Scored {
 Scored score_trajectories(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay,
                           int64_t micro_batch_seqs, double temperature, const model::ForwardOptions& base);
 
+// The entropy (nats) of the model's next-token distribution at `temperature` at every position of
+// the packed trajectories, [T] float64, with the rollout's routing replayed; the lm_head runs over
+// 1024 rows at a time, so no [T, V] tensor is built. No gradient.
+at::Tensor token_entropies(const model::Muse& model, const std::vector<Trajectory>& trajs, int64_t micro_batch_seqs,
+                           double temperature, const model::ForwardOptions& base);
+
 }  // namespace kiln::trainer

@@ -9,6 +9,7 @@
 
 #include "model/lora.h"
 #include "trainer/grpo.h"
+#include "trainer/scoring.h"
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
 #include "tests/trainer/grpo_fixtures.h"
@@ -291,6 +292,34 @@ TEST(Grpo, ReplayOffStillRunsAndConfigErrorsAreClear) {
   GrpoConfig bad = small_grpo();
   bad.samples_per_prompt = 1;
   EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"samples_per_prompt must be at least 2"}));
+}
+
+// The chunked entropies equal those of the full logits of the same forward, at two temperatures
+// and across micro-batches (the rows of every sequence, prompt included).
+TEST(Scoring, TokenEntropiesEqualTheFullLogits) {
+  model::Muse m = model::Muse::init(test::byte_vocab_config(), 2, at::kDouble, at::kCPU);
+  std::vector<Trajectory> trajs;
+  for (const std::vector<int64_t>& seq : {std::vector<int64_t>{1, 5, 9, 2, 7}, {3, 4}, {8, 8, 8, 6, 1, 0, 2}}) {
+    Trajectory t;
+    t.tokens = seq;
+    t.prompt_len = 1;
+    t.rollout_lp.assign(seq.size() - 1, 0.f);
+    model::ForwardOptions o;
+    t.routing = m.forward(model::PackedBatch::from_sequences({seq}, at::kCPU), o).routing;
+    trajs.push_back(t);
+  }
+  for (double temp : {1.0, 0.7}) {
+    const at::Tensor got = token_entropies(m, trajs, /*micro_batch_seqs=*/2, temp, {});
+    std::vector<at::Tensor> want;
+    for (const Trajectory& t : trajs) {
+      model::ForwardOptions o;
+      o.return_logits = true;
+      const at::Tensor logp = at::log_softmax(m.forward(model::PackedBatch::from_sequences({t.tokens}, at::kCPU), o).logits / temp, -1);
+      want.push_back(-(logp.exp() * logp).sum(-1));
+    }
+    EXPECT_TRUE(test::all_close(got, at::cat(want, 0), 1e-10, 1e-12)) << "temperature " << temp;
+    EXPECT_GT(got.min().item<double>(), 0);
+  }
 }
 
 }  // namespace
