@@ -22,6 +22,7 @@
 #include "model/checkpoint.h"
 #include "rollout/engine.h"
 #include "tools/commands.h"
+#include "tools/gnuplot.h"
 #include "text/tokenizer.h"
 #include "tools/token_ids.h"
 #include "trainer/losses.h"
@@ -320,6 +321,32 @@ void print_mismatch(const Rescored& r, int64_t worst) {
   }
 }
 
+// A PNG of the gap: histograms of log10 |d| with the rollout's routing and with the trainer's own,
+// and |d| against the trainer's entropy at the token.
+void plot_mismatch(const Rescored& r, const std::string& png) {
+  const std::string dat = png + ".dat", script = png + ".gp";
+  {
+    std::ofstream f(dat);
+    KILN_CHECK(f.good(), "mismatch: cannot write ", dat, " (for --png ", png, ")");
+    const at::Tensor d3 = (r.lp_replay - r.lp_rollout).abs(), d_own = (r.lp_own - r.lp_rollout).abs();
+    for (int64_t i = 0; i < d3.numel(); ++i)
+      f << fmt::format("{:.6e} {:.6e} {:.6e}\n", d3[i].item<double>(), d_own[i].item<double>(), r.entropy[i].item<double>());
+  }
+  {
+    std::ofstream gp(script);
+    // |d| = 0 (bitwise agreement) is drawn at 1e-12.
+    gp << "set terminal pngcairo noenhanced size 1100,450\nset output '" << png << "'\n"
+       << "set multiplot layout 1,2 title 'kiln mismatch: d = lp_trainer - lp_rollout, " << r.replay.tokens
+       << " tokens'\nset grid\nbin(x) = 0.25 * floor(log10(x + 1e-12) / 0.25)\n"
+       << "set xlabel 'log10 |d|'\nset ylabel 'tokens'\nset style fill transparent solid 0.5\nset boxwidth 0.25\n"
+       << "plot '" << dat << "' u (bin($1)):(1) smooth frequency w boxes t 'rollout routing (R3)', "
+       << "'' u (bin($2)):(1) smooth frequency w boxes t 'own routing'\n"
+       << "set xlabel 'trainer entropy (nats)'\nset ylabel '|d| (R3)'\nset logscale y\n"
+       << "plot '" << dat << "' u 3:($1 + 1e-12) w p pt 7 ps 0.4 t ''\nunset multiplot\n";
+  }
+  run_gnuplot(script, {dat}, "mismatch");
+}
+
 }  // namespace
 
 // `generate`, or with `mismatch` set `kiln mismatch`: the same sampling, then the rescoring.
@@ -345,6 +372,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     bool quiet = false;
     std::string quantization = "none";
     int64_t micro_batch_seqs = 64, worst = 5;
+    std::string png;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("--model", a->model, "Checkpoint directory (config.json + safetensors)")->required();
@@ -379,6 +407,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
         ->check(CLI::PositiveNumber)
         ->capture_default_str();
     cmd->add_option("--worst", a->worst, "Tokens with the largest gap to list")->check(CLI::NonNegativeNumber)->capture_default_str();
+    cmd->add_option("--png", a->png, "Also draw the gap's histograms and |d| against entropy here (needs gnuplot)");
   }
   const char* what = mismatch ? "mismatch" : "generate";
   return [a, mismatch, what] {
@@ -485,6 +514,10 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
           w.attribute("quantization", a->quantization);
         });
       if (!a->out.empty()) fmt::print("wrote {}\n", a->out);
+      if (!a->png.empty()) {
+        plot_mismatch(r, a->png);
+        fmt::print("wrote {}\n", a->png);
+      }
       return;
     }
     if (!a->out.empty()) {

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "tools/commands.h"
+#include "tools/gnuplot.h"
 
 namespace kiln::tools {
 
@@ -71,7 +72,6 @@ Run add_plot(CLI::App& app) {
       }
     }
     const std::string script = a->run + "/.plot.gp";
-    files.push_back(script);
     {
       std::ofstream gp(script);
       gp << "set terminal pngcairo noenhanced size 1100,700\nset output '" << png << "'\n"
@@ -84,9 +84,7 @@ Run add_plot(CLI::App& app) {
          << "plot '" << steps_dat << "' u 1:4 w l lw 2 t 'mismatch (replay as configured)', '' u 1:5 w l lw 2 t "
          << "'mismatch (replay off)'\nunset multiplot\n";
     }
-    const int rc = std::system(("gnuplot '" + script + "' 2>&1").c_str());
-    KILN_CHECK(rc == 0, "plot: gnuplot failed (exit ", rc, ") on ", script, "; is gnuplot installed (apt gnuplot-nox)?");
-    for (const auto& f : files) std::remove(f.c_str());
+    run_gnuplot(script, files, "plot");
     fmt::print("wrote {} ({} steps)\n", png, n_steps);
   };
 }

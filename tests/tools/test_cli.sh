@@ -65,12 +65,14 @@ check "generate to hdf5" "in 5 samples (2 prompts)" \
 # kiln mismatch: the same sampling, rescored by the trainer's forward. In fp32 on the CPU the two
 # agree to rounding, with the rollout's routing and with the model's own. The random micro model is
 # near uniform over its 32 ids: entropies just under ln 32 = 3.47.
-out=$("$kiln" mismatch --model "$tmp/ckpt" --prompt "ids:1,2,3" --prompt "ids:4" -n 3 --max-tokens 5 --quiet --out "$tmp/mm.h5" 2>&1) \
+out=$("$kiln" mismatch --model "$tmp/ckpt" --prompt "ids:1,2,3" --prompt "ids:4" -n 3 --max-tokens 5 --quiet --out "$tmp/mm.h5" \
+  --png "$tmp/mm.png" 2>&1) \
   || { echo "FAIL: mismatch: $out"; fails=$((fails+1)); }
 for want in "rollout routing (R3)" "own routing" "|d| quantiles" "by layer" "largest |d|" "by entropy: [" "by position: [0, 1)" \
-    "batch composition (R3): each sequence scored alone" "entropy 3.4" "wrote $tmp/mm.h5"; do
+    "batch composition (R3): each sequence scored alone" "entropy 3.4" "wrote $tmp/mm.h5" "wrote $tmp/mm.png"; do
   [[ "$out" == *"$want"* ]] || { echo "FAIL: mismatch lacks '$want': $out"; fails=$((fails+1)); }
 done
+[ -s "$tmp/mm.png" ] && [ ! -e "$tmp/mm.png.dat" ] || { echo "FAIL: mismatch --png wrote no PNG or left its data"; fails=$((fails+1)); }
 r3=$(echo "$out" | grep "rollout routing (R3)" | awk '{print $5}')
 awk -v d="$r3" 'BEGIN {exit !(d != "" && d + 0 < 1e-5)}' || { echo "FAIL: fp32 mismatch $r3 is not at rounding level"; fails=$((fails+1)); }
 check_fails "mismatch with top-p" "the rescoring uses one distribution" \
