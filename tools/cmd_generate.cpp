@@ -8,7 +8,9 @@
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -321,6 +323,30 @@ void print_mismatch(const Rescored& r, int64_t worst) {
   }
 }
 
+// The rollout's batch-composition effect: each request generated again on its own, its samples
+// drawn from the same streams (seed, sample, position), against the batched run. Tokens match until
+// a draw flips; the log-probs of the tokens before that are compared.
+void rollout_alone(rollout::Engine& engine, const std::vector<rollout::Request>& requests,
+                   const std::vector<rollout::RequestOutput>& batched) {
+  int64_t samples = 0, identical = 0, shared = 0;
+  double sum = 0, worst = 0;
+  for (size_t q = 0; q < requests.size(); ++q) {
+    const rollout::RequestOutput one = engine.generate({requests[q]}).front();
+    for (size_t s = 0; s < one.samples.size() && s < batched[q].samples.size(); ++s) {
+      const rollout::Sample &x = batched[q].samples[s], &y = one.samples[s];
+      ++samples;
+      identical += x.tokens == y.tokens;
+      for (size_t i = 0; i < std::min(x.tokens.size(), y.tokens.size()) && x.tokens[i] == y.tokens[i]; ++i) {
+        const double d = std::abs(double(x.logprobs[i]) - double(y.logprobs[i]));
+        sum += d, worst = std::max(worst, d), ++shared;
+      }
+    }
+  }
+  fmt::print("rollout batch composition: each prompt generated alone vs in the batch of {}: {} of {} samples the same "
+             "tokens; over the {} tokens before any divergence, mean|d lp_rollout| {:.3e}, max {:.3e}\n",
+             requests.size(), identical, samples, shared, shared ? sum / double(shared) : 0.0, worst);
+}
+
 // A PNG of the gap: histograms of log10 |d| with the rollout's routing and with the trainer's own,
 // and |d| against the trainer's entropy at the token.
 void plot_mismatch(const Rescored& r, const std::string& png) {
@@ -373,6 +399,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     std::string quantization = "none";
     int64_t micro_batch_seqs = 64, worst = 5;
     std::string png;
+    bool alone = false;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("--model", a->model, "Checkpoint directory (config.json + safetensors)")->required();
@@ -408,6 +435,9 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
         ->capture_default_str();
     cmd->add_option("--worst", a->worst, "Tokens with the largest gap to list")->check(CLI::NonNegativeNumber)->capture_default_str();
     cmd->add_option("--png", a->png, "Also draw the gap's histograms and |d| against entropy here (needs gnuplot)");
+    cmd->add_flag("--alone", a->alone,
+                  "Also generate every prompt again on its own and compare with the batched rollout (the engine's "
+                  "batch-composition effect)");
   }
   const char* what = mismatch ? "mismatch" : "generate";
   return [a, mismatch, what] {
@@ -503,6 +533,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
       fmt::print("{} samples of {} prompts from {} (rollout weights {}, {} on {}), rescored by the trainer's forward\n",
                  num_samples, outputs.size(), a->model, a->quantization, a->dtype, device.str());
       print_mismatch(r, a->worst);
+      if (a->alone) rollout_alone(engine, requests, outputs);
       if (!a->out.empty())
         write_samples(a->out, requests, outputs, a->model, a->dtype, [&](hdf5::Writer& w) {
           // Per response token, in the order of "tokens": the trainer's log-probs and its own routing.

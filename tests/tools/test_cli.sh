@@ -66,10 +66,11 @@ check "generate to hdf5" "in 5 samples (2 prompts)" \
 # agree to rounding, with the rollout's routing and with the model's own. The random micro model is
 # near uniform over its 32 ids: entropies just under ln 32 = 3.47.
 out=$("$kiln" mismatch --model "$tmp/ckpt" --prompt "ids:1,2,3" --prompt "ids:4" -n 3 --max-tokens 5 --quiet --out "$tmp/mm.h5" \
-  --png "$tmp/mm.png" 2>&1) \
+  --png "$tmp/mm.png" --alone 2>&1) \
   || { echo "FAIL: mismatch: $out"; fails=$((fails+1)); }
 for want in "rollout routing (R3)" "own routing" "|d| quantiles" "by layer" "largest |d|" "by entropy: [" "by position: [0, 1)" \
-    "batch composition (R3): each sequence scored alone" "entropy 3.4" "wrote $tmp/mm.h5" "wrote $tmp/mm.png"; do
+    "batch composition (R3): each sequence scored alone" "entropy 3.4" "wrote $tmp/mm.h5" "wrote $tmp/mm.png" \
+    "rollout batch composition: each prompt generated alone vs in the batch of 2: 6 of 6 samples the same tokens"; do
   [[ "$out" == *"$want"* ]] || { echo "FAIL: mismatch lacks '$want': $out"; fails=$((fails+1)); }
 done
 [ -s "$tmp/mm.png" ] && [ ! -e "$tmp/mm.png.dat" ] || { echo "FAIL: mismatch --png wrote no PNG or left its data"; fails=$((fails+1)); }
