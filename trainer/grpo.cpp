@@ -810,8 +810,10 @@ void GrpoTrainer::load(const std::string& dir) {
              ": resume with the recipe the run was started with");
   KILN_CHECK(st.value("seed", uint64_t(0)) == impl_->cfg.seed, "grpo: checkpoint ", dir, " was made with seed ",
              st.value("seed", uint64_t(0)), " but the recipe says ", impl_->cfg.seed);
-  auto restore = [&](model::Muse& into, const std::string& sub) {
-    model::Muse saved = model::load_checkpoint(dir + "/" + sub, into.dtype(), into.device());
+  // Into `into` (the whole model, or with size > 1 the expert shard `rank`, whose experts alone
+  // are read from the files).
+  auto restore = [&](model::Muse& into, const std::string& sub, int rank = 0, int size = 1) {
+    model::Muse saved = model::load_checkpoint_shard(dir + "/" + sub, into.dtype(), into.device(), rank, size);
     at::NoGradGuard g;
     auto mine = into.named_parameters(), theirs = saved.named_parameters();
     KILN_CHECK(mine.size() == theirs.size(), "grpo: checkpoint ", dir, "/", sub, " holds a different model");
@@ -825,6 +827,11 @@ void GrpoTrainer::load(const std::string& dir) {
     const double want = st.value("base_fingerprint", 0.0), have = base_fingerprint(impl_->policy);
     KILN_CHECK(want == have, "grpo: checkpoint ", dir, " holds adapters for another base (fingerprint ", want,
                ", this model's ", have, "); resume from the base the run started with");
+  } else if (impl_->shard) {
+    // Each rank reads only its own experts; the full policy's others come from their ranks.
+    const int64_t ep = impl_->cfg.parallel.ep;
+    restore(*impl_->shard, "model", int(impl_->group.rank() % ep), int(ep));
+    impl_->shard_to_full(*impl_->shard, impl_->policy);
   } else {
     restore(impl_->policy, "model");
   }
