@@ -13,9 +13,9 @@ namespace kiln::model {
 
 // Every tensor under its HF checkpoint name (experts split per expert), in checkpoint dtype:
 // the config's dtype, the router in F32. Tensors may stay on the model's device.
-std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model);
-// The same for an expert shard whose first expert is `first_expert`, with or without the dense part.
-std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model, int64_t first_expert, bool dense);
+// For an expert shard: its experts are numbered from `first_expert`; `dense` false leaves out the rest.
+std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model, int64_t first_expert = 0,
+                                                           bool dense = true);
 
 // Writes config.json and model.safetensors (sharded above max_shard_bytes) into `dir`.
 void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_shard_bytes = 5ull << 30);

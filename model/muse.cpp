@@ -343,15 +343,27 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   return r;
 }
 
-// Everything a layer's forward reads besides its weights, held by value: a recompute in the
-// backward must not depend on the caller's objects still being alive.
+// Everything a layer's forward reads besides its weights and input.
 struct LayerContext {
+  const ModelConfig& cfg;
+  const PackedBatch& batch;
+  const at::Tensor &cos, &sin;
+  const PaddedLayout& padded;
+  const FlashPlan& flash;
+  const ForwardOptions& opt;
+};
+
+// The same held by value, for a recompute in the backward, which must not depend on the caller's
+// objects still being alive. Built only when recomputing: the forward of every step (the rollout's
+// too) reads the caller's objects directly.
+struct OwnedLayerContext {
   ModelConfig cfg;
   PackedBatch batch;
   at::Tensor cos, sin;
   PaddedLayout padded;
   FlashPlan flash;
   ForwardOptions opt;
+  LayerContext view() const { return {cfg, batch, cos, sin, padded, flash, opt}; }
 };
 
 struct LayerOut {
@@ -374,7 +386,7 @@ LayerOut run_layer(const LayerContext& c, const LayerWeights& lw, int64_t i, con
 // the same experts replayed, and backpropagates through it (a reentrant backward): the layer's
 // parameter gradients accumulate as usual and the input's gradient is returned.
 struct LayerRecompute : public torch::autograd::Node {
-  std::shared_ptr<const LayerContext> context;
+  std::shared_ptr<const OwnedLayerContext> context;
   LayerWeights weights;
   int64_t layer = 0;
   at::Tensor input, ids;
@@ -385,7 +397,7 @@ struct LayerRecompute : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::AutoGradMode grad_on(true);
     at::Tensor x = input.detach().requires_grad_(true);
-    LayerOut r = run_layer(*context, weights, layer, x, ids);
+    LayerOut r = run_layer(context->view(), weights, layer, x, ids);
     torch::autograd::variable_list outs, gs;
     if (grads[0].defined()) outs.push_back(r.x), gs.push_back(grads[0]);
     if (has_balance && grads.size() > 1 && grads[1].defined() && r.balance.requires_grad())
@@ -396,12 +408,12 @@ struct LayerRecompute : public torch::autograd::Node {
   }
 };
 
-LayerOut recomputed_layer(const std::shared_ptr<const LayerContext>& c, const LayerWeights& lw, int64_t i,
+LayerOut recomputed_layer(const std::shared_ptr<const OwnedLayerContext>& c, const LayerWeights& lw, int64_t i,
                           const at::Tensor& x, const at::Tensor& replay) {
   LayerOut r;
   {
     at::NoGradGuard no_grad;
-    r = run_layer(*c, lw, i, x, replay);
+    r = run_layer(c->view(), lw, i, x, replay);
   }
   auto node = std::shared_ptr<LayerRecompute>(new LayerRecompute(), torch::autograd::deleteNode);
   node->context = c;
@@ -647,12 +659,14 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   at::Tensor balance = opt.load_balance
                            ? at::zeros({}, at::TensorOptions().dtype(router_dtype(dtype())).device(device()))
                            : at::Tensor();
-  const bool recompute = opt.recompute && torch::autograd::GradMode::is_enabled();
-  auto context = std::make_shared<LayerContext>(LayerContext{cfg_, batch, cos, sin, padded, flash, opt});
+  const LayerContext context{cfg_, batch, cos, sin, padded, flash, opt};
+  const auto owned = opt.recompute && torch::autograd::GradMode::is_enabled()
+                         ? std::make_shared<const OwnedLayerContext>(OwnedLayerContext{cfg_, batch, cos, sin, padded, flash, opt})
+                         : nullptr;
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor replay_i = replay.defined() ? replay.select(1, i) : at::Tensor();
-    LayerOut r = recompute ? recomputed_layer(context, w_.layers[i], i, x, replay_i)
-                           : run_layer(*context, w_.layers[i], i, x, replay_i);
+    LayerOut r = owned ? recomputed_layer(owned, w_.layers[i], i, x, replay_i)
+                       : run_layer(context, w_.layers[i], i, x, replay_i);
     x = r.x;
     routing.push_back(r.ids);
     if (balance.defined()) balance = balance + r.balance;

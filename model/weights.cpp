@@ -260,7 +260,8 @@ void Muse::set_requires_grad(bool on) {
 namespace {
 
 // The weights of `cfg` at init: norms one, the router bias zero, every matrix from
-// draw(shape, std, name, suffix) (an expert stack [E, ...] whole), in its dtype on `device`.
+// draw(shape, std, name, suffix) (an expert stack [num_experts_held, ...] whole: all E, or a
+// rank's shard), in its dtype on `device`.
 template <typename Draw>
 Muse build(const ModelConfig& cfg, at::ScalarType dtype, at::Device device, const Draw& draw,
            int64_t num_experts_held) {
@@ -327,8 +328,6 @@ Muse Muse::init_on_device(const ModelConfig& cfg, uint64_t seed, at::ScalarType 
     return (device.is_cuda() ? at::randn(shape, opt) : at::randn(shape, gen, opt)).mul_(std);
   }, cfg.num_experts);
 }
-
-std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model) { return hf_tensors(model, 0, true); }
 
 std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model, int64_t first_expert, bool dense) {
   const ModelConfig& cfg = model.config();

@@ -248,13 +248,17 @@ struct Optimizer::Impl {
     }
   }
 
-  // The update of chunk `c` with its state in `st` (flat, on the compute device). `eigen` uses the
-  // fused CPU loop for AdamW (st on the CPU).
-  void update(const Chunk& c, Views st, bool eigen) {
-    if (!eigen) {
-      std::vector<kernels::AdamWTensors> one;
-      if (add_fused_adamw(c, st, one)) return kernels::adamw_fused(one, hyper());
-    }
+  // The update of chunk `c` with its state in `st` (flat, on the compute device): the multi-tensor
+  // CUDA AdamW where it applies, else update_aten. `eigen` uses the fused CPU loop for AdamW (st on
+  // the CPU).
+  void update(const Chunk& c, const Views& st, bool eigen) {
+    std::vector<kernels::AdamWTensors> one;
+    if (!eigen && add_fused_adamw(c, st, one)) return kernels::adamw_fused(one, hyper());
+    update_aten(c, st, eigen);
+  }
+
+  // The same in ATen ops (Muon, AdamW off CUDA or with `fused` off), or the Eigen loop.
+  void update_aten(const Chunk& c, Views st, bool eigen) {
     Param& P = params[c.param];
     const int64_t e0 = c.u0 * P.unit, n = (c.u1 - c.u0) * P.unit;
     at::Tensor pflat = P.p.detach().view(-1).narrow(0, e0, n);
@@ -301,7 +305,7 @@ struct Optimizer::Impl {
       Param& P = params[i];
       if (!P.p.grad().defined()) continue;
       const Chunk whole{i, 0, P.units};
-      if (!add_fused_adamw(whole, P.state, fused)) update(whole, P.state, false);
+      if (!add_fused_adamw(whole, P.state, fused)) update_aten(whole, P.state, false);
     }
     kernels::adamw_fused(fused, hyper());
   }

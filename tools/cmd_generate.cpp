@@ -218,6 +218,7 @@ struct Rescored {
 Rescored rescore(const model::Muse& m, const std::vector<rollout::Request>& requests,
                  const std::vector<rollout::RequestOutput>& outputs, double temperature, int64_t micro_batch) {
   std::vector<trainer::Trajectory> trajs;
+  std::vector<int64_t> pos;  // each response token's index in its response
   Rescored r;
   for (size_t q = 0; q < outputs.size(); ++q)
     for (size_t s = 0; s < outputs[q].samples.size(); ++s) {
@@ -230,6 +231,7 @@ Rescored rescore(const model::Muse& m, const std::vector<rollout::Request>& requ
       t.rollout_lp = x.logprobs;
       t.routing = x.routing.cpu().to(at::kByte);
       for (size_t i = 0; i < x.tokens.size(); ++i) {
+        pos.push_back(int64_t(i));
         // The six ids before the token (prompt included), then the token.
         const size_t at_ = size_t(t.prompt_len) + i, from = at_ >= 6 ? at_ - 6 : 0;
         std::vector<int64_t> ctx(t.tokens.begin() + long(from), t.tokens.begin() + long(at_));
@@ -256,10 +258,6 @@ Rescored rescore(const model::Muse& m, const std::vector<rollout::Request>& requ
   r.lp_own = own.logprobs.cpu().index_select(0, rows);
   r.lp_alone = alone.logprobs.cpu().index_select(0, rows);
   r.entropy = entropy.index_select(0, rows);
-  // Each response token's index in its response: the row minus its sequence's first response row.
-  std::vector<int64_t> pos;
-  for (const trainer::Trajectory& t : trajs)
-    for (size_t i = 0; i + size_t(t.prompt_len) < t.tokens.size(); ++i) pos.push_back(int64_t(i));
   r.position = at::tensor(pos, at::kLong);
   KILN_CHECK(r.position.numel() == r.lp_rollout.numel(), "mismatch: ", r.position.numel(), " response positions for ",
              r.lp_rollout.numel(), " scored tokens");
@@ -354,9 +352,10 @@ void plot_mismatch(const Rescored& r, const std::string& png) {
   {
     std::ofstream f(dat);
     KILN_CHECK(f.good(), "mismatch: cannot write ", dat, " (for --png ", png, ")");
-    const at::Tensor d3 = (r.lp_replay - r.lp_rollout).abs(), d_own = (r.lp_own - r.lp_rollout).abs();
-    for (int64_t i = 0; i < d3.numel(); ++i)
-      f << fmt::format("{:.6e} {:.6e} {:.6e}\n", d3[i].item<double>(), d_own[i].item<double>(), r.entropy[i].item<double>());
+    const at::Tensor d3 = (r.lp_replay - r.lp_rollout).abs().contiguous(),
+                     d_own = (r.lp_own - r.lp_rollout).abs().contiguous(), h = r.entropy.contiguous();
+    const auto a = d3.accessor<double, 1>(), b = d_own.accessor<double, 1>(), e = h.accessor<double, 1>();
+    for (int64_t i = 0; i < a.size(0); ++i) f << fmt::format("{:.6e} {:.6e} {:.6e}\n", a[i], b[i], e[i]);
   }
   {
     std::ofstream gp(script);

@@ -32,8 +32,7 @@ const trainer::Plan* best(const std::vector<trainer::Plan>& plans, bool implemen
 void run_plan(const PlanArgs& a) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(a.model);
   const trainer::Recipe r = trainer::Recipe::from_yaml_file(a.recipe);
-  const int64_t prompt = r.grpo.prompt.max_prompt_tokens > 0 ? r.grpo.prompt.max_prompt_tokens : 256;
-  trainer::PlanJob job = trainer::plan_job(r.grpo, r.dtype, prompt);
+  trainer::PlanJob job = trainer::plan_job(r.grpo, r.dtype);
   if (a.seq_len > 0) job.seq_len = a.seq_len;
   job.full_policy_copy = !a.sharded_init;
   trainer::Cluster c;

@@ -111,8 +111,7 @@ void check_plan(const trainer::Recipe& r, const comm::Group& world, at::Device d
   c.gpus_per_node = world.size();  // the per-GPU numbers depend on the world, not on how nodes split it
   c.gpu_bytes = model::device_memory_bytes(device);
   c.host_bytes = c.nvme_bytes = std::numeric_limits<double>::infinity();  // not checked here
-  const int64_t prompt = r.grpo.prompt.max_prompt_tokens > 0 ? r.grpo.prompt.max_prompt_tokens : 256;
-  const trainer::Plan plan = trainer::make_plan(cfg, trainer::plan_job(r.grpo, r.dtype, prompt), c,
+  const trainer::Plan plan = trainer::make_plan(cfg, trainer::plan_job(r.grpo, r.dtype), c,
                                                 {par.dp, par.ep, 1, trainer::DenseSharding::kReplicated});
   KILN_CHECK(plan.fits(), "train: by kiln's memory plan this recipe does not fit ", device, ": ",
              fmt::format("{}", fmt::join(plan.problems, "; ")), ". Lower optim.micro_batch_seqs or rollout.kv_cache_mb, "

@@ -36,7 +36,7 @@ std::string Layout::describe() const {
   return fmt::format("dp {} x ep {} x tp {}, dense {}", dp, ep, tp, dense_sharding_name(dense));
 }
 
-PlanJob plan_job(const GrpoConfig& g, const std::string& dtype, int64_t max_prompt_tokens) {
+PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   PlanJob j;
   j.weight_bytes = dtype == "fp32" || dtype == "float32" ? 4 : dtype == "fp64" || dtype == "float64" ? 8 : 2;
   j.lora = g.lora.enabled();
@@ -48,7 +48,8 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype, int64_t max_prom
   j.state_placement = optimizers::placement_name(g.optim.placement);
   j.chunk_bytes = double(g.optim.chunk_bytes);
   j.micro_batch_seqs = g.micro_batch_seqs;
-  j.seq_len = max_prompt_tokens + g.max_tokens;
+  // A recipe without a prompt limit is planned for prompts of 256 tokens.
+  j.seq_len = (g.prompt.max_prompt_tokens > 0 ? g.prompt.max_prompt_tokens : 256) + g.max_tokens;
   j.recompute = g.recompute;
   j.rollout_quantization = rollout::quantization_name(g.engine.quantization);
   j.rollout_sharded = g.parallel.sharded_rollout();
@@ -67,7 +68,7 @@ constexpr double kActivationCalibration = 0.71;
 struct Parts {
   double experts = 0, dense = 0;          // parameters
   double dense_tp = 0;                    // the dense parameters tensor parallelism splits
-  double muon_dense = 0, adamw_dense = 0; // the dense parameters by optimizer group
+  double muon_dense = 0;                  // the dense parameters Muon updates
 };
 
 Parts parts_of(const model::ModelConfig& cfg, bool muon) {
@@ -79,7 +80,6 @@ Parts parts_of(const model::ModelConfig& cfg, bool muon) {
   // The default groups (optimizers/groups.h): Muon for attention, the latent projections and the
   // experts; AdamW for embedding, head, norms and the router.
   p.muon_dense = muon ? double(c.attention + c.latent) : 0;
-  p.adamw_dense = p.dense - p.muon_dense;
   return p;
 }
 
@@ -96,14 +96,14 @@ double lora_count(const model::ModelConfig& cfg, const PlanJob& job, bool expert
 
 }  // namespace
 
-double layer_activation_bytes_per_token(const model::ModelConfig& c) {
+double layer_activation_bytes_per_token(const model::ModelConfig& c, int64_t tp) {
   const double d = double(c.hidden_size), dl = double(c.latent_size), k = double(c.top_k);
   const double ffn = double(c.expert_ffn_size), q = double(c.q_size()), kv = double(c.kv_size());
   // bf16 values: the norms' inputs and outputs, the residual and the unpooler's output (6 d); q
-  // and the attention output, k and v; the pooled row and the combined one (2 d_l); per routed
-  // slot the dispatched row, the expert's output and its normed copy (3 d_l) and gate, up and
-  // their SwiGLU (3 I). fp32: the router's logits and scores (2 E).
-  const double values = 6 * d + 2 * q + 2 * kv + 2 * dl + k * (3 * dl + 3 * ffn);
+  // and the attention output, k and v (split over tp ranks by heads); the pooled row and the
+  // combined one (2 d_l); per routed slot the dispatched row, the expert's output and its normed
+  // copy (3 d_l) and gate, up and their SwiGLU (3 I). fp32: the router's logits and scores (2 E).
+  const double values = 6 * d + (2 * q + 2 * kv) / double(tp) + 2 * dl + k * (3 * dl + 3 * ffn);
   return kActivationCalibration * (2 * values + 8.0 * double(c.num_experts));
 }
 
@@ -155,10 +155,9 @@ Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster&
     gpu("LoRA adapters on the experts (1/ep)", trained_experts / ep * wb);
     gpu("LoRA adapters on the dense part", trained_dense * wb);
   }
-  const double grad_dense = job.lora ? trained_dense
-                            : L.dense == DenseSharding::kZero3 ? p.dense / W
-                            : dense_held;
-  gpu(job.lora ? "gradients (adapters)" : "gradients", (trained_experts / ep + grad_dense) * wb);
+  // Gradients are sharded like the weights they belong to.
+  gpu(job.lora ? "gradients (adapters)" : "gradients",
+      (trained_experts / ep + (job.lora ? trained_dense : dense_held)) * wb);
 
   // Optimizer state: ZeRO-1 splits every tensor's state over the ranks holding a copy of it, so
   // each rank keeps 1/world of it. Masters for low-precision weights, then the moments.
@@ -182,18 +181,15 @@ Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster&
 
   // Activations of one micro-batch.
   const double tokens = double(job.micro_batch_seqs) * double(job.seq_len);
-  const double layer = layer_activation_bytes_per_token(cfg);
-  const double attn_share = (4.0 * double(cfg.q_size() + cfg.kv_size())) * kActivationCalibration;
-  const double layer_tp = layer - attn_share + attn_share / tp;
+  const double layer = layer_activation_bytes_per_token(cfg, L.tp);
   const double head = 2.0 * double(cfg.vocab_size) / tp + 8.0 * double(cfg.hidden_size);  // bf16 logits, embedding
-  const double L_ = double(cfg.num_layers);
+  // Stored: every layer's activations. Recomputed: every layer's input and one layer's activations.
+  const double stored = tokens * (double(cfg.num_layers) * layer + head);
+  const double recomputed = tokens * (double(cfg.num_layers) * double(cfg.hidden_size) * wb + layer + head);
   if (job.recompute)
-    gpu(fmt::format("activations, {} tokens, layers recomputed", int64_t(tokens)),
-        tokens * (L_ * double(cfg.hidden_size) * wb + layer_tp + head));
+    gpu(fmt::format("activations, {} tokens, layers recomputed", int64_t(tokens)), recomputed);
   else
-    gpu(fmt::format("activations, {} tokens (recompute: {})", int64_t(tokens),
-                    format_bytes(tokens * (L_ * double(cfg.hidden_size) * wb + layer_tp + head))),
-        tokens * (L_ * layer_tp + head));
+    gpu(fmt::format("activations, {} tokens (recompute: {})", int64_t(tokens), format_bytes(recomputed)), stored);
 
   // The rollout engine's weights: an unquantised engine serves the trained tensors themselves.
   if (job.rollout_quantization != "none") {

@@ -57,7 +57,8 @@ struct PlanJob {
   bool full_policy_copy = true;      // kiln today: under ep > 1 each rank still holds the whole
                                      // trained model besides its expert shard
 };
-PlanJob plan_job(const GrpoConfig& g, const std::string& dtype, int64_t max_prompt_tokens);
+// seq_len: the recipe's prompt limit (256 without one) plus its max_tokens.
+PlanJob plan_job(const GrpoConfig& g, const std::string& dtype);
 
 struct PlanItem {
   std::string what;
@@ -76,9 +77,9 @@ struct Plan {
   std::string report() const;             // the tables and the verdict
 };
 
-// Activation bytes per token kept for the backward by one layer (the fused CUDA path), from the
-// layer's shapes: calibrated on the H200 against `kiln bench train` (see plan.cpp).
-double layer_activation_bytes_per_token(const model::ModelConfig& cfg);
+// Activation bytes per token kept for the backward by one layer (the fused CUDA path) on one of tp
+// ranks, from the layer's shapes: calibrated on the H200 against `kiln bench train` (see plan.cpp).
+double layer_activation_bytes_per_token(const model::ModelConfig& cfg, int64_t tp = 1);
 
 Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& layout);
 

@@ -41,43 +41,50 @@ Packed pack(const std::vector<Trajectory>& trajs, size_t begin, size_t end, at::
   return p;
 }
 
-Scored score_trajectories(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay,
-                          int64_t micro_batch_seqs, double temperature, const model::ForwardOptions& base) {
+namespace {
+// fn(packed micro-batch, forward options) for `trajs` in micro-batches of `micro_batch_seqs`, with
+// the rollout's routing replayed when `replay`; no gradient.
+template <typename F>
+void for_each_micro_batch(const model::Muse& model, const std::vector<Trajectory>& trajs, int64_t micro_batch_seqs,
+                          bool replay, const model::ForwardOptions& base, const F& fn) {
   at::NoGradGuard g;
-  std::vector<at::Tensor> lps, routes;
   const size_t step = size_t(std::max<int64_t>(1, micro_batch_seqs));
   for (size_t b = 0; b < trajs.size(); b += step) {
-    const size_t e = std::min(trajs.size(), b + step);
-    Packed p = pack(trajs, b, e, model.device(), at::kDouble);
+    Packed p = pack(trajs, b, std::min(trajs.size(), b + step), model.device(), at::kDouble);
     model::ForwardOptions o = base;
-    o.targets = p.targets;
-    o.temperature = temperature;
     o.load_balance = false;
     if (replay) o.replay_routing = p.routing;
+    fn(p, o);
+  }
+}
+}  // namespace
+
+Scored score_trajectories(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay,
+                          int64_t micro_batch_seqs, double temperature, const model::ForwardOptions& base) {
+  std::vector<at::Tensor> lps, routes;
+  for_each_micro_batch(model, trajs, micro_batch_seqs, replay, base, [&](const Packed& p, model::ForwardOptions& o) {
+    o.targets = p.targets;
+    o.temperature = temperature;
     auto out = model.forward(p.batch, o);
     lps.push_back(out.logprobs.to(at::kDouble));
     routes.push_back(out.routing.cpu());
-  }
+  });
   return {at::cat(lps, 0), at::cat(routes, 0)};
 }
 
 at::Tensor token_entropies(const model::Muse& model, const std::vector<Trajectory>& trajs, int64_t micro_batch_seqs,
                            double temperature, const model::ForwardOptions& base) {
-  at::NoGradGuard g;
   std::vector<at::Tensor> out;
-  const size_t step = size_t(std::max<int64_t>(1, micro_batch_seqs));
-  for (size_t b = 0; b < trajs.size(); b += step) {
-    Packed p = pack(trajs, b, std::min(trajs.size(), b + step), model.device(), at::kDouble);
-    model::ForwardOptions o = base;
+  for_each_micro_batch(model, trajs, micro_batch_seqs, /*replay=*/true, base,
+                       [&](const Packed& p, model::ForwardOptions& o) {
     o.skip_head = true;
-    o.load_balance = false;
-    o.replay_routing = p.routing;
     const at::Tensor hidden = model.forward(p.batch, o).hidden;
     for (int64_t r = 0; r < hidden.size(0); r += 1024) {
-      const at::Tensor logp = at::log_softmax(model.logits(hidden.narrow(0, r, std::min<int64_t>(1024, hidden.size(0) - r))).to(at::kDouble) / temperature, -1);
+      const at::Tensor rows = hidden.narrow(0, r, std::min<int64_t>(1024, hidden.size(0) - r));
+      const at::Tensor logp = at::log_softmax(model.logits(rows).to(at::kDouble) / temperature, -1);
       out.push_back(-(logp.exp() * logp).sum(-1).cpu());
     }
-  }
+  });
   return at::cat(out, 0);
 }
 
