@@ -133,10 +133,11 @@ struct Seq {
   std::vector<int64_t> tokens;      // prompt + generated
   int64_t prompt_len = 0;
   int64_t computed = 0;             // tokens whose K/V are in the cache
+  int64_t routed = 0;               // tokens whose routing is recorded (kept across preemption)
   std::vector<int64_t> full_blocks; // logical block b -> pool block, positions [b*B, (b+1)*B)
   std::vector<int64_t> ring;        // window ring slot -> pool block (-1: none yet)
   std::vector<float> logprobs;
-  std::vector<uint8_t> routing;     // [tokens, L, k], filled as tokens are computed
+  std::vector<uint8_t> routing;     // [tokens, L, k], filled as tokens are first computed
   bool finalizing = false;          // finished sampling; computing the last token's routing
   FinishReason finish = FinishReason::kLength;
   int64_t preemptions = 0;
@@ -187,6 +188,7 @@ struct Engine::Impl : model::AttentionBackend {
   bool use_graph = false;                // the current step replays a CUDA graph (set by schedule)
   EngineStats st;
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
+  std::function<void(const StepTrace&)> trace;
 
   Impl(const model::Muse& m, EngineConfig config) : model(m.clone()), cfg(m.config()), ec(config) {
     ec.validate();
@@ -598,6 +600,24 @@ struct Engine::Impl : model::AttentionBackend {
     model.forward(model::PackedBatch::from_sequences({{0}}, model.device()), opt);
   }
 
+  void emit_trace(const at::Tensor& routing, const std::vector<int64_t>& cu_seqlens,
+                  const std::vector<std::pair<Seq*, int64_t>>& draws, const std::vector<const Seq*>& drawn_from) {
+    StepTrace t;
+    for (size_t i = 0; i < work.size(); ++i) {
+      const Work& w = work[i];
+      StepTrace::Item item;
+      item.request_id = w.seq->request;
+      item.sample = w.seq->sample == -2 ? -1 : w.seq->sample;  // -2: a parent that forked now
+      item.start = w.start;
+      item.n = w.n;
+      item.routing = routing.narrow(0, cu_seqlens[i], w.n).clone();
+      for (size_t d = 0; d < draws.size(); ++d)
+        if (drawn_from[d] == w.seq) item.drawn.push_back({draws[d].first->sample, draws[d].first->tokens.back()});
+      t.items.push_back(std::move(item));
+    }
+    trace(t);
+  }
+
   std::vector<RequestOutput> step() {
     at::NoGradGuard no_grad;
     using clock = std::chrono::steady_clock;
@@ -646,9 +666,15 @@ struct Engine::Impl : model::AttentionBackend {
     for (size_t i = 0; i < work.size(); ++i) {
       Work& w = work[i];
       Seq& s = *w.seq;
-      const uint8_t* r = routing.data_ptr<uint8_t>() + cu_seqlens[i] * per_token;
+      // Only positions routed for the first time: a recompute after preemption can route a token
+      // differently (bf16, other batch shapes), but its next token was drawn under the first.
+      const int64_t from = std::max(w.start, s.routed), to = w.start + w.n;
       s.routing.resize(size_t(s.tokens.size() * per_token));
-      std::copy(r, r + w.n * per_token, s.routing.begin() + w.start * per_token);
+      if (to > from) {
+        const uint8_t* r = routing.data_ptr<uint8_t>() + (cu_seqlens[i] + from - w.start) * per_token;
+        std::copy(r, r + (to - from) * per_token, s.routing.begin() + from * per_token);
+        s.routed = to;
+      }
       s.computed += w.n;
       if (s.computed == int64_t(s.tokens.size()) && !s.finalizing) {
         rows.push_back(cu_seqlens[i + 1] - 1);
@@ -665,10 +691,12 @@ struct Engine::Impl : model::AttentionBackend {
       std::iota(logit_row.begin(), logit_row.end(), 0);
     }
     std::vector<std::pair<Seq*, int64_t>> draws;
+    std::vector<const Seq*> drawn_from;  // per draw: the sequence whose row it came from
     for (size_t j = 0; j < ready.size(); ++j) {
       Seq& s = *ready[j];
       if (s.sample >= 0) {
         draws.push_back({&s, logit_row[j]});
+        drawn_from.push_back(&s);
         continue;
       }
       // A prefilled prompt: fork its samples, which share its blocks until they write.
@@ -680,16 +708,23 @@ struct Engine::Impl : model::AttentionBackend {
         for (int64_t b : child->ring)
           if (b >= 0) win_pool.retain(b);
         draws.push_back({child.get(), logit_row[j]});
+        drawn_from.push_back(&s);
         running.push_back(std::move(child));
       }
       s.finalizing = true;  // the parent's work is done; released below
       s.sample = -2;
     }
     draw(draws, logits, graph.logits.defined() ? &graph : nullptr);
+    if (trace) emit_trace(routing, cu_seqlens, draws, drawn_from);
     const auto t3 = clock::now();
     st.schedule_seconds += std::chrono::duration<double>(t1 - t0).count();
     st.model_seconds += std::chrono::duration<double>(t2 - t1).count();
     st.sample_seconds += std::chrono::duration<double>(t3 - t2).count();
+    if (std::all_of(work.begin(), work.end(), [](const Work& w) { return w.n == 1; })) {
+      st.decode_steps++;
+      st.decode_rows += int64_t(work.size());
+      st.decode_seconds += std::chrono::duration<double>(t3 - t0).count();
+    }
     // Retire parents that forked and samples whose last token's routing is now known.
     for (auto it = running.begin(); it != running.end();) {
       Seq& s = **it;
@@ -726,6 +761,7 @@ int64_t Engine::add_request(const Request& request) { return impl_->add(request)
 std::vector<RequestOutput> Engine::step() { return impl_->step(); }
 bool Engine::has_unfinished() const { return !impl_->waiting.empty() || !impl_->running.empty(); }
 const model::Muse& Engine::model() const { return impl_->model; }
+void Engine::set_trace(std::function<void(const StepTrace&)> trace) { impl_->trace = std::move(trace); }
 
 std::vector<RequestOutput> Engine::generate(const std::vector<Request>& requests,
                                             const std::function<void(int64_t, int64_t)>& progress) {

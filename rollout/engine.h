@@ -39,7 +39,10 @@ struct Sample {
                                     // was sampled from (after temperature, top-k, top-p; greedy:
                                     // the raw distribution)
   FinishReason finish = FinishReason::kLength;
-  at::Tensor routing;               // [prompt + generated, L, k] uint8: every token's expert ids
+  at::Tensor routing;               // [prompt + generated, L, k] uint8: every token's expert ids,
+                                    // as routed in the step that first computed it (the step whose
+                                    // logits drew the next token); a recompute after preemption
+                                    // does not overwrite it
   int64_t num_preemptions = 0;
 };
 
@@ -83,6 +86,10 @@ struct EngineStats {
   // Host wall time by phase: scheduling and planning, the model (until its outputs reach the
   // host; graph capture included), and drawing tokens.
   double schedule_seconds = 0, model_seconds = 0, sample_seconds = 0;
+  // Steps that only decoded (one new token per sequence, no prefill piece): how many, their rows,
+  // and their host wall time, all phases.
+  int64_t decode_steps = 0, decode_rows = 0;
+  double decode_seconds = 0;
   // Two block pools: full-attention layers keep every position, window layers a ring of
   // ceil(W / block_size) + 1 blocks per sequence.
   int64_t full_blocks_total = 0, window_blocks_total = 0;
@@ -90,6 +97,20 @@ struct EngineStats {
   int64_t peak_full_blocks = 0, peak_window_blocks = 0;
   int64_t full_block_bytes = 0, window_block_bytes = 0;
   int64_t window_ring_blocks = 0;    // per sequence
+};
+
+// What one engine step computed, for tracing and tests (Engine::set_trace).
+struct StepTrace {
+  struct Item {
+    int64_t request_id = 0;
+    int64_t sample = -1;              // -1: a prompt's prefill, shared by its samples
+    int64_t start = 0, n = 0;         // positions [start, start + n) computed in this step
+    at::Tensor routing;               // [n, L, k] uint8: the experts this step routed them to
+    // Tokens drawn from the last row's logits, as (sample, id): one for a sample, one per sample
+    // for a prefilled prompt, none when the row only finished a sequence's routing.
+    std::vector<std::pair<int64_t, int64_t>> drawn;
+  };
+  std::vector<Item> items;
 };
 
 class Engine {
@@ -121,6 +142,9 @@ class Engine {
   int64_t update_adapters(const std::vector<std::pair<std::string, at::Tensor>>& named);
   const model::Muse& model() const;
   EngineStats stats() const;
+  // Called at the end of every step with what it computed (empty function: off). Costs a copy of
+  // the step's routing.
+  void set_trace(std::function<void(const StepTrace&)> trace);
 
  private:
   struct Impl;

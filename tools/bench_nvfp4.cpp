@@ -67,13 +67,6 @@ double per_call(at::Device device, const std::function<void(int)>& fn) {
   return time_it(device, [&] { fn(i++); }, 3, 20);
 }
 
-double copy_bandwidth(at::Device device) {
-  at::Tensor a = at::randn({int64_t(1) << 30}, at::TensorOptions().dtype(at::kBFloat16).device(device));
-  at::Tensor b = at::empty_like(a);
-  const double t = time_it(device, [&] { b.copy_(a); }, 3, 10);
-  return 2.0 * double(a.numel()) * 2.0 / t;  // read + write
-}
-
 double nvfp4_bytes(int64_t matrices, int64_t N, int64_t K) { return double(matrices) * double(N) * double(K) * (0.5 + 1.0 / 16); }
 
 // Seconds per call of the stream read (kernels::xor_words) over `bytes`, rotating copies as the

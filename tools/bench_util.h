@@ -18,12 +18,27 @@ double time_it(at::Device device, const std::function<void()>& fn, int warmup = 
 // a Chrome trace to `path` (tools/profile_summary.py reads it).
 void profile_to(const std::string& path, at::Device device, const std::function<void()>& fn);
 
+// Device copy bandwidth (read + write) of a 2 GiB bf16 copy, in bytes per second.
+double copy_bandwidth(at::Device device);
+// Bytes one decode step must read for `batch` sequences at context `ctx`: every non-expert weight,
+// the experts the batch's tokens touch (expected distinct experts per layer under uniform routing),
+// the lm_head, and each sequence's KV cache; `elem` bytes per weight and cache value.
+double decode_step_bytes(const model::ModelConfig& c, int64_t batch, int64_t ctx, double elem);
+
 // `seqs` random sequences of `len` tokens packed into one batch; opt.targets gets their ids.
 model::PackedBatch random_batch(const model::ModelConfig& cfg, int64_t seqs, int64_t len, at::Device device,
                                 model::ForwardOptions& opt);
 
 // `kiln bench optim`: the optimizer's placements, CPU AdamW against torch::optim::AdamW, Muon.
 void bench_optim(at::Device device, const std::string& config, const std::string& nvme_dir, double chunk_mb);
+// `kiln bench rollout`: the RL rollout workload through the engine, BF16 and `quantization`
+// (none: BF16 only). Shapes: `prompts` x `samples`, prompts of `len` tokens, `gen` new tokens each.
+struct RolloutBenchShape {
+  int64_t prompts = 128, samples = 8, len = 256, gen = 1024, max_seqs = 256;
+  double kv_gib = 0;  // 0: room for max_seqs whole sequences (no preemption)
+};
+void bench_rollout(at::Device device, const std::string& config, const RolloutBenchShape& shape,
+                   const std::string& quantization);
 // `kiln bench nvfp4`: the W4A16 GEMMs (dense, grouped) against BF16 GEMMs and the copy bandwidth.
 void bench_nvfp4(at::Device device);
 

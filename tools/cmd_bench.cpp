@@ -1,6 +1,7 @@
 // `kiln bench <case>`: timings that print a ratio against a baseline measured in the same run.
 // Cases: rmsnorm (CUDA kernel vs ATen ops vs a device copy), forward (forward and forward+backward,
 // grouped GEMM vs per-expert loop), decode (engine decode vs full recompute vs the bytes roofline),
+// rollout (the RL workload through the engine: tools/bench_rollout.cpp),
 // train (one training step's forward+backward on 8192 packed tokens: tok/s, model TFLOP/s, grouped
 // GEMM vs per-expert loop), optim (tools/bench_optim.cpp), nvfp4 (W4A16 GEMMs vs BF16: tools/bench_nvfp4.cpp),
 // tokenize (kiln vs HF tokenizers' Node binding: tools/bench_tokenize.cpp).
@@ -43,6 +44,27 @@ double time_it(at::Device device, const std::function<void()>& fn, int warmup, i
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// Bytes one decode step must read for `batch` sequences at context `ctx`: every non-expert weight,
+// the experts the batch's tokens touch (expected distinct experts per layer under uniform routing),
+// the lm_head, and each sequence's KV cache.
+double decode_step_bytes(const model::ModelConfig& c, int64_t batch, int64_t ctx, double elem) {
+  const model::ParamCounts p = model::count_parameters(c);
+  const double touched = double(c.num_experts) * (1.0 - std::pow(1.0 - double(c.top_k) / double(c.num_experts), double(batch)));
+  const double expert_bytes = double(p.experts) / double(c.num_experts) * touched * elem;
+  const double dense = double(p.attention + p.latent + p.head + p.norms) * elem + double(p.router) * 4.0;
+  const double kv = model::kv_cache_bytes_per_token(c, ctx, int64_t(elem)) * double(ctx) * double(batch);
+  return dense + expert_bytes + kv;
+}
+
+
+double copy_bandwidth(at::Device device) {
+  // 2 GiB on a GPU (well beyond L2); 128 MiB on the CPU.
+  at::Tensor a = at::randn({int64_t(1) << (device.is_cuda() ? 30 : 26)}, at::TensorOptions().dtype(at::kBFloat16).device(device));
+  at::Tensor b = at::empty_like(a);
+  const double t = time_it(device, [&] { b.copy_(a); }, 3, 10);
+  return 2.0 * double(a.numel()) * 2.0 / t;  // read + write
 }
 
 namespace {
@@ -194,25 +216,6 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
   }
 }
 
-// Bytes one decode step must read for `batch` sequences at context `ctx`: every non-expert weight,
-// the experts the batch's tokens touch (expected distinct experts per layer under uniform routing),
-// the lm_head, and each sequence's KV cache.
-double decode_step_bytes(const model::ModelConfig& c, int64_t batch, int64_t ctx, double elem) {
-  const model::ParamCounts p = model::count_parameters(c);
-  const double touched = double(c.num_experts) * (1.0 - std::pow(1.0 - double(c.top_k) / double(c.num_experts), double(batch)));
-  const double expert_bytes = double(p.experts) / double(c.num_experts) * touched * elem;
-  const double dense = double(p.attention + p.latent + p.head + p.norms) * elem + double(p.router) * 4.0;
-  const double kv = model::kv_cache_bytes_per_token(c, ctx, int64_t(elem)) * double(ctx) * double(batch);
-  return dense + expert_bytes + kv;
-}
-
-double copy_bandwidth(at::Device device) {
-  at::Tensor a = at::empty({int64_t(1) << 28}, at::TensorOptions().dtype(at::kByte).device(device)), b = at::empty_like(a);
-  a.fill_(1);
-  const double t = time_it(device, [&] { b.copy_(a); }, 2, 10);
-  return 2.0 * double(a.numel()) / t;  // read + write
-}
-
 void bench_decode(at::Device device, const std::string& config, int64_t prompt_len, int64_t gen,
                   const std::string& quantization) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
@@ -324,11 +327,12 @@ Run add_bench(CLI::App& app) {
     int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192;
     std::string profile;
     bool only_fused = false;
+    RolloutBenchShape rollout;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("case", a->name, "rmsnorm, forward, decode, train, optim or nvfp4")
+  cmd->add_option("case", a->name, "rmsnorm, forward, decode, rollout, train, optim or nvfp4")
       ->required()
-      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "train", "optim", "nvfp4"}));
+      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "rollout", "train", "optim", "nvfp4"}));
   void add_bench_tokenize(CLI::App&); add_bench_tokenize(*cmd);  // the tokenize case: tools/bench_tokenize.cpp
   cmd->add_option("model", a->model, "Model config (the same as --config), e.g. kiln bench train configs/muse-small.yaml");
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N (default: cuda when there is one, else cpu)");
@@ -336,6 +340,13 @@ Run add_bench(CLI::App& app) {
   cmd->add_option("--seqs", a->seqs, "Sequences per batch (forward)")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--len", a->len, "Tokens per sequence (forward) or prompt length (decode)")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--gen", a->gen, "Generated tokens per sample (decode)")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--prompts", a->rollout.prompts, "Prompts (rollout)")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--samples", a->rollout.samples, "Samples per prompt (rollout)")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--max-seqs", a->rollout.max_seqs, "Sequences the engine runs at once (rollout)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--kv-gib", a->rollout.kv_gib, "KV cache GiB (rollout; default: room for --max-seqs whole sequences)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--nvme-dir", a->nvme_dir, "Directory for the NVMe state (optim)")->capture_default_str();
   cmd->add_option("--chunk-mb", a->chunk_mb, "Optimizer state chunk in MiB (optim)")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--quantization", a->quantization, "Rollout weights (decode): none, nvfp4 or w4a4")
@@ -344,12 +355,20 @@ Run add_bench(CLI::App& app) {
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; tools/profile_summary.py)");
   cmd->add_flag("--only-fused", a->only_fused, "Time only the grouped + fused path (train; for ncu and quick runs)");
-  return [a] {
+  return [a, cmd] {
     const std::string name = a->device.empty() ? (at::hasCUDA() ? "cuda" : "cpu") : a->device;
     const at::Device device = model::parse_device(name, "bench: --device");
     const std::string config = a->model.empty() ? a->config : a->model;
     if (a->name == "rmsnorm") bench_rmsnorm(device);
     else if (a->name == "decode") bench_decode(device, config, a->len, a->gen, a->quantization);
+    else if (a->name == "rollout") {
+      RolloutBenchShape shape = a->rollout;
+      shape.len = a->len, shape.gen = a->gen;  // defaults 1024 / 32 are decode's: rollout's are 256 / 1024
+      auto given = [&](const char* o) { return cmd->count(o) > 0; };
+      if (!given("--len")) shape.len = RolloutBenchShape{}.len;
+      if (!given("--gen")) shape.gen = RolloutBenchShape{}.gen;
+      bench_rollout(device, config, shape, a->quantization);
+    }
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
     else if (a->name == "nvfp4") bench_nvfp4(device);

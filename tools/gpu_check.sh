@@ -5,7 +5,8 @@
 # grpo.txt, train.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,train,bench (the default) picks sections; also grpostep (the GRPO step's
 # phases, fused kernels on and off), optim (bench optim alone, also part of bench), ncu (kernel
 # metrics of the fused path's memory-bound kernels, into profile.txt) and calibrate (kiln plan
-# against the measured peak memory of muse-small GRPO runs).
+# against the measured peak memory of muse-small GRPO runs) and rollout (issue 20's RL workload, decode
+# and the peer's decode, into rollout.txt).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -202,6 +203,22 @@ step "bench decode (muse-small, NVFP4 W4A16 weights, against the bf16 engine)"
 step "bench forward (muse-small)"
 ./build-gpu/kiln bench forward --device cuda --config configs/muse-small.yaml --seqs 8 --len 1024 2>&1 | tee -a "$out/bench.txt"
 fi  # bench
+if want rollout; then
+# The RL workload (issue 20): BF16 and NVFP4 engines, then the decode bench and the plain-PyTorch
+# peer's eager decode (static KV cache) in the same call for the ratio. KILN_ROLLOUT_ARGS overrides
+# the shape (default: the issue's 128 prompts x 8 samples, 256-token prompts, 1024 new tokens).
+step "bench rollout (muse-small, BF16 and NVFP4)"
+./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml --quantization nvfp4 \
+  ${KILN_ROLLOUT_ARGS:-} 2>&1 | tee -a "$out/rollout.txt"
+step "bench decode (muse-small, BF16 and NVFP4)"
+./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 \
+  2>&1 | tee -a "$out/rollout.txt"
+peer="${KILN_PEER_DIR:-.cache/peers}"
+if [ -f "$peer/torch_peer.py" ]; then
+  step "peer decode, eager (plain PyTorch, static KV cache)"
+  PEER_BATCHES=1,16,64 PEER_DECODE=eager PYTHONUNBUFFERED=1 python3 "$peer/torch_peer.py" decode 2>&1 | tee -a "$out/rollout.txt"
+fi
+fi  # rollout
 if want bench || want optim; then
 step "bench optim (muse-small; NVMe state under /tmp)"
 mkdir -p /tmp/kiln-nvme

@@ -197,5 +197,30 @@ TEST(CudaEngine, CapturedGraphsSeeInPlaceWeightUpdates) {
   }
 }
 
+TEST(CudaEngine, RoutingUnderForcedPreemptionIsTheSamplingSteps) {
+  // bf16 with CUDA graphs and a cache so small that samples are preempted and recomputed. A
+  // recompute runs other batch shapes, so bf16 can route a token differently; the recorded routing
+  // must stay the one of the step that drew its successor. The second pass changes the weights
+  // at the first preemption, which makes the recompute route differently for certain.
+  model::Muse a = test::to_device(model::Muse::init(test::cuda_config(), 9, at::kFloat, at::kCPU), at::kCUDA, at::kBFloat16);
+  model::Muse b = test::to_device(model::Muse::init(test::cuda_config(), 10, at::kFloat, at::kCPU), at::kCUDA, at::kBFloat16);
+  for (bool update : {false, true}) {
+    rollout::Engine engine(a, test::small_engine(36864 + 12 * 512));
+    bool done = false;
+    const int64_t rerouted = test::check_routing_of_sampling_steps(engine, requests(1.0), [&](rollout::Engine& e) {
+      if (update && !done && e.stats().preemptions > 0) {
+        e.update_weights(b.named_parameters());
+        done = true;
+      }
+    });
+    const auto st = engine.stats();
+    std::printf("bf16, %s: %ld preemptions, %ld graph steps, %ld recomputed positions routed otherwise\n",
+                update ? "weights updated at the first preemption" : "same weights", long(st.preemptions),
+                long(st.graph_steps), long(rerouted));
+    EXPECT_GT(st.preemptions, 0);
+    if (update) EXPECT_GT(rerouted, 0);
+  }
+}
+
 }  // namespace
 }  // namespace kiln

@@ -128,6 +128,29 @@ TEST(Engine, EveryRequestCompletesWhenTheCacheIsFullAndResultsDoNotChange) {
     }
 }
 
+TEST(Engine, RoutingIsTheSamplingStepsAlsoWhenARecomputeRoutesDifferently) {
+  // A preempted sequence is recomputed; here the weights change between the preemption and the
+  // recompute (as an in-flight weight update would), so the recompute routes differently. The
+  // recorded routing must stay the one each token's successor was drawn under.
+  model::Muse a = model::Muse::init(engine_config(), 4, at::kFloat, at::kCPU);
+  model::Muse b = model::Muse::init(engine_config(), 14, at::kFloat, at::kCPU);
+  std::vector<Request> reqs;
+  for (int i = 0; i < 6; ++i) reqs.push_back(request({1 + i, 2, 3, 4 + i}, 2, 30, 1.0, 10 + i));
+  Engine roomy(a, small_engine());
+  roomy.generate(reqs);
+  const auto st = roomy.stats();
+  Engine tight(a, small_engine(st.window_blocks_total * st.window_block_bytes + 12 * st.full_block_bytes));
+  bool updated = false;
+  const int64_t rerouted = test::check_routing_of_sampling_steps(tight, reqs, [&](Engine& e) {
+    if (!updated && e.stats().preemptions > 0) {
+      e.update_weights(b.named_parameters());
+      updated = true;
+    }
+  });
+  EXPECT_TRUE(updated);
+  EXPECT_GT(rerouted, 0);  // the recomputes did route differently
+}
+
 TEST(Engine, SamplesShareTheirPromptPrefill) {
   model::Muse m = model::Muse::init(engine_config(), 5, at::kFloat, at::kCPU);
   Engine engine(m, small_engine());
