@@ -90,6 +90,7 @@ struct EngineStats {
   // and their host wall time, all phases.
   int64_t decode_steps = 0, decode_rows = 0;
   double decode_seconds = 0;
+  double trace_seconds = 0;          // in the trace callback (Engine::set_trace), not in the above
   // Two block pools: full-attention layers keep every position, window layers a ring of
   // ceil(W / block_size) + 1 blocks per sequence.
   int64_t full_blocks_total = 0, window_blocks_total = 0;

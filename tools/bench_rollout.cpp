@@ -116,8 +116,10 @@ RunResult run_workload(const model::Muse& m, const rollout::EngineConfig& ec, co
   engine.generate(reqs);
   sync(device);
   RunResult r;
-  r.wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
   rollout::EngineStats s = engine.stats();
+  // The trace that counts the bytes and FLOPs is the benchmark's, not the engine's: its time is
+  // taken out of the wall time (the decode phases never include it).
+  r.wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count() - (s.trace_seconds - s0.trace_seconds);
   // The timed run's own counters (the warm-up's subtracted; peaks are over both).
   s.steps -= s0.steps, s.model_tokens -= s0.model_tokens, s.sampled_tokens -= s0.sampled_tokens;
   s.preemptions -= s0.preemptions, s.graph_steps -= s0.graph_steps, s.graphs_captured -= s0.graphs_captured;
@@ -129,10 +131,22 @@ RunResult run_workload(const model::Muse& m, const rollout::EngineConfig& ec, co
   return r;
 }
 
+// A Kineto trace of `steps` decode steps at full batch (after every sequence's prefill), to `path`.
+void profile_decode(const model::Muse& m, const rollout::EngineConfig& ec, const std::vector<rollout::Request>& reqs,
+                    at::Device device, const std::string& path, int steps) {
+  rollout::Engine engine(m, ec);
+  const size_t fill = std::min<size_t>(reqs.size(), size_t(std::max<int64_t>(1, ec.max_num_seqs / reqs[0].params.n)));
+  for (size_t i = 0; i < fill; ++i) engine.add_request(reqs[i]);
+  for (int i = 0; i < 40 && engine.has_unfinished(); ++i) engine.step();  // prefill, graph capture
+  profile_to(path, device, [&] {
+    for (int i = 0; i < steps && engine.has_unfinished(); ++i) engine.step();
+  });
+}
+
 }  // namespace
 
 void bench_rollout(at::Device device, const std::string& config, const RolloutBenchShape& shape,
-                   const std::string& quantization) {
+                   const std::string& quantization, const std::string& profile) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
   const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   model::Muse m = model::Muse::init(cfg, 0, dtype, device);
@@ -151,9 +165,15 @@ void bench_rollout(at::Device device, const std::string& config, const RolloutBe
   ec.max_batch_tokens = std::max<int64_t>(8192, shape.max_seqs);
   ec.prefill_chunk = 2048;
   const int64_t elem = int64_t(c10::elementSize(dtype)), seq = shape.len + shape.gen;
-  ec.kv_cache_bytes = shape.kv_gib > 0 ? int64_t(shape.kv_gib * double(int64_t(1) << 30))
-                                       : int64_t(model::kv_cache_bytes_per_token(cfg, seq, elem) * double(seq + 16) *
-                                                 double(shape.max_seqs) * 1.1) + (int64_t(64) << 20);
+  // Default: what max_seqs whole sequences take, as the engine lays the cache out (a window ring
+  // of ceil(W / B) + 1 blocks per sequence, full-attention blocks for every position).
+  int64_t nf = 0;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) nf += cfg.is_full_attention(l) ? 1 : 0;
+  const int64_t block_token = ec.block_size * 2 * cfg.kv_size() * elem;  // one layer's K and V of a block
+  const int64_t ring = (cfg.sliding_window + ec.block_size - 1) / ec.block_size + 1;
+  const int64_t need = shape.max_seqs * ((cfg.num_layers - nf) * ring + nf * ((seq + ec.block_size - 1) / ec.block_size + 1)) *
+                       block_token;
+  ec.kv_cache_bytes = shape.kv_gib > 0 ? int64_t(shape.kv_gib * double(int64_t(1) << 30)) : need + (int64_t(64) << 20);
   fmt::print("rollout: {} in {} on {}, {} prompts x {} samples, prompt {} tokens, {} new tokens each (no stop), at most {} "
              "sequences, KV cache {:.3g} GiB; copy bandwidth {:.0f} GB/s{}\n",
              cfg.name, at::toString(dtype), device.str(), shape.prompts, shape.samples, shape.len, shape.gen,
@@ -183,6 +203,11 @@ void bench_rollout(at::Device device, const std::string& config, const RolloutBe
                1e3 * s.sample_seconds / double(s.steps), s.decode_steps, s.steps - s.decode_steps, s.graphs_captured);
     if (q == "none") base = r.tok_per_s;
     else fmt::print("         {} / {}: {:.2f}x tok/s\n", q, at::toString(dtype), r.tok_per_s / base);
+    if (!profile.empty()) {
+      const std::string path = profile + "-" + q + ".json";
+      profile_decode(m, ec, reqs, device, path, 5);
+      fmt::print("         profile of 5 decode steps at {} rows: {}\n", std::min(shape.max_seqs, shape.prompts * shape.samples), path);
+    }
   }
 }
 

@@ -37,8 +37,9 @@ struct RolloutBenchShape {
   int64_t prompts = 128, samples = 8, len = 256, gen = 1024, max_seqs = 256;
   double kv_gib = 0;  // 0: room for max_seqs whole sequences (no preemption)
 };
+// `profile` (optional): a path prefix for Kineto traces of a few full-batch decode steps per weights.
 void bench_rollout(at::Device device, const std::string& config, const RolloutBenchShape& shape,
-                   const std::string& quantization);
+                   const std::string& quantization, const std::string& profile);
 // `kiln bench nvfp4`: the W4A16 GEMMs (dense, grouped) against BF16 GEMMs and the copy bandwidth.
 void bench_nvfp4(at::Device device);
 

@@ -353,7 +353,7 @@ Run add_bench(CLI::App& app) {
       ->check(CLI::IsMember({"none", "nvfp4", "w4a4"}))
       ->capture_default_str();
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; tools/profile_summary.py)");
+  cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; rollout: a path prefix, -<weights>.json added; tools/profile_summary.py)");
   cmd->add_flag("--only-fused", a->only_fused, "Time only the grouped + fused path (train; for ncu and quick runs)");
   return [a, cmd] {
     const std::string name = a->device.empty() ? (at::hasCUDA() ? "cuda" : "cpu") : a->device;
@@ -367,7 +367,7 @@ Run add_bench(CLI::App& app) {
       auto given = [&](const char* o) { return cmd->count(o) > 0; };
       if (!given("--len")) shape.len = RolloutBenchShape{}.len;
       if (!given("--gen")) shape.gen = RolloutBenchShape{}.gen;
-      bench_rollout(device, config, shape, a->quantization);
+      bench_rollout(device, config, shape, a->quantization, a->profile);
     }
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
