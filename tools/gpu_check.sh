@@ -211,7 +211,7 @@ step "bench rollout (muse-small, BF16 and NVFP4)"
 ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml --quantization nvfp4 \
   --profile "$tmp/rollout" ${KILN_ROLLOUT_ARGS:-} 2>&1 | tee -a "$out/rollout.txt"
 for q in none nvfp4; do
-  [ -f "$tmp/rollout-$q.json" ] && python3 tools/profile_summary.py "$tmp/rollout-$q.json" --label "decode-$q" 2>&1 | tee -a "$out/profile.txt"
+  [ -f "$tmp/rollout-$q.json" ] && python3 tools/profile_summary.py "$tmp/rollout-$q.json" --label "decode-$q" --steps 5 2>&1 | tee -a "$out/profile.txt"
 done
 step "bench decode (muse-small, BF16 and NVFP4)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 \
