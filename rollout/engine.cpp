@@ -115,6 +115,27 @@ const char* quantization_name(Quantization q) {
   return q == Quantization::kNvfp4 ? "nvfp4" : q == Quantization::kW4a4 ? "w4a4" : "none";
 }
 
+namespace {
+
+// The cache's block geometry for a model: bytes of one block of each pool (all full-attention
+// layers, all window layers) and the window ring's blocks per sequence.
+struct KvLayout {
+  int64_t full_block_bytes = 0, window_block_bytes = 0, ring_blocks = 0;
+};
+KvLayout kv_layout(const model::ModelConfig& cfg, int64_t block_size, int64_t elem) {
+  int64_t nf = 0;
+  for (int64_t i = 0; i < cfg.num_layers; ++i) nf += cfg.is_full_attention(i) ? 1 : 0;
+  const int64_t block = block_size * 2 * cfg.kv_size() * elem;  // K and V of one layer's block
+  return {nf * block, (cfg.num_layers - nf) * block, (cfg.sliding_window + block_size - 1) / block_size + 1};
+}
+
+}  // namespace
+
+int64_t kv_cache_bytes_for(const model::ModelConfig& cfg, const EngineConfig& ec, int64_t elem, int64_t tokens) {
+  const KvLayout k = kv_layout(cfg, ec.block_size, elem);
+  return ec.max_num_seqs * (k.ring_blocks * k.window_block_bytes + (tokens + ec.block_size - 1) / ec.block_size * k.full_block_bytes);
+}
+
 void EngineConfig::validate() const {
   KILN_CHECK(kv_cache_bytes > 0, "rollout config: kv_cache_bytes must be positive (got ", kv_cache_bytes, ")");
   KILN_CHECK(block_size > 0, "rollout config: block_size must be positive (got ", block_size, ")");
@@ -199,13 +220,12 @@ struct Engine::Impl : model::AttentionBackend {
     }
     B = ec.block_size;
     W = cfg.sliding_window;
-    R = (W + B - 1) / B + 1;
     int64_t nf = 0, nw = 0;
     for (int64_t i = 0; i < cfg.num_layers; ++i) group_index.push_back(cfg.is_full_attention(i) ? nf++ : nw++);
-    const int64_t elem = int64_t(c10::elementSize(model.dtype()));
-    const int64_t token_bytes = 2 * cfg.kv_size() * elem;  // K and V of one layer
-    st.full_block_bytes = nf * B * token_bytes;
-    st.window_block_bytes = nw * B * token_bytes;
+    const KvLayout layout = kv_layout(cfg, B, int64_t(c10::elementSize(model.dtype())));
+    R = layout.ring_blocks;
+    st.full_block_bytes = layout.full_block_bytes;
+    st.window_block_bytes = layout.window_block_bytes;
     st.window_ring_blocks = R;
     const int64_t win_blocks = nw > 0 ? ec.max_num_seqs * R : 0;
     const int64_t left = ec.kv_cache_bytes - win_blocks * st.window_block_bytes;

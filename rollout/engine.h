@@ -76,6 +76,10 @@ struct EngineConfig {
   void validate() const;
 };
 
+// The kv_cache_bytes that holds config.max_num_seqs whole sequences of `tokens` tokens each (no
+// preemption), for `elem`-byte cache values: every window ring and every full-attention block.
+int64_t kv_cache_bytes_for(const model::ModelConfig& cfg, const EngineConfig& config, int64_t elem, int64_t tokens);
+
 struct EngineStats {
   int64_t steps = 0;
   int64_t model_tokens = 0;          // tokens run through the model (prefill, recompute, decode)

@@ -63,7 +63,6 @@ double peak_flops(at::Device device) {
 // What the decode steps of one run read and computed, summed from the engine's step traces.
 struct DecodeWork {
   double bytes = 0, flops = 0;
-  int64_t steps = 0;
 };
 
 struct RunResult {
@@ -91,7 +90,6 @@ RunResult run_workload(const model::Muse& m, const rollout::EngineConfig& ec, co
   DecodeWork work;
   engine.set_trace([&](const rollout::StepTrace& t) {
     if (!std::all_of(t.items.begin(), t.items.end(), [](const auto& it) { return it.n == 1; })) return;
-    work.steps++;
     double bytes = served.fixed, flops = 0;
     for (int64_t l = 0; l < c.num_layers; ++l) {
       std::set<int> experts;
@@ -165,15 +163,8 @@ void bench_rollout(at::Device device, const std::string& config, const RolloutBe
   ec.max_batch_tokens = std::max<int64_t>(8192, shape.max_seqs);
   ec.prefill_chunk = 2048;
   const int64_t elem = int64_t(c10::elementSize(dtype)), seq = shape.len + shape.gen;
-  // Default: what max_seqs whole sequences take, as the engine lays the cache out (a window ring
-  // of ceil(W / B) + 1 blocks per sequence, full-attention blocks for every position).
-  int64_t nf = 0;
-  for (int64_t l = 0; l < cfg.num_layers; ++l) nf += cfg.is_full_attention(l) ? 1 : 0;
-  const int64_t block_token = ec.block_size * 2 * cfg.kv_size() * elem;  // one layer's K and V of a block
-  const int64_t ring = (cfg.sliding_window + ec.block_size - 1) / ec.block_size + 1;
-  const int64_t need = shape.max_seqs * ((cfg.num_layers - nf) * ring + nf * ((seq + ec.block_size - 1) / ec.block_size + 1)) *
-                       block_token;
-  ec.kv_cache_bytes = shape.kv_gib > 0 ? int64_t(shape.kv_gib * double(int64_t(1) << 30)) : need + (int64_t(64) << 20);
+  ec.kv_cache_bytes = shape.kv_gib > 0 ? int64_t(shape.kv_gib * double(int64_t(1) << 30))
+                                       : rollout::kv_cache_bytes_for(cfg, ec, elem, seq) + (int64_t(64) << 20);
   fmt::print("rollout: {} in {} on {}, {} prompts x {} samples, prompt {} tokens, {} new tokens each (no stop), at most {} "
              "sequences, KV cache {:.3g} GiB; copy bandwidth {:.0f} GB/s{}\n",
              cfg.name, at::toString(dtype), device.str(), shape.prompts, shape.samples, shape.len, shape.gen,

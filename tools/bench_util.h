@@ -20,10 +20,6 @@ void profile_to(const std::string& path, at::Device device, const std::function<
 
 // Device copy bandwidth (read + write) of a 2 GiB bf16 copy, in bytes per second.
 double copy_bandwidth(at::Device device);
-// Bytes one decode step must read for `batch` sequences at context `ctx`: every non-expert weight,
-// the experts the batch's tokens touch (expected distinct experts per layer under uniform routing),
-// the lm_head, and each sequence's KV cache; `elem` bytes per weight and cache value.
-double decode_step_bytes(const model::ModelConfig& c, int64_t batch, int64_t ctx, double elem);
 
 // `seqs` random sequences of `len` tokens packed into one batch; opt.targets gets their ids.
 model::PackedBatch random_batch(const model::ModelConfig& cfg, int64_t seqs, int64_t len, at::Device device,

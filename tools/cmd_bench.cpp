@@ -46,19 +46,6 @@ double time_it(at::Device device, const std::function<void()>& fn, int warmup, i
   return t[t.size() / 2];
 }
 
-// Bytes one decode step must read for `batch` sequences at context `ctx`: every non-expert weight,
-// the experts the batch's tokens touch (expected distinct experts per layer under uniform routing),
-// the lm_head, and each sequence's KV cache.
-double decode_step_bytes(const model::ModelConfig& c, int64_t batch, int64_t ctx, double elem) {
-  const model::ParamCounts p = model::count_parameters(c);
-  const double touched = double(c.num_experts) * (1.0 - std::pow(1.0 - double(c.top_k) / double(c.num_experts), double(batch)));
-  const double expert_bytes = double(p.experts) / double(c.num_experts) * touched * elem;
-  const double dense = double(p.attention + p.latent + p.head + p.norms) * elem + double(p.router) * 4.0;
-  const double kv = model::kv_cache_bytes_per_token(c, ctx, int64_t(elem)) * double(ctx) * double(batch);
-  return dense + expert_bytes + kv;
-}
-
-
 double copy_bandwidth(at::Device device) {
   // 2 GiB on a GPU (well beyond L2); 128 MiB on the CPU.
   at::Tensor a = at::randn({int64_t(1) << (device.is_cuda() ? 30 : 26)}, at::TensorOptions().dtype(at::kBFloat16).device(device));
@@ -216,6 +203,18 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
   }
 }
 
+// Bytes one decode step must read for `batch` sequences at context `ctx`: every non-expert weight,
+// the experts the batch's tokens touch (expected distinct experts per layer under uniform routing),
+// the lm_head, and each sequence's KV cache.
+double decode_step_bytes(const model::ModelConfig& c, int64_t batch, int64_t ctx, double elem) {
+  const model::ParamCounts p = model::count_parameters(c);
+  const double touched = double(c.num_experts) * (1.0 - std::pow(1.0 - double(c.top_k) / double(c.num_experts), double(batch)));
+  const double expert_bytes = double(p.experts) / double(c.num_experts) * touched * elem;
+  const double dense = double(p.attention + p.latent + p.head + p.norms) * elem + double(p.router) * 4.0;
+  const double kv = model::kv_cache_bytes_per_token(c, ctx, int64_t(elem)) * double(ctx) * double(batch);
+  return dense + expert_bytes + kv;
+}
+
 void bench_decode(at::Device device, const std::string& config, int64_t prompt_len, int64_t gen,
                   const std::string& quantization) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
@@ -362,11 +361,9 @@ Run add_bench(CLI::App& app) {
     if (a->name == "rmsnorm") bench_rmsnorm(device);
     else if (a->name == "decode") bench_decode(device, config, a->len, a->gen, a->quantization);
     else if (a->name == "rollout") {
-      RolloutBenchShape shape = a->rollout;
-      shape.len = a->len, shape.gen = a->gen;  // defaults 1024 / 32 are decode's: rollout's are 256 / 1024
-      auto given = [&](const char* o) { return cmd->count(o) > 0; };
-      if (!given("--len")) shape.len = RolloutBenchShape{}.len;
-      if (!given("--gen")) shape.gen = RolloutBenchShape{}.gen;
+      RolloutBenchShape shape = a->rollout;  // --len and --gen default to decode's 1024 / 32: given only
+      if (cmd->count("--len")) shape.len = a->len;
+      if (cmd->count("--gen")) shape.gen = a->gen;
       bench_rollout(device, config, shape, a->quantization, a->profile);
     }
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused);

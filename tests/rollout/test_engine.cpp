@@ -151,6 +151,24 @@ TEST(Engine, RoutingIsTheSamplingStepsAlsoWhenARecomputeRoutesDifferently) {
   EXPECT_GT(rerouted, 0);  // the recomputes did route differently
 }
 
+TEST(Engine, KvCacheBytesForHoldsWholeSequencesWithoutPreemption) {
+  model::Muse m = model::Muse::init(engine_config(), 4, at::kFloat, at::kCPU);
+  std::vector<Request> reqs;
+  for (int i = 0; i < 4; ++i) reqs.push_back(request({1 + i, 2, 3, 4 + i}, 2, 30, 1.0, 10 + i));
+  EngineConfig ec = small_engine();
+  ec.kv_cache_bytes = rollout::kv_cache_bytes_for(m.config(), ec, sizeof(float), 4 + 30);
+  Engine exact(m, ec);
+  exact.generate(reqs);
+  EXPECT_EQ(exact.stats().preemptions, 0);
+  // The budget is the layout's: every ring plus 9 full-attention blocks (34 tokens) per sequence.
+  const auto st = exact.stats();
+  EXPECT_EQ(ec.kv_cache_bytes, ec.max_num_seqs * (st.window_ring_blocks * st.window_block_bytes + 9 * st.full_block_bytes));
+  ec.kv_cache_bytes -= 6 * st.full_block_bytes;  // short of that: the same requests preempt
+  Engine tight(m, ec);
+  tight.generate(reqs);
+  EXPECT_GT(tight.stats().preemptions, 0);
+}
+
 TEST(Engine, SamplesShareTheirPromptPrefill) {
   model::Muse m = model::Muse::init(engine_config(), 5, at::kFloat, at::kCPU);
   Engine engine(m, small_engine());
