@@ -1,5 +1,6 @@
 // Memory helpers shared by the CUDA kernels: streaming global loads that skip L1 (read-once data
-// such as weights) and the multiprocessor count that sizes grids. Include from .cu files.
+// such as weights), cp.async copies into shared memory, and the multiprocessor count that sizes
+// grids. Include from .cu files.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -22,6 +23,16 @@ __device__ __forceinline__ uint2 ld_stream8(const void* p) {
   asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
+
+// cp.async: 16 bytes global -> shared (both 16-byte aligned) through L2 only; with fill false
+// nothing is read and the 16 bytes become zeros. Committed as a group, waited for by count.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill = true) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(fill ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>  // wait until at most kPending committed groups are still in flight
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
 
 // Multiprocessors of the current device, read once (132 if the query fails).
 inline int num_sms() {

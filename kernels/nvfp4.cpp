@@ -342,11 +342,26 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
   return y;
 }
 
-#if KILN_WITH_CUDA
 namespace {
 
-constexpr int64_t kFusedMaxRows = 64;  // rows (per expert) up to which the fused W4A16 kernels run
+// Rows (per expert) up to which the fused W4A16 kernels run; above them the weights are
+// dequantised for cuBLAS. Measured on the H200 (bench nvfp4, docs/PERFORMANCE.md), the staged
+// kernel is never the fastest of the three yet: kStagedMaxRows keeps it out of the dispatch.
+constexpr int64_t kFusedMaxRows = 64;
+constexpr int64_t kStagedMaxRows = 0;
 
+enum class DensePath { kReference, kSplitK, kStaged, kDequantized };
+
+DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (!KILN_WITH_CUDA || !x.is_cuda() || !(bf16 || x.scalar_type() == at::kFloat) || !w.kernel_layout || w.stacked())
+    return DensePath::kReference;
+  const int64_t M = x.size(0);
+  if (M <= 16 || (bf16 && M <= kStagedMaxRows)) return M <= 16 ? DensePath::kSplitK : DensePath::kStaged;
+  return M <= kFusedMaxRows ? DensePath::kSplitK : DensePath::kDequantized;
+}
+
+#if KILN_WITH_CUDA
 // Codes times block scales (exact in bf16), in x's dtype, on the GPU.
 at::Tensor unit_dequantize(const Nvfp4Tensor& w, const at::Tensor& x) {
   Nvfp4Tensor unit = w;
@@ -354,24 +369,57 @@ at::Tensor unit_dequantize(const Nvfp4Tensor& w, const at::Tensor& x) {
   return nvfp4_dequantize_cuda(unit, x.scalar_type());
 }
 
-}  // namespace
+#if KILN_TORCH_AT_LEAST(2, 8)
+// Grouped prefill on torch's grouped GEMM: the whole stack's codes times block scales dequantised
+// in one launch (exact in bf16), each expert's rows moved to a segment that starts on a 16-row
+// boundary (the grouped GEMM's alignment; the bound R + 15 E is static), each product row times
+// its expert's tensor scale. The offsets stay on the device: nothing waits for the host.
+at::Tensor grouped_prefill(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets) {
+  constexpr int64_t kAlign = 16;
+  const int64_t R = x.size(0), E = w.packed.size(0);
+  const at::Tensor ends_in = offsets.narrow(0, 1, E), starts_in = offsets.narrow(0, 0, E);
+  const at::Tensor padded = at::floor_divide(ends_in - starts_in + (kAlign - 1), kAlign) * kAlign;
+  const at::Tensor ends = padded.cumsum(0);
+  const at::Tensor rows = at::arange(R, offsets.options());
+  const at::Tensor expert = at::searchsorted(ends_in, rows, /*out_int32=*/false, /*right=*/true);
+  const at::Tensor dest = (ends - padded).index_select(0, expert) + rows - starts_in.index_select(0, expert);
+  // Padding rows stay uninitialised: a GEMM row depends on its own input row only, and no padded
+  // output row is read back.
+  at::Tensor xp = at::empty({R + (kAlign - 1) * E, x.size(1)}, x.options()).index_copy_(0, dest, x);
+  at::Tensor yp = at::_grouped_mm(xp, unit_dequantize(w, x).transpose(1, 2), ends.to(at::kInt));
+  // In place: computed in fp32 and rounded once to x's dtype, without an fp32 copy of the output.
+  return yp.index_select(0, dest).mul_(w.tensor_scale.index_select(0, expert).unsqueeze(1));
+}
+#endif
 #endif
 
-at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt) {
-#if KILN_WITH_CUDA
-  const bool supported = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
-  if (x.is_cuda() && supported && w.kernel_layout && !w.stacked()) {
-    auto [xq, extra] = gemm_input(x, opt);
-    at::Tensor xin = xq.to(x.scalar_type());
-    const bool scalar = !extra.defined() || extra.dim() == 0;  // else per-row (dynamic W4A4)
-    at::Tensor y = x.size(0) <= kFusedMaxRows
-                       ? nvfp4_linear_cuda(xin, w, scalar ? extra : at::Tensor())
-                       : at::linear(xin, unit_dequantize(w, x)) * w.tensor_scale;  // 0-dim: keeps x's dtype
-    if (!extra.defined() || (scalar && x.size(0) <= kFusedMaxRows)) return y;
-    return (y.to(at::kFloat) * extra).to(x.scalar_type());
+}  // namespace
+
+const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w) {
+  switch (dense_path(x, w)) {
+    case DensePath::kSplitK: return "splitK";
+    case DensePath::kStaged: return "staged";
+    case DensePath::kDequantized: return "deq+mm";
+    default: return "reference";
   }
-#endif
+}
+
+at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt) {
+  const DensePath path = dense_path(x, w);
+  if (path == DensePath::kReference) return nvfp4_linear_reference(x, w, opt);
+#if KILN_WITH_CUDA
+  auto [xq, extra] = gemm_input(x, opt);
+  at::Tensor xin = xq.to(x.scalar_type());
+  const bool scalar = !extra.defined() || extra.dim() == 0;  // else per-row (dynamic W4A4)
+  const bool fused = path != DensePath::kDequantized;
+  const Nvfp4Gemm gemm = path == DensePath::kStaged ? Nvfp4Gemm::kStaged : Nvfp4Gemm::kSplitK;
+  at::Tensor y = fused ? nvfp4_linear_cuda(xin, w, scalar ? extra : at::Tensor(), gemm)
+                       : at::linear(xin, unit_dequantize(w, x)) * w.tensor_scale;  // 0-dim: keeps x's dtype
+  if (!extra.defined() || (scalar && fused)) return y;
+  return (y.to(at::kFloat) * extra).to(x.scalar_type());
+#else
   return nvfp4_linear_reference(x, w, opt);
+#endif
 }
 
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
@@ -387,7 +435,14 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
       at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor());
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
     }
-    // Prefill: one cuBLAS GEMM per expert on its dequantised weights (one expert's at a time).
+#if KILN_TORCH_AT_LEAST(2, 8)
+    if (x.scalar_type() == at::kBFloat16) {
+      at::Tensor y = grouped_prefill(xin, w, offsets);
+      return extra.defined() ? (y.to(at::kFloat) * extra).to(x.scalar_type()) : y;
+    }
+#endif
+    // Prefill without torch's grouped GEMM (fp32, or torch before 2.8): one cuBLAS GEMM per expert
+    // on its dequantised weights, the offsets read on the host.
     at::Tensor off = offsets.cpu();
     const int64_t* o = off.data_ptr<int64_t>();
     at::Tensor y = at::empty({x.size(0), w.rows()}, x.options());

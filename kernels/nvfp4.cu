@@ -1,8 +1,8 @@
 // NVFP4 CUDA kernels: quantise (two passes: per-matrix amax, then one thread per 16-value block),
-// dequantise, and the W4A16 GEMMs. The GEMM swaps A and B of mma.m16n8k16 (16 weight rows x 8
-// tokens), reads each warp step's codes as one 4 KB tile and decodes them to exact bf16 in
-// registers (nvfp4_layout.h), and splits K over a block's warps (and, for long K, over a cluster of
-// blocks), reduced in a fixed order.
+// dequantise, and the W4A16 GEMMs. The GEMMs swap A and B of mma.m16n8k16 (16 weight rows x 8
+// tokens), read each warp step's codes as one 4 KB tile and decode them to exact bf16 in registers
+// (nvfp4_layout.h); up to 16 tokens K is split over a block's warps, above that activations and
+// tiles are staged in shared memory (nvfp4_gemm.cuh); clusters split K, reduced in a fixed order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -127,8 +127,8 @@ __global__ void quantize_kernel(const T* __restrict__ w, uint32_t N, uint32_t nb
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dequantise: one thread per 16-value block. A kernel-layout block is read from its place, its words
-// put back in ModelOpt order.
+// Dequantise: one thread per 16-value block. A kernel-layout block is read from its place and each
+// code taken from its permuted bits.
 template <typename T>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ block_scale,
                                   const float* __restrict__ tensor_scale, uint32_t N, uint32_t nb, bool kernel_layout,
@@ -145,13 +145,26 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const uint
       scale_at = nvfp4_layout::block_place(n, b, N, nb, true);
     }
     const float scale = e4m3_decode(block_scale[base + scale_at]) * tensor_scale[e];
-    uint2 u = reinterpret_cast<const uint2*>(packed)[base + code_at];
-    if (kernel_layout) u = make_uint2(nvfp4_layout::to_modelopt_word(u.x), nvfp4_layout::to_modelopt_word(u.y));
-    T* o = out + (base + i) * kBlock;
+    const uint2 u = reinterpret_cast<const uint2*>(packed)[base + code_at];
+    float v[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const uint32_t code = ((j < 8 ? u.x : u.y) >> (4 * (j % 8))) & 0xFu;
-      o[j] = from_float<T>(e2m1_decode(code) * scale);
+      const uint32_t word = j < 8 ? u.x : u.y;
+      const int q = (j % 8) / 2, h = 16 * (j % 2);  // the kernel layout's places of element j
+      const uint32_t code = kernel_layout ? ((word >> (nvfp4_layout::mag_bit(q) + h)) & 7u) |
+                                                (((word >> (nvfp4_layout::sign_bit(q) + h)) & 1u) << 3)
+                                          : (word >> (4 * (j % 8))) & 0xFu;
+      v[j] = e2m1_decode(code) * scale;
+    }
+    // 16-byte stores: one 2-byte store per value left every L2 sector written 16 times in parts.
+    constexpr int kVec = 16 / int(sizeof(T));
+    T* o = out + (base + i) * kBlock;
+#pragma unroll
+    for (int p = 0; p < 16 / kVec; ++p) {
+      float part[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) part[j] = v[p * kVec + j];
+      store_vec<T, kVec>(o + p * kVec, part);
     }
   }
 }
@@ -294,6 +307,108 @@ cudaError_t launch_grouped_w(const void* x, const int64_t* offsets, const uint8_
   return launch_grouped_nt<kMaxNT, 8, kF32>(x, offsets, packed, sfs, ts, extra, y, E, N, K, stream);
 }
 
+// Staged dense GEMM (bf16): block (token chunk, row block, part) computes part `part` of kParts K
+// ranges for kStagedRows weight rows (32 per warp) and 8 NT tokens; the steps go through shared
+// memory two deep (nvfp4_gemm.cuh). With kParts > 1 the parts form a cluster and part 0 adds the
+// others' tiles in part order, so the result does not depend on timing.
+template <int NT, int kParts>
+__global__ void __launch_bounds__(kStagedWarps * 32)
+    staged_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed,
+                  const uint8_t* __restrict__ sfs, const float* __restrict__ tensor_scale,
+                  const float* __restrict__ extra, __nv_bfloat16* __restrict__ y, int64_t M, int64_t N, int64_t K) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int kStage = staged_stage_bytes(NT);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t tok0 = int64_t(blockIdx.x) * 8 * NT;
+  const int m_count = int(M - tok0 < 8 * NT ? M - tok0 : 8 * NT);
+  const int64_t row0 = int64_t(blockIdx.y / kParts) * kStagedRows, rows = row0 + kRowsPerBlock * warp;
+  const int part = int(blockIdx.y % kParts);
+  const int64_t steps = (K + kSuper - 1) / kSuper, s0 = steps * part / kParts, s1 = steps * (part + 1) / kParts;
+  const __nv_bfloat16* xc = x + tok0 * K;
+  float acc[2][NT][4];
+  zero_acc<NT>(acc);
+  if (s0 < s1) stage_step<NT>(smem, xc, m_count, packed, sfs, N, K, row0, s0);
+  cp_async_commit();
+  for (int64_t sc = s0; sc < s1; ++sc) {
+    // Step sc's copies have landed (this thread's; the barrier makes it everyone's), and every warp
+    // is done with step sc - 1, whose stage the next copies refill while step sc is computed.
+    cp_async_wait<0>();
+    __syncthreads();
+    if (sc + 1 < s1) stage_step<NT>(smem + ((sc + 1 - s0) & 1) * kStage, xc, m_count, packed, sfs, N, K, row0, sc + 1);
+    cp_async_commit();
+    if (rows < N) staged_product<NT>(smem + ((sc - s0) & 1) * kStage, warp, lane, acc);
+  }
+  if constexpr (kParts > 1) {
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    float4* red = reinterpret_cast<float4*>(smem);
+    cluster.sync();  // every part is done with its stages: part 0's may now take the partial tiles
+    if (part > 0)
+      put_partial<NT>(acc, cluster.map_shared_rank(red, 0) + ((part - 1) * kStagedWarps + warp) * partial_size(NT), lane);
+    cluster.sync();
+    if (part > 0) return;
+    for (int p = 1; p < kParts; ++p) add_partial<NT>(acc, red + ((p - 1) * kStagedWarps + warp) * partial_size(NT), lane);
+  }
+  if (rows < N) store_tile<NT, false>(acc, epilogue_scale(tensor_scale, extra), y + tok0 * N, N, rows, m_count);
+}
+
+template <int NT, int kParts>
+cudaError_t launch_staged_kernel(const void* x, const uint8_t* packed, const uint8_t* sfs, const float* ts,
+                                 const float* extra, void* y, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
+  constexpr int kSmem = staged_smem_bytes(NT, kParts);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned((M + 8 * NT - 1) / (8 * NT)), unsigned((N + kStagedRows - 1) / kStagedRows * kParts));
+  config.blockDim = dim3(kStagedWarps * 32);
+  config.dynamicSmemBytes = kSmem;
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = 1;
+  cluster[0].val.clusterDim.y = kParts;
+  cluster[0].val.clusterDim.z = 1;
+  config.attrs = cluster;
+  config.numAttrs = kParts > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, staged_kernel<NT, kParts>, static_cast<const __nv_bfloat16*>(x), packed, sfs, ts,
+                            extra, static_cast<__nv_bfloat16*>(y), M, N, K);
+}
+
+// Every staged kernel's shared-memory limit raised above the default 48 KB, once per process (and
+// before any stream capture can reach a launch: the first linear call of any size does it).
+template <int NT, int kParts>
+cudaError_t allow_staged_smem() {
+  return cudaFuncSetAttribute(staged_kernel<NT, kParts>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              staged_smem_bytes(NT, kParts));
+}
+cudaError_t prepare_staged_kernels() {
+  static const cudaError_t err = [] {
+    for (cudaError_t e : {allow_staged_smem<4, 1>(), allow_staged_smem<4, 2>(), allow_staged_smem<4, 4>(),
+                          allow_staged_smem<8, 1>(), allow_staged_smem<8, 2>(), allow_staged_smem<8, 4>()})
+      if (e != cudaSuccess) return e;
+    return cudaSuccess;
+  }();
+  return err;
+}
+
+// Token chunks of 32 (M <= 32) or 64; K parts (1, 2 or 4) doubled while the grid stays within one
+// block per multiprocessor (a block takes 104-192 KB of shared memory) and every part keeps at
+// least two K steps.
+template <int NT>
+cudaError_t launch_staged_nt(const void* x, const uint8_t* packed, const uint8_t* sfs, const float* ts,
+                             const float* extra, void* y, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
+  const int64_t blocks = (M + 8 * NT - 1) / (8 * NT) * ((N + kStagedRows - 1) / kStagedRows);
+  const int64_t steps = (K + kSuper - 1) / kSuper, target = int64_t(num_sms());
+  int parts = 1;
+  while (parts < 4 && blocks * parts * 2 <= target && steps >= 4 * parts) parts *= 2;
+  if (parts == 4) return launch_staged_kernel<NT, 4>(x, packed, sfs, ts, extra, y, M, N, K, stream);
+  if (parts == 2) return launch_staged_kernel<NT, 2>(x, packed, sfs, ts, extra, y, M, N, K, stream);
+  return launch_staged_kernel<NT, 1>(x, packed, sfs, ts, extra, y, M, N, K, stream);
+}
+
+cudaError_t launch_staged(const void* x, const uint8_t* packed, const uint8_t* sfs, const float* ts,
+                          const float* extra, void* y, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
+  if (M <= 32) return launch_staged_nt<4>(x, packed, sfs, ts, extra, y, M, N, K, stream);
+  return launch_staged_nt<8>(x, packed, sfs, ts, extra, y, M, N, K, stream);
+}
+
 // Grid of a per-block kernel over E matrices of `per` blocks each: y = the matrix, x = enough blocks
 // of `threads` to cover one matrix, about 16 per multiprocessor over all (a grid-stride loop does
 // the rest). Fails when a matrix's block count needs more than 32 bits or E is over the y limit.
@@ -367,9 +482,14 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_
 
 cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* packed, const uint8_t* block_scale,
                                 const float* tensor_scale, const float* scale, void* y, int64_t M, int64_t N,
-                                int64_t K, cudaStream_t stream) {
+                                int64_t K, cudaStream_t stream, Nvfp4Gemm gemm) {
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != Nvfp4DType::kFloat32 && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
+  const cudaError_t prepared = prepare_staged_kernels();
+  if (prepared != cudaSuccess) return prepared;
+  if (gemm == Nvfp4Gemm::kStaged && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
+  // kAuto is split-K: the staged kernel has not yet measured faster at any shape (nvfp4.cpp).
+  if (gemm == Nvfp4Gemm::kStaged) return launch_staged(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream);
   return dtype == Nvfp4DType::kFloat32
              ? launch_linear_blocks<true>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream)
              : launch_linear_blocks<false>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream);

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "kernels/nvfp4_layout.h"  // Nvfp4Gemm
+
 namespace kiln::kernels {
 
 constexpr int64_t kNvfp4Block = 16;  // values per FP8 block scale, along K
@@ -76,12 +78,14 @@ at::Tensor nvfp4_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, con
 at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                           const Nvfp4LinearOptions& opt = {});
 // Dispatch: the CUDA GEMMs for CUDA bf16/fp32 inputs with kernel-layout weights, else the references.
-// The fused kernels decode the weights once per 64 rows, so larger calls (prefill) dequantise the
-// codes times block scales (exact in bf16) and run cuBLAS / one GEMM per expert, the tensor scale
-// applied to the rounded product (one extra rounding). The grouped large path reads the offsets
-// on the host: it runs above 64 rows per expert on average (rows > 64 E), so the rollout engine
-// captures no CUDA graph whose steps could reach it.
+// The fused kernels decode the weights once per 8-32 rows, so calls above 64 rows (per expert on
+// average, for the grouped GEMM) dequantise the codes times block scales (exact in bf16) and run
+// cuBLAS, the tensor scale applied to the rounded product (one extra rounding). Grouped bf16 calls
+// run the whole stack through torch's grouped GEMM (torch >= 2.8) without a host sync; fp32 (and
+// older torch) read the offsets on the host and loop over the experts.
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
+// The path nvfp4_linear takes for these inputs: "splitK", "staged", "deq+mm" or "reference".
+const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w);
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                 const Nvfp4LinearOptions& opt = {});
 // W4A4's activation step: x [M, K] -> the dequantised values e2m1(q) * sf (without the second-level
@@ -92,8 +96,10 @@ at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor
 Nvfp4Tensor nvfp4_quantize_cuda(const at::Tensor& w, bool kernel_layout = false);  // bit-exact to the reference
 at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype);  // either layout
 // x bf16 or fp32 [M, K] (fp32 is split into two bf16 terms, hi + lo, ~16 mantissa bits); w in the
-// kernel layout; `scale` an fp32 scalar tensor multiplied into the epilogue with s2 (undefined = 1).
-at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale);
+// kernel layout; `scale` an fp32 scalar tensor multiplied into the epilogue with s2 (undefined = 1);
+// gemm: the kernel (kAuto: by shape; kStaged takes bf16 x only).
+at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale,
+                             Nvfp4Gemm gemm = Nvfp4Gemm::kAuto);
 at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                      const at::Tensor& scale);
 

@@ -108,10 +108,12 @@ at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype) {
 #endif
 }
 
-at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale) {
+at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale, Nvfp4Gemm gemm) {
 #if KILN_WITH_CUDA
   KILN_CHECK(x.is_cuda(), "nvfp4_linear_cuda: x must be on a CUDA device (got ", x.device(), ")");
   check_weights(w, x, scale, "nvfp4_linear_cuda");
+  KILN_CHECK(gemm != Nvfp4Gemm::kStaged || x.scalar_type() == at::kBFloat16,
+             "nvfp4_linear_cuda: the staged kernel takes bfloat16 x (got ", x.scalar_type(), ")");
   KILN_CHECK(!w.stacked(), "nvfp4_linear_cuda: weights must be one matrix [N, K/2] (got a stack ", w.packed.sizes(),
              "); use nvfp4_grouped_linear_cuda");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -124,10 +126,11 @@ at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at
   const cudaError_t err = launch_nvfp4_linear(xc.data_ptr(), dtype_of(x.scalar_type()), packed.data_ptr<uint8_t>(),
                                               scales.data_ptr<uint8_t>(), s2.data_ptr<float>(),
                                               scale.defined() ? scale.data_ptr<float>() : nullptr, y.data_ptr(), M, N,
-                                              K, c10::cuda::getCurrentCUDAStream());
+                                              K, c10::cuda::getCurrentCUDAStream(), gemm);
   KILN_CHECK(err == cudaSuccess, "nvfp4_linear_cuda: kernel launch failed: ", cudaGetErrorString(err));
   return y;
 #else
+  (void)gemm;
   KILN_FAIL("nvfp4_linear_cuda: this build has no CUDA kernels (KILN_WITH_CUDA=0); rebuild with KILN_CUDA=ON");
 #endif
 }

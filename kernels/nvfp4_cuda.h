@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "kernels/nvfp4_layout.h"
+
 namespace kiln::kernels {
 
 // Element types of the untyped pointers below.
@@ -30,9 +32,10 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_
 // (kFloat32 or kBFloat16; fp32 x runs as two bf16 terms hi + lo). packed [N, K/2] in the kernel
 // layout (nvfp4.h), block_scale [N, K/16], tensor_scale [1]; scale: one fp32 on the device or null.
 // All contiguous; x, y, packed and block_scale 16-byte aligned. K a multiple of 16, M >= 0, N >= 1.
+// gemm: kAuto picks by shape; kStaged needs bf16 x (else cudaErrorInvalidValue).
 cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* packed, const uint8_t* block_scale,
                                 const float* tensor_scale, const float* scale, void* y, int64_t M, int64_t N,
-                                int64_t K, cudaStream_t stream);
+                                int64_t K, cudaStream_t stream, Nvfp4Gemm gemm = Nvfp4Gemm::kAuto);
 
 // Grouped: x [R, K] sorted by expert, offsets [E + 1] int64 on the device (offsets[0] = 0,
 // offsets[E] = R); packed [E, N, K/2] kernel layout, block_scale [E, N, K/16], tensor_scale [E];

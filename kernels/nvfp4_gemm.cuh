@@ -418,4 +418,127 @@ __device__ __forceinline__ float epilogue_scale(const float* tensor_scale, const
   return extra ? s2 * *extra : s2;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Staged W4A16 GEMM (bf16 activations), for the batch sizes above decode's.
+//
+// The split-K kernel above gives every warp all of a chunk's tokens from global memory, so each
+// 32-row tile re-reads the activations and a decoded block feeds at most 4 n-tiles. Here a block
+// of kStagedWarps warps shares one chunk of 8 NT tokens and each warp owns its own 32 rows over
+// the whole K range (split over a cluster of blocks for parallelism). Each K step of 256 is staged
+// in shared memory by cp.async, two steps deep: the chunk's activations (NT x 4 KB), read from
+// global memory a whole 512-byte token row per warp and stored in the order the lanes read them
+// (every shared load one conflict-free 512-byte row), and each warp's weight tile (4.5 KB, the
+// kernel layout's contiguous tile). A decoded block then feeds NT n-tiles. What limits it is L2
+// bandwidth: per step a block moves 4 NT KB of activations and 36 KB of weight tiles into an SM.
+
+constexpr int kStagedWarps = 8;  // = the 8 tokens of an n-tile: warp w stages token row w of each
+constexpr int kStagedRows = kStagedWarps * kRowsPerBlock;                    // weight rows per block
+constexpr int kTileBytes = nvfp4_layout::kTileUnits * 8 + nvfp4_layout::kTileUnits;  // codes + scales
+
+__host__ __device__ constexpr int staged_x_bytes(int nt) { return nt * 4 * 2 * 32 * 16; }  // [n][c][half][lane] x 16 B
+__host__ __device__ constexpr int staged_stage_bytes(int nt) { return staged_x_bytes(nt) + kStagedWarps * kTileBytes; }
+// Two stages; part 0 of a cluster reuses them for the other parts' partial tiles.
+__host__ __device__ constexpr int staged_smem_bytes(int nt, int parts) {
+  return 2 * staged_stage_bytes(nt) > (parts - 1) * kStagedWarps * partial_size(nt) * 16
+             ? 2 * staged_stage_bytes(nt)
+             : (parts - 1) * kStagedWarps * partial_size(nt) * 16;
+}
+
+// Issues the copies of K step sc into `stage`: the activations of the chunk's m_count tokens at x
+// (row stride K) and, per warp, the weight tile of rows row0 + 32 warp. Whole tiles go by cp.async;
+// a partial row tile or the K tail step (both row-major in the kernel layout) is gathered block by
+// block with plain loads. Everything outside the matrices is zero.
+template <int NT>
+__device__ __forceinline__ void stage_step(uint8_t* stage, const __nv_bfloat16* x, int m_count, const uint8_t* packed,
+                                           const uint8_t* sfs, int64_t N, int64_t K, int64_t row0, int64_t sc) {
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  {
+    // Lane l copies values 8l..8l+7 of the step: half (l % 2) of block l / 2, which is lane t's
+    // block c (block_of) of every token g = warp of the n-tiles.
+    const int b = lane / 2, half = lane % 2, c = ((b >> 3) << 1) | (b & 1), t = (b & 7) >> 1;
+    uint8_t* dst = stage + (c * 2 + half) * 512 + 16 * (4 * warp + t);
+    const int64_t k = sc * kSuper + 8 * lane;
+    const __nv_bfloat16* src = x + int64_t(warp) * K + k;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const bool ok = k < K && warp + 8 * n < m_count;
+      cp_async16(dst + 4096 * n, ok ? src + int64_t(8 * n) * K : x, ok);
+    }
+  }
+  uint8_t* wt = stage + staged_x_bytes(NT) + warp * kTileBytes;
+  const int64_t rows = row0 + kRowsPerBlock * warp, nb = K / kBlock, num_super = K / kSuper;
+  if (rows + kRowsPerBlock <= N && sc < num_super) {
+    const int64_t tile = (rows / kRowsPerBlock) * num_super + sc;
+    const uint8_t* tw = packed + tile * nvfp4_layout::kTileUnits * 8;
+    const uint8_t* ts = sfs + tile * nvfp4_layout::kTileUnits;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) cp_async16(wt + 512 * i + 16 * lane, tw + 512 * i + 16 * lane);
+    cp_async16(wt + 4096 + 16 * lane, ts + 16 * lane);
+    return;
+  }
+  if (rows >= N) return;  // no rows: the warp computes nothing
+  for (int u = lane; u < nvfp4_layout::kTileUnits; u += 32) {
+    // Unit u of the tile (nvfp4_layout::block_place's in-tile order): row g + 8r, block 8 half + 2t + sub.
+    const int r = u / 128, half = (u % 128) / 64, ln = (u % 64) / 2, sub = u % 2;
+    const int64_t row = rows + ln / 4 + 8 * r, b = sc * (kSuper / kBlock) + 8 * half + 2 * (ln % 4) + sub;
+    uint2 code = make_uint2(0, 0);
+    uint8_t scale = 0;
+    if (row < N && b < nb) {
+      const int64_t at = nvfp4_layout::block_place<int64_t>(row, b, N, nb, false);  // row-major here
+      code = ld_stream8(packed + 8 * at);
+      scale = __ldg(sfs + at);
+    }
+    *reinterpret_cast<uint2*>(wt + 8 * u) = code;
+    wt[4096 + 16 * ln + 4 * r + 2 * half + sub] = scale;
+  }
+}
+
+// The warp's 32 rows x 256 K of a staged step against the chunk's NT n-tiles: each block c decoded
+// once (both m16 tiles), then every n-tile's activations of that block read from shared memory and
+// the products issued k-step by k-step, so that consecutive mma are independent (ncu: with two
+// warps per scheduler the kernel is bound by latency, not by the tensor pipe).
+template <int NT>
+__device__ __forceinline__ void staged_product(const uint8_t* stage, int warp, int lane, float (&acc)[2][NT][4]) {
+  constexpr int kGroup = NT;  // all n-tiles' activations of a block at once: 8 NT registers
+  const uint8_t* wt = stage + staged_x_bytes(NT) + warp * kTileBytes;
+  WFrag wf;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint4 a = *reinterpret_cast<const uint4*>(wt + 1024 * r + 16 * lane);
+    const uint4 b = *reinterpret_cast<const uint4*>(wt + 1024 * r + 512 + 16 * lane);
+    wf.w[r][0] = a.x, wf.w[r][1] = a.y, wf.w[r][2] = a.z, wf.w[r][3] = a.w;
+    wf.w[r][4] = b.x, wf.w[r][5] = b.y, wf.w[r][6] = b.z, wf.w[r][7] = b.w;
+  }
+  const uint4 sv = *reinterpret_cast<const uint4*>(wt + 4096 + 16 * lane);
+  wf.s[0] = sv.x, wf.s[1] = sv.y, wf.s[2] = sv.z, wf.s[3] = sv.w;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    uint32_t d[2][2][8];  // [m-tile][rows g / g + 8][pairs]
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        decode_block(wf.w[2 * mt + h][2 * c], wf.w[2 * mt + h][2 * c + 1], (wf.s[2 * mt + h] >> (8 * c)) & 0xFFu, d[mt][h]);
+#pragma unroll
+    for (int n0 = 0; n0 < NT; n0 += kGroup) {
+      uint32_t xv[kGroup][8];
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        const uint8_t* xp = stage + ((n0 + j) * 4 + c) * 1024 + 16 * lane;
+        const uint4 lo = *reinterpret_cast<const uint4*>(xp), hi = *reinterpret_cast<const uint4*>(xp + 512);
+        xv[j][0] = lo.x, xv[j][1] = lo.y, xv[j][2] = lo.z, xv[j][3] = lo.w;
+        xv[j][4] = hi.x, xv[j][5] = hi.y, xv[j][6] = hi.z, xv[j][7] = hi.w;
+      }
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int j = 0; j < kGroup; ++j)
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+            mma_bf16(acc[mt][n0 + j], d[mt][0][2 * s], d[mt][1][2 * s], d[mt][0][2 * s + 1], d[mt][1][2 * s + 1],
+                     xv[j][2 * s], xv[j][2 * s + 1]);
+    }
+  }
+}
+
 }  // namespace kiln::kernels::nvfp4_gemm

@@ -1,6 +1,6 @@
 // The NVFP4 GEMMs' kernel layout: a fixed permutation of the 32 bits of every word of 8 codes (and
-// the bit step of its decode), and the places of each 16-value block's codes and scale in a matrix.
-// Shared by the CPU conversion (nvfp4.cpp), the CUDA kernels (nvfp4.cu) and the tests; no torch.
+// the bit step of its decode), the places of each 16-value block's codes and scale in a matrix, and
+// the names of the dense GEMM kernels. Shared by nvfp4.cpp, the CUDA kernels and the tests; no torch.
 #pragma once
 #include <cstdint>
 
@@ -9,6 +9,15 @@
 #else
 #define KILN_HOST_DEVICE
 #endif
+
+namespace kiln::kernels {
+
+// Which dense W4A16 kernel runs: the launcher's choice by shape, or one forced (benchmarks, tests).
+// kSplitK: warps (and clusters) split K, activations read from global memory, up to 32 tokens a
+// pass; kStaged: bf16 activations staged in shared memory, 64 tokens a pass (nvfp4_gemm.cuh).
+enum class Nvfp4Gemm : int { kAuto = 0, kSplitK = 1, kStaged = 2 };
+
+}  // namespace kiln::kernels
 
 namespace kiln::kernels::nvfp4_layout {
 

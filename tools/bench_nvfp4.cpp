@@ -12,6 +12,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <vector>
 
@@ -80,12 +81,20 @@ double read_floor(at::Device device, double bytes) {
   return per_call(device, [&](int i) { kernels::xor_words_into(bufs[size_t(i % n)], out); });
 }
 
-void bench_dense(at::Device device, double bw) {
-  fmt::print("\ndense W4A16 vs cuBLAS BF16 (at::linear); bytes = packed + scales + x + y\n");
-  fmt::print("{:>5} {:>6} {:>6} {:>10} {:>10} {:>9} {:>8} {:>11} {:>8} {:>10}\n", "M", "N", "K", "nvfp4 us", "bf16 us",
-             "TB/s", "of copy", "bf16/nvfp4", "read us", "bf16/read");
+// Dense: each kernel the dispatcher can pick (split-K up to 64 tokens, staged above 16, and the
+// dequantise + cuBLAS path) against cuBLAS BF16 on the same activations; "auto" is what
+// kernels::nvfp4_linear runs for that shape, and bf16/auto its speed-up over BF16.
+void bench_dense(at::Device device, double bw, const std::vector<int64_t>& only) {
+  fmt::print("\ndense W4A16 vs cuBLAS BF16 (at::linear); bytes = packed + scales + x + y; of copy: the auto path's\n");
+  fmt::print("{:>5} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>10} {:>8} {:>10}\n", "M", "N", "K",
+             "splitK us", "staged us", "deq+mm us", "bf16 us", "auto", "TB/s", "of copy", "bf16/auto", "read us",
+             "bf16/read");
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(device);
-  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{8192, 4096}, {4096, 8192}, {12288, 8192}}) {
+  // The large shapes of issue 7, then muse-small's attention (q/o, k/v) and latent projections.
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{8192, 4096}, {4096, 8192}, {12288, 8192}, {2048, 2048},
+                                                            {512, 2048},  {1024, 2048}, {2048, 1024}};
+  for (auto [N, K] : shapes) {
+    if (!only.empty() && (N != only[1] || K != only[2])) continue;
     const int nq = copies_for(nvfp4_bytes(1, N, K)), nb = copies_for(2.0 * double(N) * double(K));
     std::vector<kernels::Nvfp4Tensor> qs;
     std::vector<at::Tensor> ws;
@@ -95,13 +104,26 @@ void bench_dense(at::Device device, double bw) {
       if (i < nb) ws.push_back(w);
     }
     const double floor = read_floor(device, nvfp4_bytes(1, N, K));
-    for (int64_t M : {1, 4, 16, 64, 256}) {
+    for (int64_t M : {1, 4, 16, 32, 64, 128, 256, 512, 1024}) {
+      if (!only.empty() && M != only[0]) continue;
       at::Tensor x = at::randn({M, K}, bf16);
-      const double tq = per_call(device, [&](int i) { kernels::nvfp4_linear_cuda(x, qs[size_t(i % nq)], at::Tensor()); });
+      auto gemm = [&](kernels::Nvfp4Gemm g) {
+        return per_call(device, [&](int i) { kernels::nvfp4_linear_cuda(x, qs[size_t(i % nq)], at::Tensor(), g); });
+      };
+      const double nan = std::nan("");
+      const double split = M <= 64 ? gemm(kernels::Nvfp4Gemm::kSplitK) : nan;
+      const double staged = M > 16 ? gemm(kernels::Nvfp4Gemm::kStaged) : nan;
+      const double deq = M >= 64 ? per_call(device, [&](int i) {
+        at::linear(x, kernels::nvfp4_dequantize_cuda(qs[size_t(i % nq)], at::kBFloat16));
+      })
+                                 : nan;
       const double tb = per_call(device, [&](int i) { at::linear(x, ws[size_t(i % nb)]); });
+      const double ta = per_call(device, [&](int i) { kernels::nvfp4_linear(x, qs[size_t(i % nq)]); });
+      const char* path = ta == ta ? kernels::nvfp4_linear_path(x, qs[0]) : "?";
       const double bytes = nvfp4_bytes(1, N, K) + 2.0 * double(M) * double(K + N);
-      fmt::print("{:>5} {:>6} {:>6} {:>10.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x {:>8.1f} {:>9.2f}x\n", M, N, K,
-                 tq * 1e6, tb * 1e6, bytes / tq / 1e12, 100.0 * bytes / tq / bw, tb / tq, floor * 1e6, tb / floor);
+      fmt::print("{:>5} {:>6} {:>6} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>8} {:>8.2f} {:>7.0f}% {:>9.2f}x {:>8.1f} {:>9.2f}x\n",
+                 M, N, K, split * 1e6, staged * 1e6, deq * 1e6, tb * 1e6, path, bytes / ta / 1e12,
+                 100.0 * bytes / ta / bw, tb / ta, floor * 1e6, tb / floor);
     }
   }
 }
@@ -136,7 +158,9 @@ void bench_grouped_case(at::Device device, double bw, const char* name, int64_t 
     if (i < nb) ws.push_back(w);
   }
   at::Tensor x = at::randn({R, K}, bf16);
-  const double tq = per_call(device, [&](int i) { kernels::nvfp4_grouped_linear_cuda(x, qs[size_t(i % nq)], offsets, at::Tensor()); });
+  // The dispatcher: the fused kernel up to 64 rows per expert, torch's grouped GEMM on the
+  // dequantised stack above (neither syncs with the host, so both capture).
+  const double tq = per_call(device, [&](int i) { kernels::nvfp4_grouped_linear(x, qs[size_t(i % nq)], offsets); });
   double tb = 0;
   const char* baseline = "per-expert at::linear";
 #if KILN_TORCH_AT_LEAST(2, 8)
@@ -169,7 +193,7 @@ void bench_grouped(at::Device device, double bw) {
 
 }  // namespace
 
-void bench_nvfp4(at::Device device) {
+void bench_nvfp4(at::Device device, const std::vector<int64_t>& only) {
   KILN_CHECK(device.is_cuda(), "bench nvfp4: needs --device cuda (the CUDA kernels are the subject)");
 #if KILN_WITH_CUDA
   const c10::cuda::CUDAGuard guard(device);
@@ -180,8 +204,8 @@ void bench_nvfp4(at::Device device) {
              "each op timed as a CUDA graph of {} calls over rotating weight copies (>= {:.0f} MiB);\n"
              "read us: a kernel that only reads the weight bytes (kernels::xor_words_into), so bf16/read bounds any kernel\n",
              bw / 1e12, kCalls, kRotateBytes / (1 << 20));
-  bench_dense(device, bw);
-  bench_grouped(device, bw);
+  bench_dense(device, bw, only);
+  if (only.empty()) bench_grouped(device, bw);
 #endif
 }
 

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "model/muse.h"
 
@@ -37,6 +38,7 @@ struct RolloutBenchShape {
 void bench_rollout(at::Device device, const std::string& config, const RolloutBenchShape& shape,
                    const std::string& quantization, const std::string& profile);
 // `kiln bench nvfp4`: the W4A16 GEMMs (dense, grouped) against BF16 GEMMs and the copy bandwidth.
-void bench_nvfp4(at::Device device);
+// only: {M, N, K} of one dense case of the table (for profilers), or empty for all.
+void bench_nvfp4(at::Device device, const std::vector<int64_t>& only = {});
 
 }  // namespace kiln::tools

@@ -327,6 +327,7 @@ Run add_bench(CLI::App& app) {
     std::string profile;
     bool only_fused = false;
     RolloutBenchShape rollout;
+    std::vector<int64_t> shape;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("case", a->name, "rmsnorm, forward, decode, rollout, train, optim or nvfp4")
@@ -353,6 +354,7 @@ Run add_bench(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; rollout: a path prefix, -<weights>.json added; tools/profile_summary.py)");
+  cmd->add_option("--shape", a->shape, "M N K: one dense case of the table (nvfp4; for profilers)")->expected(3);
   cmd->add_flag("--only-fused", a->only_fused, "Time only the grouped + fused path (train; for ncu and quick runs)");
   return [a, cmd] {
     const std::string name = a->device.empty() ? (at::hasCUDA() ? "cuda" : "cpu") : a->device;
@@ -368,7 +370,7 @@ Run add_bench(CLI::App& app) {
     }
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
-    else if (a->name == "nvfp4") bench_nvfp4(device);
+    else if (a->name == "nvfp4") bench_nvfp4(device, a->shape);
     else bench_forward(device, config, a->seqs, a->len);
   };
 }

@@ -5,8 +5,9 @@
 # grpo.txt, train.txt, bench.txt. KILN_GPU_CHECK=tests,grpo,train,bench (the default) picks sections; also grpostep (the GRPO step's
 # phases, fused kernels on and off), optim (bench optim alone, also part of bench), ncu (kernel
 # metrics of the fused path's memory-bound kernels, into profile.txt) and calibrate (kiln plan
-# against the measured peak memory of muse-small GRPO runs) and rollout (issue 20's RL workload, decode
-# and the peer's decode, into rollout.txt).
+# against the measured peak memory of muse-small GRPO runs), rollout (issue 20's RL workload, decode
+# and the peer's decode, into rollout.txt) and nvfp4 (the GEMMs' cuda tests and bench nvfp4, into
+# nvfp4.txt).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -222,6 +223,13 @@ if [ -f "$peer/torch_peer.py" ]; then
   PEER_BATCHES=1,16,64 PEER_DECODE=eager PYTHONUNBUFFERED=1 python3 "$peer/torch_peer.py" decode 2>&1 | tee -a "$out/rollout.txt"
 fi
 fi  # rollout
+if want nvfp4; then
+# The W4A16 GEMMs alone: their cuda tests and bench nvfp4 (every dense kernel against cuBLAS).
+step "nvfp4: cuda tests of the GEMMs, then bench nvfp4"
+./build-gpu/tests/kiln_test_cuda --gtest_filter='CudaNvfp4*' 2>&1 | grep -E "OK|FAILED|Failure|Expected|Which is|not deterministic|PASSED" \
+  | head -80 | tee -a "$out/nvfp4.txt"
+./build-gpu/kiln bench nvfp4 --device cuda 2>&1 | tee -a "$out/nvfp4.txt"
+fi  # nvfp4
 if want bench || want optim; then
 step "bench optim (muse-small; NVMe state under /tmp)"
 mkdir -p /tmp/kiln-nvme

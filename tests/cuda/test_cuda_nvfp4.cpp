@@ -1,6 +1,7 @@
 // NVFP4 CUDA kernels against the CPU references: quantise and dequantise bit for bit (random blocks
-// over a wide range of scales, zero blocks and matrices, ties), the W4A16 GEMMs (dense and grouped,
-// bf16 and fp32 inputs, odd M and N, K with and without a tail) within stated tolerances, and errors.
+// over a wide range of scales, zero blocks and matrices, ties), the W4A16 GEMMs (dense split-K and
+// staged, grouped; bf16 and fp32 inputs, odd M and N, K with and without a tail) within stated
+// tolerances, and errors.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -162,6 +163,49 @@ TEST(CudaNvfp4, LinearMatchesReference) {
             << "M " << M << " N " << c.N << " K " << c.K << " dtype " << dtype << ": not deterministic";
       }
   }
+}
+
+// Both dense kernels forced on the same bf16 inputs, odd sizes: M from 1 to 4097 over 1, 4 and 8
+// n-tiles and several token chunks (the staged kernel's chunk is 32 tokens up to M = 32, else 64);
+// N with partial row tiles and row blocks of 128 with idle warps; K with tail steps. On a 132-SM
+// H200 the staged launch splits K over clusters of 4 blocks ((111, 8208), (4097, 2080) at M = 111)
+// and of 2 ((4097, 1056) at M = 19); the others run one block per tile.
+TEST(CudaNvfp4, StagedAndSplitKLinearsMatchReference) {
+  at::manual_seed(12);
+  struct Case {
+    int64_t N, K;
+    std::vector<int64_t> Ms;
+  };
+  const std::vector<Case> cases = {{19, 16, {1, 19, 111}},   {111, 48, {17, 33, 64, 65}}, {111, 8208, {19, 111}},
+                                    {4097, 2080, {111}},     {4097, 1056, {19}},         {129, 4112, {1, 19, 257}},
+                                    {256, 4096, {32, 64}},   {19, 272, {4097}}};
+  for (const Case& c : cases) {
+    const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({c.N, c.K}) * 1e-3);
+    const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+    for (int64_t M : c.Ms) {
+      at::Tensor x = at::randn({M, c.K}).to(at::kBFloat16);
+      const at::Tensor ref = kernels::nvfp4_linear_reference(x, q).to(at::kFloat);
+      for (kernels::Nvfp4Gemm gemm : {kernels::Nvfp4Gemm::kStaged, kernels::Nvfp4Gemm::kSplitK}) {
+        const std::string what = str_cat("M ", M, " N ", c.N, " K ", c.K, gemm == kernels::Nvfp4Gemm::kStaged ? " staged" : " split-K");
+        at::Tensor got = kernels::nvfp4_linear_cuda(x.cuda(), kq, at::Tensor(), gemm);
+        EXPECT_TRUE(close_to_ref(got, ref, at::kBFloat16)) << what;
+        EXPECT_TRUE(test::all_equal(kernels::nvfp4_linear_cuda(x.cuda(), kq, at::Tensor(), gemm).cpu(), got.cpu()))
+            << what << ": not deterministic";
+      }
+    }
+  }
+  // The epilogue's extra scale, and the staged kernel refusing fp32 by name.
+  const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({111, 2080}));
+  const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+  at::Tensor x = at::randn({65, 2080}).to(at::kBFloat16);
+  at::Tensor got = kernels::nvfp4_linear_cuda(x.cuda(), kq, at::full({}, 0.375f, at::kCUDA), kernels::Nvfp4Gemm::kStaged);
+  EXPECT_TRUE(close_to_ref(got, kernels::nvfp4_linear_reference(x, q).to(at::kFloat) * 0.375f, at::kBFloat16));
+  EXPECT_STREQ(kernels::nvfp4_linear_path(x.cuda(), kq), "deq+mm");
+  EXPECT_STREQ(kernels::nvfp4_linear_path(x.cuda().narrow(0, 0, 64), kq), "splitK");
+  EXPECT_STREQ(kernels::nvfp4_linear_path(x.cuda().to(at::kFloat), kq), "deq+mm");
+  EXPECT_TRUE(test::throws_with(
+      [&] { kernels::nvfp4_linear_cuda(x.cuda().to(at::kFloat), kq, at::Tensor(), kernels::Nvfp4Gemm::kStaged); },
+      {"staged kernel takes bfloat16"}));
 }
 
 TEST(CudaNvfp4, LinearExtraScaleAndStridedInput) {

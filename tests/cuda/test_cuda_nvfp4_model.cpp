@@ -45,15 +45,23 @@ TEST(CudaNvfp4Serving, PrefillPathsAndW4a4MatchTheReferences) {
       EXPECT_TRUE(near_ref(kernels::nvfp4_linear(x.cuda(), kq, w4), kernels::nvfp4_linear_reference(x, q, w4), rtol, atol))
           << "W4A4 M " << M << " " << dtype;
     }
-    // Grouped: 3 experts; 19 rows per expert on average runs fused, 300 runs one GEMM per expert.
+    // Grouped: 3 experts; 19 rows per expert on average runs fused; above 64 the prefill path (bf16:
+    // torch's grouped GEMM over 16-aligned segments; fp32: one GEMM per expert), with an empty
+    // expert, odd counts, and W4A4's per-row scales.
     Nvfp4Tensor gq = kernels::nvfp4_quantize_reference(at::randn({3, 48, 64}) * 0.1);
     Nvfp4Tensor gk = kernels::nvfp4_to_kernel_layout(gq).to(at::kCUDA);
-    for (const std::vector<int64_t>& off : {std::vector<int64_t>{0, 19, 19, 57}, std::vector<int64_t>{0, 400, 401, 900}}) {
+    for (const std::vector<int64_t>& off : {std::vector<int64_t>{0, 19, 19, 57}, std::vector<int64_t>{0, 400, 401, 900},
+                                            std::vector<int64_t>{0, 0, 401, 1111}}) {
       at::Tensor offsets = at::tensor(off, at::kLong);
       at::Tensor x = at::randn({off.back(), 64}).to(dtype);
       EXPECT_TRUE(near_ref(kernels::nvfp4_grouped_linear(x.cuda(), gk, offsets.cuda()),
                            kernels::nvfp4_grouped_linear_reference(x, gq, offsets), rtol, atol))
           << "grouped rows " << off.back() << " " << dtype;
+      kernels::Nvfp4LinearOptions w4;
+      w4.w4a4 = true;
+      EXPECT_TRUE(near_ref(kernels::nvfp4_grouped_linear(x.cuda(), gk, offsets.cuda(), w4),
+                           kernels::nvfp4_grouped_linear_reference(x, gq, offsets, w4), rtol, atol))
+          << "grouped W4A4 rows " << off.back() << " " << dtype;
     }
   }
   // Dequantisation reads either layout; the on-device activation quantiser equals the CPU one.
