@@ -11,18 +11,9 @@
 #include <vector>
 
 #include "model/muse.h"
+#include "rollout/kv_cache.h"  // KvPools
 
 namespace kiln::rollout {
-
-// Where the engine keeps K/V: two pools of blocks, each with one spare (scratch) block at the end
-// that padded rows read and write.
-struct KvPools {
-  at::Tensor k_full, v_full;          // [n_full, (blocks + 1) * B, Hkv, hd]
-  at::Tensor k_win, v_win;            // [n_window, (blocks + 1) * B, Hkv, hd]
-  int64_t block_size = 0, window = 0, ring = 0;
-  int64_t scratch_full = 0, scratch_win = 0;  // index of each pool's scratch block
-  std::vector<int64_t> group_index;   // layer -> index within its kind (full or window)
-};
 
 // One decode step: a token per row, every row already holding blocks for its new position.
 struct DecodeStep {

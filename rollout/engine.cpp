@@ -1,6 +1,6 @@
-// Rollout engine implementation: block pools with reference counts and copy-on-write, the
-// scheduler (continuous batching, chunked prefill, preemption by recompute), the paged attention
-// backend that feeds model::Muse::forward, and sampling.
+// Rollout engine implementation: the scheduler (continuous batching, chunked prefill, preemption by
+// recompute) over the paged KV cache (kv_cache.h), the paged attention backend that feeds
+// model::Muse::forward, and sampling.
 #include "rollout/engine.h"
 
 #include <ATen/ATen.h>
@@ -22,40 +22,9 @@
 #include "model/lora.h"
 #include "model/nvfp4_model.h"
 #include "rollout/decode_graph.h"
+#include "rollout/kv_cache.h"
 
 namespace kiln::rollout {
-namespace {
-
-// A pool of fixed-size KV blocks with reference counts (shared prompt blocks after a fork).
-class BlockPool {
- public:
-  void init(int64_t num_blocks) {
-    refs_.assign(num_blocks, 0);
-    free_.clear();
-    for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
-  }
-  int64_t total() const { return int64_t(refs_.size()); }
-  int64_t num_free() const { return int64_t(free_.size()); }
-  int64_t used() const { return total() - num_free(); }
-  int64_t allocate() {
-    KILN_CHECK(!free_.empty(), "rollout: KV block pool exhausted (scheduler bug: blocks were not reserved)");
-    int64_t b = free_.back();
-    free_.pop_back();
-    refs_[b] = 1;
-    return b;
-  }
-  void retain(int64_t b) { ++refs_[b]; }
-  void release(int64_t b) {
-    if (--refs_[b] == 0) free_.push_back(b);
-  }
-  bool shared(int64_t b) const { return refs_[b] > 1; }
-
- private:
-  std::vector<int64_t> refs_;
-  std::vector<int64_t> free_;
-};
-
-}  // namespace
 
 const char* finish_reason_name(FinishReason r) { return r == FinishReason::kStop ? "stop" : "length"; }
 
@@ -115,24 +84,8 @@ const char* quantization_name(Quantization q) {
   return q == Quantization::kNvfp4 ? "nvfp4" : q == Quantization::kW4a4 ? "w4a4" : "none";
 }
 
-namespace {
-
-// The cache's block geometry for a model: bytes of one block of each pool (all full-attention
-// layers, all window layers) and the window ring's blocks per sequence.
-struct KvLayout {
-  int64_t full_block_bytes = 0, window_block_bytes = 0, ring_blocks = 0;
-};
-KvLayout kv_layout(const model::ModelConfig& cfg, int64_t block_size, int64_t elem) {
-  int64_t nf = 0;
-  for (int64_t i = 0; i < cfg.num_layers; ++i) nf += cfg.is_full_attention(i) ? 1 : 0;
-  const int64_t block = block_size * 2 * cfg.kv_size() * elem;  // K and V of one layer's block
-  return {nf * block, (cfg.num_layers - nf) * block, (cfg.sliding_window + block_size - 1) / block_size + 1};
-}
-
-}  // namespace
-
 int64_t kv_cache_bytes_for(const model::ModelConfig& cfg, const EngineConfig& ec, int64_t elem, int64_t tokens) {
-  const KvLayout k = kv_layout(cfg, ec.block_size, elem);
+  const KvLayout k = KvLayout::of(cfg, ec.block_size, elem);
   return ec.max_num_seqs * (k.ring_blocks * k.window_block_bytes + (tokens + ec.block_size - 1) / ec.block_size * k.full_block_bytes);
 }
 
@@ -155,8 +108,7 @@ struct Seq {
   int64_t prompt_len = 0;
   int64_t computed = 0;             // tokens whose K/V are in the cache
   int64_t routed = 0;               // tokens whose routing is recorded (kept across preemption)
-  std::vector<int64_t> full_blocks; // logical block b -> pool block, positions [b*B, (b+1)*B)
-  std::vector<int64_t> ring;        // window ring slot -> pool block (-1: none yet)
+  BlockTable blocks;                // its KV blocks (shared with its prompt's until written)
   std::vector<float> logprobs;
   std::vector<uint8_t> routing;     // [tokens, L, k], filled as tokens are first computed
   bool finalizing = false;          // finished sampling; computing the last token's routing
@@ -191,15 +143,19 @@ struct GroupPlan {
   at::Tensor write_src;                 // batch rows whose new K/V go there
 };
 
+namespace {
+EngineConfig validated(EngineConfig c) {
+  c.validate();
+  return c;
+}
+}  // namespace
+
 struct Engine::Impl : model::AttentionBackend {
   model::Muse model;
   model::ModelConfig cfg;
   EngineConfig ec;
-  int64_t B, W, R;                       // block size, window, ring blocks per sequence
-  std::vector<int64_t> group_index;      // layer -> index within its group (full or window)
-  at::Tensor k_full, v_full;             // [n_full, blocks * B, Hkv, hd]
-  at::Tensor k_win, v_win;               // [n_window, blocks * B, Hkv, hd]
-  BlockPool full_pool, win_pool;
+  int64_t B, W;                          // block size, window
+  KvCache kv;
   std::deque<std::unique_ptr<Seq>> waiting;
   std::vector<std::unique_ptr<Seq>> running;  // admission order
   std::map<int64_t, RequestState> requests;
@@ -211,38 +167,19 @@ struct Engine::Impl : model::AttentionBackend {
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
   std::function<void(const StepTrace&)> trace;
 
-  Impl(const model::Muse& m, EngineConfig config) : model(m.clone()), cfg(m.config()), ec(config) {
-    ec.validate();
+  Impl(const model::Muse& m, EngineConfig config)
+      : model(m.clone()), cfg(m.config()), ec(validated(config)), B(ec.block_size), W(cfg.sliding_window),
+        kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device()) {
     if (ec.quantization != Quantization::kNone) {
       // The GEMM kernels read their own sign-bit layout; the CPU reference reads ModelOpt's.
       model::quantize_model(model, /*kernel_layout=*/model.device().is_cuda(), /*drop_dense=*/true);
       for (auto& l : model.weights().layers) l.nvfp4.w4a4 = ec.quantization == Quantization::kW4a4;
     }
-    B = ec.block_size;
-    W = cfg.sliding_window;
-    int64_t nf = 0, nw = 0;
-    for (int64_t i = 0; i < cfg.num_layers; ++i) group_index.push_back(cfg.is_full_attention(i) ? nf++ : nw++);
-    const KvLayout layout = kv_layout(cfg, B, int64_t(c10::elementSize(model.dtype())));
-    R = layout.ring_blocks;
-    st.full_block_bytes = layout.full_block_bytes;
-    st.window_block_bytes = layout.window_block_bytes;
-    st.window_ring_blocks = R;
-    const int64_t win_blocks = nw > 0 ? ec.max_num_seqs * R : 0;
-    const int64_t left = ec.kv_cache_bytes - win_blocks * st.window_block_bytes;
-    const int64_t full_blocks = left / st.full_block_bytes;
-    KILN_CHECK(full_blocks >= 1, "rollout: kv_cache_bytes=", ec.kv_cache_bytes, " cannot hold the window rings (",
-               win_blocks, " blocks of ", st.window_block_bytes, " bytes for max_num_seqs=", ec.max_num_seqs,
-               ") and one full-attention block of ", st.full_block_bytes, " bytes; raise kv_cache_bytes or lower max_num_seqs");
-    full_pool.init(full_blocks);
-    win_pool.init(win_blocks);
-    auto opts = at::TensorOptions().dtype(model.dtype()).device(model.device());
-    // One spare block at the end of each pool: padded rows of a graph decode step use it.
-    k_full = at::zeros({nf, (full_blocks + 1) * B, cfg.num_kv_heads, cfg.head_dim}, opts);
-    v_full = at::zeros_like(k_full);
-    k_win = at::zeros({nw, (win_blocks + 1) * B, cfg.num_kv_heads, cfg.head_dim}, opts);
-    v_win = at::zeros_like(k_win);
-    st.full_blocks_total = full_blocks;
-    st.window_blocks_total = win_blocks;
+    st.full_block_bytes = kv.layout().full_block_bytes;
+    st.window_block_bytes = kv.layout().window_block_bytes;
+    st.window_ring_blocks = kv.layout().ring_blocks;
+    st.full_blocks_total = kv.pool(true).total();
+    st.window_blocks_total = kv.pool(false).total();
     // Adapters on NVFP4 experts read the expert counts on the host unless torch's grouped GEMM
     // takes them (Lora::experts_grouped): no graph capture then. So do NVFP4 experts when a decode step's rows (at most max_num_seqs rounded up to a bucket of
     // 16, times top_k) can exceed 64 per expert: the grouped GEMM's prefill path reads offsets.
@@ -254,88 +191,14 @@ struct Engine::Impl : model::AttentionBackend {
       host_sync |= nvfp4_experts && many_rows;
     }
     if (ec.cuda_graphs && !ec.expert_group && !host_sync && DecodeGraphs::available(model)) {
-      KvPools p{k_full, v_full, k_win, v_win, B, W, R, full_blocks, win_blocks, group_index};
-      graphs = std::make_unique<DecodeGraphs>(model, std::move(p), ec.max_num_seqs);
-    }
-  }
-
-  // ---- blocks -------------------------------------------------------------------------------
-
-  void release(Seq& s) {
-    for (int64_t b : s.full_blocks) full_pool.release(b);
-    for (int64_t b : s.ring)
-      if (b >= 0) win_pool.release(b);
-    s.full_blocks.clear();
-    s.ring.clear();
-  }
-
-  int64_t first_window_write(int64_t start, int64_t n) const { return std::max(start, start + n - W); }
-
-  // Blocks (full, window) that computing positions [start, start + n) of s would take.
-  std::pair<int64_t, int64_t> blocks_needed(const Seq& s, int64_t start, int64_t n) const {
-    int64_t full = 0, win = 0;
-    const int64_t first = start / B, last = (start + n - 1) / B;
-    for (int64_t b = first; b <= last; ++b) {
-      if (b >= int64_t(s.full_blocks.size())) ++full;
-      else if (full_pool.shared(s.full_blocks[b])) ++full;  // copy on write
-    }
-    if (win_pool.total() > 0) {
-      std::vector<bool> seen(R, false);
-      for (int64_t b = first_window_write(start, n) / B; b <= last; ++b) {
-        const int64_t slot = b % R;
-        if (seen[slot]) continue;
-        seen[slot] = true;
-        if (slot >= int64_t(s.ring.size()) || s.ring[slot] < 0 || win_pool.shared(s.ring[slot])) ++win;
-      }
-    }
-    return {full, win};
-  }
-
-  // Gives s its own writable blocks for positions [start, start + n); copies shared ones.
-  void make_writable(Seq& s, int64_t start, int64_t n) {
-    const int64_t first = start / B, last = (start + n - 1) / B;
-    for (int64_t b = first; b <= last; ++b) {
-      if (b >= int64_t(s.full_blocks.size())) {
-        s.full_blocks.push_back(full_pool.allocate());
-      } else if (full_pool.shared(s.full_blocks[b])) {
-        const int64_t fresh = full_pool.allocate();
-        copy_block(k_full, v_full, s.full_blocks[b], fresh);
-        full_pool.release(s.full_blocks[b]);
-        s.full_blocks[b] = fresh;
-      }
-    }
-    if (win_pool.total() == 0) return;
-    if (s.ring.empty()) s.ring.assign(R, -1);
-    for (int64_t b = first_window_write(start, n) / B; b <= last; ++b) {
-      int64_t& slot = s.ring[b % R];
-      if (slot < 0) {
-        slot = win_pool.allocate();
-      } else if (win_pool.shared(slot)) {
-        const int64_t fresh = win_pool.allocate();
-        copy_block(k_win, v_win, slot, fresh);
-        win_pool.release(slot);
-        slot = fresh;
-      }
-    }
-  }
-
-  void copy_block(at::Tensor& k, at::Tensor& v, int64_t from, int64_t to) {
-    k.narrow(1, to * B, B).copy_(k.narrow(1, from * B, B));
-    v.narrow(1, to * B, B).copy_(v.narrow(1, from * B, B));
-  }
-
-  // Appends the cache rows of positions [lo, hi) of s to `out`.
-  void rows(const Seq& s, int64_t lo, int64_t hi, bool full, std::vector<int64_t>& out) const {
-    for (int64_t p = lo; p < hi; ++p) {
-      const int64_t block = full ? s.full_blocks[p / B] : s.ring[(p / B) % R];
-      out.push_back(block * B + p % B);
+      graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs);
     }
   }
 
   // ---- scheduling -----------------------------------------------------------------------------
 
   void preempt(std::unique_ptr<Seq> s) {
-    release(*s);
+    kv.release(s->blocks);
     s->computed = 0;
     s->preemptions++;
     st.preemptions++;
@@ -347,9 +210,8 @@ struct Engine::Impl : model::AttentionBackend {
   bool reserve(size_t i, int64_t n) {
     while (true) {
       Seq& s = *running[i];
-      auto [full, win] = blocks_needed(s, s.computed, n);
-      if (full <= full_pool.num_free() && win <= win_pool.num_free()) {
-        make_writable(s, s.computed, n);
+      if (kv.fits(s.blocks, s.computed, n)) {
+        kv.make_writable(s.blocks, s.computed, n);
         return true;
       }
       std::unique_ptr<Seq> victim = std::move(running.back());
@@ -395,15 +257,15 @@ struct Engine::Impl : model::AttentionBackend {
       w.offset = offset;
       offset += w.n;
       w.window_lo = std::max<int64_t>(0, w.start - W + 1);
-      w.window_write_from = first_window_write(w.start, w.n);
+      w.window_write_from = kv.first_window_write(w.start, w.n);
     }
     use_graph = graph_step();
     if (!use_graph) {  // a graph step finds its keys through block tables instead
       plan_group(0);
-      if (win_pool.total() > 0) plan_group(1);
+      if (kv.has_window_layers()) plan_group(1);
     }
-    st.peak_full_blocks = std::max(st.peak_full_blocks, full_pool.used());
-    st.peak_window_blocks = std::max(st.peak_window_blocks, win_pool.used());
+    st.peak_full_blocks = std::max(st.peak_full_blocks, kv.pool(true).used());
+    st.peak_window_blocks = std::max(st.peak_window_blocks, kv.pool(false).used());
   }
 
   // Builds plan[g] for the scheduled work: every cache row read or written, in few host-to-device
@@ -420,7 +282,7 @@ struct Engine::Impl : model::AttentionBackend {
       const int64_t lo = full ? 0 : w.window_lo;
       if (w.n == 1) {
         const int64_t first = int64_t(decode_read.size());
-        rows(s, lo, w.start, full, decode_read);
+        kv.rows(s.blocks, lo, w.start, full, decode_read);
         q_rows.push_back({w.offset});
         q_pos.push_back({w.start});
         k_rows.emplace_back();
@@ -434,11 +296,11 @@ struct Engine::Impl : model::AttentionBackend {
         decode_out.push_back(w.offset);
       } else {
         const int64_t first = int64_t(piece_rows.size());
-        rows(s, lo, w.start, full, piece_rows);
+        kv.rows(s.blocks, lo, w.start, full, piece_rows);
         pieces[i] = {first, int64_t(piece_rows.size()) - first};
       }
       const int64_t keep_from = full ? w.start : w.window_write_from;
-      rows(s, keep_from, w.start + w.n, full, write_rows);
+      kv.rows(s.blocks, keep_from, w.start + w.n, full, write_rows);
       for (int64_t p2 = keep_from; p2 < w.start + w.n; ++p2) write_src.push_back(w.offset + p2 - w.start);
     }
     const int64_t cached = int64_t(decode_read.size());
@@ -462,9 +324,9 @@ struct Engine::Impl : model::AttentionBackend {
 
   at::Tensor attend(int64_t layer, bool full, const model::PackedBatch& batch, const at::Tensor& q,
                     const at::Tensor& k, const at::Tensor& v) override {
-    const int64_t g = group_index[layer], group = cfg.num_q_heads / cfg.num_kv_heads;
+    const int64_t g = kv.group_of(layer), group = cfg.num_q_heads / cfg.num_kv_heads;
     const GroupPlan& p = plan[full ? 0 : 1];
-    at::Tensor kl = (full ? k_full : k_win)[g], vl = (full ? v_full : v_win)[g];  // [blocks * B, Hkv, hd]
+    at::Tensor kl = kv.keys(full)[g], vl = kv.values(full)[g];  // [blocks * B, Hkv, hd]
     at::Tensor o = at::empty_like(q);
     if (p.decode.num_problems > 0) {
       at::Tensor ks = at::cat({kl.index_select(0, p.decode_read), k}, 0);
@@ -510,8 +372,8 @@ struct Engine::Impl : model::AttentionBackend {
     KILN_CHECK(longest <= cfg.max_position_embeddings, "rollout: prompt (", r.prompt.size(), ") + max_tokens (",
                p.max_tokens, ") exceeds max_position_embeddings=", cfg.max_position_embeddings);
     const int64_t blocks = (longest + B - 1) / B;
-    KILN_CHECK(blocks <= full_pool.total(), "rollout: one sample of ", longest, " tokens needs ", blocks,
-               " KV blocks but the cache holds ", full_pool.total(), "; raise kv_cache_bytes");
+    KILN_CHECK(blocks <= kv.pool(true).total(), "rollout: one sample of ", longest, " tokens needs ", blocks,
+               " KV blocks but the cache holds ", kv.pool(true).total(), "; raise kv_cache_bytes");
     const int64_t id = next_request++;
     RequestState& rs = requests[id];
     rs.request = r;
@@ -557,8 +419,8 @@ struct Engine::Impl : model::AttentionBackend {
       DecodeStep::Row r;
       r.token = s.tokens[size_t(w.start)];
       r.position = w.start;
-      r.full_blocks = &s.full_blocks;
-      r.ring = &s.ring;
+      r.full_blocks = &s.blocks.full;
+      r.ring = &s.blocks.ring;
       r.temperature = params(s).temperature;
       r.stream_seed = stream_seed(s);
       d.rows.push_back(r);
@@ -724,9 +586,7 @@ struct Engine::Impl : model::AttentionBackend {
       for (int64_t k = 0; k < n; ++k) {
         auto child = std::make_unique<Seq>(s);
         child->sample = k;
-        for (int64_t b : child->full_blocks) full_pool.retain(b);
-        for (int64_t b : child->ring)
-          if (b >= 0) win_pool.retain(b);
+        kv.share(child->blocks);
         draws.push_back({child.get(), logit_row[j]});
         drawn_from.push_back(&s);
         running.push_back(std::move(child));
@@ -767,7 +627,7 @@ struct Engine::Impl : model::AttentionBackend {
             requests.erase(s.request);
           }
         }
-        release(s);
+        kv.release(s.blocks);
         it = running.erase(it);
       } else {
         ++it;
@@ -862,8 +722,8 @@ int64_t Engine::update_adapters(const Named& named) {
 
 EngineStats Engine::stats() const {
   EngineStats s = impl_->st;
-  s.full_blocks_used = impl_->full_pool.used();
-  s.window_blocks_used = impl_->win_pool.used();
+  s.full_blocks_used = impl_->kv.pool(true).used();
+  s.window_blocks_used = impl_->kv.pool(false).used();
   return s;
 }
 
