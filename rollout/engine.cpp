@@ -1,6 +1,6 @@
 // Rollout engine implementation: the scheduler (continuous batching, chunked prefill, preemption by
 // recompute) over the paged KV cache (kv_cache.h), the paged attention backend that feeds
-// model::Muse::forward, and sampling.
+// model::Muse::forward, and the bookkeeping of samples (drawn by sampler.h).
 #include "rollout/engine.h"
 
 #include <ATen/ATen.h>
@@ -18,60 +18,15 @@
 #include <set>
 
 #include "core/error.h"
-#include "kernels/sampling.h"
 #include "model/lora.h"
 #include "model/nvfp4_model.h"
 #include "rollout/decode_graph.h"
 #include "rollout/kv_cache.h"
+#include "rollout/sampler.h"
 
 namespace kiln::rollout {
 
 const char* finish_reason_name(FinishReason r) { return r == FinishReason::kStop ? "stop" : "length"; }
-
-uint64_t sample_stream_seed(uint64_t seed, int64_t sample, int64_t step) {
-  using kernels::mix64;
-  return mix64(mix64(mix64(seed + 0x9e3779b97f4a7c15ull) ^ uint64_t(sample)) ^ uint64_t(step) * 0x2545f4914f6cdd1dull);
-}
-
-std::pair<int64_t, double> sample_token(const at::Tensor& logits, const SamplingParams& p, uint64_t stream_seed) {
-  at::Tensor l = logits.detach().to(at::kCPU, at::kFloat).contiguous();
-  const float* x = l.data_ptr<float>();
-  const int64_t V = l.numel();
-  if (p.temperature == 0 || (p.top_k == 0 && p.top_p >= 1.0))
-    return kernels::sample_row_reference(x, V, p.temperature, stream_seed);  // what the GPU kernel does
-  const double mx = *std::max_element(x, x + V);
-  const double u = kernels::stream_uniform(stream_seed);
-  auto weight = [&](int64_t i) { return std::exp((double(x[i]) - mx) / p.temperature); };
-  // Filters: candidates by logit, descending, ties broken by the lower id (a strict total order,
-  // so the result does not depend on the sort's stability).
-  auto before = [&](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
-  std::vector<int64_t> order(V);
-  std::iota(order.begin(), order.end(), 0);
-  int64_t keep = p.top_k > 0 ? std::min<int64_t>(p.top_k, V) : V;
-  std::partial_sort(order.begin(), order.begin() + keep, order.end(), before);
-  std::vector<double> prob(keep);
-  double z = 0;
-  for (int64_t i = 0; i < keep; ++i) z += (prob[i] = weight(order[i]));
-  for (double& q : prob) q /= z;
-  if (p.top_p < 1.0) {
-    double mass = 0;
-    int64_t n = 0;
-    while (n < keep && mass < p.top_p) mass += prob[n++];
-    keep = std::max<int64_t>(n, 1);
-    const double kept = std::accumulate(prob.begin(), prob.begin() + keep, 0.0);
-    for (int64_t i = 0; i < keep; ++i) prob[i] /= kept;
-  }
-  double c = 0;
-  int64_t pick = keep - 1;
-  for (int64_t i = 0; i < keep; ++i) {
-    c += prob[i];
-    if (u < c) {
-      pick = i;
-      break;
-    }
-  }
-  return {order[pick], std::log(prob[pick])};
-}
 
 Quantization parse_quantization(const std::string& name) {
   if (name == "none") return Quantization::kNone;
@@ -387,7 +342,6 @@ struct Engine::Impl : model::AttentionBackend {
   }
 
   const SamplingParams& params(const Seq& s) const { return requests.at(s.request).request.params; }
-  static bool filtered(const SamplingParams& p) { return p.temperature > 0 && (p.top_k > 0 || p.top_p < 1.0); }
   uint64_t stream_seed(const Seq& s) const {
     return sample_stream_seed(params(s).seed, s.sample, int64_t(s.tokens.size()) - s.prompt_len);
   }
@@ -432,42 +386,12 @@ struct Engine::Impl : model::AttentionBackend {
     return r;
   }
 
-  // Draws the next token of each (sample, row). Rows index `logits` (device [rows, V]); with a
-  // graph result, unfiltered draws take the ids it sampled on the GPU.
+  // Draws the next token of each (sample, row) of `logits` (device [rows, V]) and appends it; a
+  // graph step's result gives the ids it sampled on the GPU (rollout/sampler.h).
   void draw(const std::vector<std::pair<Seq*, int64_t>>& draws, const at::Tensor& logits, const DecodeResult* graph) {
-    if (draws.empty()) return;
-    std::vector<std::pair<int64_t, double>> picked(draws.size(), {-1, 0.0});
-    std::vector<size_t> gpu;  // draws for the sampling kernel (CUDA, no top-k/top-p filter)
-    for (size_t i = 0; i < draws.size(); ++i) {
-      const Seq& s = *draws[i].first;
-      if (graph && !filtered(params(s))) {
-        picked[i] = {graph->ids.data_ptr<int64_t>()[draws[i].second], graph->logprobs.data_ptr<float>()[draws[i].second]};
-      } else if (logits.is_cuda() && logits.scalar_type() == at::kFloat && !filtered(params(s))) {
-        gpu.push_back(i);
-      }
-    }
-    if (!gpu.empty()) {
-      std::vector<int64_t> rows, seeds;
-      std::vector<double> temps;
-      for (size_t i : gpu) {
-        rows.push_back(draws[i].second);
-        temps.push_back(params(*draws[i].first).temperature);
-        seeds.push_back(int64_t(stream_seed(*draws[i].first)));
-      }
-      const at::Device dev = logits.device();
-      auto [ids, lps] = kernels::sample_rows(logits.index_select(0, at::tensor(rows, at::kLong).to(dev)),
-                                             at::tensor(temps, at::kDouble).to(dev), at::tensor(seeds, at::kLong).to(dev));
-      ids = ids.cpu();
-      lps = lps.cpu();
-      for (size_t j = 0; j < gpu.size(); ++j) picked[gpu[j]] = {ids.data_ptr<int64_t>()[j], lps.data_ptr<float>()[j]};
-    }
-    at::Tensor host;  // CPU sampling: every draw on a CPU model, filtered draws on CUDA
-    for (size_t i = 0; i < draws.size(); ++i) {
-      if (picked[i].first >= 0) continue;
-      if (!host.defined()) host = logits.cpu();
-      Seq& s = *draws[i].first;
-      picked[i] = sample_token(host[draws[i].second], params(s), stream_seed(s));
-    }
+    std::vector<Draw> d;
+    for (const auto& [s, row] : draws) d.push_back({row, &params(*s), stream_seed(*s)});
+    const auto picked = graph ? draw_tokens(d, logits, graph->ids, graph->logprobs) : draw_tokens(d, logits);
     for (size_t i = 0; i < draws.size(); ++i) append(*draws[i].first, picked[i].first, picked[i].second);
   }
 

@@ -12,18 +12,9 @@
 
 #include "core/comm.h"
 #include "model/muse.h"
+#include "rollout/sampler.h"  // SamplingParams
 
 namespace kiln::rollout {
-
-struct SamplingParams {
-  int64_t n = 1;                    // samples of this prompt; they share its prefill
-  int64_t max_tokens = 16;          // generated tokens per sample, stop token included
-  std::vector<int64_t> stop_token_ids;
-  double temperature = 1.0;         // 0 = greedy
-  double top_p = 1.0;               // nucleus mass kept, (0, 1]
-  int64_t top_k = 0;                // 0 = no top-k filter
-  uint64_t seed = 0;                // sample j draws token t from a stream seeded by (seed, j, t)
-};
 
 struct Request {
   std::vector<int64_t> prompt;      // token ids
@@ -155,11 +146,5 @@ class Engine {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-// Samples one token from fp32 logits [V] with the given params and stream; returns (id, log-prob).
-// Exposed for tests.
-std::pair<int64_t, double> sample_token(const at::Tensor& logits, const SamplingParams& params, uint64_t stream_seed);
-// The stream seed of sample `sample` of a request at generated position `step`.
-uint64_t sample_stream_seed(uint64_t seed, int64_t sample, int64_t step);
 
 }  // namespace kiln::rollout

@@ -272,37 +272,5 @@ TEST(Engine, BadRequestsGiveClearErrors) {
   EXPECT_THROW(Engine(m, few), Error);
 }
 
-TEST(Sampling, TopKTopPAndTemperature) {
-  at::Tensor logits = at::tensor({1.0, 3.0, 2.0, 3.0, -1.0}, at::kFloat);
-  rollout::SamplingParams p;
-  p.temperature = 0;
-  auto [g, glp] = rollout::sample_token(logits, p, 1);
-  EXPECT_EQ(g, 1);  // first of the tied maxima
-  EXPECT_NEAR(glp, at::log_softmax(logits.to(at::kDouble), 0)[1].item<double>(), 1e-12);
-  p.temperature = 1;
-  p.top_k = 2;  // only ids 1 and 3 (tied), each 1/2
-  std::map<int64_t, int> counts;
-  for (uint64_t s = 0; s < 2000; ++s) {
-    auto [id, lp] = rollout::sample_token(logits, p, s);
-    counts[id]++;
-    EXPECT_NEAR(lp, std::log(0.5), 1e-12);
-  }
-  EXPECT_EQ(counts.size(), 2u);
-  EXPECT_NEAR(counts[1] / 2000.0, 0.5, 0.05);
-  p.top_k = 0;
-  p.top_p = 0.5;  // each of the two tied top ids holds ~0.42: both are needed to pass 0.5
-  for (uint64_t s = 0; s < 200; ++s) {
-    auto [id, lp] = rollout::sample_token(logits, p, s);
-    EXPECT_TRUE(id == 1 || id == 3);
-    EXPECT_NEAR(lp, std::log(0.5), 1e-12);
-  }
-  p.top_p = 1.0;
-  p.temperature = 2.0;
-  at::Tensor probs = at::softmax(logits.to(at::kDouble) / 2.0, 0);
-  std::vector<int> hist(5, 0);
-  for (uint64_t s = 0; s < 20000; ++s) hist[rollout::sample_token(logits, p, s).first]++;
-  for (int i = 0; i < 5; ++i) EXPECT_NEAR(hist[i] / 20000.0, probs[i].item<double>(), 0.015) << "id " << i;
-}
-
 }  // namespace
 }  // namespace kiln
