@@ -1,6 +1,6 @@
-// Rollout engine implementation: the scheduler (continuous batching, chunked prefill, preemption by
-// recompute) over the paged KV cache (kv_cache.h), the paged attention backend that feeds
-// model::Muse::forward, and the bookkeeping of samples (drawn by sampler.h).
+// Rollout engine implementation: a coordinator of the paged KV cache (kv_cache.h), the scheduler
+// (scheduler.h) and the sampler (sampler.h); it holds the paged attention backend that feeds
+// model::Muse::forward and the requests' samples (tokens, log-probs, routing).
 #include "rollout/engine.h"
 
 #include <ATen/ATen.h>
@@ -23,6 +23,7 @@
 #include "rollout/decode_graph.h"
 #include "rollout/kv_cache.h"
 #include "rollout/sampler.h"
+#include "rollout/scheduler.h"
 
 namespace kiln::rollout {
 
@@ -55,36 +56,10 @@ void EngineConfig::validate() const {
              "' is not supported with sharded (expert-parallel) engines yet; use parallel.rollout: replica");
 }
 
-// One sequence in the engine: a prompt being prefilled for its samples (a parent), or one sample.
-struct Seq {
-  int64_t request = 0;
-  int64_t sample = -1;              // -1: the shared-prefill parent of a request
-  std::vector<int64_t> tokens;      // prompt + generated
-  int64_t prompt_len = 0;
-  int64_t computed = 0;             // tokens whose K/V are in the cache
-  int64_t routed = 0;               // tokens whose routing is recorded (kept across preemption)
-  BlockTable blocks;                // its KV blocks (shared with its prompt's until written)
-  std::vector<float> logprobs;
-  std::vector<uint8_t> routing;     // [tokens, L, k], filled as tokens are first computed
-  bool finalizing = false;          // finished sampling; computing the last token's routing
-  FinishReason finish = FinishReason::kLength;
-  int64_t preemptions = 0;
-};
-
 struct RequestState {
   Request request;
   std::vector<Sample> samples;
   int64_t done = 0;
-};
-
-// A scheduled piece of work for one step: `n` tokens of `seq` starting at position seq->computed.
-struct Work {
-  Seq* seq = nullptr;
-  int64_t start = 0;
-  int64_t n = 0;
-  int64_t offset = 0;                   // first row in the step's packed batch
-  int64_t window_lo = 0;                // first cached position window layers read
-  int64_t window_write_from = 0;        // first new position window layers keep
 };
 
 // How one kind of layer (full or window) reads and writes the cache in a step. Decode items (one
@@ -111,11 +86,10 @@ struct Engine::Impl : model::AttentionBackend {
   EngineConfig ec;
   int64_t B, W;                          // block size, window
   KvCache kv;
-  std::deque<std::unique_ptr<Seq>> waiting;
-  std::vector<std::unique_ptr<Seq>> running;  // admission order
+  Scheduler sched;
   std::map<int64_t, RequestState> requests;
   int64_t next_request = 0;
-  std::vector<Work> work;                // the current step's schedule
+  std::vector<Work> work;                // the current step's schedule (a copy of sched's)
   GroupPlan plan[2];                     // [0] full-attention layers, [1] window layers
   bool use_graph = false;                // the current step replays a CUDA graph (set by schedule)
   EngineStats st;
@@ -124,7 +98,8 @@ struct Engine::Impl : model::AttentionBackend {
 
   Impl(const model::Muse& m, EngineConfig config)
       : model(m.clone()), cfg(m.config()), ec(validated(config)), B(ec.block_size), W(cfg.sliding_window),
-        kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device()) {
+        kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device()),
+        sched(kv, ec, cfg.sliding_window) {
     if (ec.quantization != Quantization::kNone) {
       // The GEMM kernels read their own sign-bit layout; the CPU reference reads ModelOpt's.
       model::quantize_model(model, /*kernel_layout=*/model.device().is_cuda(), /*drop_dense=*/true);
@@ -152,68 +127,9 @@ struct Engine::Impl : model::AttentionBackend {
 
   // ---- scheduling -----------------------------------------------------------------------------
 
-  void preempt(std::unique_ptr<Seq> s) {
-    kv.release(s->blocks);
-    s->computed = 0;
-    s->preemptions++;
-    st.preemptions++;
-    waiting.push_front(std::move(s));
-  }
-
-  // Reserves blocks for n tokens of running[i], preempting the newest other sequences as needed.
-  // Returns false when running[i] itself had to go back to the queue.
-  bool reserve(size_t i, int64_t n) {
-    while (true) {
-      Seq& s = *running[i];
-      if (kv.fits(s.blocks, s.computed, n)) {
-        kv.make_writable(s.blocks, s.computed, n);
-        return true;
-      }
-      std::unique_ptr<Seq> victim = std::move(running.back());
-      running.pop_back();
-      const bool self = i == running.size();
-      preempt(std::move(victim));
-      if (self) return false;
-    }
-  }
-
+  // The step's work (scheduler.h), and the plans that route its cache reads and writes.
   void schedule() {
-    work.clear();
-    int64_t budget = ec.max_batch_tokens;
-    // Admit queued sequences while there is room; a prompt counts as the n samples it becomes.
-    auto slots = [&](const Seq& s) { return s.sample == -1 ? requests.at(s.request).request.params.n : 1; };
-    int64_t used = 0;
-    for (const auto& s : running) used += slots(*s);
-    while (!waiting.empty() && (running.empty() || used + slots(*waiting.front()) <= ec.max_num_seqs)) {
-      used += slots(*waiting.front());
-      running.push_back(std::move(waiting.front()));
-      waiting.pop_front();
-    }
-    for (size_t i = 0; i < running.size() && budget > 0; ++i) {
-      Seq& s = *running[i];
-      const int64_t pending = int64_t(s.tokens.size()) - s.computed;
-      const int64_t n = std::min({pending, ec.prefill_chunk, budget});
-      if (n <= 0) continue;
-      if (!reserve(i, n)) break;
-      budget -= n;
-      Work w;
-      w.seq = &s;
-      w.start = s.computed;
-      w.n = n;
-      work.push_back(std::move(w));
-    }
-    // Sequences preempted after being scheduled drop out (their blocks are gone).
-    work.erase(std::remove_if(work.begin(), work.end(), [&](const Work& w) {
-                 return std::none_of(running.begin(), running.end(), [&](const auto& r) { return r.get() == w.seq; });
-               }),
-               work.end());
-    int64_t offset = 0;
-    for (Work& w : work) {
-      w.offset = offset;
-      offset += w.n;
-      w.window_lo = std::max<int64_t>(0, w.start - W + 1);
-      w.window_write_from = kv.first_window_write(w.start, w.n);
-    }
+    work = sched.schedule();
     use_graph = graph_step();
     if (!use_graph) {  // a graph step finds its keys through block tables instead
       plan_group(0);
@@ -337,7 +253,8 @@ struct Engine::Impl : model::AttentionBackend {
     parent->request = id;
     parent->tokens = r.prompt;
     parent->prompt_len = int64_t(r.prompt.size());
-    waiting.push_back(std::move(parent));
+    parent->width = p.n;
+    sched.enqueue(std::move(parent));
     return id;
   }
 
@@ -432,8 +349,9 @@ struct Engine::Impl : model::AttentionBackend {
     const auto t1 = clock::now();
     std::vector<RequestOutput> finished;
     if (work.empty()) {
-      KILN_CHECK(waiting.empty() && running.empty(), "rollout: nothing could be scheduled although ",
-                 waiting.size() + running.size(), " sequences wait; the KV cache is too small for one of them");
+      KILN_CHECK(sched.idle(), "rollout: nothing could be scheduled although ",
+                 sched.num_waiting() + int64_t(sched.running().size()),
+                 " sequences wait; the KV cache is too small for one of them");
       return finished;
     }
     std::vector<int64_t> cu_seqlens = {0};
@@ -510,10 +428,11 @@ struct Engine::Impl : model::AttentionBackend {
       for (int64_t k = 0; k < n; ++k) {
         auto child = std::make_unique<Seq>(s);
         child->sample = k;
+        child->width = 1;
         kv.share(child->blocks);
         draws.push_back({child.get(), logit_row[j]});
         drawn_from.push_back(&s);
-        running.push_back(std::move(child));
+        sched.start(std::move(child));
       }
       s.finalizing = true;  // the parent's work is done; released below
       s.sample = -2;
@@ -533,6 +452,7 @@ struct Engine::Impl : model::AttentionBackend {
       st.decode_seconds += std::chrono::duration<double>(t3 - t0).count();
     }
     // Retire parents that forked and samples whose last token's routing is now known.
+    auto& running = sched.running();
     for (auto it = running.begin(); it != running.end();) {
       Seq& s = **it;
       const bool complete = s.computed == int64_t(s.tokens.size());
@@ -566,7 +486,7 @@ Engine::~Engine() = default;
 
 int64_t Engine::add_request(const Request& request) { return impl_->add(request); }
 std::vector<RequestOutput> Engine::step() { return impl_->step(); }
-bool Engine::has_unfinished() const { return !impl_->waiting.empty() || !impl_->running.empty(); }
+bool Engine::has_unfinished() const { return !impl_->sched.idle(); }
 const model::Muse& Engine::model() const { return impl_->model; }
 void Engine::set_trace(std::function<void(const StepTrace&)> trace) { impl_->trace = std::move(trace); }
 
@@ -646,6 +566,7 @@ int64_t Engine::update_adapters(const Named& named) {
 
 EngineStats Engine::stats() const {
   EngineStats s = impl_->st;
+  s.preemptions = impl_->sched.preemptions();
   s.full_blocks_used = impl_->kv.pool(true).used();
   s.window_blocks_used = impl_->kv.pool(false).used();
   return s;

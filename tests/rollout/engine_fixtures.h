@@ -1,5 +1,6 @@
-// Shared by the CPU and CUDA engine tests: a small engine config (block 4, up to 8 sequences), a
-// one-line request builder, and the check that recorded routing is the routing of the sampling step.
+// Shared by the CPU and CUDA engine tests: a micro model config for the cache, a small engine config
+// (block 4, up to 8 sequences), a one-line request builder, and the check that recorded routing is
+// the routing of the sampling step.
 #pragma once
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -11,8 +12,19 @@
 #include <vector>
 
 #include "rollout/engine.h"
+#include "tests/model/reference.h"
 
 namespace kiln::test {
+
+// A 4-layer micro model for the cache and scheduler tests: window 5, and one full-attention layer
+// in `period` (2: layers 1 and 3 full, 0 and 2 window; 1: every layer full, no window pool).
+inline model::ModelConfig paged_config(int64_t period = 2) {
+  model::ModelConfig c = micro_config();
+  c.num_layers = 4;
+  c.full_attention_period = period;
+  c.sliding_window = 5;
+  return c;
+}
 
 inline rollout::EngineConfig small_engine(int64_t kv_bytes = 1 << 20) {
   rollout::EngineConfig e;

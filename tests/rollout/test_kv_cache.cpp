@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "rollout/kv_cache.h"
-#include "tests/model/reference.h"
+#include "tests/rollout/engine_fixtures.h"
 #include "tests/test_util.h"
 
 namespace kiln {
@@ -20,14 +20,9 @@ using rollout::BlockTable;
 using rollout::KvCache;
 using rollout::KvLayout;
 
-// 4 layers (1 and 3 full, 0 and 2 window), window 5: a ring of ceil(5 / 4) + 1 = 3 blocks of 4.
-model::ModelConfig cache_config() {
-  model::ModelConfig c = test::micro_config();
-  c.num_layers = 4;
-  c.full_attention_period = 2;
-  c.sliding_window = 5;
-  return c;
-}
+// test::paged_config(): layers 1 and 3 full, 0 and 2 window, window 5: a ring of ceil(5 / 4) + 1
+// = 3 blocks of 4.
+model::ModelConfig cache_config() { return test::paged_config(); }
 
 constexpr int64_t kBlock = 4;
 
