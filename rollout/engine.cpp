@@ -1,6 +1,6 @@
 // Rollout engine implementation: a coordinator of the paged KV cache (kv_cache.h), the scheduler
-// (scheduler.h) and the sampler (sampler.h); it holds the paged attention backend that feeds
-// model::Muse::forward and the requests' samples (tokens, log-probs, routing).
+// (scheduler.h), the attention over the cache (cache_attention.h) and the sampler (sampler.h); it
+// keeps the requests' samples (tokens, log-probs, routing) and the step's order of work.
 #include "rollout/engine.h"
 
 #include <ATen/ATen.h>
@@ -21,6 +21,7 @@
 #include "model/lora.h"
 #include "model/nvfp4_model.h"
 #include "rollout/decode_graph.h"
+#include "rollout/cache_attention.h"
 #include "rollout/kv_cache.h"
 #include "rollout/sampler.h"
 #include "rollout/scheduler.h"
@@ -62,17 +63,6 @@ struct RequestState {
   int64_t done = 0;
 };
 
-// How one kind of layer (full or window) reads and writes the cache in a step. Decode items (one
-// new token each) run as one padded batch; prefill pieces run one by one.
-struct GroupPlan {
-  at::Tensor decode_read;               // cache rows the decode items read, concatenated
-  model::PaddedLayout decode;           // over cat(cache rows decode_read, the batch's new K/V)
-  at::Tensor decode_out;                // batch rows of the decode items' queries
-  std::vector<at::Tensor> piece_read;   // per work item: cache rows a prefill piece reads
-  at::Tensor write_rows;                // cache rows written this step
-  at::Tensor write_src;                 // batch rows whose new K/V go there
-};
-
 namespace {
 EngineConfig validated(EngineConfig c) {
   c.validate();
@@ -80,7 +70,7 @@ EngineConfig validated(EngineConfig c) {
 }
 }  // namespace
 
-struct Engine::Impl : model::AttentionBackend {
+struct Engine::Impl {
   model::Muse model;
   model::ModelConfig cfg;
   EngineConfig ec;
@@ -90,7 +80,7 @@ struct Engine::Impl : model::AttentionBackend {
   std::map<int64_t, RequestState> requests;
   int64_t next_request = 0;
   std::vector<Work> work;                // the current step's schedule (a copy of sched's)
-  GroupPlan plan[2];                     // [0] full-attention layers, [1] window layers
+  CacheAttention attention;              // the forward's attention over the cache
   bool use_graph = false;                // the current step replays a CUDA graph (set by schedule)
   EngineStats st;
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
@@ -99,7 +89,7 @@ struct Engine::Impl : model::AttentionBackend {
   Impl(const model::Muse& m, EngineConfig config)
       : model(m.clone()), cfg(m.config()), ec(validated(config)), B(ec.block_size), W(cfg.sliding_window),
         kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device()),
-        sched(kv, ec, cfg.sliding_window) {
+        sched(kv, ec, cfg.sliding_window), attention(kv, cfg) {
     if (ec.quantization != Quantization::kNone) {
       // The GEMM kernels read their own sign-bit layout; the CPU reference reads ModelOpt's.
       model::quantize_model(model, /*kernel_layout=*/model.device().is_cuda(), /*drop_dense=*/true);
@@ -131,97 +121,9 @@ struct Engine::Impl : model::AttentionBackend {
   void schedule() {
     work = sched.schedule();
     use_graph = graph_step();
-    if (!use_graph) {  // a graph step finds its keys through block tables instead
-      plan_group(0);
-      if (kv.has_window_layers()) plan_group(1);
-    }
+    if (!use_graph) attention.plan(work);  // a graph step finds its keys through block tables instead
     st.peak_full_blocks = std::max(st.peak_full_blocks, kv.pool(true).used());
     st.peak_window_blocks = std::max(st.peak_window_blocks, kv.pool(false).used());
-  }
-
-  // Builds plan[g] for the scheduled work: every cache row read or written, in few host-to-device
-  // copies, and the padded layout of the decode items.
-  void plan_group(int g) {
-    const bool full = g == 0;
-    GroupPlan& p = plan[g];
-    std::vector<int64_t> decode_read, write_rows, write_src, piece_rows, decode_out;
-    std::vector<std::vector<int64_t>> q_rows, q_pos, k_rows, k_pos;
-    std::vector<std::pair<int64_t, int64_t>> pieces(work.size(), {0, 0});
-    for (size_t i = 0; i < work.size(); ++i) {
-      const Work& w = work[i];
-      const Seq& s = *w.seq;
-      const int64_t lo = full ? 0 : w.window_lo;
-      if (w.n == 1) {
-        const int64_t first = int64_t(decode_read.size());
-        kv.rows(s.blocks, lo, w.start, full, decode_read);
-        q_rows.push_back({w.offset});
-        q_pos.push_back({w.start});
-        k_rows.emplace_back();
-        k_pos.emplace_back();
-        for (int64_t p2 = lo; p2 < w.start; ++p2) {
-          k_rows.back().push_back(first + p2 - lo);
-          k_pos.back().push_back(p2);
-        }
-        k_pos.back().push_back(w.start);
-        k_rows.back().push_back(-1 - w.offset);  // a new key: fixed up once decode_read is complete
-        decode_out.push_back(w.offset);
-      } else {
-        const int64_t first = int64_t(piece_rows.size());
-        kv.rows(s.blocks, lo, w.start, full, piece_rows);
-        pieces[i] = {first, int64_t(piece_rows.size()) - first};
-      }
-      const int64_t keep_from = full ? w.start : w.window_write_from;
-      kv.rows(s.blocks, keep_from, w.start + w.n, full, write_rows);
-      for (int64_t p2 = keep_from; p2 < w.start + w.n; ++p2) write_src.push_back(w.offset + p2 - w.start);
-    }
-    const int64_t cached = int64_t(decode_read.size());
-    for (auto& r : k_rows)
-      for (int64_t& x : r)
-        if (x < 0) x = cached + (-1 - x);  // new keys follow the cached ones in the key source
-    const at::Device dev = model.device();
-    auto to_dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(dev); };
-    p.decode_read = to_dev(decode_read);
-    p.decode_out = to_dev(decode_out);
-    p.decode = q_rows.empty() ? model::PaddedLayout{} : model::PaddedLayout::build(q_rows, q_pos, k_rows, k_pos, dev);
-    p.write_rows = to_dev(write_rows);
-    p.write_src = to_dev(write_src);
-    at::Tensor all_pieces = to_dev(piece_rows);
-    p.piece_read.assign(work.size(), at::Tensor());
-    for (size_t i = 0; i < work.size(); ++i)
-      if (work[i].n > 1) p.piece_read[i] = all_pieces.narrow(0, pieces[i].first, pieces[i].second);
-  }
-
-  // ---- attention over the cache (model::AttentionBackend) -------------------------------------
-
-  at::Tensor attend(int64_t layer, bool full, const model::PackedBatch& batch, const at::Tensor& q,
-                    const at::Tensor& k, const at::Tensor& v) override {
-    const int64_t g = kv.group_of(layer), group = cfg.num_q_heads / cfg.num_kv_heads;
-    const GroupPlan& p = plan[full ? 0 : 1];
-    at::Tensor kl = kv.keys(full)[g], vl = kv.values(full)[g];  // [blocks * B, Hkv, hd]
-    at::Tensor o = at::empty_like(q);
-    if (p.decode.num_problems > 0) {
-      at::Tensor ks = at::cat({kl.index_select(0, p.decode_read), k}, 0);
-      at::Tensor vs = at::cat({vl.index_select(0, p.decode_read), v}, 0);
-      o.index_copy_(0, p.decode_out, model::padded_attention(p.decode, q, ks, vs, full, W));
-    }
-    for (size_t i = 0; i < work.size(); ++i) {
-      const Work& w = work[i];
-      if (w.n == 1) continue;
-      at::Tensor kn = k.narrow(0, w.offset, w.n), vn = v.narrow(0, w.offset, w.n);
-      const at::Tensor& read = p.piece_read[i];
-      at::Tensor keys = read.numel() > 0 ? at::cat({kl.index_select(0, read), kn}, 0) : kn;
-      at::Tensor values = read.numel() > 0 ? at::cat({vl.index_select(0, read), vn}, 0) : vn;
-      at::Tensor qs = q.narrow(0, w.offset, w.n).transpose(0, 1);
-      at::Tensor ks = model::expand_kv_heads(keys.transpose(0, 1), group);
-      at::Tensor vs = model::expand_kv_heads(values.transpose(0, 1), group);
-      const int64_t lo = full ? 0 : w.window_lo;
-      o.narrow(0, w.offset, w.n).copy_(model::sequence_attention(qs, ks, vs, full, W, w.start, lo).transpose(0, 1));
-    }
-    // Keep the new keys (every position for full layers, the last W for window layers) only after
-    // every read of this layer.
-    kl.index_copy_(0, p.write_rows, k.index_select(0, p.write_src));
-    vl.index_copy_(0, p.write_rows, v.index_select(0, p.write_src));
-    return o;
   }
 
   // ---- requests and steps ---------------------------------------------------------------------
@@ -371,7 +273,7 @@ struct Engine::Impl : model::AttentionBackend {
       }
       batch.tokens = at::tensor(flat, at::kLong).to(model.device());
       model::ForwardOptions opt;
-      opt.attention = this;
+      opt.attention = &attention;
       opt.expert_group = ec.expert_group;
       opt.skip_head = true;
       opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
