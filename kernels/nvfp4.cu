@@ -227,22 +227,33 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(kMaxNT, kWarps))
   }
 }
 
+// The launch of a dense GEMM grid: x over chunks of `tokens` tokens, y over tiles of `rows` weight
+// rows times `parts` K parts, whose parts form a thread-block cluster. Used in place (config
+// points at the cluster attribute).
+struct PartsLaunch {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute cluster[1];
+  PartsLaunch(int64_t M, int64_t N, int tokens, int rows, int parts, int threads, size_t smem, cudaStream_t stream) {
+    config.gridDim = dim3(unsigned((M + tokens - 1) / tokens), unsigned((N + rows - 1) / rows * parts));
+    config.blockDim = dim3(unsigned(threads));
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = 1;
+    cluster[0].val.clusterDim.y = unsigned(parts);
+    cluster[0].val.clusterDim.z = 1;
+    config.attrs = cluster;
+    config.numAttrs = parts > 1 ? 1 : 0;
+  }
+  PartsLaunch(const PartsLaunch&) = delete;
+};
+
 template <int NT, int kWarps, int kParts, bool kF32, bool kAligned>
 cudaError_t launch_linear_kernel(const void* x, const uint8_t* packed, const uint8_t* sfs, const float* ts,
                                  const float* extra, void* y, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned((M + 8 * NT - 1) / (8 * NT)), unsigned((N + kRowsPerBlock - 1) / kRowsPerBlock * kParts));
-  config.blockDim = dim3(kWarps * 32);
-  config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 1;
-  cluster[0].val.clusterDim.y = kParts;
-  cluster[0].val.clusterDim.z = 1;
-  config.attrs = cluster;
-  config.numAttrs = kParts > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&config, linear_kernel<NT, kWarps, kParts, kF32, kAligned>, x, packed, sfs, ts,
-                            extra, y, M, N, K);
+  PartsLaunch l(M, N, 8 * NT, kRowsPerBlock, kParts, kWarps * 32, 0, stream);
+  return cudaLaunchKernelEx(&l.config, linear_kernel<NT, kWarps, kParts, kF32, kAligned>, x, packed, sfs, ts, extra,
+                            y, M, N, K);
 }
 
 template <int NT, int kWarps, int kParts, bool kF32>
@@ -354,20 +365,8 @@ __global__ void __launch_bounds__(kStagedWarps * 32)
 template <int NT, int kParts>
 cudaError_t launch_staged_kernel(const void* x, const uint8_t* packed, const uint8_t* sfs, const float* ts,
                                  const float* extra, void* y, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
-  constexpr int kSmem = staged_smem_bytes(NT, kParts);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned((M + 8 * NT - 1) / (8 * NT)), unsigned((N + kStagedRows - 1) / kStagedRows * kParts));
-  config.blockDim = dim3(kStagedWarps * 32);
-  config.dynamicSmemBytes = kSmem;
-  config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 1;
-  cluster[0].val.clusterDim.y = kParts;
-  cluster[0].val.clusterDim.z = 1;
-  config.attrs = cluster;
-  config.numAttrs = kParts > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&config, staged_kernel<NT, kParts>, static_cast<const __nv_bfloat16*>(x), packed, sfs, ts,
+  PartsLaunch l(M, N, 8 * NT, kStagedRows, kParts, kStagedWarps * 32, staged_smem_bytes(NT, kParts), stream);
+  return cudaLaunchKernelEx(&l.config, staged_kernel<NT, kParts>, static_cast<const __nv_bfloat16*>(x), packed, sfs, ts,
                             extra, static_cast<__nv_bfloat16*>(y), M, N, K);
 }
 
