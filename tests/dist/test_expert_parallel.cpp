@@ -1,9 +1,17 @@
 // Expert parallelism at the world size mpirun gives: with the experts sharded over ep ranks (and
 // dp = world / ep copies of each shard), loss, log-probs, routing and gradients equal one rank's
-// full-batch forward and backward; routing replay gives the same.
+// full-batch forward and backward; routing replay gives the same. A sharded load holds only the
+// rank's share of a checkpoint in memory (peak RSS, measured).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <malloc.h>
+#include <unistd.h>
 
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "model/muse.h"
 #include "tests/test_util.h"
@@ -117,6 +125,70 @@ TEST(ExpertParallel, ShardsAreTheRightSlices) {
   EXPECT_TRUE(test::all_equal(s.weights().layers[0].expert_up, full.weights().layers[0].expert_up.narrow(0, 2, 2)));
   EXPECT_TRUE(s.weights().layers[0].pooler.is_same(full.weights().layers[0].pooler));
   EXPECT_TRUE(test::throws_with([&] { shard_experts(full, 0, 3); }, {"do not split evenly over 3"}));
+}
+
+// A line of /proc/self/status ("VmHWM", "VmRSS") in bytes; -1 where there is none.
+int64_t status_bytes(const std::string& key) {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1)) * 1024;  // "...  123 kB"
+  return -1;
+}
+
+// Resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0); false where the kernel refuses.
+bool reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+  f.flush();
+  return bool(f);
+}
+
+// Each rank loads its expert shard of a 96 MiB checkpoint (16 experts of 3 MiB in each of 2 layers,
+// a dense part under 1 MiB) and measures how much its peak resident memory grew. The loader reads
+// only the rank's experts from the mapped files: their mapped pages (until the files close), the
+// stacked experts and one layer's per-expert copies count, so the growth stays under twice the
+// rank's share plus 24 MiB. Loading the whole checkpoint and cutting it, as before sharded loading,
+// grows by twice the whole, which both bounds refuse at 2 and 4 ranks.
+TEST(ExpertParallel, ShardedLoadHoldsOnlyTheRanksShare) {
+  const Group& w = Group::world();
+  const int W = w.size();
+  if (W == 1) GTEST_SKIP() << "the share is the whole checkpoint at one rank";
+  ModelConfig cfg = test::byte_vocab_config();
+  cfg.latent_size = 256;
+  cfg.expert_ffn_size = 1024;
+  cfg.num_experts = 16;
+  // Every block of 128 KiB or more straight from mmap and back to the system when freed (glibc's
+  // dynamic threshold would keep the whole model's freed memory for the load to reuse unseen).
+  mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+  at::Tensor id = at::tensor(std::vector<int64_t>{int64_t(::getpid())});
+  w.broadcast(id, 0);  // one directory for every rank (they share the machine)
+  const std::string dir = "/tmp/kiln-mpi-rss-" + std::to_string(id.item<int64_t>());
+  int64_t total = 0, experts = 0;
+  {
+    Muse whole = Muse::init_shard(cfg, 5, at::kFloat, at::kCPU, 0, 1);
+    for (const auto& [name, t] : whole.named_parameters()) {
+      const int64_t bytes = t.numel() * int64_t(t.element_size());
+      total += bytes;
+      experts += name.find("experts") != std::string::npos ? bytes : 0;
+    }
+    if (w.rank() == 0) save_checkpoint(whole, dir);
+  }
+  w.barrier();
+  ASSERT_GT(experts, total * 9 / 10) << "the experts must dominate the checkpoint for the bound to mean anything";
+  malloc_trim(0);
+  ASSERT_TRUE(reset_peak_rss()) << "/proc/self/clear_refs refused the peak reset";
+  const int64_t before = status_bytes("VmRSS");
+  Muse shard = load_checkpoint_shard(dir, at::kFloat, at::kCPU, w.rank(), W);
+  const int64_t grew = status_bytes("VmHWM") - before;
+  const int64_t share = (total - experts) + experts / W;
+  const std::string what = str_cat("rank ", w.rank(), " of ", W, ": peak RSS grew by ", grew / 1048576.0,
+                                    " MiB loading a share of ", share / 1048576.0, " MiB (checkpoint ",
+                                    total / 1048576.0, " MiB)");
+  EXPECT_LT(grew, 2 * share + (int64_t(24) << 20)) << what;
+  EXPECT_LT(grew, 3 * total / 2) << what << ": a whole load and cut grows by twice the checkpoint";
+  EXPECT_EQ(shard.weights().layers[0].expert_up.size(0), cfg.num_experts / W);
+  w.barrier();
+  if (w.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 }  // namespace
