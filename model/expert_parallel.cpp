@@ -51,6 +51,12 @@ Muse shard_experts(const Muse& full, int rank, int size) {
   for (LayerWeights& l : w.layers) {
     for (at::Tensor* t : {&l.expert_gate, &l.expert_up, &l.expert_down, &l.expert_norm})
       *t = t->narrow(0, first, per).clone();
+    auto& q = l.nvfp4;  // NVFP4 stacks (the kernel layout is per matrix, so they slice by expert)
+    for (kernels::Nvfp4Tensor* t : {&q.expert_gate, &q.expert_up, &q.expert_down}) {
+      if (!t->packed.defined()) continue;
+      for (at::Tensor* part : {&t->packed, &t->block_scale, &t->tensor_scale, &t->input_scale})
+        if (part->defined()) *part = part->narrow(0, first, per).clone();
+    }
     auto& a = l.lora;  // the experts' adapters split like the experts
     for (at::Tensor* t : {&a.gate_a, &a.gate_b, &a.up_a, &a.up_b, &a.down_a, &a.down_b})
       if (t->defined()) *t = t->narrow(0, first, per).clone();

@@ -281,7 +281,7 @@ void save_nvfp4_checkpoint(const Muse& m, const std::string& dir, uint64_t max_s
   write_text_atomic(dir + "/hf_quant_config.json", hf.dump(2) + "\n");
 }
 
-Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device) {
+Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device, int rank, int size) {
   const std::vector<int64_t> excluded = check_quant_config(dir + "/hf_quant_config.json");
   ModelConfig cfg = ModelConfig::from_json_file(dir + "/config.json");
   // Which layers keep BF16 experts: config.json's bf16_expert_layers, or else exclude_modules.
@@ -317,7 +317,8 @@ Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Dev
     for (const std::string& n : std::set<std::string>(extra))
       if (n.size() > 13 && n.compare(n.size() - 13, 13, ".weight_scale") == 0)
         extra.insert(n.substr(0, n.size() - 13) + ".input_scale");
-  Muse m = load_tensors(cfg, ckpt, dtype, device, skip, extra);
+  const ExpertRange range = expert_shard(cfg, rank, size);
+  Muse m = load_tensors(cfg, ckpt, dtype, device, skip, extra, range);
 
   auto raw = [&](const std::string& name, safetensors::DType want_dtype, const std::vector<int64_t>& shape) {
     const auto& info = ckpt.info(name);
@@ -341,7 +342,8 @@ Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Dev
       KILN_CHECK(K % kernels::kNvfp4Block == 0, "nvfp4 checkpoint ", ckpt.path(), ": ", linear_module(i, s, 0), " has K = ",
                  K, ", which is not a multiple of ", kernels::kNvfp4Block);
       std::vector<at::Tensor> packed, block, s2, in;
-      for (int64_t e = 0; e < (s.expert ? cfg.num_experts : 1); ++e) {
+      const int64_t e0 = s.expert ? range.first : 0, e1 = s.expert ? range.first + range.size(cfg) : 1;
+      for (int64_t e = e0; e < e1; ++e) {  // the rank's experts only: the others stay on disk
         const std::string base = linear_module(i, s, e);
         packed.push_back(raw(base + ".weight", safetensors::DType::U8, {N, K / 2}));
         block.push_back(raw(base + ".weight_scale", safetensors::DType::F8_E4M3, {N, K / kernels::kNvfp4Block})

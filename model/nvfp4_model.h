@@ -54,7 +54,9 @@ bool is_nvfp4_checkpoint(const std::string& dir);
 // `.input_scale` F32 [] (when calibrated); every other tensor as save_checkpoint writes it.
 void save_nvfp4_checkpoint(const Muse& m, const std::string& dir, uint64_t max_shard_bytes = 5ull << 30);
 // Reads an NVFP4 checkpoint: NVFP4 copies on `device` (ModelOpt layout) plus dense weights in
-// `dtype` dequantised from them. Errors name the file, the tensor and the expected shape.
-Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device);
+// `dtype` dequantised from them. Errors name the file, the tensor and the expected shape. With
+// size > 1 only rank `rank`'s experts (model/expert_parallel.h's split) are read, dense and NVFP4.
+Muse load_nvfp4_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device device, int rank = 0,
+                           int size = 1);
 
 }  // namespace kiln::model

@@ -473,10 +473,7 @@ Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device de
 }
 
 Muse load_checkpoint_shard(const std::string& dir, at::ScalarType dtype, at::Device device, int rank, int size) {
-  if (is_nvfp4_checkpoint(dir)) {  // not yet read by shard: loaded whole, then cut
-    Muse full = load_nvfp4_checkpoint(dir, dtype, device);
-    return size == 1 ? full : shard_experts(full, rank, size);
-  }
+  if (is_nvfp4_checkpoint(dir)) return load_nvfp4_checkpoint(dir, dtype, device, rank, size);
   ModelConfig cfg = ModelConfig::from_json_file(dir + "/config.json");
   return load_tensors(cfg, safetensors::Checkpoint::open(dir), dtype, device, {}, {},
                       detail::expert_shard(cfg, rank, size));

@@ -11,6 +11,7 @@
 
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
+#include "model/expert_parallel.h"
 #include "model/nvfp4_model.h"
 #include "rollout/engine.h"
 #include "tests/model/reference.h"
@@ -119,6 +120,41 @@ TEST(Nvfp4Model, CheckpointIsModelOptShaped) {
   EXPECT_EQ(r0.input_scale.sizes(), at::IntArrayRef({4}));
   EXPECT_TRUE(test::all_equal(back.weights().layers[0].expert_up, kernels::nvfp4_dequantize_reference(q0, at::kBFloat16)));
   EXPECT_TRUE(test::all_equal(back.weights().layers[1].expert_up, m.weights().layers[1].expert_up.to(at::kBFloat16)));
+}
+
+// A rank reads only its experts of an NVFP4 checkpoint, codes and scales and the dense weights
+// dequantised from them, and gets the whole checkpoint cut (model::shard_experts, which slices the
+// NVFP4 stacks too) at 2 and 4 ranks.
+TEST(Nvfp4Model, CheckpointLoadsByShardAsTheWholeCut) {
+  const model::ModelConfig cfg = nvfp4_config();
+  ASSERT_EQ(cfg.num_experts % 4, 0);
+  Muse m = Muse::init(cfg, 6, at::kFloat, at::kCPU);
+  model::quantize_model(m, false, false);
+  model::calibrate_input_scales(m, batch(m));
+  test::TempDir dir;
+  model::save_nvfp4_checkpoint(m, dir.path());
+  const Muse whole = model::load_nvfp4_checkpoint(dir.path(), at::kFloat, at::kCPU);
+  for (int size : {2, 4})
+    for (int rank = 0; rank < size; ++rank) {
+      const std::string where = str_cat("rank ", rank, " of ", size);
+      const Muse cut = model::shard_experts(whole, rank, size);
+      const Muse read = model::load_checkpoint_shard(dir.path(), at::kFloat, at::kCPU, rank, size);
+      const auto pc = cut.named_parameters(), pr = read.named_parameters();
+      ASSERT_EQ(pc.size(), pr.size()) << where;
+      for (size_t i = 0; i < pc.size(); ++i) EXPECT_TRUE(test::all_equal(pr[i].second, pc[i].second)) << where << " " << pc[i].first;
+      for (int64_t l = 0; l < cfg.num_layers; ++l) {
+        const auto &a = read.weights().layers[size_t(l)].nvfp4, &b = cut.weights().layers[size_t(l)].nvfp4;
+        for (auto q : {&model::LayerWeights::Nvfp4::expert_gate, &model::LayerWeights::Nvfp4::expert_down}) {
+          ASSERT_EQ((a.*q).packed.defined(), (b.*q).packed.defined()) << where << " layer " << l;
+          if (!(a.*q).packed.defined()) continue;
+          EXPECT_EQ((a.*q).packed.size(0), cfg.num_experts / size) << where;
+          EXPECT_TRUE(test::all_equal((a.*q).packed, (b.*q).packed)) << where << " layer " << l;
+          EXPECT_TRUE(test::all_equal((a.*q).block_scale, (b.*q).block_scale)) << where << " layer " << l;
+          EXPECT_TRUE(test::all_equal((a.*q).tensor_scale, (b.*q).tensor_scale)) << where << " layer " << l;
+          EXPECT_TRUE(test::all_equal((a.*q).input_scale, (b.*q).input_scale)) << where << " layer " << l;
+        }
+      }
+    }
 }
 
 TEST(Nvfp4Model, CalibrationRecordsEveryLinearsInputRange) {
