@@ -88,6 +88,13 @@ void GrpoConfig::validate() const {
              "grpo: temperature must be positive and finite for RL sampling (got ", temperature, ")");
   KILN_CHECK(std::isfinite(top_p) && top_p > 0 && top_p <= 1, "grpo: top_p must be in (0, 1] (got ", top_p, ")");
   KILN_CHECK(top_k >= 0, "grpo: top_k must be >= 0 (got ", top_k, "); 0 is off");
+  KILN_CHECK(overlong_buffer >= 0 && overlong_buffer <= max_tokens, "grpo: overlong_buffer must be in [0, max_tokens=",
+             max_tokens, "] (got ", overlong_buffer, "); 0 is off");
+  KILN_CHECK(std::isfinite(overlong_penalty) && overlong_penalty >= 0, "grpo: overlong_penalty must be finite and >= 0 (got ",
+             overlong_penalty, ")");
+  KILN_CHECK(!loss.mis || (loss.mis_low >= 0 && loss.mis_low <= 1 && loss.mis_high >= 1),
+             "loss: masked importance sampling needs 0 <= mis_low <= 1 <= mis_high (got mis_low=", loss.mis_low,
+             ", mis_high=", loss.mis_high, ")");
   KILN_CHECK(std::isfinite(grad_clip) && grad_clip >= 0, "grpo: grad_clip must be finite and >= 0 (got ", grad_clip,
              "); 0 turns clipping off");
   KILN_CHECK(stop_after_nonfinite >= 1, "grpo: stop_after_nonfinite must be at least 1 (got ", stop_after_nonfinite,
@@ -144,6 +151,8 @@ std::string StepMetrics::to_json() const {
   j["response_length_min"] = response_length_min;
   j["response_length_max"] = response_length_max;
   j["truncated_fraction"] = truncated_fraction;
+  if (overlong_penalty != 0) j["overlong_penalty"] = overlong_penalty;
+  if (mis_masked_fraction != 0) j["mis_masked_fraction"] = mis_masked_fraction;
   j["zero_variance_groups"] = zero_variance_groups;
   if (!reward_components.empty()) j["reward_components"] = reward_components;
   j["reward_failures"] = reward_failures;
@@ -345,8 +354,9 @@ struct GrpoTrainer::Impl {
         t.tokens.insert(t.tokens.end(), s.tokens.begin(), s.tokens.end());
         t.rollout_lp = s.logprobs;
         t.routing = s.routing;
-        trajs.push_back(std::move(t));
         reqs.push_back(reward_request(b.prompts[i], s, int64_t(reqs.size())));
+        t.in_loss = !(cfg.mask_truncated && reqs.back().truncated);
+        trajs.push_back(std::move(t));
         lengths.push_back(double(s.tokens.size()));
         truncated += reqs.back().truncated ? 1 : 0;
       }
@@ -357,6 +367,7 @@ struct GrpoTrainer::Impl {
     KILN_CHECK(results.size() == reqs.size(), "grpo: the reward returned ", results.size(), " results for ",
                reqs.size(), " samples");
     std::vector<double> rewards, correct;
+    double overlong = 0;  // sum of the over-long penalties added to the rewards
     int64_t failures = 0, solved_prompts = 0, flat_groups = 0;
     KeyedSums parts;  // component -> (sum, count)
     last.clear();
@@ -380,7 +391,14 @@ struct GrpoTrainer::Impl {
       solved_prompts += std::any_of(correct.begin() + std::ptrdiff_t(g * n), correct.begin() + std::ptrdiff_t((g + 1) * n),
                                     [](double c) { return c > 0; }) ? 1 : 0;
     }
-    at::Tensor adv = group_advantages(at::tensor(rewards, at::kDouble), cfg.samples_per_prompt, cfg.std_normalize);
+    // The advantages see the shaped rewards; the reported reward stays the reward function's.
+    std::vector<double> shaped = rewards;
+    for (size_t i = 0; i < shaped.size(); ++i) {
+      const double p = overlong_penalty(int64_t(lengths[i]), cfg.max_tokens, cfg.overlong_buffer, cfg.overlong_penalty);
+      shaped[i] += p;
+      overlong += p;
+    }
+    at::Tensor adv = group_advantages(at::tensor(shaped, at::kDouble), cfg.samples_per_prompt, cfg.std_normalize);
     for (size_t i = 0; i < trajs.size(); ++i) trajs[i].advantage = adv[int64_t(i)].item<double>();
     // Every count and sum of the step in one reduction; min and max lengths in a second.
     at::Tensor sums = at::tensor({std::accumulate(rewards.begin(), rewards.end(), 0.0),
@@ -388,7 +406,7 @@ struct GrpoTrainer::Impl {
                                   std::accumulate(lengths.begin(), lengths.end(), 0.0), double(solved_prompts),
                                   truncated, double(flat_groups), double(failures), double(worker.num_answered),
                                   double(worker.num_timeouts), double(worker.num_restarts), double(worker.num_retries),
-                                  double(worker.num_garbage_lines), worker.total_seconds}, at::kDouble);
+                                  double(worker.num_garbage_lines), worker.total_seconds, overlong}, at::kDouble);
     group.all_reduce(sums);
     auto sum = [&](int64_t i) { return sums[i].item<double>(); };
     const double count = double(b.total * cfg.samples_per_prompt);  // every prompt has n samples
@@ -407,6 +425,7 @@ struct GrpoTrainer::Impl {
     m.reward_stats.num_retries = int64_t(sum(10));
     m.reward_stats.num_garbage_lines = int64_t(sum(11));
     m.reward_stats.total_seconds = sum(12);
+    m.overlong_penalty = sum(13) / count;
     // -min and max, so that one max-reduction gives both; a rank without samples adds nothing.
     at::Tensor mm = at::tensor({lengths.empty() ? -INFINITY : -*std::min_element(lengths.begin(), lengths.end()),
                                 lengths.empty() ? -INFINITY : *std::max_element(lengths.begin(), lengths.end())},
@@ -474,7 +493,7 @@ struct GrpoTrainer::Impl {
     const int64_t N = b.total * cfg.samples_per_prompt, g0 = b.first * cfg.samples_per_prompt,
                   g1 = g0 + int64_t(trajs.size());
     const int64_t per_mini = (N + cfg.mini_steps - 1) / cfg.mini_steps;
-    double loss_sum = 0, clip_sum = 0, kl_sum = 0, norm_sum = 0;
+    double loss_sum = 0, clip_sum = 0, kl_sum = 0, mis_sum = 0, loss_tokens = 0, norm_sum = 0;
     std::vector<int64_t> token_offsets = {0};
     for (const auto& t : trajs) token_offsets.push_back(token_offsets.back() + int64_t(t.tokens.size()));
     zero->set_lr_factor(cfg.schedule.factor(steps));
@@ -492,7 +511,7 @@ struct GrpoTrainer::Impl {
         ge = int64_t(group.all_reduce(double(me - mb)));
       }
       if (gb >= ge) break;
-      const double local_tokens = mb < me ? pack(trajs, mb, me, at::kCPU, at::kDouble).mask.sum().item<double>() : 0.0;
+      const double local_tokens = mb < me ? pack(trajs, mb, me, at::kCPU, at::kDouble).loss_mask.sum().item<double>() : 0.0;
       const double slice_tokens = std::max(group.all_reduce(local_tokens), 1.0);
       for (at::Tensor& p : params) p.mutable_grad().reset();
       bool armed = false;
@@ -511,7 +530,7 @@ struct GrpoTrainer::Impl {
         in.logprobs = out.logprobs;
         in.old_logprobs = o.old.logprobs.narrow(0, t0, nt).to(policy.device(), out.logprobs.scalar_type());
         in.advantages = p.advantages;
-        in.mask = p.mask;
+        in.mask = p.loss_mask;
         in.seq_ids = p.seq_ids;
         in.num_seqs = p.num_seqs;
         in.rollout_logprobs = p.rollout_lp;
@@ -522,8 +541,11 @@ struct GrpoTrainer::Impl {
         auto lo = policy_loss(in, cfg.loss);
         lo.loss.backward();
         loss_sum += lo.loss.item<double>();
-        clip_sum += lo.clip_fraction * p.mask.sum().item<double>();
-        kl_sum += lo.kl * p.mask.sum().item<double>();
+        const double tokens = p.loss_mask.sum().item<double>();  // what the fractions are over
+        clip_sum += lo.clip_fraction * tokens;
+        kl_sum += lo.kl * tokens;
+        mis_sum += lo.mis_masked_fraction * tokens;
+        loss_tokens += tokens;
       }
       // Sum the ranks' gradients, then global grad-norm clipping (an infinite bound when off still
       // reports the norm); the owners step and broadcast.
@@ -546,11 +568,13 @@ struct GrpoTrainer::Impl {
         ++m.skipped_updates;
       }
     }
-    at::Tensor loss_parts = at::tensor({loss_sum, clip_sum, kl_sum}, at::kDouble);
+    at::Tensor loss_parts = at::tensor({loss_sum, clip_sum, kl_sum, mis_sum, loss_tokens}, at::kDouble);
     group.all_reduce(loss_parts);
+    const double in_loss = std::max(loss_parts[4].item<double>(), 1.0);
     m.loss = loss_parts[0].item<double>() / double(cfg.mini_steps);
-    m.clip_fraction = loss_parts[1].item<double>() / std::max(o.total_tokens, 1.0);
-    m.kl = loss_parts[2].item<double>() / std::max(o.total_tokens, 1.0);
+    m.clip_fraction = loss_parts[1].item<double>() / in_loss;
+    m.kl = loss_parts[2].item<double>() / in_loss;
+    m.mis_masked_fraction = loss_parts[3].item<double>() / in_loss;
     const int64_t applied = cfg.mini_steps - m.skipped_updates;
     m.grad_norm = applied > 0 ? norm_sum / double(applied) : std::nan("");
   }

@@ -34,6 +34,12 @@ struct GrpoConfig {
   double top_p = 1.0;
   int64_t top_k = 0;
   bool std_normalize = true;        // GRPO (true) or Dr. GRPO (false) advantages
+  // Shaping (docs/MODEL.md §6.11): DAPO's soft over-long penalty added to the reward of responses
+  // longer than max_tokens - overlong_buffer (0: off), and truncated samples (max_tokens reached
+  // without a stop token) left out of the loss.
+  int64_t overlong_buffer = 0;
+  double overlong_penalty = 1.0;
+  bool mask_truncated = false;
   PolicyLossConfig loss;
   RewardSpec reward;                // how responses are scored (trainer/rewards.h)
   PromptFormat prompt;              // how prompts become ids: chat template, length filter
@@ -94,6 +100,8 @@ struct StepMetrics {
   double response_length = 0;             // mean generated tokens
   double response_length_min = 0, response_length_max = 0;  // generated tokens, over all samples
   double truncated_fraction = 0;          // samples that hit max_tokens without a stop token
+  double overlong_penalty = 0;            // mean over-long penalty added to the rewards (grpo.overlong_buffer)
+  double mis_masked_fraction = 0;         // response tokens masked importance sampling dropped (loss.mis)
   double zero_variance_groups = 0;        // fraction of prompts whose samples all got one reward
   std::map<std::string, double> reward_components;  // mean of each named part of the reward
   int64_t reward_failures = 0;            // samples the reward could not score (worker errors)

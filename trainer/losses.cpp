@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace kiln::trainer {
@@ -74,6 +76,16 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossConfig&
     per_token = per_token * w;
     out.tis_weight_mean = (w * mask).sum().item<double>() / denom_tokens;
   }
+  if (cfg.mis) {
+    KILN_CHECK(in.rollout_logprobs.defined(), "policy_loss: MIS needs rollout_logprobs");
+    KILN_CHECK(cfg.mis_low >= 0 && cfg.mis_low <= 1 && cfg.mis_high >= 1, "policy_loss: MIS range must satisfy ",
+               "0 <= mis_low <= 1 <= mis_high (mis_low=", cfg.mis_low, ", mis_high=", cfg.mis_high, ")");
+    check_tokens(in.rollout_logprobs, T, "rollout_logprobs");
+    at::Tensor r = at::exp(in.old_logprobs.to(acc) - in.rollout_logprobs.to(acc)).detach();
+    at::Tensor keep = r.ge(cfg.mis_low).logical_and(r.le(cfg.mis_high)).to(acc);
+    per_token = per_token * keep;
+    out.mis_masked_fraction = ((1 - keep) * mask).sum().item<double>() / denom_tokens;
+  }
   if (cfg.kl_coef != 0) {
     KILN_CHECK(in.ref_logprobs.defined(), "policy_loss: kl_coef=", cfg.kl_coef, " needs ref_logprobs");
     check_tokens(in.ref_logprobs, T, "ref_logprobs");
@@ -96,6 +108,14 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossConfig&
   out.clip_fraction = active_clip.sum().item<double>() / denom_tokens;
   out.ratio_mean = (rho.detach() * mask).sum().item<double>() / denom_tokens;
   return out;
+}
+
+double overlong_penalty(int64_t length, int64_t max_tokens, int64_t buffer, double penalty) {
+  KILN_CHECK(buffer >= 0 && buffer <= max_tokens && penalty >= 0, "overlong_penalty: need 0 <= buffer <= max_tokens ",
+             "and penalty >= 0 (buffer=", buffer, ", max_tokens=", max_tokens, ", penalty=", penalty, ")");
+  const int64_t free_len = max_tokens - buffer;
+  if (buffer == 0 || length <= free_len) return 0.0;
+  return -penalty * double(std::min(length, max_tokens) - free_len) / double(buffer);
 }
 
 MismatchMetrics mismatch_metrics(const at::Tensor& old_logprobs, const at::Tensor& rollout_logprobs,

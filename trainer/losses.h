@@ -1,6 +1,7 @@
 // RL quantities of docs/MODEL.md §6: GRPO group advantages, the PPO-clip policy loss with its options
-// (aggregation, k3 KL to a reference, truncated importance sampling, GSPO's sequence ratio), the
-// train-vs-rollout mismatch metrics, and the routing disagreement between own and replayed top-k.
+// (aggregation, k3 KL to a reference, truncated and masked importance sampling, GSPO's sequence
+// ratio), DAPO's over-long penalty, the train-vs-rollout mismatch metrics, and the routing
+// disagreement between own and replayed top-k.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -25,6 +26,9 @@ struct PolicyLossConfig {
   bool tis = false;            // weight tokens by min(exp(lp_old - lp_roll), tis_cap), detached
   double tis_cap = 2.0;
   bool gspo = false;           // one ratio per sequence: exp(mean over its tokens of lp - lp_old)
+  bool mis = false;            // masked importance sampling: tokens whose exp(lp_old - lp_roll)
+  double mis_low = 0.5;        // lies outside [mis_low, mis_high] carry no policy term
+  double mis_high = 2.0;
 };
 
 // All [T] over the packed tokens of a micro-batch; only tokens with mask 1 count.
@@ -50,9 +54,15 @@ struct PolicyLossOutput {
   double ratio_mean = 0;        // mean rho over response tokens
   double kl = 0;                // mean k3 KL to the reference (0 without one)
   double tis_weight_mean = 0;   // mean TIS weight (0 without TIS)
+  double mis_masked_fraction = 0;  // response tokens MIS dropped (0 without MIS)
 };
 
 PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossConfig& cfg);
+
+// DAPO's soft over-long penalty (docs/MODEL.md §6.11) for a response of `length` tokens when at
+// most `max_tokens` are sampled: 0 up to max_tokens - buffer, then falling linearly to -penalty at
+// max_tokens. buffer 0: no penalty.
+double overlong_penalty(int64_t length, int64_t max_tokens, int64_t buffer, double penalty);
 
 // Train-vs-rollout mismatch over response tokens, d = lp_old - lp_roll (docs/MODEL.md §6.9).
 struct MismatchMetrics {

@@ -347,6 +347,9 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     s.get("top_p", g.top_p);
     s.get("top_k", g.top_k);
     s.get("std_normalize", g.std_normalize);
+    s.get("overlong_buffer", g.overlong_buffer);
+    s.get("overlong_penalty", g.overlong_penalty);
+    s.get("mask_truncated", g.mask_truncated);
     s.get("routing_replay", g.routing_replay);
     s.get("mismatch_ab", g.mismatch_ab);
     s.get("fused_kernels", g.fused_kernels);
@@ -363,6 +366,9 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     l.get("tis", g.loss.tis);
     l.get("tis_cap", g.loss.tis_cap);
     l.get("gspo", g.loss.gspo);
+    l.get("mis", g.loss.mis);
+    l.get("mis_low", g.loss.mis_low);
+    l.get("mis_high", g.loss.mis_high);
     l.finish();
     try {
       g.loss.aggregation = parse_aggregation(agg);
@@ -543,7 +549,9 @@ std::string Recipe::to_yaml() const {
     << g.prompts_per_step << YAML::Key << "samples_per_prompt" << YAML::Value << g.samples_per_prompt
     << YAML::Key << "max_tokens" << YAML::Value << g.max_tokens << YAML::Key << "temperature" << YAML::Value
     << g.temperature << YAML::Key << "top_p" << YAML::Value << g.top_p << YAML::Key << "top_k" << YAML::Value
-    << g.top_k << YAML::Key << "std_normalize" << YAML::Value << g.std_normalize << YAML::Key << "routing_replay"
+    << g.top_k << YAML::Key << "std_normalize" << YAML::Value << g.std_normalize << YAML::Key << "overlong_buffer"
+    << YAML::Value << g.overlong_buffer << YAML::Key << "overlong_penalty" << YAML::Value << g.overlong_penalty
+    << YAML::Key << "mask_truncated" << YAML::Value << g.mask_truncated << YAML::Key << "routing_replay"
     << YAML::Value << g.routing_replay << YAML::Key << "mismatch_ab" << YAML::Value << g.mismatch_ab << YAML::Key << "fused_kernels" << YAML::Value
     << g.fused_kernels << YAML::Key << "recompute" << YAML::Value << g.recompute << YAML::EndMap;
   e << YAML::Key << "loss" << YAML::Value << YAML::BeginMap << YAML::Key << "eps_low" << YAML::Value
@@ -551,8 +559,9 @@ std::string Recipe::to_yaml() const {
     << YAML::Value
     << (g.loss.aggregation == Aggregation::kTokenMean ? "token-mean" : "seq-mean-token-mean") << YAML::Key
     << "kl_coef" << YAML::Value << g.loss.kl_coef << YAML::Key << "tis" << YAML::Value << g.loss.tis << YAML::Key
-    << "tis_cap" << YAML::Value << g.loss.tis_cap << YAML::Key << "gspo" << YAML::Value << g.loss.gspo
-    << YAML::EndMap;
+    << "tis_cap" << YAML::Value << g.loss.tis_cap << YAML::Key << "gspo" << YAML::Value << g.loss.gspo << YAML::Key
+    << "mis" << YAML::Value << g.loss.mis << YAML::Key << "mis_low" << YAML::Value << g.loss.mis_low << YAML::Key
+    << "mis_high" << YAML::Value << g.loss.mis_high << YAML::EndMap;
   e << YAML::Key << "optim" << YAML::Value << YAML::BeginMap;
   emit_optim(e, g.optim);
   e << YAML::Key << "grad_clip" << YAML::Value << g.grad_clip << YAML::Key << "stop_after_nonfinite" << YAML::Value

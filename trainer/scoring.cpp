@@ -13,7 +13,7 @@ Packed pack(const std::vector<Trajectory>& trajs, size_t begin, size_t end, at::
   Packed p;
   std::vector<std::vector<int64_t>> seqs;
   std::vector<int64_t> targets, seq_ids;
-  std::vector<double> mask, lp, adv;
+  std::vector<double> mask, loss_mask, lp, adv;
   std::vector<at::Tensor> routing;
   for (size_t i = begin; i < end; ++i) {
     const Trajectory& t = trajs[i];
@@ -23,6 +23,7 @@ Packed pack(const std::vector<Trajectory>& trajs, size_t begin, size_t end, at::
       const bool response = j + 1 >= t.prompt_len && j + 1 < n;
       targets.push_back(j + 1 < n ? t.tokens[j + 1] : -100);
       mask.push_back(response ? 1.0 : 0.0);
+      loss_mask.push_back(response && t.in_loss ? 1.0 : 0.0);
       lp.push_back(response ? t.rollout_lp[j + 1 - t.prompt_len] : 0.0);
       adv.push_back(t.advantage);
       seq_ids.push_back(int64_t(i - begin));
@@ -33,6 +34,7 @@ Packed pack(const std::vector<Trajectory>& trajs, size_t begin, size_t end, at::
   auto opts = at::TensorOptions().dtype(dtype).device(device);
   p.targets = at::tensor(targets, at::kLong).to(device);
   p.mask = at::tensor(mask, at::kDouble).to(opts);
+  p.loss_mask = at::tensor(loss_mask, at::kDouble).to(opts);
   p.seq_ids = at::tensor(seq_ids, at::kLong).to(device);
   p.rollout_lp = at::tensor(lp, at::kDouble).to(opts);
   p.advantages = at::tensor(adv, at::kDouble).to(opts);

@@ -18,6 +18,7 @@ struct Trajectory {
   std::vector<float> rollout_lp;    // per response token
   at::Tensor routing;               // [tokens, L, k] uint8 from the rollout
   double advantage = 0;
+  bool in_loss = true;              // false: scored (lp_old, mismatch) but no loss (grpo.mask_truncated)
 };
 
 // A packed micro-batch of trajectories. Position t predicts token t+1; response positions carry
@@ -25,6 +26,7 @@ struct Trajectory {
 struct Packed {
   model::PackedBatch batch;
   at::Tensor targets, mask, seq_ids, rollout_lp, advantages, routing;
+  at::Tensor loss_mask;             // mask, zero on trajectories that are not in the loss
   int64_t num_seqs = 0;
 };
 

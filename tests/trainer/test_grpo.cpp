@@ -294,6 +294,72 @@ TEST(Grpo, ReplayOffStillRunsAndConfigErrorsAreClear) {
   EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"samples_per_prompt must be at least 2"}));
 }
 
+// Shaping end to end: with max_tokens 4 and a buffer of 2, answers of 3 and 4 tokens are penalised
+// (the metric is the mean penalty, and the reported reward stays unshaped); with mask_truncated a
+// step whose samples all run to max_tokens has no token in the loss, so nothing trains, where the
+// same step without the mask does; MIS with a range that holds every ratio drops nothing.
+TEST(Grpo, OverlongPenaltyTruncationMaskAndMisRun) {
+  model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
+  const Dataset data = split(arithmetic_problems(32, 1, 6), 0.25, 1);
+  GrpoConfig cfg = small_grpo();
+  cfg.overlong_buffer = 2;
+  cfg.overlong_penalty = 0.5;
+  cfg.loss.mis = true;
+  cfg.loss.mis_low = 0.01;
+  cfg.loss.mis_high = 100;
+  GrpoTrainer shaped(policy, cfg, test::byte_tokenizer(), data);
+  const StepMetrics m = shaped.step();
+  EXPECT_LT(m.overlong_penalty, 0.0) << m.to_json();  // an untrained model rarely stops before 3 tokens
+  EXPECT_GE(m.overlong_penalty, -0.5);
+  EXPECT_EQ(m.mis_masked_fraction, 0.0);
+  EXPECT_NE(m.to_json().find("overlong_penalty"), std::string::npos);
+
+  // Every sample runs to max_tokens (an untrained model does not stop within 4 tokens); the reward
+  // (any digit in the response) varies within groups, so without the mask the step trains.
+  GrpoConfig masked = small_grpo();
+  masked.reward.type = RewardType::kRegexFormat;
+  masked.reward.regex_format.pattern = "(?s).*[0-9].*";
+  for (bool mask : {false, true}) {
+    model::Muse m2 = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
+    std::vector<at::Tensor> copies;
+    for (const auto& [name, t] : m2.named_parameters()) copies.push_back(t.detach().clone());
+    masked.mask_truncated = mask;
+    GrpoTrainer trainer(m2, masked, test::byte_tokenizer(), data);
+    const StepMetrics t = trainer.step();
+    ASSERT_EQ(t.truncated_fraction, 1.0) << t.to_json();
+    ASSERT_LT(t.zero_variance_groups, 1.0) << t.to_json();
+    bool moved = false;
+    const auto after = m2.named_parameters();
+    for (size_t i = 0; i < after.size(); ++i) moved |= !at::equal(after[i].second, copies[i]);
+    EXPECT_EQ(moved, !mask) << "mask_truncated " << mask << ": " << t.to_json();
+    if (mask) EXPECT_EQ(t.loss, 0.0) << t.to_json();
+    else EXPECT_NE(t.loss, 0.0) << t.to_json();
+  }
+  GrpoConfig bad = small_grpo();
+  bad.overlong_buffer = 5;
+  EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"overlong_buffer must be in [0, max_tokens=4]"}));
+  bad = small_grpo();
+  bad.loss.mis = true;
+  bad.loss.mis_high = 0.9;
+  EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"mis_high=0.9"}));
+}
+
+// Trajectories out of the loss keep their mask (lp_old and the mismatch see them) but not their
+// loss mask.
+TEST(Scoring, PackedLossMaskLeavesOutTrajectoriesNotInTheLoss) {
+  std::vector<Trajectory> trajs(2);
+  for (auto& t : trajs) {
+    t.tokens = {5, 6, 7, 8};
+    t.prompt_len = 2;
+    t.rollout_lp = {-0.1f, -0.2f};
+    t.routing = at::zeros({4, 1, 1}, at::kByte);
+  }
+  trajs[1].in_loss = false;
+  const Packed p = pack(trajs, 0, 2, at::kCPU, at::kDouble);
+  KILN_EXPECT_CLOSE(p.mask, at::tensor({0., 1., 1., 0., 0., 1., 1., 0.}, at::kDouble), 0, 0);
+  KILN_EXPECT_CLOSE(p.loss_mask, at::tensor({0., 1., 1., 0., 0., 0., 0., 0.}, at::kDouble), 0, 0);
+}
+
 // The chunked entropies equal those of the full logits of the same forward, at two temperatures
 // and across micro-batches (the rows of every sequence, prompt included).
 TEST(Scoring, TokenEntropiesEqualTheFullLogits) {

@@ -1,5 +1,6 @@
-// GRPO advantages, the policy loss (clip, aggregation, KL, TIS, GSPO, micro-batch normalisers),
-// mismatch metrics and routing disagreement against direct computations written in the test.
+// GRPO advantages, the policy loss (clip, aggregation, KL, TIS, MIS, GSPO, micro-batch
+// normalisers), the over-long penalty, mismatch metrics and routing disagreement against direct
+// computations written in the test.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -122,6 +123,48 @@ TEST(PolicyLoss, KlTisAndGspo) {
   // d/dlp_t of 4 * (-A) * s / 6 with s = exp(mean of 4 log-ratios) is -A * s / 6 on each token.
   const double g1 = 0.5 * std::exp(lr1) / 6;
   for (int t = 3; t < 7; ++t) EXPECT_NEAR(g.logprobs.grad()[t].item<double>(), g1, 1e-12) << t;
+}
+
+// MIS: tokens whose exp(lp_old - lp_roll) lies outside [0.5, 2] carry no policy term (and no
+// gradient) but still count in the token-mean's denominator; the share dropped is reported.
+TEST(PolicyLoss, MaskedImportanceSamplingDropsTokensOutsideTheRange) {
+  PolicyLossInputs in = inputs();
+  in.rollout_logprobs = d({-1.0, -0.2, -1.6, -0.9, -0.3, -2.0, -1.5});  // ratios: ., 0.50, 1, 2.01, 1, 3.7, 1
+  PolicyLossConfig cfg;
+  cfg.mis = true;
+  auto out = policy_loss(in, cfg);
+  double sum = 0;
+  for (int t : {2, 4, 6}) {  // token 1's ratio exp(-0.7) = 0.497 and tokens 3 and 5 fall outside
+    sum += ppo_term(in.logprobs[t].item<double>(), in.old_logprobs[t].item<double>(), in.advantages[t].item<double>(),
+                    0.2, 0.28);
+  }
+  EXPECT_NEAR(out.loss.item<double>(), sum / 6, 1e-12);
+  EXPECT_NEAR(out.mis_masked_fraction, 3.0 / 6, 1e-12);
+  out.loss.backward();
+  for (int t : {1, 3, 5}) EXPECT_EQ(in.logprobs.grad()[t].item<double>(), 0.0) << t;
+  EXPECT_NE(in.logprobs.grad()[2].item<double>(), 0.0);
+  // A range that holds every ratio changes nothing.
+  PolicyLossInputs all = inputs();
+  all.rollout_logprobs = in.rollout_logprobs;
+  cfg.mis_low = 0.01;
+  cfg.mis_high = 10;
+  PolicyLossConfig plain;
+  EXPECT_NEAR(policy_loss(all, cfg).loss.item<double>(), policy_loss(inputs(), plain).loss.item<double>(), 1e-12);
+  cfg.mis_low = 1.5;
+  EXPECT_TRUE(test::throws_with([&] { policy_loss(all, cfg); }, {"mis_low", "mis_high"}));
+  in.rollout_logprobs = at::Tensor();
+  cfg.mis_low = 0.5;
+  EXPECT_TRUE(test::throws_with([&] { policy_loss(in, cfg); }, {"MIS needs rollout_logprobs"}));
+}
+
+TEST(Shaping, OverlongPenaltyRampsOverTheBuffer) {
+  EXPECT_EQ(overlong_penalty(12, 16, 4, 1.0), 0.0);   // up to max_tokens - buffer: nothing
+  EXPECT_EQ(overlong_penalty(13, 16, 4, 1.0), -0.25);
+  EXPECT_EQ(overlong_penalty(16, 16, 4, 1.0), -1.0);
+  EXPECT_EQ(overlong_penalty(15, 16, 4, 0.5), -0.375);
+  EXPECT_EQ(overlong_penalty(16, 16, 0, 1.0), 0.0);    // buffer 0: off
+  EXPECT_EQ(overlong_penalty(16, 16, 16, 2.0), -2.0);  // the whole range is the buffer
+  EXPECT_TRUE(test::throws_with([&] { overlong_penalty(3, 16, 17, 1.0); }, {"buffer=17", "max_tokens=16"}));
 }
 
 TEST(PolicyLoss, MicroBatchesWithGlobalNormalisersSumToTheWholeStep) {
