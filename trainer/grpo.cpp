@@ -88,6 +88,8 @@ void GrpoConfig::validate() const {
              "grpo: temperature must be positive and finite for RL sampling (got ", temperature, ")");
   KILN_CHECK(std::isfinite(top_p) && top_p > 0 && top_p <= 1, "grpo: top_p must be in (0, 1] (got ", top_p, ")");
   KILN_CHECK(top_k >= 0, "grpo: top_k must be >= 0 (got ", top_k, "); 0 is off");
+  KILN_CHECK(max_sampling_rounds >= 0, "grpo: max_sampling_rounds must be >= 0 (got ", max_sampling_rounds,
+             "): the extra rounds dynamic sampling may spend");
   KILN_CHECK(overlong_buffer >= 0 && overlong_buffer <= max_tokens, "grpo: overlong_buffer must be in [0, max_tokens=",
              max_tokens, "] (got ", overlong_buffer, "); 0 is off");
   KILN_CHECK(std::isfinite(overlong_penalty) && overlong_penalty >= 0, "grpo: overlong_penalty must be finite and >= 0 (got ",
@@ -152,6 +154,9 @@ std::string StepMetrics::to_json() const {
   j["response_length_max"] = response_length_max;
   j["truncated_fraction"] = truncated_fraction;
   if (overlong_penalty != 0) j["overlong_penalty"] = overlong_penalty;
+  if (sampling_rounds != 1 || groups_dropped != 0)
+    j["dynamic_sampling"] = {{"rounds", sampling_rounds}, {"groups_trained", groups_trained},
+                             {"groups_dropped", groups_dropped}};
   if (mis_masked_fraction != 0) j["mis_masked_fraction"] = mis_masked_fraction;
   j["zero_variance_groups"] = zero_variance_groups;
   if (!reward_components.empty()) j["reward_components"] = reward_components;
@@ -218,6 +223,8 @@ struct GrpoTrainer::Impl {
     cfg.parallel.resolve(group.size(), policy.config().num_experts);
     KILN_CHECK(cfg.prompts_per_step >= group.size(), "grpo: prompts_per_step (", cfg.prompts_per_step,
                ") must be at least the number of ranks (", group.size(), "): a prompt's group stays on one rank");
+    KILN_CHECK(!cfg.dynamic_sampling || cfg.parallel.ep == 1, "grpo: dynamic_sampling keeps unequal numbers of groups ",
+               "per rank, which expert parallelism (parallel.ep=", cfg.parallel.ep, ") cannot train yet; use ep 1");
     KILN_CHECK(tok->vocab_size() <= policy.config().vocab_size, "grpo: the tokenizer ", tok->name(), " has ",
                tok->vocab_size(), " ids but the model's vocab_size is ", policy.config().vocab_size,
                "; use a model config whose vocabulary covers the tokenizer");
@@ -291,11 +298,12 @@ struct GrpoTrainer::Impl {
     m.step = ++steps;
     auto t = Clock::now();
     Batch b = draw_prompts();
-    auto outs = sample(b);
+    auto outs = sample(b, 0);
     m.rollout_seconds = seconds_since(t);
     t = Clock::now();
     std::vector<Trajectory> trajs = reward_samples(b, outs, m);
     m.reward_seconds = seconds_since(t);
+    if (cfg.dynamic_sampling) b = keep_informative_groups(trajs, m);
     t = Clock::now();
     OldLogprobs old = score_old(trajs, b, m);
     m.lp_old_seconds = seconds_since(t);
@@ -322,7 +330,58 @@ struct GrpoTrainer::Impl {
     return {std::vector<Example>(all.begin() + p0, all.begin() + p1), P, p0};
   }
 
-  std::vector<rollout::RequestOutput> sample(const Batch& b) {
+  // Dynamic sampling: drops the flat groups of `trajs` (this rank's, group by group) and samples
+  // more rounds until prompts_per_step groups are kept over all ranks or the rounds run out; then
+  // trims to prompts_per_step in rank order (each rank keeping at least one group, flat if need
+  // be, so that every rank trains). Returns the batch the kept trajectories form.
+  Batch keep_informative_groups(std::vector<Trajectory>& trajs, StepMetrics& m) {
+    const size_t n = size_t(cfg.samples_per_prompt);
+    std::vector<Trajectory> kept, fallback;
+    int64_t dropped = 0;
+    auto take = [&](std::vector<Trajectory>& round) {
+      for (size_t g = 0; g * n < round.size(); ++g) {
+        const auto first_t = round.begin() + std::ptrdiff_t(g * n), end = first_t + std::ptrdiff_t(n);
+        const bool flat = std::all_of(first_t, end, [&](const Trajectory& t) { return t.reward == first_t->reward; });
+        if (flat && fallback.empty()) fallback.assign(first_t, end);
+        if (flat) ++dropped;
+        else kept.insert(kept.end(), std::make_move_iterator(first_t), std::make_move_iterator(end));
+      }
+    };
+    take(trajs);
+    int64_t rounds = 1;
+    while (int64_t(group.all_reduce(double(kept.size() / n))) < cfg.prompts_per_step &&
+           rounds <= cfg.max_sampling_rounds) {
+      Batch more = draw_prompts();
+      auto outs = sample(more, rounds);
+      StepMetrics scratch;  // the reward metrics and the sample dump stay the first round's
+      auto dump = std::move(last);
+      std::vector<Trajectory> round = reward_samples(more, outs, scratch);
+      last = std::move(dump);
+      take(round);
+      ++rounds;
+    }
+    // This rank's share of prompts_per_step, in rank order of what each kept.
+    const at::Tensor counts = group.all_gather(at::tensor(std::vector<int64_t>{int64_t(kept.size() / n)}));
+    int64_t before = 0;
+    for (int64_t r = 0; r < group.rank(); ++r) before += counts[r].item<int64_t>();
+    // Every rank keeps one group at least (each must train: a rank without trajectories would leave
+    // the others waiting in the step's collectives), so the batch may pass prompts_per_step by up
+    // to the number of ranks less one.
+    const int64_t mine = std::max<int64_t>(1, std::min<int64_t>(int64_t(kept.size() / n), cfg.prompts_per_step - before));
+    if (int64_t(kept.size() / n) > mine) kept.resize(size_t(mine) * n);
+    if (kept.empty()) kept = std::move(fallback);  // every group flat here: one with no advantage
+    trajs = std::move(kept);
+    Batch b;
+    b.total = int64_t(group.all_reduce(double(trajs.size() / n)));
+    const at::Tensor kept_counts = group.all_gather(at::tensor(std::vector<int64_t>{int64_t(trajs.size() / n)}));
+    for (int64_t r = 0; r < group.rank(); ++r) b.first += kept_counts[r].item<int64_t>();
+    m.sampling_rounds = rounds;
+    m.groups_trained = b.total;
+    m.groups_dropped = int64_t(group.all_reduce(double(dropped)));
+    return b;
+  }
+
+  std::vector<rollout::RequestOutput> sample(const Batch& b, int64_t round) {
     std::vector<rollout::Request> reqs;
     for (size_t i = 0; i < b.prompts.size(); ++i) {
       rollout::Request r;
@@ -333,7 +392,9 @@ struct GrpoTrainer::Impl {
       r.params.temperature = cfg.temperature;
       r.params.top_p = cfg.top_p;
       r.params.top_k = cfg.top_k;
-      r.params.seed = cfg.seed * 1000003ull + uint64_t(steps) * 1009ull + uint64_t(b.first + int64_t(i));
+      // Per (step, round, global prompt index): rounds of dynamic sampling draw fresh streams.
+      r.params.seed = cfg.seed * 1000003ull + uint64_t(steps) * 1009ull + uint64_t(round) * 7919ull * 1000003ull +
+                      uint64_t(b.first + int64_t(i));
       reqs.push_back(std::move(r));
     }
     return engine->generate(reqs);
@@ -399,7 +460,10 @@ struct GrpoTrainer::Impl {
       overlong += p;
     }
     at::Tensor adv = group_advantages(at::tensor(shaped, at::kDouble), cfg.samples_per_prompt, cfg.std_normalize);
-    for (size_t i = 0; i < trajs.size(); ++i) trajs[i].advantage = adv[int64_t(i)].item<double>();
+    for (size_t i = 0; i < trajs.size(); ++i) {
+      trajs[i].reward = shaped[i];
+      trajs[i].advantage = adv[int64_t(i)].item<double>();
+    }
     // Every count and sum of the step in one reduction; min and max lengths in a second.
     at::Tensor sums = at::tensor({std::accumulate(rewards.begin(), rewards.end(), 0.0),
                                   std::accumulate(correct.begin(), correct.end(), 0.0),

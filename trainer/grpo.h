@@ -40,6 +40,13 @@ struct GrpoConfig {
   int64_t overlong_buffer = 0;
   double overlong_penalty = 1.0;
   bool mask_truncated = false;
+  // DAPO's dynamic sampling: groups whose rewards are all equal (no advantage) are dropped, and
+  // further rounds of prompts_per_step prompts are sampled until that many groups are kept or
+  // max_sampling_rounds extra rounds were spent (then the step trains on what it has). Each rank
+  // keeps one group at least, so a batch may pass prompts_per_step by up to the ranks less one.
+  // Data parallel only (expert parallelism needs equal counts per rank).
+  bool dynamic_sampling = false;
+  int64_t max_sampling_rounds = 2;
   PolicyLossConfig loss;
   RewardSpec reward;                // how responses are scored (trainer/rewards.h)
   PromptFormat prompt;              // how prompts become ids: chat template, length filter
@@ -101,6 +108,9 @@ struct StepMetrics {
   double response_length_min = 0, response_length_max = 0;  // generated tokens, over all samples
   double truncated_fraction = 0;          // samples that hit max_tokens without a stop token
   double overlong_penalty = 0;            // mean over-long penalty added to the rewards (grpo.overlong_buffer)
+  // Dynamic sampling: rounds sampled (1 without it), groups trained on and flat groups dropped, all
+  // ranks. The reward metrics above are the first round's (a fresh batch, as without it).
+  int64_t sampling_rounds = 1, groups_trained = 0, groups_dropped = 0;
   double mis_masked_fraction = 0;         // response tokens masked importance sampling dropped (loss.mis)
   double zero_variance_groups = 0;        // fraction of prompts whose samples all got one reward
   std::map<std::string, double> reward_components;  // mean of each named part of the reward

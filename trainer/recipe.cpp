@@ -350,6 +350,8 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     s.get("overlong_buffer", g.overlong_buffer);
     s.get("overlong_penalty", g.overlong_penalty);
     s.get("mask_truncated", g.mask_truncated);
+    s.get("dynamic_sampling", g.dynamic_sampling);
+    s.get("max_sampling_rounds", g.max_sampling_rounds);
     s.get("routing_replay", g.routing_replay);
     s.get("mismatch_ab", g.mismatch_ab);
     s.get("fused_kernels", g.fused_kernels);
@@ -551,7 +553,9 @@ std::string Recipe::to_yaml() const {
     << g.temperature << YAML::Key << "top_p" << YAML::Value << g.top_p << YAML::Key << "top_k" << YAML::Value
     << g.top_k << YAML::Key << "std_normalize" << YAML::Value << g.std_normalize << YAML::Key << "overlong_buffer"
     << YAML::Value << g.overlong_buffer << YAML::Key << "overlong_penalty" << YAML::Value << g.overlong_penalty
-    << YAML::Key << "mask_truncated" << YAML::Value << g.mask_truncated << YAML::Key << "routing_replay"
+    << YAML::Key << "mask_truncated" << YAML::Value << g.mask_truncated << YAML::Key << "dynamic_sampling"
+    << YAML::Value << g.dynamic_sampling << YAML::Key << "max_sampling_rounds" << YAML::Value << g.max_sampling_rounds
+    << YAML::Key << "routing_replay"
     << YAML::Value << g.routing_replay << YAML::Key << "mismatch_ab" << YAML::Value << g.mismatch_ab << YAML::Key << "fused_kernels" << YAML::Value
     << g.fused_kernels << YAML::Key << "recompute" << YAML::Value << g.recompute << YAML::EndMap;
   e << YAML::Key << "loss" << YAML::Value << YAML::BeginMap << YAML::Key << "eps_low" << YAML::Value

@@ -17,6 +17,7 @@ struct Trajectory {
   int64_t prompt_len = 0;
   std::vector<float> rollout_lp;    // per response token
   at::Tensor routing;               // [tokens, L, k] uint8 from the rollout
+  double reward = 0;                // the (shaped) reward its advantage came from
   double advantage = 0;
   bool in_loss = true;              // false: scored (lp_old, mismatch) but no loss (grpo.mask_truncated)
 };

@@ -227,6 +227,42 @@ TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
   if (Group::world().size() == 4) check_grpo(2, 1, 0, "sharded");
 }
 
+// Dynamic sampling over every rank: each rank drops its flat groups, the rounds continue while
+// the ranks together hold fewer than prompts_per_step, and the trim keeps each rank training (at
+// least one group each); the step's counts agree on every rank. Expert parallelism is refused.
+TEST(DataParallel, DynamicSamplingRunsOnEveryRank) {
+  const Group& w = Group::world();
+  model::ModelConfig mc = test::byte_vocab_config();
+  mc.init_std = 1.0;
+  model::Muse m = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  Dataset data = test::self_consistent_problems(m, 200);
+  GrpoConfig cfg;
+  cfg.prompts_per_step = 8;
+  cfg.samples_per_prompt = 4;
+  cfg.max_tokens = 1;
+  cfg.micro_batch_seqs = 5;
+  cfg.dynamic_sampling = true;
+  cfg.max_sampling_rounds = 2;
+  cfg.engine.kv_cache_bytes = 8 << 20;
+  GrpoTrainer all(m, cfg, test::byte_tokenizer(), data, w);
+  int64_t rounds = 0;
+  for (int s = 0; s < 3; ++s) {
+    const StepMetrics st = all.step();
+    EXPECT_GE(st.groups_trained, w.size()) << st.to_json();
+    EXPECT_LE(st.groups_trained, cfg.prompts_per_step + w.size() - 1) << st.to_json();
+    EXPECT_TRUE(std::isfinite(st.loss)) << st.to_json();
+    const double lo = -w.all_reduce(-double(st.groups_trained), comm::ReduceOp::kMax);
+    EXPECT_EQ(lo, double(st.groups_trained)) << "ranks disagree on the groups trained";
+    rounds += st.sampling_rounds;
+  }
+  EXPECT_GT(rounds, 3) << "no step needed a second round: the test saw no flat group";
+  if (w.size() > 1) {
+    cfg.parallel.ep = w.size();
+    model::Muse m2 = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+    EXPECT_TRUE(test::throws_with([&] { GrpoTrainer t(m2, cfg, test::byte_tokenizer(), data, w); }, {"dynamic_sampling"}));
+  }
+}
+
 TEST(DataParallel, LayoutErrorsNameEveryValue) {
   ParallelConfig p;
   p.dp = 3;

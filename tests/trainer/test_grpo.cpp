@@ -344,6 +344,49 @@ TEST(Grpo, OverlongPenaltyTruncationMaskAndMisRun) {
   EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"mis_high=0.9"}));
 }
 
+// Dynamic sampling: flat groups are dropped and more rounds sampled. With a reward that is 0 for
+// every response (exact match, untrained model) every group is flat: all rounds are spent, each
+// group dropped, and the rank trains on one flat group (no advantage, so no update from it). With
+// a reward that varies (a digit anywhere) the informative groups are kept, at most
+// prompts_per_step of them, and the books balance: what was trained plus dropped is at most what
+// was sampled, and a short batch means the rounds ran out.
+TEST(Grpo, DynamicSamplingDropsFlatGroupsAndSamplesMoreRounds) {
+  const Dataset data = split(arithmetic_problems(64, 1, 6), 0.25, 1);
+  GrpoConfig cfg = small_grpo();
+  cfg.dynamic_sampling = true;
+  cfg.max_sampling_rounds = 2;
+  {
+    model::Muse m = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
+    GrpoTrainer trainer(m, cfg, test::byte_tokenizer(), data);
+    const StepMetrics s = trainer.step();
+    ASSERT_EQ(s.zero_variance_groups, 1.0) << s.to_json();
+    EXPECT_EQ(s.sampling_rounds, 3) << s.to_json();
+    EXPECT_EQ(s.groups_dropped, 12);
+    EXPECT_EQ(s.groups_trained, 1);
+    EXPECT_EQ(s.loss, 0.0);
+    EXPECT_NE(s.to_json().find("\"dynamic_sampling\""), std::string::npos);
+  }
+  cfg.reward.type = RewardType::kRegexFormat;
+  cfg.reward.regex_format.pattern = "(?s).*[0-9].*";
+  model::Muse m = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
+  GrpoTrainer trainer(m, cfg, test::byte_tokenizer(), data);
+  int64_t trained = 0;
+  for (int step = 0; step < 3; ++step) {
+    const StepMetrics s = trainer.step();
+    EXPECT_GE(s.groups_trained, 1) << s.to_json();
+    EXPECT_LE(s.groups_trained, cfg.prompts_per_step) << s.to_json();
+    EXPECT_LE(s.groups_trained + s.groups_dropped, cfg.prompts_per_step * s.sampling_rounds) << s.to_json();
+    if (s.groups_trained < cfg.prompts_per_step) EXPECT_EQ(s.sampling_rounds, 1 + cfg.max_sampling_rounds) << s.to_json();
+    if (s.sampling_rounds > 1) EXPECT_GT(s.groups_dropped, 0) << s.to_json();
+    EXPECT_TRUE(std::isfinite(s.loss));
+    trained += s.groups_trained;
+  }
+  EXPECT_GT(trained, 3);  // the digit reward varies within groups often enough to fill more than one a step
+  GrpoConfig bad = small_grpo();
+  bad.max_sampling_rounds = -1;
+  EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"max_sampling_rounds must be >= 0"}));
+}
+
 // Trajectories out of the loss keep their mask (lp_old and the mismatch see them) but not their
 // loss mask.
 TEST(Scoring, PackedLossMaskLeavesOutTrajectoriesNotInTheLoss) {
