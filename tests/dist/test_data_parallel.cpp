@@ -117,6 +117,17 @@ TEST(DataParallel, ZeroOneStepEqualsTheUnshardedStepInEveryPlacement) {
     check_zero_one(p);
 }
 
+// The GRPO steps of these tests: 8 prompts x 4 samples of one token, micro-batches of 5.
+GrpoConfig dp_grpo() {
+  GrpoConfig cfg;
+  cfg.prompts_per_step = 8;
+  cfg.samples_per_prompt = 4;
+  cfg.max_tokens = 1;
+  cfg.micro_batch_seqs = 5;
+  cfg.engine.kv_cache_bytes = 8 << 20;
+  return cfg;
+}
+
 // A GRPO run over every rank (experts sharded over `ep` of them) against the same run on one rank.
 void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::string& rollout = "replica",
                 int64_t lora_rank = 0) {
@@ -127,16 +138,11 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
   model::Muse m1 = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
   model::Muse mw = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
   Dataset data = test::self_consistent_problems(m1, 200);
-  GrpoConfig cfg;
-  cfg.prompts_per_step = 8;
-  cfg.samples_per_prompt = 4;
-  cfg.max_tokens = 1;
+  GrpoConfig cfg = dp_grpo();
   cfg.mini_steps = mini_steps;
   cfg.loss.kl_coef = kl_coef;
-  cfg.micro_batch_seqs = 5;
   cfg.mismatch_ab = true;
   cfg.optim.adamw.lr = cfg.optim.muon.lr = 1e-2;
-  cfg.engine.kv_cache_bytes = 8 << 20;
   cfg.lora.rank = lora_rank;
   cfg.lora.alpha = 2.0 * double(lora_rank);
   GrpoTrainer one(m1, cfg, test::byte_tokenizer(), data, alone);
@@ -236,14 +242,9 @@ TEST(DataParallel, DynamicSamplingRunsOnEveryRank) {
   mc.init_std = 1.0;
   model::Muse m = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
   Dataset data = test::self_consistent_problems(m, 200);
-  GrpoConfig cfg;
-  cfg.prompts_per_step = 8;
-  cfg.samples_per_prompt = 4;
-  cfg.max_tokens = 1;
-  cfg.micro_batch_seqs = 5;
+  GrpoConfig cfg = dp_grpo();
   cfg.dynamic_sampling = true;
   cfg.max_sampling_rounds = 2;
-  cfg.engine.kv_cache_bytes = 8 << 20;
   GrpoTrainer all(m, cfg, test::byte_tokenizer(), data, w);
   int64_t rounds = 0;
   for (int s = 0; s < 3; ++s) {
