@@ -78,7 +78,8 @@ std::string without_times(const StepMetrics& m) {
 
 // Runs 4 steps straight, and 2 + save + load + 2 into other weights: every step's metrics and the
 // final weights must agree bitwise. The optimizer state lives where `state` says.
-void check_resume(double kl_coef, optimizers::Placement state = optimizers::Placement::kDevice, int64_t lora_rank = 0) {
+void check_resume(double kl_coef, optimizers::Placement state = optimizers::Placement::kDevice, int64_t lora_rank = 0,
+                  bool dynamic_sampling = false) {
   test::TempDir nvme;
   model::ModelConfig mc = test::byte_vocab_config();
   mc.init_std = 1.0;
@@ -91,6 +92,7 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   cfg.optim.nvme_dir = nvme.path();
   cfg.lora.rank = lora_rank;
   cfg.lora.alpha = 2.0 * double(lora_rank);
+  cfg.dynamic_sampling = dynamic_sampling;
   std::vector<std::string> straight;
   {
     GrpoTrainer t(a, cfg, test::byte_tokenizer(), data);
@@ -115,6 +117,13 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   for (size_t i = 0; i < a.named_parameters().size(); ++i)
     EXPECT_TRUE(test::all_equal(c.named_parameters()[i].second, a.named_parameters()[i].second))
         << a.named_parameters()[i].first;
+  if (dynamic_sampling) {  // extra rounds drew prompts: the data position they left is restored
+    int64_t rounds = 0;
+    for (const std::string& line : straight)
+      rounds += line.find("\"rounds\":") != std::string::npos && line.find("\"rounds\":1,") == std::string::npos;
+    EXPECT_GT(rounds, 0) << "no step sampled a second round: the resume saw no extra draws";
+    return;
+  }
   if (lora_rank > 0) {  // adapters for another base are refused
     model::Muse other = model::Muse::init(mc, 99, at::kFloat, at::kCPU);
     GrpoTrainer wrong(other, cfg, test::byte_tokenizer(), data);
@@ -145,6 +154,9 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
 TEST(Grpo, ResumeFromACheckpointReproducesTheUninterruptedRunBitwise) { check_resume(0.0); }
 TEST(Grpo, ResumeWithTheKlTermRestoresTheReferencePolicy) { check_resume(0.05); }
 TEST(Grpo, ResumeWithOptimizerStateOnNvmeIsBitwiseToo) { check_resume(0.0, optimizers::Placement::kNvme); }
+TEST(Grpo, ResumeWithDynamicSamplingIsBitwiseToo) {
+  check_resume(0.0, optimizers::Placement::kDevice, 0, /*dynamic_sampling=*/true);
+}
 // LoRA: only the adapters train (the base stays bitwise), the KL reference is the base with the
 // adapters off, and the checkpoint carries a PEFT adapter.
 TEST(Grpo, LoraTrainsOnlyAdaptersAndResumesBitwise) { check_resume(0.05, optimizers::Placement::kDevice, 4); }
