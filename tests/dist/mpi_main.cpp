@@ -1,16 +1,40 @@
 // GoogleTest main for the MPI tests: every rank runs every test; a failure on any rank makes that
-// rank exit non-zero, and so mpirun. Only rank 0 prints the per-test lines.
+// rank exit non-zero, and so mpirun. Only rank 0 prints the per-test lines. An exception that
+// escapes a test body ends the whole job at once: the other ranks would otherwise wait in their
+// next collective until ctest's timeout.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <string>
+
 #include "core/comm.h"
+
+namespace {
+
+class AbortOnEscapedException : public ::testing::EmptyTestEventListener {
+  // The test's name is kept here: UnitTest::current_test_info() takes the lock gtest holds while it
+  // reports a result, so asking for it in OnTestPartResult deadlocks.
+  void OnTestStart(const ::testing::TestInfo& t) override { name_ = std::string(t.test_suite_name()) + "." + t.name(); }
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    const std::string message = r.message() ? r.message() : "";
+    if (!r.failed() || message.find("thrown in the test body") == std::string::npos) return;
+    const int rank = kiln::comm::Group::world().rank();
+    std::fprintf(stderr, "rank %d: %s: %s\nrank %d: aborting the job so that no rank waits for this one\n", rank,
+                 name_.c_str(), message.c_str(), rank);
+    std::fflush(stderr);
+    kiln::comm::abort_job(4);
+  }
+  std::string name_;
+};
+
+}  // namespace
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   kiln::comm::init(&argc, &argv);
-  if (kiln::comm::Group::world().rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
+  auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+  if (kiln::comm::Group::world().rank() != 0) delete listeners.Release(listeners.default_result_printer());
+  listeners.Append(new AbortOnEscapedException);
   const int rc = RUN_ALL_TESTS();
   kiln::comm::finalize();
   return rc;
