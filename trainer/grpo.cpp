@@ -369,12 +369,17 @@ struct GrpoTrainer::Impl {
     // to the number of ranks less one.
     const int64_t mine = std::max<int64_t>(1, std::min<int64_t>(int64_t(kept.size() / n), cfg.prompts_per_step - before));
     if (int64_t(kept.size() / n) > mine) kept.resize(size_t(mine) * n);
-    if (kept.empty()) kept = std::move(fallback);  // every group flat here: one with no advantage
+    if (kept.empty()) {  // every group flat here: it trains on one with no advantage
+      kept = std::move(fallback);
+      --dropped;
+    }
     trajs = std::move(kept);
     Batch b;
-    b.total = int64_t(group.all_reduce(double(trajs.size() / n)));
     const at::Tensor kept_counts = group.all_gather(at::tensor(std::vector<int64_t>{int64_t(trajs.size() / n)}));
-    for (int64_t r = 0; r < group.rank(); ++r) b.first += kept_counts[r].item<int64_t>();
+    for (int64_t r = 0; r < group.size(); ++r) {
+      b.total += kept_counts[r].item<int64_t>();
+      if (r < group.rank()) b.first += kept_counts[r].item<int64_t>();
+    }
     m.sampling_rounds = rounds;
     m.groups_trained = b.total;
     m.groups_dropped = int64_t(group.all_reduce(double(dropped)));
