@@ -85,6 +85,7 @@ struct Engine::Impl {
   EngineStats st;
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
   std::function<void(const StepTrace&)> trace;
+  int64_t weight_version = 0;            // weight or adapter updates so far
 
   Impl(const model::Muse& m, EngineConfig config)
       : model(m.clone()), cfg(m.config()), ec(validated(config)), B(ec.block_size), W(cfg.sliding_window),
@@ -171,6 +172,7 @@ struct Engine::Impl {
     const int64_t step = int64_t(s.tokens.size()) - s.prompt_len;
     s.tokens.push_back(id);
     s.logprobs.push_back(float(lp));
+    s.versions.push_back(weight_version);
     st.sampled_tokens++;
     const bool stop = std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), id) != p.stop_token_ids.end();
     if (stop || step + 1 >= p.max_tokens) {
@@ -366,6 +368,7 @@ struct Engine::Impl {
           out_s.logprobs = s.logprobs;
           out_s.finish = s.finish;
           out_s.num_preemptions = s.preemptions;
+          out_s.weight_versions = s.versions;
           out_s.routing = at::from_blob(s.routing.data(), {int64_t(s.tokens.size()), cfg.num_layers, cfg.top_k},
                                         at::kByte).clone();
           if (++rs.done == int64_t(rs.samples.size())) {
@@ -458,13 +461,18 @@ void Engine::update_weights(const Named& named) {
   // A linear served from NVFP4 has no dense tensor: it is re-quantised from the trainer's weights.
   copy_by_name("update_weights", "tensors", impl_->model.named_parameters(), named,
                [&](const std::string& name, const at::Tensor& t) { return model::requantize(impl_->model, name, t); });
+  impl_->weight_version++;
 }
 
 int64_t Engine::update_adapters(const Named& named) {
   const Named own = model::lora_parameters(impl_->model);
   KILN_CHECK(!own.empty(), "rollout: update_adapters: the engine's model has no LoRA adapters");
-  return copy_by_name("update_adapters", "adapters", own, named, {});
+  const int64_t bytes = copy_by_name("update_adapters", "adapters", own, named, {});
+  impl_->weight_version++;
+  return bytes;
 }
+
+int64_t Engine::weight_version() const { return impl_->weight_version; }
 
 EngineStats Engine::stats() const {
   EngineStats s = impl_->st;

@@ -35,6 +35,8 @@ struct Sample {
                                     // logits drew the next token); a recompute after preemption
                                     // does not overwrite it
   int64_t num_preemptions = 0;
+  std::vector<int64_t> weight_versions;  // per generated token: Engine::weight_version() when it was
+                                         // drawn (a sample may span weight updates)
 };
 
 struct RequestOutput {
@@ -136,6 +138,9 @@ class Engine {
   // own, which it applies unmerged on its base (dense or NVFP4). Throws naming a missing, unknown
   // or wrongly shaped adapter. Returns the bytes copied. Only between steps.
   int64_t update_adapters(const std::vector<std::pair<std::string, at::Tensor>>& named);
+  // The number of weight or adapter updates so far (0 at construction): the version each drawn
+  // token records (Sample::weight_versions), so that a trainer can tell how stale a sample is.
+  int64_t weight_version() const;
   const model::Muse& model() const;
   EngineStats stats() const;
   // Called at the end of every step with what it computed (empty function: off). Costs a copy of

@@ -24,6 +24,7 @@ struct Seq {
   int64_t routed = 0;               // tokens whose routing is recorded (kept across preemption)
   BlockTable blocks;                // its KV blocks (shared with its prompt's until written)
   std::vector<float> logprobs;
+  std::vector<int64_t> versions;    // the engine's weight version when each generated token was drawn
   std::vector<uint8_t> routing;     // [tokens, L, k], filled as tokens are first computed
   bool finalizing = false;          // finished sampling; computing the last token's routing
   FinishReason finish = FinishReason::kLength;

@@ -2,6 +2,8 @@
 // equal the forward's, bounded window-layer memory, completion under a full cache (with
 // preemption), shared prefill, chunked prefill, determinism, weight updates and bad requests.
 #include <ATen/ATen.h>
+
+#include <algorithm>
 #include <gtest/gtest.h>
 
 #include "model/muse.h"
@@ -236,6 +238,33 @@ TEST(Engine, UpdateWeightsReplacesTheModelInPlace) {
   auto wrong = b.named_parameters();
   wrong[3].second = at::zeros({2, 2});
   EXPECT_THROW(engine.update_weights(wrong), Error);
+}
+
+// Every generated token records the weight version it was drawn under: a sample that spans an
+// update mid-generation carries both versions, in order; a refused update leaves the version alone.
+TEST(Engine, TokensRecordTheWeightVersionTheyWereDrawnUnder) {
+  model::Muse a = model::Muse::init(engine_config(), 8, at::kFloat, at::kCPU);
+  model::Muse b = model::Muse::init(engine_config(), 9, at::kFloat, at::kCPU);
+  Engine engine(a, small_engine());
+  EXPECT_EQ(engine.weight_version(), 0);
+  engine.add_request(request({1, 2, 3}, 2, 12, 1.0, 4));
+  std::vector<rollout::RequestOutput> outs;
+  for (int step = 0; engine.has_unfinished(); ++step) {
+    if (step == 4) engine.update_weights(b.named_parameters());
+    for (auto& o : engine.step()) outs.push_back(std::move(o));
+  }
+  EXPECT_EQ(engine.weight_version(), 1);
+  ASSERT_EQ(outs.size(), 1u);
+  for (const auto& s : outs[0].samples) {
+    ASSERT_EQ(s.weight_versions.size(), s.tokens.size());
+    EXPECT_TRUE(std::is_sorted(s.weight_versions.begin(), s.weight_versions.end()));
+    EXPECT_EQ(s.weight_versions.front(), 0);
+    EXPECT_EQ(s.weight_versions.back(), 1);  // 12 tokens outlast the 4 steps before the update
+  }
+  auto wrong = b.named_parameters();
+  wrong[3].second = at::zeros({2, 2});
+  EXPECT_THROW(engine.update_weights(wrong), Error);
+  EXPECT_EQ(engine.weight_version(), 1);
 }
 
 TEST(Engine, BadRequestsGiveClearErrors) {
