@@ -357,7 +357,8 @@ DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
   if (!KILN_WITH_CUDA || !x.is_cuda() || !(bf16 || x.scalar_type() == at::kFloat) || !w.kernel_layout || w.stacked())
     return DensePath::kReference;
   const int64_t M = x.size(0);
-  if (M <= 16 || (bf16 && M <= kStagedMaxRows)) return M <= 16 ? DensePath::kSplitK : DensePath::kStaged;
+  if (M <= 16) return DensePath::kSplitK;
+  if (bf16 && M <= kStagedMaxRows) return DensePath::kStaged;
   return M <= kFusedMaxRows ? DensePath::kSplitK : DensePath::kDequantized;
 }
 

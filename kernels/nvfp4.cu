@@ -370,8 +370,8 @@ cudaError_t launch_staged_kernel(const void* x, const uint8_t* packed, const uin
                             extra, static_cast<__nv_bfloat16*>(y), M, N, K);
 }
 
-// Every staged kernel's shared-memory limit raised above the default 48 KB, once per process (and
-// before any stream capture can reach a launch: the first linear call of any size does it).
+// Every staged kernel's shared-memory limit raised above the default 48 KB, once per process, at
+// the first staged call (forced by a caller that warms up before it captures a graph).
 template <int NT, int kParts>
 cudaError_t allow_staged_smem() {
   return cudaFuncSetAttribute(staged_kernel<NT, kParts>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -484,11 +484,13 @@ cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* 
                                 int64_t K, cudaStream_t stream, Nvfp4Gemm gemm) {
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != Nvfp4DType::kFloat32 && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
-  const cudaError_t prepared = prepare_staged_kernels();
-  if (prepared != cudaSuccess) return prepared;
-  if (gemm == Nvfp4Gemm::kStaged && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
   // kAuto is split-K: the staged kernel has not yet measured faster at any shape (nvfp4.cpp).
-  if (gemm == Nvfp4Gemm::kStaged) return launch_staged(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream);
+  if (gemm == Nvfp4Gemm::kStaged) {
+    if (dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
+    const cudaError_t prepared = prepare_staged_kernels();
+    if (prepared != cudaSuccess) return prepared;
+    return launch_staged(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream);
+  }
   return dtype == Nvfp4DType::kFloat32
              ? launch_linear_blocks<true>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream)
              : launch_linear_blocks<false>(x, packed, block_scale, tensor_scale, scale, y, M, N, K, stream);

@@ -130,7 +130,6 @@ at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at
   KILN_CHECK(err == cudaSuccess, "nvfp4_linear_cuda: kernel launch failed: ", cudaGetErrorString(err));
   return y;
 #else
-  (void)gemm;
   KILN_FAIL("nvfp4_linear_cuda: this build has no CUDA kernels (KILN_WITH_CUDA=0); rebuild with KILN_CUDA=ON");
 #endif
 }

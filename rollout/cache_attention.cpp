@@ -12,7 +12,7 @@ CacheAttention::CacheAttention(KvCache& kv, const model::ModelConfig& cfg)
     : kv_(kv), W_(cfg.sliding_window), group_(cfg.num_q_heads / cfg.num_kv_heads) {}
 
 void CacheAttention::plan(const std::vector<Work>& step) {
-  work_ = step;
+  work_ = &step;
   plan_group(0);
   if (kv_.has_window_layers()) plan_group(1);
 }
@@ -20,13 +20,14 @@ void CacheAttention::plan(const std::vector<Work>& step) {
 // Builds plan[g] for the scheduled work: every cache row read or written, in few host-to-device
 // copies, and the padded layout of the decode items.
 void CacheAttention::plan_group(int g) {
+  const std::vector<Work>& work = *work_;
   const bool full = g == 0;
   GroupPlan& p = plan_[g];
   std::vector<int64_t> decode_read, write_rows, write_src, piece_rows, decode_out;
   std::vector<std::vector<int64_t>> q_rows, q_pos, k_rows, k_pos;
-  std::vector<std::pair<int64_t, int64_t>> pieces(work_.size(), {0, 0});
-  for (size_t i = 0; i < work_.size(); ++i) {
-    const Work& w = work_[i];
+  std::vector<std::pair<int64_t, int64_t>> pieces(work.size(), {0, 0});
+  for (size_t i = 0; i < work.size(); ++i) {
+    const Work& w = work[i];
     const Seq& s = *w.seq;
     const int64_t lo = full ? 0 : w.window_lo;
     if (w.n == 1) {
@@ -64,13 +65,14 @@ void CacheAttention::plan_group(int g) {
   p.write_rows = to_dev(write_rows);
   p.write_src = to_dev(write_src);
   at::Tensor all_pieces = to_dev(piece_rows);
-  p.piece_read.assign(work_.size(), at::Tensor());
-  for (size_t i = 0; i < work_.size(); ++i)
-    if (work_[i].n > 1) p.piece_read[i] = all_pieces.narrow(0, pieces[i].first, pieces[i].second);
+  p.piece_read.assign(work.size(), at::Tensor());
+  for (size_t i = 0; i < work.size(); ++i)
+    if (work[i].n > 1) p.piece_read[i] = all_pieces.narrow(0, pieces[i].first, pieces[i].second);
 }
 
 at::Tensor CacheAttention::attend(int64_t layer, bool full, const model::PackedBatch& batch, const at::Tensor& q,
                                   const at::Tensor& k, const at::Tensor& v) {
+  const std::vector<Work>& work = *work_;
   const int64_t g = kv_.group_of(layer);
   const GroupPlan& p = plan_[full ? 0 : 1];
   at::Tensor kl = kv_.keys(full)[g], vl = kv_.values(full)[g];  // [blocks * B, Hkv, hd]
@@ -80,8 +82,8 @@ at::Tensor CacheAttention::attend(int64_t layer, bool full, const model::PackedB
     at::Tensor vs = at::cat({vl.index_select(0, p.decode_read), v}, 0);
     o.index_copy_(0, p.decode_out, model::padded_attention(p.decode, q, ks, vs, full, W_));
   }
-  for (size_t i = 0; i < work_.size(); ++i) {
-    const Work& w = work_[i];
+  for (size_t i = 0; i < work.size(); ++i) {
+    const Work& w = work[i];
     if (w.n == 1) continue;
     at::Tensor kn = k.narrow(0, w.offset, w.n), vn = v.narrow(0, w.offset, w.n);
     const at::Tensor& read = p.piece_read[i];

@@ -20,6 +20,7 @@ class CacheAttention : public model::AttentionBackend {
   // Routes the step's reads and writes: every cache row in few host-to-device copies, the decode
   // items (one new token each) as one padded batch, prefill pieces one by one. `work` gives each
   // item's rows in the packed batch; its sequences' blocks are writable for the new positions.
+  // `work` is read again by attend(): it must live, unchanged, until the step's forward is done.
   void plan(const std::vector<Work>& work);
   // q [T, Hq, hd], k and v [T, Hkv, hd]: the planned step's new tokens (RoPE applied).
   at::Tensor attend(int64_t layer, bool full, const model::PackedBatch& batch, const at::Tensor& q,
@@ -41,7 +42,7 @@ class CacheAttention : public model::AttentionBackend {
 
   KvCache& kv_;
   int64_t W_, group_;                    // window; query heads per KV head
-  std::vector<Work> work_;               // the planned step
+  const std::vector<Work>* work_ = nullptr;  // the planned step (the caller's)
   GroupPlan plan_[2];                    // [0] full-attention layers, [1] window layers
 };
 

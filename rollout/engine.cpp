@@ -7,12 +7,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
-#include <cmath>
-#include <deque>
 #include <functional>
-#include <limits>
 #include <map>
 #include <numeric>
 #include <set>
@@ -74,12 +70,11 @@ struct Engine::Impl {
   model::Muse model;
   model::ModelConfig cfg;
   EngineConfig ec;
-  int64_t B, W;                          // block size, window
   KvCache kv;
   Scheduler sched;
   std::map<int64_t, RequestState> requests;
   int64_t next_request = 0;
-  std::vector<Work> work;                // the current step's schedule (a copy of sched's)
+  const std::vector<Work>& work;         // the current step's schedule (sched's)
   CacheAttention attention;              // the forward's attention over the cache
   bool use_graph = false;                // the current step replays a CUDA graph (set by schedule)
   EngineStats st;
@@ -88,9 +83,9 @@ struct Engine::Impl {
   int64_t weight_version = 0;            // weight or adapter updates so far
 
   Impl(const model::Muse& m, EngineConfig config)
-      : model(m.clone()), cfg(m.config()), ec(validated(config)), B(ec.block_size), W(cfg.sliding_window),
+      : model(m.clone()), cfg(m.config()), ec(validated(config)),
         kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device()),
-        sched(kv, ec, cfg.sliding_window), attention(kv, cfg) {
+        sched(kv, ec, cfg.sliding_window), work(sched.work()), attention(kv, cfg) {
     if (ec.quantization != Quantization::kNone) {
       // The GEMM kernels read their own sign-bit layout; the CPU reference reads ModelOpt's.
       model::quantize_model(model, /*kernel_layout=*/model.device().is_cuda(), /*drop_dense=*/true);
@@ -120,7 +115,7 @@ struct Engine::Impl {
 
   // The step's work (scheduler.h), and the plans that route its cache reads and writes.
   void schedule() {
-    work = sched.schedule();
+    sched.schedule();
     use_graph = graph_step();
     if (!use_graph) attention.plan(work);  // a graph step finds its keys through block tables instead
     st.peak_full_blocks = std::max(st.peak_full_blocks, kv.pool(true).used());
@@ -145,7 +140,7 @@ struct Engine::Impl {
     const int64_t longest = int64_t(r.prompt.size()) + p.max_tokens;
     KILN_CHECK(longest <= cfg.max_position_embeddings, "rollout: prompt (", r.prompt.size(), ") + max_tokens (",
                p.max_tokens, ") exceeds max_position_embeddings=", cfg.max_position_embeddings);
-    const int64_t blocks = (longest + B - 1) / B;
+    const int64_t blocks = (longest + ec.block_size - 1) / ec.block_size;
     KILN_CHECK(blocks <= kv.pool(true).total(), "rollout: one sample of ", longest, " tokens needs ", blocks,
                " KV blocks but the cache holds ", kv.pool(true).total(), "; raise kv_cache_bytes");
     const int64_t id = next_request++;
@@ -292,7 +287,7 @@ struct Engine::Impl {
     std::vector<int64_t> rows;
     std::vector<Seq*> ready;
     for (size_t i = 0; i < work.size(); ++i) {
-      Work& w = work[i];
+      const Work& w = work[i];
       Seq& s = *w.seq;
       // Only positions routed for the first time: a recompute after preemption can route a token
       // differently (bf16, other batch shapes), but its next token was drawn under the first.

@@ -119,7 +119,7 @@ void bench_dense(at::Device device, double bw, const std::vector<int64_t>& only)
                                  : nan;
       const double tb = per_call(device, [&](int i) { at::linear(x, ws[size_t(i % nb)]); });
       const double ta = per_call(device, [&](int i) { kernels::nvfp4_linear(x, qs[size_t(i % nq)]); });
-      const char* path = ta == ta ? kernels::nvfp4_linear_path(x, qs[0]) : "?";
+      const char* path = kernels::nvfp4_linear_path(x, qs[0]);
       const double bytes = nvfp4_bytes(1, N, K) + 2.0 * double(M) * double(K + N);
       fmt::print("{:>5} {:>6} {:>6} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>8} {:>8.2f} {:>7.0f}% {:>9.2f}x {:>8.1f} {:>9.2f}x\n",
                  M, N, K, split * 1e6, staged * 1e6, deq * 1e6, tb * 1e6, path, bytes / ta / 1e12,

@@ -360,26 +360,25 @@ struct GrpoTrainer::Impl {
       take(round);
       ++rounds;
     }
-    // This rank's share of prompts_per_step, in rank order of what each kept.
+    // Each rank's share, in rank order of what each kept, from one gather of the counts. One group
+    // at least per rank: a rank without trajectories would leave the others waiting in the step's
+    // collectives. So a batch may pass prompts_per_step by up to the number of ranks less one.
     const at::Tensor counts = group.all_gather(at::tensor(std::vector<int64_t>{int64_t(kept.size() / n)}));
-    int64_t before = 0;
-    for (int64_t r = 0; r < group.rank(); ++r) before += counts[r].item<int64_t>();
-    // Every rank keeps one group at least (each must train: a rank without trajectories would leave
-    // the others waiting in the step's collectives), so the batch may pass prompts_per_step by up
-    // to the number of ranks less one.
-    const int64_t mine = std::max<int64_t>(1, std::min<int64_t>(int64_t(kept.size() / n), cfg.prompts_per_step - before));
-    if (int64_t(kept.size() / n) > mine) kept.resize(size_t(mine) * n);
-    if (kept.empty()) {  // every group flat here: it trains on one with no advantage
-      kept = std::move(fallback);
-      --dropped;
+    Batch b;
+    for (int64_t r = 0, before = 0; r < group.size(); ++r) {
+      const int64_t had = counts[r].item<int64_t>(), keeps = std::max<int64_t>(1, std::min(had, cfg.prompts_per_step - before));
+      if (r == group.rank()) {
+        b.first = b.total;
+        if (had > keeps) kept.resize(size_t(keeps) * n);
+        if (kept.empty()) {
+          kept = std::move(fallback);
+          --dropped;
+        }
+      }
+      b.total += keeps;
+      before += had;
     }
     trajs = std::move(kept);
-    Batch b;
-    const at::Tensor kept_counts = group.all_gather(at::tensor(std::vector<int64_t>{int64_t(trajs.size() / n)}));
-    for (int64_t r = 0; r < group.size(); ++r) {
-      b.total += kept_counts[r].item<int64_t>();
-      if (r < group.rank()) b.first += kept_counts[r].item<int64_t>();
-    }
     m.sampling_rounds = rounds;
     m.groups_trained = b.total;
     m.groups_dropped = int64_t(group.all_reduce(double(dropped)));

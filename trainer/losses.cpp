@@ -69,20 +69,22 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossConfig&
   PolicyLossOutput out;
   const double n_tokens = mask.sum().item<double>();
   const double denom_tokens = std::max(n_tokens, 1.0);
-  if (cfg.tis) {
-    KILN_CHECK(in.rollout_logprobs.defined(), "policy_loss: TIS needs rollout_logprobs");
+  // The rollout correction's ratio exp(lp_old - lp_roll), no gradient: TIS caps it, MIS masks by it.
+  at::Tensor roll_ratio;
+  if (cfg.tis || cfg.mis) {
+    KILN_CHECK(in.rollout_logprobs.defined(), "policy_loss: ", cfg.tis ? "TIS" : "MIS", " needs rollout_logprobs");
     check_tokens(in.rollout_logprobs, T, "rollout_logprobs");
-    at::Tensor w = at::exp(in.old_logprobs.to(acc) - in.rollout_logprobs.to(acc)).clamp_max(cfg.tis_cap).detach();
+    roll_ratio = at::exp(in.old_logprobs.to(acc) - in.rollout_logprobs.to(acc)).detach();
+  }
+  if (cfg.tis) {
+    at::Tensor w = roll_ratio.clamp_max(cfg.tis_cap);
     per_token = per_token * w;
     out.tis_weight_mean = (w * mask).sum().item<double>() / denom_tokens;
   }
   if (cfg.mis) {
-    KILN_CHECK(in.rollout_logprobs.defined(), "policy_loss: MIS needs rollout_logprobs");
     KILN_CHECK(cfg.mis_low >= 0 && cfg.mis_low <= 1 && cfg.mis_high >= 1, "policy_loss: MIS range must satisfy ",
                "0 <= mis_low <= 1 <= mis_high (mis_low=", cfg.mis_low, ", mis_high=", cfg.mis_high, ")");
-    check_tokens(in.rollout_logprobs, T, "rollout_logprobs");
-    at::Tensor r = at::exp(in.old_logprobs.to(acc) - in.rollout_logprobs.to(acc)).detach();
-    at::Tensor keep = r.ge(cfg.mis_low).logical_and(r.le(cfg.mis_high)).to(acc);
+    at::Tensor keep = roll_ratio.ge(cfg.mis_low).logical_and(roll_ratio.le(cfg.mis_high)).to(acc);
     per_token = per_token * keep;
     out.mis_masked_fraction = ((1 - keep) * mask).sum().item<double>() / denom_tokens;
   }
