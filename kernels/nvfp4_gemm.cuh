@@ -10,6 +10,7 @@
 
 #include "kernels/cuda_convert.cuh"
 #include "kernels/cuda_memory.cuh"
+#include "kernels/cuda_mma.cuh"
 #include "kernels/nvfp4_layout.h"
 
 namespace kiln::kernels::nvfp4_gemm {
@@ -31,24 +32,10 @@ constexpr int kSuper = 256;  // K per warp iteration
 static_assert(kRowsPerBlock == nvfp4_layout::kTileRows && kSuper == nvfp4_layout::kTileBlocks * kBlock,
               "a warp step is one tile of the kernel layout");
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // A 16-value block (two kernel-layout words, E4M3 scale sf >= 0) -> its 8 bf16x2 pairs of
@@ -85,11 +72,6 @@ struct XBlk {
   uint32_t hi[8];
   uint32_t lo[kF32 ? 8 : 1];
 };
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);  // a in the low half
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 
 template <bool kF32>
 __device__ __forceinline__ void load_x(XBlk<kF32>& f, const void* row, int64_t k) {
