@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -94,7 +95,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 at::Tensor paged_decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& block_table, const at::Tensor& positions,
-                                       int64_t block_size, int64_t window, int64_t ring) {
+                                       int64_t block_size, int64_t window, int64_t ring, PagedDecodeKernel kernel) {
 #if KILN_WITH_CUDA
   check_args(q, k_cache, v_cache, block_table, positions, block_size, window, ring);
   const int64_t n = q.size(0), hq = q.size(1), hkv = k_cache.size(1), hd = q.size(2);
@@ -124,6 +125,14 @@ at::Tensor paged_decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_
   a.positions = pos.data_ptr<int64_t>();
   a.n = n, a.hq = hq, a.hkv = hkv, a.head_dim = hd, a.block_size = block_size, a.window = window, a.ring = ring;
   a.splits = splits;
+  // The tensor-core kernel reads q and the caches 16 bytes at a time.
+  const auto aligned16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  const bool mma_ok = q.scalar_type() == at::kBFloat16 && paged_decode_tensor_cores_support(hd, hq / hkv) &&
+                      aligned16(qc) && aligned16(k_cache) && aligned16(v_cache);
+  KILN_CHECK(kernel != PagedDecodeKernel::kTensorCores || mma_ok,
+             "paged_decode_attention_cuda: the tensor-core kernel takes bf16, head_dim 64 or 128, group <= 16 and "
+             "16-byte aligned tensors (got ", q.scalar_type(), ", head_dim ", hd, ", group ", hq / hkv, ")");
+  a.tensor_cores = mma_ok && kernel != PagedDecodeKernel::kSimt;
   at::Tensor part;
   if (splits > 1) {
     part = at::empty({n * hq * splits * (hd + 2)}, qc.options().dtype(at::kFloat));

@@ -24,9 +24,14 @@ at::Tensor paged_decode_attention_reference(const at::Tensor& q, const at::Tenso
 // Whether the CUDA kernel handles this shape: fp32 or bf16, head_dim 16/32/64/128/256, and a GQA
 // group (Hq / Hkv) of at most 16 whose partial sums fit in 48 KiB of shared memory.
 bool paged_decode_attention_cuda_supports(at::ScalarType dtype, int64_t head_dim, int64_t group);
-// The CUDA kernel; throws in builds without CUDA or for unsupported shapes. No host sync.
+// The CUDA kernels: SIMT (fp32 and bf16, every supported shape) and, for bf16 with head_dim 64 or
+// 128, tensor cores (the group's query heads as an MMA's rows; P rounded to bf16 before P.V).
+enum class PagedDecodeKernel { kAuto, kSimt, kTensorCores };
+// The CUDA kernel (kAuto: tensor cores where they apply); throws in builds without CUDA or for
+// unsupported shapes. No host sync.
 at::Tensor paged_decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& block_table, const at::Tensor& positions,
-                                       int64_t block_size, int64_t window, int64_t ring);
+                                       int64_t block_size, int64_t window, int64_t ring,
+                                       PagedDecodeKernel kernel = PagedDecodeKernel::kAuto);
 
 }  // namespace kiln::kernels

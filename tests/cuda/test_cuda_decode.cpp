@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <vector>
 
 #include "kernels/paged_attention.h"
 #include "kernels/sampling.h"
@@ -27,7 +28,7 @@ TEST(CudaPagedAttention, MatchesReferenceOnOddSizes) {
   const auto dev = at::TensorOptions().device(at::kCUDA);
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     for (int64_t hd : {16, 64, 128}) {
-      for (int64_t group : {1, 2, 8, 12}) {
+      for (int64_t group : {1, 2, 8, 12, 16}) {
         for (int64_t n : {1, 19, 111}) {
           for (int64_t window : {0, 111}) {
             // n = 111 with 4 KV heads fills the GPU without key splits; smaller n split the keys.
@@ -48,12 +49,20 @@ TEST(CudaPagedAttention, MatchesReferenceOnOddSizes) {
             at::Tensor q = at::randn({n, hkv * group, hd}, dev).to(dtype);
             at::Tensor positions = at::tensor(pos).cuda();
             table = table.cuda();
-            at::Tensor got = kernels::paged_decode_attention_cuda(q, kc, vc, table, positions, block, window, ring);
             at::Tensor ref = kernels::paged_decode_attention_reference(
                 q.to(at::kFloat), kc.to(at::kFloat), vc.to(at::kFloat), table, positions, block, window, ring);
-            const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;  // bf16: the output's own rounding
-            EXPECT_TRUE(test::all_close(got.to(at::kFloat).cpu(), ref.cpu(), tol, tol))
-                << dtype << " hd " << hd << " group " << group << " n " << n << " window " << window;
+            // bf16: the output's own rounding, and on tensor cores P rounded to bf16 before P.V.
+            const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+            using K = kernels::PagedDecodeKernel;
+            std::vector<K> kinds = {K::kAuto, K::kSimt};
+            if (dtype == at::kBFloat16 && (hd == 64 || hd == 128)) kinds.push_back(K::kTensorCores);
+            for (K kind : kinds) {
+              at::Tensor got =
+                  kernels::paged_decode_attention_cuda(q, kc, vc, table, positions, block, window, ring, kind);
+              EXPECT_TRUE(test::all_close(got.to(at::kFloat).cpu(), ref.cpu(), tol, tol))
+                  << dtype << " kernel " << int(kind) << " hd " << hd << " group " << group << " n " << n
+                  << " window " << window;
+            }
           }
         }
       }
@@ -66,6 +75,13 @@ TEST(CudaPagedAttention, MatchesReferenceOnOddSizes) {
   at::Tensor table = at::zeros({1, 1}, dev.dtype(at::kLong)), pos = at::zeros({1}, dev.dtype(at::kLong));
   EXPECT_TRUE(test::throws_with([&] { kernels::paged_decode_attention_cuda(q, kc, kc, table, pos, 16, 0, 0); },
                                 {"no kernel for dtype", "head_dim 48"}));
+  at::Tensor q32 = at::zeros({1, 2, 32}, dev), kc32 = at::zeros({16, 1, 32}, dev);
+  EXPECT_TRUE(test::throws_with(
+      [&] {
+        kernels::paged_decode_attention_cuda(q32, kc32, kc32, table, pos, 16, 0, 0,
+                                             kernels::PagedDecodeKernel::kTensorCores);
+      },
+      {"tensor-core kernel takes bf16", "head_dim 32"}));
 }
 
 TEST(CudaSampling, MatchesReferenceOnOddSizes) {
