@@ -5,8 +5,6 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #if KILN_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
-#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -30,43 +28,7 @@ constexpr double kRotateBytes = 256.0 * (1 << 20);  // weight copies cover at le
 
 int copies_for(double bytes) { return int(std::max(1.0, std::ceil(kRotateBytes / std::max(bytes, 1.0)))); }
 
-// Seconds per call of fn(i) (i = call index) from a graph of kCalls calls, timed with device
-// events around 10 back-to-back replays (so the host's launch gap is paid once per 200 calls, not
-// per call); the median of 5 such runs. Eager, by host clock, if capture fails.
-double per_call(at::Device device, const std::function<void(int)>& fn) {
-#if KILN_WITH_CUDA
-  try {
-    sync(device);
-    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
-    at::cuda::CUDAGraph graph;
-    {
-      c10::cuda::CUDAStreamGuard guard(side);
-      for (int i = 0; i < kCalls; ++i) fn(i);  // warm-up: lazy library state outside the capture
-      side.synchronize();
-      graph.capture_begin();
-      for (int i = 0; i < kCalls; ++i) fn(i);
-      graph.capture_end();
-    }
-    sync(device);
-    constexpr int kReplays = 10;
-    std::vector<double> runs;
-    for (int run = 0; run < 7; ++run) {
-      at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);  // timing enabled
-      start.record();
-      for (int r = 0; r < kReplays; ++r) graph.replay();
-      stop.record();
-      stop.synchronize();
-      if (run >= 2) runs.push_back(double(start.elapsed_time(stop)) * 1e-3 / (kReplays * kCalls));  // 2 warm-ups
-    }
-    std::sort(runs.begin(), runs.end());
-    return runs[runs.size() / 2];
-  } catch (const std::exception& e) {
-    fmt::print("  (graph capture failed: {}; timing eagerly)\n", std::string(e.what()).substr(0, 120));
-  }
-#endif
-  int i = 0;
-  return time_it(device, [&] { fn(i++); }, 3, 20);
-}
+double per_call(at::Device device, const std::function<void(int)>& fn) { return graphed_per_call(device, fn, kCalls); }
 
 double nvfp4_bytes(int64_t matrices, int64_t N, int64_t K) { return double(matrices) * double(N) * double(K) * (0.5 + 1.0 / 16); }
 

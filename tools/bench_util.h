@@ -15,6 +15,11 @@ void sync(at::Device device);
 // Median seconds per call of `fn` over `iters` calls after `warmup` calls.
 double time_it(at::Device device, const std::function<void()>& fn, int warmup = 3, int iters = 20);
 
+// Seconds per call of fn(i) (i = 0..calls-1) from a CUDA graph of `calls` calls, timed with device
+// events around 10 back-to-back replays (the host's launch gap is paid once per 10 * calls calls),
+// the median of 5 such runs. By host clock, eagerly, off CUDA or if capture fails.
+double graphed_per_call(at::Device device, const std::function<void(int)>& fn, int calls = 20);
+
 // Runs `fn` once under the Kineto profiler (CPU ops, and CUDA kernels on a CUDA device) and saves
 // a Chrome trace to `path` (tools/profile_summary.py reads it).
 void profile_to(const std::string& path, at::Device device, const std::function<void()>& fn);
@@ -37,6 +42,8 @@ struct RolloutBenchShape {
 // `profile` (optional): a path prefix for Kineto traces of a few full-batch decode steps per weights.
 void bench_rollout(at::Device device, const std::string& config, const RolloutBenchShape& shape,
                    const std::string& quantization, const std::string& profile);
+// `kiln bench attention`: paged decode attention, tensor cores against SIMT (tools/bench_attention.cpp).
+void bench_attention(at::Device device);
 // `kiln bench nvfp4`: the W4A16 GEMMs (dense, grouped) against BF16 GEMMs and the copy bandwidth.
 // only: {M, N, K} of one dense case of the table (for profilers), or empty for all.
 void bench_nvfp4(at::Device device, const std::vector<int64_t>& only = {});

@@ -4,12 +4,17 @@
 // rollout (the RL workload through the engine: tools/bench_rollout.cpp),
 // train (one training step's forward+backward on 8192 packed tokens: tok/s, model TFLOP/s, grouped
 // GEMM vs per-expert loop), optim (tools/bench_optim.cpp), nvfp4 (W4A16 GEMMs vs BF16: tools/bench_nvfp4.cpp),
+// attention (paged decode, tensor cores vs SIMT: tools/bench_attention.cpp),
 // tokenize (kiln vs HF tokenizers' Node binding: tools/bench_tokenize.cpp).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #if KILN_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <chrono>
@@ -44,6 +49,41 @@ double time_it(at::Device device, const std::function<void()>& fn, int warmup, i
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+double graphed_per_call(at::Device device, const std::function<void(int)>& fn, int calls) {
+#if KILN_WITH_CUDA
+  try {
+    sync(device);
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    at::cuda::CUDAGraph graph;
+    {
+      c10::cuda::CUDAStreamGuard guard(side);
+      for (int i = 0; i < calls; ++i) fn(i);  // warm-up: lazy library state outside the capture
+      side.synchronize();
+      graph.capture_begin();
+      for (int i = 0; i < calls; ++i) fn(i);
+      graph.capture_end();
+    }
+    sync(device);
+    constexpr int kReplays = 10;
+    std::vector<double> runs;
+    for (int run = 0; run < 7; ++run) {
+      at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);  // timing enabled
+      start.record();
+      for (int r = 0; r < kReplays; ++r) graph.replay();
+      stop.record();
+      stop.synchronize();
+      if (run >= 2) runs.push_back(double(start.elapsed_time(stop)) * 1e-3 / (kReplays * calls));  // 2 warm-ups
+    }
+    std::sort(runs.begin(), runs.end());
+    return runs[runs.size() / 2];
+  } catch (const std::exception& e) {
+    fmt::print("  (graph capture failed: {}; timing eagerly)\n", std::string(e.what()).substr(0, 120));
+  }
+#endif
+  int i = 0;
+  return time_it(device, [&] { fn(i++); }, 3, 20);
 }
 
 double copy_bandwidth(at::Device device) {
@@ -330,9 +370,9 @@ Run add_bench(CLI::App& app) {
     std::vector<int64_t> shape;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("case", a->name, "rmsnorm, forward, decode, rollout, train, optim or nvfp4")
+  cmd->add_option("case", a->name, "rmsnorm, forward, decode, rollout, train, optim, nvfp4 or attention")
       ->required()
-      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "rollout", "train", "optim", "nvfp4"}));
+      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "rollout", "train", "optim", "nvfp4", "attention"}));
   void add_bench_tokenize(CLI::App&); add_bench_tokenize(*cmd);  // the tokenize case: tools/bench_tokenize.cpp
   cmd->add_option("model", a->model, "Model config (the same as --config), e.g. kiln bench train configs/muse-small.yaml");
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N (default: cuda when there is one, else cpu)");
@@ -371,6 +411,7 @@ Run add_bench(CLI::App& app) {
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
     else if (a->name == "nvfp4") bench_nvfp4(device, a->shape);
+    else if (a->name == "attention") bench_attention(device);
     else bench_forward(device, config, a->seqs, a->len);
   };
 }

@@ -6,8 +6,9 @@
 # phases, fused kernels on and off), optim (bench optim alone, also part of bench), ncu (kernel
 # metrics of the fused path's memory-bound kernels, into profile.txt) and calibrate (kiln plan
 # against the measured peak memory of muse-small GRPO runs), rollout (issue 20's RL workload, decode
-# and the peer's decode, into rollout.txt) and nvfp4 (the GEMMs' cuda tests and bench nvfp4, into
-# nvfp4.txt).
+# and the peer's decode, into rollout.txt) nvfp4 (the GEMMs' cuda tests and bench nvfp4, into
+# nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
+# attention (the paged decode kernels' cuda tests and bench attention, into attention.txt).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -230,6 +231,34 @@ step "nvfp4: cuda tests of the GEMMs, then bench nvfp4"
   | head -80 | tee -a "$out/nvfp4.txt"
 ./build-gpu/kiln bench nvfp4 --device cuda 2>&1 | tee -a "$out/nvfp4.txt"
 fi  # nvfp4
+if want attention; then
+# Paged decode attention (issue 20): its cuda tests (every kernel against the reference on odd
+# sizes) and bench attention (tensor cores against SIMT, and both against the copy bandwidth).
+step "attention: cuda tests of the paged decode kernels, then bench attention"
+./build-gpu/tests/kiln_test_cuda --gtest_filter='CudaPagedAttention*' 2>&1 | grep -E "OK|FAILED|Failure|Expected|Which is|PASSED" \
+  | head -60 | tee -a "$out/attention.txt"
+./build-gpu/kiln bench attention --device cuda 2>&1 | tee -a "$out/attention.txt"
+fi  # attention
+if want mismatch; then
+# Issues 20 and 22: the train-vs-rollout gap of a trained model, not of a random init. muse-small
+# gets a short SFT on two-digit addition (KILN_SFT_STEPS, default 300), then `kiln mismatch` samples
+# 256 prompts x 8 from BF16, NVFP4 (W4A16) and W4A4 (dynamic per-token scales) rollouts of those
+# same weights and rescores every token with the bf16 trainer, R3 on and off. No weight changes.
+step "mismatch: muse-small after ${KILN_SFT_STEPS:-300} SFT steps"
+sed -e "s|config: ../configs|config: $PWD/configs|" recipes/grpo-arith-small-gpu.yaml > "$tmp/sft.yaml"
+printf 'sft:\n  steps: %s\n  batch_size: 64\n  lr: 0.001\n  lr_decay: cosine\n  min_lr_ratio: 0.1\n' \
+  "${KILN_SFT_STEPS:-300}" >> "$tmp/sft.yaml"
+./build-gpu/kiln sft "$tmp/sft.yaml" --out "$tmp/sft" 2>&1 | tr '\r' '\n' | grep -v "^sft [0-9]" | tail -3 \
+  | tee -a "$out/mismatch.txt"
+python3 -c 'import random; r = random.Random(7)
+for _ in range(256): print("{\"prompt\": \"%d+%d=\"}" % (r.randint(10, 99), r.randint(10, 99)))' > "$tmp/prompts.jsonl"
+for q in none nvfp4 w4a4; do
+  step "kiln mismatch, rollout weights $q" | tee -a "$out/mismatch.txt"
+  ./build-gpu/kiln mismatch --model "$tmp/sft/sft" --prompts "$tmp/prompts.jsonl" -n 8 --max-tokens 8 --stop 10 \
+    --dtype bf16 --device cuda --quantization $q --kv-cache-mb 4096 --max-num-seqs 256 --quiet 2>&1 \
+    | tee -a "$out/mismatch.txt"
+done
+fi  # mismatch
 if want bench || want optim; then
 step "bench optim (muse-small; NVMe state under /tmp)"
 mkdir -p /tmp/kiln-nvme
