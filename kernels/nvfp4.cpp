@@ -349,6 +349,7 @@ namespace {
 // kernel is never the fastest of the three yet: kStagedMaxRows keeps it out of the dispatch.
 constexpr int64_t kFusedMaxRows = 64;
 constexpr int64_t kStagedMaxRows = 0;
+constexpr int64_t kGroupAlign = 16;  // torch's grouped GEMM: each segment starts on a 16-row boundary
 
 enum class DensePath { kReference, kSplitK, kStaged, kDequantized };
 
@@ -363,33 +364,29 @@ DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
 }
 
 #if KILN_WITH_CUDA
-// Codes times block scales (exact in bf16), in x's dtype, on the GPU.
-at::Tensor unit_dequantize(const Nvfp4Tensor& w, const at::Tensor& x) {
-  Nvfp4Tensor unit = w;
-  unit.tensor_scale = at::ones_like(w.tensor_scale);
-  return nvfp4_dequantize_cuda(unit, x.scalar_type());
+#if KILN_TORCH_AT_LEAST(2, 8)
+// Torch's grouped GEMM on the whole stack dequantised in one launch (each weight rounded once to
+// x's dtype, its expert's tensor scale included); xp's segments end at `ends` (int32) and start
+// on 16-row boundaries.
+at::Tensor dequantized_grouped_mm(const at::Tensor& xp, const Nvfp4Tensor& w, const at::Tensor& ends) {
+  return at::_grouped_mm(xp, nvfp4_dequantize_cuda(w, xp.scalar_type()).transpose(1, 2), ends);
 }
 
-#if KILN_TORCH_AT_LEAST(2, 8)
-// Grouped prefill on torch's grouped GEMM: the whole stack's codes times block scales dequantised
-// in one launch (exact in bf16), each expert's rows moved to a segment that starts on a 16-row
-// boundary (the grouped GEMM's alignment; the bound R + 15 E is static), each product row times
-// its expert's tensor scale. The offsets stay on the device: nothing waits for the host.
+// Grouped prefill for rows sorted by expert: each expert's rows moved to a segment that starts on
+// a 16-row boundary (the grouped GEMM's alignment; the bound R + 15 E is static) and back. The
+// offsets stay on the device: nothing waits for the host.
 at::Tensor grouped_prefill(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets) {
-  constexpr int64_t kAlign = 16;
   const int64_t R = x.size(0), E = w.packed.size(0);
   const at::Tensor ends_in = offsets.narrow(0, 1, E), starts_in = offsets.narrow(0, 0, E);
-  const at::Tensor padded = at::floor_divide(ends_in - starts_in + (kAlign - 1), kAlign) * kAlign;
+  const at::Tensor padded = at::floor_divide(ends_in - starts_in + (kGroupAlign - 1), kGroupAlign) * kGroupAlign;
   const at::Tensor ends = padded.cumsum(0);
   const at::Tensor rows = at::arange(R, offsets.options());
   const at::Tensor expert = at::searchsorted(ends_in, rows, /*out_int32=*/false, /*right=*/true);
   const at::Tensor dest = (ends - padded).index_select(0, expert) + rows - starts_in.index_select(0, expert);
   // Padding rows stay uninitialised: a GEMM row depends on its own input row only, and no padded
   // output row is read back.
-  at::Tensor xp = at::empty({R + (kAlign - 1) * E, x.size(1)}, x.options()).index_copy_(0, dest, x);
-  at::Tensor yp = at::_grouped_mm(xp, unit_dequantize(w, x).transpose(1, 2), ends.to(at::kInt));
-  // In place: computed in fp32 and rounded once to x's dtype, without an fp32 copy of the output.
-  return yp.index_select(0, dest).mul_(w.tensor_scale.index_select(0, expert).unsqueeze(1));
+  at::Tensor xp = at::empty({R + (kGroupAlign - 1) * E, x.size(1)}, x.options()).index_copy_(0, dest, x);
+  return dequantized_grouped_mm(xp, w, ends.to(at::kInt)).index_select(0, dest);
 }
 #endif
 #endif
@@ -415,12 +412,17 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4Li
   const bool fused = path != DensePath::kDequantized;
   const Nvfp4Gemm gemm = path == DensePath::kStaged ? Nvfp4Gemm::kStaged : Nvfp4Gemm::kSplitK;
   at::Tensor y = fused ? nvfp4_linear_cuda(xin, w, scalar ? extra : at::Tensor(), gemm)
-                       : at::linear(xin, unit_dequantize(w, x)) * w.tensor_scale;  // 0-dim: keeps x's dtype
+                       : at::linear(xin, nvfp4_dequantize_cuda(w, x.scalar_type()));
   if (!extra.defined() || (scalar && fused)) return y;
   return (y.to(at::kFloat) * extra).to(x.scalar_type());
 #else
   return nvfp4_linear_reference(x, w, opt);
 #endif
+}
+
+bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Tensor& x) {
+  return KILN_WITH_CUDA && KILN_TORCH_AT_LEAST(2, 8) && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
+         w.packed.defined() && w.kernel_layout && w.stacked() && rows > kFusedMaxRows * w.packed.size(0);
 }
 
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
@@ -437,7 +439,7 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
     }
 #if KILN_TORCH_AT_LEAST(2, 8)
-    if (x.scalar_type() == at::kBFloat16) {
+    if (nvfp4_grouped_dequantizes(w, x.size(0), x)) {
       at::Tensor y = grouped_prefill(xin, w, offsets);
       return extra.defined() ? (y.to(at::kFloat) * extra).to(x.scalar_type()) : y;
     }
@@ -450,7 +452,7 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
     for (int64_t e = 0; e < E; ++e) {
       if (o[e + 1] == o[e]) continue;
       Nvfp4Tensor one{w.packed[e], w.block_scale[e], w.tensor_scale[e], true, at::Tensor()};
-      at::Tensor part = at::linear(xin.narrow(0, o[e], o[e + 1] - o[e]), unit_dequantize(one, x)) * one.tensor_scale;
+      at::Tensor part = at::linear(xin.narrow(0, o[e], o[e + 1] - o[e]), nvfp4_dequantize_cuda(one, x.scalar_type()));
       if (extra.defined())
         part = part.to(at::kFloat) * (extra.dim() == 0 ? extra : extra.narrow(0, o[e], o[e + 1] - o[e]));
       y.narrow(0, o[e], o[e + 1] - o[e]).copy_(part);
@@ -459,6 +461,23 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
   }
 #endif
   return nvfp4_grouped_linear_reference(x, w, offsets, opt);
+}
+
+at::Tensor nvfp4_grouped_linear_aligned(const at::Tensor& xp, const Nvfp4Tensor& w, const at::Tensor& ends,
+                                        const Nvfp4LinearOptions& opt) {
+  KILN_CHECK(w.stacked() && ends.dim() == 1 && ends.size(0) == w.packed.size(0),
+             "nvfp4_grouped_linear_aligned: ends must be [E] for a stack of E experts (got ", ends.sizes(), " for ",
+             w.packed.sizes(), ")");
+#if KILN_WITH_CUDA && KILN_TORCH_AT_LEAST(2, 8)
+  if (nvfp4_grouped_dequantizes(w, xp.size(0), xp)) {
+    auto [xq, extra] = gemm_input(xp, opt);
+    at::Tensor y = dequantized_grouped_mm(xq.to(xp.scalar_type()), w, ends.to(at::kInt));
+    return extra.defined() ? (y.to(at::kFloat) * extra).to(xp.scalar_type()) : y;
+  }
+#endif
+  // Elsewhere: each padded segment as one expert's rows (its padding rows run through that expert).
+  at::Tensor starts = at::zeros({1}, ends.options().dtype(at::kLong));
+  return nvfp4_grouped_linear(xp, w, at::cat({starts, ends.to(at::kLong)}), opt);
 }
 
 }  // namespace kiln::kernels

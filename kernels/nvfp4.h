@@ -79,8 +79,8 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
                                           const Nvfp4LinearOptions& opt = {});
 // Dispatch: the CUDA GEMMs for CUDA bf16/fp32 inputs with kernel-layout weights, else the references.
 // The fused kernels decode the weights once per 8-32 rows, so calls above 64 rows (per expert on
-// average, for the grouped GEMM) dequantise the codes times block scales (exact in bf16) and run
-// cuBLAS, the tensor scale applied to the rounded product (one extra rounding). Grouped bf16 calls
+// average, for the grouped GEMM) dequantise W (each weight rounded once to x's dtype, the tensor
+// scale folded in: no separate scale pass over the output) and run cuBLAS. Grouped bf16 calls
 // run the whole stack through torch's grouped GEMM (torch >= 2.8) without a host sync; fp32 (and
 // older torch) read the offsets on the host and loop over the experts.
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
@@ -88,6 +88,16 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4Li
 const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w);
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                 const Nvfp4LinearOptions& opt = {});
+// Whether nvfp4_grouped_linear runs `rows` rows like x (dtype, device) on the dequantised stack and
+// torch's grouped GEMM: bf16 on CUDA, torch >= 2.8, kernel layout, above 64 rows per expert.
+bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Tensor& x);
+// The grouped GEMM on rows already in the MoE layer's padded layout (kernels::moe_layout with
+// align 16): expert e's rows end at ends[e] (int32 [E], on x's device) and start on a 16-row
+// boundary; rows between segments are padding (zeros) and their outputs are not meant to be read.
+// Where nvfp4_grouped_dequantizes holds, the dequantised stack goes straight into torch's grouped
+// GEMM (no row moves: the caller's layout is the GEMM's); elsewhere the dispatch above.
+at::Tensor nvfp4_grouped_linear_aligned(const at::Tensor& xp, const Nvfp4Tensor& w, const at::Tensor& ends,
+                                        const Nvfp4LinearOptions& opt = {});
 // W4A4's activation step: x [M, K] -> the dequantised values e2m1(q) * sf (without the second-level
 // scale, which the GEMM applies), exact in bf16; `scale` is that scale: [] (static) or [M, 1].
 at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor& input_scale, at::Tensor* scale);

@@ -142,6 +142,15 @@ void bench_grouped_case(at::Device device, double bw, const char* name, int64_t 
   fmt::print("{:>26} {:>4} {:>5} {:>5} {:>6} {:>5} {:>10.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x {:>8.1f} {:>9.2f}x  ({})\n",
              name, E, N, K, R, touched, tq * 1e6, tb * 1e6, bytes / tq / 1e12, 100.0 * bytes / tq / bw, tb / tq,
              floor * 1e6, tb / floor, baseline);
+#if KILN_TORCH_AT_LEAST(2, 8)
+  // The MoE layer's prefill call: rows already in the grouped GEMM's padded layout (no row moves),
+  // against the same BF16 call on the same rows.
+  if (kernels::nvfp4_grouped_dequantizes(qs[0], xp.size(0), xp)) {
+    const double ta = per_call(device, [&](int i) { kernels::nvfp4_grouped_linear_aligned(xp, qs[size_t(i % nq)], offs); });
+    fmt::print("{:>26} {:>40.1f} {:>10.1f} {:>9} {:>8} {:>10.2f}x  (rows in the MoE layer's padded layout)\n",
+               "same, aligned rows", ta * 1e6, tb * 1e6, "", "", tb / ta);
+  }
+#endif
 }
 
 void bench_grouped(at::Device device, double bw) {

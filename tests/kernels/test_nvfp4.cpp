@@ -365,5 +365,21 @@ TEST(Nvfp4, GroupedReferenceIsOneLinearPerExpert) {
                                 {"offsets must run from 0 to the rows (23)"}));
 }
 
+TEST(Nvfp4, AlignedRowsRunThroughTheirSegmentsExpert) {
+  // The MoE layer's padded layout (segments of 16-row multiples, zero rows between): each real row
+  // gets its expert's product, as in the unpadded grouped call.
+  at::manual_seed(8);
+  Nvfp4Tensor q = nvfp4_quantize_reference(at::randn({3, 19, 32}));
+  at::Tensor offsets = at::tensor({0L, 5L, 5L, 22L});
+  at::Tensor x = at::randn({22, 32});
+  const std::vector<int64_t> dest = {0, 1, 2, 3, 4, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32};
+  at::Tensor rows = at::tensor(dest, at::kLong);
+  at::Tensor xp = at::zeros({48, 32}).index_copy_(0, rows, x);
+  at::Tensor got = nvfp4_grouped_linear_aligned(xp, q, at::tensor({16, 16, 48}, at::kInt)).index_select(0, rows);
+  EXPECT_TRUE(test::all_close(got, nvfp4_grouped_linear_reference(x, q, offsets), 1e-6, 1e-6));
+  EXPECT_TRUE(test::throws_with([&] { nvfp4_grouped_linear_aligned(xp, q, at::tensor({16, 48}, at::kInt)); },
+                                {"ends must be [E]", "[2]"}));
+}
+
 }  // namespace
 }  // namespace kiln::kernels
