@@ -286,11 +286,15 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
                         (int64_t(64) << 20);
     // Decode time: from the step after which every sample has its first token (prefill done) to
     // the end; prefill is excluded. Each engine runs once untimed (CUDA graphs are captured then).
+    // Prefill time: from adding the requests to every sample's first token (prompt tokens per second).
     std::string split;  // where the graph engine's time went, for the note under the table
+    double prefill_tps = 0;
     auto run = [&](rollout::Engine& engine) {
       for (auto& r : reqs) r.params.max_tokens = gen;
       const int64_t start = engine.stats().sampled_tokens;
       rollout::EngineStats s0;
+      sync(device);
+      const auto t0 = std::chrono::steady_clock::now();
       for (const auto& r : reqs) engine.add_request(r);
       std::chrono::steady_clock::time_point a;
       int64_t first = -1;
@@ -301,6 +305,7 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
           a = std::chrono::steady_clock::now();
           first = engine.stats().sampled_tokens;
           s0 = engine.stats();
+          prefill_tps = double(batch * prompt_len) / std::chrono::duration<double>(a - t0).count();
         }
       }
       sync(device);
@@ -322,9 +327,11 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
     };
     const double engine_tps = measure(graphs, quantization);
     const std::string engine_split = split;
+    const double engine_prefill = prefill_tps;
     const double eager_tps = graphs ? measure(false, quantization) : engine_tps;
     // A quantised engine is also compared with the unquantised one on the same requests.
     const double plain_tps = quantization == "none" ? engine_tps : measure(graphs, "none");
+    const double plain_prefill = quantization == "none" ? engine_prefill : prefill_tps;
     // Baseline: recompute the whole sequences for each new token (no KV cache).
     const int64_t steps = device.is_cuda() ? 3 : 1;
     std::vector<std::vector<int64_t>> seqs;
@@ -348,10 +355,11 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
     const double roof_tps = double(batch) / (decode_step_bytes(cfg, batch, prompt_len + gen / 2, elem) / bw);
     fmt::print("{:>6} {:>12.1f} {:>12.1f} {:>14.1f} {:>8.1f}x {:>14.1f} {:>9.1f}%\n", batch, engine_tps, eager_tps, recompute_tps,
                engine_tps / recompute_tps, roof_tps, 100.0 * engine_tps / roof_tps);
-    fmt::print("       engine decode: {}\n", engine_split);
+    fmt::print("       engine decode: {}; prefill {:.0f} prompt tok/s\n", engine_split, engine_prefill);
     if (quantization != "none")
-      fmt::print("       {} engine {:.1f} tok/s vs {} engine {:.1f} tok/s: {:.2f}x\n", quantization, engine_tps,
-                 at::toString(dtype), plain_tps, engine_tps / plain_tps);
+      fmt::print("       {} engine {:.1f} tok/s vs {} engine {:.1f} tok/s: {:.2f}x; prefill {:.0f} vs {:.0f} prompt tok/s: "
+                 "{:.2f}x\n", quantization, engine_tps, at::toString(dtype), plain_tps, engine_tps / plain_tps,
+                 engine_prefill, plain_prefill, engine_prefill / plain_prefill);
   }
 }
 
