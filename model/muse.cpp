@@ -77,6 +77,79 @@ at::Tensor grouped_lora(const at::Tensor& xp, const at::Tensor& a, const at::Ten
 #endif
 }
 
+// One projection of a layer's experts as the forward applies it: the dense stack [E, N, K] or,
+// when that was released, its NVFP4 copy, plus the LoRA pair when adapters are on. Each way the
+// experts run (grouped over the padded layout, grouped over sorted rows, one expert at a time) is
+// one call here, so the callers do not branch on which tensors are set.
+struct ExpertProj {
+  const at::Tensor& dense;
+  const kernels::Nvfp4Tensor& q;
+  const at::Tensor& a;  // undefined: no adapter here, or adapters disabled
+  const at::Tensor& b;
+  double scale;
+  bool w4a4;
+
+  // Rows in the padded layout of kernels::moe_layout (ends: its int32 segment ends), on torch's
+  // grouped GEMM (NVFP4: the dequantised stack, kernels::nvfp4_grouped_linear_aligned).
+  at::Tensor padded(const at::Tensor& xp, const at::Tensor& ends) const {
+#if KILN_TORCH_AT_LEAST(2, 8)
+    at::Tensor y = dense.defined() ? at::_grouped_mm(xp, dense.transpose(1, 2), ends)
+                                   : kernels::nvfp4_grouped_linear_aligned(xp, q, ends, nvfp4_options(q, w4a4));
+    return a.defined() ? y + grouped_lora(xp, a, b, ends, scale) : y;
+#else
+    (void)xp, (void)ends;
+    KILN_FAIL("muse: grouped experts need torch >= 2.8");
+#endif
+  }
+  // NVFP4 rows sorted by expert, unpadded (offsets [E + 1] int64: the fused W4A16 kernel at decode
+  // sizes); adapters run on a padded copy through `l` (kernels::moe_layout).
+  at::Tensor sorted(const at::Tensor& xs, const at::Tensor& offsets, const kernels::MoeLayout& l) const {
+    at::Tensor y = kernels::nvfp4_grouped_linear(xs, q, offsets, nvfp4_options(q, w4a4));
+    if (!a.defined()) return y;
+    at::Tensor xp = at::zeros({l.bound, xs.size(1)}, xs.options()).index_copy(0, l.dest, xs);
+    return y + grouped_lora(xp, a, b, l.offsets, scale).index_select(0, l.dest);
+  }
+  // Expert e alone on its rows x.
+  at::Tensor one(const at::Tensor& x, int64_t e) const {
+    at::Tensor y;
+    if (dense.defined()) {
+      y = at::linear(x, dense[e]);
+    } else {
+      kernels::Nvfp4Tensor qe{q.packed[e], q.block_scale[e], q.tensor_scale[e], q.kernel_layout,
+                              q.input_scale.defined() ? q.input_scale[e] : at::Tensor()};
+      y = kernels::nvfp4_linear(x, qe, nvfp4_options(qe, w4a4));
+    }
+    return a.defined() ? y + at::linear(at::linear(x, a[e]), b[e]) * scale : y;
+  }
+};
+
+struct ExpertStack {
+  ExpertProj gate, up, down;
+  bool quantized;  // the dense stacks were released: NVFP4 serving
+  bool lora;       // some expert adapter applies
+  int64_t experts;
+};
+
+ExpertStack expert_stack(const LayerWeights& lw, int64_t layer, const ForwardOptions& opt) {
+  static const at::Tensor kNone;
+  const auto& nv = lw.nvfp4;
+  const auto& lo = lw.lora;
+  const bool lora = !opt.disable_lora && lo.on_experts();
+  const bool quantized = !lw.expert_gate.defined();
+  KILN_CHECK(!quantized || nv.expert_gate.packed.defined(), "muse: layer ", layer,
+             " experts have neither dense nor NVFP4 weights");
+  auto proj = [&](const at::Tensor& dense, const kernels::Nvfp4Tensor& q, const at::Tensor& a,
+                  const at::Tensor& b) -> ExpertProj {
+    return {dense, q, lora ? a : kNone, lora ? b : kNone, lo.scale, nv.w4a4};
+  };
+  return {proj(lw.expert_gate, nv.expert_gate, lo.gate_a, lo.gate_b),
+          proj(lw.expert_up, nv.expert_up, lo.up_a, lo.up_b),
+          proj(lw.expert_down, nv.expert_down, lo.down_a, lo.down_b),
+          quantized,
+          lora,
+          quantized ? nv.expert_gate.packed.size(0) : lw.expert_gate.size(0)};
+}
+
 // The packed batch for varlen flash attention: cu_seqlens on the device and the longest sequence.
 struct FlashPlan {
   at::Tensor cu_seqlens;  // [S + 1] int32; undefined: flash attention is not used
@@ -122,56 +195,30 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
 // slot order. sorted_experts / order: the stable sort of the flat top-k ids.
 at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& z, const at::Tensor& sorted_experts,
                        const at::Tensor& order, int64_t k, at::Tensor& counts, const ForwardOptions& opt) {
-  const auto& nv = lw.nvfp4;
-  const bool quantized = !lw.expert_gate.defined();
-  KILN_CHECK(!quantized || nv.expert_gate.packed.defined(), "muse: layer ", layer,
-             " experts have neither dense nor NVFP4 weights");
-  const int64_t n = order.size(0), E = quantized ? nv.expert_gate.packed.size(0) : lw.expert_gate.size(0);
-  const auto& lo = lw.lora;
-  const bool lora = !opt.disable_lora && lo.on_experts();
-  const bool grouped = opt.use_grouped_mm && (!lora || lo.experts_grouped()) && !opt.observe_linear_input &&
+  const ExpertStack s = expert_stack(lw, layer, opt);
+  const int64_t n = order.size(0), E = s.experts;
+  const bool grouped = opt.use_grouped_mm && (!s.lora || lw.lora.experts_grouped()) && !opt.observe_linear_input &&
                        z.is_cuda() && z.scalar_type() == at::kBFloat16;
-  if (quantized && !opt.observe_linear_input && (!lora || grouped)) {
-    // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
-    counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
-    at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
-    at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
-    at::Tensor g = kernels::nvfp4_grouped_linear(zs, nv.expert_gate, offsets, nvfp4_options(nv.expert_gate, nv.w4a4));
-    at::Tensor u = kernels::nvfp4_grouped_linear(zs, nv.expert_up, offsets, nvfp4_options(nv.expert_up, nv.w4a4));
-    // Adapters on the NVFP4 base: torch's grouped GEMMs on a padded copy of the sorted rows
-    // (kernels::moe_layout); dest maps each sorted row to its padded row and back.
-    kernels::MoeLayout l;
-    auto add_lora = [&](at::Tensor& y, const at::Tensor& xs, const at::Tensor& a, const at::Tensor& b) {
-      if (!lora || !a.defined()) return;
-      at::Tensor xp = at::zeros({l.bound, xs.size(1)}, xs.options()).index_copy(0, l.dest, xs);
-      y = y + grouped_lora(xp, a, b, l.offsets, lo.scale).index_select(0, l.dest);
-    };
-    if (lora) l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
-    add_lora(g, zs, lo.gate_a, lo.gate_b);
-    add_lora(u, zs, lo.up_a, lo.up_b);
-    at::Tensor act = at::silu(g) * u;
-    at::Tensor ys = kernels::nvfp4_grouped_linear(act, nv.expert_down, offsets, nvfp4_options(nv.expert_down, nv.w4a4));
-    add_lora(ys, act, lo.down_a, lo.down_b);
-    at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
-    return ys.index_select(0, inverse);
-  }
-#if KILN_TORCH_AT_LEAST(2, 8)
-  if (!quantized && grouped) {
+  if (grouped && (!s.quantized || kernels::nvfp4_grouped_dequantizes(s.gate.q, n, z))) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
     // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
     kernels::MoeLayout l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
     counts = l.counts;
     at::Tensor zp = at::zeros({l.bound, z.size(1)}, z.options()).index_copy(0, l.dest, z.index_select(0, l.src_token));
-    auto expert = [&](const at::Tensor& x, const at::Tensor& w, const at::Tensor& a, const at::Tensor& b) {
-      at::Tensor y = at::_grouped_mm(x, w.transpose(1, 2), l.offsets);
-      return lora && a.defined() ? y + grouped_lora(x, a, b, l.offsets, lo.scale) : y;
-    };
-    at::Tensor g = expert(zp, lw.expert_gate, lo.gate_a, lo.gate_b);
-    at::Tensor u = expert(zp, lw.expert_up, lo.up_a, lo.up_b);
-    at::Tensor y = expert(at::silu(g) * u, lw.expert_down, lo.down_a, lo.down_b);
-    return y.index_select(0, l.slot_row);
+    at::Tensor act = at::silu(s.gate.padded(zp, l.offsets)) * s.up.padded(zp, l.offsets);
+    return s.down.padded(act, l.offsets).index_select(0, l.slot_row);
   }
-#endif
+  if (s.quantized && !opt.observe_linear_input && (!s.lora || grouped)) {
+    // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
+    counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
+    at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
+    at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
+    const kernels::MoeLayout l = s.lora ? kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign) : kernels::MoeLayout();
+    at::Tensor act = at::silu(s.gate.sorted(zs, offsets, l)) * s.up.sorted(zs, offsets, l);
+    at::Tensor ys = s.down.sorted(act, offsets, l);
+    at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
+    return ys.index_select(0, inverse);
+  }
   // A loop over non-empty experts, on expert-sorted rows. Not bincount for the counts: on CUDA it
   // reads the maximum back to the host.
   counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
@@ -188,23 +235,9 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
       opt.observe_linear_input(layer, prefix + "gate_proj", seg);
       opt.observe_linear_input(layer, prefix + "up_proj", seg);
     }
-    auto expert = [&](const at::Tensor& dense, const kernels::Nvfp4Tensor& q, const at::Tensor& la,
-                      const at::Tensor& lb, const at::Tensor& x) {
-      at::Tensor y;
-      if (!quantized) {
-        y = at::linear(x, dense[e]);
-      } else {
-        kernels::Nvfp4Tensor one{q.packed[e], q.block_scale[e], q.tensor_scale[e], q.kernel_layout,
-                                 q.input_scale.defined() ? q.input_scale[e] : at::Tensor()};
-        y = kernels::nvfp4_linear(x, one, nvfp4_options(one, nv.w4a4));
-      }
-      return lora && la.defined() ? y + at::linear(at::linear(x, la[e]), lb[e]) * lo.scale : y;
-    };
-    at::Tensor g = expert(lw.expert_gate, nv.expert_gate, lo.gate_a, lo.gate_b, seg);
-    at::Tensor u = expert(lw.expert_up, nv.expert_up, lo.up_a, lo.up_b, seg);
-    at::Tensor a = at::silu(g) * u;
+    at::Tensor a = at::silu(s.gate.one(seg, e)) * s.up.one(seg, e);
     if (opt.observe_linear_input) opt.observe_linear_input(layer, prefix + "down_proj", a);
-    parts.push_back(expert(lw.expert_down, nv.expert_down, lo.down_a, lo.down_b, a));
+    parts.push_back(s.down.one(a, e));
     start += c[e];
   }
   KILN_CHECK(start == n, "latent_moe: expert counts do not cover the rows (rows=", n, ", counted=", start, ")");
@@ -253,7 +286,11 @@ bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, c
 #if KILN_TORCH_AT_LEAST(2, 8)
   const bool lora = !opt.disable_lora && lw.lora.on_experts();
   const bool expert_parallel = opt.expert_group && opt.expert_group->size() > 1;
-  return opt.use_fused && opt.use_grouped_mm && !expert_parallel && lw.expert_gate.defined() && z.is_cuda() &&
+  // NVFP4 experts join where their grouped GEMM is torch's on the dequantised stack (prefill-sized
+  // batches): the same padded layout, so no row moves of their own.
+  const bool weights = lw.expert_gate.defined() ||
+                       kernels::nvfp4_grouped_dequantizes(lw.nvfp4.expert_gate, z.size(0) * k, z);
+  return opt.use_fused && opt.use_grouped_mm && !expert_parallel && weights && z.is_cuda() &&
          z.scalar_type() == at::kBFloat16 && !opt.observe_linear_input && (!lora || lw.lora.experts_grouped()) &&
          k <= 16;
 #else
@@ -265,27 +302,23 @@ bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, c
 // Experts, per-expert norm and the FP32 weighted combine, [T, d_l] in z's dtype: z goes to its
 // experts' padded rows (kernels::moe_dispatch), three grouped GEMMs with a fused SwiGLU, the
 // norm over each expert's segment of rows (kernels::segment_rms_norm) and the weighted sum of
-// every token's k rows (kernels::moe_combine), each one kernel forward and backward.
-at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, const at::Tensor& z, const at::Tensor& flat,
-                         const at::Tensor& w, at::Tensor& counts, const ForwardOptions& opt) {
+// every token's k rows (kernels::moe_combine), each one kernel forward and backward. NVFP4
+// experts multiply by their dequantised stacks, which equal a dequantised model's weights.
+at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& z,
+                         const at::Tensor& flat, const at::Tensor& w, at::Tensor& counts, const ForwardOptions& opt) {
 #if KILN_TORCH_AT_LEAST(2, 8)
-  const int64_t k = cfg.top_k, E = lw.expert_gate.size(0);
-  const auto& lo = lw.lora;
-  const bool lora = !opt.disable_lora && lo.on_experts();
+  const ExpertStack s = expert_stack(lw, layer, opt);
+  const int64_t k = cfg.top_k;
   auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
-  kernels::MoeLayout l = kernels::moe_layout(std::get<0>(sorted), std::get<1>(sorted), E, k, kGroupAlign);
+  kernels::MoeLayout l = kernels::moe_layout(std::get<0>(sorted), std::get<1>(sorted), s.experts, k, kGroupAlign);
   counts = l.counts;
-  auto expert = [&](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& a, const at::Tensor& b) {
-    at::Tensor y = at::_grouped_mm(x, weight.transpose(1, 2), l.offsets);
-    return lora && a.defined() ? y + grouped_lora(x, a, b, l.offsets, lo.scale) : y;
-  };
   at::Tensor zp = kernels::moe_dispatch(z, l.slot_row, k, l.bound);
-  at::Tensor act = kernels::swiglu(expert(zp, lw.expert_gate, lo.gate_a, lo.gate_b), expert(zp, lw.expert_up, lo.up_a, lo.up_b));
-  at::Tensor y = expert(act, lw.expert_down, lo.down_a, lo.down_b);
+  at::Tensor act = kernels::swiglu(s.gate.padded(zp, l.offsets), s.up.padded(zp, l.offsets));
+  at::Tensor y = s.down.padded(act, l.offsets);
   at::Tensor yn = kernels::segment_rms_norm(y, lw.expert_norm, l.offsets, cfg.rms_norm_eps);
   return kernels::moe_combine(yn, w, l.slot_row);
 #else
-  (void)cfg, (void)lw, (void)z, (void)flat, (void)w, (void)counts, (void)opt;
+  (void)cfg, (void)lw, (void)layer, (void)z, (void)flat, (void)w, (void)counts, (void)opt;
   KILN_FAIL("muse: the fused MoE path needs torch >= 2.8");
 #endif
 }
@@ -319,7 +352,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   at::Tensor counts;  // [E] slots per expert
   at::Tensor m;       // [T, d_l]: the FP32 weighted sum of each token's k normed expert rows
   if (fused_moe_applies(lw, z, k, opt)) {
-    m = fused_experts(cfg, lw, z, flat, w, counts, opt);  // summed in fp32, stored in z's dtype
+    m = fused_experts(cfg, lw, layer, z, flat, w, counts, opt);  // summed in fp32, stored in z's dtype
   } else {
     at::Tensor y;
     if (opt.expert_group && opt.expert_group->size() > 1) {
