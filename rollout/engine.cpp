@@ -1,6 +1,7 @@
 // Rollout engine implementation: a coordinator of the paged KV cache (kv_cache.h), the scheduler
 // (scheduler.h), the attention over the cache (cache_attention.h) and the sampler (sampler.h); it
-// keeps the requests' samples (tokens, log-probs, routing) and the step's order of work.
+// keeps the requests' samples (tokens, log-probs, routing), the step's order of work, and idle
+// multi-turn sessions (a finished sample's tokens and KV blocks, kept for its next turn).
 #include "rollout/engine.h"
 
 #include <ATen/ATen.h>
@@ -12,6 +13,7 @@
 #include <map>
 #include <numeric>
 #include <set>
+#include <string>
 
 #include "core/error.h"
 #include "model/lora.h"
@@ -81,6 +83,8 @@ struct Engine::Impl {
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
   std::function<void(const StepTrace&)> trace;
   int64_t weight_version = 0;            // weight or adapter updates so far
+  std::map<int64_t, std::unique_ptr<Seq>> sessions;  // finished turns kept for a next one (idle)
+  int64_t next_session = 0;
 
   Impl(const model::Muse& m, EngineConfig config)
       : model(m.clone()), cfg(m.config()), ec(validated(config)),
@@ -124,11 +128,12 @@ struct Engine::Impl {
 
   // ---- requests and steps ---------------------------------------------------------------------
 
-  int64_t add(const Request& r) {
-    const auto& p = r.params;
-    KILN_CHECK(!r.prompt.empty(), "rollout: request has an empty prompt; give at least one token");
-    for (size_t i = 0; i < r.prompt.size(); ++i)
-      KILN_CHECK(r.prompt[i] >= 0 && r.prompt[i] < cfg.vocab_size, "rollout: prompt token ", i, " is ", r.prompt[i],
+  // Checks `ids` (what: "prompt" or "observation") and `p` for a sequence that will hold `held`
+  // tokens before this turn's.
+  void check(const std::vector<int64_t>& ids, const char* what, const SamplingParams& p, int64_t held) const {
+    KILN_CHECK(!ids.empty(), "rollout: request has an empty ", what, "; give at least one token");
+    for (size_t i = 0; i < ids.size(); ++i)
+      KILN_CHECK(ids[i] >= 0 && ids[i] < cfg.vocab_size, "rollout: ", what, " token ", i, " is ", ids[i],
                  ", outside [0, vocab_size=", cfg.vocab_size, ")");
     KILN_CHECK(p.n >= 1, "rollout: n must be at least 1 (got ", p.n, ")");
     KILN_CHECK(p.max_tokens >= 1, "rollout: max_tokens must be at least 1 (got ", p.max_tokens, ")");
@@ -137,12 +142,18 @@ struct Engine::Impl {
     KILN_CHECK(p.top_k >= 0, "rollout: top_k must be >= 0 (got ", p.top_k, ")");
     for (int64_t t : p.stop_token_ids)
       KILN_CHECK(t >= 0 && t < cfg.vocab_size, "rollout: stop token ", t, " is outside [0, vocab_size=", cfg.vocab_size, ")");
-    const int64_t longest = int64_t(r.prompt.size()) + p.max_tokens;
-    KILN_CHECK(longest <= cfg.max_position_embeddings, "rollout: prompt (", r.prompt.size(), ") + max_tokens (",
+    const int64_t longest = held + int64_t(ids.size()) + p.max_tokens;
+    const std::string session = held ? "session (" + std::to_string(held) + ") + " : "";
+    KILN_CHECK(longest <= cfg.max_position_embeddings, "rollout: ", session, what, " (", ids.size(), ") + max_tokens (",
                p.max_tokens, ") exceeds max_position_embeddings=", cfg.max_position_embeddings);
     const int64_t blocks = (longest + ec.block_size - 1) / ec.block_size;
     KILN_CHECK(blocks <= kv.pool(true).total(), "rollout: one sample of ", longest, " tokens needs ", blocks,
                " KV blocks but the cache holds ", kv.pool(true).total(), "; raise kv_cache_bytes");
+  }
+
+  int64_t add(const Request& r) {
+    const auto& p = r.params;
+    check(r.prompt, "prompt", p, 0);
     const int64_t id = next_request++;
     RequestState& rs = requests[id];
     rs.request = r;
@@ -151,9 +162,55 @@ struct Engine::Impl {
     parent->request = id;
     parent->tokens = r.prompt;
     parent->prompt_len = int64_t(r.prompt.size());
+    parent->turn_start = parent->prompt_len;
     parent->width = p.n;
     sched.enqueue(std::move(parent));
     return id;
+  }
+
+  int64_t continue_session(int64_t session, const std::vector<int64_t>& observation, const SamplingParams& p) {
+    auto it = sessions.find(session);
+    KILN_CHECK(it != sessions.end(), "rollout: continue_session: no idle session ", session,
+               " (unknown, ended, or its last turn is still running)");
+    KILN_CHECK(p.n == 1, "rollout: continue_session: a turn draws one sample (n = 1, got ", p.n, ")");
+    Seq& s = *it->second;
+    check(observation, "observation", p, int64_t(s.tokens.size()));
+    const int64_t id = next_request++;
+    RequestState& rs = requests[id];
+    rs.request.params = p;
+    rs.request.keep_cache = true;
+    rs.samples.resize(1);
+    s.request = id;
+    s.sample = 0;
+    s.tokens.insert(s.tokens.end(), observation.begin(), observation.end());
+    s.turn_start = int64_t(s.tokens.size());
+    s.finalizing = false;
+    s.logprobs.clear();
+    s.versions.clear();
+    s.preemptions = 0;
+    sched.enqueue(std::move(it->second));
+    sessions.erase(it);
+    return id;
+  }
+
+  void end_session(int64_t session) {
+    auto it = sessions.find(session);
+    KILN_CHECK(it != sessions.end(), "rollout: end_session: no idle session ", session);
+    kv.release(it->second->blocks);
+    sessions.erase(it);
+  }
+
+  // Idle sessions give up their blocks (recomputed when continued, routing kept, as after a
+  // preemption). Returns whether any had blocks.
+  bool evict_sessions() {
+    bool any = false;
+    for (auto& [id, s] : sessions) {
+      if (s->computed == 0) continue;
+      kv.release(s->blocks);
+      s->computed = 0;
+      any = true;
+    }
+    return any;
   }
 
   const SamplingParams& params(const Seq& s) const { return requests.at(s.request).request.params; }
@@ -164,7 +221,7 @@ struct Engine::Impl {
   // Appends one drawn token to a sample; marks it finalizing when it stops or hits max_tokens.
   void append(Seq& s, int64_t id, double lp) {
     const SamplingParams& p = params(s);
-    const int64_t step = int64_t(s.tokens.size()) - s.prompt_len;
+    const int64_t step = int64_t(s.tokens.size()) - s.turn_start;
     s.tokens.push_back(id);
     s.logprobs.push_back(float(lp));
     s.versions.push_back(weight_version);
@@ -245,6 +302,7 @@ struct Engine::Impl {
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
     schedule();
+    if (work.empty() && !sched.idle() && evict_sessions()) schedule();
     const auto t1 = clock::now();
     std::vector<RequestOutput> finished;
     if (work.empty()) {
@@ -356,10 +414,14 @@ struct Engine::Impl {
       Seq& s = **it;
       const bool complete = s.computed == int64_t(s.tokens.size());
       if (s.sample == -2 || (s.finalizing && complete)) {
+        bool keep = false;
         if (s.sample >= 0) {
           RequestState& rs = requests.at(s.request);
+          keep = rs.request.keep_cache;
+          if (keep && s.session < 0) s.session = next_session++;
           Sample& out_s = rs.samples[s.sample];
-          out_s.tokens.assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
+          out_s.session = keep ? s.session : -1;
+          out_s.tokens.assign(s.tokens.begin() + s.turn_start, s.tokens.end());
           out_s.logprobs = s.logprobs;
           out_s.finish = s.finish;
           out_s.num_preemptions = s.preemptions;
@@ -371,7 +433,11 @@ struct Engine::Impl {
             requests.erase(s.request);
           }
         }
-        kv.release(s.blocks);
+        if (keep) {
+          sessions[s.session] = std::move(*it);
+        } else {
+          kv.release(s.blocks);
+        }
         it = running.erase(it);
       } else {
         ++it;
@@ -385,6 +451,12 @@ Engine::Engine(const model::Muse& model, EngineConfig config) : impl_(std::make_
 Engine::~Engine() = default;
 
 int64_t Engine::add_request(const Request& request) { return impl_->add(request); }
+int64_t Engine::continue_session(int64_t session, const std::vector<int64_t>& observation,
+                                 const SamplingParams& params) {
+  return impl_->continue_session(session, observation, params);
+}
+void Engine::end_session(int64_t session) { impl_->end_session(session); }
+int64_t Engine::num_sessions() const { return int64_t(impl_->sessions.size()); }
 std::vector<RequestOutput> Engine::step() { return impl_->step(); }
 bool Engine::has_unfinished() const { return !impl_->sched.idle(); }
 const model::Muse& Engine::model() const { return impl_->model; }

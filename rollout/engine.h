@@ -19,13 +19,17 @@ namespace kiln::rollout {
 struct Request {
   std::vector<int64_t> prompt;      // token ids
   SamplingParams params;
+  // Multi-turn: each sample's tokens and KV cache stay in the engine after it finishes, as a session
+  // (Sample::session) that Engine::continue_session extends; Engine::end_session frees it.
+  bool keep_cache = false;
 };
 
 enum class FinishReason { kStop, kLength };
 const char* finish_reason_name(FinishReason r);
 
 struct Sample {
-  std::vector<int64_t> tokens;      // generated ids (a stop token, when hit, is the last)
+  std::vector<int64_t> tokens;      // generated ids (a stop token, when hit, is the last); of this
+                                    // turn only, for a session's later turns
   std::vector<float> logprobs;      // log-prob of each generated token under the distribution it
                                     // was sampled from (after temperature, top-k, top-p; greedy:
                                     // the raw distribution)
@@ -33,10 +37,12 @@ struct Sample {
   at::Tensor routing;               // [prompt + generated, L, k] uint8: every token's expert ids,
                                     // as routed in the step that first computed it (the step whose
                                     // logits drew the next token); a recompute after preemption
-                                    // does not overwrite it
+                                    // does not overwrite it. A session's turn: every token so far,
+                                    // earlier turns and observations included
   int64_t num_preemptions = 0;
   std::vector<int64_t> weight_versions;  // per generated token: Engine::weight_version() when it was
                                          // drawn (a sample may span weight updates)
+  int64_t session = -1;             // Request::keep_cache: the session this sample continues as
 };
 
 struct RequestOutput {
@@ -130,6 +136,18 @@ class Engine {
   // called after every step with (finished samples, total samples).
   std::vector<RequestOutput> generate(const std::vector<Request>& requests,
                                       const std::function<void(int64_t, int64_t)>& progress = {});
+
+  // Multi-turn, token in and token out: queues the next turn of a finished session (a sample of a
+  // keep_cache request, or an earlier turn). `observation` (ids, at least one: an environment's
+  // answer, a turn separator) is appended to the session's tokens exactly as given and prefilled
+  // on top of its cached keys, without recomputing the prefix; then one sample is drawn with
+  // `params` (n must be 1; max_tokens counts this turn's tokens). Returns the request id whose
+  // output is the turn. Sessions hold their KV blocks while idle; when a step cannot run for lack
+  // of blocks, idle sessions give theirs up and are recomputed when continued (their routing kept).
+  // Throws for an unknown or running session and for bad ids or params, naming them.
+  int64_t continue_session(int64_t session, const std::vector<int64_t>& observation, const SamplingParams& params);
+  void end_session(int64_t session);  // frees an idle session; throws for an unknown one
+  int64_t num_sessions() const;       // idle sessions held
 
   // Copies new weights into the engine's tensors in place (same names and shapes as
   // Muse::named_parameters()); throws naming the first mismatch. Only between steps.

@@ -20,6 +20,8 @@ struct Seq {
   int64_t width = 1;                // running slots it takes: a prompt counts as the n samples it becomes
   std::vector<int64_t> tokens;      // prompt + generated
   int64_t prompt_len = 0;
+  int64_t turn_start = 0;           // first token of this turn's generation (= prompt_len on the first)
+  int64_t session = -1;             // multi-turn: the session it continues as (Request::keep_cache)
   int64_t computed = 0;             // tokens whose K/V are in the cache
   int64_t routed = 0;               // tokens whose routing is recorded (kept across preemption)
   BlockTable blocks;                // its KV blocks (shared with its prompt's until written)

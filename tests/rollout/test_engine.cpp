@@ -1,9 +1,11 @@
 // The rollout engine against the full forward: greedy = repeated argmax, log-probs and routing
 // equal the forward's, bounded window-layer memory, completion under a full cache (with
-// preemption), shared prefill, chunked prefill, determinism, weight updates and bad requests.
+// preemption), shared prefill, chunked prefill, determinism, weight updates, bad requests, and
+// multi-turn sessions (continued without recomputing the prefix; evicted and recomputed).
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <map>
 #include <gtest/gtest.h>
 
 #include "model/muse.h"
@@ -299,6 +301,131 @@ TEST(Engine, BadRequestsGiveClearErrors) {
   }
   few.kv_cache_bytes = 10;
   EXPECT_THROW(Engine(m, few), Error);
+}
+
+// Runs the queued work to the end; the outputs by request id.
+std::map<int64_t, rollout::RequestOutput> run_all(Engine& engine) {
+  std::map<int64_t, rollout::RequestOutput> out;
+  while (engine.has_unfinished())
+    for (auto& r : engine.step()) out[r.request_id] = std::move(r);
+  return out;
+}
+
+rollout::SamplingParams turn_params(int64_t max_tokens, uint64_t seed) {
+  rollout::SamplingParams p;
+  p.max_tokens = max_tokens;
+  p.temperature = 0.8;
+  p.seed = seed;
+  return p;
+}
+
+// Each turn's log-probs and the routing of the whole session so far against a full forward of
+// the session's tokens; appends the turn to `all`.
+void expect_turn_matches_forward(const model::Muse& m, std::vector<int64_t>& all, const rollout::Sample& s) {
+  Scored ref = score(m, all, s.tokens, 0.8);
+  KILN_EXPECT_CLOSE(at::tensor(std::vector<double>(s.logprobs.begin(), s.logprobs.end()), at::kDouble), ref.logprobs,
+                    1e-5, 1e-5);
+  EXPECT_TRUE(test::all_equal(s.routing, ref.routing));
+  all.insert(all.end(), s.tokens.begin(), s.tokens.end());
+}
+
+TEST(Engine, SessionsContinueTokenInTokenOutWithoutRecomputingThePrefix) {
+  model::Muse m = model::Muse::init(engine_config(), 5, at::kFloat, at::kCPU);
+  Engine engine(m, small_engine());
+  Request first = request({1, 2, 3, 4, 5}, 2, 6, 0.8, 7);
+  first.keep_cache = true;
+  const int64_t id = engine.add_request(first);
+  auto out = run_all(engine);
+  ASSERT_EQ(out.at(id).samples.size(), 2u);
+  EXPECT_EQ(engine.num_sessions(), 2);
+  std::vector<std::vector<int64_t>> all;  // each session's tokens, exactly as sampled or given
+  std::vector<int64_t> session;
+  for (const rollout::Sample& s : out.at(id).samples) {
+    session.push_back(s.session);
+    all.push_back(first.prompt);
+    expect_turn_matches_forward(m, all.back(), s);
+  }
+  EXPECT_NE(session[0], session[1]);
+  // Two more turns: both sessions, then the first alone; observations of 3 and 1 tokens.
+  const std::vector<std::vector<int64_t>> observations = {{9, 9, 10}, {11}};
+  for (int turn = 0; turn < 2; ++turn) {
+    std::map<int64_t, size_t> which;
+    const int64_t before = engine.stats().model_tokens;
+    int64_t expected = 0;
+    for (size_t i = 0; i < session.size(); ++i) {
+      if (turn == 1 && i == 1) continue;
+      which[engine.continue_session(session[i], observations[i], turn_params(5, 20 + turn))] = i;
+      all[i].insert(all[i].end(), observations[i].begin(), observations[i].end());
+      expected += int64_t(observations[i].size()) + 5;
+    }
+    auto turn_out = run_all(engine);
+    ASSERT_EQ(turn_out.size(), which.size());
+    // Only the observations and the new tokens ran through the model: the prefix stayed cached.
+    EXPECT_EQ(engine.stats().model_tokens - before, expected) << "turn " << turn;
+    for (const auto& [rid, i] : which) {
+      const rollout::Sample& s = turn_out.at(rid).samples.at(0);
+      EXPECT_EQ(s.session, session[i]);
+      ASSERT_EQ(s.tokens.size(), 5u);
+      EXPECT_EQ(s.routing.size(0), int64_t(all[i].size() + s.tokens.size()));
+      expect_turn_matches_forward(m, all[i], s);
+    }
+  }
+  EXPECT_EQ(engine.num_sessions(), 2);
+  for (int64_t sid : session) engine.end_session(sid);
+  EXPECT_EQ(engine.num_sessions(), 0);
+  EXPECT_EQ(engine.stats().full_blocks_used, 0);
+  EXPECT_EQ(engine.stats().window_blocks_used, 0);
+}
+
+TEST(Engine, IdleSessionsGiveUpTheirCacheWhenARequestNeedsItAndRecomputeWhenContinued) {
+  model::Muse m = model::Muse::init(engine_config(), 6, at::kFloat, at::kCPU);
+  Engine roomy(m, small_engine());
+  const auto st = roomy.stats();
+  // 12 full-layer blocks of 4 tokens: the idle session's 25 tokens (7 blocks) and the next
+  // request's 35 (9 blocks) cannot both stay.
+  Engine tight(m, small_engine(st.window_blocks_total * st.window_block_bytes + 12 * st.full_block_bytes));
+  Request first = request({1, 2, 3, 4, 5}, 1, 20, 0.8, 3);
+  first.keep_cache = true;
+  const int64_t id = tight.add_request(first);
+  const rollout::Sample s0 = run_all(tight).at(id).samples.at(0);
+  std::vector<int64_t> all = first.prompt;
+  expect_turn_matches_forward(m, all, s0);
+  const int64_t other = tight.add_request(request({6, 7, 8, 9, 10}, 1, 30, 0.8, 4));
+  const rollout::Sample b = run_all(tight).at(other).samples.at(0);
+  EXPECT_EQ(b.tokens.size(), 30u);
+  EXPECT_EQ(tight.num_sessions(), 1);
+  // The session gave its blocks up: continuing it recomputes its 25 tokens, then the new ones.
+  const int64_t before = tight.stats().model_tokens;
+  const int64_t rid = tight.continue_session(s0.session, {12, 13}, turn_params(4, 9));
+  all.insert(all.end(), {12, 13});
+  const rollout::Sample s1 = run_all(tight).at(rid).samples.at(0);
+  EXPECT_EQ(tight.stats().model_tokens - before, 25 + 2 + 4);
+  expect_turn_matches_forward(m, all, s1);
+  tight.end_session(s1.session);
+  EXPECT_EQ(tight.stats().full_blocks_used, 0);
+}
+
+TEST(Engine, BadSessionCallsGiveClearErrors) {
+  model::Muse m = model::Muse::init(engine_config(), 1, at::kFloat, at::kCPU);
+  Engine engine(m, small_engine());
+  Request first = request({1, 2}, 1, 3, 1.0, 0);
+  first.keep_cache = true;
+  const int64_t id = engine.add_request(first);
+  const int64_t sid = run_all(engine).at(id).samples.at(0).session;
+  ASSERT_GE(sid, 0);
+  EXPECT_TRUE(test::throws_with([&] { engine.continue_session(sid + 7, {1}, turn_params(2, 0)); },
+                                {"no idle session " + std::to_string(sid + 7)}));
+  rollout::SamplingParams two = turn_params(2, 0);
+  two.n = 2;
+  EXPECT_TRUE(test::throws_with([&] { engine.continue_session(sid, {1}, two); }, {"one sample (n = 1, got 2)"}));
+  EXPECT_TRUE(test::throws_with([&] { engine.continue_session(sid, {}, turn_params(2, 0)); }, {"empty observation"}));
+  EXPECT_TRUE(test::throws_with([&] { engine.continue_session(sid, {3, 23}, turn_params(2, 0)); },
+                                {"observation token 1 is 23", "vocab_size=23"}));
+  engine.continue_session(sid, {4}, turn_params(2, 0));  // running now: not idle
+  EXPECT_TRUE(test::throws_with([&] { engine.continue_session(sid, {1}, turn_params(2, 0)); }, {"still running"}));
+  run_all(engine);
+  engine.end_session(sid);
+  EXPECT_TRUE(test::throws_with([&] { engine.end_session(sid); }, {"no idle session"}));
 }
 
 }  // namespace
