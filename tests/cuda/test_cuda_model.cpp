@@ -103,7 +103,9 @@ TEST(CudaModel, GroupedGemmEqualsExpertLoop) {
       if (e > worst[g - 1]) worst[g - 1] = e, worst_name[g - 1] = names[i].first;
       // bf16 gradients over ~100 tokens: a few percent of the largest entry (the embedding's and
       // the router's, accumulated in bf16 by autograd, reach 5%); a wrong gradient is off by O(1).
-      EXPECT_LT(e, 1e-1) << names[i].first << (g == 2 ? " (grouped + fused)" : " (bf16 loop)");
+      // The worst tensor's ratio varies from run to run (routing near ties, atomics): 0.047 to 0.12
+      // over 8 runs on the H200 (2026-12-03), for the loop and the grouped path alike.
+      EXPECT_LT(e, 2e-1) << names[i].first << (g == 2 ? " (grouped + fused)" : " (bf16 loop)");
     }
   }
   std::printf("bf16 gradients against fp32, worst max|d|/max|g|: loop %.3e (%s), grouped + fused %.3e (%s)\n",
