@@ -125,9 +125,9 @@ struct ExpertProj {
 
 struct ExpertStack {
   ExpertProj gate, up, down;
-  bool quantized;  // the dense stacks were released: NVFP4 serving
-  bool lora;       // some expert adapter applies
-  int64_t experts;
+  bool lora;  // some expert adapter applies
+  bool quantized() const { return !gate.dense.defined(); }  // the dense stacks were released: NVFP4 serving
+  int64_t experts() const { return quantized() ? gate.q.packed.size(0) : gate.dense.size(0); }
 };
 
 ExpertStack expert_stack(const LayerWeights& lw, int64_t layer, const ForwardOptions& opt) {
@@ -135,8 +135,7 @@ ExpertStack expert_stack(const LayerWeights& lw, int64_t layer, const ForwardOpt
   const auto& nv = lw.nvfp4;
   const auto& lo = lw.lora;
   const bool lora = !opt.disable_lora && lo.on_experts();
-  const bool quantized = !lw.expert_gate.defined();
-  KILN_CHECK(!quantized || nv.expert_gate.packed.defined(), "muse: layer ", layer,
+  KILN_CHECK(lw.expert_gate.defined() || nv.expert_gate.packed.defined(), "muse: layer ", layer,
              " experts have neither dense nor NVFP4 weights");
   auto proj = [&](const at::Tensor& dense, const kernels::Nvfp4Tensor& q, const at::Tensor& a,
                   const at::Tensor& b) -> ExpertProj {
@@ -144,10 +143,7 @@ ExpertStack expert_stack(const LayerWeights& lw, int64_t layer, const ForwardOpt
   };
   return {proj(lw.expert_gate, nv.expert_gate, lo.gate_a, lo.gate_b),
           proj(lw.expert_up, nv.expert_up, lo.up_a, lo.up_b),
-          proj(lw.expert_down, nv.expert_down, lo.down_a, lo.down_b),
-          quantized,
-          lora,
-          quantized ? nv.expert_gate.packed.size(0) : lw.expert_gate.size(0)};
+          proj(lw.expert_down, nv.expert_down, lo.down_a, lo.down_b), lora};
 }
 
 // The packed batch for varlen flash attention: cu_seqlens on the device and the longest sequence.
@@ -196,10 +192,10 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
 at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& z, const at::Tensor& sorted_experts,
                        const at::Tensor& order, int64_t k, at::Tensor& counts, const ForwardOptions& opt) {
   const ExpertStack s = expert_stack(lw, layer, opt);
-  const int64_t n = order.size(0), E = s.experts;
+  const int64_t n = order.size(0), E = s.experts();
   const bool grouped = opt.use_grouped_mm && (!s.lora || lw.lora.experts_grouped()) && !opt.observe_linear_input &&
                        z.is_cuda() && z.scalar_type() == at::kBFloat16;
-  if (grouped && (!s.quantized || kernels::nvfp4_grouped_dequantizes(s.gate.q, n, z))) {
+  if (grouped && (!s.quantized() || kernels::nvfp4_grouped_dequantizes(s.gate.q, n, z))) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
     // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
     kernels::MoeLayout l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
@@ -208,7 +204,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
     at::Tensor act = at::silu(s.gate.padded(zp, l.offsets)) * s.up.padded(zp, l.offsets);
     return s.down.padded(act, l.offsets).index_select(0, l.slot_row);
   }
-  if (s.quantized && !opt.observe_linear_input && (!s.lora || grouped)) {
+  if (s.quantized() && !opt.observe_linear_input && (!s.lora || grouped)) {
     // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
     counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
     at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
@@ -310,7 +306,7 @@ at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t
   const ExpertStack s = expert_stack(lw, layer, opt);
   const int64_t k = cfg.top_k;
   auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
-  kernels::MoeLayout l = kernels::moe_layout(std::get<0>(sorted), std::get<1>(sorted), s.experts, k, kGroupAlign);
+  kernels::MoeLayout l = kernels::moe_layout(std::get<0>(sorted), std::get<1>(sorted), s.experts(), k, kGroupAlign);
   counts = l.counts;
   at::Tensor zp = kernels::moe_dispatch(z, l.slot_row, k, l.bound);
   at::Tensor act = kernels::swiglu(s.gate.padded(zp, l.offsets), s.up.padded(zp, l.offsets));

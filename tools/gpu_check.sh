@@ -22,6 +22,13 @@ export PATH="/usr/local/cuda/bin:$PATH"
 sections="${KILN_GPU_CHECK:-tests,grpo,train,bench}"
 want() { [[ ",$sections," == *",$1,"* ]]; }
 step() { echo; echo "=== $* ($(date +%T))"; }
+# tests_then_bench <gtest filter> <bench case> <file>: a kernel family's cuda tests (their verdict
+# lines) and then its benchmark, both into $out/<file>.
+tests_then_bench() {
+  ./build-gpu/tests/kiln_test_cuda --gtest_filter="$1" 2>&1 \
+    | grep -E "OK|FAILED|Failure|Expected|Which is|not deterministic|PASSED" | head -80 | tee -a "$out/$3"
+  ./build-gpu/kiln bench "$2" --device cuda 2>&1 | tee -a "$out/$3"
+}
 mismatch_report() {  # mismatch_report <metrics.jsonl>: per step, R3 on and off
   python3 - "$1" <<'PY'
 import sys, json
@@ -227,17 +234,13 @@ fi  # rollout
 if want nvfp4; then
 # The W4A16 GEMMs alone: their cuda tests and bench nvfp4 (every dense kernel against cuBLAS).
 step "nvfp4: cuda tests of the GEMMs, then bench nvfp4"
-./build-gpu/tests/kiln_test_cuda --gtest_filter='CudaNvfp4*' 2>&1 | grep -E "OK|FAILED|Failure|Expected|Which is|not deterministic|PASSED" \
-  | head -80 | tee -a "$out/nvfp4.txt"
-./build-gpu/kiln bench nvfp4 --device cuda 2>&1 | tee -a "$out/nvfp4.txt"
+tests_then_bench 'CudaNvfp4*' nvfp4 nvfp4.txt
 fi  # nvfp4
 if want attention; then
 # Paged decode attention (issue 20): its cuda tests (every kernel against the reference on odd
 # sizes) and bench attention (tensor cores against SIMT, and both against the copy bandwidth).
 step "attention: cuda tests of the paged decode kernels, then bench attention"
-./build-gpu/tests/kiln_test_cuda --gtest_filter='CudaPagedAttention*' 2>&1 | grep -E "OK|FAILED|Failure|Expected|Which is|PASSED" \
-  | head -60 | tee -a "$out/attention.txt"
-./build-gpu/kiln bench attention --device cuda 2>&1 | tee -a "$out/attention.txt"
+tests_then_bench 'CudaPagedAttention*' attention attention.txt
 fi  # attention
 if want mismatch; then
 # Issues 20 and 22: the train-vs-rollout gap of a trained model, not of a random init. muse-small
