@@ -1,6 +1,9 @@
-// MoE layout kernel: one block. Counts slots per expert with shared-memory atomics, scans the
-// padded and unpadded segment starts, then places every sorted slot. Integer work only, so the
-// result is exact and deterministic.
+// MoE layout kernels, one block each. Counts slots per expert with shared-memory atomics, scans the
+// padded and unpadded segment starts in one warp, then places every sorted slot. The first also
+// sorts the slots by expert (cub's block radix sort, stable); the second takes a sort already made.
+// Integer work only, so the result is exact and deterministic.
+#include <cub/block/block_radix_sort.cuh>
+
 #include <cstdint>
 
 #include "kernels/moe_layout_cuda.h"
@@ -8,36 +11,86 @@
 namespace kiln::kernels {
 namespace {
 
-constexpr int kThreads = 1024;
-
-__global__ void __launch_bounds__(kThreads) moe_layout_kernel(const int64_t* __restrict__ sorted,
-                                                              const int64_t* __restrict__ order, int64_t n, int E,
-                                                              int64_t top_k, int64_t align, int64_t* counts,
-                                                              int32_t* offsets, int64_t* dest, int64_t* src_token,
-                                                              int64_t* slot_row) {
-  __shared__ int count[kMoeLayoutMaxExperts];
-  __shared__ int start[kMoeLayoutMaxExperts];      // first sorted slot of each expert
-  __shared__ int pad_start[kMoeLayoutMaxExperts];  // first padded row of each expert
-  for (int e = threadIdx.x; e < E; e += kThreads) count[e] = 0;
-  __syncthreads();
-  for (int64_t r = threadIdx.x; r < n; r += kThreads) atomicAdd(&count[sorted[r]], 1);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int s = 0, p = 0;
-    for (int e = 0; e < E; ++e) {
-      start[e] = s;
-      pad_start[e] = p;
-      s += count[e];
-      p += int((count[e] + align - 1) / align * align);
+// Exclusive prefix sums of the counts (start) and of the counts rounded up to `align` (pad_start),
+// by warp 0 in steps of 32 experts, each a shuffle scan carried into the next. The caller syncs.
+__device__ void scan_segments(const int* count, int* start, int* pad_start, int E, int align) {
+  if (threadIdx.x >= 32) return;
+  const int lane = int(threadIdx.x);
+  int carry = 0, pad_carry = 0;
+  for (int base = 0; base < E; base += 32) {
+    const int e = base + lane;
+    const int c = e < E ? count[e] : 0;
+    const int p = (c + align - 1) / align * align;
+    int s = c, ps = p;  // inclusive
+    for (int d = 1; d < 32; d *= 2) {
+      const int a = __shfl_up_sync(~0u, s, d), b = __shfl_up_sync(~0u, ps, d);
+      if (lane >= d) s += a, ps += b;
     }
+    if (e < E) start[e] = carry + s - c, pad_start[e] = pad_carry + ps - p;
+    carry += __shfl_sync(~0u, s, 31);
+    pad_carry += __shfl_sync(~0u, ps, 31);
   }
-  __syncthreads();
-  const int64_t bound = n + int64_t(E) * (align - 1);
-  for (int e = threadIdx.x; e < E; e += kThreads) {
+}
+
+__device__ void write_segments(const int* count, const int* pad_start, int E, int align, int64_t bound,
+                               int64_t* counts, int32_t* offsets) {
+  for (int e = int(threadIdx.x); e < E; e += int(blockDim.x)) {
     counts[e] = count[e];
     offsets[e] = e == E - 1 ? int32_t(bound) : int32_t(pad_start[e] + (count[e] + align - 1) / align * align);
   }
-  for (int64_t r = threadIdx.x; r < n; r += kThreads) {
+}
+
+template <int Threads, int Items>
+__global__ void __launch_bounds__(Threads)
+    moe_layout_sort_kernel(const int64_t* __restrict__ ids, int n, int E, int top_k, int align, int64_t* counts,
+                           int32_t* offsets, int64_t* order, int64_t* dest, int64_t* src_token, int64_t* slot_row) {
+  using Sort = cub::BlockRadixSort<unsigned, Threads, Items, int>;
+  __shared__ typename Sort::TempStorage sort_storage;
+  __shared__ int count[kMoeLayoutSortExperts], start[kMoeLayoutSortExperts], pad_start[kMoeLayoutSortExperts];
+  for (int e = int(threadIdx.x); e < E; e += Threads) count[e] = 0;
+  __syncthreads();
+  unsigned key[Items];
+  int slot[Items];
+  for (int i = 0; i < Items; ++i) {  // blocked: thread t holds slots t * Items ...
+    const int r = int(threadIdx.x) * Items + i;
+    key[i] = r < n ? unsigned(ids[r]) : unsigned(E);  // padding sorts after every expert
+    slot[i] = r;
+    if (r < n) atomicAdd(&count[key[i]], 1);
+  }
+  __syncthreads();
+  scan_segments(count, start, pad_start, E, align);
+  Sort(sort_storage).Sort(key, slot, 0, 32 - __clz(E));  // bits [0, end) hold E itself
+  __syncthreads();
+  write_segments(count, pad_start, E, align, int64_t(n) + int64_t(E) * (align - 1), counts, offsets);
+  for (int i = 0; i < Items; ++i) {
+    const int p = int(threadIdx.x) * Items + i;  // sorted position (blocked again)
+    if (p >= n) break;
+    const int e = int(key[i]);
+    const int64_t d = pad_start[e] + (p - start[e]);
+    order[p] = slot[i];
+    dest[p] = d;
+    src_token[p] = slot[i] / top_k;
+    slot_row[slot[i]] = d;
+  }
+}
+
+constexpr int kSortedThreads = 1024;
+
+__global__ void __launch_bounds__(kSortedThreads)
+    moe_layout_sorted_kernel(const int64_t* __restrict__ sorted, const int64_t* __restrict__ order, int64_t n, int E,
+                             int64_t top_k, int align, int64_t* counts, int32_t* offsets, int64_t* dest,
+                             int64_t* src_token, int64_t* slot_row) {
+  __shared__ int count[kMoeLayoutMaxExperts];
+  __shared__ int start[kMoeLayoutMaxExperts];      // first sorted slot of each expert
+  __shared__ int pad_start[kMoeLayoutMaxExperts];  // first padded row of each expert
+  for (int e = int(threadIdx.x); e < E; e += kSortedThreads) count[e] = 0;
+  __syncthreads();
+  for (int64_t r = threadIdx.x; r < n; r += kSortedThreads) atomicAdd(&count[sorted[r]], 1);
+  __syncthreads();
+  scan_segments(count, start, pad_start, E, align);
+  __syncthreads();
+  write_segments(count, pad_start, E, align, n + int64_t(E) * (align - 1), counts, offsets);
+  for (int64_t r = threadIdx.x; r < n; r += kSortedThreads) {
     const int64_t e = sorted[r], slot = order[r];
     const int64_t d = pad_start[e] + (r - start[e]);
     dest[r] = d;
@@ -48,12 +101,27 @@ __global__ void __launch_bounds__(kThreads) moe_layout_kernel(const int64_t* __r
 
 }  // namespace
 
-cudaError_t launch_moe_layout(const int64_t* sorted_experts, const int64_t* order, int64_t n, int64_t num_experts,
-                              int64_t top_k, int64_t align, int64_t* counts, int32_t* offsets, int64_t* dest,
-                              int64_t* src_token, int64_t* slot_row, cudaStream_t stream) {
+cudaError_t launch_moe_layout(const int64_t* ids, int64_t n, int64_t num_experts, int64_t top_k, int64_t align,
+                              int64_t* counts, int32_t* offsets, int64_t* order, int64_t* dest, int64_t* src_token,
+                              int64_t* slot_row, cudaStream_t stream) {
+  if (num_experts < 1 || num_experts > kMoeLayoutSortExperts || n > kMoeLayoutSortRows) return cudaErrorInvalidValue;
+  const int N = int(n), E = int(num_experts), k = int(top_k), a = int(align);
+  if (n <= 512)
+    moe_layout_sort_kernel<128, 4><<<1, 128, 0, stream>>>(ids, N, E, k, a, counts, offsets, order, dest, src_token,
+                                                          slot_row);
+  else
+    moe_layout_sort_kernel<512, 8><<<1, 512, 0, stream>>>(ids, N, E, k, a, counts, offsets, order, dest, src_token,
+                                                          slot_row);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_moe_layout_sorted(const int64_t* sorted_experts, const int64_t* order, int64_t n,
+                                     int64_t num_experts, int64_t top_k, int64_t align, int64_t* counts,
+                                     int32_t* offsets, int64_t* dest, int64_t* src_token, int64_t* slot_row,
+                                     cudaStream_t stream) {
   if (num_experts < 1 || num_experts > kMoeLayoutMaxExperts) return cudaErrorInvalidValue;
-  moe_layout_kernel<<<1, kThreads, 0, stream>>>(sorted_experts, order, n, int(num_experts), top_k, align, counts,
-                                                offsets, dest, src_token, slot_row);
+  moe_layout_sorted_kernel<<<1, kSortedThreads, 0, stream>>>(sorted_experts, order, n, int(num_experts), top_k,
+                                                             int(align), counts, offsets, dest, src_token, slot_row);
   return cudaGetLastError();
 }
 

@@ -17,6 +17,7 @@
 #include "kernels/flash_varlen.h"
 #include "kernels/logprob.h"
 #include "kernels/moe_layout.h"
+#include "kernels/moe_route.h"
 #include "kernels/moe_rows.h"
 #include "kernels/nvfp4.h"
 #include "kernels/rms_norm.h"
@@ -188,42 +189,36 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
 }
 
 // SwiGLU experts, W_down_e . (silu(W_gate_e . z) * (W_up_e . z)), for every slot; [T * k, d_l] in
-// slot order. sorted_experts / order: the stable sort of the flat top-k ids.
-at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& z, const at::Tensor& sorted_experts,
-                       const at::Tensor& order, int64_t k, at::Tensor& counts, const ForwardOptions& opt) {
+// slot order. ids [T * k]: the expert of each slot (kernels::moe_layout sorts them).
+at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& z, const at::Tensor& ids, int64_t k,
+                       at::Tensor& counts, const ForwardOptions& opt) {
   const ExpertStack s = expert_stack(lw, layer, opt);
-  const int64_t n = order.size(0), E = s.experts();
+  const int64_t n = ids.size(0);
+  const kernels::MoeLayout l = kernels::moe_layout(ids, s.experts(), k, kGroupAlign);
+  counts = l.counts;
   const bool grouped = opt.use_grouped_mm && (!s.lora || lw.lora.experts_grouped()) && !opt.observe_linear_input &&
                        z.is_cuda() && z.scalar_type() == at::kBFloat16;
   if (grouped && (!s.quantized() || kernels::nvfp4_grouped_dequantizes(s.gate.q, n, z))) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
     // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
-    kernels::MoeLayout l = kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign);
-    counts = l.counts;
     at::Tensor zp = at::zeros({l.bound, z.size(1)}, z.options()).index_copy(0, l.dest, z.index_select(0, l.src_token));
     at::Tensor act = at::silu(s.gate.padded(zp, l.offsets)) * s.up.padded(zp, l.offsets);
     return s.down.padded(act, l.offsets).index_select(0, l.slot_row);
   }
+  at::Tensor zs = z.index_select(0, l.src_token);  // rows sorted by expert
+  at::Tensor inverse = at::empty_like(l.order).scatter_(0, l.order, at::arange(n, l.order.options()));
   if (s.quantized() && !opt.observe_linear_input && (!s.lora || grouped)) {
     // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
-    counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
     at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
-    at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
-    const kernels::MoeLayout l = s.lora ? kernels::moe_layout(sorted_experts, order, E, k, kGroupAlign) : kernels::MoeLayout();
     at::Tensor act = at::silu(s.gate.sorted(zs, offsets, l)) * s.up.sorted(zs, offsets, l);
-    at::Tensor ys = s.down.sorted(act, offsets, l);
-    at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
-    return ys.index_select(0, inverse);
+    return s.down.sorted(act, offsets, l).index_select(0, inverse);
   }
-  // A loop over non-empty experts, on expert-sorted rows. Not bincount for the counts: on CUDA it
-  // reads the maximum back to the host.
-  counts = at::zeros({E}, order.options()).index_add_(0, sorted_experts, at::ones_like(sorted_experts));
-  at::Tensor zs = z.index_select(0, at::div(order, k, "floor"));
+  // A loop over non-empty experts, on expert-sorted rows.
   at::Tensor host_counts = counts.cpu();
   const int64_t* c = host_counts.data_ptr<int64_t>();
   std::vector<at::Tensor> parts;
   int64_t start = 0;
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < s.experts(); ++e) {
     if (c[e] == 0) continue;
     at::Tensor seg = zs.narrow(0, start, c[e]);
     const std::string prefix = "mlp.experts." + std::to_string(e) + ".";
@@ -238,7 +233,6 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   }
   KILN_CHECK(start == n, "latent_moe: expert counts do not cover the rows (rows=", n, ", counted=", start, ")");
   at::Tensor ys = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
-  at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
   return ys.index_select(0, inverse);  // back to slot order
 }
 
@@ -266,9 +260,8 @@ at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& l
   if (rows_in.size(0) == 0) {
     y_in = rows_in * 0;  // keeps this rank's backward exchange in the graph: every rank must join it
   } else {
-    auto sorted = at::sort(ids_in, /*stable=*/true, 0, /*descending=*/false);
     at::Tensor counts;
-    y_in = run_experts(lw, layer, rows_in, std::get<0>(sorted), std::get<1>(sorted), 1, counts, opt);
+    y_in = run_experts(lw, layer, rows_in, ids_in, 1, counts, opt);
     y_in = rms_norm(y_in, lw.expert_norm.index_select(0, ids_in), cfg.rms_norm_eps);
   }
   at::Tensor back = exchange_rows(group, y_in, recv, send);  // owner order
@@ -305,8 +298,7 @@ at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t
 #if KILN_TORCH_AT_LEAST(2, 8)
   const ExpertStack s = expert_stack(lw, layer, opt);
   const int64_t k = cfg.top_k;
-  auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
-  kernels::MoeLayout l = kernels::moe_layout(std::get<0>(sorted), std::get<1>(sorted), s.experts(), k, kGroupAlign);
+  kernels::MoeLayout l = kernels::moe_layout(flat, s.experts(), k, kGroupAlign);
   counts = l.counts;
   at::Tensor zp = kernels::moe_dispatch(z, l.slot_row, k, l.bound);
   at::Tensor act = kernels::swiglu(s.gate.padded(zp, l.offsets), s.up.padded(zp, l.offsets));
@@ -331,17 +323,11 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   const int64_t T = h.size(0), k = cfg.top_k, E = cfg.num_experts;
   at::Tensor logits = at::linear(h.to(lw.router.scalar_type()), lw.router);  // [T, E] fp32
   const bool sigmoid = cfg.router_score == RouterScore::kSigmoid;
-  at::Tensor scores = sigmoid ? at::sigmoid(logits) : at::softmax(logits, -1);
-  at::Tensor ids;
-  if (replay.defined()) {
-    ids = replay;
-  } else {
-    at::Tensor select = scores.detach();
-    if (sigmoid && lw.router_bias.defined()) select = select + lw.router_bias;
-    ids = std::get<1>(at::topk(select, k, -1, /*largest=*/true, /*sorted=*/true));
-  }
-  at::Tensor w = scores.gather(1, ids);
-  w = w / w.sum(-1, true);  // renormalised over the chosen set, so gradients reach the router
+  // Without a gradient or the balance loss (the rollout), one kernel on CUDA; else the ATen ops.
+  const bool plain = opt.use_fused && !opt.load_balance && !logits.requires_grad();
+  const kernels::MoeRoute route = plain ? kernels::moe_route(logits, k, sigmoid, lw.router_bias, replay)
+                                        : kernels::moe_route_reference(logits, k, sigmoid, lw.router_bias, replay);
+  const at::Tensor &ids = route.ids, &w = route.weights;
 
   at::Tensor z = project(h, lw, detail::kPooler, layer, opt);  // [T, d_l]
   at::Tensor flat = ids.reshape(-1);        // [T * k], slot order
@@ -355,8 +341,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
       y = expert_parallel_experts(cfg, lw, layer, z, flat, k, *opt.expert_group, opt).view({T, k, -1});
       counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
     } else {
-      auto sorted = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
-      y = run_experts(lw, layer, z, std::get<0>(sorted), std::get<1>(sorted), k, counts, opt);
+      y = run_experts(lw, layer, z, flat, k, counts, opt);
       y = rms_norm(y, lw.expert_norm.index_select(0, flat), cfg.rms_norm_eps).view({T, k, -1});
     }
     m = (y.to(w.scalar_type()) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
@@ -367,7 +352,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   r.ids = ids;
   if (opt.load_balance) {
     at::Tensor f = counts.to(acc) / double(T * k);
-    r.balance = (f * scores.mean(0)).sum() * double(E);
+    r.balance = (f * route.scores.mean(0)).sum() * double(E);
   }
   return r;
 }

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "kernels/moe_layout.h"
+#include "kernels/moe_route.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
 #include "kernels/stream_read.h"
@@ -111,19 +112,48 @@ TEST(CudaRope, BitwiseEqualsReference) {
 
 TEST(CudaMoeLayout, EqualsReferenceExactly) {
   at::manual_seed(4);
-  for (int64_t tokens : {1, 19, 111, 4097}) {
-    for (auto [E, k] : std::vector<std::pair<int64_t, int64_t>>{{8, 2}, {64, 8}, {256, 8}}) {
+  // Slot counts on both sides of the one-kernel sort's sizes (512, 4096 slots) and expert counts on
+  // both sides of its table (1024): the sort-and-place kernel and the sort-then-place path.
+  for (int64_t tokens : {1, 19, 64, 111, 512, 4097}) {
+    for (auto [E, k] : std::vector<std::pair<int64_t, int64_t>>{{8, 2}, {64, 8}, {256, 8}, {1, 1}, {2048, 2}}) {
       // Skewed routing: a few experts take most slots, many stay empty.
       at::Tensor flat = (at::rand({tokens * k}).pow(3) * double(E)).to(at::kLong).clamp_max(E - 1).cuda();
-      auto [sorted, order] = at::sort(flat, /*stable=*/true, 0, false);
-      kernels::MoeLayout a = kernels::moe_layout_cuda(sorted, order, E, k, 16);
-      kernels::MoeLayout b = kernels::moe_layout_reference(sorted, order, E, k, 16);
+      kernels::MoeLayout a = kernels::moe_layout_cuda(flat, E, k, 16);
+      kernels::MoeLayout b = kernels::moe_layout_reference(flat, E, k, 16);
       EXPECT_EQ(a.bound, b.bound);
-      for (auto [x, y] : {std::pair{a.counts, b.counts}, {a.offsets, b.offsets}, {a.dest, b.dest},
+      for (auto [x, y] : {std::pair{a.counts, b.counts}, {a.offsets, b.offsets}, {a.order, b.order}, {a.dest, b.dest},
                           {a.src_token, b.src_token}, {a.slot_row, b.slot_row}})
-        EXPECT_TRUE(test::all_equal(x.cpu(), y.cpu())) << "tokens " << tokens << " E " << E;
+        EXPECT_TRUE(test::all_equal(x.cpu(), y.cpu())) << "tokens " << tokens << " E " << E << " k " << k;
     }
   }
+}
+
+TEST(CudaMoeRoute, EqualsReference) {
+  at::manual_seed(6);
+  for (int64_t T : {1, 19, 111, 4097}) {
+    for (auto [E, k] : std::vector<std::pair<int64_t, int64_t>>{{8, 2}, {64, 8}, {256, 8}, {1000, 1}, {40, 40}}) {
+      for (bool sigmoid : {false, true}) {
+        const std::string what = "T " + std::to_string(T) + " E " + std::to_string(E) + " k " + std::to_string(k) +
+                                 (sigmoid ? " sigmoid" : " softmax");
+        at::Tensor logits = (at::randn({T, E}) * 2).cuda();
+        at::Tensor bias = sigmoid ? (at::randn({E}) * 0.1).cuda() : at::Tensor();
+        kernels::MoeRoute a = kernels::moe_route_cuda(logits, k, sigmoid, bias, at::Tensor());
+        kernels::MoeRoute b = kernels::moe_route_reference(logits, k, sigmoid, bias, at::Tensor());
+        EXPECT_TRUE(test::all_equal(a.ids.cpu(), b.ids.cpu())) << what;
+        EXPECT_TRUE(at::allclose(a.weights.cpu(), b.weights.cpu(), 1e-5, 1e-7)) << what;
+        // Replay: the given experts, in the given order, weighted by their renormalised scores.
+        at::Tensor replay = std::get<1>(at::rand({T, E}).topk(k, -1)).cuda();
+        a = kernels::moe_route_cuda(logits, k, sigmoid, bias, replay);
+        b = kernels::moe_route_reference(logits, k, sigmoid, bias, replay);
+        EXPECT_TRUE(test::all_equal(a.ids.cpu(), replay.cpu())) << what;
+        EXPECT_TRUE(at::allclose(a.weights.cpu(), b.weights.cpu(), 1e-5, 1e-7)) << what << " replay";
+      }
+    }
+  }
+  // The dispatcher keeps the reference where a gradient is wanted.
+  at::Tensor logits = at::randn({3, 8}).cuda().requires_grad_(true);
+  kernels::MoeRoute r = kernels::moe_route(logits, 2, false, at::Tensor(), at::Tensor());
+  EXPECT_TRUE(r.scores.defined() && r.weights.requires_grad());
 }
 
 TEST(CudaStreamRead, EqualsReferenceExactlyAtAnyAlignment) {

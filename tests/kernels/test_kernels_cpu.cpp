@@ -11,6 +11,7 @@
 
 #include "kernels/flash_varlen.h"
 #include "kernels/moe_layout.h"
+#include "kernels/moe_route.h"
 #include "kernels/moe_rows.h"
 #include "kernels/paged_attention.h"
 #include "kernels/rms_norm.h"
@@ -117,18 +118,41 @@ TEST(SamplingReference, GreedyTakesTheFirstMaximumAndDrawsFollowTheCdf) {
 TEST(MoeLayoutReference, HandWorkedCase) {
   // 3 tokens, top-2, 4 experts: slots (token-major) go to experts 2,0 | 2,3 | 0,2.
   at::Tensor flat = at::tensor(std::vector<int64_t>{2, 0, 2, 3, 0, 2});
-  auto [sorted, order] = at::sort(flat, /*stable=*/true, 0, false);
-  kernels::MoeLayout l = kernels::moe_layout_reference(sorted, order, 4, 2, 4);
+  kernels::MoeLayout l = kernels::moe_layout_reference(flat, 4, 2, 4);
   // counts 2,0,3,1 -> padded 4,0,4,4: segments start at rows 0, 4, 4, 8; bound = 6 + 4 * 3 = 18.
   EXPECT_TRUE(test::all_equal(l.counts, at::tensor(std::vector<int64_t>{2, 0, 3, 1})));
   EXPECT_TRUE(test::all_equal(l.offsets, at::tensor(std::vector<int32_t>{4, 4, 8, 18})));
   EXPECT_EQ(l.bound, 18);
   // Sorted slots: 1,4 (expert 0), 0,2,5 (expert 2), 3 (expert 3).
+  EXPECT_TRUE(test::all_equal(l.order, at::tensor(std::vector<int64_t>{1, 4, 0, 2, 5, 3})));
   EXPECT_TRUE(test::all_equal(l.dest, at::tensor(std::vector<int64_t>{0, 1, 4, 5, 6, 8})));
   EXPECT_TRUE(test::all_equal(l.src_token, at::tensor(std::vector<int64_t>{0, 2, 0, 1, 2, 1})));
   EXPECT_TRUE(test::all_equal(l.slot_row, at::tensor(std::vector<int64_t>{4, 0, 5, 8, 1, 6})));
-  EXPECT_TRUE(test::throws_with([&] { kernels::moe_layout_reference(sorted, order, 4, 4, 4); },
-                                {"a multiple of top_k"}));
+  EXPECT_TRUE(test::throws_with([&] { kernels::moe_layout_reference(flat, 4, 4, 4); }, {"a multiple of top_k"}));
+}
+
+TEST(MoeRouteReference, HandWorkedCases) {
+  // Softmax over logits log(1, 2, 3, 4): scores 0.1 .. 0.4; top-2 is experts 3, 2 with weights 4/7, 3/7.
+  at::Tensor logits = at::tensor(std::vector<float>{1, 2, 3, 4}).log().view({1, 4});
+  kernels::MoeRoute r = kernels::moe_route_reference(logits, 2, false, at::Tensor(), at::Tensor());
+  EXPECT_TRUE(test::all_equal(r.ids, at::tensor(std::vector<int64_t>{3, 2}).view({1, 2})));
+  EXPECT_TRUE(at::allclose(r.weights, at::tensor(std::vector<float>{4.0f / 7, 3.0f / 7}).view({1, 2})));
+  EXPECT_TRUE(at::allclose(r.scores.sum(), at::scalar_tensor(1.0f)));
+  // Sigmoid: the bias moves the choice (expert 0 from last to first) but not the weights.
+  at::Tensor bias = at::tensor(std::vector<float>{1, 0, 0, 0});
+  r = kernels::moe_route_reference(logits, 2, true, bias, at::Tensor());
+  EXPECT_TRUE(test::all_equal(r.ids, at::tensor(std::vector<int64_t>{0, 3}).view({1, 2})));
+  const float s0 = 1 / (1 + 1.0f), s3 = 1 / (1 + 0.25f);  // sigmoid(log x) = x / (1 + x)
+  EXPECT_TRUE(at::allclose(r.weights, at::tensor(std::vector<float>{s0 / (s0 + s3), s3 / (s0 + s3)}).view({1, 2})));
+  // Replay takes the given experts whatever the scores.
+  at::Tensor replay = at::tensor(std::vector<int64_t>{0, 1}).view({1, 2});
+  r = kernels::moe_route_reference(logits, 2, false, at::Tensor(), replay);
+  EXPECT_TRUE(test::all_equal(r.ids, replay));
+  EXPECT_TRUE(at::allclose(r.weights, at::tensor(std::vector<float>{1.0f / 3, 2.0f / 3}).view({1, 2})));
+  EXPECT_TRUE(test::throws_with([&] { kernels::moe_route_reference(logits, 5, false, at::Tensor(), at::Tensor()); },
+                                {"top_k=5", "[1, 4]"}));
+  EXPECT_TRUE(test::throws_with([&] { kernels::moe_route_reference(logits, 2, false, at::Tensor(), replay.view({2})); },
+                                {"replay must be int64 [1, 2]"}));
 }
 
 TEST(StreamReadReference, XorsLittleEndianWords) {
