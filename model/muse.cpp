@@ -324,7 +324,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   at::Tensor logits = at::linear(h.to(lw.router.scalar_type()), lw.router);  // [T, E] fp32
   const bool sigmoid = cfg.router_score == RouterScore::kSigmoid;
   // Without a gradient or the balance loss (the rollout), one kernel on CUDA; else the ATen ops.
-  const bool plain = opt.use_fused && !opt.load_balance && !logits.requires_grad();
+  const bool plain = opt.fused_routing && opt.use_fused && !opt.load_balance && !logits.requires_grad();
   const kernels::MoeRoute route = plain ? kernels::moe_route(logits, k, sigmoid, lw.router_bias, replay)
                                         : kernels::moe_route_reference(logits, k, sigmoid, lw.router_bias, replay);
   const at::Tensor &ids = route.ids, &w = route.weights;
