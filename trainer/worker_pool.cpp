@@ -1,0 +1,754 @@
+// Worker pools: WorkerProcess (posix_spawn with pipes, its own process group, stderr tail, kill
+// and reap) and WorkerPool (dispatch, poll() over every pipe, answers matched by id, timeouts,
+// restarts, retries, the failure policy). One thread; nothing global or static.
+#include "trainer/worker_pool.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <optional>
+#include <unordered_map>
+
+#include "core/error.h"
+
+extern char** environ;
+
+namespace kiln::trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::json;
+
+constexpr size_t kStderrMaxLines = 50;
+constexpr size_t kStderrMaxBytes = 16 * 1024;
+constexpr size_t kMaxLineBytes = size_t(64) << 20;  // a longer stdout line without '\n' is garbage
+constexpr size_t kQuoteBytes = 200;                // how much of a bad line an error quotes
+constexpr double kExitWaitS = 0.2;   // how long a worker that closed stdout gets to report its exit status
+constexpr double kDrainWaitS = 0.2;  // how long stderr is drained after a kill (a traceback may be on its way)
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string quote(const std::string& s) {
+  std::string out = s.size() > kQuoteBytes ? s.substr(0, kQuoteBytes) + "..." : s;
+  for (char& c : out)
+    if (static_cast<unsigned char>(c) < 32) c = ' ';
+  return out;
+}
+
+std::string command_text(const std::vector<std::string>& argv) {
+  std::string out;
+  for (const std::string& a : argv) {
+    if (!out.empty()) out += ' ';
+    out += a.find_first_of(" \t'\"") == std::string::npos && !a.empty() ? a : "'" + a + "'";
+  }
+  return out;
+}
+
+void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+void close_fd(int& fd) {
+  if (fd >= 0) close(fd);
+  fd = -1;
+}
+
+// The last lines a worker wrote to stderr, bounded in lines and bytes.
+class StderrTail {
+ public:
+  void append(const char* data, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      if (data[i] == '\n' || partial_.size() >= kStderrMaxBytes) {
+        push(std::move(partial_));
+        partial_.clear();
+        if (data[i] == '\n') continue;
+      }
+      partial_ += data[i];
+    }
+  }
+  std::string text() const {
+    std::string out;
+    for (const std::string& line : lines_) out += line + "\n";
+    return out + partial_;
+  }
+  std::string last_line() const {
+    if (!partial_.empty()) return partial_;
+    return lines_.empty() ? std::string() : lines_.back();
+  }
+
+ private:
+  void push(std::string line) {
+    bytes_ += line.size();
+    lines_.push_back(std::move(line));
+    while (lines_.size() > kStderrMaxLines || bytes_ > kStderrMaxBytes) {
+      bytes_ -= lines_.front().size();
+      lines_.pop_front();
+    }
+  }
+
+  std::deque<std::string> lines_;
+  size_t bytes_ = 0;
+  std::string partial_;
+};
+
+// Writing to a worker that has died raises SIGPIPE, which would kill kiln. While a call runs,
+// SIGPIPE is blocked in this thread (a thread-directed signal then stays pending on it), and one our
+// write raised is taken off with sigtimedwait before the old mask comes back. Nothing process-wide.
+class SigpipeBlock {
+ public:
+  SigpipeBlock() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+    sigset_t pending;
+    sigpending(&pending);
+    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+  }
+  ~SigpipeBlock() { pthread_sigmask(SIG_SETMASK, &old_, nullptr); }
+  SigpipeBlock(const SigpipeBlock&) = delete;
+  SigpipeBlock& operator=(const SigpipeBlock&) = delete;
+
+  void consume() {
+    if (was_pending_) return;  // someone else's; leave it
+    const timespec zero{0, 0};
+    while (sigtimedwait(&pipe_, nullptr, &zero) == SIGPIPE) {
+    }
+  }
+
+ private:
+  sigset_t pipe_, old_;
+  bool was_pending_ = false;
+};
+
+// One worker process. Our ends of its pipes are non-blocking; it runs in its own process group so
+// that a kill also reaches what it started (a `sh -c` wrapper's child).
+class WorkerProcess {
+ public:
+  // Starts argv; nullptr with *error set when it cannot (no such command, no permission, no fds).
+  static std::unique_ptr<WorkerProcess> start(const std::vector<std::string>& argv, std::string* error);
+  ~WorkerProcess() { stop(false); }
+  WorkerProcess(const WorkerProcess&) = delete;
+  WorkerProcess& operator=(const WorkerProcess&) = delete;
+
+  int pid() const { return pid_; }
+  int stdin_fd() const { return in_; }
+  int stdout_fd() const { return out_; }
+  int stderr_fd() const { return err_; }
+  bool wants_write() const { return in_ >= 0 && written_ < outbox_.size(); }
+
+  void queue(const std::string& line) { outbox_ += line; }
+
+  // Writes what the pipe takes; false when the worker cannot be written to (it closed stdin or died).
+  bool flush(SigpipeBlock& sigpipe) {
+    while (wants_write()) {
+      const ssize_t n = write(in_, outbox_.data() + written_, outbox_.size() - written_);
+      if (n > 0) {
+        written_ += size_t(n);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        break;
+      } else {
+        if (errno == EPIPE) sigpipe.consume();
+        return false;
+      }
+    }
+    if (written_ == outbox_.size()) outbox_.clear(), written_ = 0;
+    return true;
+  }
+
+  // Reads what stdout holds and appends its complete lines. False at EOF or on a line past
+  // kMaxLineBytes (*too_long set): either way the worker is done for.
+  bool read_stdout(std::vector<std::string>* lines, bool* too_long) {
+    char buf[65536];
+    for (;;) {
+      const ssize_t n = read(out_, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      if (n <= 0) return false;
+      size_t begin = 0;
+      for (size_t i = 0; i < size_t(n); ++i) {
+        if (buf[i] != '\n') continue;
+        inbox_.append(buf + begin, i - begin);
+        lines->push_back(std::move(inbox_));
+        inbox_.clear();
+        begin = i + 1;
+      }
+      inbox_.append(buf + begin, size_t(n) - begin);
+      if (inbox_.size() > kMaxLineBytes) {
+        *too_long = true;
+        return false;
+      }
+    }
+  }
+
+  // Reads what stderr holds into the tail; closes it at EOF (a worker may close stderr and go on).
+  void read_stderr() {
+    char buf[65536];
+    while (err_ >= 0) {
+      const ssize_t n = read(err_, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (n <= 0) {
+        close_fd(err_);
+        return;
+      }
+      tail_.append(buf, size_t(n));
+    }
+  }
+
+  void close_stdin() { close_fd(in_); }
+
+  // How it ended, when it has, without reaping it: until it is reaped its pid stays ours, so a
+  // kill of its process group cannot reach anyone else's.
+  std::optional<std::string> exit_status() const {
+    siginfo_t info{};
+    if (reaped_ || waitid(P_PID, pid_t(pid_), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0)
+      return std::nullopt;
+    if (info.si_code == CLD_EXITED) return str_cat("exited with status ", info.si_status);
+    return str_cat("was killed by signal ", info.si_status, " (", strsignal(info.si_status), ")");
+  }
+
+  // Ends it: when `expect_exit` (it closed stdout), waits briefly for it to exit by itself; then
+  // SIGKILLs its process group, drains stderr, reaps it and closes the pipes. Returns how it ended
+  // by itself ("" when kiln killed it).
+  std::string stop(bool expect_exit) {
+    if (reaped_) return "";
+    close_stdin();
+    std::optional<std::string> status = exit_status();
+    for (const Clock::time_point t0 = Clock::now(); expect_exit && !status && seconds_since(t0) < kExitWaitS;) {
+      wait_readable(err_, 0.005);
+      read_stderr();
+      status = exit_status();
+    }
+    kill(-pid_, SIGKILL);
+    for (const Clock::time_point t0 = Clock::now(); err_ >= 0 && seconds_since(t0) < kDrainWaitS;) {
+      wait_readable(err_, kDrainWaitS - seconds_since(t0));
+      read_stderr();
+    }
+    int st = 0;
+    while (waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
+    }
+    reaped_ = true;
+    close_fd(out_);
+    close_fd(err_);
+    return status.value_or("");
+  }
+
+  const StderrTail& stderr_tail() const { return tail_; }
+
+ private:
+  WorkerProcess() = default;
+
+  static void wait_readable(int fd, double seconds) {
+    if (fd < 0) return;
+    pollfd p{fd, POLLIN, 0};
+    poll(&p, 1, std::max(0, int(std::ceil(seconds * 1000))));
+  }
+
+  int pid_ = -1;
+  int in_ = -1, out_ = -1, err_ = -1;
+  bool reaped_ = true;
+  std::string outbox_;  // bytes queued for stdin; written_ of them are out
+  size_t written_ = 0;
+  std::string inbox_;  // a partial stdout line
+  StderrTail tail_;
+};
+
+std::unique_ptr<WorkerProcess> WorkerProcess::start(const std::vector<std::string>& argv, std::string* error) {
+  int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1};
+  // O_CLOEXEC: the worker gets only the three ends dup2'ed onto 0, 1 and 2.
+  if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
+    *error = str_cat("cannot make pipes: ", std::strerror(errno));
+    for (int* p : {in, out, err}) close_fd(p[0]), close_fd(p[1]);
+    return nullptr;
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, in[0], 0);
+  posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+  posix_spawn_file_actions_adddup2(&actions, err[1], 2);
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
+  posix_spawn_file_actions_addclosefrom_np(&actions, 3);  // fds others opened without O_CLOEXEC (MPI, ...)
+#endif
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attr, &none);  // not our blocked SIGPIPE
+  sigemptyset(&defaults);
+  for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD, SIGUSR1, SIGUSR2, SIGALRM})
+    sigaddset(&defaults, sig);
+  posix_spawnattr_setsigdefault(&attr, &defaults);  // not an ignore kiln or MPI set
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, args[0], &actions, &attr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  close_fd(in[0]);
+  close_fd(out[1]);
+  close_fd(err[1]);
+  if (rc != 0) {
+    *error = std::strerror(rc);
+    close_fd(in[1]);
+    close_fd(out[0]);
+    close_fd(err[0]);
+    return nullptr;
+  }
+  std::unique_ptr<WorkerProcess> w(new WorkerProcess());
+  w->pid_ = pid;
+  w->reaped_ = false;
+  w->in_ = in[1];
+  w->out_ = out[0];
+  w->err_ = err[0];
+  for (int fd : {w->in_, w->out_, w->err_}) set_nonblocking(fd);
+  return w;
+}
+
+// `"id": <integer>` in a line that is not valid JSON (Python writes NaN and Infinity), so that the
+// request it names can fail rather than wait for its timeout.
+std::optional<int64_t> scan_id(const std::string& line) {
+  const size_t key = line.find("\"id\"");
+  if (key == std::string::npos) return std::nullopt;
+  size_t i = key + 4;
+  while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i;
+  if (i >= line.size() || line[i] != ':') return std::nullopt;
+  ++i;
+  while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i;
+  const char* begin = line.c_str() + i;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(begin, &end, 10);
+  if (end == begin || errno != 0 || (*end != ',' && *end != '}' && *end != ' ')) return std::nullopt;
+  return int64_t(v);
+}
+
+std::optional<int64_t> json_id(const Json& j) {
+  if (!j.is_object()) return std::nullopt;
+  const auto it = j.find("id");
+  if (it == j.end()) return std::nullopt;
+  if (it->is_number_integer()) return it->get<int64_t>();
+  if (it->is_number_float()) {
+    const double v = it->get<double>();
+    if (std::isfinite(v) && v == std::trunc(v) && std::fabs(v) < 9.0e18) return int64_t(v);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+struct WorkerPool::Impl {
+  struct InFlight {
+    size_t index;  // into the call's requests
+    Clock::time_point sent;
+    uint64_t seq;  // send order
+  };
+  struct Slot {
+    std::unique_ptr<WorkerProcess> proc;  // null when not running
+    bool ever_started = false;
+    std::unordered_map<int64_t, InFlight> in_flight;  // by request id
+    bool isolated = false;  // holds a retried request alone; takes no other until it is answered
+    int num_garbage = 0;    // garbage lines this call
+    std::string last_garbage;
+  };
+  enum class Death { kCrash, kTimeout, kGarbage };
+
+  WorkerSpec spec;
+  std::string what;  // the pool's name in errors
+  std::string command;
+  std::vector<Slot> slots;
+  RewardStats stats;
+
+  // The call in progress.
+  const std::vector<int64_t>* ids = nullptr;
+  std::vector<WorkerOutcome>* results = nullptr;
+  const Accept* accept = nullptr;
+  std::vector<std::string> lines;
+  std::vector<int> attempts;  // per request: attempts that ended in a dead or hung worker
+  std::unordered_map<int64_t, size_t> index_of;
+  std::deque<size_t> fresh, retries;
+  size_t num_done = 0;
+  uint64_t num_sent = 0;
+  int restarts_left = 0;
+  std::string start_error;  // set when the command could not be started: nothing more is tried this call
+  std::string last_death;   // the last worker failure, for requests left when the restarts run out
+  std::string last_stderr;
+
+  void begin_call(const std::vector<int64_t>& request_ids, const std::vector<std::string>& request_lines,
+                  std::vector<WorkerOutcome>* out);
+  void end_call();
+  void run(SigpipeBlock& sigpipe);
+  void dispatch();
+  bool try_start(Slot& slot);
+  void send(Slot& slot, size_t index, bool isolated);
+  void poll_once(SigpipeBlock& sigpipe);
+  void handle_line(Slot& slot, const std::string& line);
+  void garbage(Slot& slot, const std::string& why, const std::string& line);
+  void answered(Slot& slot, int64_t id, size_t* index);
+  void kill_slot(Slot& slot, Death death, const std::string& reason, const std::vector<int64_t>& culprits);
+  void fail(size_t index, const std::string& why, const std::string& stderr_text);
+  void finish(size_t index);
+  void shutdown();
+};
+
+void WorkerPool::Impl::begin_call(const std::vector<int64_t>& request_ids, const std::vector<std::string>& request_lines,
+                                  std::vector<WorkerOutcome>* out) {
+  ids = &request_ids;
+  results = out;
+  lines.clear();
+  index_of.clear();
+  const size_t n = request_ids.size();
+  KILN_CHECK(request_lines.size() == n, what, ": ", n, " request ids but ", request_lines.size(), " lines");
+  for (size_t i = 0; i < n; ++i) {
+    KILN_CHECK(index_of.emplace(request_ids[i], i).second, what, ": request id used twice in one call (id=",
+               request_ids[i], ", positions ", index_of[request_ids[i]], " and ", i, "); give each request its own id");
+    KILN_CHECK(request_lines[i].find('\n') == std::string::npos, what, ": request line ", i,
+               " holds a newline; a request is one line");
+    lines.push_back(request_lines[i] + "\n");
+  }
+  attempts.assign(n, 0);
+  fresh.clear();
+  retries.clear();
+  for (size_t i = 0; i < n; ++i) fresh.push_back(i);
+  num_done = 0;
+  restarts_left = spec.max_restarts;
+  start_error.clear();
+  for (Slot& s : slots) {
+    s.num_garbage = 0;
+    s.isolated = false;
+    // A worker that died while idle is replaced now rather than found dead with requests on it.
+    if (s.proc && s.proc->exit_status()) {
+      last_death = "worker " + s.proc->stop(true) + " while idle";
+      last_stderr = s.proc->stderr_tail().text();
+      s.proc.reset();
+    }
+  }
+  stats.num_requests += int64_t(n);
+}
+
+// Leaves no request on any worker: after an error a late answer could otherwise meet a later call's
+// request of the same id.
+void WorkerPool::Impl::end_call() {
+  for (Slot& s : slots) {
+    if (!s.in_flight.empty() && s.proc) s.proc->stop(false);
+    if (!s.in_flight.empty()) s.proc.reset();
+    s.in_flight.clear();
+    s.isolated = false;
+  }
+  ids = nullptr;
+  results = nullptr;
+  accept = nullptr;
+  fresh.clear();
+  retries.clear();
+}
+
+void WorkerPool::Impl::run(SigpipeBlock& sigpipe) {
+  while (num_done < ids->size()) {
+    dispatch();
+    if (num_done == ids->size()) break;
+    poll_once(sigpipe);
+  }
+}
+
+bool WorkerPool::Impl::try_start(Slot& slot) {
+  if (!start_error.empty()) return false;
+  if (slot.ever_started) {
+    if (restarts_left <= 0) return false;
+    --restarts_left;
+    ++stats.num_restarts;
+  }
+  std::string error;
+  slot.proc = WorkerProcess::start(spec.command, &error);
+  slot.ever_started = true;
+  slot.num_garbage = 0;
+  slot.isolated = false;
+  if (!slot.proc) start_error = str_cat("cannot start the command: ", error);
+  return slot.proc != nullptr;
+}
+
+void WorkerPool::Impl::send(Slot& slot, size_t index, bool isolated) {
+  slot.proc->queue(lines[index]);
+  slot.in_flight[(*ids)[index]] = {index, Clock::now(), num_sent++};
+  slot.isolated = isolated;
+}
+
+void WorkerPool::Impl::dispatch() {
+  if (fresh.empty() && retries.empty()) return;
+  for (Slot& s : slots)
+    if (!s.proc) try_start(s);
+  // A retried request goes alone to an idle worker, so that if it kills that one too it is known
+  // to be the cause. Fresh requests wait meanwhile: otherwise a busy pool never has an idle worker.
+  for (Slot& s : slots) {
+    if (retries.empty()) break;
+    if (s.proc && s.in_flight.empty()) {
+      send(s, retries.front(), true);
+      retries.pop_front();
+    }
+  }
+  while (!fresh.empty() && retries.empty()) {
+    Slot* best = nullptr;
+    for (Slot& s : slots)
+      if (s.proc && !s.isolated && int(s.in_flight.size()) < spec.max_in_flight &&
+          (!best || s.in_flight.size() < best->in_flight.size()))
+        best = &s;
+    if (!best) break;
+    send(*best, fresh.front(), false);
+    fresh.pop_front();
+  }
+  const bool any_live = std::any_of(slots.begin(), slots.end(), [](const Slot& s) { return s.proc != nullptr; });
+  if (any_live) return;
+  // No worker runs and none may start: what is left fails.
+  const std::string why = !start_error.empty()
+                              ? start_error
+                              : str_cat("restart limit reached (max_restarts=", spec.max_restarts,
+                                        " per call); the last worker failure: ", last_death);
+  std::vector<size_t> left(retries.begin(), retries.end());
+  left.insert(left.end(), fresh.begin(), fresh.end());
+  retries.clear();
+  fresh.clear();
+  std::sort(left.begin(), left.end());
+  for (size_t index : left) fail(index, why, start_error.empty() ? last_stderr : "");
+}
+
+void WorkerPool::Impl::poll_once(SigpipeBlock& sigpipe) {
+  struct Watch {
+    size_t slot;
+    int which;  // 0 stdin, 1 stdout, 2 stderr
+  };
+  std::vector<pollfd> fds;
+  std::vector<Watch> watches;
+  double wait_s = 1.0;  // a ceiling, so that nothing waits forever on a missed event
+  const Clock::time_point now = Clock::now();
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const Slot& s = slots[k];
+    if (!s.proc) continue;
+    // Reads before writes: answers that arrived before a worker stopped reading still count.
+    fds.push_back({s.proc->stdout_fd(), POLLIN, 0}), watches.push_back({k, 1});
+    if (s.proc->stderr_fd() >= 0) fds.push_back({s.proc->stderr_fd(), POLLIN, 0}), watches.push_back({k, 2});
+    if (s.proc->wants_write()) fds.push_back({s.proc->stdin_fd(), POLLOUT, 0}), watches.push_back({k, 0});
+    for (const auto& entry : s.in_flight)
+      wait_s = std::min(wait_s, spec.timeout_s - std::chrono::duration<double>(now - entry.second.sent).count());
+  }
+  KILN_CHECK(!fds.empty(), what, ": internal error: requests wait but no worker runs (command=", command,
+             ", done=", num_done, ", requests=", ids->size(), "); report this");
+  const int timeout_ms = std::max(0, int(std::ceil(wait_s * 1000)));
+  if (poll(fds.data(), nfds_t(fds.size()), timeout_ms) < 0 && errno != EINTR)
+    KILN_FAIL(what, ": poll failed (error=", std::strerror(errno), ", command=", command, "); report this");
+
+  for (size_t f = 0; f < fds.size(); ++f) {
+    Slot& s = slots[watches[f].slot];
+    if (!s.proc || fds[f].revents == 0) continue;
+    if (watches[f].which == 2) {
+      s.proc->read_stderr();
+    } else if (watches[f].which == 0) {
+      if (!s.proc->flush(sigpipe)) kill_slot(s, Death::kCrash, "worker stopped reading its stdin", {});
+    } else {
+      std::vector<std::string> got;
+      bool too_long = false;
+      const bool open = s.proc->read_stdout(&got, &too_long);
+      for (const std::string& line : got) {
+        if (!s.proc) break;  // killed for garbage part way through
+        handle_line(s, line);
+      }
+      if (!s.proc) continue;
+      if (too_long)
+        kill_slot(s, Death::kGarbage, str_cat("worker wrote a stdout line longer than ", kMaxLineBytes, " bytes"), {});
+      else if (!open)
+        kill_slot(s, Death::kCrash, "worker closed its stdout", {});
+    }
+  }
+  // A hang: when the oldest request on a worker is late, it is taken for the cause (a worker that
+  // answers in order is stuck on it, and the ones queued behind it are late only because of it).
+  // The others go back uncharged; one that hangs by itself is caught on its next worker.
+  for (Slot& s : slots) {
+    if (!s.proc || s.in_flight.empty()) continue;
+    auto oldest = s.in_flight.begin();
+    for (auto it = s.in_flight.begin(); it != s.in_flight.end(); ++it)
+      if (it->second.seq < oldest->second.seq) oldest = it;
+    if (seconds_since(oldest->second.sent) >= spec.timeout_s)
+      kill_slot(s, Death::kTimeout, str_cat("no answer within timeout_s=", spec.timeout_s, " s; worker killed"),
+                {oldest->first});
+  }
+}
+
+void WorkerPool::Impl::answered(Slot& slot, int64_t id, size_t* index) {
+  const auto it = slot.in_flight.find(id);
+  *index = it->second.index;
+  stats.total_seconds += seconds_since(it->second.sent);
+  ++stats.num_answered;
+  slot.in_flight.erase(it);
+  if (slot.in_flight.empty()) slot.isolated = false;
+}
+
+void WorkerPool::Impl::handle_line(Slot& slot, const std::string& line) {
+  if (line.find_first_not_of(" \t\r") == std::string::npos) return;  // blank lines are harmless
+  const Json j = Json::parse(line, nullptr, false);
+  size_t index = 0;
+  if (j.is_discarded()) {
+    const std::optional<int64_t> id = scan_id(line);
+    if (!id || !slot.in_flight.count(*id)) return garbage(slot, "not JSON", line);
+    answered(slot, *id, &index);
+    return fail(index, str_cat("answer is not valid JSON (line=", quote(line), ")"), slot.proc->stderr_tail().text());
+  }
+  const std::optional<int64_t> id = json_id(j);
+  if (!id) return garbage(slot, "no integer \"id\"", line);
+  if (!slot.in_flight.count(*id)) {
+    const bool known = index_of.count(*id) != 0;
+    return garbage(slot, known ? "id of a request not in flight on this worker (a repeat?)" : "unknown id", line);
+  }
+  answered(slot, *id, &index);
+  const std::string stderr_text = slot.proc->stderr_tail().text();
+  if (const auto e = j.find("error"); e != j.end())
+    return fail(index, str_cat("worker error: ", e->is_string() ? e->get<std::string>() : e->dump()), stderr_text);
+  const std::string why = (*accept)(index, j);
+  if (!why.empty()) return fail(index, why, stderr_text);
+  finish(index);
+}
+
+void WorkerPool::Impl::garbage(Slot& slot, const std::string& why, const std::string& line) {
+  ++stats.num_garbage_lines;
+  ++slot.num_garbage;
+  slot.last_garbage = str_cat(why, ": ", quote(line));
+  if (slot.num_garbage > spec.max_garbage_lines)
+    kill_slot(slot, Death::kGarbage,
+              str_cat("worker wrote ", slot.num_garbage, " stdout lines that name no request in flight ",
+                      "(max_garbage_lines=", spec.max_garbage_lines, "; the last: ", slot.last_garbage, ")"),
+              {});
+}
+
+void WorkerPool::Impl::kill_slot(Slot& slot, Death death, const std::string& reason,
+                                   const std::vector<int64_t>& culprits) {
+  const std::string status = slot.proc->stop(death == Death::kCrash);
+  const std::string what = !status.empty() ? str_cat(reason, " (worker ", status, ")") : reason;
+  const std::string stderr_text = slot.proc->stderr_tail().text();
+  last_death = what;
+  last_stderr = stderr_text;
+  std::vector<std::pair<size_t, int64_t>> victims;  // (index, id), in request order for determinism
+  for (const auto& [id, f] : slot.in_flight) victims.emplace_back(f.index, id);
+  std::sort(victims.begin(), victims.end());
+  slot.in_flight.clear();
+  slot.proc.reset();
+  slot.isolated = false;
+  // A crash or garbage has no known cause, so every request on the worker is charged an attempt
+  // (and retried alone, which finds the cause out); after a timeout only the late ones are.
+  std::vector<size_t> requeue;
+  for (const auto& [index, id] : victims) {
+    const bool culprit = std::find(culprits.begin(), culprits.end(), id) != culprits.end();
+    if (culprit) ++stats.num_timeouts;
+    if (death != Death::kTimeout || culprit) {
+      if (++attempts[index] > spec.max_retries) {
+        fail(index, str_cat(what, " (attempts=", attempts[index], ")"), stderr_text);
+        continue;
+      }
+      retries.push_back(index);
+    } else {
+      requeue.push_back(index);
+    }
+    ++stats.num_retries;
+  }
+  fresh.insert(fresh.begin(), requeue.begin(), requeue.end());
+}
+
+void WorkerPool::Impl::fail(size_t index, const std::string& why, const std::string& stderr_text) {
+  const int64_t id = (*ids)[index];
+  ++stats.num_failures;
+  if (spec.on_failure == OnFailure::kStop) {
+    const std::string tail = stderr_text.empty() ? "(the worker wrote nothing to stderr)"
+                                                 : "the worker's stderr ends:\n" + stderr_text;
+    KILN_FAIL(what, ": request failed (command=", command, ", id=", id, ", error=", why,
+              "); fix the worker, or set on_failure: zero to score such requests 0 and go on; ", tail);
+  }
+  WorkerOutcome r;
+  r.failed = true;
+  std::string last;
+  for (size_t end = stderr_text.size(); end > 0 && last.empty();) {  // the last non-empty stderr line
+    const size_t begin = stderr_text.rfind('\n', end - 1);
+    last = stderr_text.substr(begin == std::string::npos ? 0 : begin + 1,
+                              end - (begin == std::string::npos ? 0 : begin + 1));
+    end = begin == std::string::npos ? 0 : begin;
+  }
+  r.error = last.empty() ? why : str_cat(why, "; stderr: ", quote(last));
+  (*results)[index] = std::move(r);
+  ++num_done;
+}
+
+void WorkerPool::Impl::finish(size_t index) {
+  (*results)[index] = WorkerOutcome();
+  ++num_done;
+}
+
+void WorkerPool::Impl::shutdown() {
+  // Closing stdin asks each worker to finish; the ones still running after the grace period are killed.
+  for (Slot& s : slots)
+    if (s.proc) s.proc->close_stdin();
+  const Clock::time_point t0 = Clock::now();
+  for (;;) {
+    bool running = false;
+    for (Slot& s : slots) {
+      if (!s.proc || s.proc->exit_status()) continue;
+      running = true;
+      std::vector<std::string> discard;
+      bool too_long = false;
+      s.proc->read_stdout(&discard, &too_long);  // so that a worker writing on its way out is not blocked
+      s.proc->read_stderr();
+    }
+    if (!running || seconds_since(t0) >= spec.shutdown_grace_s) break;
+    usleep(2000);
+  }
+  for (Slot& s : slots) {
+    if (s.proc) s.proc->stop(false);
+    s.proc.reset();
+  }
+}
+
+WorkerPool::WorkerPool(WorkerSpec spec, std::string what) : impl_(std::make_unique<Impl>()) {
+  impl_->what = std::move(what);
+  impl_->command = command_text(spec.command);
+  impl_->slots.resize(size_t(spec.num_workers));
+  impl_->spec = std::move(spec);
+}
+
+WorkerPool::~WorkerPool() { impl_->shutdown(); }
+
+std::vector<WorkerOutcome> WorkerPool::call(const std::vector<int64_t>& ids, const std::vector<std::string>& lines,
+                                            const Accept& accept) {
+  std::vector<WorkerOutcome> results(ids.size());
+  if (ids.empty()) return results;
+  SigpipeBlock sigpipe;
+  struct EndCall {
+    Impl* impl;
+    ~EndCall() { impl->end_call(); }
+  } end_call{impl_.get()};
+  impl_->begin_call(ids, lines, &results);
+  impl_->accept = &accept;
+  impl_->run(sigpipe);
+  return results;
+}
+
+RewardStats WorkerPool::stats() const { return impl_->stats; }
+
+const std::string& WorkerPool::command() const { return impl_->command; }
+
+std::vector<int> WorkerPool::worker_pids() const {
+  std::vector<int> pids;
+  for (const Impl::Slot& s : impl_->slots)
+    if (s.proc) pids.push_back(s.proc->pid());
+  return pids;
+}
+
+}  // namespace kiln::trainer
