@@ -1,0 +1,132 @@
+// Environments: the request line, the reading of an answer (done, reward, observation text or ids)
+// and the spec's checks, over a WorkerPool.
+#include "trainer/environment.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace kiln::trainer {
+namespace {
+
+using Json = nlohmann::json;
+using OrderedJson = nlohmann::ordered_json;
+
+constexpr size_t kQuoteBytes = 200;
+
+std::string quote(const Json& j) {
+  std::string s = j.dump(-1, ' ', true, Json::error_handler_t::replace);
+  return s.size() > kQuoteBytes ? s.substr(0, kQuoteBytes) + "..." : s;
+}
+
+// Why the answer cannot be used ("" when it can), filling `step`.
+std::string read_answer(const Json& j, EnvStep& step) {
+  const auto done = j.find("done");
+  if (done == j.end() || !done->is_boolean()) return str_cat("\"done\" is missing or not true/false (answer=", quote(j), ")");
+  step.done = done->get<bool>();
+  if (const auto r = j.find("reward"); r != j.end()) {
+    if (!r->is_number() || !std::isfinite(r->get<double>()))
+      return str_cat("\"reward\" is not a finite number (answer=", quote(j), ")");
+    step.reward = r->get<double>();
+  }
+  if (const auto comps = j.find("components"); comps != j.end() && !comps->is_null()) {
+    if (!comps->is_object()) return str_cat("\"components\" is not an object (answer=", quote(j), ")");
+    for (const auto& [name, value] : comps->items()) {
+      if (!value.is_number() || !std::isfinite(value.get<double>()))
+        return str_cat("component \"", name, "\" is not a finite number (answer=", quote(j), ")");
+      step.components.emplace_back(name, value.get<double>());
+    }
+  }
+  if (step.done) return "";
+  const auto text = j.find("observation"), ids = j.find("observation_ids");
+  const bool has_text = text != j.end() && !text->is_null(), has_ids = ids != j.end() && !ids->is_null();
+  if (has_text == has_ids)
+    return str_cat("an episode that goes on (done: false) needs exactly one of \"observation\" and ",
+                   "\"observation_ids\" (answer=", quote(j), ")");
+  if (has_text) {
+    if (!text->is_string()) return str_cat("\"observation\" is not a string (answer=", quote(j), ")");
+    step.observation = text->get<std::string>();
+    if (step.observation.empty()) return str_cat("\"observation\" is empty (answer=", quote(j), ")");
+    return "";
+  }
+  if (!ids->is_array() || ids->empty()) return str_cat("\"observation_ids\" is not a non-empty array (answer=", quote(j), ")");
+  for (size_t i = 0; i < ids->size(); ++i) {
+    const Json& v = (*ids)[i];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0)
+      return str_cat("\"observation_ids\"[", i, "] is not a token id >= 0 (answer=", quote(j), ")");
+    step.observation_ids.push_back(v.get<int64_t>());
+  }
+  step.has_ids = true;
+  return "";
+}
+
+}  // namespace
+
+void EnvironmentSpec::validate(const std::string& path) const {
+  worker.validate(path);
+  KILN_CHECK(max_turns >= 1, path, ".max_turns: below 1 (max_turns=", max_turns, "); allow one turn at least");
+  KILN_CHECK(max_episode_tokens >= 1, path, ".max_episode_tokens: below 1 (max_episode_tokens=", max_episode_tokens,
+             "); give the tokens an episode may add after its prompt");
+  KILN_CHECK(max_observation_tokens >= 1, path, ".max_observation_tokens: below 1 (max_observation_tokens=",
+             max_observation_tokens, ")");
+}
+
+std::string environment_request_line(const EnvRequest& r) {
+  OrderedJson metadata = OrderedJson::object();
+  if (!r.metadata.empty()) {
+    metadata = OrderedJson::parse(r.metadata, nullptr, false);
+    KILN_CHECK(!metadata.is_discarded() && metadata.is_object(), "environment: request metadata is not a JSON object (id=",
+               r.id, ", metadata=", r.metadata.substr(0, kQuoteBytes), "); pass the dataset line's metadata object");
+  }
+  OrderedJson history = OrderedJson::array();
+  for (const EnvTurn& t : r.history)
+    history.push_back(OrderedJson{{"response", t.response},
+                                  {"response_ids", t.response_ids},
+                                  {"observation", t.observation},
+                                  {"observation_ids", t.observation_ids}});
+  OrderedJson j;
+  j["id"] = r.id;
+  j["turn"] = r.turn;
+  j["prompt"] = r.prompt;
+  j["label"] = r.label;
+  j["data_source"] = r.data_source;
+  j["metadata"] = std::move(metadata);
+  j["history"] = std::move(history);
+  j["response"] = r.response;
+  j["response_ids"] = r.response_ids;
+  j["truncated"] = r.truncated;
+  return j.dump(-1, ' ', true, OrderedJson::error_handler_t::replace);
+}
+
+Environment::Environment(EnvironmentSpec spec) : spec_(std::move(spec)) {
+  spec_.validate();
+  pool_ = std::make_unique<WorkerPool>(spec_.worker, "environment");
+}
+
+std::vector<EnvStep> Environment::step(const std::vector<EnvRequest>& requests) {
+  std::vector<int64_t> ids;
+  std::vector<std::string> lines;
+  for (const EnvRequest& r : requests) {
+    ids.push_back(r.id);
+    lines.push_back(environment_request_line(r));
+  }
+  std::vector<EnvStep> steps(requests.size());
+  const std::vector<WorkerOutcome> outcomes =
+      pool_->call(ids, lines, [&](size_t i, const Json& j) { return read_answer(j, steps[i]); });
+  for (size_t i = 0; i < outcomes.size(); ++i)
+    if (outcomes[i].failed) {
+      steps[i] = EnvStep();
+      steps[i].done = true;
+      steps[i].failed = true;
+      steps[i].error = outcomes[i].error;
+    }
+  return steps;
+}
+
+RewardStats Environment::stats() const { return pool_->stats(); }
+
+std::vector<int> Environment::worker_pids() const { return pool_->worker_pids(); }
+
+}  // namespace kiln::trainer
