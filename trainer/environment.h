@@ -37,7 +37,7 @@ struct EnvironmentSpec {
   int64_t max_episode_tokens = 1024;    // sampled + observation tokens after the prompt
   int64_t max_observation_tokens = 256; // one observation; a longer one ends the episode, truncated
   bool enabled() const { return !worker.command.empty(); }
-  void validate(const std::string& path = "grpo.environment") const;
+  void validate(const std::string& path = "environment") const;
 };
 
 struct EnvTurn {

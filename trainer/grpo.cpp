@@ -25,6 +25,7 @@
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "text/tokenizer.h"
+#include "trainer/episodes.h"
 #include "trainer/scoring.h"
 #include "trainer/update_guard.h"
 
@@ -106,6 +107,11 @@ void GrpoConfig::validate() const {
              prompts_per_step * samples_per_prompt, "] (got ", mini_steps, ")");
   KILN_CHECK(micro_batch_seqs >= 1, "grpo: micro_batch_seqs must be positive (got ", micro_batch_seqs, ")");
   reward.validate();
+  if (environment.enabled()) {
+    environment.validate();
+    KILN_CHECK(overlong_buffer == 0, "grpo: overlong_buffer is per response and not defined for multi-turn episodes ",
+               "(environment set, overlong_buffer=", overlong_buffer, "); use environment.max_episode_tokens");
+  }
   prompt.validate();
   engine.validate();
   schedule.validate();
@@ -159,6 +165,7 @@ std::string StepMetrics::to_json() const {
                              {"groups_dropped", groups_dropped}};
   if (mis_masked_fraction != 0) j["mis_masked_fraction"] = mis_masked_fraction;
   j["zero_variance_groups"] = zero_variance_groups;
+  if (episode_turns > 0) j["episodes"] = {{"turns", episode_turns}, {"observation_tokens", observation_tokens}};
   if (!reward_components.empty()) j["reward_components"] = reward_components;
   j["reward_failures"] = reward_failures;
   if (reward_stats.num_answered > 0 || reward_stats.num_restarts > 0) {
@@ -196,6 +203,7 @@ struct GrpoTrainer::Impl {
   GrpoConfig cfg;
   std::shared_ptr<const text::Tokenizer> tok;
   std::shared_ptr<Reward> reward;
+  std::unique_ptr<Environment> env;  // multi-turn (grpo.environment); null: single-turn
   PrepareReport train_report, test_report;  // before `data`: prepared() fills them
   Dataset data;                    // prompts rendered and tokenized
   DataStream stream;
@@ -229,6 +237,12 @@ struct GrpoTrainer::Impl {
                tok->vocab_size(), " ids but the model's vocab_size is ", policy.config().vocab_size,
                "; use a model config whose vocabulary covers the tokenizer");
     if (!reward) reward = make_reward(cfg.reward);
+    if (cfg.environment.enabled()) {
+      KILN_CHECK(!cfg.parallel.sharded_rollout(), "grpo: multi-turn episodes (environment) need a rollout that serves ",
+                 "the whole model on each rank, not the expert-sharded one (its ranks step in lockstep, episodes do ",
+                 "not); set parallel.rollout: replica");
+      env = std::make_unique<Environment>(cfg.environment);
+    }
     const int64_t ep = cfg.parallel.ep;
     if (cfg.lora.enabled() && model::lora_rank(policy) == 0) model::add_lora(policy, cfg.lora, cfg.seed);
     if (ep > 1) {
@@ -298,11 +312,7 @@ struct GrpoTrainer::Impl {
     m.step = ++steps;
     auto t = Clock::now();
     Batch b = draw_prompts();
-    auto outs = sample(b, 0);
-    m.rollout_seconds = seconds_since(t);
-    t = Clock::now();
-    std::vector<Trajectory> trajs = reward_samples(b, outs, m);
-    m.reward_seconds = seconds_since(t);
+    std::vector<Trajectory> trajs = rollout_and_reward(b, 0, m);
     if (cfg.dynamic_sampling) b = keep_informative_groups(trajs, m);
     t = Clock::now();
     OldLogprobs old = score_old(trajs, b, m);
@@ -352,10 +362,9 @@ struct GrpoTrainer::Impl {
     while (int64_t(group.all_reduce(double(kept.size() / n))) < cfg.prompts_per_step &&
            rounds <= cfg.max_sampling_rounds) {
       Batch more = draw_prompts();
-      auto outs = sample(more, rounds);
       StepMetrics scratch;  // the reward metrics and the sample dump stay the first round's
       auto dump = std::move(last);
-      std::vector<Trajectory> round = reward_samples(more, outs, scratch);
+      std::vector<Trajectory> round = rollout_and_reward(more, rounds, scratch);
       last = std::move(dump);
       take(round);
       ++rounds;
@@ -385,7 +394,29 @@ struct GrpoTrainer::Impl {
     return b;
   }
 
-  std::vector<rollout::RequestOutput> sample(const Batch& b, int64_t round) {
+  // Rollout and rewards of a batch, single-turn or as episodes, timed into m.
+  std::vector<Trajectory> rollout_and_reward(const Batch& b, int64_t round, StepMetrics& m) {
+    auto t = Clock::now();
+    if (env) {
+      std::vector<const Example*> examples;
+      for (const Example& ex : b.prompts) examples.push_back(&ex);
+      const RewardStats before = env->stats();
+      const auto eps = run_episodes(*engine, *env, *tok, examples, requests_for(b, round));
+      m.rollout_seconds = seconds_since(t);
+      t = Clock::now();
+      std::vector<Trajectory> trajs = reward_episodes(b, eps, env->stats() - before, m);
+      m.reward_seconds = seconds_since(t);
+      return trajs;
+    }
+    auto outs = engine->generate(requests_for(b, round));
+    m.rollout_seconds = seconds_since(t);
+    t = Clock::now();
+    std::vector<Trajectory> trajs = reward_samples(b, outs, m);
+    m.reward_seconds = seconds_since(t);
+    return trajs;
+  }
+
+  std::vector<rollout::Request> requests_for(const Batch& b, int64_t round) {
     std::vector<rollout::Request> reqs;
     for (size_t i = 0; i < b.prompts.size(); ++i) {
       rollout::Request r;
@@ -401,7 +432,7 @@ struct GrpoTrainer::Impl {
                       uint64_t(b.first + int64_t(i));
       reqs.push_back(std::move(r));
     }
-    return engine->generate(reqs);
+    return reqs;
   }
 
   // Decodes and scores every sample, fills the reward metrics (global) and the group advantages.
@@ -410,7 +441,6 @@ struct GrpoTrainer::Impl {
     std::vector<Trajectory> trajs;
     std::vector<RewardRequest> reqs;
     std::vector<double> lengths;
-    double truncated = 0;
     for (size_t i = 0; i < outs.size(); ++i) {
       for (const auto& s : outs[i].samples) {
         Trajectory t;
@@ -423,14 +453,75 @@ struct GrpoTrainer::Impl {
         t.in_loss = !(cfg.mask_truncated && reqs.back().truncated);
         trajs.push_back(std::move(t));
         lengths.push_back(double(s.tokens.size()));
-        truncated += reqs.back().truncated ? 1 : 0;
       }
     }
     const RewardStats before = reward->stats();
     const std::vector<RewardResult> results = reward->score(reqs);
-    const RewardStats worker = reward->stats() - before;
     KILN_CHECK(results.size() == reqs.size(), "grpo: the reward returned ", results.size(), " results for ",
                reqs.size(), " samples");
+    return finish_rewards(b, std::move(trajs), reqs, results, lengths, reward->stats() - before, m);
+  }
+
+  // Episodes (grpo.environment) as trajectories: the ids the model saw, observation tokens out of
+  // the loss, the environment's last reward.
+  std::vector<Trajectory> reward_episodes(const Batch& b, const std::vector<std::vector<Episode>>& eps,
+                                          const RewardStats& worker, StepMetrics& m) {
+    std::vector<Trajectory> trajs;
+    std::vector<RewardRequest> reqs;
+    std::vector<double> lengths;
+    double turns = 0, observed = 0;
+    for (size_t i = 0; i < eps.size(); ++i)
+      for (const Episode& e : eps[i]) {
+        Trajectory t;
+        t.tokens = b.prompts[i].prompt_ids;
+        t.prompt_len = int64_t(t.tokens.size());
+        t.tokens.insert(t.tokens.end(), e.response.begin(), e.response.end());
+        t.rollout_lp = e.logprobs;
+        t.sampled = e.sampled;
+        t.routing = e.routing;
+        t.in_loss = !(cfg.mask_truncated && e.truncated);
+        trajs.push_back(std::move(t));
+        RewardRequest r;  // what the sample dump and the metrics read
+        r.id = int64_t(reqs.size());
+        r.prompt = b.prompts[i].prompt_text;
+        r.response = tok->decode(e.response);
+        r.label = b.prompts[i].label;
+        r.data_source = b.prompts[i].data_source;
+        r.truncated = e.truncated;
+        reqs.push_back(std::move(r));
+        lengths.push_back(double(e.sampled_tokens));
+        turns += double(e.turns.size());
+        observed += double(int64_t(e.response.size()) - e.sampled_tokens);
+      }
+    at::Tensor sums = at::tensor({turns, observed}, at::kDouble);
+    group.all_reduce(sums);
+    const double count = double(b.total * cfg.samples_per_prompt);
+    m.episode_turns = sums[0].item<double>() / count;
+    m.observation_tokens = sums[1].item<double>() / count;
+    return finish_rewards(b, std::move(trajs), reqs, episode_results(eps), lengths, worker, m);
+  }
+
+  static std::vector<RewardResult> episode_results(const std::vector<std::vector<Episode>>& eps) {
+    std::vector<RewardResult> out;
+    for (const auto& request : eps)
+      for (const Episode& e : request) {
+        RewardResult r;
+        r.reward = e.last.reward;
+        r.components = e.last.components;
+        r.failed = e.last.failed;
+        r.error = e.last.error;
+        out.push_back(std::move(r));
+      }
+    return out;
+  }
+
+  // Reward metrics (global) and group advantages of a batch's trajectories and their results.
+  std::vector<Trajectory> finish_rewards(const Batch& b, std::vector<Trajectory> trajs,
+                                         const std::vector<RewardRequest>& reqs,
+                                         const std::vector<RewardResult>& results, const std::vector<double>& lengths,
+                                         const RewardStats& worker, StepMetrics& m) {
+    double truncated = 0;
+    for (const RewardRequest& r : reqs) truncated += r.truncated ? 1 : 0;
     std::vector<double> rewards, correct;
     double overlong = 0;  // sum of the over-long penalties added to the rewards
     int64_t failures = 0, solved_prompts = 0, flat_groups = 0;
@@ -512,9 +603,7 @@ struct GrpoTrainer::Impl {
     // The response as sampled, less a special stop token that ended it (<|im_end|>): special
     // tokens sampled inside a response stay visible to the reward, and a textual stop such as the
     // byte tokenizer's '\n' stays part of the text.
-    std::vector<int64_t> ids = s.tokens;
-    if (s.finish == rollout::FinishReason::kStop && !ids.empty() && tok->is_special(ids.back())) ids.pop_back();
-    r.response = tok->decode(ids);
+    r.response = response_text(*tok, s.tokens, s.finish);
     r.label = ex.label;
     r.data_source = ex.data_source;
     r.metadata = ex.metadata.empty() ? "{}" : ex.metadata;
@@ -760,12 +849,19 @@ struct GrpoTrainer::Impl {
       r.params.seed = cfg.seed * 7919ull + uint64_t(steps) * 104729ull + uint64_t(i);
       reqs.push_back(std::move(r));
     }
-    auto outs = engine->generate(reqs);
-    std::vector<RewardRequest> rr;
-    for (int64_t i = e0; i < e1; ++i)
-      for (const auto& s : outs[size_t(i - e0)].samples)
-        rr.push_back(reward_request(data.test[size_t(i)], s, int64_t(rr.size())));
-    const std::vector<RewardResult> results = reward->score(rr);
+    std::vector<RewardResult> results;
+    if (env) {  // episodes, scored by the environment
+      std::vector<const Example*> examples;
+      for (int64_t i = e0; i < e1; ++i) examples.push_back(&data.test[size_t(i)]);
+      results = episode_results(run_episodes(*engine, *env, *tok, examples, std::move(reqs)));
+    } else {
+      auto outs = engine->generate(reqs);
+      std::vector<RewardRequest> rr;
+      for (int64_t i = e0; i < e1; ++i)
+        for (const auto& s : outs[size_t(i - e0)].samples)
+          rr.push_back(reward_request(data.test[size_t(i)], s, int64_t(rr.size())));
+      results = reward->score(rr);
+    }
     // Per data_source: prompts, correct samples, prompts with one correct, reward sum.
     KeyedSums mine;
     for (int64_t i = e0; i < e1; ++i) {

@@ -18,6 +18,7 @@
 #include "trainer/parallel.h"
 #include "trainer/schedule.h"
 #include "trainer/dataset.h"
+#include "trainer/environment.h"
 #include "trainer/rewards.h"
 
 namespace kiln::text {
@@ -49,6 +50,10 @@ struct GrpoConfig {
   int64_t max_sampling_rounds = 2;
   PolicyLossConfig loss;
   RewardSpec reward;                // how responses are scored (trainer/rewards.h)
+  // Multi-turn (trainer/environment.h): when its command is set, every sample is an episode whose
+  // turns an environment worker answers and whose reward is the environment's (`reward` unused);
+  // observation tokens are in the trajectory (replayed routing included) but not in the loss.
+  EnvironmentSpec environment;
   PromptFormat prompt;              // how prompts become ids: chat template, length filter
   optimizers::OptimizerConfig optim;  // Muon + AdamW groups, state placement
   LrSchedule schedule;              // per GRPO step (its mini-steps share one lr), scales both lrs
@@ -113,6 +118,8 @@ struct StepMetrics {
   int64_t sampling_rounds = 1, groups_trained = 0, groups_dropped = 0;
   double mis_masked_fraction = 0;         // response tokens masked importance sampling dropped (loss.mis)
   double zero_variance_groups = 0;        // fraction of prompts whose samples all got one reward
+  double episode_turns = 0;               // multi-turn: mean sampled turns per episode (0: single-turn)
+  double observation_tokens = 0;          // multi-turn: mean tokens the environment appended per episode
   std::map<std::string, double> reward_components;  // mean of each named part of the reward
   int64_t reward_failures = 0;            // samples the reward could not score (worker errors)
   RewardStats reward_stats;               // this step's reward-worker counters, all ranks (timeouts, restarts, ...)

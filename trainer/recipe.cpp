@@ -31,15 +31,6 @@ std::string resolve(const std::string& path, const std::string& recipe) {
   return exists_quietly(beside) ? beside.string() : path;
 }
 
-// A reward worker's argv resolves like the recipe's paths: an argument naming a file that exists
-// beside the recipe but not in the current directory becomes that file, so a recipe that ships its
-// worker next to it runs from anywhere. command[0] without a '/' is a program on PATH and stays.
-void resolve_worker_paths(RewardSpec& spec, const std::string& recipe) {
-  auto& argv = spec.worker.command;
-  for (size_t i = 0; i < argv.size(); ++i)
-    if (i > 0 || argv[i].find('/') != std::string::npos) argv[i] = resolve(argv[i], recipe);
-  for (auto& part : spec.parts) resolve_worker_paths(part, recipe);
-}
 
 // The optimizer keys shared by the optim (GRPO) and sft sections.
 void read_optim(yaml::MapReader& m, optimizers::OptimizerConfig& o) {
@@ -169,6 +160,47 @@ void emit_json(YAML::Emitter& e, const nlohmann::json& j) {
   }
 }
 
+// The worker-pool keys a reward worker and an environment share (trainer/worker_pool.h).
+void read_worker(yaml::MapReader& m, WorkerSpec& w) {
+  m.require("command", w.command);
+  m.get("num_workers", w.num_workers);
+  m.get("max_in_flight", w.max_in_flight);
+  m.get("timeout_s", w.timeout_s);
+  m.get("max_retries", w.max_retries);
+  m.get("max_restarts", w.max_restarts);
+  m.get("max_garbage_lines", w.max_garbage_lines);
+  m.get("shutdown_grace_s", w.shutdown_grace_s);
+  std::string policy = on_failure_name(w.on_failure);
+  m.get("on_failure", policy);
+  try {
+    w.on_failure = parse_on_failure(policy);
+  } catch (const Error& e) {
+    m.fail("on_failure", e.what());
+  }
+}
+
+void emit_worker(YAML::Emitter& e, const WorkerSpec& w) {
+  e << YAML::Key << "command" << YAML::Value << YAML::Flow << w.command << YAML::Key << "num_workers" << YAML::Value
+    << w.num_workers << YAML::Key << "max_in_flight" << YAML::Value << w.max_in_flight << YAML::Key << "timeout_s"
+    << YAML::Value << w.timeout_s << YAML::Key << "max_retries" << YAML::Value << w.max_retries << YAML::Key
+    << "max_restarts" << YAML::Value << w.max_restarts << YAML::Key << "max_garbage_lines" << YAML::Value
+    << w.max_garbage_lines << YAML::Key << "shutdown_grace_s" << YAML::Value << w.shutdown_grace_s << YAML::Key
+    << "on_failure" << YAML::Value << on_failure_name(w.on_failure);
+}
+
+// An argv resolves like the recipe's paths: an argument naming a file that exists beside the recipe
+// but not in the current directory becomes that file, so a recipe that ships its worker next to it
+// runs from anywhere. command[0] without a '/' is a program on PATH and stays.
+void resolve_command(std::vector<std::string>& argv, const std::string& recipe) {
+  for (size_t i = 0; i < argv.size(); ++i)
+    if (i > 0 || argv[i].find('/') != std::string::npos) argv[i] = resolve(argv[i], recipe);
+}
+
+void resolve_worker_paths(RewardSpec& spec, const std::string& recipe) {
+  resolve_command(spec.worker.command, recipe);
+  for (auto& part : spec.parts) resolve_worker_paths(part, recipe);
+}
+
 // reward: a built-in, a worker or a weighted sum of parts (trainer/rewards.h).
 RewardSpec read_reward(yaml::MapReader& m) {
   RewardSpec spec;
@@ -193,25 +225,9 @@ RewardSpec read_reward(yaml::MapReader& m) {
     case RewardType::kMath:
       m.get("last_number_fallback", spec.math.last_number_fallback);
       break;
-    case RewardType::kWorker: {
-      WorkerSpec& w = spec.worker;
-      m.require("command", w.command);
-      m.get("num_workers", w.num_workers);
-      m.get("max_in_flight", w.max_in_flight);
-      m.get("timeout_s", w.timeout_s);
-      m.get("max_retries", w.max_retries);
-      m.get("max_restarts", w.max_restarts);
-      m.get("max_garbage_lines", w.max_garbage_lines);
-      m.get("shutdown_grace_s", w.shutdown_grace_s);
-      std::string policy = on_failure_name(w.on_failure);
-      m.get("on_failure", policy);
-      try {
-        w.on_failure = parse_on_failure(policy);
-      } catch (const Error& e) {
-        m.fail("on_failure", e.what());
-      }
+    case RewardType::kWorker:
+      read_worker(m, spec.worker);
       break;
-    }
     case RewardType::kSum:
       for (yaml::MapReader& part : m.children("parts")) spec.parts.push_back(read_reward(part));
       if (spec.parts.empty()) m.fail("parts", "a sum needs at least one part");
@@ -238,17 +254,9 @@ void emit_reward(YAML::Emitter& e, const RewardSpec& r) {
     case RewardType::kMath:
       e << YAML::Key << "last_number_fallback" << YAML::Value << r.math.last_number_fallback;
       break;
-    case RewardType::kWorker: {
-      const WorkerSpec& w = r.worker;
-      e << YAML::Key << "command" << YAML::Value << YAML::Flow << w.command << YAML::Key << "num_workers"
-        << YAML::Value << w.num_workers << YAML::Key << "max_in_flight" << YAML::Value << w.max_in_flight
-        << YAML::Key << "timeout_s" << YAML::Value << w.timeout_s << YAML::Key << "max_retries" << YAML::Value
-        << w.max_retries << YAML::Key << "max_restarts" << YAML::Value << w.max_restarts << YAML::Key
-        << "max_garbage_lines" << YAML::Value << w.max_garbage_lines << YAML::Key << "shutdown_grace_s"
-        << YAML::Value << w.shutdown_grace_s << YAML::Key << "on_failure" << YAML::Value
-        << on_failure_name(w.on_failure);
+    case RewardType::kWorker:
+      emit_worker(e, r.worker);
       break;
-    }
     case RewardType::kSum:
       e << YAML::Key << "parts" << YAML::Value << YAML::BeginSeq;
       for (const auto& part : r.parts) emit_reward(e, part);
@@ -453,6 +461,19 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
       w.fail("", e.what());
     }
   }
+  if (top.has("environment")) {  // multi-turn episodes (trainer/environment.h)
+    auto v = top.child("environment");
+    read_worker(v, g.environment.worker);
+    v.get("max_turns", g.environment.max_turns);
+    v.get("max_episode_tokens", g.environment.max_episode_tokens);
+    v.get("max_observation_tokens", g.environment.max_observation_tokens);
+    v.finish();
+    try {
+      g.environment.validate("environment");
+    } catch (const Error& e) {
+      v.fail("", e.what());
+    }
+  }
   {
     auto s = top.child("sft");
     s.get("steps", r.sft.steps);
@@ -514,6 +535,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
   r.eval_path = resolve(r.eval_path, path);
   r.tokenizer = resolve(r.tokenizer, path);
   resolve_worker_paths(g.reward, path);
+  resolve_command(g.environment.worker.command, path);
   return r;
 }
 
@@ -590,6 +612,13 @@ std::string Recipe::to_yaml() const {
     << g.lora.targets << YAML::EndMap;
   e << YAML::Key << "reward" << YAML::Value;
   emit_reward(e, g.reward);
+  if (g.environment.enabled()) {
+    e << YAML::Key << "environment" << YAML::Value << YAML::BeginMap;
+    emit_worker(e, g.environment.worker);
+    e << YAML::Key << "max_turns" << YAML::Value << g.environment.max_turns << YAML::Key << "max_episode_tokens"
+      << YAML::Value << g.environment.max_episode_tokens << YAML::Key << "max_observation_tokens" << YAML::Value
+      << g.environment.max_observation_tokens << YAML::EndMap;
+  }
   e << YAML::Key << "sft" << YAML::Value << YAML::BeginMap << YAML::Key << "steps" << YAML::Value << sft.steps
     << YAML::Key << "batch_size" << YAML::Value << sft.batch_size;
   emit_optim(e, sft.optim);

@@ -20,7 +20,8 @@ Packed pack(const std::vector<Trajectory>& trajs, size_t begin, size_t end, at::
     seqs.push_back(t.tokens);
     const int64_t n = int64_t(t.tokens.size());
     for (int64_t j = 0; j < n; ++j) {
-      const bool response = j + 1 >= t.prompt_len && j + 1 < n;
+      const bool response = j + 1 >= t.prompt_len && j + 1 < n &&
+                            (t.sampled.empty() || t.sampled[size_t(j + 1 - t.prompt_len)] != 0);
       targets.push_back(j + 1 < n ? t.tokens[j + 1] : -100);
       mask.push_back(response ? 1.0 : 0.0);
       loss_mask.push_back(response && t.in_loss ? 1.0 : 0.0);

@@ -15,15 +15,17 @@ namespace kiln::trainer {
 struct Trajectory {
   std::vector<int64_t> tokens;      // prompt + response
   int64_t prompt_len = 0;
-  std::vector<float> rollout_lp;    // per response token
+  std::vector<float> rollout_lp;    // per response token (0 for an observation's)
+  std::vector<uint8_t> sampled;     // per response token: 1 drawn by the policy, 0 appended by an
+                                    // environment (no loss, no mismatch); empty: all drawn
   at::Tensor routing;               // [tokens, L, k] uint8 from the rollout
   double reward = 0;                // the (shaped) reward its advantage came from
   double advantage = 0;
   bool in_loss = true;              // false: scored (lp_old, mismatch) but no loss (grpo.mask_truncated)
 };
 
-// A packed micro-batch of trajectories. Position t predicts token t+1; response positions carry
-// mask 1.
+// A packed micro-batch of trajectories. Position t predicts token t+1; positions that predict a
+// token the policy drew carry mask 1 (observations an environment appended carry 0).
 struct Packed {
   model::PackedBatch batch;
   at::Tensor targets, mask, seq_ids, rollout_lp, advantages, routing;

@@ -292,6 +292,16 @@ check_fails "sft into a used run directory" "already holds a run (sft-recipe.yam
 sed 's/^  rank: 8 .*/  rank: -1/' "$src/recipes/lora-grpo-arith-tiny.yaml" > "$tmp/lorabad.yaml"
 sed -i "s|config: ../configs|config: $src/configs|" "$tmp/lorabad.yaml"
 check_fails "bad LoRA rank" "lora.rank" "$kiln" train "$tmp/lorabad.yaml" --steps 1 --out "$tmp/lorabad"
+# Multi-turn GRPO (recipes/grpo-tool-tiny.yaml) from the same warm start: episodes with the
+# calculator environment, a worker process found beside the recipe.
+check "multi-turn GRPO with an environment" "train: done" "$kiln" train "$src/recipes/grpo-tool-tiny.yaml" \
+  --init-from "$tmp/lora/sft" --steps 2 --out "$tmp/tool"
+grep -q '"episodes":{"turns":' "$tmp/tool/metrics.jsonl" || { echo "FAIL: no episode metrics in the tool run"; fails=$((fails+1)); }
+grep -q '"reward_components":{"correct":[0-9.e+-]*,"format":[0-9.e+-]*,"tool_calls"' "$tmp/tool/metrics.jsonl" \
+  || { echo "FAIL: the tool run lacks the environment's components"; fails=$((fails+1)); }
+grep -q 'max_observation_tokens: 16' "$tmp/tool/recipe.yaml" || { echo "FAIL: the resolved recipe lacks the environment"; fails=$((fails+1)); }
+sed -e "s|config: ../configs|config: $src/configs|" -e 's/^  max_turns: 3/  max_turns: 0/' "$src/recipes/grpo-tool-tiny.yaml" > "$tmp/toolbad.yaml"
+check_fails "bad environment limit" "environment.max_turns: below 1" "$kiln" train "$tmp/toolbad.yaml" --steps 1 --out "$tmp/toolbad"
 # Optimizer keys: state on NVMe with a rule, and their errors with file, line and key.
 mkdir -p "$tmp/nvme"
 { cat "$tmp/recipe.yaml"; printf 'optim:\n  state: nvme\n  nvme_dir: %s\n  chunk_mb: 0.01\n  rules:\n    - {match: "*experts*", optimizer: adamw}\n' "$tmp/nvme"; } > "$tmp/nvme.yaml"

@@ -112,10 +112,10 @@ TEST(EnvironmentTest, CrashAndHangEndOnlyTheirEpisodes) {
 TEST(EnvironmentTest, SpecIsChecked) {
   EnvironmentSpec spec = test_env();
   spec.max_turns = 0;
-  EXPECT_TRUE(throws_with([&] { Environment e(spec); }, {"grpo.environment.max_turns", "below 1"}));
+  EXPECT_TRUE(throws_with([&] { Environment e(spec); }, {"environment.max_turns", "below 1"}));
   spec = test_env();
   spec.worker.command.clear();
-  EXPECT_TRUE(throws_with([&] { Environment e(spec); }, {"grpo.environment.command: missing"}));
+  EXPECT_TRUE(throws_with([&] { Environment e(spec); }, {"environment.command: missing"}));
 }
 
 }  // namespace

@@ -6,12 +6,38 @@
 # with reward R and components {"turns": turn + 1}; "crash" exits 3; "hang" sleeps; "nodone" leaves
 # "done" out; "both" gives text and ids; "badids" gives a negative id; "error" answers an error;
 # "echo" observes the request itself (JSON) as text, so a test can read what kiln sent.
+# --script N ignores the response: turns before N - 1 observe "o<turn>|" as text (even turns) or
+# the ids [65 + turn, 66 + turn] (odd turns), and turn N - 1 ends the episode with reward
+# sum(response_ids) % 2 (varied, so that groups have advantages). --crash-turn T: exit 3 on turn T of
+# the episodes whose first response id is odd. --bad-ids: observe id 100000 (outside any test vocab).
 import json
 import sys
 import time
 
+script = int(sys.argv[sys.argv.index("--script") + 1]) if "--script" in sys.argv else 0
+crash_turn = int(sys.argv[sys.argv.index("--crash-turn") + 1]) if "--crash-turn" in sys.argv else -1
+bad_ids = "--bad-ids" in sys.argv
+
+
+def scripted(req):
+    rid, turn = req["id"], req["turn"]
+    first = (req["history"][0]["response_ids"] if req["history"] else req["response_ids"])[:1]
+    if turn == crash_turn and first and first[0] % 2 == 1:
+        sys.stderr.write("test_env: crashing on turn %d on purpose\n" % turn)
+        sys.stderr.flush()
+        sys.exit(3)
+    if bad_ids:
+        return {"id": rid, "done": False, "observation_ids": [100000]}
+    if turn + 1 >= script:
+        return {"id": rid, "done": True, "reward": float(sum(req["response_ids"]) % 2)}
+    if turn % 2 == 0:
+        return {"id": rid, "done": False, "observation": "o%d|" % turn}
+    return {"id": rid, "done": False, "observation_ids": [65 + turn, 66 + turn]}
+
 
 def answer(req):
+    if script:
+        return scripted(req)
     resp, rid = req["response"], req["id"]
     if resp == "crash":
         sys.stderr.write("test_env: crashing on purpose (id=%d)\n" % rid)

@@ -1,0 +1,149 @@
+// Multi-turn episodes: the turn loop over the engine's sessions and the environment, the limits,
+// and the per-token bookkeeping (drawn or observed, log-prob, routing) the trainer packs.
+#include "trainer/episodes.h"
+
+#include <algorithm>
+#include <map>
+
+#include "core/error.h"
+#include "text/tokenizer.h"
+
+namespace kiln::trainer {
+namespace {
+
+// A later turn's seed: distinct per (request seed, sample, turn), so turns draw fresh streams.
+uint64_t turn_seed(uint64_t seed, int64_t sample, int64_t turn) {
+  uint64_t x = seed ^ (0x9E3779B97F4A7C15ull * uint64_t(sample + 1)) ^ (0xC2B2AE3D27D4EB4Full * uint64_t(turn));
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  return x ^ (x >> 29);
+}
+
+struct Live {
+  size_t request = 0, sample = 0;
+  int64_t session = -1;
+};
+
+}  // namespace
+
+std::string response_text(const text::Tokenizer& tok, const std::vector<int64_t>& ids, rollout::FinishReason finish) {
+  if (finish == rollout::FinishReason::kStop && !ids.empty() && tok.is_special(ids.back()))
+    return tok.decode(std::vector<int64_t>(ids.begin(), ids.end() - 1));
+  return tok.decode(ids);
+}
+
+std::vector<std::vector<Episode>> run_episodes(rollout::Engine& engine, Environment& env, const text::Tokenizer& tok,
+                                               const std::vector<const Example*>& examples,
+                                               std::vector<rollout::Request> requests) {
+  KILN_CHECK(examples.size() == requests.size(), "episodes: ", examples.size(), " examples for ", requests.size(),
+             " requests");
+  const EnvironmentSpec& spec = env.spec();
+  const int64_t vocab = engine.model().config().vocab_size;
+  std::vector<std::vector<Episode>> eps(requests.size());
+  for (auto& r : requests) r.keep_cache = true;
+  // The first turn: every request at once, as a single-turn rollout would run.
+  std::map<int64_t, Live> running;  // engine request id -> the episode it continues
+  std::vector<std::pair<Live, rollout::Sample>> drawn;
+  {
+    std::vector<rollout::RequestOutput> outs = engine.generate(requests);
+    for (size_t i = 0; i < outs.size(); ++i) {
+      eps[i].resize(outs[i].samples.size());
+      for (size_t j = 0; j < outs[i].samples.size(); ++j)
+        drawn.push_back({Live{i, j, outs[i].samples[j].session}, std::move(outs[i].samples[j])});
+    }
+  }
+  for (int64_t turn = 0; !drawn.empty(); ++turn) {
+    // Append each turn just drawn and ask the environment about it.
+    std::vector<EnvRequest> asks;
+    for (auto& [live, s] : drawn) {
+      Episode& e = eps[live.request][live.sample];
+      const Example& ex = *examples[live.request];
+      e.response.insert(e.response.end(), s.tokens.begin(), s.tokens.end());
+      e.sampled.insert(e.sampled.end(), s.tokens.size(), 1);
+      e.logprobs.insert(e.logprobs.end(), s.logprobs.begin(), s.logprobs.end());
+      e.sampled_tokens += int64_t(s.tokens.size());
+      e.routing = s.routing;
+      EnvRequest q;
+      q.id = int64_t(asks.size());
+      q.turn = turn;
+      q.prompt = ex.prompt_text;
+      q.label = ex.label;
+      q.data_source = ex.data_source;
+      q.metadata = ex.metadata;
+      q.history = e.turns;
+      q.response = response_text(tok, s.tokens, s.finish);
+      q.response_ids = s.tokens;
+      q.truncated = s.finish == rollout::FinishReason::kLength;
+      e.turns.push_back({q.response, "", s.tokens, {}});
+      asks.push_back(std::move(q));
+    }
+    const std::vector<EnvStep> answers = env.step(asks);
+    // Each episode ends here or gets its observation and a next turn.
+    std::vector<std::pair<Live, std::vector<int64_t>>> next;
+    for (size_t a = 0; a < answers.size(); ++a) {
+      const Live live = drawn[a].first;
+      Episode& e = eps[live.request][live.sample];
+      e.last = answers[a];
+      bool go_on = !e.last.done;
+      if (go_on && e.last.has_ids) {
+        const auto bad = std::find_if(e.last.observation_ids.begin(), e.last.observation_ids.end(),
+                                      [&](int64_t id) { return id >= vocab; });
+        if (bad != e.last.observation_ids.end()) {
+          const std::string why = str_cat("environment: observation_ids holds ", *bad, ", outside the vocabulary (",
+                                          vocab, " ids) (turn ", turn, " of ", examples[live.request]->origin, ")");
+          KILN_CHECK(spec.worker.on_failure == OnFailure::kZero, why, "; fix the environment, or set on_failure: zero");
+          e.last = EnvStep();
+          e.last.done = e.last.failed = e.failed_ids = true;
+          e.last.error = why;
+          go_on = false;
+        }
+      }
+      std::vector<int64_t> obs;
+      if (go_on) obs = e.last.has_ids ? e.last.observation_ids : tok.encode(e.last.observation);
+      const int64_t left = spec.max_episode_tokens - int64_t(e.response.size()) - int64_t(obs.size());
+      if (go_on && (turn + 1 >= spec.max_turns || obs.empty() || int64_t(obs.size()) > spec.max_observation_tokens ||
+                    left < 1)) {
+        go_on = false;
+        e.truncated = true;
+      }
+      if (!go_on) {
+        // A last turn cut by max_tokens is truncated too, unless the environment ended the episode.
+        if (!e.last.done && drawn[a].second.finish == rollout::FinishReason::kLength) e.truncated = true;
+        engine.end_session(live.session);
+        continue;
+      }
+      e.turns.back().observation = e.last.has_ids ? tok.decode(obs) : e.last.observation;
+      e.turns.back().observation_ids = obs;
+      next.push_back({live, std::move(obs)});
+    }
+    drawn.clear();
+    running.clear();
+    for (auto& [live, obs] : next) {
+      Episode& e = eps[live.request][live.sample];
+      const int64_t left = spec.max_episode_tokens - int64_t(e.response.size()) - int64_t(obs.size());
+      e.response.insert(e.response.end(), obs.begin(), obs.end());
+      e.sampled.insert(e.sampled.end(), obs.size(), 0);
+      e.logprobs.insert(e.logprobs.end(), obs.size(), 0.0f);
+      rollout::SamplingParams p = requests[live.request].params;
+      p.n = 1;
+      p.max_tokens = std::min(p.max_tokens, left);
+      p.seed = turn_seed(p.seed, int64_t(live.sample), turn + 1);
+      running[engine.continue_session(live.session, obs, p)] = live;
+    }
+    while (engine.has_unfinished())
+      for (rollout::RequestOutput& o : engine.step()) {
+        const auto it = running.find(o.request_id);
+        KILN_CHECK(it != running.end() && o.samples.size() == 1, "episodes: the engine finished request ", o.request_id,
+                   ", which no episode continues");
+        drawn.push_back({it->second, std::move(o.samples[0])});
+      }
+    // Episodes in a fixed order whatever the engine's finishing order: the environment sees the
+    // same requests run to run.
+    std::sort(drawn.begin(), drawn.end(), [](const auto& a, const auto& b) {
+      return std::make_pair(a.first.request, a.first.sample) < std::make_pair(b.first.request, b.first.sample);
+    });
+  }
+  return eps;
+}
+
+}  // namespace kiln::trainer
