@@ -35,7 +35,9 @@ MoeLayout moe_layout_reference(const at::Tensor& ids, int64_t E, int64_t k, int6
   at::Tensor pad_starts = ends - padded;
   at::Tensor starts = at::cumsum(l.counts, 0) - l.counts;
   l.bound = n + E * (align - 1);
-  l.offsets = ends.to(at::kInt);
+  l.ends = ends.to(at::kInt);
+  l.segments = at::cat({at::zeros({1}, ends.options()), ends});
+  l.offsets = l.ends.clone();
   l.offsets.narrow(0, E - 1, 1).fill_(l.bound);
   at::Tensor rows = at::arange(n, ids.options());
   l.dest = pad_starts.index_select(0, sorted) + rows - starts.index_select(0, sorted);
@@ -63,14 +65,17 @@ MoeLayout moe_layout_cuda(const at::Tensor& ids, int64_t E, int64_t k, int64_t a
   l.bound = n + E * (align - 1);
   l.counts = at::empty({E}, s.options());
   l.offsets = at::empty({E}, s.options().dtype(at::kInt));
+  l.ends = at::empty({E}, s.options().dtype(at::kInt));
+  l.segments = at::empty({E + 1}, s.options());
+  const MoeSegmentsOut seg{l.counts.data_ptr<int64_t>(), l.offsets.data_ptr<int32_t>(), l.ends.data_ptr<int32_t>(),
+                           l.segments.data_ptr<int64_t>()};
   l.dest = at::empty({n}, s.options());
   l.src_token = at::empty({n}, s.options());
   l.slot_row = at::empty({n}, s.options());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (n <= kMoeLayoutSortRows && E <= kMoeLayoutSortExperts) {  // sort and place in one kernel
     l.order = at::empty({n}, s.options());
-    check_launch(launch_moe_layout(s.data_ptr<int64_t>(), n, E, k, align, l.counts.data_ptr<int64_t>(),
-                                   l.offsets.data_ptr<int32_t>(), l.order.data_ptr<int64_t>(),
+    check_launch(launch_moe_layout(s.data_ptr<int64_t>(), n, E, k, align, seg, l.order.data_ptr<int64_t>(),
                                    l.dest.data_ptr<int64_t>(), l.src_token.data_ptr<int64_t>(),
                                    l.slot_row.data_ptr<int64_t>(), stream),
                  "moe_layout_cuda");
@@ -78,8 +83,7 @@ MoeLayout moe_layout_cuda(const at::Tensor& ids, int64_t E, int64_t k, int64_t a
   }
   auto [sorted, order] = at::sort(s, /*stable=*/true, 0, /*descending=*/false);
   l.order = order;
-  check_launch(launch_moe_layout_sorted(sorted.data_ptr<int64_t>(), order.data_ptr<int64_t>(), n, E, k, align,
-                                        l.counts.data_ptr<int64_t>(), l.offsets.data_ptr<int32_t>(),
+  check_launch(launch_moe_layout_sorted(sorted.data_ptr<int64_t>(), order.data_ptr<int64_t>(), n, E, k, align, seg,
                                         l.dest.data_ptr<int64_t>(), l.src_token.data_ptr<int64_t>(),
                                         l.slot_row.data_ptr<int64_t>(), stream),
                "moe_layout_cuda");

@@ -33,17 +33,21 @@ __device__ void scan_segments(const int* count, int* start, int* pad_start, int 
 }
 
 __device__ void write_segments(const int* count, const int* pad_start, int E, int align, int64_t bound,
-                               int64_t* counts, int32_t* offsets) {
+                               MoeSegmentsOut seg) {
+  if (threadIdx.x == 0) seg.segments[0] = 0;
   for (int e = int(threadIdx.x); e < E; e += int(blockDim.x)) {
-    counts[e] = count[e];
-    offsets[e] = e == E - 1 ? int32_t(bound) : int32_t(pad_start[e] + (count[e] + align - 1) / align * align);
+    const int end = pad_start[e] + (count[e] + align - 1) / align * align;
+    seg.counts[e] = count[e];
+    seg.offsets[e] = e == E - 1 ? int32_t(bound) : int32_t(end);
+    seg.ends[e] = end;
+    seg.segments[e + 1] = end;
   }
 }
 
 template <int Threads, int Items>
 __global__ void __launch_bounds__(Threads)
-    moe_layout_sort_kernel(const int64_t* __restrict__ ids, int n, int E, int top_k, int align, int64_t* counts,
-                           int32_t* offsets, int64_t* order, int64_t* dest, int64_t* src_token, int64_t* slot_row) {
+    moe_layout_sort_kernel(const int64_t* __restrict__ ids, int n, int E, int top_k, int align, MoeSegmentsOut seg,
+                           int64_t* order, int64_t* dest, int64_t* src_token, int64_t* slot_row) {
   using Sort = cub::BlockRadixSort<unsigned, Threads, Items, int>;
   __shared__ typename Sort::TempStorage sort_storage;
   __shared__ int count[kMoeLayoutSortExperts], start[kMoeLayoutSortExperts], pad_start[kMoeLayoutSortExperts];
@@ -61,7 +65,7 @@ __global__ void __launch_bounds__(Threads)
   scan_segments(count, start, pad_start, E, align);
   Sort(sort_storage).Sort(key, slot, 0, 32 - __clz(E));  // bits [0, end) hold E itself
   __syncthreads();
-  write_segments(count, pad_start, E, align, int64_t(n) + int64_t(E) * (align - 1), counts, offsets);
+  write_segments(count, pad_start, E, align, int64_t(n) + int64_t(E) * (align - 1), seg);
   for (int i = 0; i < Items; ++i) {
     const int p = int(threadIdx.x) * Items + i;  // sorted position (blocked again)
     if (p >= n) break;
@@ -78,8 +82,8 @@ constexpr int kSortedThreads = 1024;
 
 __global__ void __launch_bounds__(kSortedThreads)
     moe_layout_sorted_kernel(const int64_t* __restrict__ sorted, const int64_t* __restrict__ order, int64_t n, int E,
-                             int64_t top_k, int align, int64_t* counts, int32_t* offsets, int64_t* dest,
-                             int64_t* src_token, int64_t* slot_row) {
+                             int64_t top_k, int align, MoeSegmentsOut seg, int64_t* dest, int64_t* src_token,
+                             int64_t* slot_row) {
   __shared__ int count[kMoeLayoutMaxExperts];
   __shared__ int start[kMoeLayoutMaxExperts];      // first sorted slot of each expert
   __shared__ int pad_start[kMoeLayoutMaxExperts];  // first padded row of each expert
@@ -89,7 +93,7 @@ __global__ void __launch_bounds__(kSortedThreads)
   __syncthreads();
   scan_segments(count, start, pad_start, E, align);
   __syncthreads();
-  write_segments(count, pad_start, E, align, n + int64_t(E) * (align - 1), counts, offsets);
+  write_segments(count, pad_start, E, align, n + int64_t(E) * (align - 1), seg);
   for (int64_t r = threadIdx.x; r < n; r += kSortedThreads) {
     const int64_t e = sorted[r], slot = order[r];
     const int64_t d = pad_start[e] + (r - start[e]);
@@ -102,26 +106,23 @@ __global__ void __launch_bounds__(kSortedThreads)
 }  // namespace
 
 cudaError_t launch_moe_layout(const int64_t* ids, int64_t n, int64_t num_experts, int64_t top_k, int64_t align,
-                              int64_t* counts, int32_t* offsets, int64_t* order, int64_t* dest, int64_t* src_token,
-                              int64_t* slot_row, cudaStream_t stream) {
+                              MoeSegmentsOut seg, int64_t* order, int64_t* dest, int64_t* src_token, int64_t* slot_row,
+                              cudaStream_t stream) {
   if (num_experts < 1 || num_experts > kMoeLayoutSortExperts || n > kMoeLayoutSortRows) return cudaErrorInvalidValue;
   const int N = int(n), E = int(num_experts), k = int(top_k), a = int(align);
   if (n <= 512)
-    moe_layout_sort_kernel<128, 4><<<1, 128, 0, stream>>>(ids, N, E, k, a, counts, offsets, order, dest, src_token,
-                                                          slot_row);
+    moe_layout_sort_kernel<128, 4><<<1, 128, 0, stream>>>(ids, N, E, k, a, seg, order, dest, src_token, slot_row);
   else
-    moe_layout_sort_kernel<512, 8><<<1, 512, 0, stream>>>(ids, N, E, k, a, counts, offsets, order, dest, src_token,
-                                                          slot_row);
+    moe_layout_sort_kernel<512, 8><<<1, 512, 0, stream>>>(ids, N, E, k, a, seg, order, dest, src_token, slot_row);
   return cudaGetLastError();
 }
 
 cudaError_t launch_moe_layout_sorted(const int64_t* sorted_experts, const int64_t* order, int64_t n,
-                                     int64_t num_experts, int64_t top_k, int64_t align, int64_t* counts,
-                                     int32_t* offsets, int64_t* dest, int64_t* src_token, int64_t* slot_row,
-                                     cudaStream_t stream) {
+                                     int64_t num_experts, int64_t top_k, int64_t align, MoeSegmentsOut seg,
+                                     int64_t* dest, int64_t* src_token, int64_t* slot_row, cudaStream_t stream) {
   if (num_experts < 1 || num_experts > kMoeLayoutMaxExperts) return cudaErrorInvalidValue;
   moe_layout_sorted_kernel<<<1, kSortedThreads, 0, stream>>>(sorted_experts, order, n, int(num_experts), top_k,
-                                                             int(align), counts, offsets, dest, src_token, slot_row);
+                                                             int(align), seg, dest, src_token, slot_row);
   return cudaGetLastError();
 }
 

@@ -13,6 +13,9 @@ struct MoeLayout {
   at::Tensor counts;     // [E] int64: slots routed to each expert
   at::Tensor offsets;    // [E] int32: end row of each expert's padded segment; the last is `bound`
                          // (the grouped GEMM's offs)
+  at::Tensor ends;       // [E] int32: the same, but the last segment ends where its rows do (rounded
+                         // up to `align`): rows past it belong to no expert and need no compute
+  at::Tensor segments;   // [E + 1] int64: 0, then `ends` (the W4A16 grouped kernel's offsets)
   at::Tensor order;      // [n] int64: the slot at each sorted position (a stable sort by expert)
   at::Tensor dest;       // [n] int64: padded row of each sorted slot
   at::Tensor src_token;  // [n] int64: the token each sorted slot reads (order / top_k)

@@ -13,16 +13,23 @@ constexpr int64_t kMoeLayoutMaxExperts = 4096;
 constexpr int64_t kMoeLayoutSortRows = 4096;
 constexpr int64_t kMoeLayoutSortExperts = 1024;
 
-// ids [n]: slot order. Writes counts [E], offsets [E] (int32), order, dest, src_token, slot_row [n].
-cudaError_t launch_moe_layout(const int64_t* ids, int64_t n, int64_t num_experts, int64_t top_k, int64_t align,
-                              int64_t* counts, int32_t* offsets, int64_t* order, int64_t* dest, int64_t* src_token,
-                              int64_t* slot_row, cudaStream_t stream);
+// The per-expert outputs: counts [E], offsets and ends [E] (int32), segments [E + 1] (int64).
+struct MoeSegmentsOut {
+  int64_t* counts;
+  int32_t* offsets;
+  int32_t* ends;
+  int64_t* segments;
+};
 
-// sorted_experts / order [n]: a stable sort of the slots' experts already made. Writes counts,
-// offsets, dest, src_token and slot_row.
+// ids [n]: slot order. Writes the segments and order, dest, src_token, slot_row [n].
+cudaError_t launch_moe_layout(const int64_t* ids, int64_t n, int64_t num_experts, int64_t top_k, int64_t align,
+                              MoeSegmentsOut seg, int64_t* order, int64_t* dest, int64_t* src_token, int64_t* slot_row,
+                              cudaStream_t stream);
+
+// sorted_experts / order [n]: a stable sort of the slots' experts already made. Writes the
+// segments, dest, src_token and slot_row.
 cudaError_t launch_moe_layout_sorted(const int64_t* sorted_experts, const int64_t* order, int64_t n,
-                                     int64_t num_experts, int64_t top_k, int64_t align, int64_t* counts,
-                                     int32_t* offsets, int64_t* dest, int64_t* src_token, int64_t* slot_row,
-                                     cudaStream_t stream);
+                                     int64_t num_experts, int64_t top_k, int64_t align, MoeSegmentsOut seg,
+                                     int64_t* dest, int64_t* src_token, int64_t* slot_row, cudaStream_t stream);
 
 }  // namespace kiln::kernels

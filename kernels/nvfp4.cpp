@@ -463,8 +463,13 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
   return nvfp4_grouped_linear_reference(x, w, offsets, opt);
 }
 
+bool nvfp4_grouped_on_device(const Nvfp4Tensor& w, const at::Tensor& x) {
+  return KILN_WITH_CUDA && KILN_TORCH_AT_LEAST(2, 8) && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
+         w.packed.defined() && w.kernel_layout && w.stacked();
+}
+
 at::Tensor nvfp4_grouped_linear_aligned(const at::Tensor& xp, const Nvfp4Tensor& w, const at::Tensor& ends,
-                                        const Nvfp4LinearOptions& opt) {
+                                        const Nvfp4LinearOptions& opt, const at::Tensor& segments) {
   KILN_CHECK(w.stacked() && ends.dim() == 1 && ends.size(0) == w.packed.size(0),
              "nvfp4_grouped_linear_aligned: ends must be [E] for a stack of E experts (got ", ends.sizes(), " for ",
              w.packed.sizes(), ")");
@@ -476,6 +481,12 @@ at::Tensor nvfp4_grouped_linear_aligned(const at::Tensor& xp, const Nvfp4Tensor&
   }
 #endif
   // Elsewhere: each padded segment as one expert's rows (its padding rows run through that expert).
+  if (segments.defined()) {
+    KILN_CHECK(segments.dim() == 1 && segments.size(0) == ends.size(0) + 1 && segments.scalar_type() == at::kLong,
+               "nvfp4_grouped_linear_aligned: segments must be int64 [E + 1] (got ", segments.sizes(), " ",
+               segments.scalar_type(), ")");
+    return nvfp4_grouped_linear(xp, w, segments, opt);
+  }
   at::Tensor starts = at::zeros({1}, ends.options().dtype(at::kLong));
   return nvfp4_grouped_linear(xp, w, at::cat({starts, ends.to(at::kLong)}), opt);
 }

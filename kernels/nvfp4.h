@@ -93,11 +93,16 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
 bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Tensor& x);
 // The grouped GEMM on rows already in the MoE layer's padded layout (kernels::moe_layout with
 // align 16): expert e's rows end at ends[e] (int32 [E], on x's device) and start on a 16-row
-// boundary; rows between segments are padding (zeros) and their outputs are not meant to be read.
-// Where nvfp4_grouped_dequantizes holds, the dequantised stack goes straight into torch's grouped
-// GEMM (no row moves: the caller's layout is the GEMM's); elsewhere the dispatch above.
+// boundary; rows between segments are padding (zeros), and rows past ends[E - 1] belong to no
+// expert: the outputs of both are not meant to be read. Where nvfp4_grouped_dequantizes holds, the
+// dequantised stack goes straight into torch's grouped GEMM (no row moves: the caller's layout is
+// the GEMM's); elsewhere the dispatch above, each padded segment as its expert's rows. `segments`
+// ([E + 1] int64: 0 then ends, MoeLayout::segments) saves building those offsets when given.
 at::Tensor nvfp4_grouped_linear_aligned(const at::Tensor& xp, const Nvfp4Tensor& w, const at::Tensor& ends,
-                                        const Nvfp4LinearOptions& opt = {});
+                                        const Nvfp4LinearOptions& opt = {}, const at::Tensor& segments = {});
+// Whether nvfp4_grouped_linear_aligned runs rows like x on the GPU without waiting for the host
+// (bf16 on CUDA, the kernel layout, a stack; torch >= 2.8 for its prefill sizes): the fused MoE path.
+bool nvfp4_grouped_on_device(const Nvfp4Tensor& w, const at::Tensor& x);
 // W4A4's activation step: x [M, K] -> the dequantised values e2m1(q) * sf (without the second-level
 // scale, which the GEMM applies), exact in bf16; `scale` is that scale: [] (static) or [M, 1].
 at::Tensor nvfp4_fake_quantize_activations(const at::Tensor& x, const at::Tensor& input_scale, at::Tensor* scale);

@@ -90,15 +90,17 @@ struct ExpertProj {
   double scale;
   bool w4a4;
 
-  // Rows in the padded layout of kernels::moe_layout (ends: its int32 segment ends), on torch's
-  // grouped GEMM (NVFP4: the dequantised stack, kernels::nvfp4_grouped_linear_aligned).
-  at::Tensor padded(const at::Tensor& xp, const at::Tensor& ends) const {
+  // Rows in the padded layout of kernels::moe_layout (ends: its int32 segment ends, MoeLayout's
+  // offsets or ends; segments: 0 then ends as int64, or undefined), on torch's grouped GEMM, or
+  // NVFP4's (kernels::nvfp4_grouped_linear_aligned: W4A16 at decode sizes, the dequantised stack above).
+  at::Tensor padded(const at::Tensor& xp, const at::Tensor& ends, const at::Tensor& segments = {}) const {
 #if KILN_TORCH_AT_LEAST(2, 8)
-    at::Tensor y = dense.defined() ? at::_grouped_mm(xp, dense.transpose(1, 2), ends)
-                                   : kernels::nvfp4_grouped_linear_aligned(xp, q, ends, nvfp4_options(q, w4a4));
+    at::Tensor y = dense.defined()
+                       ? at::_grouped_mm(xp, dense.transpose(1, 2), ends)
+                       : kernels::nvfp4_grouped_linear_aligned(xp, q, ends, nvfp4_options(q, w4a4), segments);
     return a.defined() ? y + grouped_lora(xp, a, b, ends, scale) : y;
 #else
-    (void)xp, (void)ends;
+    (void)xp, (void)ends, (void)segments;
     KILN_FAIL("muse: grouped experts need torch >= 2.8");
 #endif
   }
@@ -275,10 +277,9 @@ bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, c
 #if KILN_TORCH_AT_LEAST(2, 8)
   const bool lora = !opt.disable_lora && lw.lora.on_experts();
   const bool expert_parallel = opt.expert_group && opt.expert_group->size() > 1;
-  // NVFP4 experts join where their grouped GEMM is torch's on the dequantised stack (prefill-sized
-  // batches): the same padded layout, so no row moves of their own.
-  const bool weights = lw.expert_gate.defined() ||
-                       kernels::nvfp4_grouped_dequantizes(lw.nvfp4.expert_gate, z.size(0) * k, z);
+  // NVFP4 experts join at every size: the W4A16 grouped kernel (decode) or torch's grouped GEMM on
+  // the dequantised stack (prefill) runs on the same padded layout, so no row moves of their own.
+  const bool weights = lw.expert_gate.defined() || kernels::nvfp4_grouped_on_device(lw.nvfp4.expert_gate, z);
   return opt.use_fused && opt.use_grouped_mm && !expert_parallel && weights && z.is_cuda() &&
          z.scalar_type() == at::kBFloat16 && !opt.observe_linear_input && (!lora || lw.lora.experts_grouped()) &&
          k <= 16;
@@ -301,8 +302,14 @@ at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t
   kernels::MoeLayout l = kernels::moe_layout(flat, s.experts(), k, kGroupAlign);
   counts = l.counts;
   at::Tensor zp = kernels::moe_dispatch(z, l.slot_row, k, l.bound);
-  at::Tensor act = kernels::swiglu(s.gate.padded(zp, l.offsets), s.up.padded(zp, l.offsets));
-  at::Tensor y = s.down.padded(act, l.offsets);
+  // The rollout's GEMMs stop at the last real segment (MoeLayout::ends): the rows up to the static
+  // bound are padding no one reads. Elsewhere the last segment runs to the bound, so that every row
+  // a backward touches was computed, and the trainer's scoring runs its training forward's GEMMs.
+  const bool infer = opt.rollout && !torch::autograd::GradMode::is_enabled();
+  const at::Tensor& ends = infer ? l.ends : l.offsets;
+  const at::Tensor segments = infer ? l.segments : at::Tensor();
+  at::Tensor act = kernels::swiglu(s.gate.padded(zp, ends, segments), s.up.padded(zp, ends, segments));
+  at::Tensor y = s.down.padded(act, ends, segments);
   at::Tensor yn = kernels::segment_rms_norm(y, lw.expert_norm, l.offsets, cfg.rms_norm_eps);
   return kernels::moe_combine(yn, w, l.slot_row);
 #else
@@ -324,7 +331,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   at::Tensor logits = at::linear(h.to(lw.router.scalar_type()), lw.router);  // [T, E] fp32
   const bool sigmoid = cfg.router_score == RouterScore::kSigmoid;
   // Without a gradient or the balance loss (the rollout), one kernel on CUDA; else the ATen ops.
-  const bool plain = opt.fused_routing && opt.use_fused && !opt.load_balance && !logits.requires_grad();
+  const bool plain = opt.rollout && opt.use_fused && !opt.load_balance && !logits.requires_grad();
   const kernels::MoeRoute route = plain ? kernels::moe_route(logits, k, sigmoid, lw.router_bias, replay)
                                         : kernels::moe_route_reference(logits, k, sigmoid, lw.router_bias, replay);
   const at::Tensor &ids = route.ids, &w = route.weights;

@@ -106,10 +106,11 @@ struct ForwardOptions {
                                 // from the rows it needs)
   bool check_inputs = true;     // range-check token and routing ids (costs device syncs)
   bool load_balance = true;     // compute load_balance_loss (the rollout engine skips it: fewer kernels)
-  bool fused_routing = false;   // CUDA, no gradient: the router's softmax, top-k and weights in one
-                                // kernel (kernels/moe_route.h). The rollout engine sets it; the
-                                // trainer's scoring keeps the ATen ops its training forward runs, so
-                                // that lp_old and the first mini-step's log-probs agree bitwise
+  bool rollout = false;         // the rollout engine's forward (no gradient): on CUDA the router's
+                                // softmax, top-k and weights in one kernel (kernels/moe_route.h) and
+                                // expert GEMMs that stop at the last real row. The trainer's scoring
+                                // leaves it off and runs the ops of its training forward, so that
+                                // lp_old and the first mini-step's log-probs agree bitwise
   at::Tensor positions;         // [T] int64 on the model's device: overrides the batch's positions
                                 // (CUDA-graph capture: no tensor may be built from host data)
   // Called with the input of every linear that NVFP4 quantises (layer, HF name suffix such as

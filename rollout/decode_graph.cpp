@@ -76,7 +76,7 @@ struct DecodeGraphs::Impl {
       opt.skip_head = true;
       opt.check_inputs = false;
       opt.load_balance = false;
-      opt.fused_routing = true;
+      opt.rollout = true;
       opt.positions = positions;
       model::ForwardOutput out = m.forward(batch, opt);
       routing = out.routing;

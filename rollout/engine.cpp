@@ -333,7 +333,7 @@ struct Engine::Impl {
       opt.skip_head = true;
       opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
       opt.load_balance = false;
-      opt.fused_routing = true;
+      opt.rollout = true;
       model::ForwardOutput out = model.forward(batch, opt);
       routing = out.routing.cpu().contiguous();
       hidden = out.hidden;

@@ -8,7 +8,8 @@
 # against the measured peak memory of muse-small GRPO runs), rollout (issue 20's RL workload, decode
 # and the peer's decode, into rollout.txt) nvfp4 (the GEMMs' cuda tests and bench nvfp4, into
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
-# attention (the paged decode kernels' cuda tests and bench attention, into attention.txt).
+# attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
+# cudatests runs the cuda tests alone.
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -66,6 +67,12 @@ cmake --build build-gpu -j"$jobs" > "$out/build.log" 2>&1 || { grep -E "error|FA
 echo "built in $(( $(date +%s) - start )) s"
 
 tmp=$(mktemp -d)
+if want cudatests && ! want tests; then  # the cuda tests alone (a kernel change, a short call)
+step "ctest -L cuda"
+(cd build-gpu && ctest -L cuda --output-on-failure > "$tmp/ctest-cuda.log" 2>&1)
+grep -E "agreement|elements differ|Passed|Failed|tests passed|FAIL|Failure|Expected|Which is|actual" "$tmp/ctest-cuda.log" \
+  | head -120 | tee -a "$out/tests.log"
+fi
 if want tests; then
 step "ctest -L cuda"
 (cd build-gpu && ctest -L cuda --output-on-failure -V > "$tmp/ctest-cuda.log" 2>&1)

@@ -121,8 +121,9 @@ TEST(CudaMoeLayout, EqualsReferenceExactly) {
       kernels::MoeLayout a = kernels::moe_layout_cuda(flat, E, k, 16);
       kernels::MoeLayout b = kernels::moe_layout_reference(flat, E, k, 16);
       EXPECT_EQ(a.bound, b.bound);
-      for (auto [x, y] : {std::pair{a.counts, b.counts}, {a.offsets, b.offsets}, {a.order, b.order}, {a.dest, b.dest},
-                          {a.src_token, b.src_token}, {a.slot_row, b.slot_row}})
+      for (auto [x, y] : {std::pair{a.counts, b.counts}, {a.offsets, b.offsets}, {a.ends, b.ends},
+                          {a.segments, b.segments}, {a.order, b.order}, {a.dest, b.dest}, {a.src_token, b.src_token},
+                          {a.slot_row, b.slot_row}})
         EXPECT_TRUE(test::all_equal(x.cpu(), y.cpu())) << "tokens " << tokens << " E " << E << " k " << k;
     }
   }

@@ -107,6 +107,12 @@ TEST(CudaNvfp4Serving, PrefillPathsAndW4a4MatchTheReferences) {
                          : bool(near_ref(got, kernels::nvfp4_grouped_linear_reference(x, gq, offsets, o), rtol, atol,
                                          o.w4a4 ? bound4 : bound)))
             << "aligned rows " << off.back() << " " << dtype << " w4a4 " << o.w4a4;
+        // Rows past the last segment (the MoE layout's static bound) belong to no expert: with
+        // the layout's segments given, every expert row comes out bit for bit as without them.
+        at::Tensor tail = at::cat({xp, at::randn({37, 64}).to(dtype).cuda()});
+        at::Tensor segments = at::cat({at::zeros({1}, at::kLong), at::tensor(ends, at::kLong)}).cuda();
+        at::Tensor cut = kernels::nvfp4_grouped_linear_aligned(tail, gk, e32, o, segments).index_select(0, rows);
+        EXPECT_TRUE(test::all_equal(cut.cpu(), got.cpu())) << "aligned rows with a tail " << off.back() << " " << dtype;
       }
     }
   }

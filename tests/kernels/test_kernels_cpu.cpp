@@ -122,6 +122,8 @@ TEST(MoeLayoutReference, HandWorkedCase) {
   // counts 2,0,3,1 -> padded 4,0,4,4: segments start at rows 0, 4, 4, 8; bound = 6 + 4 * 3 = 18.
   EXPECT_TRUE(test::all_equal(l.counts, at::tensor(std::vector<int64_t>{2, 0, 3, 1})));
   EXPECT_TRUE(test::all_equal(l.offsets, at::tensor(std::vector<int32_t>{4, 4, 8, 18})));
+  EXPECT_TRUE(test::all_equal(l.ends, at::tensor(std::vector<int32_t>{4, 4, 8, 12})));  // the last real segment's end
+  EXPECT_TRUE(test::all_equal(l.segments, at::tensor(std::vector<int64_t>{0, 4, 4, 8, 12})));
   EXPECT_EQ(l.bound, 18);
   // Sorted slots: 1,4 (expert 0), 0,2,5 (expert 2), 3 (expert 3).
   EXPECT_TRUE(test::all_equal(l.order, at::tensor(std::vector<int64_t>{1, 4, 0, 2, 5, 3})));
