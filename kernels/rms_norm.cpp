@@ -131,6 +131,39 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return rms_norm_reference(x, weight, eps);
 }
 
+std::pair<at::Tensor, at::Tensor> add_rms_norm_reference(const at::Tensor& a, const at::Tensor& x,
+                                                         const at::Tensor& w_add, const at::Tensor& w_next,
+                                                         double eps) {
+  at::Tensor h = x + rms_norm(a, w_add, eps);
+  return {h, rms_norm(h, w_next, eps)};
+}
+
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Tensor& x, const at::Tensor& w_add,
+                                               const at::Tensor& w_next, double eps) {
+#if KILN_WITH_CUDA
+  const bool needs_grad = at::GradMode::is_enabled() && (a.requires_grad() || x.requires_grad() ||
+                                                          w_add.requires_grad() || w_next.requires_grad());
+  const bool fits = a.is_cuda() && cuda_dtype(a) && a.dim() == 2 && x.sizes() == a.sizes() &&
+                    x.scalar_type() == a.scalar_type() && w_add.dim() == 1 && w_add.size(0) == a.size(1) &&
+                    w_next.sizes() == w_add.sizes() && w_add.scalar_type() == a.scalar_type() &&
+                    w_next.scalar_type() == a.scalar_type() && x.device() == a.device() &&
+                    w_add.device() == a.device() && w_next.device() == a.device();
+  if (fits && !needs_grad) {
+    const c10::cuda::CUDAGuard guard(a.device());
+    at::Tensor ac = a.contiguous(), xc = x.contiguous(), wa = w_add.contiguous(), wn = w_next.contiguous();
+    at::Tensor h = at::empty_like(ac), hn = at::empty_like(ac);
+    bool launched = false;
+    const cudaError_t err =
+        launch_add_rms_norm(a.scalar_type() == at::kFloat ? 0 : 1, ac.data_ptr(), xc.data_ptr(), wa.data_ptr(),
+                            wn.data_ptr(), h.data_ptr(), hn.data_ptr(), ac.size(0), ac.size(1), float(eps),
+                            c10::cuda::getCurrentCUDAStream(), &launched);
+    KILN_CHECK(err == cudaSuccess, "add_rms_norm: kernel launch failed: ", cudaGetErrorString(err));
+    if (launched) return {h, hn};
+  }
+#endif
+  return add_rms_norm_reference(a, x, w_add, w_next, eps);
+}
+
 at::Tensor segment_rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends,
                                       double eps) {
   at::Tensor rows = at::arange(x.size(0), x.options().dtype(at::kLong));

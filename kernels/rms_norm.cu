@@ -150,6 +150,88 @@ cudaError_t launch(const T* x, const T* w, T* y, int64_t rows, int64_t cols, int
   return cudaGetLastError();
 }
 
+// The sandwich norm's residual step fused with the next norm (inference): h = x + rms_norm(a, w_add)
+// and hn = rms_norm(h, w_next), with rms_norm_vector's threads, chunks and sums, so that both equal
+// the composition of two rms_norm launches and an add bit for bit.
+template <typename T, int kChunks>
+__global__ void add_rms_norm_vector(const T* __restrict__ a, const T* __restrict__ x, const T* __restrict__ w_add,
+                                    const T* __restrict__ w_next, T* __restrict__ h, T* __restrict__ hn,
+                                    int64_t cols, float eps) {
+  using C = Chunk<T>;
+  const int64_t num_chunks = cols / C::kSize, base = blockIdx.x * cols;
+  const C* ar = reinterpret_cast<const C*>(a + base);
+  const C* xr = reinterpret_cast<const C*>(x + base);
+  C held[kChunks];
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + int64_t(i) * blockDim.x;
+    if (c < num_chunks) {
+      held[i] = ar[c];
+#pragma unroll
+      for (int j = 0; j < C::kSize; ++j) {
+        const float v = to_float(held[i].v[j]);
+        sum += v * v;
+      }
+    }
+  }
+  const float inv = rsqrtf(block_sum(sum) / float(cols) + eps);
+  float sum_h = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + int64_t(i) * blockDim.x;
+    if (c < num_chunks) {
+      const C wc = reinterpret_cast<const C*>(w_add)[c], xc = xr[c];
+      C o;
+#pragma unroll
+      for (int j = 0; j < C::kSize; ++j) {
+        o.v[j] = from_float<T>(to_float(xc.v[j]) + to_float(normalise(held[i].v[j], wc.v[j], inv)));
+        const float v = to_float(o.v[j]);
+        sum_h += v * v;
+      }
+      held[i] = o;
+      reinterpret_cast<C*>(h + base)[c] = o;
+    }
+  }
+  __syncthreads();  // every thread has read the first total before block_sum's slots are reused
+  const float inv_h = rsqrtf(block_sum(sum_h) / float(cols) + eps);
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + int64_t(i) * blockDim.x;
+    if (c < num_chunks) {
+      const C wc = reinterpret_cast<const C*>(w_next)[c];
+      C o;
+#pragma unroll
+      for (int j = 0; j < C::kSize; ++j) o.v[j] = normalise(held[i].v[j], wc.v[j], inv_h);
+      reinterpret_cast<C*>(hn + base)[c] = o;
+    }
+  }
+}
+
+// The launch rms_norm's `launch` would choose for these rows (vector path only); false where that
+// is the scalar path, so the caller composes instead.
+template <typename T>
+bool launch_add(const T* a, const T* x, const T* w_add, const T* w_next, T* h, T* hn, int64_t rows, int64_t cols,
+                float eps, cudaStream_t stream) {
+  constexpr int64_t kSize = Chunk<T>::kSize;
+  uintptr_t addresses = 0;
+  for (const void* p : {static_cast<const void*>(a), static_cast<const void*>(x), static_cast<const void*>(w_add),
+                        static_cast<const void*>(w_next), static_cast<const void*>(h), static_cast<const void*>(hn)})
+    addresses |= reinterpret_cast<uintptr_t>(p);
+  if (addresses % 16 != 0 || cols % kSize != 0) return false;
+  const int64_t num_chunks = cols / kSize;
+  const int threads = int(std::min<int64_t>(kMaxThreads, (num_chunks + 31) / 32 * 32));
+  const dim3 grid{unsigned(rows)}, block{unsigned(threads)};
+  if (num_chunks <= 1 * threads) add_rms_norm_vector<T, 1><<<grid, block, 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
+  else if (num_chunks <= 2 * threads) add_rms_norm_vector<T, 2><<<grid, block, 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
+  else if (num_chunks <= 4 * threads) add_rms_norm_vector<T, 4><<<grid, block, 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
+  else if (num_chunks <= 8 * threads) add_rms_norm_vector<T, 8><<<grid, block, 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
+  else if (num_chunks <= kMaxChunks * threads)
+    add_rms_norm_vector<T, kMaxChunks><<<grid, block, 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
+  else return false;
+  return true;
+}
+
 // Backward, one row at a time per block; block (p, s) takes the rows p, p + parts, ... of segment
 // s. Each thread owns the same columns in every row (kChunks chunks of kVec values), keeps its
 // weight values in registers, and accumulates the weight gradient there; the block's sum goes to
@@ -289,6 +371,24 @@ cudaError_t launch_rms_norm_bf16(const void* x, const void* w, void* y, int64_t 
                                  cudaStream_t stream) {
   return launch(static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w),
                 static_cast<__nv_bfloat16*>(y), rows, cols, w_stride, ends, num_segments, eps, stream);
+}
+
+cudaError_t launch_add_rms_norm(int dtype, const void* a, const void* x, const void* w_add, const void* w_next,
+                                void* h, void* hn, int64_t rows, int64_t cols, float eps, cudaStream_t stream,
+                                bool* launched) {
+  *launched = rows == 0;
+  if (rows == 0) return cudaSuccess;
+  if (dtype == 0) {
+    *launched = launch_add(static_cast<const float*>(a), static_cast<const float*>(x), static_cast<const float*>(w_add),
+                           static_cast<const float*>(w_next), static_cast<float*>(h), static_cast<float*>(hn), rows,
+                           cols, eps, stream);
+  } else {
+    using B = __nv_bfloat16;
+    *launched = launch_add(static_cast<const B*>(a), static_cast<const B*>(x), static_cast<const B*>(w_add),
+                           static_cast<const B*>(w_next), static_cast<B*>(h), static_cast<B*>(hn), rows, cols, eps,
+                           stream);
+  }
+  return cudaGetLastError();
 }
 
 cudaError_t launch_rms_norm_backward_f32(const float* x, const float* w, const int32_t* ends, int num_segments,

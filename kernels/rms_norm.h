@@ -4,6 +4,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <utility>
+
 namespace kiln::kernels {
 
 // x [..., n], weight [n] or broadcastable to x (e.g. per-row weights [rows, n]).
@@ -21,6 +23,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor segment_rms_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends, double eps);
 at::Tensor segment_rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends,
                                       double eps);
+
+// The sandwich norm's residual step and the next norm in one pass, for inference:
+// h = x + rms_norm(a, w_add) and hn = rms_norm(h, w_next). a, x [rows, n]; w_add, w_next [n]. On
+// CUDA float/bf16 without a gradient one kernel, bitwise the composition (rms_norm twice and an
+// add); elsewhere that composition.
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Tensor& x, const at::Tensor& w_add,
+                                               const at::Tensor& w_next, double eps);
+std::pair<at::Tensor, at::Tensor> add_rms_norm_reference(const at::Tensor& a, const at::Tensor& x,
+                                                         const at::Tensor& w_add, const at::Tensor& w_next, double eps);
 
 // The training path alone (fused forward + backward kernels), for tests and benches; throws
 // where it does not apply.

@@ -21,6 +21,13 @@ cudaError_t launch_rms_norm_bf16(const void* x, const void* w, void* y, int64_t 
                                  int64_t w_stride, const int32_t* ends, int num_segments, float eps,
                                  cudaStream_t stream);
 
+// h = x + rms_norm(a, w_add), hn = rms_norm(h, w_next), rows x cols, one kernel (dtype 0 fp32, 1
+// bf16). *launched is false (and nothing runs) where the forward would take its scalar path
+// (misaligned rows or a width not a multiple of 16 bytes): the caller composes instead.
+cudaError_t launch_add_rms_norm(int dtype, const void* a, const void* x, const void* w_add, const void* w_next,
+                                void* h, void* hn, int64_t rows, int64_t cols, float eps, cudaStream_t stream,
+                                bool* launched);
+
 // Backward of the forward above with a shared weight row (ends == nullptr, num_segments 1) or
 // segments: dx [rows, cols], and dw_part [num_segments * parts, cols] fp32, the weight gradient of
 // each segment in `parts` partial sums (the caller sums them in order). cols <= kMaxBackwardCols.

@@ -389,17 +389,31 @@ struct OwnedLayerContext {
 
 struct LayerOut {
   at::Tensor x, ids, balance;  // the residual stream after the layer, its expert ids [T, k], its balance term
+  at::Tensor xn;               // rms_norm(x, next_norm), when run_layer was given one and fused it
 };
 
 // One sandwich-normed block: attention, then the latent MoE, each added to the residual stream.
+// xn: x already normed by this layer's input norm (undefined: norm it here). The rollout fuses each
+// residual add with the norm after it (kernels::add_rms_norm, bitwise the composition), that of the
+// MoE's output with `next_norm`, the next layer's input norm or the final one, when given.
 LayerOut run_layer(const LayerContext& c, const LayerWeights& lw, int64_t i, const at::Tensor& x,
-                   const at::Tensor& replay) {
+                   const at::Tensor& replay, const at::Tensor& xn = {}, const at::Tensor& next_norm = {}) {
   const double eps = c.cfg.rms_norm_eps;
-  at::Tensor a = attention(c.cfg, lw, i, rms_norm(x, lw.input_norm, eps), c.batch, c.cos, c.sin, c.opt.attention,
-                           c.padded, c.flash, c.opt);
-  at::Tensor h = x + rms_norm(a, lw.post_attn_norm, eps);
-  MoeOut moe = latent_moe(c.cfg, lw, i, rms_norm(h, lw.pre_moe_norm, eps), replay, c.opt);
-  return {h + rms_norm(moe.out, lw.post_moe_norm, eps), moe.ids, moe.balance};
+  const bool fuse = c.opt.rollout;
+  at::Tensor a = attention(c.cfg, lw, i, xn.defined() ? xn : rms_norm(x, lw.input_norm, eps), c.batch, c.cos, c.sin,
+                           c.opt.attention, c.padded, c.flash, c.opt);
+  at::Tensor h, hn;
+  if (fuse) {
+    std::tie(h, hn) = kernels::add_rms_norm(a, x, lw.post_attn_norm, lw.pre_moe_norm, eps);
+  } else {
+    h = x + rms_norm(a, lw.post_attn_norm, eps);
+    hn = rms_norm(h, lw.pre_moe_norm, eps);
+  }
+  MoeOut moe = latent_moe(c.cfg, lw, i, hn, replay, c.opt);
+  LayerOut r{at::Tensor(), moe.ids, moe.balance, at::Tensor()};
+  if (fuse && next_norm.defined()) std::tie(r.x, r.xn) = kernels::add_rms_norm(moe.out, h, lw.post_moe_norm, next_norm, eps);
+  else r.x = h + rms_norm(moe.out, lw.post_moe_norm, eps);
+  return r;
 }
 
 // Activation recompute of one layer (ForwardOptions::recompute): the forward ran without a graph
@@ -684,15 +698,18 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   const auto owned = opt.recompute && torch::autograd::GradMode::is_enabled()
                          ? std::make_shared<const OwnedLayerContext>(OwnedLayerContext{cfg_, batch, cos, sin, padded, flash, opt})
                          : nullptr;
+  at::Tensor xn;  // the residual stream normed for what reads it next, when the layer before fused that
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor replay_i = replay.defined() ? replay.select(1, i) : at::Tensor();
+    const at::Tensor& next_norm = i + 1 < L ? w_.layers[size_t(i + 1)].input_norm : w_.final_norm;
     LayerOut r = owned ? recomputed_layer(owned, w_.layers[i], i, x, replay_i)
-                       : run_layer(context, w_.layers[i], i, x, replay_i);
+                       : run_layer(context, w_.layers[i], i, x, replay_i, xn, next_norm);
     x = r.x;
+    xn = r.xn;
     routing.push_back(r.ids);
     if (balance.defined()) balance = balance + r.balance;
   }
-  at::Tensor xn = rms_norm(x, w_.final_norm, cfg_.rms_norm_eps);
+  if (!xn.defined()) xn = rms_norm(x, w_.final_norm, cfg_.rms_norm_eps);
 
   ForwardOutput out;
   out.routing = at::stack(routing, 1).to(at::kByte);  // [T, L, k]

@@ -9,7 +9,7 @@
 # and the peer's decode, into rollout.txt) nvfp4 (the GEMMs' cuda tests and bench nvfp4, into
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
-# cudatests runs the cuda tests alone.
+# cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -72,6 +72,11 @@ step "ctest -L cuda"
 (cd build-gpu && ctest -L cuda --output-on-failure > "$tmp/ctest-cuda.log" 2>&1)
 grep -E "agreement|elements differ|Passed|Failed|tests passed|FAIL|Failure|Expected|Which is|actual" "$tmp/ctest-cuda.log" \
   | head -120 | tee -a "$out/tests.log"
+fi
+if want mpi; then  # the CPU-rank MPI tests of this build, whole output (a crash prints its backtrace)
+step "mpi tests at 2 ranks"
+OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 300 \
+  mpiexec --oversubscribe -np 2 ./build-gpu/tests/kiln_test_dist 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -80 | tee -a "$out/mpi.txt"
 fi
 if want tests; then
 step "ctest -L cuda"

@@ -110,6 +110,34 @@ TEST(CudaRope, BitwiseEqualsReference) {
   }
 }
 
+// The fused residual step and next norm of the rollout: bitwise the composition it replaces (two
+// rms_norm launches and an add), on odd row counts and widths, including widths the vector path
+// refuses (then it composes).
+TEST(CudaAddRmsNorm, EqualsTheCompositionBitwise) {
+  at::manual_seed(7);
+  for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    for (int64_t rows : {1, 19, 111, 4097}) {
+      for (int64_t cols : {64, 1000, 2048, 4100, 19}) {
+        auto cuda = [&](at::Tensor t) { return t.to(dtype).cuda(); };
+        at::Tensor a = cuda(at::randn({rows, cols}) * 3), x = cuda(at::randn({rows, cols}));
+        at::Tensor wa = cuda(at::rand({cols}) + 0.5), wn = cuda(at::rand({cols}) + 0.5);
+        auto [h, hn] = kernels::add_rms_norm(a, x, wa, wn, 1e-6);
+        at::Tensor h_ref = x + kernels::rms_norm(a, wa, 1e-6);
+        at::Tensor hn_ref = kernels::rms_norm(h_ref, wn, 1e-6);
+        const std::string what = std::string(c10::toString(dtype)) + " rows " + std::to_string(rows) + " cols " +
+                                 std::to_string(cols);
+        EXPECT_TRUE(test::all_equal(h.cpu(), h_ref.cpu())) << what;
+        EXPECT_TRUE(test::all_equal(hn.cpu(), hn_ref.cpu())) << what;
+        // And the ATen reference on the CPU, within a rounding.
+        auto [hc, hnc] = kernels::add_rms_norm_reference(a.cpu().to(at::kDouble), x.cpu().to(at::kDouble),
+                                                         wa.cpu().to(at::kDouble), wn.cpu().to(at::kDouble), 1e-6);
+        const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+        EXPECT_TRUE(at::allclose(hn.cpu().to(at::kDouble), hnc, tol, tol)) << what;
+      }
+    }
+  }
+}
+
 TEST(CudaMoeLayout, EqualsReferenceExactly) {
   at::manual_seed(4);
   // Slot counts on both sides of the one-kernel sort's sizes (512, 4096 slots) and expert counts on

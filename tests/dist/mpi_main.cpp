@@ -1,10 +1,15 @@
 // GoogleTest main for the MPI tests: every rank runs every test; a failure on any rank makes that
 // rank exit non-zero, and so mpirun. Only rank 0 prints the per-test lines. An exception that
 // escapes a test body ends the whole job at once: the other ranks would otherwise wait in their
-// next collective until ctest's timeout.
+// next collective until ctest's timeout. A crash prints its rank and a symbolised backtrace
+// (the binary exports its symbols), since the machines that run these may have no debugger.
+#include <execinfo.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "core/comm.h"
@@ -27,11 +32,27 @@ class AbortOnEscapedException : public ::testing::EmptyTestEventListener {
   std::string name_;
 };
 
+int crash_rank = -1;
+
+// Async-signal-safe enough for a dying process: formatted into a stack buffer, written with write(2).
+void on_crash(int sig) {
+  char head[128];
+  const int len = std::snprintf(head, sizeof head, "rank %d: fatal signal %d (%s); backtrace:\n", crash_rank, sig,
+                                sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : sig == SIGFPE ? "SIGFPE" : "SIGABRT");
+  if (len > 0) (void)!write(STDERR_FILENO, head, size_t(len));
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   kiln::comm::init(&argc, &argv);
+  crash_rank = kiln::comm::Group::world().rank();
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGABRT}) signal(sig, on_crash);  // after MPI's own handlers
   auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
   if (kiln::comm::Group::world().rank() != 0) delete listeners.Release(listeners.default_result_printer());
   listeners.Append(new AbortOnEscapedException);

@@ -133,6 +133,15 @@ TEST(MoeLayoutReference, HandWorkedCase) {
   EXPECT_TRUE(test::throws_with([&] { kernels::moe_layout_reference(flat, 4, 4, 4); }, {"a multiple of top_k"}));
 }
 
+TEST(AddRmsNorm, IsTheResidualStepAndTheNextNorm) {
+  at::Tensor a = at::randn({5, 8}, at::kDouble), x = at::randn({5, 8}, at::kDouble);
+  at::Tensor wa = at::rand({8}, at::kDouble), wn = at::rand({8}, at::kDouble);
+  auto [h, hn] = kernels::add_rms_norm(a, x, wa, wn, 1e-6);
+  at::Tensor h_want = x + a * at::rsqrt(a.pow(2).mean(-1, true) + 1e-6) * wa;
+  EXPECT_TRUE(at::allclose(h, h_want, 1e-12, 1e-12));
+  EXPECT_TRUE(at::allclose(hn, h_want * at::rsqrt(h_want.pow(2).mean(-1, true) + 1e-6) * wn, 1e-12, 1e-12));
+}
+
 TEST(MoeRouteReference, HandWorkedCases) {
   // Softmax over logits log(1, 2, 3, 4): scores 0.1 .. 0.4; top-2 is experts 3, 2 with weights 4/7, 3/7.
   at::Tensor logits = at::tensor(std::vector<float>{1, 2, 3, 4}).log().view({1, 4});
