@@ -185,7 +185,9 @@ __global__ void add_rms_norm_vector(const T* __restrict__ a, const T* __restrict
       C o;
 #pragma unroll
       for (int j = 0; j < C::kSize; ++j) {
-        o.v[j] = from_float<T>(to_float(xc.v[j]) + to_float(normalise(held[i].v[j], wc.v[j], inv)));
+        // __fadd_rn: never contracted with normalise's multiply into an FMA (fp32 would then round
+        // once where the composition rounds twice).
+        o.v[j] = from_float<T>(__fadd_rn(to_float(xc.v[j]), to_float(normalise(held[i].v[j], wc.v[j], inv))));
         const float v = to_float(o.v[j]);
         sum_h += v * v;
       }

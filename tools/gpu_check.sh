@@ -9,7 +9,8 @@
 # and the peer's decode, into rollout.txt) nvfp4 (the GEMMs' cuda tests and bench nvfp4, into
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
-# cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt).
+# cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt);
+# async the synchronous GRPO step against grpo.async (async.txt).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -70,8 +71,8 @@ tmp=$(mktemp -d)
 if want cudatests && ! want tests; then  # the cuda tests alone (a kernel change, a short call)
 step "ctest -L cuda"
 (cd build-gpu && ctest -L cuda --output-on-failure > "$tmp/ctest-cuda.log" 2>&1)
-grep -E "agreement|elements differ|Passed|Failed|tests passed|FAIL|Failure|Expected|Which is|actual" "$tmp/ctest-cuda.log" \
-  | head -120 | tee -a "$out/tests.log"
+grep -E "\*\*\*Failed|Failure|Expected|Which is|elements differ" "$tmp/ctest-cuda.log" | head -100 | tee -a "$out/tests.log"
+grep -E "tests passed|^\s+[0-9]+ - " "$tmp/ctest-cuda.log" | tee -a "$out/tests.log"
 fi
 if want mpi; then  # the CPU-rank MPI tests of this build, whole output (a crash prints its backtrace)
 step "mpi tests at 2 ranks"
@@ -254,6 +255,31 @@ if want attention; then
 step "attention: cuda tests of the paged decode kernels, then bench attention"
 tests_then_bench 'CudaPagedAttention*' attention attention.txt
 fi  # attention
+if want async; then
+# Issue 23: asynchronous GRPO (grpo.async.max_staleness 1) against the synchronous step on the same
+# recipe: muse-small, 64 prompts x 8 samples x 32 tokens, TIS on in both; steps per hour and rewards.
+step "async GRPO: synchronous vs max_staleness 1"
+for k in off 1; do
+  sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: 64/" \
+      -e "s/^  max_tokens: .*/  max_tokens: 32/" -e "s/^  mismatch_ab: .*/  mismatch_ab: false/" \
+      -e "s/^  every: .*/  every: 1000/" -e "s/^  steps: .*/  steps: ${KILN_ASYNC_STEPS:-12}/" \
+      -e "s/^  aggregation: token-mean/  aggregation: token-mean\n  tis: true/" recipes/grpo-arith-small-gpu.yaml > "$tmp/async-$k.yaml"
+  [ "$k" != off ] && sed -i "s/^  mismatch_ab: false/  mismatch_ab: false\n  async:\n    max_staleness: $k/" "$tmp/async-$k.yaml"
+  ./build-gpu/kiln train "$tmp/async-$k.yaml" --out "$tmp/async-$k" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
+  python3 - "$tmp/async-$k/metrics.jsonl" "max_staleness $k" <<'PY' 2>&1 | tee -a "$out/async.txt"
+import sys, json, statistics as st
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l]
+warm = rows[2:] if len(rows) > 4 else rows
+med = lambda k: st.median(r.get(k, 0.0) for r in warm)
+print(f"{sys.argv[2]}: step {med('step_seconds')*1e3:.0f} ms median of {len(warm)} (after 2 warm-up steps), "
+      f"{3600 / med('step_seconds'):.0f} steps/hour; rollout {med('rollout_seconds')*1e3:.0f} ms, lp_old "
+      f"{med('lp_old_seconds')*1e3:.0f} ms, train {med('train_seconds')*1e3:.0f} ms, sync {med('sync_seconds')*1e3:.0f} ms, "
+      f"waited for the batch {st.median(r.get('async', {}).get('wait_seconds', 0.0) for r in warm)*1e3:.0f} ms")
+print("  staleness per step:", [r.get("async", {}).get("staleness", "-") for r in rows])
+print("  reward per step:   ", [round(r["reward"], 3) for r in rows])
+PY
+done
+fi  # async
 if want mismatch; then
 # Issues 20 and 22: the train-vs-rollout gap of a trained model, not of a random init. muse-small
 # gets a short SFT on two-digit addition (KILN_SFT_STEPS, default 300), then `kiln mismatch` samples

@@ -10,13 +10,21 @@
 #include <torch/serialize.h>
 #if KILN_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <optional>
 
 #include "core/checkpoint_dir.h"
 #include "core/error.h"
@@ -89,6 +97,10 @@ void GrpoConfig::validate() const {
              "grpo: temperature must be positive and finite for RL sampling (got ", temperature, ")");
   KILN_CHECK(std::isfinite(top_p) && top_p > 0 && top_p <= 1, "grpo: top_p must be in (0, 1] (got ", top_p, ")");
   KILN_CHECK(top_k >= 0, "grpo: top_k must be >= 0 (got ", top_k, "); 0 is off");
+  KILN_CHECK(async_staleness >= -1, "grpo: async.max_staleness must be >= 0 (got ", async_staleness,
+             "); leave async out for the synchronous step");
+  KILN_CHECK(async_staleness < 0 || !dynamic_sampling, "grpo: dynamic_sampling needs every rank in step ",
+             "(its extra rounds are collective), which async rollouts are not; use one or the other");
   KILN_CHECK(max_sampling_rounds >= 0, "grpo: max_sampling_rounds must be >= 0 (got ", max_sampling_rounds,
              "): the extra rounds dynamic sampling may spend");
   KILN_CHECK(overlong_buffer >= 0 && overlong_buffer <= max_tokens, "grpo: overlong_buffer must be in [0, max_tokens=",
@@ -165,6 +177,7 @@ std::string StepMetrics::to_json() const {
                              {"groups_dropped", groups_dropped}};
   if (mis_masked_fraction != 0) j["mis_masked_fraction"] = mis_masked_fraction;
   j["zero_variance_groups"] = zero_variance_groups;
+  if (staleness >= 0) j["async"] = {{"staleness", staleness}, {"wait_seconds", async_wait_seconds}};
   if (episode_turns > 0) j["episodes"] = {{"turns", episode_turns}, {"observation_tokens", observation_tokens}};
   if (!reward_components.empty()) j["reward_components"] = reward_components;
   j["reward_failures"] = reward_failures;
@@ -237,6 +250,9 @@ struct GrpoTrainer::Impl {
                tok->vocab_size(), " ids but the model's vocab_size is ", policy.config().vocab_size,
                "; use a model config whose vocabulary covers the tokenizer");
     if (!reward) reward = make_reward(cfg.reward);
+    KILN_CHECK(cfg.async_staleness < 0 || !cfg.parallel.sharded_rollout(), "grpo: async rollouts need a rollout that ",
+               "serves the whole model on each rank (the expert-sharded one steps in lockstep with the trainer's ",
+               "collectives); set parallel.rollout: replica");
     if (cfg.environment.enabled()) {
       KILN_CHECK(!cfg.parallel.sharded_rollout(), "grpo: multi-turn episodes (environment) need a rollout that serves ",
                  "the whole model on each rank, not the expert-sharded one (its ranks step in lockstep, episodes do ",
@@ -310,11 +326,11 @@ struct GrpoTrainer::Impl {
     model::reset_peak_memory(policy.device());
     StepMetrics m;
     m.step = ++steps;
-    auto t = Clock::now();
-    Batch b = draw_prompts();
-    std::vector<Trajectory> trajs = rollout_and_reward(b, 0, m);
+    Produced produced = cfg.async_staleness >= 0 ? take_produced(m) : produce(draw_prompts(steps), 0);
+    Batch b = produced.batch;
+    std::vector<Trajectory> trajs = finish_rewards(std::move(produced), m);
     if (cfg.dynamic_sampling) b = keep_informative_groups(trajs, m);
-    t = Clock::now();
+    auto t = Clock::now();
     OldLogprobs old = score_old(trajs, b, m);
     m.lp_old_seconds = seconds_since(t);
     t = Clock::now();
@@ -332,12 +348,13 @@ struct GrpoTrainer::Impl {
   struct Batch {
     std::vector<Example> prompts;  // this rank's
     int64_t total = 0, first = 0;  // prompts in all; the global index of prompts[0]
+    int64_t step = 0;              // the step it is drawn for (sampling seeds)
   };
-  Batch draw_prompts() {
+  Batch draw_prompts(int64_t step) {
     std::vector<Example> all = stream.next(cfg.prompts_per_step);
     const int64_t P = int64_t(all.size()), R = group.size();
     const int64_t p0 = P * group.rank() / R, p1 = P * (group.rank() + 1) / R;
-    return {std::vector<Example>(all.begin() + p0, all.begin() + p1), P, p0};
+    return {std::vector<Example>(all.begin() + p0, all.begin() + p1), P, p0, step};
   }
 
   // Dynamic sampling: drops the flat groups of `trajs` (this rank's, group by group) and samples
@@ -361,10 +378,10 @@ struct GrpoTrainer::Impl {
     int64_t rounds = 1;
     while (int64_t(group.all_reduce(double(kept.size() / n))) < cfg.prompts_per_step &&
            rounds <= cfg.max_sampling_rounds) {
-      Batch more = draw_prompts();
+      Batch more = draw_prompts(steps);
       StepMetrics scratch;  // the reward metrics and the sample dump stay the first round's
       auto dump = std::move(last);
-      std::vector<Trajectory> round = rollout_and_reward(more, rounds, scratch);
+      std::vector<Trajectory> round = finish_rewards(produce(more, rounds), scratch);
       last = std::move(dump);
       take(round);
       ++rounds;
@@ -394,27 +411,168 @@ struct GrpoTrainer::Impl {
     return b;
   }
 
-  // Rollout and rewards of a batch, single-turn or as episodes, timed into m.
-  std::vector<Trajectory> rollout_and_reward(const Batch& b, int64_t round, StepMetrics& m) {
+  // A batch rolled out and scored on this rank alone (no collective: under grpo.async a producer
+  // thread makes them), waiting for finish_rewards.
+  struct Produced {
+    Batch batch;
+    std::vector<Trajectory> trajs;
+    std::vector<RewardRequest> reqs;    // what the metrics and the sample dump read
+    std::vector<RewardResult> results;
+    std::vector<double> lengths;        // drawn tokens per sample
+    RewardStats worker;                 // the reward's or environment's counters over this batch
+    double rollout_seconds = 0, reward_seconds = 0;
+    double turns = 0, observed = 0;     // episodes: sums of turns and observation tokens
+    int64_t version = 0;                // the engine's weight version it was sampled with
+    uint64_t data_position = 0;         // the data stream's position before its prompts (async)
+  };
+
+  Produced produce(const Batch& b, int64_t round) {
+    Produced p;
+    p.batch = b;
+    p.version = weight_version();
     auto t = Clock::now();
     if (env) {
       std::vector<const Example*> examples;
       for (const Example& ex : b.prompts) examples.push_back(&ex);
       const RewardStats before = env->stats();
       const auto eps = run_episodes(*engine, *env, *tok, examples, requests_for(b, round));
-      m.rollout_seconds = seconds_since(t);
+      p.rollout_seconds = seconds_since(t);
       t = Clock::now();
-      std::vector<Trajectory> trajs = reward_episodes(b, eps, env->stats() - before, m);
-      m.reward_seconds = seconds_since(t);
-      return trajs;
+      collect_episodes(b, eps, p);
+      p.worker = env->stats() - before;
+      p.reward_seconds = seconds_since(t);
+      return p;
     }
     auto outs = engine->generate(requests_for(b, round));
-    m.rollout_seconds = seconds_since(t);
+    p.rollout_seconds = seconds_since(t);
     t = Clock::now();
-    std::vector<Trajectory> trajs = reward_samples(b, outs, m);
-    m.reward_seconds = seconds_since(t);
-    return trajs;
+    score_samples(b, outs, p);
+    p.reward_seconds = seconds_since(t);
+    return p;
   }
+
+  // ---- grpo.async: the producer thread ----
+  // Batch i (the step it trains in) is sampled with the weights of update v(i) = max(0, i - 1 - k):
+  // the producer waits for that version, and the trainer applies update t only once batch t + k,
+  // the last that needs the version before it, is out. So staleness is exactly min(i - 1, k)
+  // whatever the timing, at most k batches wait, and nothing the producer does is collective.
+  struct Async {
+    std::thread thread;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Produced> ready;
+    int64_t produced = 0;  // batches made: 1 .. produced
+    bool producing = false, stopping = false;
+    std::exception_ptr error;
+  } async;
+
+  int64_t version_for(int64_t i) const { return std::max<int64_t>(0, i - 1 - cfg.async_staleness); }
+  // The update the engine's weights come from: its own count of updates, from where load() left it.
+  int64_t version_base = 0;
+  int64_t weight_version() const { return engine->weight_version() + version_base; }
+
+  void produce_loop() {
+    at::NoGradGuard no_grad;  // grad mode is per thread
+#if KILN_WITH_CUDA
+    // Its own stream, so that the rollout's kernels overlap the trainer's.
+    std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+    if (policy.device().is_cuda()) stream_guard.emplace(c10::cuda::getStreamFromPool(false, policy.device().index()));
+#endif
+    for (;;) {
+      int64_t i = 0;
+      {
+        std::unique_lock<std::mutex> lk(async.mu);
+        async.cv.wait(lk, [&] {
+          i = async.produced + 1;
+          return async.stopping || weight_version() >= version_for(i);
+        });
+        if (async.stopping) return;
+        async.producing = true;
+      }
+      Produced p;
+      std::exception_ptr error;
+      try {
+        const uint64_t position = stream.position();
+        p = produce(draw_prompts(i), 0);
+        p.data_position = position;
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lk(async.mu);
+        async.producing = false;
+        if (error) {
+          async.error = error;
+        } else {
+          async.ready.push_back(std::move(p));
+          ++async.produced;
+        }
+      }
+      async.cv.notify_all();
+      if (error) return;
+    }
+  }
+
+  // The batch of this step (its producer started on first use); rethrows what stopped the producer.
+  Produced take_produced(StepMetrics& m) {
+    if (!async.thread.joinable()) {
+      async.produced = steps - 1;  // the batches of the steps already trained
+      async.thread = std::thread([this] { produce_loop(); });
+    }
+    const auto t = Clock::now();
+    std::unique_lock<std::mutex> lk(async.mu);
+    async.cv.wait(lk, [&] { return !async.ready.empty() || async.error; });
+    if (async.ready.empty()) std::rethrow_exception(async.error);
+    Produced p = std::move(async.ready.front());
+    async.ready.pop_front();
+    m.async_wait_seconds = seconds_since(t);
+    m.staleness = (steps - 1) - p.version;
+    // min(steps - 1, k) exactly, but fresher right after a resume (the loaded weights are all there is).
+    KILN_CHECK(p.batch.step == steps && m.staleness >= 0 && m.staleness <= cfg.async_staleness,
+               "grpo: internal error: step ", steps, " got batch ", p.batch.step, " of weight version ", p.version,
+               " (max_staleness ", cfg.async_staleness, "); report this");
+    return p;
+  }
+
+  // Runs fn while the producer is between batches and, when `made` > 0, once it has made that many
+  // (the weight sync of update t waits for batch t + k). Without async, just fn.
+  template <typename F>
+  void with_producer_paused(int64_t made, const F& fn) {
+    if (!async.thread.joinable()) return fn();
+    std::unique_lock<std::mutex> lk(async.mu);
+    async.cv.wait(lk, [&] { return async.error || (!async.producing && async.produced >= made); });
+    if (async.error) std::rethrow_exception(async.error);
+    fn();
+    lk.unlock();
+    async.cv.notify_all();
+  }
+
+  // Where a resumed run draws its next prompts: under grpo.async, before the oldest batch made but
+  // not trained (it is sampled again after a resume), or where the producer will draw next.
+  uint64_t data_position() {
+    uint64_t position = stream.position();
+    with_producer_paused(0, [&] {
+      if (!async.ready.empty()) position = async.ready.front().data_position;
+      else position = stream.position();
+    });
+    return position;
+  }
+
+  void stop_producer() {
+    if (!async.thread.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lk(async.mu);
+      async.stopping = true;
+    }
+    async.cv.notify_all();
+    async.thread.join();
+    async.thread = std::thread();
+    async.ready.clear();
+    async.producing = async.stopping = false;
+    async.error = nullptr;
+  }
+
+  ~Impl() { stop_producer(); }
 
   std::vector<rollout::Request> requests_for(const Batch& b, int64_t round) {
     std::vector<rollout::Request> reqs;
@@ -428,19 +586,15 @@ struct GrpoTrainer::Impl {
       r.params.top_p = cfg.top_p;
       r.params.top_k = cfg.top_k;
       // Per (step, round, global prompt index): rounds of dynamic sampling draw fresh streams.
-      r.params.seed = cfg.seed * 1000003ull + uint64_t(steps) * 1009ull + uint64_t(round) * 7919ull * 1000003ull +
+      r.params.seed = cfg.seed * 1000003ull + uint64_t(b.step) * 1009ull + uint64_t(round) * 7919ull * 1000003ull +
                       uint64_t(b.first + int64_t(i));
       reqs.push_back(std::move(r));
     }
     return reqs;
   }
 
-  // Decodes and scores every sample, fills the reward metrics (global) and the group advantages.
-  std::vector<Trajectory> reward_samples(const Batch& b, const std::vector<rollout::RequestOutput>& outs,
-                                         StepMetrics& m) {
-    std::vector<Trajectory> trajs;
-    std::vector<RewardRequest> reqs;
-    std::vector<double> lengths;
+  // Decodes and scores every sample (this rank's).
+  void score_samples(const Batch& b, const std::vector<rollout::RequestOutput>& outs, Produced& p) {
     for (size_t i = 0; i < outs.size(); ++i) {
       for (const auto& s : outs[i].samples) {
         Trajectory t;
@@ -449,27 +603,22 @@ struct GrpoTrainer::Impl {
         t.tokens.insert(t.tokens.end(), s.tokens.begin(), s.tokens.end());
         t.rollout_lp = s.logprobs;
         t.routing = s.routing;
-        reqs.push_back(reward_request(b.prompts[i], s, int64_t(reqs.size())));
-        t.in_loss = !(cfg.mask_truncated && reqs.back().truncated);
-        trajs.push_back(std::move(t));
-        lengths.push_back(double(s.tokens.size()));
+        p.reqs.push_back(reward_request(b.prompts[i], s, int64_t(p.reqs.size())));
+        t.in_loss = !(cfg.mask_truncated && p.reqs.back().truncated);
+        p.trajs.push_back(std::move(t));
+        p.lengths.push_back(double(s.tokens.size()));
       }
     }
     const RewardStats before = reward->stats();
-    const std::vector<RewardResult> results = reward->score(reqs);
-    KILN_CHECK(results.size() == reqs.size(), "grpo: the reward returned ", results.size(), " results for ",
-               reqs.size(), " samples");
-    return finish_rewards(b, std::move(trajs), reqs, results, lengths, reward->stats() - before, m);
+    p.results = reward->score(p.reqs);
+    KILN_CHECK(p.results.size() == p.reqs.size(), "grpo: the reward returned ", p.results.size(), " results for ",
+               p.reqs.size(), " samples");
+    p.worker = reward->stats() - before;
   }
 
   // Episodes (grpo.environment) as trajectories: the ids the model saw, observation tokens out of
   // the loss, the environment's last reward.
-  std::vector<Trajectory> reward_episodes(const Batch& b, const std::vector<std::vector<Episode>>& eps,
-                                          const RewardStats& worker, StepMetrics& m) {
-    std::vector<Trajectory> trajs;
-    std::vector<RewardRequest> reqs;
-    std::vector<double> lengths;
-    double turns = 0, observed = 0;
+  void collect_episodes(const Batch& b, const std::vector<std::vector<Episode>>& eps, Produced& p) {
     for (size_t i = 0; i < eps.size(); ++i)
       for (const Episode& e : eps[i]) {
         Trajectory t;
@@ -480,25 +629,20 @@ struct GrpoTrainer::Impl {
         t.sampled = e.sampled;
         t.routing = e.routing;
         t.in_loss = !(cfg.mask_truncated && e.truncated);
-        trajs.push_back(std::move(t));
+        p.trajs.push_back(std::move(t));
         RewardRequest r;  // what the sample dump and the metrics read
-        r.id = int64_t(reqs.size());
+        r.id = int64_t(p.reqs.size());
         r.prompt = b.prompts[i].prompt_text;
         r.response = tok->decode(e.response);
         r.label = b.prompts[i].label;
         r.data_source = b.prompts[i].data_source;
         r.truncated = e.truncated;
-        reqs.push_back(std::move(r));
-        lengths.push_back(double(e.sampled_tokens));
-        turns += double(e.turns.size());
-        observed += double(int64_t(e.response.size()) - e.sampled_tokens);
+        p.reqs.push_back(std::move(r));
+        p.lengths.push_back(double(e.sampled_tokens));
+        p.turns += double(e.turns.size());
+        p.observed += double(int64_t(e.response.size()) - e.sampled_tokens);
       }
-    at::Tensor sums = at::tensor({turns, observed}, at::kDouble);
-    group.all_reduce(sums);
-    const double count = double(b.total * cfg.samples_per_prompt);
-    m.episode_turns = sums[0].item<double>() / count;
-    m.observation_tokens = sums[1].item<double>() / count;
-    return finish_rewards(b, std::move(trajs), reqs, episode_results(eps), lengths, worker, m);
+    p.results = episode_results(eps);
   }
 
   static std::vector<RewardResult> episode_results(const std::vector<std::vector<Episode>>& eps) {
@@ -515,11 +659,23 @@ struct GrpoTrainer::Impl {
     return out;
   }
 
-  // Reward metrics (global) and group advantages of a batch's trajectories and their results.
-  std::vector<Trajectory> finish_rewards(const Batch& b, std::vector<Trajectory> trajs,
-                                         const std::vector<RewardRequest>& reqs,
-                                         const std::vector<RewardResult>& results, const std::vector<double>& lengths,
-                                         const RewardStats& worker, StepMetrics& m) {
+  // Reward metrics (global: collective) and group advantages of a produced batch.
+  std::vector<Trajectory> finish_rewards(Produced p, StepMetrics& m) {
+    const Batch& b = p.batch;
+    std::vector<Trajectory>& trajs = p.trajs;
+    const std::vector<RewardRequest>& reqs = p.reqs;
+    const std::vector<RewardResult>& results = p.results;
+    const std::vector<double>& lengths = p.lengths;
+    const RewardStats& worker = p.worker;
+    m.rollout_seconds = p.rollout_seconds;
+    m.reward_seconds = p.reward_seconds;
+    if (env) {
+      at::Tensor sums = at::tensor({p.turns, p.observed}, at::kDouble);
+      group.all_reduce(sums);
+      const double count = double(b.total * cfg.samples_per_prompt);
+      m.episode_turns = sums[0].item<double>() / count;
+      m.observation_tokens = sums[1].item<double>() / count;
+    }
     double truncated = 0;
     for (const RewardRequest& r : reqs) truncated += r.truncated ? 1 : 0;
     std::vector<double> rewards, correct;
@@ -593,7 +749,7 @@ struct GrpoTrainer::Impl {
     m.response_length_min = -mm[0].item<double>();
     m.response_length_max = mm[1].item<double>();
     for (const auto& [name, sc] : all_reduce_keyed(group, parts)) m.reward_components[name] = sc[0] / std::max(sc[1], 1.0);
-    return trajs;
+    return std::move(trajs);
   }
 
   RewardRequest reward_request(const Example& ex, const rollout::Sample& s, int64_t id) const {
@@ -762,7 +918,13 @@ struct GrpoTrainer::Impl {
   // 6. The weight sync to the rollout engine, timed: adapters only (LoRA); or every weight, where a
   // sharded engine shares the trained tensors and a replica under expert parallelism gathers every
   // rank's experts. Then the probe check.
+  // Under grpo.async the producer is paused between batches for it, once the batches that need the
+  // weights before this update are out.
   void sync_rollout(StepMetrics& m) {
+    with_producer_paused(steps + std::max<int64_t>(0, cfg.async_staleness), [&] { sync_engine(m); });
+  }
+
+  void sync_engine(StepMetrics& m) {
 #if KILN_WITH_CUDA
     if (policy.device().is_cuda()) c10::cuda::device_synchronize();  // the optimizer's kernels are not the sync's
 #endif
@@ -830,6 +992,12 @@ struct GrpoTrainer::Impl {
   // Held-out evaluation: each rank samples and scores its share of the prompts; the scores are
   // gathered per data_source.
   EvalMetrics evaluate(const EvalConfig& ec) {
+    EvalMetrics em;
+    with_producer_paused(0, [&] { em = evaluate_now(ec); });
+    return em;
+  }
+
+  EvalMetrics evaluate_now(const EvalConfig& ec) {
     ec.validate();
     EvalMetrics em;
     em.step = steps;
@@ -956,7 +1124,7 @@ void GrpoTrainer::save(const std::string& dir) const {
   // state.json last: it marks the checkpoint complete; the old one goes only once the new one is in place.
   if (g.rank() == 0) {
     ck.write_marker(nlohmann::json{{"step", impl_->steps},
-                                   {"data_position", impl_->stream.position()},
+                                   {"data_position", impl_->data_position()},
                                    {"seed", impl_->cfg.seed},
                                    {"world", g.size()},
                                    {"ep", impl_->cfg.parallel.ep},
@@ -970,6 +1138,7 @@ void GrpoTrainer::save(const std::string& dir) const {
 }
 
 void GrpoTrainer::load(const std::string& dir) {
+  impl_->stop_producer();  // its batches were drawn from the old position with the old weights
   // Whatever interrupted the last save, the newest complete checkpoint is put in place first.
   int64_t found = 0;
   if (impl_->group.rank() == 0) found = CheckpointDir(dir).recover();
@@ -1064,6 +1233,7 @@ void GrpoTrainer::load(const std::string& dir) {
   if (impl_->lora())
     impl_->engine->update_adapters(model::lora_parameters(impl_->cfg.parallel.sharded_rollout() ? impl_->trained()
                                                                                                   : impl_->policy));
+  impl_->version_base = impl_->steps - impl_->engine->weight_version();
 }
 
 GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,

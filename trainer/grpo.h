@@ -48,6 +48,13 @@ struct GrpoConfig {
   // Data parallel only (expert parallelism needs equal counts per rank).
   bool dynamic_sampling = false;
   int64_t max_sampling_rounds = 2;
+  // Asynchronous GRPO (grpo.async.max_staleness = k; -1: off, the synchronous step). A producer
+  // thread rolls out and rewards batch i with the weights of update max(0, i - 1 - k) while the
+  // trainer trains the batches before it: every batch is exactly min(i - 1, k) updates stale, the
+  // same whatever the timing, and the loss corrects for it through the rollout's log-probs (loss.tis,
+  // loss.mis). k = 0 runs the thread but stays on-policy (bitwise the synchronous run). Weights
+  // reach the engine between the producer's batches.
+  int64_t async_staleness = -1;
   PolicyLossConfig loss;
   RewardSpec reward;                // how responses are scored (trainer/rewards.h)
   // Multi-turn (trainer/environment.h): when its command is set, every sample is an episode whose
@@ -118,6 +125,8 @@ struct StepMetrics {
   int64_t sampling_rounds = 1, groups_trained = 0, groups_dropped = 0;
   double mis_masked_fraction = 0;         // response tokens masked importance sampling dropped (loss.mis)
   double zero_variance_groups = 0;        // fraction of prompts whose samples all got one reward
+  int64_t staleness = -1;                 // grpo.async: updates between the batch's weights and the trained ones (-1: off)
+  double async_wait_seconds = 0;          // grpo.async: how long the trainer waited for the batch
   double episode_turns = 0;               // multi-turn: mean sampled turns per episode (0: single-turn)
   double observation_tokens = 0;          // multi-turn: mean tokens the environment appended per episode
   std::map<std::string, double> reward_components;  // mean of each named part of the reward

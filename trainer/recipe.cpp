@@ -360,6 +360,12 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     s.get("mask_truncated", g.mask_truncated);
     s.get("dynamic_sampling", g.dynamic_sampling);
     s.get("max_sampling_rounds", g.max_sampling_rounds);
+    if (s.has("async")) {  // asynchronous GRPO with bounded staleness
+      auto a = s.child("async");
+      a.require("max_staleness", g.async_staleness);
+      a.finish();
+      if (g.async_staleness < 0) a.fail("max_staleness", "must be >= 0 (leave async out for the synchronous step)");
+    }
     s.get("routing_replay", g.routing_replay);
     s.get("mismatch_ab", g.mismatch_ab);
     s.get("fused_kernels", g.fused_kernels);
@@ -579,7 +585,11 @@ std::string Recipe::to_yaml() const {
     << YAML::Value << g.dynamic_sampling << YAML::Key << "max_sampling_rounds" << YAML::Value << g.max_sampling_rounds
     << YAML::Key << "routing_replay"
     << YAML::Value << g.routing_replay << YAML::Key << "mismatch_ab" << YAML::Value << g.mismatch_ab << YAML::Key << "fused_kernels" << YAML::Value
-    << g.fused_kernels << YAML::Key << "recompute" << YAML::Value << g.recompute << YAML::EndMap;
+    << g.fused_kernels << YAML::Key << "recompute" << YAML::Value << g.recompute;
+  if (g.async_staleness >= 0)
+    e << YAML::Key << "async" << YAML::Value << YAML::BeginMap << YAML::Key << "max_staleness" << YAML::Value
+      << g.async_staleness << YAML::EndMap;
+  e << YAML::EndMap;
   e << YAML::Key << "loss" << YAML::Value << YAML::BeginMap << YAML::Key << "eps_low" << YAML::Value
     << g.loss.eps_low << YAML::Key << "eps_high" << YAML::Value << g.loss.eps_high << YAML::Key << "aggregation"
     << YAML::Value

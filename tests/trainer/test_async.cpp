@@ -1,0 +1,120 @@
+// Asynchronous GRPO (grpo.async): with staleness 0 the producer thread gives the synchronous run
+// bit for bit; with k > 0 every batch is exactly min(step - 1, k) updates stale, runs repeat bit
+// for bit whatever the threads' timing, and evaluation, checkpoints and resume work meanwhile.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "tests/test_util.h"
+#include "tests/trainer/grpo_fixtures.h"
+#include "tests/trainer/small_model.h"
+#include "trainer/grpo.h"
+#include "trainer/tasks.h"
+
+namespace kiln::trainer {
+namespace {
+
+GrpoConfig async_grpo(int64_t k) {
+  GrpoConfig g;
+  g.prompts_per_step = 4;
+  g.samples_per_prompt = 4;
+  g.max_tokens = 3;
+  g.optim.adamw.lr = 1e-2;
+  g.engine.kv_cache_bytes = 8 << 20;
+  g.engine.block_size = 4;
+  g.reward.type = RewardType::kRegexFormat;  // a digit anywhere: varies within groups
+  g.reward.regex_format.pattern = "(?s).*[0-9].*";
+  g.loss.tis = true;                          // off-policy batches: the rollout's log-probs correct
+  g.async_staleness = k;
+  return g;
+}
+
+const Dataset& data() {
+  static const Dataset d = split(arithmetic_problems(64, 1, 6), 0.25, 1);
+  return d;
+}
+
+struct TrainedRun {
+  std::vector<StepMetrics> steps;
+  std::vector<at::Tensor> weights;
+};
+
+TrainedRun run(const GrpoConfig& cfg, int steps) {
+  model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
+  GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data());
+  TrainedRun r;
+  for (int s = 0; s < steps; ++s) r.steps.push_back(trainer.step());
+  for (const auto& [name, t] : policy.named_parameters()) r.weights.push_back(t.detach().clone());
+  return r;
+}
+
+void expect_same(const TrainedRun& a, const TrainedRun& b, const std::string& what) {
+  ASSERT_EQ(a.steps.size(), b.steps.size());
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    EXPECT_EQ(a.steps[i].reward, b.steps[i].reward) << what << " step " << i + 1;
+    EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << what << " step " << i + 1;
+    EXPECT_EQ(a.steps[i].grad_norm, b.steps[i].grad_norm) << what << " step " << i + 1;
+  }
+  for (size_t i = 0; i < a.weights.size(); ++i) EXPECT_TRUE(at::equal(a.weights[i], b.weights[i])) << what;
+}
+
+TEST(GrpoAsync, StalenessZeroIsTheSynchronousRunBitwise) {
+  const TrainedRun sync = run(async_grpo(-1), 3), threaded = run(async_grpo(0), 3);
+  expect_same(sync, threaded, "k = 0");
+  for (const StepMetrics& m : threaded.steps) {
+    EXPECT_EQ(m.staleness, 0) << m.to_json();
+    EXPECT_NE(m.to_json().find("\"async\":{\"staleness\":0"), std::string::npos);
+  }
+  EXPECT_EQ(sync.steps[0].staleness, -1);
+  EXPECT_EQ(sync.steps[0].to_json().find("\"async\""), std::string::npos);
+}
+
+TEST(GrpoAsync, BatchesAreExactlyKStaleAndRunsRepeat) {
+  for (int64_t k : {1, 2}) {
+    const TrainedRun a = run(async_grpo(k), 5), b = run(async_grpo(k), 5);
+    for (size_t i = 0; i < a.steps.size(); ++i) {
+      EXPECT_EQ(a.steps[i].staleness, std::min<int64_t>(int64_t(i), k)) << a.steps[i].to_json();
+      EXPECT_TRUE(std::isfinite(a.steps[i].loss) && std::isfinite(a.steps[i].grad_norm)) << a.steps[i].to_json();
+    }
+    expect_same(a, b, "k = " + std::to_string(k) + ", two runs");
+  }
+  // Stale batches train on other weights than the synchronous run's.
+  const TrainedRun sync = run(async_grpo(-1), 3), stale = run(async_grpo(1), 3);
+  EXPECT_EQ(sync.steps[0].loss, stale.steps[0].loss);  // step 1 is fresh either way
+  EXPECT_NE(sync.steps[2].reward + sync.steps[2].loss, stale.steps[2].reward + stale.steps[2].loss);
+}
+
+TEST(GrpoAsync, EvaluationCheckpointAndResumeWhileTheProducerRuns) {
+  const test::TempDir tmp;
+  const std::string dir = tmp.path();
+  GrpoConfig cfg = async_grpo(1);
+  model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
+  std::vector<StepMetrics> later;
+  {
+    GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data());
+    trainer.step();
+    const EvalMetrics e = trainer.evaluate(test::eval_limit(4));  // pauses the producer, runs the engine
+    EXPECT_EQ(e.all.prompts, 4);
+    trainer.step();
+    trainer.save(dir + "/ckpt");
+  }  // the destructor stops the producer mid-batch or between batches
+  model::Muse resumed = model::Muse::init(test::byte_vocab_config(), 9, at::kFloat, at::kCPU);
+  GrpoTrainer again(resumed, cfg, test::byte_tokenizer(), data());
+  again.load(dir + "/ckpt");
+  EXPECT_EQ(again.steps_done(), 2);
+  for (int s = 0; s < 2; ++s) {
+    const StepMetrics m = again.step();
+    EXPECT_EQ(m.step, 3 + s);
+    EXPECT_EQ(m.staleness, s == 0 ? 0 : 1) << m.to_json();  // the resumed producer starts from the loaded weights
+    EXPECT_TRUE(std::isfinite(m.loss));
+  }
+  GrpoConfig bad = async_grpo(1);
+  bad.dynamic_sampling = true;
+  EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"dynamic_sampling", "async"}));
+  bad = async_grpo(-2);
+  EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"async.max_staleness must be >= 0"}));
+}
+
+}  // namespace
+}  // namespace kiln::trainer
