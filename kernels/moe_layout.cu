@@ -1,6 +1,7 @@
 // MoE layout kernels, one block each. Counts slots per expert with shared-memory atomics, scans the
-// padded and unpadded segment starts in one warp, then places every sorted slot. The first also
-// sorts the slots by expert (cub's block radix sort, stable); the second takes a sort already made.
+// padded and unpadded segment starts in one warp, then places every slot in a stable order by
+// expert: up to 256 experts by ranking each slot among its warp's (no sort), up to 1024 through
+// cub's block radix sort (stable), and beyond, from a sort the caller made.
 // Integer work only, so the result is exact and deterministic.
 #include <cub/block/block_radix_sort.cuh>
 
@@ -78,6 +79,56 @@ __global__ void __launch_bounds__(Threads)
   }
 }
 
+// Up to kMatchExperts experts, a stable rank without a sort: chunks of 1024 slots (one per
+// thread); a slot's rank among its expert's slots is its rank within its warp's matching lanes
+// (__match_any_sync) plus the counts of the warps before it in this chunk and of earlier chunks.
+constexpr int kMatchThreads = 1024, kMatchWarps = kMatchThreads / 32, kMatchExperts = 256;
+
+__global__ void __launch_bounds__(kMatchThreads)
+    moe_layout_match_kernel(const int64_t* __restrict__ ids, int n, int E, int top_k, int align, MoeSegmentsOut seg,
+                            int64_t* order, int64_t* dest, int64_t* src_token, int64_t* slot_row) {
+  __shared__ int count[kMatchExperts], start[kMatchExperts], pad_start[kMatchExperts], before[kMatchExperts];
+  __shared__ int warp_count[kMatchWarps][kMatchExperts];  // this chunk's slots per (warp, expert), then their prefix
+  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  for (int e = tid; e < E; e += kMatchThreads) count[e] = 0, before[e] = 0;
+  __syncthreads();
+  for (int r = tid; r < n; r += kMatchThreads) atomicAdd(&count[ids[r]], 1);
+  __syncthreads();
+  scan_segments(count, start, pad_start, E, align);
+  __syncthreads();
+  write_segments(count, pad_start, E, align, int64_t(n) + int64_t(E) * (align - 1), seg);
+  const unsigned below = (1u << lane) - 1u;
+  for (int c0 = 0; c0 < n; c0 += kMatchThreads) {
+    for (int i = tid; i < kMatchWarps * E; i += kMatchThreads) warp_count[i / E][i % E] = 0;
+    __syncthreads();
+    const int r = c0 + tid;
+    const int e = r < n ? int(ids[r]) : -1;
+    const unsigned peers = __match_any_sync(~0u, e);
+    const int rank_in_warp = __popc(peers & below);
+    if (e >= 0 && rank_in_warp == 0) warp_count[warp][e] = __popc(peers);
+    __syncthreads();
+    for (int x = tid; x < E; x += kMatchThreads) {  // prefix over warps, carried across chunks
+      int run = before[x];
+      for (int w = 0; w < kMatchWarps; ++w) {
+        const int c = warp_count[w][x];
+        warp_count[w][x] = run;
+        run += c;
+      }
+      before[x] = run;
+    }
+    __syncthreads();
+    if (e >= 0) {
+      const int rank = warp_count[warp][e] + rank_in_warp;  // among expert e's slots, in slot order
+      const int64_t p = start[e] + rank, d = pad_start[e] + rank;
+      order[p] = r;
+      dest[p] = d;
+      src_token[p] = r / top_k;
+      slot_row[r] = d;
+    }
+    __syncthreads();  // warp_count is zeroed again for the next chunk
+  }
+}
+
 constexpr int kSortedThreads = 1024;
 
 __global__ void __launch_bounds__(kSortedThreads)
@@ -110,6 +161,10 @@ cudaError_t launch_moe_layout(const int64_t* ids, int64_t n, int64_t num_experts
                               cudaStream_t stream) {
   if (num_experts < 1 || num_experts > kMoeLayoutSortExperts || n > kMoeLayoutSortRows) return cudaErrorInvalidValue;
   const int N = int(n), E = int(num_experts), k = int(top_k), a = int(align);
+  if (E <= kMatchExperts) {
+    moe_layout_match_kernel<<<1, kMatchThreads, 0, stream>>>(ids, N, E, k, a, seg, order, dest, src_token, slot_row);
+    return cudaGetLastError();
+  }
   if (n <= 512)
     moe_layout_sort_kernel<128, 4><<<1, 128, 0, stream>>>(ids, N, E, k, a, seg, order, dest, src_token, slot_row);
   else

@@ -70,14 +70,23 @@ echo "built in $(( $(date +%s) - start )) s"
 tmp=$(mktemp -d)
 if want cudatests && ! want tests; then  # the cuda tests alone (a kernel change, a short call)
 step "ctest -L cuda"
+if [ -n "${KILN_CUDA_FILTER:-}" ]; then  # a gtest filter over kiln_test_cuda instead of every cuda test
+  ./build-gpu/tests/kiln_test_cuda --gtest_filter="$KILN_CUDA_FILTER" > "$tmp/ctest-cuda.log" 2>&1
+  grep -E "^\[  (PASSED|FAILED) |OK \]" "$tmp/ctest-cuda.log" | tee -a "$out/tests.log"
+else
 (cd build-gpu && ctest -L cuda --output-on-failure > "$tmp/ctest-cuda.log" 2>&1)
+fi
 grep -E "\*\*\*Failed|Failure|Expected|Which is|elements differ" "$tmp/ctest-cuda.log" | head -100 | tee -a "$out/tests.log"
 grep -E "tests passed|^\s+[0-9]+ - " "$tmp/ctest-cuda.log" | tee -a "$out/tests.log"
 fi
 if want mpi; then  # the CPU-rank MPI tests of this build, whole output (a crash prints its backtrace)
 step "mpi tests at 2 ranks"
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 300 \
-  mpiexec --oversubscribe -np 2 ./build-gpu/tests/kiln_test_dist 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -80 | tee -a "$out/mpi.txt"
+  mpiexec --oversubscribe -np 2 ./build-gpu/tests/kiln_test_dist 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -80 | tee "$tmp/mpi.log" | tee -a "$out/mpi.txt"
+# A crash names offsets into the binary: their source lines.
+for off in $(grep -oE "kiln_test_dist\+0x[0-9a-f]+|kiln_test_dist\(\+0x[0-9a-f]+" "$tmp/mpi.log" | grep -oE "0x[0-9a-f]+" | sort -u); do
+  echo "$off: $(addr2line -f -C -i -e ./build-gpu/tests/kiln_test_dist "$off" | tr '\n' ' ')" | tee -a "$out/mpi.txt"
+done
 fi
 if want tests; then
 step "ctest -L cuda"

@@ -140,10 +140,10 @@ TEST(CudaAddRmsNorm, EqualsTheCompositionBitwise) {
 
 TEST(CudaMoeLayout, EqualsReferenceExactly) {
   at::manual_seed(4);
-  // Slot counts on both sides of the one-kernel sort's sizes (512, 4096 slots) and expert counts on
-  // both sides of its table (1024): the sort-and-place kernel and the sort-then-place path.
+  // Slot counts on both sides of the one-kernel layouts' sizes (512, 4096 slots) and expert counts
+  // on both sides of their tables (256: ranking within warps; 1024: cub's sort; above, a sort first).
   for (int64_t tokens : {1, 19, 64, 111, 512, 4097}) {
-    for (auto [E, k] : std::vector<std::pair<int64_t, int64_t>>{{8, 2}, {64, 8}, {256, 8}, {1, 1}, {2048, 2}}) {
+    for (auto [E, k] : std::vector<std::pair<int64_t, int64_t>>{{8, 2}, {64, 8}, {256, 8}, {1, 1}, {512, 4}, {2048, 2}}) {
       // Skewed routing: a few experts take most slots, many stay empty.
       at::Tensor flat = (at::rand({tokens * k}).pow(3) * double(E)).to(at::kLong).clamp_max(E - 1).cuda();
       kernels::MoeLayout a = kernels::moe_layout_cuda(flat, E, k, 16);

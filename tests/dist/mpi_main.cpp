@@ -3,11 +3,15 @@
 // escapes a test body ends the whole job at once: the other ranks would otherwise wait in their
 // next collective until ctest's timeout. A crash prints its rank and a symbolised backtrace
 // (the binary exports its symbols), since the machines that run these may have no debugger.
+#include <dlfcn.h>
 #include <execinfo.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <ucontext.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -34,12 +38,26 @@ class AbortOnEscapedException : public ::testing::EmptyTestEventListener {
 
 int crash_rank = -1;
 
-// Async-signal-safe enough for a dying process: formatted into a stack buffer, written with write(2).
-void on_crash(int sig) {
-  char head[128];
-  const int len = std::snprintf(head, sizeof head, "rank %d: fatal signal %d (%s); backtrace:\n", crash_rank, sig,
-                                sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : sig == SIGFPE ? "SIGFPE" : "SIGABRT");
-  if (len > 0) (void)!write(STDERR_FILENO, head, size_t(len));
+// Async-signal-safe enough for a dying process: formatted into a stack buffer, written with
+// write(2). The faulting instruction comes from the signal's context (an unwinder may not get past
+// the signal frame), named through dladdr, then whatever backtrace() finds.
+void on_crash(int sig, siginfo_t* info, void* context) {
+  char line[512];
+  void* pc = nullptr;
+#if defined(__x86_64__)
+  pc = reinterpret_cast<void*>(static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_RIP]);
+#else
+  (void)context;
+#endif
+  Dl_info where{};
+  const bool named = pc != nullptr && dladdr(pc, &where) != 0;
+  const uintptr_t base = named ? reinterpret_cast<uintptr_t>(where.dli_fbase) : 0;
+  int len = std::snprintf(line, sizeof line,
+                          "rank %d: fatal signal %d at address %p; faulting instruction %p = %s+0x%zx (%s)\n", crash_rank,
+                          sig, info ? info->si_addr : nullptr, pc, named && where.dli_fname ? where.dli_fname : "?",
+                          size_t(reinterpret_cast<uintptr_t>(pc) - base),
+                          named && where.dli_sname ? where.dli_sname : "no symbol");
+  if (len > 0) (void)!write(STDERR_FILENO, line, size_t(std::min<int>(len, int(sizeof line) - 1)));
   void* frames[64];
   backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
   signal(sig, SIG_DFL);
@@ -52,7 +70,10 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   kiln::comm::init(&argc, &argv);
   crash_rank = kiln::comm::Group::world().rank();
-  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGABRT}) signal(sig, on_crash);  // after MPI's own handlers
+  struct sigaction action {};
+  action.sa_sigaction = on_crash;
+  action.sa_flags = SA_SIGINFO;
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGABRT}) sigaction(sig, &action, nullptr);  // after MPI's own handlers
   auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
   if (kiln::comm::Group::world().rank() != 0) delete listeners.Release(listeners.default_result_printer());
   listeners.Append(new AbortOnEscapedException);
