@@ -83,9 +83,10 @@ if want mpi; then  # the CPU-rank MPI tests of this build, whole output (a crash
 step "mpi tests at 2 ranks"
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 300 \
   mpiexec --oversubscribe -np 2 ./build-gpu/tests/kiln_test_dist 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -80 | tee "$tmp/mpi.log" | tee -a "$out/mpi.txt"
-# A crash names offsets into the binary: their source lines.
-for off in $(grep -oE "kiln_test_dist\+0x[0-9a-f]+|kiln_test_dist\(\+0x[0-9a-f]+" "$tmp/mpi.log" | grep -oE "0x[0-9a-f]+" | sort -u); do
-  echo "$off: $(addr2line -f -C -i -e ./build-gpu/tests/kiln_test_dist "$off" | tr '\n' ' ')" | tee -a "$out/mpi.txt"
+# A crash names offsets into files (the test binary, libtorch, ...): their functions.
+for at in $(grep -oE "[^ (]+(\(|)\+0x[0-9a-f]+" "$tmp/mpi.log" | tr -d '(' | sort -u); do
+  file="${at%+0x*}"; off="0x${at##*+0x}"
+  [ -f "$file" ] && echo "$at: $(addr2line -f -C -i -e "$file" "$off" | tr '\n' ' ')" | tee -a "$out/mpi.txt"
 done
 fi
 if want tests; then

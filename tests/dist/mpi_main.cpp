@@ -44,20 +44,30 @@ int crash_rank = -1;
 void on_crash(int sig, siginfo_t* info, void* context) {
   char line[512];
   void* pc = nullptr;
+  void* caller = nullptr;
 #if defined(__x86_64__)
-  pc = reinterpret_cast<void*>(static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_RIP]);
+  const auto& regs = static_cast<ucontext_t*>(context)->uc_mcontext.gregs;
+  pc = reinterpret_cast<void*>(regs[REG_RIP]);
+  // A call through a null pointer faults at address 0 with the return address on top of the stack.
+  if (pc == nullptr) caller = *reinterpret_cast<void* const*>(regs[REG_RSP]);
 #else
   (void)context;
 #endif
-  Dl_info where{};
-  const bool named = pc != nullptr && dladdr(pc, &where) != 0;
-  const uintptr_t base = named ? reinterpret_cast<uintptr_t>(where.dli_fbase) : 0;
-  int len = std::snprintf(line, sizeof line,
-                          "rank %d: fatal signal %d at address %p; faulting instruction %p = %s+0x%zx (%s)\n", crash_rank,
-                          sig, info ? info->si_addr : nullptr, pc, named && where.dli_fname ? where.dli_fname : "?",
-                          size_t(reinterpret_cast<uintptr_t>(pc) - base),
-                          named && where.dli_sname ? where.dli_sname : "no symbol");
-  if (len > 0) (void)!write(STDERR_FILENO, line, size_t(std::min<int>(len, int(sizeof line) - 1)));
+  const auto say = [&](const char* what, void* at) {
+    Dl_info where{};
+    const bool named = at != nullptr && dladdr(at, &where) != 0;
+    const uintptr_t base = named ? reinterpret_cast<uintptr_t>(where.dli_fbase) : 0;
+    const int len = std::snprintf(line, sizeof line, "rank %d: %s %p = %s+0x%zx (%s)\n", crash_rank, what, at,
+                                  named && where.dli_fname ? where.dli_fname : "?",
+                                  size_t(reinterpret_cast<uintptr_t>(at) - base),
+                                  named && where.dli_sname ? where.dli_sname : "no symbol");
+    if (len > 0) (void)!write(STDERR_FILENO, line, size_t(std::min<int>(len, int(sizeof line) - 1)));
+  };
+  const int len = std::snprintf(line, sizeof line, "rank %d: fatal signal %d at address %p\n", crash_rank, sig,
+                                info ? info->si_addr : nullptr);
+  if (len > 0) (void)!write(STDERR_FILENO, line, size_t(len));
+  say("faulting instruction", pc);
+  if (caller != nullptr) say("called from (a null function pointer)", caller);
   void* frames[64];
   backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
   signal(sig, SIG_DFL);
