@@ -10,7 +10,8 @@
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
 # cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt);
-# async the synchronous GRPO step against grpo.async (async.txt).
+# async the synchronous GRPO step against grpo.async (async.txt); long (long responses, long.txt)
+# and tool (the multi-turn calculator recipe on muse-small, tool.txt).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -290,6 +291,50 @@ print("  reward per step:   ", [round(r["reward"], 3) for r in rows])
 PY
 done
 fi  # async
+if want long; then
+# Issue 23: long responses. muse-small GRPO whose samples run to max_tokens (a random init rarely
+# stops), 4 prompts x 4 samples, activations recomputed in the backward; per length: the step's
+# phases, peak memory, the engine's preemptions and KV-cache peak.
+for n in ${KILN_LONG_TOKENS:-8192 32768}; do
+  step "long responses: $n tokens"
+  sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: 4/" \
+      -e "s/^  samples_per_prompt: .*/  samples_per_prompt: 4/" -e "s/^  max_tokens: .*/  max_tokens: $n/" \
+      -e "s/^  mismatch_ab: .*/  mismatch_ab: false\n  recompute: true/" -e "s/^  micro_batch_seqs: .*/  micro_batch_seqs: 1/" \
+      -e "s/^  kv_cache_mb: .*/  kv_cache_mb: ${KILN_LONG_KV_MB:-8192}/" -e "s/^  max_num_seqs: .*/  max_num_seqs: 16/" \
+      -e "s/^  every: .*/  every: 1000/" -e "s/^  steps: .*/  steps: 2/" recipes/grpo-arith-small-gpu.yaml > "$tmp/long-$n.yaml"
+  ./build-gpu/kiln train "$tmp/long-$n.yaml" --out "$tmp/long-$n" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2 | tee -a "$out/long.txt"
+  python3 - "$tmp/long-$n/metrics.jsonl" "$n" <<'PY' 2>&1 | tee -a "$out/long.txt"
+import sys, json
+for r in (json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l):
+    e = r.get("rollout_engine", {})
+    print(f"max_tokens {sys.argv[2]} step {r['step']}: {r['step_seconds']:.1f} s (rollout {r['rollout_seconds']:.1f}, "
+          f"lp_old {r['lp_old_seconds']:.1f}, train {r['train_seconds']:.1f}), {r['tokens']} tokens, mean response "
+          f"{r['response_length']:.0f}, truncated {r['truncated_fraction']:.2f}, peak memory {r['peak_memory_gb']:.1f} GB, "
+          f"preemptions {e.get('preemptions')}, KV peak {e.get('kv_peak', 0):.2f}, mismatch {r['mismatch']['mean_abs_token']:.2e}")
+PY
+done
+fi  # long
+if want tool; then
+# Issue 23: the multi-turn tool recipe learns on the GPU. muse-small gets the demo's SFT warm start
+# (direct answers), then 50 GRPO steps of episodes with the calculator environment.
+step "tool: muse-small SFT warm start, then ${KILN_TOOL_STEPS:-50} multi-turn GRPO steps"
+sed -e "s|config: ../configs/muse-tiny.yaml|config: $PWD/configs/muse-small.yaml|" -e "s/^  dtype: fp32/  dtype: bf16\n  device: cuda/" \
+    -e "s/^  steps: 160 .*/  steps: ${KILN_SFT_STEPS:-300}/" -e "s/^  steps: 100/  steps: ${KILN_TOOL_STEPS:-50}/" \
+    -e "s/^  lr: 0.0004 .*/  lr: 1.0e-5/" -e "s/^  lr: 0.003 .*/  lr: 0.001/" -e "s/^  kv_cache_mb: .*/  kv_cache_mb: 2048/" \
+    -e "s/^  every: 25/  every: 10/" -e "s|python3, calculator_env.py|python3, $PWD/recipes/calculator_env.py|" \
+    recipes/grpo-tool-tiny.yaml > "$tmp/tool.yaml"
+./build-gpu/kiln sft "$tmp/tool.yaml" --out "$tmp/tool" 2>&1 | tr '\r' '\n' | grep -v "^sft [0-9]" | tail -2 | tee -a "$out/tool.txt"
+./build-gpu/kiln train "$tmp/tool.yaml" --init-from "$tmp/tool/sft" --out "$tmp/tool" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2 | tee -a "$out/tool.txt"
+python3 - "$tmp/tool/metrics.jsonl" <<'PY' 2>&1 | tee -a "$out/tool.txt"
+import sys, json
+rows = [json.loads(l) for l in open(sys.argv[1])]
+steps = [r for r in rows if '"step_seconds"' in json.dumps(r)]
+print("reward per step:", [round(r["reward"], 3) for r in steps])
+print("turns per episode:", [round(r.get("episodes", {}).get("turns", 0), 2) for r in steps])
+print("tool calls per episode:", [round(r.get("reward_components", {}).get("tool_calls", 0), 2) for r in steps])
+print("held-out mean@1:", [(r["step"], round(r["eval"]["mean_at_k"], 3)) for r in rows if "eval" in r])
+PY
+fi  # tool
 if want mismatch; then
 # Issues 20 and 22: the train-vs-rollout gap of a trained model, not of a random init. muse-small
 # gets a short SFT on two-digit addition (KILN_SFT_STEPS, default 300), then `kiln mismatch` samples

@@ -177,6 +177,7 @@ std::string StepMetrics::to_json() const {
                              {"groups_dropped", groups_dropped}};
   if (mis_masked_fraction != 0) j["mis_masked_fraction"] = mis_masked_fraction;
   j["zero_variance_groups"] = zero_variance_groups;
+  j["rollout_engine"] = {{"preemptions", preemptions}, {"kv_peak", kv_peak}};
   if (staleness >= 0) j["async"] = {{"staleness", staleness}, {"wait_seconds", async_wait_seconds}};
   if (episode_turns > 0) j["episodes"] = {{"turns", episode_turns}, {"observation_tokens", observation_tokens}};
   if (!reward_components.empty()) j["reward_components"] = reward_components;
@@ -422,11 +423,24 @@ struct GrpoTrainer::Impl {
     RewardStats worker;                 // the reward's or environment's counters over this batch
     double rollout_seconds = 0, reward_seconds = 0;
     double turns = 0, observed = 0;     // episodes: sums of turns and observation tokens
+    int64_t preemptions = 0;            // the engine's preemptions while sampling it
+    double kv_peak = 0;                 // the fullest KV pool's peak use after it (fraction)
     int64_t version = 0;                // the engine's weight version it was sampled with
     uint64_t data_position = 0;         // the data stream's position before its prompts (async)
   };
 
   Produced produce(const Batch& b, int64_t round) {
+    const int64_t preempted = engine->stats().preemptions;
+    Produced p = produce_rollout(b, round);
+    const rollout::EngineStats after = engine->stats();
+    p.preemptions = after.preemptions - preempted;
+    auto fraction = [](int64_t used, int64_t total) { return total > 0 ? double(used) / double(total) : 0.0; };
+    p.kv_peak = std::max(fraction(after.peak_full_blocks, after.full_blocks_total),
+                         fraction(after.peak_window_blocks, after.window_blocks_total));
+    return p;
+  }
+
+  Produced produce_rollout(const Batch& b, int64_t round) {
     Produced p;
     p.batch = b;
     p.version = weight_version();
@@ -669,6 +683,12 @@ struct GrpoTrainer::Impl {
     const RewardStats& worker = p.worker;
     m.rollout_seconds = p.rollout_seconds;
     m.reward_seconds = p.reward_seconds;
+    {
+      at::Tensor engine_sums = at::tensor({double(p.preemptions)}, at::kDouble);
+      group.all_reduce(engine_sums);
+      m.preemptions = int64_t(engine_sums.item<double>());
+      m.kv_peak = group.all_reduce(p.kv_peak, comm::ReduceOp::kMax);
+    }
     if (env) {
       at::Tensor sums = at::tensor({p.turns, p.observed}, at::kDouble);
       group.all_reduce(sums);

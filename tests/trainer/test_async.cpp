@@ -1,6 +1,7 @@
 // Asynchronous GRPO (grpo.async): with staleness 0 the producer thread gives the synchronous run
 // bit for bit; with k > 0 every batch is exactly min(step - 1, k) updates stale, runs repeat bit
-// for bit whatever the threads' timing, and evaluation, checkpoints and resume work meanwhile.
+// for bit whatever the threads' timing, and evaluation, checkpoints and resume work meanwhile. And
+// the rollout engine's counters the step reports.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -114,6 +115,27 @@ TEST(GrpoAsync, EvaluationCheckpointAndResumeWhileTheProducerRuns) {
   EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"dynamic_sampling", "async"}));
   bad = async_grpo(-2);
   EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"async.max_staleness must be >= 0"}));
+}
+
+// The step reports the rollout engine's preemptions and KV-cache peak: a cache short of what the
+// step's sequences need at their full length preempts, and is nearly full at its peak.
+TEST(GrpoEngineMetrics, PreemptionsAndKvPeakAreReported) {
+  GrpoConfig cfg = async_grpo(-1);
+  cfg.max_tokens = 8;
+  cfg.engine.max_num_seqs = 16;
+  const model::ModelConfig mc = test::byte_vocab_config();
+  // Every window ring and a full-attention block per sequence, plus a third of the blocks that
+  // whole sequences would need beyond that.
+  const int64_t whole = rollout::kv_cache_bytes_for(mc, cfg.engine, 4, 8 + 8);
+  const int64_t least = rollout::kv_cache_bytes_for(mc, cfg.engine, 4, 1);
+  cfg.engine.kv_cache_bytes = least + (whole - least) / 3;
+  model::Muse policy = model::Muse::init(mc, 4, at::kFloat, at::kCPU);
+  GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data());
+  const StepMetrics m = trainer.step();
+  EXPECT_GT(m.preemptions, 0) << m.to_json();
+  EXPECT_GT(m.kv_peak, 0.5) << m.to_json();
+  EXPECT_LE(m.kv_peak, 1.0) << m.to_json();
+  EXPECT_NE(m.to_json().find("\"rollout_engine\":{\"preemptions\":"), std::string::npos);
 }
 
 }  // namespace
