@@ -88,4 +88,44 @@ at::Tensor apply_rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at:
 #endif
 }
 
+at::Tensor rope_cache_write_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                                      at::Tensor& v_cache, const at::Tensor& rows) {
+  k_cache.index_copy_(0, rows, apply_rope(k, cos, sin));
+  v_cache.index_copy_(0, rows, v);
+  return apply_rope(q, cos, sin);
+}
+
+at::Tensor rope_cache_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                            const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows) {
+  KILN_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
+                 q.size(2) == k.size(2) && q.size(2) % 2 == 0 && k_cache.dim() == 3 &&
+                 k_cache.sizes() == v_cache.sizes() && k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2) &&
+                 rows.dim() == 1 && rows.size(0) == q.size(0) && rows.scalar_type() == at::kLong,
+             "rope_cache_write: q [T, Hq, hd], k and v [T, Hkv, hd], caches [R, Hkv, hd] and rows int64 [T] (got q ",
+             q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), ", caches ", k_cache.sizes(), " and ", v_cache.sizes(),
+             ", rows ", rows.sizes(), " ", rows.scalar_type(), ")");
+#if KILN_WITH_CUDA
+  const auto dtype = q.scalar_type();
+  const bool fits = q.is_cuda() && (dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
+                    v.scalar_type() == dtype && cos.scalar_type() == dtype && sin.scalar_type() == dtype &&
+                    k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && k_cache.is_contiguous() &&
+                    v_cache.is_contiguous() && cos.dim() == 2 && cos.size(0) == q.size(0) && cos.size(1) == q.size(2) &&
+                    sin.sizes() == cos.sizes();
+  if (fits) {
+    const c10::cuda::CUDAGuard guard(q.device());
+    at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+    at::Tensor r = rows.contiguous();
+    at::Tensor out = at::empty_like(qc);
+    const cudaError_t err = launch_rope_cache_write(
+        dtype == at::kFloat ? 0 : 1, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), c.data_ptr(), s.data_ptr(),
+        r.data_ptr<int64_t>(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.size(0), q.size(1), k.size(1),
+        q.size(2), c10::cuda::getCurrentCUDAStream());
+    KILN_CHECK(err == cudaSuccess, "rope_cache_write: kernel launch failed: ", cudaGetErrorString(err));
+    return out;
+  }
+#endif
+  return rope_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, rows);
+}
+
 }  // namespace kiln::kernels

@@ -13,4 +13,14 @@ at::Tensor apply_rope_reference(const at::Tensor& x, const at::Tensor& cos, cons
 // The CUDA kernel (bitwise equal to the reference); throws in builds without CUDA.
 at::Tensor apply_rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
+// A decode step's RoPE fused with its KV-cache write: returns q rotated, and writes k rotated and v
+// into k_cache and v_cache ([R, Hkv, hd], in place) at rows [T] (int64, on their device). On CUDA
+// (fp32/bf16, contiguous caches) one kernel, bitwise the composition: apply_rope on q and k, then
+// index_copy_ of k and v. Elsewhere that composition.
+at::Tensor rope_cache_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                            const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows);
+at::Tensor rope_cache_write_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                                      at::Tensor& v_cache, const at::Tensor& rows);
+
 }  // namespace kiln::kernels

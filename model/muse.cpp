@@ -165,12 +165,14 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   at::Tensor q = project(h, lw, detail::kQProj, layer, opt).view({T, cfg.num_q_heads, hd});
   at::Tensor k = project(h, lw, detail::kKProj, layer, opt).view({T, cfg.num_kv_heads, hd});
   at::Tensor v = project(h, lw, detail::kVProj, layer, opt).view({T, cfg.num_kv_heads, hd});
+  at::Tensor o;
+  if (backend) {  // the rollout's KV cache: RoPE may be fused with its cache write
+    o = backend->attend_unrotated(layer, full, batch, q, k, v, cos, sin);
+    return project(o.reshape({T, cfg.q_size()}), lw, detail::kOProj, layer, opt);
+  }
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
-  at::Tensor o;
-  if (backend) {
-    o = backend->attend(layer, full, batch, q, k, v);
-  } else if (flash.cu_seqlens.defined()) {
+  if (flash.cu_seqlens.defined()) {
     o = kernels::flash_varlen_attention(q, k, v, flash.cu_seqlens, flash.max_len, full ? 0 : cfg.sliding_window);
   } else if (padded.num_problems > 1 && padded.score_bytes(cfg.num_q_heads) <= kPaddedScoreBytes) {
     o = padded_attention(padded, q, k, v, full, cfg.sliding_window);
@@ -581,6 +583,12 @@ std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, int64
   at::Tensor ang = positions.to(at::kDouble).unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, hd/2]
   ang = at::cat({ang, ang}, 1);
   return {ang.cos().to(dtype), ang.sin().to(dtype)};
+}
+
+at::Tensor AttentionBackend::attend_unrotated(int64_t layer, bool full, const PackedBatch& batch, const at::Tensor& q,
+                                              const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                              const at::Tensor& sin) {
+  return attend(layer, full, batch, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v);
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

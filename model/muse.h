@@ -87,6 +87,11 @@ class AttentionBackend {
   // q [T, Hq, hd], k and v [T, Hkv, hd]: the batch's new tokens, RoPE applied. Returns [T, Hq, hd].
   virtual at::Tensor attend(int64_t layer, bool full, const PackedBatch& batch, const at::Tensor& q,
                             const at::Tensor& k, const at::Tensor& v) = 0;
+  // The same before RoPE (cos, sin [T, hd]), which the forward calls: a backend may rotate q and k
+  // in the pass that writes its cache. This default rotates them and calls attend.
+  virtual at::Tensor attend_unrotated(int64_t layer, bool full, const PackedBatch& batch, const at::Tensor& q,
+                                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                      const at::Tensor& sin);
 };
 
 struct ForwardOptions {

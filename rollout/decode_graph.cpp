@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "core/error.h"
 #include "core/torch_version.h"
 #include "kernels/paged_attention.h"
+#include "kernels/rope.h"
 #include "kernels/sampling.h"
 #if KILN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -54,14 +56,33 @@ struct DecodeGraphs::Impl {
 
     at::Tensor attend(int64_t layer, bool full, const model::PackedBatch&, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v) override {
-      const KvPools& p = owner->pools;
-      const int64_t g = p.group_index[layer];
-      at::Tensor kl = (full ? p.k_full : p.k_win)[g], vl = (full ? p.v_full : p.v_win)[g];
+      auto [kl, vl] = cache(layer, full);
       const at::Tensor& rows_written = full ? write_full : write_win;
       kl.index_copy_(0, rows_written, k);  // the new key first: the kernel reads it from the cache
       vl.index_copy_(0, rows_written, v);
-      return kernels::paged_decode_attention_cuda(q, kl, vl, full ? table_full : table_ring, positions,
-                                                  p.block_size, full ? 0 : p.window, full ? 0 : p.ring);
+      return paged(full, q, kl, vl);
+    }
+
+    // RoPE of q and k and the cache write of k and v in one kernel, then the paged attention.
+    at::Tensor attend_unrotated(int64_t layer, bool full, const model::PackedBatch& batch, const at::Tensor& q,
+                                const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                const at::Tensor& sin) override {
+      if (!owner->fuse_rope_cache) return model::AttentionBackend::attend_unrotated(layer, full, batch, q, k, v, cos, sin);
+      auto [kl, vl] = cache(layer, full);
+      at::Tensor qr = kernels::rope_cache_write(q, k, v, cos, sin, kl, vl, full ? write_full : write_win);
+      return paged(full, qr, kl, vl);
+    }
+
+    std::pair<at::Tensor, at::Tensor> cache(int64_t layer, bool full) const {
+      const KvPools& p = owner->pools;
+      const int64_t g = p.group_index[layer];
+      return {(full ? p.k_full : p.k_win)[g], (full ? p.v_full : p.v_win)[g]};
+    }
+
+    at::Tensor paged(bool full, const at::Tensor& q, const at::Tensor& kl, const at::Tensor& vl) const {
+      const KvPools& p = owner->pools;
+      return kernels::paged_decode_attention_cuda(q, kl, vl, full ? table_full : table_ring, positions, p.block_size,
+                                                  full ? 0 : p.window, full ? 0 : p.ring);
     }
 
     // The step itself: what is captured.
@@ -90,6 +111,7 @@ struct DecodeGraphs::Impl {
   int64_t max_rows;
   decltype(at::cuda::graph_pool_handle()) pool;  // one memory pool shared by every captured graph
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Bucket>> buckets;
+  bool fuse_rope_cache = true;
 
   Bucket& bucket(int64_t rows, int64_t cols) {
     auto& slot = buckets[{rows, cols}];
@@ -162,7 +184,8 @@ struct DecodeGraphs::Impl {
       b.forward();  // warm-up: lazy library state is created outside the capture
       side.synchronize();
       b.graph = std::make_unique<at::cuda::CUDAGraph>();
-      b.graph->capture_begin(pool);
+      // Thread-local: a trainer thread (grpo.async) may allocate or sync while this thread captures.
+      b.graph->capture_begin(pool, cudaStreamCaptureModeThreadLocal);
       b.forward();
       b.graph->capture_end();
     }
@@ -201,9 +224,9 @@ bool DecodeGraphs::available(const model::Muse& model) {
          kernels::paged_decode_attention_cuda_supports(model.dtype(), c.head_dim, c.num_q_heads / c.num_kv_heads);
 }
 
-DecodeGraphs::DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows)
-    : impl_(std::make_unique<Impl>(
-          Impl{model, std::move(pools), bucket_rows(max_rows), at::cuda::graph_pool_handle(), {}})) {}
+DecodeGraphs::DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, bool fuse_rope_cache)
+    : impl_(std::make_unique<Impl>(Impl{model, std::move(pools), bucket_rows(max_rows), at::cuda::graph_pool_handle(),
+                                        {}, fuse_rope_cache})) {}
 
 DecodeResult DecodeGraphs::run(const DecodeStep& step) { return impl_->run(step); }
 int64_t DecodeGraphs::num_graphs() const { return int64_t(impl_->buckets.size()); }
@@ -212,7 +235,7 @@ int64_t DecodeGraphs::num_graphs() const { return int64_t(impl_->buckets.size())
 
 struct DecodeGraphs::Impl {};
 bool DecodeGraphs::available(const model::Muse&) { return false; }
-DecodeGraphs::DecodeGraphs(const model::Muse&, KvPools, int64_t) {
+DecodeGraphs::DecodeGraphs(const model::Muse&, KvPools, int64_t, bool) {
   KILN_FAIL("rollout: CUDA-graph decode needs a CUDA build on torch >= 2.8");
 }
 DecodeResult DecodeGraphs::run(const DecodeStep&) { KILN_FAIL("rollout: CUDA-graph decode is not built"); }

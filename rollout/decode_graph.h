@@ -39,7 +39,9 @@ class DecodeGraphs {
   // Graphs need a CUDA build, a bf16 CUDA model on torch >= 2.8 (grouped GEMM: no host syncs in
   // the MoE) and a shape the paged-attention kernel handles.
   static bool available(const model::Muse& model);
-  DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows);
+  // fuse_rope_cache: RoPE and the KV-cache write as one kernel (kernels::rope_cache_write) rather
+  // than four (off: tests compare).
+  DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, bool fuse_rope_cache = true);
   ~DecodeGraphs();
   DecodeResult run(const DecodeStep& step);
   int64_t num_graphs() const;

@@ -111,7 +111,7 @@ struct Engine::Impl {
       host_sync |= nvfp4_experts && many_rows;
     }
     if (ec.cuda_graphs && !ec.expert_group && !host_sync && DecodeGraphs::available(model)) {
-      graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs);
+      graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, ec.fused_rope_cache);
     }
   }
 

@@ -63,6 +63,8 @@ struct EngineConfig {
   int64_t max_num_seqs = 64;            // running sequences at once
   int64_t max_batch_tokens = 2048;      // tokens per engine step (decode + prefill chunks)
   int64_t prefill_chunk = 512;          // longest prefill piece of one sequence per step
+  bool fused_rope_cache = true;         // graph decode: RoPE and the KV-cache write in one kernel
+                                        // (false: four, as the eager path; tests compare)
   bool cuda_graphs = true;              // pure decode steps of a bf16 CUDA model replay captured
                                         // graphs (rollout/decode_graph.h); false: run eagerly
   // Weights served. NVFP4 copies the model already holds (an NVFP4 checkpoint's) are served as they

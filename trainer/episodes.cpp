@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 #include "core/error.h"
 #include "text/tokenizer.h"
@@ -40,7 +41,24 @@ std::vector<std::vector<Episode>> run_episodes(rollout::Engine& engine, Environm
   const EnvironmentSpec& spec = env.spec();
   const int64_t vocab = engine.model().config().vocab_size;
   std::vector<std::vector<Episode>> eps(requests.size());
-  for (auto& r : requests) r.keep_cache = true;
+  for (auto& r : requests) {
+    r.keep_cache = true;
+    r.params.max_tokens = std::min(r.params.max_tokens, spec.max_episode_tokens);  // the first turn counts too
+  }
+  // Sessions the engine holds for these episodes. Whatever ends this call (an environment that
+  // stops the run, a bad id), none is left behind: queued turns run out, then every session ends.
+  std::set<int64_t> held;
+  struct Release {
+    rollout::Engine& engine;
+    std::set<int64_t>& held;
+    ~Release() {
+      try {
+        while (engine.has_unfinished()) engine.step();
+        for (int64_t s : held) engine.end_session(s);
+      } catch (...) {  // already unwinding from the error that matters
+      }
+    }
+  } release{engine, held};
   // The first turn: every request at once, as a single-turn rollout would run.
   std::map<int64_t, Live> running;  // engine request id -> the episode it continues
   std::vector<std::pair<Live, rollout::Sample>> drawn;
@@ -48,8 +66,10 @@ std::vector<std::vector<Episode>> run_episodes(rollout::Engine& engine, Environm
     std::vector<rollout::RequestOutput> outs = engine.generate(requests);
     for (size_t i = 0; i < outs.size(); ++i) {
       eps[i].resize(outs[i].samples.size());
-      for (size_t j = 0; j < outs[i].samples.size(); ++j)
+      for (size_t j = 0; j < outs[i].samples.size(); ++j) {
+        held.insert(outs[i].samples[j].session);
         drawn.push_back({Live{i, j, outs[i].samples[j].session}, std::move(outs[i].samples[j])});
+      }
     }
   }
   for (int64_t turn = 0; !drawn.empty(); ++turn) {
@@ -110,6 +130,7 @@ std::vector<std::vector<Episode>> run_episodes(rollout::Engine& engine, Environm
         // A last turn cut by max_tokens is truncated too, unless the environment ended the episode.
         if (!e.last.done && drawn[a].second.finish == rollout::FinishReason::kLength) e.truncated = true;
         engine.end_session(live.session);
+        held.erase(live.session);
         continue;
       }
       e.turns.back().observation = e.last.has_ids ? tok.decode(obs) : e.last.observation;

@@ -259,6 +259,11 @@ struct GrpoTrainer::Impl {
                  "the whole model on each rank, not the expert-sharded one (its ranks step in lockstep, episodes do ",
                  "not); set parallel.rollout: replica");
       env = std::make_unique<Environment>(cfg.environment);
+      const int64_t longest = cfg.prompt.max_prompt_tokens + cfg.environment.max_episode_tokens;
+      KILN_CHECK(cfg.prompt.max_prompt_tokens <= 0 || longest <= policy.config().max_position_embeddings,
+                 "grpo: an episode may reach prompt.max_prompt_tokens + environment.max_episode_tokens = ", longest,
+                 " tokens, beyond the model's max_position_embeddings (", policy.config().max_position_embeddings,
+                 "); lower either");
     }
     const int64_t ep = cfg.parallel.ep;
     if (cfg.lora.enabled() && model::lora_rank(policy) == 0) model::add_lora(policy, cfg.lora, cfg.seed);
@@ -486,6 +491,17 @@ struct GrpoTrainer::Impl {
   int64_t weight_version() const { return engine->weight_version() + version_base; }
 
   void produce_loop() {
+    try {
+      produce_batches();
+    } catch (...) {  // nothing may leave a thread: the trainer rethrows it
+      std::lock_guard<std::mutex> lk(async.mu);
+      async.producing = false;
+      async.error = std::current_exception();
+    }
+    async.cv.notify_all();
+  }
+
+  void produce_batches() {
     at::NoGradGuard no_grad;  // grad mode is per thread
 #if KILN_WITH_CUDA
     // Its own stream, so that the rollout's kernels overlap the trainer's.
@@ -503,27 +519,16 @@ struct GrpoTrainer::Impl {
         if (async.stopping) return;
         async.producing = true;
       }
-      Produced p;
-      std::exception_ptr error;
-      try {
-        const uint64_t position = stream.position();
-        p = produce(draw_prompts(i), 0);
-        p.data_position = position;
-      } catch (...) {
-        error = std::current_exception();
-      }
+      const uint64_t position = stream.position();
+      Produced p = produce(draw_prompts(i), 0);
+      p.data_position = position;
       {
         std::lock_guard<std::mutex> lk(async.mu);
         async.producing = false;
-        if (error) {
-          async.error = error;
-        } else {
-          async.ready.push_back(std::move(p));
-          ++async.produced;
-        }
+        async.ready.push_back(std::move(p));
+        ++async.produced;
       }
       async.cv.notify_all();
-      if (error) return;
     }
   }
 
@@ -550,21 +555,27 @@ struct GrpoTrainer::Impl {
 
   // Runs fn while the producer is between batches and, when `made` > 0, once it has made that many
   // (the weight sync of update t waits for batch t + k). Without async, just fn.
+  // A producer that failed is idle for good: fn runs anyway, and take_produced reports the error at
+  // the step that needs its batch, as the synchronous step would.
   template <typename F>
   void with_producer_paused(int64_t made, const F& fn) {
     if (!async.thread.joinable()) return fn();
     std::unique_lock<std::mutex> lk(async.mu);
     async.cv.wait(lk, [&] { return async.error || (!async.producing && async.produced >= made); });
-    if (async.error) std::rethrow_exception(async.error);
+    struct Wake {  // the producer re-checks its condition however fn ends
+      std::condition_variable& cv;
+      ~Wake() { cv.notify_all(); }
+    } wake{async.cv};
+#if KILN_WITH_CUDA
+    if (policy.device().is_cuda()) c10::cuda::device_synchronize();  // the producer's stream is done
+#endif
     fn();
-    lk.unlock();
-    async.cv.notify_all();
   }
 
   // Where a resumed run draws its next prompts: under grpo.async, before the oldest batch made but
   // not trained (it is sampled again after a resume), or where the producer will draw next.
   uint64_t data_position() {
-    uint64_t position = stream.position();
+    uint64_t position = 0;
     with_producer_paused(0, [&] {
       if (!async.ready.empty()) position = async.ready.front().data_position;
       else position = stream.position();

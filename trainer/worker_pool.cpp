@@ -320,22 +320,42 @@ std::unique_ptr<WorkerProcess> WorkerProcess::start(const std::vector<std::strin
   return w;
 }
 
-// `"id": <integer>` in a line that is not valid JSON (Python writes NaN and Infinity), so that the
-// request it names can fail rather than wait for its timeout.
+// `"id": <integer>` at the top level of a line that is not valid JSON (Python writes NaN and
+// Infinity), so that the request it names can fail rather than wait for its timeout. An "id" inside
+// a nested object or in a string does not count.
 std::optional<int64_t> scan_id(const std::string& line) {
-  const size_t key = line.find("\"id\"");
-  if (key == std::string::npos) return std::nullopt;
-  size_t i = key + 4;
-  while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i;
-  if (i >= line.size() || line[i] != ':') return std::nullopt;
-  ++i;
-  while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i;
-  const char* begin = line.c_str() + i;
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(begin, &end, 10);
-  if (end == begin || errno != 0 || (*end != ',' && *end != '}' && *end != ' ')) return std::nullopt;
-  return int64_t(v);
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '{' || c == '[') {
+      ++depth;
+    } else if (c == '}' || c == ']') {
+      --depth;
+    } else if (c == '"') {
+      if (depth == 1 && line.compare(i, 4, "\"id\"") == 0) {
+        size_t k = i + 4;
+        while (k < line.size() && (line[k] == ' ' || line[k] == '\t')) ++k;
+        if (k < line.size() && line[k] == ':') {
+          ++k;
+          while (k < line.size() && (line[k] == ' ' || line[k] == '\t')) ++k;
+          const char* begin = line.c_str() + k;
+          char* stop = nullptr;
+          errno = 0;
+          const long long v = std::strtoll(begin, &stop, 10);
+          if (stop == begin || errno != 0 || (*stop != ',' && *stop != '}' && *stop != ' ')) return std::nullopt;
+          return int64_t(v);
+        }
+      }
+      in_string = true;
+    }
+  }
+  return std::nullopt;
 }
 
 std::optional<int64_t> json_id(const Json& j) {

@@ -179,6 +179,28 @@ TEST(CudaEngine, Bf16GraphDecodeTracksTheForward) {
   }
 }
 
+// RoPE fused with the cache write in the captured decode step changes no bit of what is sampled.
+TEST(CudaEngine, FusedRopeCacheWriteSamplesTheSameBits) {
+  model::Muse m = test::to_device(model::Muse::init(test::cuda_config(), 9, at::kFloat, at::kCPU), at::kCUDA,
+                                  at::kBFloat16);
+  auto reqs = requests(1.0);
+  std::vector<std::vector<rollout::RequestOutput>> outs;
+  for (bool fused : {true, false}) {
+    rollout::EngineConfig ec = test::small_engine();
+    ec.fused_rope_cache = fused;
+    rollout::Engine engine(m, ec);
+    outs.push_back(engine.generate(reqs));
+    EXPECT_GT(engine.stats().graph_steps, 0);
+  }
+  for (size_t r = 0; r < reqs.size(); ++r)
+    for (size_t j = 0; j < outs[0][r].samples.size(); ++j) {
+      const rollout::Sample &a = outs[0][r].samples[j], &b = outs[1][r].samples[j];
+      EXPECT_EQ(a.tokens, b.tokens) << "request " << r << " sample " << j;
+      EXPECT_EQ(a.logprobs, b.logprobs) << "request " << r << " sample " << j;
+      EXPECT_TRUE(test::all_equal(a.routing, b.routing)) << "request " << r << " sample " << j;
+    }
+}
+
 TEST(CudaEngine, Fp32EagerDecodeEqualsTheForward) {
   // fp32 on the GPU runs the eager path (graphs need the bf16 grouped GEMM) with the sampling
   // kernel: log-probs within 1e-4 of the forward and routing identical.

@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <tuple>
+#include <vector>
+
 #include "core/error.h"
 #include "kernels/moe_layout.h"
 #include "kernels/moe_route.h"
@@ -133,6 +136,33 @@ TEST(CudaAddRmsNorm, EqualsTheCompositionBitwise) {
                                                          wa.cpu().to(at::kDouble), wn.cpu().to(at::kDouble), 1e-6);
         const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
         EXPECT_TRUE(at::allclose(hn.cpu().to(at::kDouble), hnc, tol, tol)) << what;
+      }
+    }
+  }
+}
+
+// The decode step's RoPE fused with the cache write: q, the cache rows written and every row left
+// alone bitwise the composition (apply_rope twice, index_copy_ twice), on odd sizes and GQA shapes.
+TEST(CudaRopeCacheWrite, EqualsTheCompositionBitwise) {
+  at::manual_seed(8);
+  for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    for (int64_t T : {1, 19, 111, 4097}) {
+      for (auto [hq, hkv, hd] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 1, 16}, {16, 2, 128}, {6, 3, 64}}) {
+        auto cuda = [&](at::Tensor t) { return t.to(dtype).cuda(); };
+        at::Tensor q = cuda(at::randn({T, hq, hd})), k = cuda(at::randn({T, hkv, hd})), v = cuda(at::randn({T, hkv, hd}));
+        at::Tensor ang = at::rand({T, hd}) * 6.3;
+        at::Tensor c = cuda(ang.cos()), s = cuda(ang.sin());
+        const int64_t R = T + 37;
+        at::Tensor rows = at::randperm(R, at::kLong).narrow(0, 0, T).cuda();  // distinct rows of a larger cache
+        at::Tensor kc = cuda(at::randn({R, hkv, hd})), vc = cuda(at::randn({R, hkv, hd}));
+        at::Tensor kr = kc.clone(), vr = vc.clone();
+        at::Tensor got = kernels::rope_cache_write(q, k, v, c, s, kc, vc, rows);
+        at::Tensor want = kernels::rope_cache_write_reference(q, k, v, c, s, kr, vr, rows);
+        const std::string what = std::string(c10::toString(dtype)) + " T " + std::to_string(T) + " hq " +
+                                 std::to_string(hq) + " hkv " + std::to_string(hkv) + " hd " + std::to_string(hd);
+        EXPECT_TRUE(test::all_equal(got.cpu(), want.cpu())) << what;
+        EXPECT_TRUE(test::all_equal(kc.cpu(), kr.cpu())) << what;
+        EXPECT_TRUE(test::all_equal(vc.cpu(), vr.cpu())) << what;
       }
     }
   }

@@ -15,6 +15,7 @@
 #include "kernels/moe_rows.h"
 #include "kernels/paged_attention.h"
 #include "kernels/rms_norm.h"
+#include "kernels/rope.h"
 #include "kernels/sampling.h"
 #include "kernels/stream_read.h"
 #include "kernels/swiglu.h"
@@ -140,6 +141,21 @@ TEST(AddRmsNorm, IsTheResidualStepAndTheNextNorm) {
   at::Tensor h_want = x + a * at::rsqrt(a.pow(2).mean(-1, true) + 1e-6) * wa;
   EXPECT_TRUE(at::allclose(h, h_want, 1e-12, 1e-12));
   EXPECT_TRUE(at::allclose(hn, h_want * at::rsqrt(h_want.pow(2).mean(-1, true) + 1e-6) * wn, 1e-12, 1e-12));
+}
+
+TEST(RopeCacheWrite, RotatesQAndWritesRotatedKeysAndValuesAtTheRows) {
+  at::Tensor q = at::randn({3, 4, 8}), k = at::randn({3, 2, 8}), v = at::randn({3, 2, 8});
+  at::Tensor ang = at::rand({3, 8});
+  at::Tensor c = ang.cos(), s = ang.sin();
+  at::Tensor kc = at::zeros({5, 2, 8}), vc = at::zeros({5, 2, 8});
+  at::Tensor rows = at::tensor(std::vector<int64_t>{4, 0, 2});
+  at::Tensor qr = kernels::rope_cache_write(q, k, v, c, s, kc, vc, rows);
+  EXPECT_TRUE(test::all_equal(qr, kernels::apply_rope(q, c, s)));
+  EXPECT_TRUE(test::all_equal(kc.index_select(0, rows), kernels::apply_rope(k, c, s)));
+  EXPECT_TRUE(test::all_equal(vc.index_select(0, rows), v));
+  EXPECT_TRUE(test::all_equal(kc.index_select(0, at::tensor(std::vector<int64_t>{1, 3})), at::zeros({2, 2, 8})));
+  EXPECT_TRUE(test::throws_with([&] { kernels::rope_cache_write(q, k, v, c, s, kc, vc, rows.narrow(0, 0, 2)); },
+                                {"rows int64 [T]"}));
 }
 
 TEST(MoeRouteReference, HandWorkedCases) {

@@ -104,6 +104,13 @@ TEST(GrpoAsync, EvaluationCheckpointAndResumeWhileTheProducerRuns) {
   GrpoTrainer again(resumed, cfg, test::byte_tokenizer(), data());
   again.load(dir + "/ckpt");
   EXPECT_EQ(again.steps_done(), 2);
+  {  // the checkpoint's data position is after two steps' prompts, not after the batch made ahead
+    model::Muse other = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
+    GrpoTrainer sync(other, async_grpo(-1), test::byte_tokenizer(), data());
+    sync.step();
+    sync.step();
+    EXPECT_EQ(again.stream().position(), sync.stream().position());
+  }
   for (int s = 0; s < 2; ++s) {
     const StepMetrics m = again.step();
     EXPECT_EQ(m.step, 3 + s);

@@ -368,6 +368,19 @@ TEST(WorkerRewardTest, GarbageIsCountedAndBadAnswersFailTheirRequest) {
   expect_only_workers(reward);
 }
 
+// An unreadable answer fails the request its top-level "id" names, not one named inside it.
+TEST(WorkerRewardTest, UnreadableAnswerFailsTheRequestItsTopLevelIdNames) {
+  WorkerReward reward(test_worker());
+  std::vector<RewardRequest> reqs = plain_requests(0, 3);
+  reqs[1].response = "nestednan";  // names request 2 inside its components, itself at the top
+  const std::vector<RewardResult> out = reward.score(reqs);
+  expect_plain(reqs[0], out[0]);
+  expect_plain(reqs[2], out[2]);
+  EXPECT_TRUE(out[1].failed);
+  EXPECT_NE(out[1].error.find("not valid JSON"), std::string::npos) << out[1].error;
+  EXPECT_EQ(reward.stats().num_garbage_lines, 0);
+}
+
 TEST(WorkerRewardTest, WorkerPastTheGarbageLimitIsRestarted) {
   WorkerSpec spec = test_worker();
   spec.max_garbage_lines = 1;

@@ -5,7 +5,8 @@
 #        --reverse (read what is waiting, answer it in reverse order), --stderr-flood N (N KiB of
 #        stderr per request), --log PATH (append each request id to PATH).
 # Responses: "crash" exits 3; "crash-once:PATH" exits 3 unless PATH exists (and creates it);
-#        "hang" sleeps; "garbage" writes junk lines first; "nan" answers NaN; "str" a string reward;
+#        "hang" sleeps; "garbage" writes junk lines first; "nan" answers NaN ("nestednan" with the next
+#        request's id nested before its own); "str" a string reward;
 #        "error" an error answer; "dup" answers twice; "noid" answers without an id. Otherwise the
 #        reward is float(label) (0 when the label is not a number) with components {"len": len(response)}.
 import json
@@ -36,6 +37,8 @@ def answer(req):
         out('{"id": 987654321, "reward": 1}')
     if resp == "nan":
         return ['{"id": %d, "reward": NaN}' % rid]
+    if resp == "nestednan":  # another request's id nested before its own, in a line that is not JSON
+        return ['{"components": {"id": %d}, "id": %d, "reward": NaN}' % (rid + 1, rid)]
     if resp == "str":
         return [json.dumps({"id": rid, "reward": "high"})]
     if resp == "error":
