@@ -1272,7 +1272,18 @@ GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, std::shared_ptr
     : impl_(std::make_unique<Impl>(policy, std::move(config), std::move(tokenizer), std::move(data), group,
                                    std::move(reward))) {}
 GrpoTrainer::~GrpoTrainer() = default;
-StepMetrics GrpoTrainer::step() { return impl_->step(); }
+StepMetrics GrpoTrainer::step() {
+  try {
+    return impl_->step();
+  } catch (...) {
+    // A step that failed part way leaves the weight versions out of step with the producer's
+    // schedule (grpo.async): it would wait for an update that never comes. Stop it; a caller that
+    // goes on gets a fresh one.
+    impl_->stop_producer();
+    impl_->version_base = impl_->steps - impl_->engine->weight_version();  // the engine's weights start the next schedule
+    throw;
+  }
+}
 EvalMetrics GrpoTrainer::evaluate(const EvalConfig& config) { return impl_->evaluate(config); }
 const PrepareReport& GrpoTrainer::train_prompts() const { return impl_->train_report; }
 const PrepareReport& GrpoTrainer::test_prompts() const { return impl_->test_report; }
