@@ -504,9 +504,11 @@ struct GrpoTrainer::Impl {
   void produce_batches() {
     at::NoGradGuard no_grad;  // grad mode is per thread
 #if KILN_WITH_CUDA
-    // Its own stream, so that the rollout's kernels overlap the trainer's.
+    // Its own stream, so that the rollout's kernels overlap the trainer's; a high-priority one: the
+    // rollout's small decode kernels go ahead of the trainer's queued GEMM blocks, since the step
+    // waits for the slower side and on one GPU that has been the rollout (docs/PERFORMANCE.md).
     std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
-    if (policy.device().is_cuda()) stream_guard.emplace(c10::cuda::getStreamFromPool(false, policy.device().index()));
+    if (policy.device().is_cuda()) stream_guard.emplace(c10::cuda::getStreamFromPool(true, policy.device().index()));
 #endif
     for (;;) {
       int64_t i = 0;
