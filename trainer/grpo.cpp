@@ -486,6 +486,12 @@ struct GrpoTrainer::Impl {
   } async;
 
   int64_t version_for(int64_t i) const { return std::max<int64_t>(0, i - 1 - cfg.async_staleness); }
+  int64_t last_step = 0;  // set_last_step: the producer makes no batch past it (0: unknown)
+  // The batches the sync of `step` waits for: through step + k, and none past the last step.
+  int64_t needed_for(int64_t step) const {
+    const int64_t made = step + std::max<int64_t>(0, cfg.async_staleness);
+    return last_step > 0 ? std::min(made, last_step) : made;
+  }
   // The update the engine's weights come from: its own count of updates, from where load() left it.
   int64_t version_base = 0;
   int64_t weight_version() const { return engine->weight_version() + version_base; }
@@ -516,7 +522,7 @@ struct GrpoTrainer::Impl {
         std::unique_lock<std::mutex> lk(async.mu);
         async.cv.wait(lk, [&] {
           i = async.produced + 1;
-          return async.stopping || weight_version() >= version_for(i);
+          return async.stopping || ((last_step <= 0 || i <= last_step) && weight_version() >= version_for(i));
         });
         if (async.stopping) return;
         async.producing = true;
@@ -954,7 +960,7 @@ struct GrpoTrainer::Impl {
   // Under grpo.async the producer is paused between batches for it, once the batches that need the
   // weights before this update are out.
   void sync_rollout(StepMetrics& m) {
-    with_producer_paused(steps + std::max<int64_t>(0, cfg.async_staleness), [&] { sync_engine(m); });
+    with_producer_paused(needed_for(steps), [&] { sync_engine(m); });
   }
 
   void sync_engine(StepMetrics& m) {
@@ -1274,6 +1280,14 @@ GrpoTrainer::GrpoTrainer(model::Muse& policy, GrpoConfig config, std::shared_ptr
     : impl_(std::make_unique<Impl>(policy, std::move(config), std::move(tokenizer), std::move(data), group,
                                    std::move(reward))) {}
 GrpoTrainer::~GrpoTrainer() = default;
+void GrpoTrainer::set_last_step(int64_t step) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->async.mu);
+    impl_->last_step = step;
+  }
+  impl_->async.cv.notify_all();
+}
+
 StepMetrics GrpoTrainer::step() {
   try {
     return impl_->step();

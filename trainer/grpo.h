@@ -178,6 +178,9 @@ class GrpoTrainer {
   };
   const std::vector<SampleRecord>& last_samples() const;
   int64_t steps_done() const;
+  // The last step the caller will run (0: unknown). Under grpo.async the producer samples no batch
+  // past it, so a run's end waits for no rollout it will not train on.
+  void set_last_step(int64_t step);
   // With experts sharded (ep > 1) and a sharded rollout, `policy`'s experts are only gathered by
   // save() and by this call (collective: every rank calls it). Otherwise they are always current.
   void sync_policy();

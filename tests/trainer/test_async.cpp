@@ -124,6 +124,17 @@ TEST(GrpoAsync, EvaluationCheckpointAndResumeWhileTheProducerRuns) {
   EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"async.max_staleness must be >= 0"}));
 }
 
+// With the run's last step known, the producer samples nothing past it: the final sync waits for
+// no extra batch, and the engine ran exactly one rollout per step.
+TEST(GrpoAsync, NoBatchIsSampledPastTheLastStep) {
+  model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
+  GrpoTrainer trainer(policy, async_grpo(2), test::byte_tokenizer(), data());
+  trainer.set_last_step(3);
+  for (int s = 0; s < 3; ++s) trainer.step();
+  // 4 prompts per step: three batches drawn, not five.
+  EXPECT_EQ(trainer.stream().position(), 12u);
+}
+
 // The step reports the rollout engine's preemptions and KV-cache peak: a cache short of what the
 // step's sequences need at their full length preempts, and is nearly full at its peak.
 TEST(GrpoEngineMetrics, PreemptionsAndKvPeakAreReported) {
