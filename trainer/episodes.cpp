@@ -105,21 +105,31 @@ std::vector<std::vector<Episode>> run_episodes(rollout::Engine& engine, Environm
       Episode& e = eps[live.request][live.sample];
       e.last = answers[a];
       bool go_on = !e.last.done;
+      // An observation the model cannot take (ids outside its vocabulary, text the tokenizer
+      // rejects) is the environment's failure: under on_failure: stop the run ends, naming it.
+      auto reject = [&](const std::string& what) {
+        const std::string why = str_cat("environment: ", what, " (turn ", turn, " of ", examples[live.request]->origin, ")");
+        KILN_CHECK(spec.worker.on_failure == OnFailure::kZero, why, "; fix the environment, or set on_failure: zero");
+        e.last = EnvStep();
+        e.last.done = e.last.failed = e.failed_ids = true;
+        e.last.error = why;
+        go_on = false;
+      };
+      std::vector<int64_t> obs;
       if (go_on && e.last.has_ids) {
         const auto bad = std::find_if(e.last.observation_ids.begin(), e.last.observation_ids.end(),
                                       [&](int64_t id) { return id >= vocab; });
-        if (bad != e.last.observation_ids.end()) {
-          const std::string why = str_cat("environment: observation_ids holds ", *bad, ", outside the vocabulary (",
-                                          vocab, " ids) (turn ", turn, " of ", examples[live.request]->origin, ")");
-          KILN_CHECK(spec.worker.on_failure == OnFailure::kZero, why, "; fix the environment, or set on_failure: zero");
-          e.last = EnvStep();
-          e.last.done = e.last.failed = e.failed_ids = true;
-          e.last.error = why;
-          go_on = false;
+        if (bad != e.last.observation_ids.end())
+          reject(str_cat("observation_ids holds ", *bad, ", outside the vocabulary (", vocab, " ids)"));
+        else
+          obs = e.last.observation_ids;
+      } else if (go_on) {
+        try {
+          obs = tok.encode(e.last.observation);
+        } catch (const Error& err) {
+          reject(str_cat("the tokenizer rejects the observation: ", err.what()));
         }
       }
-      std::vector<int64_t> obs;
-      if (go_on) obs = e.last.has_ids ? e.last.observation_ids : tok.encode(e.last.observation);
       const int64_t left = spec.max_episode_tokens - int64_t(e.response.size()) - int64_t(obs.size());
       if (go_on && (turn + 1 >= spec.max_turns || obs.empty() || int64_t(obs.size()) > spec.max_observation_tokens ||
                     left < 1)) {

@@ -10,6 +10,7 @@
 # the ids [65 + turn, 66 + turn] (odd turns), and turn N - 1 ends the episode with reward
 # sum(response_ids) % 2 (varied, so that groups have advantages). --crash-turn T: exit 3 on turn T of
 # the episodes whose first response id is odd. --bad-ids: observe id 100000 (outside any test vocab).
+# --nul-text: observe text holding a NUL byte.
 import json
 import sys
 import time
@@ -17,6 +18,7 @@ import time
 script = int(sys.argv[sys.argv.index("--script") + 1]) if "--script" in sys.argv else 0
 crash_turn = int(sys.argv[sys.argv.index("--crash-turn") + 1]) if "--crash-turn" in sys.argv else -1
 bad_ids = "--bad-ids" in sys.argv
+nul_text = "--nul-text" in sys.argv
 
 
 def scripted(req):
@@ -28,6 +30,8 @@ def scripted(req):
         sys.exit(3)
     if bad_ids:
         return {"id": rid, "done": False, "observation_ids": [100000]}
+    if nul_text:  # a NUL: text the byte tokenizer refuses
+        return {"id": rid, "done": False, "observation": "a\u0000b"}
     if turn + 1 >= script:
         return {"id": rid, "done": True, "reward": float(sum(req["response_ids"]) % 2)}
     if turn % 2 == 0:
