@@ -451,6 +451,11 @@ struct Engine::Impl {
 Engine::Engine(const model::Muse& model, EngineConfig config) : impl_(std::make_unique<Impl>(model, config)) {}
 Engine::~Engine() = default;
 
+void Engine::reset_peaks() {
+  impl_->st.peak_full_blocks = impl_->kv.pool(true).used();
+  impl_->st.peak_window_blocks = impl_->kv.pool(false).used();
+}
+
 int64_t Engine::add_request(const Request& request) { return impl_->add(request); }
 int64_t Engine::continue_session(int64_t session, const std::vector<int64_t>& observation,
                                  const SamplingParams& params) {

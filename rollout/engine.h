@@ -163,6 +163,9 @@ class Engine {
   int64_t weight_version() const;
   const model::Muse& model() const;
   EngineStats stats() const;
+  // Starts the peak block counts (EngineStats::peak_*_blocks) again from the blocks in use now, so
+  // that a caller can read the peak of one batch.
+  void reset_peaks();
   // Called at the end of every step with what it computed (empty function: off). Costs a copy of
   // the step's routing.
   void set_trace(std::function<void(const StepTrace&)> trace);

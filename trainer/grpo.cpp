@@ -429,13 +429,14 @@ struct GrpoTrainer::Impl {
     double rollout_seconds = 0, reward_seconds = 0;
     double turns = 0, observed = 0;     // episodes: sums of turns and observation tokens
     int64_t preemptions = 0;            // the engine's preemptions while sampling it
-    double kv_peak = 0;                 // the fullest KV pool's peak use after it (fraction)
+    double kv_peak = 0;                 // the fullest KV pool's peak use while sampling it (fraction)
     int64_t version = 0;                // the engine's weight version it was sampled with
     uint64_t data_position = 0;         // the data stream's position before its prompts (async)
   };
 
   Produced produce(const Batch& b, int64_t round) {
     const int64_t preempted = engine->stats().preemptions;
+    engine->reset_peaks();  // this batch's peak, not the run's (evaluation included)
     Produced p = produce_rollout(b, round);
     const rollout::EngineStats after = engine->stats();
     p.preemptions = after.preemptions - preempted;

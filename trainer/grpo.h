@@ -126,7 +126,8 @@ struct StepMetrics {
   double mis_masked_fraction = 0;         // response tokens masked importance sampling dropped (loss.mis)
   double zero_variance_groups = 0;        // fraction of prompts whose samples all got one reward
   int64_t preemptions = 0;                // rollout: sequences preempted (recomputed) this step, all ranks
-  double kv_peak = 0;                     // rollout: the fullest KV-cache pool's peak use so far (fraction), all ranks
+  double kv_peak = 0;                     // rollout: the fullest KV-cache pool's peak use in this step's rollout
+                                          // (fraction; the largest over ranks)
   int64_t staleness = -1;                 // grpo.async: updates between the batch's weights and the trained ones (-1: off)
   double async_wait_seconds = 0;          // grpo.async: how long the trainer waited for the batch
   double episode_turns = 0;               // multi-turn: mean sampled turns per episode (0: single-turn)

@@ -111,6 +111,13 @@ TEST(Engine, WindowLayerMemoryStaysBounded) {
   EXPECT_EQ(st.full_blocks_used, 0);
   EXPECT_EQ(st.window_blocks_used, 0);
   for (const auto& s : outs[0].samples) EXPECT_EQ(s.tokens.size(), 120u);
+  // reset_peaks starts the peaks again from what is in use (nothing, between batches); a shorter
+  // batch then peaks lower than the first.
+  engine.reset_peaks();
+  EXPECT_EQ(engine.stats().peak_full_blocks, 0);
+  engine.generate({request({1, 2}, 1, 10, 1.0, 6)});
+  EXPECT_GT(engine.stats().peak_full_blocks, 0);
+  EXPECT_LT(engine.stats().peak_full_blocks, st.peak_full_blocks);
 }
 
 TEST(Engine, EveryRequestCompletesWhenTheCacheIsFullAndResultsDoNotChange) {
