@@ -79,6 +79,26 @@ struct alignas(16) Chunk {
   T v[kSize];
 };
 
+// Loads a row's chunks into registers (thread t takes chunks t, t + blockDim, ...) and returns the
+// thread's fp32 sum of their squares, in the order both vector kernels rely on for equal bits.
+template <typename T, int kChunks>
+__device__ inline float load_sum_squares(const Chunk<T>* row, int64_t num_chunks, Chunk<T> (&held)[kChunks]) {
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + int64_t(i) * blockDim.x;
+    if (c < num_chunks) {
+      held[i] = row[c];
+#pragma unroll
+      for (int j = 0; j < Chunk<T>::kSize; ++j) {
+        const float v = to_float(held[i].v[j]);
+        sum += v * v;
+      }
+    }
+  }
+  return sum;
+}
+
 template <typename T, int kChunks>
 __global__ void rms_norm_vector(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
                                 int64_t cols, int64_t w_stride, const int32_t* __restrict__ ends,
@@ -90,20 +110,7 @@ __global__ void rms_norm_vector(const T* __restrict__ x, const T* __restrict__ w
   const C* weight = reinterpret_cast<const C*>(w);
   C* out = reinterpret_cast<C*>(y + blockIdx.x * cols);
   C held[kChunks];
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < kChunks; ++i) {
-    const int64_t c = threadIdx.x + int64_t(i) * blockDim.x;
-    if (c < num_chunks) {
-      held[i] = row[c];
-#pragma unroll
-      for (int j = 0; j < C::kSize; ++j) {
-        const float v = to_float(held[i].v[j]);
-        sum += v * v;
-      }
-    }
-  }
-  const float inv = rsqrtf(block_sum(sum) / float(cols) + eps);
+  const float inv = rsqrtf(block_sum(load_sum_squares<T, kChunks>(row, num_chunks, held)) / float(cols) + eps);
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
     const int64_t c = threadIdx.x + int64_t(i) * blockDim.x;
@@ -117,13 +124,21 @@ __global__ void rms_norm_vector(const T* __restrict__ x, const T* __restrict__ w
   }
 }
 
-template <typename T, int kChunks>
-bool try_vector(const T* x, const T* w, T* y, int64_t rows, int64_t cols, int64_t w_stride, const int32_t* ends,
-                int num_segments, float eps, int threads, int64_t num_chunks, cudaStream_t stream) {
-  if (num_chunks > int64_t(kChunks) * threads) return false;
-  rms_norm_vector<T, kChunks>
-      <<<dim3(unsigned(rows)), dim3(threads), 0, stream>>>(x, w, y, cols, w_stride, ends, num_segments, eps);
-  return true;
+// The vector kernels' block: a thread per 32 chunks up to kMaxThreads.
+inline int vector_threads(int64_t num_chunks) { return int(std::min<int64_t>(kMaxThreads, (num_chunks + 31) / 32 * 32)); }
+
+// Calls launch_with(std::integral_constant<int, K>) for the fewest chunks per thread K (1, 2, 4, 8,
+// kMaxChunks) that hold num_chunks; false when none does. Every vector kernel picks K here, so rows
+// normed by different kernels are summed alike.
+template <typename F>
+bool with_vector_chunks(int64_t num_chunks, int threads, const F& launch_with) {
+  const auto fits = [&](int k) { return num_chunks <= int64_t(k) * threads; };
+  if (fits(1)) return launch_with(std::integral_constant<int, 1>()), true;
+  if (fits(2)) return launch_with(std::integral_constant<int, 2>()), true;
+  if (fits(4)) return launch_with(std::integral_constant<int, 4>()), true;
+  if (fits(8)) return launch_with(std::integral_constant<int, 8>()), true;
+  if (fits(kMaxChunks)) return launch_with(std::integral_constant<int, kMaxChunks>()), true;
+  return false;
 }
 
 template <typename T>
@@ -135,15 +150,12 @@ cudaError_t launch(const T* x, const T* w, T* y, int64_t rows, int64_t cols, int
                         reinterpret_cast<uintptr_t>(y)) % 16 == 0;
   if (aligned && cols % kSize == 0) {
     const int64_t num_chunks = cols / kSize;
-    const int threads = int(std::min<int64_t>(kMaxThreads, (num_chunks + 31) / 32 * 32));
-    const auto v = [&](auto chunks) {
-      return try_vector<T, decltype(chunks)::value>(x, w, y, rows, cols, w_stride, ends, num_segments, eps, threads,
-                                                     num_chunks, stream);
-    };
-    if (v(std::integral_constant<int, 1>()) || v(std::integral_constant<int, 2>()) ||
-        v(std::integral_constant<int, 4>()) || v(std::integral_constant<int, 8>()) ||
-        v(std::integral_constant<int, kMaxChunks>()))
-      return cudaGetLastError();
+    const int threads = vector_threads(num_chunks);
+    const bool launched = with_vector_chunks(num_chunks, threads, [&](auto chunks) {
+      rms_norm_vector<T, decltype(chunks)::value>
+          <<<dim3(unsigned(rows)), dim3(threads), 0, stream>>>(x, w, y, cols, w_stride, ends, num_segments, eps);
+    });
+    if (launched) return cudaGetLastError();
   }
   rms_norm_scalar<T>
       <<<dim3(unsigned(rows)), dim3(kMaxThreads), 0, stream>>>(x, w, y, cols, w_stride, ends, num_segments, eps);
@@ -162,20 +174,7 @@ __global__ void add_rms_norm_vector(const T* __restrict__ a, const T* __restrict
   const C* ar = reinterpret_cast<const C*>(a + base);
   const C* xr = reinterpret_cast<const C*>(x + base);
   C held[kChunks];
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < kChunks; ++i) {
-    const int64_t c = threadIdx.x + int64_t(i) * blockDim.x;
-    if (c < num_chunks) {
-      held[i] = ar[c];
-#pragma unroll
-      for (int j = 0; j < C::kSize; ++j) {
-        const float v = to_float(held[i].v[j]);
-        sum += v * v;
-      }
-    }
-  }
-  const float inv = rsqrtf(block_sum(sum) / float(cols) + eps);
+  const float inv = rsqrtf(block_sum(load_sum_squares<T, kChunks>(ar, num_chunks, held)) / float(cols) + eps);
   float sum_h = 0.f;
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
@@ -210,8 +209,8 @@ __global__ void add_rms_norm_vector(const T* __restrict__ a, const T* __restrict
   }
 }
 
-// The launch rms_norm's `launch` would choose for these rows (vector path only); false where that
-// is the scalar path, so the caller composes instead.
+// The vector launch rms_norm's `launch` makes for these rows; false where that is the scalar path,
+// so the caller composes instead.
 template <typename T>
 bool launch_add(const T* a, const T* x, const T* w_add, const T* w_next, T* h, T* hn, int64_t rows, int64_t cols,
                 float eps, cudaStream_t stream) {
@@ -222,16 +221,11 @@ bool launch_add(const T* a, const T* x, const T* w_add, const T* w_next, T* h, T
     addresses |= reinterpret_cast<uintptr_t>(p);
   if (addresses % 16 != 0 || cols % kSize != 0) return false;
   const int64_t num_chunks = cols / kSize;
-  const int threads = int(std::min<int64_t>(kMaxThreads, (num_chunks + 31) / 32 * 32));
-  const dim3 grid{unsigned(rows)}, block{unsigned(threads)};
-  if (num_chunks <= 1 * threads) add_rms_norm_vector<T, 1><<<grid, block, 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
-  else if (num_chunks <= 2 * threads) add_rms_norm_vector<T, 2><<<grid, block, 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
-  else if (num_chunks <= 4 * threads) add_rms_norm_vector<T, 4><<<grid, block, 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
-  else if (num_chunks <= 8 * threads) add_rms_norm_vector<T, 8><<<grid, block, 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
-  else if (num_chunks <= kMaxChunks * threads)
-    add_rms_norm_vector<T, kMaxChunks><<<grid, block, 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
-  else return false;
-  return true;
+  const int threads = vector_threads(num_chunks);
+  return with_vector_chunks(num_chunks, threads, [&](auto chunks) {
+    add_rms_norm_vector<T, decltype(chunks)::value>
+        <<<dim3(unsigned(rows)), dim3(threads), 0, stream>>>(a, x, w_add, w_next, h, hn, cols, eps);
+  });
 }
 
 // Backward, one row at a time per block; block (p, s) takes the rows p, p + parts, ... of segment

@@ -14,28 +14,21 @@ namespace {
 using Json = nlohmann::json;
 using OrderedJson = nlohmann::ordered_json;
 
-constexpr size_t kQuoteBytes = 200;
-
-std::string quote(const Json& j) {
-  std::string s = j.dump(-1, ' ', true, Json::error_handler_t::replace);
-  return s.size() > kQuoteBytes ? s.substr(0, kQuoteBytes) + "..." : s;
-}
-
 // Why the answer cannot be used ("" when it can), filling `step`.
 std::string read_answer(const Json& j, EnvStep& step) {
   const auto done = j.find("done");
-  if (done == j.end() || !done->is_boolean()) return str_cat("\"done\" is missing or not true/false (answer=", quote(j), ")");
+  if (done == j.end() || !done->is_boolean()) return str_cat("\"done\" is missing or not true/false (answer=", quote_for_error(j), ")");
   step.done = done->get<bool>();
   if (const auto r = j.find("reward"); r != j.end()) {
     if (!r->is_number() || !std::isfinite(r->get<double>()))
-      return str_cat("\"reward\" is not a finite number (answer=", quote(j), ")");
+      return str_cat("\"reward\" is not a finite number (answer=", quote_for_error(j), ")");
     step.reward = r->get<double>();
   }
   if (const auto comps = j.find("components"); comps != j.end() && !comps->is_null()) {
-    if (!comps->is_object()) return str_cat("\"components\" is not an object (answer=", quote(j), ")");
+    if (!comps->is_object()) return str_cat("\"components\" is not an object (answer=", quote_for_error(j), ")");
     for (const auto& [name, value] : comps->items()) {
       if (!value.is_number() || !std::isfinite(value.get<double>()))
-        return str_cat("component \"", name, "\" is not a finite number (answer=", quote(j), ")");
+        return str_cat("component \"", name, "\" is not a finite number (answer=", quote_for_error(j), ")");
       step.components.emplace_back(name, value.get<double>());
     }
   }
@@ -44,18 +37,18 @@ std::string read_answer(const Json& j, EnvStep& step) {
   const bool has_text = text != j.end() && !text->is_null(), has_ids = ids != j.end() && !ids->is_null();
   if (has_text == has_ids)
     return str_cat("an episode that goes on (done: false) needs exactly one of \"observation\" and ",
-                   "\"observation_ids\" (answer=", quote(j), ")");
+                   "\"observation_ids\" (answer=", quote_for_error(j), ")");
   if (has_text) {
-    if (!text->is_string()) return str_cat("\"observation\" is not a string (answer=", quote(j), ")");
+    if (!text->is_string()) return str_cat("\"observation\" is not a string (answer=", quote_for_error(j), ")");
     step.observation = text->get<std::string>();
-    if (step.observation.empty()) return str_cat("\"observation\" is empty (answer=", quote(j), ")");
+    if (step.observation.empty()) return str_cat("\"observation\" is empty (answer=", quote_for_error(j), ")");
     return "";
   }
-  if (!ids->is_array() || ids->empty()) return str_cat("\"observation_ids\" is not a non-empty array (answer=", quote(j), ")");
+  if (!ids->is_array() || ids->empty()) return str_cat("\"observation_ids\" is not a non-empty array (answer=", quote_for_error(j), ")");
   for (size_t i = 0; i < ids->size(); ++i) {
     const Json& v = (*ids)[i];
     if (!v.is_number_integer() || v.get<int64_t>() < 0)
-      return str_cat("\"observation_ids\"[", i, "] is not a token id >= 0 (answer=", quote(j), ")");
+      return str_cat("\"observation_ids\"[", i, "] is not a token id >= 0 (answer=", quote_for_error(j), ")");
     step.observation_ids.push_back(v.get<int64_t>());
   }
   step.has_ids = true;
@@ -74,12 +67,7 @@ void EnvironmentSpec::validate(const std::string& path) const {
 }
 
 std::string environment_request_line(const EnvRequest& r) {
-  OrderedJson metadata = OrderedJson::object();
-  if (!r.metadata.empty()) {
-    metadata = OrderedJson::parse(r.metadata, nullptr, false);
-    KILN_CHECK(!metadata.is_discarded() && metadata.is_object(), "environment: request metadata is not a JSON object (id=",
-               r.id, ", metadata=", r.metadata.substr(0, kQuoteBytes), "); pass the dataset line's metadata object");
-  }
+  OrderedJson metadata = request_metadata(r.metadata, "environment", r.id);
   OrderedJson history = OrderedJson::array();
   for (const EnvTurn& t : r.history)
     history.push_back(OrderedJson{{"response", t.response},

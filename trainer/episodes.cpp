@@ -111,7 +111,7 @@ std::vector<std::vector<Episode>> run_episodes(rollout::Engine& engine, Environm
         const std::string why = str_cat("environment: ", what, " (turn ", turn, " of ", examples[live.request]->origin, ")");
         KILN_CHECK(spec.worker.on_failure == OnFailure::kZero, why, "; fix the environment, or set on_failure: zero");
         e.last = EnvStep();
-        e.last.done = e.last.failed = e.failed_ids = true;
+        e.last.done = e.last.failed = e.bad_observation = true;
         e.last.error = why;
         go_on = false;
       };

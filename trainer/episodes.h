@@ -26,7 +26,7 @@ struct Episode {
   int64_t sampled_tokens = 0;
   bool truncated = false;          // a limit ended it (turns, tokens, the last turn's max_tokens),
                                    // not the environment
-  bool failed_ids = false;         // the environment's observation could not be taken: ids outside
+  bool bad_observation = false;         // the environment's observation could not be taken: ids outside
                                    // the vocabulary, or text the tokenizer rejects
   EnvStep last;                    // the environment's last answer: the reward, components, failure
 };

@@ -627,19 +627,25 @@ struct GrpoTrainer::Impl {
     return reqs;
   }
 
+  // The prompt's ids, then the response's; out of the loss when truncated under grpo.mask_truncated.
+  Trajectory trajectory(const Example& ex, const std::vector<int64_t>& response, const std::vector<float>& logprobs,
+                        const at::Tensor& routing, bool truncated) const {
+    Trajectory t;
+    t.tokens = ex.prompt_ids;
+    t.prompt_len = int64_t(t.tokens.size());
+    t.tokens.insert(t.tokens.end(), response.begin(), response.end());
+    t.rollout_lp = logprobs;
+    t.routing = routing;
+    t.in_loss = !(cfg.mask_truncated && truncated);
+    return t;
+  }
+
   // Decodes and scores every sample (this rank's).
   void score_samples(const Batch& b, const std::vector<rollout::RequestOutput>& outs, Produced& p) {
     for (size_t i = 0; i < outs.size(); ++i) {
       for (const auto& s : outs[i].samples) {
-        Trajectory t;
-        t.tokens = b.prompts[i].prompt_ids;
-        t.prompt_len = int64_t(t.tokens.size());
-        t.tokens.insert(t.tokens.end(), s.tokens.begin(), s.tokens.end());
-        t.rollout_lp = s.logprobs;
-        t.routing = s.routing;
         p.reqs.push_back(reward_request(b.prompts[i], s, int64_t(p.reqs.size())));
-        t.in_loss = !(cfg.mask_truncated && p.reqs.back().truncated);
-        p.trajs.push_back(std::move(t));
+        p.trajs.push_back(trajectory(b.prompts[i], s.tokens, s.logprobs, s.routing, p.reqs.back().truncated));
         p.lengths.push_back(double(s.tokens.size()));
       }
     }
@@ -655,15 +661,8 @@ struct GrpoTrainer::Impl {
   void collect_episodes(const Batch& b, const std::vector<std::vector<Episode>>& eps, Produced& p) {
     for (size_t i = 0; i < eps.size(); ++i)
       for (const Episode& e : eps[i]) {
-        Trajectory t;
-        t.tokens = b.prompts[i].prompt_ids;
-        t.prompt_len = int64_t(t.tokens.size());
-        t.tokens.insert(t.tokens.end(), e.response.begin(), e.response.end());
-        t.rollout_lp = e.logprobs;
-        t.sampled = e.sampled;
-        t.routing = e.routing;
-        t.in_loss = !(cfg.mask_truncated && e.truncated);
-        p.trajs.push_back(std::move(t));
+        p.trajs.push_back(trajectory(b.prompts[i], e.response, e.logprobs, e.routing, e.truncated));
+        p.trajs.back().sampled = e.sampled;
         RewardRequest r;  // what the sample dump and the metrics read
         r.id = int64_t(p.reqs.size());
         r.prompt = b.prompts[i].prompt_text;

@@ -14,25 +14,10 @@ namespace {
 using Json = nlohmann::json;
 using OrderedJson = nlohmann::ordered_json;
 
-constexpr size_t kQuoteBytes = 200;  // how much of a bad value an error quotes
-
-std::string quote(const std::string& s) {
-  std::string out = s.size() > kQuoteBytes ? s.substr(0, kQuoteBytes) + "..." : s;
-  for (char& c : out)
-    if (static_cast<unsigned char>(c) < 32) c = ' ';
-  return out;
-}
-
 }  // namespace
 
 std::string worker_request_line(const RewardRequest& r) {
-  OrderedJson metadata = OrderedJson::object();
-  if (!r.metadata.empty()) {
-    metadata = OrderedJson::parse(r.metadata, nullptr, false);
-    KILN_CHECK(!metadata.is_discarded() && metadata.is_object(),
-               "reward worker: request metadata is not a JSON object (id=", r.id, ", metadata=", quote(r.metadata),
-               "); pass the dataset line's metadata object as JSON text, or \"{}\"");
-  }
+  OrderedJson metadata = request_metadata(r.metadata, "reward worker", r.id);  // errors before anything runs
   OrderedJson j;
   j["id"] = r.id;
   j["prompt"] = r.prompt;
@@ -64,14 +49,14 @@ std::vector<RewardResult> WorkerReward::score(const std::vector<RewardRequest>& 
   const auto accept = [&](size_t index, const Json& j) -> std::string {
     const auto reward = j.find("reward");
     if (reward == j.end() || !reward->is_number() || !std::isfinite(reward->get<double>()))
-      return str_cat("\"reward\" is missing or not a finite number (answer=", quote(j.dump()), ")");
+      return str_cat("\"reward\" is missing or not a finite number (answer=", quote_for_error(j), ")");
     RewardResult& result = results[index];
     result.reward = reward->get<double>();
     if (const auto comps = j.find("components"); comps != j.end() && !comps->is_null()) {
-      if (!comps->is_object()) return str_cat("\"components\" is not an object (answer=", quote(j.dump()), ")");
+      if (!comps->is_object()) return str_cat("\"components\" is not an object (answer=", quote_for_error(j), ")");
       for (const auto& [name, value] : comps->items()) {
         if (!value.is_number() || !std::isfinite(value.get<double>()))
-          return str_cat("component \"", name, "\" is not a finite number (answer=", quote(j.dump()), ")");
+          return str_cat("component \"", name, "\" is not a finite number (answer=", quote_for_error(j), ")");
         result.components.emplace_back(name, value.get<double>());
       }
     }

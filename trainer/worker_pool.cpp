@@ -41,12 +41,6 @@ constexpr double kDrainWaitS = 0.2;  // how long stderr is drained after a kill 
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-std::string quote(const std::string& s) {
-  std::string out = s.size() > kQuoteBytes ? s.substr(0, kQuoteBytes) + "..." : s;
-  for (char& c : out)
-    if (static_cast<unsigned char>(c) < 32) c = ' ';
-  return out;
-}
 
 std::string command_text(const std::vector<std::string>& argv) {
   std::string out;
@@ -372,6 +366,25 @@ std::optional<int64_t> json_id(const Json& j) {
 
 }  // namespace
 
+std::string quote_for_error(const std::string& text) {
+  std::string out = text.size() > kQuoteBytes ? text.substr(0, kQuoteBytes) + "..." : text;
+  for (char& c : out)
+    if (static_cast<unsigned char>(c) < 32) c = ' ';
+  return out;
+}
+
+std::string quote_for_error(const Json& answer) {
+  return quote_for_error(answer.dump(-1, ' ', true, Json::error_handler_t::replace));
+}
+
+nlohmann::ordered_json request_metadata(const std::string& text, const char* who, int64_t id) {
+  if (text.empty()) return nlohmann::ordered_json::object();
+  nlohmann::ordered_json m = nlohmann::ordered_json::parse(text, nullptr, false);
+  KILN_CHECK(!m.is_discarded() && m.is_object(), who, ": request metadata is not a JSON object (id=", id,
+             ", metadata=", quote_for_error(text), "); pass the dataset line's metadata object as JSON text, or \"{}\"");
+  return m;
+}
+
 struct WorkerPool::Impl {
   struct InFlight {
     size_t index;  // into the call's requests
@@ -623,7 +636,7 @@ void WorkerPool::Impl::handle_line(Slot& slot, const std::string& line) {
     const std::optional<int64_t> id = scan_id(line);
     if (!id || !slot.in_flight.count(*id)) return garbage(slot, "not JSON", line);
     answered(slot, *id, &index);
-    return fail(index, str_cat("answer is not valid JSON (line=", quote(line), ")"), slot.proc->stderr_tail().text());
+    return fail(index, str_cat("answer is not valid JSON (line=", quote_for_error(line), ")"), slot.proc->stderr_tail().text());
   }
   const std::optional<int64_t> id = json_id(j);
   if (!id) return garbage(slot, "no integer \"id\"", line);
@@ -643,7 +656,7 @@ void WorkerPool::Impl::handle_line(Slot& slot, const std::string& line) {
 void WorkerPool::Impl::garbage(Slot& slot, const std::string& why, const std::string& line) {
   ++stats.num_garbage_lines;
   ++slot.num_garbage;
-  slot.last_garbage = str_cat(why, ": ", quote(line));
+  slot.last_garbage = str_cat(why, ": ", quote_for_error(line));
   if (slot.num_garbage > spec.max_garbage_lines)
     kill_slot(slot, Death::kGarbage,
               str_cat("worker wrote ", slot.num_garbage, " stdout lines that name no request in flight ",
@@ -702,7 +715,7 @@ void WorkerPool::Impl::fail(size_t index, const std::string& why, const std::str
                               end - (begin == std::string::npos ? 0 : begin + 1));
     end = begin == std::string::npos ? 0 : begin;
   }
-  r.error = last.empty() ? why : str_cat(why, "; stderr: ", quote(last));
+  r.error = last.empty() ? why : str_cat(why, "; stderr: ", quote_for_error(last));
   (*results)[index] = std::move(r);
   ++num_done;
 }

@@ -41,6 +41,15 @@ struct WorkerOutcome {
 // max_restarts in one call the requests left fail. A failure is reported (on_failure: zero) or
 // throws kiln::Error naming the pool, the command, the request id, what went wrong and the worker's
 // recent stderr (on_failure: stop). Under MPI each rank makes its own pool; nothing is shared.
+// Text for an error message: at most 200 bytes of it, control characters as spaces.
+std::string quote_for_error(const std::string& text);
+// The same for an answer: its JSON, ASCII with escapes (invalid UTF-8 as U+FFFD).
+std::string quote_for_error(const nlohmann::json& answer);
+
+// A request's metadata (a JSON object as text; "" reads as {}) for its line; throws naming `who`,
+// the request id and the text when it is not an object.
+nlohmann::ordered_json request_metadata(const std::string& text, const char* who, int64_t id);
+
 class WorkerPool {
  public:
   // `what` names the pool in errors ("reward worker", "environment"). `spec` must be validated.

@@ -163,14 +163,14 @@ TEST(Episodes, EnvironmentFailuresEndOnlyTheirEpisodes) {
   Environment bad(scripted_env(3, {"--bad-ids"}));
   for (const auto& request : s.run(bad))
     for (const Episode& e : request) {
-      EXPECT_TRUE(e.failed_ids && e.last.failed);
+      EXPECT_TRUE(e.bad_observation && e.last.failed);
       EXPECT_NE(e.last.error.find("observation_ids holds 100000, outside the vocabulary (128 ids)"), std::string::npos)
           << e.last.error;
     }
   Environment nul(scripted_env(3, {"--nul-text"}));
   for (const auto& request : s.run(nul))
     for (const Episode& e : request) {
-      EXPECT_TRUE(e.failed_ids && e.last.failed && e.turns.size() == 1u);
+      EXPECT_TRUE(e.bad_observation && e.last.failed && e.turns.size() == 1u);
       EXPECT_NE(e.last.error.find("the tokenizer rejects the observation"), std::string::npos) << e.last.error;
     }
   EnvironmentSpec strict = scripted_env(3, {"--bad-ids"});
