@@ -263,6 +263,35 @@ void Group::all_reduce(at::Tensor& t, ReduceOp op) const {
               "MPI_Allreduce");
 }
 
+void Group::reduce(at::Tensor& t, int root, ReduceOp op) const {
+  KILN_CHECK(t.is_contiguous(), "comm: reduce needs a contiguous tensor");
+  KILN_CHECK(root >= 0 && root < size_, "comm: reduce root ", root, " outside the group of ", size_);
+  if (size_ == 1 && !nccl_path(t)) return;
+#if KILN_WITH_NCCL
+  if (t.is_cuda() && impl_) {
+    check_nccl(ncclReduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()), nccl_type(t.scalar_type()), nccl_op(op),
+                          root, impl_->nccl_comm(rank_, size_), at::cuda::getCurrentCUDAStream()),
+               "reduce");
+    return;
+  }
+#endif
+  if (t.is_cuda() || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf) {
+    const bool low = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+    at::Tensor host = t.to(at::kCPU, low ? at::kFloat : t.scalar_type()).contiguous();
+    reduce(host, root, op);
+    if (rank_ == root) t.copy_(host);
+    return;
+  }
+  const int64_t n = t.numel(), elem = int64_t(t.element_size());
+  auto* p = static_cast<char*>(t.data_ptr());
+  for (int64_t i = 0; i < n; i += kMaxCount) {
+    void* chunk = p + i * elem;
+    KILN_MPI(MPI_Reduce(rank_ == root ? MPI_IN_PLACE : chunk, rank_ == root ? chunk : nullptr,
+                        int(std::min(kMaxCount, n - i)), mpi_type(t.scalar_type()), mpi_op(op), root, impl_->comm),
+             "MPI_Reduce");
+  }
+}
+
 double Group::all_reduce(double v, ReduceOp op) const {
   if (size_ == 1) return v;
   double out = 0;

@@ -56,6 +56,9 @@ class Group {
   // stream for CUDA ones (ordered with later work on that stream); otherwise done at once. Every
   // rank must start the same collectives in the same order.
   Work all_reduce_async(at::Tensor& t) const;
+  // In place on `root`, which alone gets the reduction (ZeRO-3's gradients to their owner); the
+  // other ranks' t is left unspecified. Same dtypes as all_reduce.
+  void reduce(at::Tensor& t, int root, ReduceOp op = ReduceOp::kSum) const;
   // t's dim 0 is size()*n: rank r gets the reduction of rows [r*n, (r+1)*n).
   at::Tensor reduce_scatter(const at::Tensor& t, ReduceOp op = ReduceOp::kSum) const;
   // Every rank gives a tensor of the same shape; the result concatenates them along dim 0 by rank.

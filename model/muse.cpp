@@ -434,12 +434,17 @@ struct LayerRecompute : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::AutoGradMode grad_on(true);
     at::Tensor x = input.detach().requires_grad_(true);
-    LayerOut r = run_layer(context->view(), weights, layer, x, ids);
+    // Sharded weights (ZeRO-3) are gathered again here, and their gradients go to their owners
+    // after the layer's backward: every rank runs these nodes in the same order (layer by layer).
+    const WeightGather* g = context->opt.gather;
+    const LayerWeights lw = g ? g->gather_layer(layer, weights) : weights;
+    LayerOut r = run_layer(context->view(), lw, layer, x, ids);
     torch::autograd::variable_list outs, gs;
     if (grads[0].defined()) outs.push_back(r.x), gs.push_back(grads[0]);
     if (has_balance && grads.size() > 1 && grads[1].defined() && r.balance.requires_grad())
       outs.push_back(r.balance), gs.push_back(grads[1]);
     if (!outs.empty()) torch::autograd::backward(outs, gs);
+    if (g) g->finish_layer(layer, lw, weights);
     input = at::Tensor();  // the graph is consumed: release the saved activation now
     return {x.grad()};
   }
@@ -450,7 +455,7 @@ LayerOut recomputed_layer(const std::shared_ptr<const OwnedLayerContext>& c, con
   LayerOut r;
   {
     at::NoGradGuard no_grad;
-    r = run_layer(c->view(), lw, i, x, replay);
+    r = run_layer(c->view(), c->opt.gather ? c->opt.gather->gather_layer(i, lw) : lw, i, x, replay);
   }
   auto node = std::shared_ptr<LayerRecompute>(new LayerRecompute(), torch::autograd::deleteNode);
   node->context = c;
@@ -629,9 +634,13 @@ Muse::Muse(ModelConfig cfg, Weights weights) : cfg_(std::move(cfg)), w_(std::mov
              " layers but the config says num_layers=", cfg_.num_layers);
 }
 
-at::Tensor Muse::logits(const at::Tensor& hidden) const {
-  return at::linear(hidden, w_.lm_head).to(router_dtype(dtype()));
+namespace {
+at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& lm_head) {
+  return at::linear(hidden, lm_head).to(router_dtype(lm_head.scalar_type()));
 }
+}  // namespace
+
+at::Tensor Muse::logits(const at::Tensor& hidden) const { return head_logits(hidden, w_.lm_head); }
 
 ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt) const {
   const int64_t T = batch.num_tokens(), L = cfg_.num_layers, k = cfg_.top_k;
@@ -697,27 +706,30 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
     }
     padded = PaddedLayout::build(rows, pos, rows, pos, device());
   }
-  at::Tensor x = at::embedding(w_.embed, batch.tokens);  // [T, d]
+  const WeightGather* gather = opt.gather;  // sharded dense weights: gathered where they are read
+  at::Tensor x = at::embedding(gather ? gather->gather(w_.embed) : w_.embed, batch.tokens);  // [T, d]
   std::vector<at::Tensor> routing;
   at::Tensor balance = opt.load_balance
                            ? at::zeros({}, at::TensorOptions().dtype(router_dtype(dtype())).device(device()))
                            : at::Tensor();
   const LayerContext context{cfg_, batch, cos, sin, padded, flash, opt};
-  const auto owned = opt.recompute && torch::autograd::GradMode::is_enabled()
+  const auto owned = (opt.recompute || gather) && torch::autograd::GradMode::is_enabled()
                          ? std::make_shared<const OwnedLayerContext>(OwnedLayerContext{cfg_, batch, cos, sin, padded, flash, opt})
                          : nullptr;
   at::Tensor xn;  // the residual stream normed for what reads it next, when the layer before fused that
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor replay_i = replay.defined() ? replay.select(1, i) : at::Tensor();
     const at::Tensor& next_norm = i + 1 < L ? w_.layers[size_t(i + 1)].input_norm : w_.final_norm;
-    LayerOut r = owned ? recomputed_layer(owned, w_.layers[i], i, x, replay_i)
-                       : run_layer(context, w_.layers[i], i, x, replay_i, xn, next_norm);
+    LayerOut r = owned    ? recomputed_layer(owned, w_.layers[i], i, x, replay_i)
+                 : gather ? run_layer(context, gather->gather_layer(i, w_.layers[i]), i, x, replay_i)
+                          : run_layer(context, w_.layers[i], i, x, replay_i, xn, next_norm);
     x = r.x;
     xn = r.xn;
     routing.push_back(r.ids);
     if (balance.defined()) balance = balance + r.balance;
   }
-  if (!xn.defined()) xn = rms_norm(x, w_.final_norm, cfg_.rms_norm_eps);
+  if (!xn.defined()) xn = rms_norm(x, gather ? gather->gather(w_.final_norm) : w_.final_norm, cfg_.rms_norm_eps);
+  const at::Tensor head = gather && !opt.skip_head ? gather->gather(w_.lm_head) : w_.lm_head;
 
   ForwardOutput out;
   out.routing = at::stack(routing, 1).to(at::kByte);  // [T, L, k]
@@ -726,7 +738,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
     out.hidden = xn;
     return out;
   }
-  if (opt.return_logits) out.logits = logits(xn);
+  if (opt.return_logits) out.logits = head_logits(xn, head);
   if (opt.targets.defined()) {
     KILN_CHECK(opt.temperature > 0, "forward: temperature must be positive (got ", opt.temperature, ")");
     KILN_CHECK(opt.targets.dim() == 1 && opt.targets.size(0) == T, "forward: targets must be [", T,
@@ -745,8 +757,8 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
       // CUDA no fp32 copy of the logits: kernels::token_logprobs).
       at::Tensor target = safe.narrow(0, a, n);
       if (!out.logits.defined()) {
-        lps.push_back(opt.use_fused ? kernels::token_logprobs(xn.narrow(0, a, n), w_.lm_head, target, opt.temperature)
-                                    : kernels::token_logprobs_reference(xn.narrow(0, a, n), w_.lm_head, target,
+        lps.push_back(opt.use_fused ? kernels::token_logprobs(xn.narrow(0, a, n), head, target, opt.temperature)
+                                    : kernels::token_logprobs_reference(xn.narrow(0, a, n), head, target,
                                                                         opt.temperature));
         continue;
       }

@@ -94,6 +94,23 @@ class AttentionBackend {
                                       const at::Tensor& sin);
 };
 
+// Dense weights this rank holds only in part (ZeRO-3: each tensor whole on one owner rank,
+// dist/zero3.h). The forward asks for a layer's full weights just before it runs the layer, and
+// again when it recomputes the layer in the backward; the tensors outside the layers (embedding,
+// final norm, head) are gathered where they are read. Applied from outside the model: the model
+// only calls these.
+class WeightGather {
+ public:
+  virtual ~WeightGather() = default;
+  // Layer i's full weights from this rank's `own` (whose sharded tensors may be placeholders).
+  // Under a gradient, each trained tensor it gathers is a fresh leaf (requires_grad) that the
+  // layer's backward fills; finish_layer then hands those gradients to their owners.
+  virtual LayerWeights gather_layer(int64_t i, const LayerWeights& own) const = 0;
+  virtual void finish_layer(int64_t i, const LayerWeights& gathered, const LayerWeights& own) const = 0;
+  // One whole tensor, differentiable: its backward hands the gradient to the owner.
+  virtual at::Tensor gather(const at::Tensor& own) const = 0;
+};
+
 struct ForwardOptions {
   bool return_logits = false;   // [T, V] fp32 logits (large: avoid for big vocabularies)
   at::Tensor targets;           // [T] int64: when defined, return log p(targets[t] | tokens[<=t]);
@@ -129,6 +146,10 @@ struct ForwardOptions {
   // (its routing replayed): the activations of one layer at a time instead of all of them, for
   // about one more forward of compute. The model must outlive the backward.
   bool recompute = false;
+  // Sharded dense weights (ZeRO-3), gathered layer by layer; not owned. Under a gradient the
+  // layers are recomputed in the backward (as with `recompute`), so that only one layer's full
+  // weights are held at a time.
+  const WeightGather* gather = nullptr;
 };
 
 struct ForwardOutput {

@@ -269,14 +269,20 @@ fi  # attention
 if want async; then
 # Issue 23: asynchronous GRPO (grpo.async.max_staleness 1) against the synchronous step on the same
 # recipe: muse-small, 64 prompts x 8 samples x 32 tokens, TIS on in both; steps per hour and rewards.
-step "async GRPO: synchronous vs max_staleness 1"
+# Both runs start from the same short SFT (KILN_SFT_STEPS, default 300), so that the reward moves.
+step "async GRPO: SFT warm start, then synchronous vs max_staleness 1"
+sed -e "s|config: ../configs|config: $PWD/configs|" recipes/grpo-arith-small-gpu.yaml > "$tmp/async-sft.yaml"
+printf 'sft:\n  steps: %s\n  batch_size: 64\n  lr: 0.001\n  lr_decay: cosine\n  min_lr_ratio: 0.1\n' \
+  "${KILN_SFT_STEPS:-300}" >> "$tmp/async-sft.yaml"
+./build-gpu/kiln sft "$tmp/async-sft.yaml" --out "$tmp/async-sft" 2>&1 | tr '\r' '\n' | grep -v "^sft [0-9]" | tail -2 \
+  | tee -a "$out/async.txt"
 for k in off 1; do
   sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: 64/" \
       -e "s/^  max_tokens: .*/  max_tokens: 32/" -e "s/^  mismatch_ab: .*/  mismatch_ab: false/" \
-      -e "s/^  every: .*/  every: 1000/" -e "s/^  steps: .*/  steps: ${KILN_ASYNC_STEPS:-12}/" \
+      -e "s/^  every: .*/  every: 1000/" -e "s/^  steps: .*/  steps: ${KILN_ASYNC_STEPS:-30}/" \
       -e "s/^  aggregation: token-mean/  aggregation: token-mean\n  tis: true/" recipes/grpo-arith-small-gpu.yaml > "$tmp/async-$k.yaml"
   [ "$k" != off ] && sed -i "s/^  mismatch_ab: false/  mismatch_ab: false\n  async:\n    max_staleness: $k/" "$tmp/async-$k.yaml"
-  ./build-gpu/kiln train "$tmp/async-$k.yaml" --out "$tmp/async-$k" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
+  ./build-gpu/kiln train "$tmp/async-$k.yaml" --init-from "$tmp/async-sft/sft" --out "$tmp/async-$k" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
   python3 - "$tmp/async-$k/metrics.jsonl" "max_staleness $k" <<'PY' 2>&1 | tee -a "$out/async.txt"
 import sys, json, statistics as st
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l]

@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "dist/zero3.h"
 
 namespace kiln::trainer {
 
@@ -175,19 +176,23 @@ void OverlappedGradReducer::finish() {
 }
 
 ZeroOne::ZeroOne(const std::vector<std::pair<std::string, at::Tensor>>& named, const std::vector<bool>& is_expert,
-                 const comm::Group& all, const comm::Group& expert_copies, optimizers::OptimizerConfig cfg) {
+                 const comm::Group& all, const comm::Group& expert_copies, optimizers::OptimizerConfig cfg,
+                 const dist::Zero3* zero3) {
   kinds_[0].group = all;
   kinds_[1].group = expert_copies;
-  std::array<std::vector<size_t>, 2> index;
+  kinds_[2].group = all;
+  std::array<std::vector<size_t>, 3> index;
   for (size_t i = 0; i < named.size(); ++i) {
-    const int k = !is_expert.empty() && is_expert[i] ? 1 : 0;
+    const dist::Zero3::Entry* z = zero3 ? zero3->find(named[i].second) : nullptr;
+    const int k = z ? 2 : !is_expert.empty() && is_expert[i] ? 1 : 0;
     index[size_t(k)].push_back(i);
     kinds_[size_t(k)].params.push_back(named[i].second);
+    if (z) kinds_[2].owners.push_back(z->owner);
   }
   std::vector<bool> mine(named.size(), false);
-  for (size_t k = 0; k < 2; ++k) {
+  for (size_t k = 0; k < 3; ++k) {
     Kind& kind = kinds_[k];
-    kind.owners = zero_owners(kind.params, kind.group.size());
+    if (k < 2) kind.owners = zero_owners(kind.params, kind.group.size());
     for (size_t j = 0; j < index[k].size(); ++j) mine[index[k][j]] = kind.owners[j] == kind.group.rank();
   }
   std::vector<std::pair<std::string, at::Tensor>> owned;
@@ -198,12 +203,12 @@ ZeroOne::ZeroOne(const std::vector<std::pair<std::string, at::Tensor>>& named, c
 }
 
 void ZeroOne::all_reduce_grads() const {
-  for (const Kind& k : kinds_) trainer::all_reduce_grads(k.group, k.params);
+  for (size_t k = 0; k < 2; ++k) trainer::all_reduce_grads(kinds_[k].group, kinds_[k].params);
 }
 
 void ZeroOne::step() {
   if (opt_) opt_->step();
-  for (const Kind& k : kinds_) broadcast_from_owners(k.group, k.params, k.owners);
+  for (size_t k = 0; k < 2; ++k) broadcast_from_owners(kinds_[k].group, kinds_[k].params, kinds_[k].owners);
 }
 
 double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,
@@ -224,18 +229,9 @@ double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const s
 }
 
 std::vector<int> zero_owners(const std::vector<at::Tensor>& params, int ranks) {
-  std::vector<size_t> order(params.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return params[a].numel() > params[b].numel(); });
-  std::vector<int64_t> load(size_t(ranks), 0);
-  std::vector<int> owner(params.size(), 0);
-  for (size_t i : order) {
-    const int r = int(std::min_element(load.begin(), load.end()) - load.begin());
-    owner[i] = r;
-    load[size_t(r)] += params[i].numel();
-  }
-  return owner;
+  std::vector<int64_t> numels;
+  for (const at::Tensor& p : params) numels.push_back(p.numel());
+  return dist::zero_owners(numels, ranks);
 }
 
 void broadcast_from_owners(const comm::Group& group, const std::vector<at::Tensor>& params,

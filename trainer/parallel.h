@@ -14,6 +14,10 @@
 #include "core/comm.h"
 #include "optimizers/optimizer.h"
 
+namespace kiln::dist {
+class Zero3;
+}
+
 namespace kiln::trainer {
 
 // Where the rollout engine's experts live under expert parallelism: a full replica on every rank
@@ -92,13 +96,16 @@ double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const s
 class ZeroOne {
  public:
   // is_expert: one flag per tensor, or empty (no expert shards).
+  // zero3: the tensors it shards (ZeRO-3 over `all`) keep its owners; their gradients are
+  // already summed on the owner by the backward and their values stay there (no broadcast).
   ZeroOne(const std::vector<std::pair<std::string, at::Tensor>>& named, const std::vector<bool>& is_expert,
-          const comm::Group& all, const comm::Group& expert_copies, optimizers::OptimizerConfig cfg);
+          const comm::Group& all, const comm::Group& expert_copies, optimizers::OptimizerConfig cfg,
+          const dist::Zero3* zero3 = nullptr);
   optimizers::Optimizer* optimizer() const { return opt_.get(); }  // null when this rank owns nothing
   void set_lr_factor(double factor) {
     if (opt_) opt_->set_lr_factor(factor);
   }
-  // Sums each kind's gradients over its group (blocking, bucketed).
+  // Sums each kind's gradients over its group (blocking, bucketed); ZeRO-3's are summed already.
   void all_reduce_grads() const;
   // The owners step; then every rank gets every tensor from its owner.
   void step();
@@ -109,11 +116,12 @@ class ZeroOne {
     std::vector<at::Tensor> params;
     std::vector<int> owners;  // rank in `group`, per entry of params
   };
-  std::array<Kind, 2> kinds_;  // replicated, expert shards
+  std::array<Kind, 3> kinds_;  // replicated, expert shards, ZeRO-3 (reduced in the backward, never broadcast)
   std::unique_ptr<optimizers::Optimizer> opt_;
 };
 
-// The ZeRO-1 owner rank of each parameter: largest first, each to the least-loaded rank.
+// The ZeRO-1 owner rank of each parameter: largest first, each to the least-loaded rank
+// (dist::zero_owners, the rule ZeRO-3 shares).
 std::vector<int> zero_owners(const std::vector<at::Tensor>& params, int ranks);
 
 // After the owners' optimizer steps: every rank gets every parameter from its owner.

@@ -67,6 +67,20 @@ TEST(Comm, ReduceScatterAllGatherBroadcast) {
   EXPECT_TRUE(test::all_equal(b, part(S - 1, {4097})));
 }
 
+TEST(Comm, ReduceToOneRootInEveryDtype) {
+  const Group& w = Group::world();
+  const int S = w.size();
+  for (at::ScalarType dt : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong}) {
+    for (int root : {0, S - 1}) {
+      at::Tensor t = part(w.rank(), {111}).mul(8).round().to(dt);  // integers: every order sums exactly
+      w.reduce(t, root);
+      at::Tensor expect = at::zeros({111});
+      for (int r = 0; r < S; ++r) expect += part(r, {111}).mul(8).round();
+      if (w.rank() == root) EXPECT_TRUE(test::all_equal(t.to(at::kDouble), expect.to(at::kDouble))) << dt << " root " << root;
+    }
+  }
+}
+
 TEST(Comm, AllToAllVRoutesRowsAndSplitsGroups) {
   const Group& w = Group::world();
   const int S = w.size(), me = w.rank();
@@ -133,6 +147,11 @@ TEST(Comm, CudaTensorsGiveTheCpuResults) {
       at::Tensor bc = src.clone();
       w.broadcast(bc, 0);
       EXPECT_TRUE(test::all_equal(b.cpu(), bc)) << dt << " " << n;
+      at::Tensor r = src.to(gpu), rc = src.clone();
+      w.reduce(r, S - 1);
+      w.reduce(rc, S - 1);
+      if (w.rank() == S - 1)
+        EXPECT_TRUE(test::all_close(r.cpu().to(at::kFloat), rc.to(at::kFloat), 1e-2, 1e-2)) << dt << " " << n;
       std::vector<int64_t> send(size_t(S), n);
       EXPECT_TRUE(test::all_equal(w.all_to_all_v(src.view({S * n, 1}).to(gpu), send).cpu(),
                                   w.all_to_all_v(src.view({S * n, 1}), send)))

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 
+#include "core/files.h"
 #include "model/checkpoint.h"
 #include "model/lora.h"
 #include "model/muse.h"
@@ -205,7 +206,7 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
     auto pr = mr.named_parameters(), pm = mw.named_parameters();
     for (size_t i = 0; i < pr.size(); ++i) EXPECT_TRUE(test::all_equal(pr[i].second, pm[i].second)) << pr[i].first;
     w.barrier();
-    if (w.rank() == 0) std::filesystem::remove_all(dir);
+    if (w.rank() == 0) remove_tree(dir);  // not std::filesystem::remove_all (core/files.h)
   }
   for (size_t i = 0; i < p1.size(); ++i) {
     // Not element-wise: AdamW turns gradient elements at rounding-noise level into full-size

@@ -1,0 +1,174 @@
+// ZeRO-3 of the dense part (dist/zero3.h) at the world size mpirun gives: each tensor whole on one
+// rank, the others holding placeholders; loss, log-probs, routing and every owner's gradient equal
+// one rank's full-batch forward and backward, alone and with the experts sharded (expert
+// parallelism), with routing replay, with LoRA over a sharded frozen base, and without a gradient.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <string>
+
+#include "dist/zero3.h"
+#include "model/expert_parallel.h"
+#include "model/lora.h"
+#include "model/muse.h"
+#include "tests/test_util.h"
+#include "tests/trainer/small_model.h"
+
+namespace kiln::dist {
+namespace {
+
+using comm::Group;
+using model::ForwardOptions;
+using model::Muse;
+
+std::vector<std::vector<int64_t>> sequences() {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(23);
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t i = 0; i < 11; ++i) {
+    at::Tensor t = at::randint(128, {1 + 9 * (i % 3)}, g, at::kLong);
+    out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+  }
+  return out;
+}
+
+struct Run {
+  at::Tensor logprobs, routing;
+  double loss = 0;
+};
+
+// -sum log p / norm over `seqs`, backward when a parameter trains.
+Run run(const Muse& m, const std::vector<std::vector<int64_t>>& seqs, double norm, ForwardOptions o, bool grad) {
+  std::vector<int64_t> targets;
+  for (const auto& s : seqs)
+    for (size_t j = 0; j < s.size(); ++j) targets.push_back(j + 1 < s.size() ? s[j + 1] : -100);
+  o.targets = at::tensor(targets, at::kLong);
+  std::optional<at::NoGradGuard> no_grad;
+  if (!grad) no_grad.emplace();
+  model::ForwardOutput out = m.forward(model::PackedBatch::from_sequences(seqs, at::kCPU), o);
+  at::Tensor loss = -out.logprobs.sum() / norm;
+  if (loss.requires_grad()) loss.backward();
+  return {out.logprobs.detach(), out.routing, loss.item<double>()};
+}
+
+struct Case {
+  int ep = 1;          // experts sharded over ep ranks (dp = world / ep copies of each shard)
+  bool replay = false; // replay the one-rank run's routing
+  bool lora = false;   // adapters on every target, the base frozen (and sharded)
+  bool grad = true;
+};
+
+void check(const Case& c) {
+  const Group& w = Group::world();
+  const int W = w.size(), e = w.rank() % c.ep, d = w.rank() / c.ep;
+  ASSERT_EQ(W % c.ep, 0);
+  const Group ep_group = w.split(d, e), dp_group = w.split(1000 + e, d);
+  const model::ModelConfig cfg = test::byte_vocab_config();
+  const int64_t per = cfg.num_experts / c.ep;
+  const std::string what = "ep=" + std::to_string(c.ep) + (c.replay ? " replay" : "") + (c.lora ? " lora" : "") +
+                           (c.grad ? "" : " no grad");
+  auto seqs = sequences();
+  double norm = 0;
+  for (const auto& s : seqs) norm += double(s.size()) - 1;
+  auto make = [&] {
+    Muse m = Muse::init(cfg, 9, at::kFloat, at::kCPU);
+    if (c.lora) {
+      model::add_lora(m, {4, 8}, 3);
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+      for (auto& [n, t] : model::lora_parameters(m))  // nonzero B: every adapter's gradient is nonzero
+        if (n.find("lora_B") != std::string::npos) t.normal_(0, 0.05, gen);
+    }
+    return m;
+  };
+  auto set_trained = [&](Muse& m) {  // after any sharding: the shards' tensors are new leaves
+    m.set_requires_grad(c.grad && !c.lora);
+    if (c.lora)
+      for (auto& [n, t] : model::lora_parameters(m)) t.requires_grad_(c.grad);
+  };
+  auto trained = [&](const Muse& m) {
+    auto named = c.lora ? model::lora_parameters(m) : m.named_parameters();
+    return named;
+  };
+
+  Muse full = make();
+  set_trained(full);
+  Run ref = run(full, seqs, norm, {}, c.grad);
+
+  Muse part = c.ep > 1 ? model::shard_experts(make(), e, c.ep) : make();
+  set_trained(part);
+  // The dense part (and at ep = 1 the experts too) sharded over every rank.
+  Zero3 zero(part, w, [&](const std::string& n) { return c.ep == 1 || !model::is_expert_tensor(n); });
+  int64_t held = 0, total = 0;
+  for (const auto& en : zero.entries()) {
+    held += en.own.numel();
+    total += c10::multiply_integers(en.shape);
+    EXPECT_EQ(en.own.numel() > 0, zero.owns(en)) << en.name;
+  }
+  EXPECT_EQ(int64_t(w.all_reduce(double(held))), total) << "every sharded tensor lives on exactly one rank";
+
+  const size_t b = seqs.size() * size_t(w.rank()) / size_t(W), en = seqs.size() * size_t(w.rank() + 1) / size_t(W);
+  std::vector<std::vector<int64_t>> mine(seqs.begin() + long(b), seqs.begin() + long(en));
+  int64_t t0 = 0, tn = 0;
+  for (size_t i = 0; i < b; ++i) t0 += int64_t(seqs[i].size());
+  for (const auto& s : mine) tn += int64_t(s.size());
+  ForwardOptions o;
+  o.gather = &zero;
+  if (c.ep > 1) o.expert_group = &ep_group;
+  if (c.replay) o.replay_routing = ref.routing.narrow(0, t0, tn);
+  ASSERT_GT(tn, 0);
+  Run got = run(part, mine, norm, o, c.grad);
+  EXPECT_NEAR(w.all_reduce(got.loss), ref.loss, 1e-5 * std::abs(ref.loss)) << what;
+  EXPECT_TRUE(test::all_close(got.logprobs, ref.logprobs.narrow(0, t0, tn), 1e-5, 1e-6)) << what;
+  EXPECT_TRUE(test::all_equal(got.routing, ref.routing.narrow(0, t0, tn))) << what;
+  if (!c.grad) return;
+  // Gradients: a ZeRO-3 tensor's whole sum is on its owner; a replicated one (adapters, expert
+  // shards) sums over the ranks that hold it, as data parallelism would.
+  auto fp = trained(full), pp = trained(part);
+  ASSERT_EQ(fp.size(), pp.size());
+  for (size_t i = 0; i < pp.size(); ++i) {
+    const at::Tensor& p = pp[i].second;
+    at::Tensor expect = fp[i].second.grad();
+    const Zero3::Entry* z = zero.find(p);
+    if (z) {
+      if (zero.owns(*z)) EXPECT_TRUE(test::all_close(p.grad(), expect, 1e-5, 1e-6)) << pp[i].first << " " << what;
+      continue;
+    }
+    at::Tensor g = p.grad().defined() ? p.grad().contiguous() : at::zeros_like(p);
+    const bool expert = c.ep > 1 && model::is_expert_tensor(pp[i].first);
+    (expert ? dp_group : w).all_reduce(g);
+    if (expert) expect = expect.narrow(0, e * per, per);
+    EXPECT_TRUE(test::all_close(g, expect, 1e-5, 1e-6)) << pp[i].first << " " << what;
+  }
+}
+
+TEST(Zero3, DenseShardedOverEveryRankMatchesOneRank) { check({}); }
+TEST(Zero3, WithRoutingReplay) { check({1, true}); }
+TEST(Zero3, WithoutAGradient) { check({1, false, false, false}); }
+TEST(Zero3, LoraOverAShardedFrozenBase) { check({1, false, true}); }
+TEST(Zero3, WithTheExpertsShardedByExpertParallelism) { check({Group::world().size()}); }
+TEST(Zero3, WithDataTimesExpertParallelism) {
+  if (Group::world().size() != 4) GTEST_SKIP() << "dp=2 x ep=2 needs 4 ranks";
+  check({2, true});
+}
+
+// The whole model back from the shards, and the shards from a whole model.
+TEST(Zero3, GatherIntoAndTakeFromAWholeModel) {
+  const Group& w = Group::world();
+  const model::ModelConfig cfg = test::byte_vocab_config();
+  Muse part = Muse::init(cfg, 9, at::kFloat, at::kCPU);
+  Zero3 zero(part, w, [](const std::string&) { return true; });
+  Muse whole = Muse::init(cfg, 1, at::kFloat, at::kCPU);
+  zero.gather_into(whole);
+  const Muse ref = Muse::init(cfg, 9, at::kFloat, at::kCPU);
+  auto a = whole.named_parameters(), r = ref.named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(test::all_equal(a[i].second, r[i].second)) << a[i].first;
+  const Muse other = Muse::init(cfg, 4, at::kFloat, at::kCPU);
+  zero.take_from(other);
+  zero.gather_into(whole);
+  auto o = other.named_parameters();
+  a = whole.named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(test::all_equal(a[i].second, o[i].second)) << a[i].first;
+}
+
+}  // namespace
+}  // namespace kiln::dist
