@@ -112,7 +112,7 @@ void check_plan(const trainer::Recipe& r, const comm::Group& world, at::Device d
   c.gpu_bytes = model::device_memory_bytes(device);
   c.host_bytes = c.nvme_bytes = std::numeric_limits<double>::infinity();  // not checked here
   const trainer::Plan plan = trainer::make_plan(cfg, trainer::plan_job(r.grpo, r.dtype), c,
-                                                {par.dp, par.ep, 1, trainer::DenseSharding::kReplicated});
+                                                {par.dp, par.ep, 1, par.dense});
   KILN_CHECK(plan.fits(), "train: by kiln's memory plan this recipe does not fit ", device, ": ",
              fmt::format("{}", fmt::join(plan.problems, "; ")), ". Lower optim.micro_batch_seqs or rollout.kv_cache_mb, "
              "set grpo.recompute: true, move the optimizer state (optim.state: cpu), or add ranks (parallel.ep); "
@@ -201,6 +201,9 @@ Run add_sft(CLI::App& app) {
     trainer::Recipe& r = s.recipe;
     const bool lead = comm::Group::world().rank() == 0;
     if (lead) report_data(s);
+    if (lead && r.grpo.parallel.zero3() && comm::Group::world().size() > 1)
+      fmt::print("sft: parallel.dense zero3 applies to kiln train; sft keeps the dense part replicated on every rank "
+                 "(data parallel, ZeRO-1 optimizer state)\n");
     trainer::SftTrainer sft(*s.policy, r.sft, s.tokenizer, s.data.train);
     std::FILE* log = nullptr;
     const std::string log_path = r.run.out + "/sft-metrics.jsonl";

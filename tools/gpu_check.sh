@@ -269,11 +269,12 @@ fi  # attention
 if want async; then
 # Issue 23: asynchronous GRPO (grpo.async.max_staleness 1) against the synchronous step on the same
 # recipe: muse-small, 64 prompts x 8 samples x 32 tokens, TIS on in both; steps per hour and rewards.
-# Both runs start from the same short SFT (KILN_SFT_STEPS, default 300), so that the reward moves.
+# Both runs start from the same short SFT (KILN_ASYNC_SFT_STEPS, default 30: 300 steps reach 98% and
+# leave the reward nothing to gain), so that the reward curve moves.
 step "async GRPO: SFT warm start, then synchronous vs max_staleness 1"
 sed -e "s|config: ../configs|config: $PWD/configs|" recipes/grpo-arith-small-gpu.yaml > "$tmp/async-sft.yaml"
 printf 'sft:\n  steps: %s\n  batch_size: 64\n  lr: 0.001\n  lr_decay: cosine\n  min_lr_ratio: 0.1\n' \
-  "${KILN_SFT_STEPS:-300}" >> "$tmp/async-sft.yaml"
+  "${KILN_ASYNC_SFT_STEPS:-30}" >> "$tmp/async-sft.yaml"
 ./build-gpu/kiln sft "$tmp/async-sft.yaml" --out "$tmp/async-sft" 2>&1 | tr '\r' '\n' | grep -v "^sft [0-9]" | tail -2 \
   | tee -a "$out/async.txt"
 for k in off 1; do
@@ -326,7 +327,7 @@ if want tool; then
 step "tool: muse-small SFT warm start, then ${KILN_TOOL_STEPS:-50} multi-turn GRPO steps"
 sed -e "s|config: ../configs/muse-tiny.yaml|config: $PWD/configs/muse-small.yaml|" -e "s/^  dtype: fp32/  dtype: bf16\n  device: cuda/" \
     -e "s/^  steps: 160 .*/  steps: ${KILN_SFT_STEPS:-300}/" -e "s/^  steps: 100/  steps: ${KILN_TOOL_STEPS:-50}/" \
-    -e "s/^  lr: 0.0004 .*/  lr: 1.0e-5/" -e "s/^  lr: 0.003 .*/  lr: 0.001/" -e "s/^  kv_cache_mb: .*/  kv_cache_mb: 2048/" \
+    -e "s/^  lr: 0.0004 .*/  lr: 1.0e-5/" -e "s/^  lr: 0.003 .*/  lr: 0.001/" -e "s/^  kv_cache_mb: .*/  kv_cache_mb: 12288/" \
     -e "s/^  every: 25/  every: 10/" -e "s|python3, calculator_env.py|python3, $PWD/recipes/calculator_env.py|" \
     recipes/grpo-tool-tiny.yaml > "$tmp/tool.yaml"
 ./build-gpu/kiln sft "$tmp/tool.yaml" --out "$tmp/tool" 2>&1 | tr '\r' '\n' | grep -v "^sft [0-9]" | tail -2 | tee -a "$out/tool.txt"

@@ -30,6 +30,7 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "core/safetensors.h"
+#include "dist/zero3.h"
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "text/tokenizer.h"
@@ -225,10 +226,13 @@ struct GrpoTrainer::Impl {
   comm::Group group;               // every rank: each holds its own share of the prompts
   comm::Group ep_group;            // ep > 1: the ranks whose expert shards make up one model
   comm::Group expert_dp;           // ep > 1: the ranks holding the same expert shard
-  std::unique_ptr<model::Muse> shard;  // ep > 1: the trained model (this rank's experts; every
-                                       // other tensor shared with `policy`, the engine's replica)
+  std::unique_ptr<model::Muse> shard;  // ep > 1 or ZeRO-3: the trained model (ep > 1: this rank's
+                                       // experts, every other tensor shared with `policy`, the
+                                       // engine's replica, unless ZeRO-3 gives it a copy of its own)
+  std::unique_ptr<dist::Zero3> zero3;  // parallel.dense zero3: the sharding of `shard`
+  std::unique_ptr<dist::Zero3> ref_zero3;  // ... and of `reference`
   std::vector<at::Tensor> params;  // all trained tensors: clipping, the gradient all-reduce, the broadcast
-  std::vector<bool> is_expert;     // ep > 1: params[i] is an expert shard
+  std::vector<bool> is_expert;     // ep > 1: params[i] is an expert shard (not ZeRO-3's)
   std::unique_ptr<ZeroOne> zero;   // the optimizer, over the tensors this rank owns
   std::unique_ptr<OverlappedGradReducer> reducer;  // data parallel without expert shards
   std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
@@ -245,8 +249,10 @@ struct GrpoTrainer::Impl {
     cfg.parallel.resolve(group.size(), policy.config().num_experts);
     KILN_CHECK(cfg.prompts_per_step >= group.size(), "grpo: prompts_per_step (", cfg.prompts_per_step,
                ") must be at least the number of ranks (", group.size(), "): a prompt's group stays on one rank");
-    KILN_CHECK(!cfg.dynamic_sampling || cfg.parallel.ep == 1, "grpo: dynamic_sampling keeps unequal numbers of groups ",
-               "per rank, which expert parallelism (parallel.ep=", cfg.parallel.ep, ") cannot train yet; use ep 1");
+    KILN_CHECK(!cfg.dynamic_sampling || (cfg.parallel.ep == 1 && !cfg.parallel.zero3()), "grpo: dynamic_sampling keeps ",
+               "unequal numbers of groups per rank, which expert parallelism (parallel.ep=", cfg.parallel.ep,
+               ") and ZeRO-3 (parallel.dense: ", dense_sharding_name(cfg.parallel.dense), ") cannot train yet; use ep 1 ",
+               "and dense replicated");
     KILN_CHECK(tok->vocab_size() <= policy.config().vocab_size, "grpo: the tokenizer ", tok->name(), " has ",
                tok->vocab_size(), " ids but the model's vocab_size is ", policy.config().vocab_size,
                "; use a model config whose vocabulary covers the tokenizer");
@@ -267,14 +273,20 @@ struct GrpoTrainer::Impl {
     }
     const int64_t ep = cfg.parallel.ep;
     if (cfg.lora.enabled() && model::lora_rank(policy) == 0) model::add_lora(policy, cfg.lora, cfg.seed);
-    if (ep > 1) {
-      KILN_CHECK(cfg.prompts_per_step % group.size() == 0, "grpo: expert parallel needs prompts_per_step (",
+    const bool z3 = cfg.parallel.zero3();
+    if (ep > 1 || z3) {
+      KILN_CHECK(cfg.prompts_per_step % group.size() == 0, "grpo: expert parallel and ZeRO-3 need prompts_per_step (",
                  cfg.prompts_per_step, ") divisible by the ranks (", group.size(),
-                 "): every rank must run the same number of forwards, which exchange tokens");
+                 "): every rank must run the same number of forwards, which exchange tokens or gather weights");
       const int e = int(group.rank() % ep), d = int(group.rank() / ep);
-      ep_group = group.split(d, e);
-      expert_dp = group.split(e, d);  // its own split call: colours need not differ from ep_group's
-      shard = std::make_unique<model::Muse>(model::shard_experts(policy, e, int(ep)));
+      if (ep > 1) {
+        ep_group = group.split(d, e);
+        expert_dp = group.split(e, d);  // its own split call: colours need not differ from ep_group's
+      }
+      // ZeRO-3 releases in place what this rank does not own: the trained model gets a copy of its
+      // own, apart from the engine's replica.
+      shard = std::make_unique<model::Muse>(ep > 1 ? model::shard_experts(z3 ? policy.clone() : policy, e, int(ep))
+                                                   : policy.clone());
     }
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.sharded_rollout()) ec.expert_group = &ep_group;  // serves this rank's experts
@@ -285,13 +297,18 @@ struct GrpoTrainer::Impl {
     trained().set_requires_grad(!lora());
     const auto named = lora() ? model::lora_parameters(trained()) : trained().named_parameters();
     for (auto& [name, t] : named) t.requires_grad_(true);
+    if (z3) {  // the dense part (at ep = 1 every tensor) whole on one rank each; LoRA's adapters stay replicated
+      auto select = [ep](const std::string& name) { return ep == 1 || !model::is_expert_tensor(name); };
+      zero3 = std::make_unique<dist::Zero3>(*shard, group, select);
+      if (reference) ref_zero3 = std::make_unique<dist::Zero3>(*reference, group, select);
+    }
     for (auto& [name, t] : named) {
       params.push_back(t);
-      is_expert.push_back(shard && model::is_expert_tensor(name));
+      is_expert.push_back(ep > 1 && model::is_expert_tensor(name));
     }
     optimizers::OptimizerConfig oc = cfg.optim;
     oc.fused = cfg.fused_kernels;
-    zero = std::make_unique<ZeroOne>(named, is_expert, group, expert_dp, oc);
+    zero = std::make_unique<ZeroOne>(named, is_expert, group, expert_dp, oc, zero3.get());
     if (!shard && group.size() > 1) reducer = std::make_unique<OverlappedGradReducer>(group, params);
   }
 
@@ -309,11 +326,16 @@ struct GrpoTrainer::Impl {
   // Log-probs (and own routing) of every target under `model` (the current policy, or the frozen
   // reference), micro-batched (trainer/scoring.h).
   model::Muse& trained() { return shard ? *shard : policy; }
+  // The ZeRO-3 sharding of the trained model or of the KL reference; null for any other model.
+  const dist::Zero3* zero_of(const model::Muse& m) const {
+    return &m == shard.get() ? zero3.get() : &m == reference.get() ? ref_zero3.get() : nullptr;
+  }
   bool lora() const { return cfg.lora.enabled(); }
   // Forward options of the trained model: the expert exchange under expert parallelism.
   model::ForwardOptions forward_options() const {
     model::ForwardOptions o;
-    if (shard) o.expert_group = &ep_group;
+    if (cfg.parallel.ep > 1) o.expert_group = &ep_group;
+    o.gather = zero3.get();
     o.use_fused = cfg.fused_kernels;
     o.recompute = cfg.recompute;
     return o;
@@ -321,6 +343,7 @@ struct GrpoTrainer::Impl {
   Scored score(const std::vector<Trajectory>& trajs, bool replay) { return score(trained(), trajs, replay); }
   Scored score(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay, bool base_only = false) {
     model::ForwardOptions o = forward_options();
+    o.gather = zero_of(model);
     o.disable_lora = base_only;
     return score_trajectories(model, trajs, replay, cfg.micro_batch_seqs, cfg.temperature, o);
   }
@@ -904,7 +927,7 @@ struct GrpoTrainer::Impl {
       double norm = 0;
       if (shard) {
         zero->all_reduce_grads();
-        norm = clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip);
+        norm = clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip, zero3.get());
       } else {
         if (reducer) {
           if (!armed) reducer->arm();  // no trajectories here in this mini-step: still joins in
@@ -932,8 +955,8 @@ struct GrpoTrainer::Impl {
   }
 
   // Expert parallel: a full model from the ranks' shards (experts all-gathered over ep_group, the
-  // rest copied), or a shard from a full model (its slice of the experts). Tensors the two share
-  // are left alone.
+  // rest copied), or a shard from a full model (its slice of the experts); ZeRO-3's tensors from
+  // or to their owners. Tensors the two share are left alone.
   void shard_to_full(model::Muse& part, model::Muse& full) const { copy_shard(full, part, true); }
   void full_to_shard(model::Muse& full, model::Muse& part) const { copy_shard(full, part, false); }
   void copy_shard(model::Muse& full, model::Muse& part, bool into_full) const {
@@ -943,9 +966,10 @@ struct GrpoTrainer::Impl {
     f.insert(f.end(), fl.begin(), fl.end());
     p.insert(p.end(), pl.begin(), pl.end());
     KILN_CHECK(f.size() == p.size(), "grpo: the full model and its shard hold different tensors");
+    const dist::Zero3* z = zero_of(part);
     for (size_t i = 0; i < f.size(); ++i) {
       at::Tensor &whole = f[i].second, &mine = p[i].second;
-      if (whole.is_same(mine)) continue;
+      if (whole.is_same(mine) || (z && z->find(mine))) continue;
       const bool expert = model::is_expert_tensor(f[i].first);
       const int64_t n = mine.size(0);
       if (into_full)
@@ -953,6 +977,7 @@ struct GrpoTrainer::Impl {
       else
         mine.copy_(expert ? whole.narrow(0, ep_group.rank() * n, n) : whole);
     }
+    if (z) into_full ? z->gather_into(full) : z->take_from(full);
   }
   // 6. The weight sync to the rollout engine, timed: adapters only (LoRA); or every weight, where a
   // sharded engine shares the trained tensors and a replica under expert parallelism gathers every
@@ -1003,10 +1028,11 @@ struct GrpoTrainer::Impl {
       model::ForwardOptions o;
       o.load_balance = false;
       o.expert_group = experts;
+      o.gather = zero_of(m);
       o.targets = at::cat({b.tokens.narrow(0, 1, b.num_tokens() - 1), at::full({1}, -100L, b.tokens.options())});
       return m.forward(b, o).logprobs.narrow(0, 0, b.num_tokens() - 1).to(at::kDouble).cpu();
     };
-    const comm::Group* experts = shard ? &ep_group : nullptr;
+    const comm::Group* experts = cfg.parallel.ep > 1 ? &ep_group : nullptr;
     const bool sharded_engine = cfg.parallel.sharded_rollout();
     const at::Tensor mine = lp(trained(), experts);
     const at::Tensor theirs = lp(engine->model(), sharded_engine ? experts : nullptr);
@@ -1128,10 +1154,10 @@ void GrpoTrainer::save(const std::string& dir) const {
   // Under expert parallelism each expert shard's first copy writes its own experts (rank 0 the rest
   // too) and rank 0 joins the indexes: no expert moves between ranks. LoRA exports the gathered
   // adapters from rank 0.
-  const bool parts = impl_->shard && !impl_->lora();
+  const bool parts = impl_->cfg.parallel.ep > 1 && !impl_->zero3 && !impl_->lora();
   // Under expert parallelism the reference is a shard: every rank helps assemble the full one.
   std::unique_ptr<model::Muse> full_reference;
-  if (impl_->cfg.parallel.sharded_rollout() && !parts) impl_->gather_experts();  // the full model to write
+  if ((impl_->cfg.parallel.sharded_rollout() || impl_->zero3) && !parts) impl_->gather_experts();  // the full model to write
   if (impl_->reference && impl_->shard) {
     full_reference = std::make_unique<model::Muse>(impl_->policy.clone());
     impl_->shard_to_full(*impl_->reference, *full_reference);
@@ -1223,7 +1249,7 @@ void GrpoTrainer::load(const std::string& dir) {
     const double want = st.value("base_fingerprint", 0.0), have = base_fingerprint(impl_->policy);
     KILN_CHECK(want == have, "grpo: checkpoint ", dir, " holds adapters for another base (fingerprint ", want,
                ", this model's ", have, "); resume from the base the run started with");
-  } else if (impl_->shard) {
+  } else if (impl_->cfg.parallel.ep > 1 && !impl_->zero3) {
     // Each rank reads only its own experts; the full policy's others come from their ranks.
     const int64_t ep = impl_->cfg.parallel.ep;
     restore(*impl_->shard, "model", int(impl_->group.rank() % ep), int(ep));

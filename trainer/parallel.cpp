@@ -25,7 +25,7 @@ const char* rollout_placement_name(RolloutPlacement p) {
 }
 
 std::string ParallelConfig::describe() const {
-  return str_cat("dp=", dp, " ep=", ep, " tp=", tp,
+  return str_cat("dp=", dp, " ep=", ep, " tp=", tp, " dense=", dense_sharding_name(dense),
                  ep > 1 ? str_cat(" rollout=", rollout_placement_name(rollout)) : std::string());
 }
 
@@ -33,6 +33,10 @@ void ParallelConfig::resolve(int64_t world, int64_t num_experts) {
   const std::string given = str_cat("(given dp=", dp, ", ep=", ep, ", tp=", tp, "; world size ", world,
                                     ", num_experts ", num_experts, ")");
   KILN_CHECK(tp == 1, "parallel: tp is reserved for later and must be 1 ", given);
+  KILN_CHECK(dense != DenseSharding::kTensor, "parallel: dense tp is planned (kiln plan) but not implemented; use ",
+             "replicated or zero3 ", given);
+  KILN_CHECK(!(zero3() && sharded_rollout()), "parallel: dense zero3 with rollout sharded is not implemented yet (the ",
+             "sharded engine serves the trained tensors, which ZeRO-3 keeps on their owners); use rollout replica ", given);
   KILN_CHECK(!sharded_rollout() || ep > 1, "parallel: rollout sharded needs ep > 1 ", given);
   KILN_CHECK(ep >= 1 && ep <= num_experts && num_experts % ep == 0,
              "parallel: ep must be at least 1, at most num_experts, and divide num_experts evenly ", given);
@@ -212,15 +216,19 @@ void ZeroOne::step() {
 }
 
 double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,
-                                  const comm::Group& experts, double max_norm) {
+                                  const comm::Group& experts, double max_norm, const dist::Zero3* zero3) {
   at::NoGradGuard no_grad;
-  double replicated = 0, sharded = 0;
+  double replicated = 0, sharded = 0, owned = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& g = params[i].grad();
     if (!g.defined()) continue;
-    (is_expert[i] ? sharded : replicated) += g.to(at::kDouble).pow(2).sum().item<double>();
+    const dist::Zero3::Entry* z = zero3 ? zero3->find(params[i]) : nullptr;
+    if (z && !zero3->owns(*z)) continue;
+    (z ? owned : is_expert[i] ? sharded : replicated) += g.to(at::kDouble).pow(2).sum().item<double>();
   }
-  const double total = std::sqrt(replicated + experts.all_reduce(sharded));
+  double total = replicated + experts.all_reduce(sharded);
+  if (zero3) total += zero3->group().all_reduce(owned);
+  total = std::sqrt(total);
   const double coef = max_norm / (total + 1e-6);  // the rule of torch's clip_grad_norm_
   if (max_norm > 0 && coef < 1)
     for (const at::Tensor& p : params)

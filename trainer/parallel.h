@@ -13,6 +13,7 @@
 
 #include "core/comm.h"
 #include "optimizers/optimizer.h"
+#include "trainer/plan.h"
 
 namespace kiln::dist {
 class Zero3;
@@ -31,11 +32,16 @@ struct ParallelConfig {
   int64_t ep = 1;  // expert-parallel ranks
   int64_t tp = 1;  // reserved: must be 1
   RolloutPlacement rollout = RolloutPlacement::kReplica;  // kSharded needs ep > 1
+  // The dense part (and at ep = 1 the experts too): replicated with ZeRO-1 optimizer state, or
+  // ZeRO-3 (dist/zero3.h: each tensor whole on one rank, gathered a layer at a time, the layers
+  // recomputed in the backward). tp is planned (`kiln plan`) but not implemented.
+  DenseSharding dense = DenseSharding::kReplicated;
+  bool zero3() const { return dense == DenseSharding::kZero3; }
   // A blocking MPI collective that waits longer aborts the job naming the rank and the call
   // (comm::set_collective_timeout); 0 = wait forever. Long enough for rank 0's checkpoint writes.
   double collective_timeout_s = 1800;
   bool sharded_rollout() const { return rollout == RolloutPlacement::kSharded; }
-  // Fills dp and checks dp * ep == world, ep | num_experts, tp == 1, rollout. Errors list every value.
+  // Fills dp and checks dp * ep == world, ep | num_experts, tp == 1, rollout, dense. Errors list every value.
   void resolve(int64_t world, int64_t num_experts);
   std::string describe() const;
 };
@@ -86,9 +92,10 @@ class OverlappedGradReducer {
 };
 
 // The global gradient norm when expert shards differ between the ranks of `experts` (each expert
-// counted once), and clipping of every gradient to max_norm (0: only measure). Returns the norm.
+// counted once) and ZeRO-3's tensors have their gradient on their owner alone (zero3, if given),
+// and clipping of every gradient to max_norm (0: only measure). Returns the norm.
 double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,
-                                  const comm::Group& experts, double max_norm);
+                                  const comm::Group& experts, double max_norm, const dist::Zero3* zero3 = nullptr);
 
 // ZeRO-1 with whole tensors (Muon never sees a slice): each tensor's owner keeps its optimizer
 // state, steps it and broadcasts it. Expert shards (is_expert, ep > 1) are owned among the ranks

@@ -30,7 +30,7 @@ DenseSharding parse_dense_sharding(const std::string& name) {
   KILN_FAIL("plan: unknown dense sharding '", name, "'; expected replicated, zero3 or tp");
 }
 
-bool Layout::implemented() const { return tp == 1 && dense == DenseSharding::kReplicated; }
+bool Layout::implemented() const { return tp == 1 && dense != DenseSharding::kTensor; }
 
 std::string Layout::describe() const {
   return fmt::format("dp {} x ep {} x tp {}, dense {}", dp, ep, tp, dense_sharding_name(dense));

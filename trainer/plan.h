@@ -33,7 +33,7 @@ DenseSharding parse_dense_sharding(const std::string& name);  // replicated | ze
 struct Layout {
   int64_t dp = 1, ep = 1, tp = 1;
   DenseSharding dense = DenseSharding::kReplicated;
-  bool implemented() const;  // what kiln trains today: tp 1, dense replicated (ZeRO-1 state)
+  bool implemented() const;  // what kiln trains today: tp 1, dense replicated (ZeRO-1 state) or ZeRO-3
   std::string describe() const;
 };
 

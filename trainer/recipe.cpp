@@ -33,6 +33,19 @@ std::string resolve(const std::string& path, const std::string& recipe) {
 
 
 // The optimizer keys shared by the optim (GRPO) and sft sections.
+// An enum written by name: a bad name fails naming the file, line and key, with the parser's message.
+template <typename E>
+void get_enum(yaml::MapReader& m, const std::string& key, E& out, E (*parse)(const std::string&),
+              const char* (*name)(E)) {
+  std::string s = name(out);
+  m.get(key, s);
+  try {
+    out = parse(s);
+  } catch (const Error& e) {
+    m.fail(key, e.what());
+  }
+}
+
 void read_optim(yaml::MapReader& m, optimizers::OptimizerConfig& o) {
   using optimizers::Placement;
   m.get("lr", o.adamw.lr);
@@ -413,13 +426,8 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     p.get("collective_timeout_s", g.parallel.collective_timeout_s);
     if (!std::isfinite(g.parallel.collective_timeout_s) || g.parallel.collective_timeout_s < 0)
       p.fail("collective_timeout_s", "must be a number of seconds >= 0 (0: no timeout)");
-    std::string placement = rollout_placement_name(g.parallel.rollout);
-    p.get("rollout", placement);
-    try {
-      g.parallel.rollout = parse_rollout_placement(placement);
-    } catch (const Error& e) {
-      p.fail("rollout", e.what());
-    }
+    get_enum(p, "dense", g.parallel.dense, parse_dense_sharding, dense_sharding_name);
+    get_enum(p, "rollout", g.parallel.rollout, parse_rollout_placement, rollout_placement_name);
     p.finish();
   }
   {
@@ -607,7 +615,8 @@ std::string Recipe::to_yaml() const {
     << g.schedule.min_ratio << YAML::EndMap;
   e << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap << YAML::Key << "dp" << YAML::Value << g.parallel.dp
     << YAML::Key << "ep" << YAML::Value << g.parallel.ep << YAML::Key << "tp" << YAML::Value << g.parallel.tp
-    << YAML::Key << "rollout" << YAML::Value << rollout_placement_name(g.parallel.rollout) << YAML::Key
+    << YAML::Key << "rollout" << YAML::Value << rollout_placement_name(g.parallel.rollout) << YAML::Key << "dense"
+    << YAML::Value << dense_sharding_name(g.parallel.dense) << YAML::Key
     << "collective_timeout_s" << YAML::Value << g.parallel.collective_timeout_s << YAML::EndMap;
   e << YAML::Key << "rollout" << YAML::Value << YAML::BeginMap << YAML::Key << "kv_cache_mb" << YAML::Value
     << double(g.engine.kv_cache_bytes) / double(1 << 20) << YAML::Key << "block_size" << YAML::Value

@@ -391,6 +391,17 @@ check "expert-parallel, uninterrupted" "train: done" mpi -np 2 "$kiln" train "$t
 if [ "$(strip_times "$tmp/ep2full/metrics.jsonl")" != "$(strip_times "$tmp/ep2/metrics.jsonl")" ]; then
   echo "FAIL: resumed expert-parallel metrics differ from the uninterrupted run"; fails=$((fails+1))
 fi
+# The dense part under ZeRO-3 on 2 ranks: trains, resumes, and equals the uninterrupted run.
+{ cat "$tmp/recipe.yaml"; printf 'parallel:\n  dense: zero3\n'; } > "$tmp/z3.yaml"
+check "train with the dense part under ZeRO-3" "dense=zero3" mpi -np 2 "$kiln" train "$tmp/z3.yaml" --steps 2 --out "$tmp/z3"
+check "resume it" "resumed from" mpi -np 2 "$kiln" train "$tmp/z3.yaml" --steps 3 --resume "$tmp/z3"
+check "ZeRO-3, uninterrupted" "train: done" mpi -np 2 "$kiln" train "$tmp/z3.yaml" --steps 3 --out "$tmp/z3full"
+if [ "$(strip_times "$tmp/z3full/metrics.jsonl")" != "$(strip_times "$tmp/z3/metrics.jsonl")" ]; then
+  echo "FAIL: resumed ZeRO-3 metrics differ from the uninterrupted run"; fails=$((fails+1))
+fi
+sed 's/^  dense: zero3$/  dense: zero2/' "$tmp/z3.yaml" > "$tmp/z3bad.yaml"
+check_fails "bad dense sharding" "parallel.dense: plan: unknown dense sharding 'zero2'; expected replicated, zero3 or tp" \
+  "$kiln" train "$tmp/z3bad.yaml" --steps 1 --out "$tmp/z3bad"
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  dp: 3\n'; } > "$tmp/dp3.yaml"
 out=$(mpi -np 2 "$kiln" train "$tmp/dp3.yaml" --steps 1 --out "$tmp/dp3" 2>&1); rc=$?
 [ $rc -ne 0 ] && [[ "$out" == *"error on rank 0"*"dp x ep must equal the world size"* ]] && [[ "$out" != *"train: 1 steps"* ]] \
