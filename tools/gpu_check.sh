@@ -32,6 +32,14 @@ tests_then_bench() {
     | grep -E "OK|FAILED|Failure|Expected|Which is|not deterministic|PASSED" | head -80 | tee -a "$out/$3"
   ./build-gpu/kiln bench "$2" --device cuda 2>&1 | tee -a "$out/$3"
 }
+# symbolize <log> <file>: a crash report's "binary+0xoffset" places (core/crash.h), named by
+# addr2line, appended to $out/<file>.
+symbolize() {
+  for at in $(grep -oE "[^ (]+(\(|)\+0x[0-9a-f]+" "$1" | tr -d '(' | sort -u); do
+    local file="${at%+0x*}" off="0x${at##*+0x}"
+    [ -f "$file" ] && echo "$at: $(addr2line -f -C -i -e "$file" "$off" | tr '\n' ' ')" | tee -a "$out/$2"
+  done
+}
 mismatch_report() {  # mismatch_report <metrics.jsonl>: per step, R3 on and off
   python3 - "$1" <<'PY'
 import sys, json
@@ -84,11 +92,7 @@ if want mpi; then  # the CPU-rank MPI tests of this build, whole output (a crash
 step "mpi tests at 2 ranks"
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 300 \
   mpiexec --oversubscribe -np 2 ./build-gpu/tests/kiln_test_dist 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -80 | tee "$tmp/mpi.log" | tee -a "$out/mpi.txt"
-# A crash names offsets into files (the test binary, libtorch, ...): their functions.
-for at in $(grep -oE "[^ (]+(\(|)\+0x[0-9a-f]+" "$tmp/mpi.log" | tr -d '(' | sort -u); do
-  file="${at%+0x*}"; off="0x${at##*+0x}"
-  [ -f "$file" ] && echo "$at: $(addr2line -f -C -i -e "$file" "$off" | tr '\n' ' ')" | tee -a "$out/mpi.txt"
-done
+symbolize "$tmp/mpi.log" mpi.txt  # a crash names offsets into files (the test binary, libtorch, ...)
 fi
 if want tests; then
 step "ctest -L cuda"
@@ -331,7 +335,10 @@ sed -e "s|config: ../configs/muse-tiny.yaml|config: $PWD/configs/muse-small.yaml
     -e "s/^  every: 25/  every: 10/" -e "s|python3, calculator_env.py|python3, $PWD/recipes/calculator_env.py|" \
     recipes/grpo-tool-tiny.yaml > "$tmp/tool.yaml"
 ./build-gpu/kiln sft "$tmp/tool.yaml" --out "$tmp/tool" 2>&1 | tr '\r' '\n' | grep -v "^sft [0-9]" | tail -2 | tee -a "$out/tool.txt"
-./build-gpu/kiln train "$tmp/tool.yaml" --init-from "$tmp/tool/sft" --out "$tmp/tool" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2 | tee -a "$out/tool.txt"
+./build-gpu/kiln train "$tmp/tool.yaml" --init-from "$tmp/tool/sft" --out "$tmp/tool" > "$tmp/tool-train.log" 2>&1
+echo "kiln train exited with $?" | tee -a "$out/tool.txt"
+tr '\r' '\n' < "$tmp/tool-train.log" | grep -v "^step " | tail -40 | tee -a "$out/tool.txt"
+symbolize "$tmp/tool-train.log" tool.txt
 python3 - "$tmp/tool/metrics.jsonl" <<'PY' 2>&1 | tee -a "$out/tool.txt"
 import sys, json
 rows = [json.loads(l) for l in open(sys.argv[1])]

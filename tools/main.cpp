@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/comm.h"
+#include "core/crash.h"
 #include "core/error.h"
 #include "tools/commands.h"
 
@@ -62,6 +63,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     return fail(e.what());
   }
+  kiln::install_crash_report(kiln::comm::Group::world().rank());  // after MPI's own handlers
   CLI::App app{"kiln: RL training for latent-MoE language models (Muse Spark Open)", "kiln"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "kiln 0.1.0");
