@@ -74,6 +74,7 @@ Zero3::Zero3(model::Muse& m, const comm::Group& group, const std::function<bool(
     Entry& e = entries_[i];
     e.owner = owners[i];
     index_[e.own.unsafeGetTensorImpl()] = i;
+    by_name_[e.name] = i;
     if (!owns(e)) e.own.set_(at::empty({0}, e.own.options()));  // every handle of the model sees it
   }
 }
@@ -82,6 +83,11 @@ const Zero3::Entry* Zero3::find(const at::Tensor& own) const {
   if (!own.defined()) return nullptr;
   auto it = index_.find(own.unsafeGetTensorImpl());
   return it == index_.end() ? nullptr : &entries_[it->second];
+}
+
+const Zero3::Entry* Zero3::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &entries_[it->second];
 }
 
 at::Tensor Zero3::whole(const Entry& e) const {

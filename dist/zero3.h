@@ -31,8 +31,10 @@ class Zero3 : public model::WeightGather {
   };
   const std::vector<Entry>& entries() const { return entries_; }
   const comm::Group& group() const { return group_; }
-  // The entry of a tensor of the model (by handle), or nullptr when it is not sharded.
+  // The entry of a tensor of the model (by handle, or by its Muse::named_parameters name), or
+  // nullptr when it is not sharded.
   const Entry* find(const at::Tensor& own) const;
+  const Entry* find(const std::string& name) const;
   bool owns(const Entry& e) const { return e.owner == group_.rank(); }
 
   // Every sharded tensor into the same-named tensor of `full` (a whole model: the engine's replica,
@@ -51,6 +53,7 @@ class Zero3 : public model::WeightGather {
   comm::Group group_;
   std::vector<Entry> entries_;
   std::unordered_map<const void*, size_t> index_;  // TensorImpl -> entry
+  std::unordered_map<std::string, size_t> by_name_;
 };
 
 // The rank of each tensor's owner over `ranks` ranks, by size (largest first, each to the

@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,8 +15,10 @@ namespace kiln::model {
 // Every tensor under its HF checkpoint name (experts split per expert), in checkpoint dtype:
 // the config's dtype, the router in F32. Tensors may stay on the model's device.
 // For an expert shard: its experts are numbered from `first_expert`; `dense` false leaves out the rest.
+// keep (if given) selects tensors by in-memory name, before `dense` applies.
 std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model, int64_t first_expert = 0,
-                                                           bool dense = true);
+                                                           bool dense = true,
+                                                           const std::function<bool(const std::string&)>& keep = {});
 
 // Writes config.json and model.safetensors (sharded above max_shard_bytes) into `dir`.
 void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_shard_bytes = 5ull << 30);
@@ -25,6 +28,13 @@ void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_sha
 // directory then loads like save_checkpoint's, whole or by shard. No tensor moves between ranks.
 void save_checkpoint_part(const Muse& shard, const std::string& dir, int rank, int size, bool with_dense,
                           uint64_t max_shard_bytes = 5ull << 30);
+// Writer `writer` of `writers`' part when each writes the tensors it owns (ZeRO-3, dist/zero3.h):
+// those `keep` selects by in-memory name (Muse::named_parameters), stacked experts numbered from
+// first_expert, in files stemmed model-rank<writer>-of-<writers>; config.json too when
+// with_config (exactly one writer). Merged and loaded as save_checkpoint_part's.
+void save_checkpoint_owned(const Muse& part, const std::string& dir, int writer, int writers, int64_t first_expert,
+                           const std::function<bool(const std::string&)>& keep, bool with_config,
+                           uint64_t max_shard_bytes = 5ull << 30);
 
 // Reads `dir` (config.json + safetensors) into a model of `dtype` on `device`. Errors name the
 // file and tensor for missing, unexpected or wrongly shaped tensors. An NVFP4 checkpoint

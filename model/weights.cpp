@@ -329,12 +329,14 @@ Muse Muse::init_on_device(const ModelConfig& cfg, uint64_t seed, at::ScalarType 
   }, cfg.num_experts);
 }
 
-std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model, int64_t first_expert, bool dense) {
+std::vector<std::pair<std::string, at::Tensor>> hf_tensors(const Muse& model, int64_t first_expert, bool dense,
+                                                           const std::function<bool(const std::string&)>& keep) {
   const ModelConfig& cfg = model.config();
   const at::ScalarType store = parse_dtype(cfg.dtype);
   std::vector<std::pair<std::string, at::Tensor>> out;
   for_each_tensor(model.weights(), [&](const std::string& name, const at::Tensor& t, bool) {
     if (!t.defined()) return;  // a linear served from its NVFP4 copy only
+    if (keep && !keep(name)) return;
     const bool router = name.find(".mlp.router.") != std::string::npos;
     at::Tensor v = t.detach().to(router ? at::kFloat : store);
     const std::string marker = ".mlp.experts.";
@@ -384,6 +386,16 @@ void save_checkpoint_part(const Muse& shard, const std::string& dir, int rank, i
   safetensors::write_checkpoint_part(dir, finite_tensors(hf_tensors(shard, r.first, with_dense), dir), stem,
                                      max_shard_bytes);
   if (with_dense) write_text_atomic(dir + "/config.json", cfg.to_json());
+}
+
+void save_checkpoint_owned(const Muse& part, const std::string& dir, int writer, int writers, int64_t first_expert,
+                           const std::function<bool(const std::string&)>& keep, bool with_config,
+                           uint64_t max_shard_bytes) {
+  char stem[48];
+  std::snprintf(stem, sizeof(stem), "model-rank%05d-of-%05d", writer, writers);
+  safetensors::write_checkpoint_part(dir, finite_tensors(hf_tensors(part, first_expert, true, keep), dir), stem,
+                                     max_shard_bytes);
+  if (with_config) write_text_atomic(dir + "/config.json", part.config().to_json());
 }
 
 namespace {

@@ -977,7 +977,7 @@ struct GrpoTrainer::Impl {
       else
         mine.copy_(expert ? whole.narrow(0, ep_group.rank() * n, n) : whole);
     }
-    if (z) into_full ? z->gather_into(full) : z->take_from(full);
+    if (z && !lora()) into_full ? z->gather_into(full) : z->take_from(full);  // LoRA's base is frozen
   }
   // 6. The weight sync to the rollout engine, timed: adapters only (LoRA); or every weight, where a
   // sharded engine shares the trained tensors and a replica under expert parallelism gathers every
@@ -1154,33 +1154,53 @@ void GrpoTrainer::save(const std::string& dir) const {
   // Under expert parallelism each expert shard's first copy writes its own experts (rank 0 the rest
   // too) and rank 0 joins the indexes: no expert moves between ranks. LoRA exports the gathered
   // adapters from rank 0.
-  const bool parts = impl_->cfg.parallel.ep > 1 && !impl_->zero3 && !impl_->lora();
+  const int64_t ep = impl_->cfg.parallel.ep;
+  const bool parts = ep > 1 && !impl_->zero3 && !impl_->lora();
+  // Under ZeRO-3 every rank writes the tensors it owns (and each expert shard's first copy its
+  // experts), the KL reference's too: nothing is gathered for a save.
+  const bool owned = impl_->zero3 && !impl_->lora();
   // Under expert parallelism the reference is a shard: every rank helps assemble the full one.
   std::unique_ptr<model::Muse> full_reference;
-  if ((impl_->cfg.parallel.sharded_rollout() || impl_->zero3) && !parts) impl_->gather_experts();  // the full model to write
-  if (impl_->reference && impl_->shard) {
+  if (impl_->cfg.parallel.sharded_rollout() && !parts && !owned) impl_->gather_experts();  // the full model to write
+  if (impl_->reference && impl_->shard && !owned) {
     full_reference = std::make_unique<model::Muse>(impl_->policy.clone());
     impl_->shard_to_full(*impl_->reference, *full_reference);
   }
   if (g.rank() == 0) ck.begin();
   g.barrier();  // dir.tmp exists for every rank's files
   if (parts) {
-    const int64_t ep = impl_->cfg.parallel.ep;
     if (impl_->expert_dp.rank() == 0)
       model::save_checkpoint_part(*impl_->shard, tmp + "/model", int(g.rank() % ep), int(ep), g.rank() == 0);
     g.barrier();
     if (g.rank() == 0) safetensors::merge_checkpoint_index(tmp + "/model");
   }
+  if (owned) {
+    auto write_owned = [&](const model::Muse& m, const dist::Zero3& z, const std::string& sub) {
+      const int64_t first_expert = ep > 1 ? (g.rank() % ep) * (m.config().num_experts / ep) : 0;
+      const bool my_experts = ep > 1 && impl_->expert_dp.rank() == 0;
+      model::save_checkpoint_owned(m, tmp + "/" + sub, g.rank(), g.size(), first_expert, [&](const std::string& name) {
+        if (const dist::Zero3::Entry* e = z.find(name)) return z.owns(*e);
+        return model::is_expert_tensor(name) ? my_experts : g.rank() == 0;  // buffers (router_bias): rank 0
+      }, g.rank() == 0);
+    };
+    write_owned(*impl_->shard, *impl_->zero3, "model");
+    if (impl_->reference) write_owned(*impl_->reference, *impl_->ref_zero3, "reference");
+    g.barrier();
+    if (g.rank() == 0) {
+      safetensors::merge_checkpoint_index(tmp + "/model");
+      if (impl_->reference) safetensors::merge_checkpoint_index(tmp + "/reference");
+    }
+  }
   if (g.rank() == 0) {
     // LoRA: the frozen base is the recipe's; only its fingerprint goes with the adapters.
     if (impl_->lora()) model::save_peft_adapter(impl_->policy, tmp + "/adapter");
-    else if (!parts) model::save_checkpoint(impl_->policy, tmp + "/model");
+    else if (!parts && !owned) model::save_checkpoint(impl_->policy, tmp + "/model");
     // model/ loads on its own (kiln generate, --init-from): it carries the tokenizer it was trained with.
     if (!impl_->lora()) {
       const std::string tokenizer_files = text::tokenizer_dir(*impl_->tok);
       if (!tokenizer_files.empty()) text::copy_tokenizer_files(tokenizer_files, tmp + "/model");
     }
-    if (impl_->reference)
+    if (impl_->reference && !owned)
       model::save_checkpoint(full_reference ? *full_reference : *impl_->reference, tmp + "/reference");
   }
   g.barrier();

@@ -185,8 +185,8 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
   }
   if ((ep > 1 || zero3) && lora_rank == 0) {
     // The checkpoint: each expert shard's first copy wrote its experts, rank 0 the rest and the
-    // index (under ZeRO-3 rank 0 writes the gathered model). It loads as the gathered policy,
-    // bitwise, and a second trainer resumes from it.
+    // index (under ZeRO-3 each rank its own tensors). It loads as the gathered policy, bitwise, and
+    // a second trainer resumes from it.
     at::Tensor id = at::tensor(std::vector<int64_t>{int64_t(::getpid())});
     w.broadcast(id, 0);  // one directory for every rank (they share the machine)
     const std::string dir = "/tmp/kiln-mpi-ckpt-" + std::to_string(id.item<int64_t>()) + "-" + rollout +
@@ -200,7 +200,14 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
       int parts = 0;
       for (const auto& f : std::filesystem::directory_iterator(dir + "/model"))
         parts += f.path().filename().string().rfind("model-rank", 0) == 0;
-      if (!zero3) EXPECT_GE(parts, ep) << "one or more files per expert shard";
+      // One or more files per expert shard; under ZeRO-3 per rank (each writes what it owns).
+      EXPECT_GE(parts, zero3 ? int64_t(w.size()) : ep);
+      if (kl_coef != 0) {  // the frozen reference is the starting policy, however it was written
+        model::Muse ref = model::load_checkpoint(dir + "/reference", at::kFloat, at::kCPU);
+        const model::Muse start = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+        auto pr = ref.named_parameters(), p0 = start.named_parameters();
+        for (size_t i = 0; i < pr.size(); ++i) EXPECT_TRUE(test::all_equal(pr[i].second, p0[i].second)) << pr[i].first;
+      }
     }
     model::Muse mr = model::Muse::init(mc, 4, at::kFloat, at::kCPU);  // other weights: the load must replace them
     GrpoTrainer resumed(mr, cfg, test::byte_tokenizer(), data, w);
