@@ -104,7 +104,7 @@ void check_same_recipe(const std::string& dir, const trainer::Recipe& r) {
 void check_plan(const trainer::Recipe& r, const comm::Group& world, at::Device device) {
   const model::ModelConfig cfg = r.init_from.empty() ? model::ModelConfig::from_yaml_file(r.model_config)
                                                      : model::ModelConfig::from_json_file(r.init_from + "/config.json");
-  trainer::ParallelConfig par = r.grpo.parallel;
+  dist::ParallelConfig par = r.grpo.parallel;
   par.resolve(world.size(), cfg.num_experts);
   trainer::Cluster c;
   c.nodes = 1;
@@ -264,7 +264,7 @@ Run add_train(CLI::App& app) {
     // ranks wait until its MPI_Abort ends them); then a bad optimizer setting.
     const comm::Group& world = comm::Group::world();
     const bool lead = world.rank() == 0;
-    trainer::ParallelConfig layout = r.grpo.parallel;
+    dist::ParallelConfig layout = r.grpo.parallel;
     try {
       layout.resolve(world.size(), policy.config().num_experts);
     } catch (const Error&) {

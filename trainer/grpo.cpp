@@ -231,10 +231,13 @@ struct GrpoTrainer::Impl {
                                        // engine's replica, unless ZeRO-3 gives it a copy of its own)
   std::unique_ptr<dist::Zero3> zero3;  // parallel.dense zero3: the sharding of `shard`
   std::unique_ptr<dist::Zero3> ref_zero3;  // ... and of `reference`
+  // ZeRO-3 with sharded engines: what they serve, the replica's dense tensors (gathered from their
+  // owners after each step) beside this rank's trained experts and adapters (shared with `shard`).
+  std::unique_ptr<model::Muse> rollout_view;
   std::vector<at::Tensor> params;  // all trained tensors: clipping, the gradient all-reduce, the broadcast
   std::vector<bool> is_expert;     // ep > 1: params[i] is an expert shard (not ZeRO-3's)
-  std::unique_ptr<ZeroOne> zero;   // the optimizer, over the tensors this rank owns
-  std::unique_ptr<OverlappedGradReducer> reducer;  // data parallel without expert shards
+  std::unique_ptr<dist::ZeroOne> zero;   // the optimizer, over the tensors this rank owns
+  std::unique_ptr<dist::OverlappedGradReducer> reducer;  // data parallel without expert shards
   std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
   std::vector<SampleRecord> last;  // the last step's samples (this rank's), for sample dumps
   int64_t steps = 0;
@@ -251,7 +254,7 @@ struct GrpoTrainer::Impl {
                ") must be at least the number of ranks (", group.size(), "): a prompt's group stays on one rank");
     KILN_CHECK(!cfg.dynamic_sampling || (cfg.parallel.ep == 1 && !cfg.parallel.zero3()), "grpo: dynamic_sampling keeps ",
                "unequal numbers of groups per rank, which expert parallelism (parallel.ep=", cfg.parallel.ep,
-               ") and ZeRO-3 (parallel.dense: ", dense_sharding_name(cfg.parallel.dense), ") cannot train yet; use ep 1 ",
+               ") and ZeRO-3 (parallel.dense: ", dist::dense_sharding_name(cfg.parallel.dense), ") cannot train yet; use ep 1 ",
                "and dense replicated");
     KILN_CHECK(tok->vocab_size() <= policy.config().vocab_size, "grpo: the tokenizer ", tok->name(), " has ",
                tok->vocab_size(), " ids but the model's vocab_size is ", policy.config().vocab_size,
@@ -288,9 +291,20 @@ struct GrpoTrainer::Impl {
       shard = std::make_unique<model::Muse>(ep > 1 ? model::shard_experts(z3 ? policy.clone() : policy, e, int(ep))
                                                    : policy.clone());
     }
+    if (z3 && cfg.parallel.sharded_rollout()) {
+      model::Weights w = policy.weights();
+      for (size_t i = 0; i < w.layers.size(); ++i) {
+        const model::LayerWeights& mine = shard->weights().layers[i];
+        model::LayerWeights& l = w.layers[i];
+        l.expert_gate = mine.expert_gate, l.expert_up = mine.expert_up, l.expert_down = mine.expert_down;
+        l.expert_norm = mine.expert_norm;
+        l.lora = mine.lora;
+      }
+      rollout_view = std::make_unique<model::Muse>(policy.config(), std::move(w));
+    }
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.sharded_rollout()) ec.expert_group = &ep_group;  // serves this rank's experts
-    engine = std::make_unique<rollout::Engine>(cfg.parallel.sharded_rollout() ? *shard : policy, ec);
+    engine = std::make_unique<rollout::Engine>(rollout_source(), ec);
     // The KL reference: a frozen copy of what is trained (an expert shard under expert
     // parallelism); with LoRA the base itself, adapters disabled (no second copy).
     if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
@@ -308,8 +322,8 @@ struct GrpoTrainer::Impl {
     }
     optimizers::OptimizerConfig oc = cfg.optim;
     oc.fused = cfg.fused_kernels;
-    zero = std::make_unique<ZeroOne>(named, is_expert, group, expert_dp, oc, zero3.get());
-    if (!shard && group.size() > 1) reducer = std::make_unique<OverlappedGradReducer>(group, params);
+    zero = std::make_unique<dist::ZeroOne>(named, is_expert, group, expert_dp, oc, zero3.get());
+    if (!shard && group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
   }
 
   // The dataset with its prompts rendered and tokenized (config.prompt); the reports say how many
@@ -326,6 +340,10 @@ struct GrpoTrainer::Impl {
   // Log-probs (and own routing) of every target under `model` (the current policy, or the frozen
   // reference), micro-batched (trainer/scoring.h).
   model::Muse& trained() { return shard ? *shard : policy; }
+  // What the engine serves: the replica, or with sharded engines this rank's shard.
+  const model::Muse& rollout_source() {
+    return !cfg.parallel.sharded_rollout() ? policy : rollout_view ? *rollout_view : trained();
+  }
   // The ZeRO-3 sharding of the trained model or of the KL reference; null for any other model.
   const dist::Zero3* zero_of(const model::Muse& m) const {
     return &m == shard.get() ? zero3.get() : &m == reference.get() ? ref_zero3.get() : nullptr;
@@ -927,7 +945,7 @@ struct GrpoTrainer::Impl {
       double norm = 0;
       if (shard) {
         zero->all_reduce_grads();
-        norm = clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip, zero3.get());
+        norm = dist::clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip, zero3.get());
       } else {
         if (reducer) {
           if (!armed) reducer->arm();  // no trajectories here in this mini-step: still joins in
@@ -995,11 +1013,12 @@ struct GrpoTrainer::Impl {
     const auto t = Clock::now();
     if (lora()) {  // a replica gathers the experts' adapters first; a sharded engine takes its own
       if (!cfg.parallel.sharded_rollout()) gather_experts();
-      const auto named = model::lora_parameters(cfg.parallel.sharded_rollout() ? trained() : policy);
+      const auto named = model::lora_parameters(rollout_source());
       m.sync_bytes = engine->update_adapters(named);
     } else {
       if (!cfg.parallel.sharded_rollout()) gather_experts();
-      const auto named = cfg.parallel.sharded_rollout() ? trained().named_parameters() : policy.named_parameters();
+      else if (zero3) zero3->gather_into(policy);  // the dense part the sharded engines serve, from its owners
+      const auto named = rollout_source().named_parameters();
       engine->update_weights(named);
       for (const auto& [name, w] : named) m.sync_bytes += int64_t(w.numel()) * int64_t(w.element_size());
     }
@@ -1312,12 +1331,8 @@ void GrpoTrainer::load(const std::string& dir) {
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
   // LoRA's base is frozen (and checked above): the engine keeps its (perhaps NVFP4) base.
-  if (!impl_->lora())
-    impl_->engine->update_weights(impl_->cfg.parallel.sharded_rollout() ? impl_->trained().named_parameters()
-                                                                            : impl_->policy.named_parameters());
-  if (impl_->lora())
-    impl_->engine->update_adapters(model::lora_parameters(impl_->cfg.parallel.sharded_rollout() ? impl_->trained()
-                                                                                                  : impl_->policy));
+  if (!impl_->lora()) impl_->engine->update_weights(impl_->rollout_source().named_parameters());
+  if (impl_->lora()) impl_->engine->update_adapters(model::lora_parameters(impl_->rollout_source()));
   impl_->version_base = impl_->steps - impl_->engine->weight_version();
 }
 

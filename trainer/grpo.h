@@ -15,7 +15,7 @@
 #include "optimizers/optimizer.h"
 #include "rollout/engine.h"
 #include "trainer/losses.h"
-#include "trainer/parallel.h"
+#include "dist/parallel.h"
 #include "trainer/schedule.h"
 #include "trainer/dataset.h"
 #include "trainer/environment.h"
@@ -75,7 +75,7 @@ struct GrpoConfig {
                                     // (false: the ATen reference ops, for A/B runs and debugging)
   uint64_t seed = 0;
   rollout::EngineConfig engine;
-  ParallelConfig parallel;          // resolved against the group's size by the trainer
+  dist::ParallelConfig parallel;    // resolved against the group's size by the trainer
   model::LoraConfig lora;           // rank > 0: train adapters on a frozen base (model/lora.h);
                                     // the KL reference is then the base with adapters disabled
   // After every weight sync the trainer and the rollout score the same probe tokens; a mean

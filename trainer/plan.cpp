@@ -15,21 +15,6 @@
 
 namespace kiln::trainer {
 
-const char* dense_sharding_name(DenseSharding d) {
-  switch (d) {
-    case DenseSharding::kReplicated: return "replicated";
-    case DenseSharding::kZero3: return "zero3";
-    case DenseSharding::kTensor: return "tp";
-  }
-  return "?";
-}
-
-DenseSharding parse_dense_sharding(const std::string& name) {
-  for (DenseSharding d : {DenseSharding::kReplicated, DenseSharding::kZero3, DenseSharding::kTensor})
-    if (name == dense_sharding_name(d)) return d;
-  KILN_FAIL("plan: unknown dense sharding '", name, "'; expected replicated, zero3 or tp");
-}
-
 bool Layout::implemented() const { return tp == 1 && dense != DenseSharding::kTensor; }
 
 std::string Layout::describe() const {

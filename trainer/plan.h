@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/parallel.h"
 #include "model/config.h"
 
 namespace kiln::trainer {
@@ -21,14 +22,10 @@ struct Cluster {
   int64_t world() const { return nodes * gpus_per_node; }
 };
 
-// How the dense part (attention, latent projections, router, norms, embedding and head) is held.
-enum class DenseSharding {
-  kReplicated,  // every rank holds it whole, with its gradients (kiln today)
-  kZero3,       // parameters, gradients and state sharded over all ranks, a layer gathered at a time
-  kTensor,      // attention heads, latent projections and the vocabulary split over tp ranks of a node
-};
-const char* dense_sharding_name(DenseSharding d);
-DenseSharding parse_dense_sharding(const std::string& name);  // replicated | zero3 | tp
+// The dense part's sharding is the parallel layout's (dist/parallel.h).
+using dist::DenseSharding;
+using dist::dense_sharding_name;
+using dist::parse_dense_sharding;
 
 struct Layout {
   int64_t dp = 1, ep = 1, tp = 1;

@@ -11,7 +11,7 @@
 
 #include "core/error.h"
 #include "text/tokenizer.h"
-#include "trainer/parallel.h"
+#include "dist/parallel.h"
 #include "trainer/update_guard.h"
 
 namespace kiln::trainer {
@@ -41,8 +41,8 @@ struct SftTrainer::Impl {
   DataStream stream;
   comm::Group group;
   std::vector<at::Tensor> params;  // all: clipping and the gradient all-reduce
-  std::unique_ptr<ZeroOne> zero;   // the optimizer, over the tensors this rank owns
-  std::unique_ptr<OverlappedGradReducer> reducer;  // more than one rank
+  std::unique_ptr<dist::ZeroOne> zero;   // the optimizer, over the tensors this rank owns
+  std::unique_ptr<dist::OverlappedGradReducer> reducer;  // more than one rank
   int64_t steps = 0;
   UpdateGuard guard;
 
@@ -55,8 +55,8 @@ struct SftTrainer::Impl {
                ") must be at least the data-parallel ranks (", group.size(), ")");
     model.set_requires_grad(true);
     for (auto& [name, p] : model.named_parameters()) params.push_back(p);
-    zero = std::make_unique<ZeroOne>(model.named_parameters(), std::vector<bool>{}, group, comm::Group(), cfg.optim);
-    if (group.size() > 1) reducer = std::make_unique<OverlappedGradReducer>(group, params);
+    zero = std::make_unique<dist::ZeroOne>(model.named_parameters(), std::vector<bool>{}, group, comm::Group(), cfg.optim);
+    if (group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
   }
 
   std::vector<Example> prepared(std::vector<Example> train) {

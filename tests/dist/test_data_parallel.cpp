@@ -15,12 +15,13 @@
 #include "tests/trainer/small_model.h"
 #include "tests/trainer/grpo_fixtures.h"
 #include "trainer/grpo.h"
-#include "trainer/parallel.h"
+#include "dist/parallel.h"
 
 namespace kiln::trainer {
 namespace {
 
 using comm::Group;
+using namespace dist;  // the layout, reducers and ZeRO-1 under test
 
 std::vector<std::vector<int64_t>> sequences(int64_t count) {
   at::Generator g = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -246,13 +247,18 @@ TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
 
 // The dense part under ZeRO-3 (each tensor on one rank, gathered a layer at a time): alone (dp =
 // world), with the KL reference sharded too, with the experts sharded by expert parallelism, and
-// LoRA over a sharded frozen base. One mini-step: ranks slice their own trajectories, as under EP.
+// LoRA over a sharded frozen base, and beside sharded engines. One mini-step: ranks slice their own
+// trajectories, as under EP.
 TEST(DataParallel, GrpoWithZero3MatchesOneRank) {
   const int64_t W = Group::world().size();
   check_grpo(1, 1, 0, "replica", 0, /*zero3=*/true);
   check_grpo(1, 1, 0.05, "replica", 0, true);
   check_grpo(W, 1, 0, "replica", 0, true);
   check_grpo(1, 1, 0.05, "replica", 4, true);
+  if (W > 1) {  // sharded engines serve the owners' dense part beside their own experts
+    check_grpo(W, 1, 0.05, "sharded", 0, true);
+    check_grpo(W, 1, 0, "sharded", 4, true);
+  }
 }
 
 // Dynamic sampling over every rank: each rank drops its flat groups, the rounds continue while
@@ -304,12 +310,6 @@ TEST(DataParallel, LayoutErrorsNameEveryValue) {
   EXPECT_STREQ(rollout_placement_name(RolloutPlacement::kReplica), "replica");
   EXPECT_TRUE(test::throws_with([] { parse_rollout_placement("both"); }, {"replica or sharded", "'both'"}));
 }
-
-}  // namespace
-}  // namespace kiln::trainer
-
-namespace kiln::trainer {
-namespace {
 
 TEST(DataParallel, ReductionOverlappedWithBackwardEqualsTheFullBatch) {
   const comm::Group& w = comm::Group::world();

@@ -399,8 +399,10 @@ check "ZeRO-3, uninterrupted" "train: done" mpi -np 2 "$kiln" train "$tmp/z3.yam
 if [ "$(strip_times "$tmp/z3full/metrics.jsonl")" != "$(strip_times "$tmp/z3/metrics.jsonl")" ]; then
   echo "FAIL: resumed ZeRO-3 metrics differ from the uninterrupted run"; fails=$((fails+1))
 fi
+{ cat "$tmp/recipe.yaml"; printf 'parallel:\n  dense: zero3\n  ep: 2\n  rollout: sharded\n'; } > "$tmp/z3s.yaml"
+check "ZeRO-3 beside sharded engines" "dense=zero3 rollout=sharded" mpi -np 2 "$kiln" train "$tmp/z3s.yaml" --steps 2 --out "$tmp/z3s"
 sed 's/^  dense: zero3$/  dense: zero2/' "$tmp/z3.yaml" > "$tmp/z3bad.yaml"
-check_fails "bad dense sharding" "parallel.dense: plan: unknown dense sharding 'zero2'; expected replicated, zero3 or tp" \
+check_fails "bad dense sharding" "parallel.dense: parallel: unknown dense sharding 'zero2'; expected replicated, zero3 or tp" \
   "$kiln" train "$tmp/z3bad.yaml" --steps 1 --out "$tmp/z3bad"
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  dp: 3\n'; } > "$tmp/dp3.yaml"
 out=$(mpi -np 2 "$kiln" train "$tmp/dp3.yaml" --steps 1 --out "$tmp/dp3" 2>&1); rc=$?

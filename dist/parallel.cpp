@@ -1,5 +1,5 @@
 // dp x ep validation, bucketed gradient all-reduce, ZeRO-1 owners and the broadcast back.
-#include "trainer/parallel.h"
+#include "dist/parallel.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -12,7 +12,22 @@
 #include "core/error.h"
 #include "dist/zero3.h"
 
-namespace kiln::trainer {
+namespace kiln::dist {
+
+const char* dense_sharding_name(DenseSharding d) {
+  switch (d) {
+    case DenseSharding::kReplicated: return "replicated";
+    case DenseSharding::kZero3: return "zero3";
+    case DenseSharding::kTensor: return "tp";
+  }
+  return "?";
+}
+
+DenseSharding parse_dense_sharding(const std::string& name) {
+  for (DenseSharding d : {DenseSharding::kReplicated, DenseSharding::kZero3, DenseSharding::kTensor})
+    if (name == dense_sharding_name(d)) return d;
+  KILN_FAIL("parallel: unknown dense sharding '", name, "'; expected replicated, zero3 or tp");
+}
 
 RolloutPlacement parse_rollout_placement(const std::string& name) {
   if (name == "replica") return RolloutPlacement::kReplica;
@@ -35,8 +50,6 @@ void ParallelConfig::resolve(int64_t world, int64_t num_experts) {
   KILN_CHECK(tp == 1, "parallel: tp is reserved for later and must be 1 ", given);
   KILN_CHECK(dense != DenseSharding::kTensor, "parallel: dense tp is planned (kiln plan) but not implemented; use ",
              "replicated or zero3 ", given);
-  KILN_CHECK(!(zero3() && sharded_rollout()), "parallel: dense zero3 with rollout sharded is not implemented yet (the ",
-             "sharded engine serves the trained tensors, which ZeRO-3 keeps on their owners); use rollout replica ", given);
   KILN_CHECK(!sharded_rollout() || ep > 1, "parallel: rollout sharded needs ep > 1 ", given);
   KILN_CHECK(ep >= 1 && ep <= num_experts && num_experts % ep == 0,
              "parallel: ep must be at least 1, at most num_experts, and divide num_experts evenly ", given);
@@ -181,13 +194,13 @@ void OverlappedGradReducer::finish() {
 
 ZeroOne::ZeroOne(const std::vector<std::pair<std::string, at::Tensor>>& named, const std::vector<bool>& is_expert,
                  const comm::Group& all, const comm::Group& expert_copies, optimizers::OptimizerConfig cfg,
-                 const dist::Zero3* zero3) {
+                 const Zero3* zero3) {
   kinds_[0].group = all;
   kinds_[1].group = expert_copies;
   kinds_[2].group = all;
   std::array<std::vector<size_t>, 3> index;
   for (size_t i = 0; i < named.size(); ++i) {
-    const dist::Zero3::Entry* z = zero3 ? zero3->find(named[i].second) : nullptr;
+    const Zero3::Entry* z = zero3 ? zero3->find(named[i].second) : nullptr;
     const int k = z ? 2 : !is_expert.empty() && is_expert[i] ? 1 : 0;
     index[size_t(k)].push_back(i);
     kinds_[size_t(k)].params.push_back(named[i].second);
@@ -207,7 +220,7 @@ ZeroOne::ZeroOne(const std::vector<std::pair<std::string, at::Tensor>>& named, c
 }
 
 void ZeroOne::all_reduce_grads() const {
-  for (size_t k = 0; k < 2; ++k) trainer::all_reduce_grads(kinds_[k].group, kinds_[k].params);
+  for (size_t k = 0; k < 2; ++k) dist::all_reduce_grads(kinds_[k].group, kinds_[k].params);
 }
 
 void ZeroOne::step() {
@@ -216,13 +229,13 @@ void ZeroOne::step() {
 }
 
 double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,
-                                  const comm::Group& experts, double max_norm, const dist::Zero3* zero3) {
+                                  const comm::Group& experts, double max_norm, const Zero3* zero3) {
   at::NoGradGuard no_grad;
   double replicated = 0, sharded = 0, owned = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& g = params[i].grad();
     if (!g.defined()) continue;
-    const dist::Zero3::Entry* z = zero3 ? zero3->find(params[i]) : nullptr;
+    const Zero3::Entry* z = zero3 ? zero3->find(params[i]) : nullptr;
     if (z && !zero3->owns(*z)) continue;
     (z ? owned : is_expert[i] ? sharded : replicated) += g.to(at::kDouble).pow(2).sum().item<double>();
   }
@@ -239,7 +252,7 @@ double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const s
 std::vector<int> zero_owners(const std::vector<at::Tensor>& params, int ranks) {
   std::vector<int64_t> numels;
   for (const at::Tensor& p : params) numels.push_back(p.numel());
-  return dist::zero_owners(numels, ranks);
+  return zero_owners(numels, ranks);
 }
 
 void broadcast_from_owners(const comm::Group& group, const std::vector<at::Tensor>& params,
@@ -252,4 +265,4 @@ void broadcast_from_owners(const comm::Group& group, const std::vector<at::Tenso
   }
 }
 
-}  // namespace kiln::trainer
+}  // namespace kiln::dist

@@ -1,6 +1,6 @@
-// Data parallelism for the trainers (issue 6): the dp x ep layout, gradient all-reduce in buckets,
-// and ZeRO-1 ownership (each rank keeps the optimizer state of whole tensors, so Muon's matrices
-// are never split) with the parameters broadcast from their owners after the step.
+// The parallel layout of a job and data parallelism for the trainers: dp x ep (and the dense
+// sharding), gradient all-reduce in buckets, and ZeRO-1 ownership (each rank keeps the optimizer
+// state of whole tensors, so Muon's matrices are never split) with a broadcast after the step.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -13,13 +13,19 @@
 
 #include "core/comm.h"
 #include "optimizers/optimizer.h"
-#include "trainer/plan.h"
 
 namespace kiln::dist {
-class Zero3;
-}
 
-namespace kiln::trainer {
+class Zero3;
+
+// How the dense part (attention, latent projections, router, norms, embedding and head) is held.
+enum class DenseSharding {
+  kReplicated,  // every rank holds it whole, with its gradients; ZeRO-1 optimizer state
+  kZero3,       // parameters, gradients and state sharded over all ranks, a layer gathered at a time
+  kTensor,      // attention heads, latent projections and the vocabulary split over tp ranks of a node
+};
+const char* dense_sharding_name(DenseSharding d);
+DenseSharding parse_dense_sharding(const std::string& name);  // replicated | zero3 | tp
 
 // Where the rollout engine's experts live under expert parallelism: a full replica on every rank
 // (gathered after each step), or each rank's own shard (the group's engines step in lockstep).
@@ -34,7 +40,8 @@ struct ParallelConfig {
   RolloutPlacement rollout = RolloutPlacement::kReplica;  // kSharded needs ep > 1
   // The dense part (and at ep = 1 the experts too): replicated with ZeRO-1 optimizer state, or
   // ZeRO-3 (dist/zero3.h: each tensor whole on one rank, gathered a layer at a time, the layers
-  // recomputed in the backward). tp is planned (`kiln plan`) but not implemented.
+  // recomputed in the backward; sharded engines get the dense part from its owners after each
+  // step). tp is planned (`kiln plan`) but not implemented.
   DenseSharding dense = DenseSharding::kReplicated;
   bool zero3() const { return dense == DenseSharding::kZero3; }
   // A blocking MPI collective that waits longer aborts the job naming the rank and the call
@@ -95,7 +102,7 @@ class OverlappedGradReducer {
 // counted once) and ZeRO-3's tensors have their gradient on their owner alone (zero3, if given),
 // and clipping of every gradient to max_norm (0: only measure). Returns the norm.
 double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const std::vector<bool>& is_expert,
-                                  const comm::Group& experts, double max_norm, const dist::Zero3* zero3 = nullptr);
+                                  const comm::Group& experts, double max_norm, const Zero3* zero3 = nullptr);
 
 // ZeRO-1 with whole tensors (Muon never sees a slice): each tensor's owner keeps its optimizer
 // state, steps it and broadcasts it. Expert shards (is_expert, ep > 1) are owned among the ranks
@@ -107,7 +114,7 @@ class ZeroOne {
   // already summed on the owner by the backward and their values stay there (no broadcast).
   ZeroOne(const std::vector<std::pair<std::string, at::Tensor>>& named, const std::vector<bool>& is_expert,
           const comm::Group& all, const comm::Group& expert_copies, optimizers::OptimizerConfig cfg,
-          const dist::Zero3* zero3 = nullptr);
+          const Zero3* zero3 = nullptr);
   optimizers::Optimizer* optimizer() const { return opt_.get(); }  // null when this rank owns nothing
   void set_lr_factor(double factor) {
     if (opt_) opt_->set_lr_factor(factor);
@@ -128,11 +135,11 @@ class ZeroOne {
 };
 
 // The ZeRO-1 owner rank of each parameter: largest first, each to the least-loaded rank
-// (dist::zero_owners, the rule ZeRO-3 shares).
+// (the rule ZeRO-3 shares: zero_owners over element counts, dist/zero3.h).
 std::vector<int> zero_owners(const std::vector<at::Tensor>& params, int ranks);
 
 // After the owners' optimizer steps: every rank gets every parameter from its owner.
 void broadcast_from_owners(const comm::Group& group, const std::vector<at::Tensor>& params,
                            const std::vector<int>& owners);
 
-}  // namespace kiln::trainer
+}  // namespace kiln::dist
