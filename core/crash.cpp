@@ -31,6 +31,7 @@ void say(const char* what, void* at) {
 }
 
 void on_crash(int sig, siginfo_t* info, void* context) {
+  alarm(10);  // a report that deadlocks (a crash inside malloc, the loader's lock) still ends the process
   void* pc = nullptr;
   void* caller = nullptr;
 #if defined(__x86_64__)
@@ -57,9 +58,17 @@ void on_crash(int sig, siginfo_t* info, void* context) {
 
 void install_crash_report(int rank) {
   g_rank = rank;
+  void* warm[1];
+  backtrace(warm, 1);  // loads the unwinder now: a handler must not be the first to (it allocates)
+  // Its own stack, so that a stack overflow is reported too (this thread's; others use their own).
+  static char alt_stack[1 << 16];
+  stack_t ss{};
+  ss.ss_sp = alt_stack;
+  ss.ss_size = sizeof alt_stack;
+  sigaltstack(&ss, nullptr);
   struct sigaction action {};
   action.sa_sigaction = on_crash;
-  action.sa_flags = SA_SIGINFO;
+  action.sa_flags = SA_SIGINFO | SA_ONSTACK;
   for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGABRT}) sigaction(sig, &action, nullptr);
 }
 

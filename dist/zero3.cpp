@@ -64,6 +64,7 @@ Zero3::Zero3(model::Muse& m, const comm::Group& group, const std::function<bool(
   for (const auto& [name, t] : m.named_parameters()) {
     if (!select(name)) continue;
     KILN_CHECK(t.numel() > 0, "zero3: ", name, " is empty; it is sharded already or was never loaded");
+    KILN_CHECK(t.is_contiguous(), "zero3: ", name, " is not contiguous; its owner broadcasts its storage as it is");
     entries_.push_back({name, t.sizes().vec(), 0, t});
     numels.push_back(t.numel());
   }

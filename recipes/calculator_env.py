@@ -4,7 +4,10 @@
 # the calculator, "calc 12+34", and is shown "=46" as the observation, or answers with a number,
 # which ends the episode: reward 1 when it equals the label, plus 0.2 for a well-formed answer
 # (components "correct", "format" and "tool_calls"). Anything else ends the episode with reward 0.
-# The worker keeps no state: every request carries the episode's history.
+# The worker keeps no state: every request carries the episode's history. Asked to demonstrate
+# (kiln sft with sft.demonstrations: environment), it shows half the problems solved with the
+# calculator, "calc 12+34", "=46", "46", and leaves the other half to their label, so that the warm
+# start has seen the tool and RL can learn when it pays.
 import json
 import re
 import sys
@@ -79,12 +82,22 @@ def step(req):
     return {"done": True, "reward": 0.0, "components": parts}
 
 
+def demonstrate(req):
+    expr = req["prompt"].strip().rstrip("=").strip()
+    value = evaluate(expr)
+    # A stable half of the problems (not Python's salted hash): the sum of the prompt's bytes.
+    if value is None or sum(req["prompt"].encode()) % 2:
+        return {"turns": []}
+    return {"turns": [{"response": "calc " + expr, "observation": "=%d\n" % value},
+                      {"response": req["label"].strip()}]}
+
+
 for line in sys.stdin:
     if not line.strip():
         continue
     req = json.loads(line)
     try:
-        answer = step(req)
+        answer = demonstrate(req) if req.get("demonstrate") else step(req)
     except Exception as e:  # a bug here fails this episode, not the run
         answer = {"error": "%s: %s" % (type(e).__name__, e)}
     answer["id"] = req["id"]

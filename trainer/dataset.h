@@ -22,6 +22,10 @@ struct Example {
   // Filled by prepare_prompts: the rendered prompt and its ids.
   std::string prompt_text;
   std::vector<int64_t> prompt_ids;
+  // Filled by add_demonstrations (trainer/sft.h), else empty: the answer the warm start imitates,
+  // as ids, and per id whether it is trained (0: an environment's observation).
+  std::vector<int64_t> answer_ids;
+  std::vector<uint8_t> answer_trained;
 };
 
 // Where a JSONL line keeps each field. A key may be a dotted path into nested objects

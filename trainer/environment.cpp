@@ -55,6 +55,47 @@ std::string read_answer(const Json& j, EnvStep& step) {
   return "";
 }
 
+// Why a demonstration cannot be used ("" when it can), filling `demo`.
+std::string read_demo(const Json& j, EnvDemo& demo) {
+  demo = EnvDemo();
+  const auto turns = j.find("turns");
+  if (turns == j.end() || !turns->is_array())
+    return str_cat("\"turns\" is missing or not an array (answer=", quote_for_error(j), ")");
+  for (size_t i = 0; i < turns->size(); ++i) {
+    const Json& t = (*turns)[i];
+    const bool last = i + 1 == turns->size();
+    if (!t.is_object() || !t.contains("response") || !t["response"].is_string())
+      return str_cat("turns[", i, "] has no \"response\" string (answer=", quote_for_error(j), ")");
+    EnvTurn turn;
+    turn.response = t["response"].get<std::string>();
+    const bool has_text = t.contains("observation") && !t["observation"].is_null();
+    const bool has_ids = t.contains("observation_ids") && !t["observation_ids"].is_null();
+    if (last && (has_text || has_ids))
+      return str_cat("the last turn (turns[", i, "]) has an observation; the episode must end on a response (answer=",
+                     quote_for_error(j), ")");
+    if (!last && has_text == has_ids)
+      return str_cat("turns[", i, "] needs exactly one of \"observation\" and \"observation_ids\" (answer=",
+                     quote_for_error(j), ")");
+    if (has_text) {
+      if (!t["observation"].is_string() || t["observation"].get<std::string>().empty())
+        return str_cat("turns[", i, "].observation is not a non-empty string (answer=", quote_for_error(j), ")");
+      turn.observation = t["observation"].get<std::string>();
+    } else if (has_ids) {
+      const Json& ids = t["observation_ids"];
+      if (!ids.is_array() || ids.empty())
+        return str_cat("turns[", i, "].observation_ids is not a non-empty array (answer=", quote_for_error(j), ")");
+      for (const Json& v : ids) {
+        if (!v.is_number_integer() || v.get<int64_t>() < 0)
+          return str_cat("turns[", i, "].observation_ids holds something other than a token id >= 0 (answer=",
+                         quote_for_error(j), ")");
+        turn.observation_ids.push_back(v.get<int64_t>());
+      }
+    }
+    demo.turns.push_back(std::move(turn));
+  }
+  return "";
+}
+
 }  // namespace
 
 void EnvironmentSpec::validate(const std::string& path) const {
@@ -88,6 +129,17 @@ std::string environment_request_line(const EnvRequest& r) {
   return j.dump(-1, ' ', true, OrderedJson::error_handler_t::replace);
 }
 
+std::string environment_demo_line(const EnvDemoRequest& r) {
+  OrderedJson j;
+  j["id"] = r.id;
+  j["demonstrate"] = true;
+  j["prompt"] = r.prompt;
+  j["label"] = r.label;
+  j["data_source"] = r.data_source;
+  j["metadata"] = request_metadata(r.metadata, "environment", r.id);
+  return j.dump(-1, ' ', true, OrderedJson::error_handler_t::replace);
+}
+
 Environment::Environment(EnvironmentSpec spec) : spec_(std::move(spec)) {
   spec_.validate();
   pool_ = std::make_unique<WorkerPool>(spec_.worker, "environment");
@@ -111,6 +163,21 @@ std::vector<EnvStep> Environment::step(const std::vector<EnvRequest>& requests) 
       steps[i].error = outcomes[i].error;
     }
   return steps;
+}
+
+std::vector<EnvDemo> Environment::demonstrate(const std::vector<EnvDemoRequest>& requests) {
+  std::vector<int64_t> ids;
+  std::vector<std::string> lines;
+  for (const EnvDemoRequest& r : requests) {
+    ids.push_back(r.id);
+    lines.push_back(environment_demo_line(r));
+  }
+  std::vector<EnvDemo> demos(requests.size());
+  const std::vector<WorkerOutcome> outcomes =
+      pool_->call(ids, lines, [&](size_t i, const Json& j) { return read_demo(j, demos[i]); });
+  for (size_t i = 0; i < outcomes.size(); ++i)
+    if (outcomes[i].failed) demos[i] = EnvDemo{{}, true, outcomes[i].error};
+  return demos;
 }
 
 RewardStats Environment::stats() const { return pool_->stats(); }

@@ -67,11 +67,33 @@ struct EnvStep {
   std::string error;
 };
 
+// Demonstrations for the supervised warm start (sft.demonstrations: environment). For each training
+// example kiln sft writes
+//   {"id": 3, "demonstrate": true, "prompt": "...", "label": "...", "data_source": "...", "metadata": {...}}
+// and the worker answers with the turns of one episode to imitate, each but the last followed by
+// the observation it would get:
+//   {"id": 3, "turns": [{"response": "calc 12+34", "observation": "=46\n"}, {"response": "46"}]}
+// or "turns": [] when it has none (the label is then the answer, as without an environment). A
+// response is a turn's text without its stop token (kiln appends the tokenizer's stop, as the
+// engine samples it); an observation is text or "observation_ids", taken as episodes take it and
+// left out of the loss. A malformed answer fails the request (on_failure applies).
+struct EnvDemoRequest {
+  int64_t id = 0;                       // unique within a call
+  std::string prompt, label, data_source;
+  std::string metadata;                 // a JSON object as text
+};
+struct EnvDemo {
+  std::vector<EnvTurn> turns;           // response and observation texts (or observation ids); empty: none
+  bool failed = false;
+  std::string error;
+};
+
 class Environment {
  public:
   explicit Environment(EnvironmentSpec spec);  // validates; starts nothing yet
   // One answer per request, same order.
   std::vector<EnvStep> step(const std::vector<EnvRequest>& requests);
+  std::vector<EnvDemo> demonstrate(const std::vector<EnvDemoRequest>& requests);
   RewardStats stats() const;
   std::vector<int> worker_pids() const;
   const EnvironmentSpec& spec() const { return spec_; }
@@ -83,5 +105,6 @@ class Environment {
 
 // The JSON line (without '\n') written for `request`; invalid UTF-8 becomes U+FFFD.
 std::string environment_request_line(const EnvRequest& request);
+std::string environment_demo_line(const EnvDemoRequest& request);
 
 }  // namespace kiln::trainer

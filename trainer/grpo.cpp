@@ -288,8 +288,12 @@ struct GrpoTrainer::Impl {
       }
       // ZeRO-3 releases in place what this rank does not own: the trained model gets a copy of its
       // own, apart from the engine's replica.
-      shard = std::make_unique<model::Muse>(ep > 1 ? model::shard_experts(z3 ? policy.clone() : policy, e, int(ep))
-                                                   : policy.clone());
+      // Under expert parallelism the shard's experts are its own already and only the rest is cloned.
+      shard = std::make_unique<model::Muse>(ep > 1 ? model::shard_experts(policy, e, int(ep)) : policy);
+      if (z3) {
+        *shard = shard->clone();
+        for (model::LayerWeights& l : shard->weights().layers) l.nvfp4 = {};  // dense weights train and serve it
+      }
     }
     if (z3 && cfg.parallel.sharded_rollout()) {
       model::Weights w = policy.weights();
@@ -299,6 +303,9 @@ struct GrpoTrainer::Impl {
         l.expert_gate = mine.expert_gate, l.expert_up = mine.expert_up, l.expert_down = mine.expert_down;
         l.expert_norm = mine.expert_norm;
         l.lora = mine.lora;
+        // This rank's NVFP4 experts, when the replica holds codes (an NVFP4 checkpoint); the
+        // engine quantises them afresh from the trained experts at every sync.
+        l.nvfp4.expert_gate = l.nvfp4.expert_up = l.nvfp4.expert_down = kernels::Nvfp4Tensor();
       }
       rollout_view = std::make_unique<model::Muse>(policy.config(), std::move(w));
     }
@@ -1184,6 +1191,17 @@ void GrpoTrainer::save(const std::string& dir) const {
   if (impl_->reference && impl_->shard && !owned) {
     full_reference = std::make_unique<model::Muse>(impl_->policy.clone());
     impl_->shard_to_full(*impl_->reference, *full_reference);
+  }
+  if (parts || owned) {
+    // Each rank writes its own tensors: a NaN one rank holds must stop every rank before any
+    // writes (the writer alone would throw, and the others wait at the next barrier).
+    double bad = 0;
+    for (const auto& [name, t] : impl_->trained().named_parameters())
+      if (t.numel() > 0) bad += at::isfinite(t.detach()).logical_not().sum().item<double>();
+    const double all_bad = g.all_reduce(bad);
+    KILN_CHECK(all_bad == 0, "grpo: refusing to checkpoint step ", impl_->steps, " into ", dir, ": the weights hold ",
+               int64_t(all_bad), " NaN/inf value(s) (", int64_t(bad), " on rank ", g.rank(),
+               "); the run has diverged: resume from the last checkpoint with a lower lr");
   }
   if (g.rank() == 0) ck.begin();
   g.barrier();  // dir.tmp exists for every rank's files

@@ -130,6 +130,8 @@ Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster&
     gpu("the other ranks' experts (kiln today keeps the whole policy beside its shard)",
         p.experts * (ep - 1) / ep * wb);
   gpu(fmt::format("dense weights ({})", dense_sharding_name(L.dense)), dense_held * wb);
+  if (L.dense == DenseSharding::kZero3 && job.full_policy_copy)
+    gpu("the whole dense part (kiln today keeps the whole policy beside its ZeRO-3 share)", p.dense * (W - 1) / W * wb);
   if (L.dense == DenseSharding::kZero3)
     gpu("two layers' dense weights gathered (ZeRO-3 prefetch)", 2 * p.dense / double(cfg.num_layers) * wb);
   double trained_experts = p.experts, trained_dense = p.dense, trained_muon_dense = p.muon_dense;

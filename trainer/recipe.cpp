@@ -498,6 +498,9 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     s.get("warmup_steps", r.sft.schedule.warmup_steps);
     s.get("lr_decay", r.sft.schedule.decay);
     s.get("min_lr_ratio", r.sft.schedule.min_ratio);
+    get_enum(s, "demonstrations", r.sft.demonstrations, parse_demonstrations, demonstrations_name);
+    if (r.sft.demonstrations == Demonstrations::kEnvironment && !r.grpo.environment.enabled())
+      s.fail("demonstrations", "environment needs the recipe's environment: section (its workers demonstrate)");
     s.finish();
     try {
       r.sft.validate();
@@ -644,7 +647,8 @@ std::string Recipe::to_yaml() const {
   e << YAML::Key << "grad_clip" << YAML::Value << sft.grad_clip << YAML::Key << "stop_after_nonfinite"
     << YAML::Value << sft.stop_after_nonfinite << YAML::Key << "warmup_steps" << YAML::Value << sft.schedule.warmup_steps << YAML::Key
     << "lr_decay" << YAML::Value << sft.schedule.decay << YAML::Key << "min_lr_ratio" << YAML::Value
-    << sft.schedule.min_ratio << YAML::EndMap;
+    << sft.schedule.min_ratio << YAML::Key << "demonstrations" << YAML::Value << demonstrations_name(sft.demonstrations)
+    << YAML::EndMap;
   e << YAML::Key << "eval" << YAML::Value << YAML::BeginMap << YAML::Key << "every" << YAML::Value << run.eval_every
     << YAML::Key << "prompts" << YAML::Value << run.eval.limit << YAML::Key << "samples" << YAML::Value
     << run.eval.samples << YAML::Key << "temperature" << YAML::Value << run.eval.temperature << YAML::Key

@@ -28,6 +28,84 @@ void SftConfig::validate() const {
   prompt.validate();
 }
 
+Demonstrations parse_demonstrations(const std::string& name) {
+  if (name == "label") return Demonstrations::kLabel;
+  if (name == "environment") return Demonstrations::kEnvironment;
+  KILN_FAIL("sft: demonstrations must be label or environment (got '", name, "')");
+}
+
+const char* demonstrations_name(Demonstrations d) {
+  return d == Demonstrations::kEnvironment ? "environment" : "label";
+}
+
+std::pair<std::vector<int64_t>, std::vector<int64_t>> sft_sequence(const Example& ex, const text::Tokenizer& tok) {
+  const std::vector<int64_t>& prompt = ex.prompt_ids;
+  std::vector<int64_t> answer = ex.answer_ids;
+  if (answer.empty()) {
+    answer = tok.encode(ex.label);
+    answer.push_back(tok.stop_ids().front());
+  }
+  std::vector<int64_t> seq = prompt;
+  seq.insert(seq.end(), answer.begin(), answer.end());
+  // Position j predicts token j + 1; only answer tokens are targets, less a demonstration's
+  // observations.
+  std::vector<int64_t> targets;
+  for (size_t j = 0; j < seq.size(); ++j) {
+    const bool answer_side = j + 1 < seq.size() && j + 1 >= prompt.size();
+    const bool trained = answer_side && (ex.answer_trained.empty() || ex.answer_trained[j + 1 - prompt.size()] != 0);
+    targets.push_back(trained ? seq[j + 1] : -100);
+  }
+  return {std::move(seq), std::move(targets)};
+}
+
+DemoReport add_demonstrations(std::vector<Example>& examples, Environment& env, const text::Tokenizer& tok) {
+  KILN_CHECK(!tok.stop_ids().empty(), "sft: the tokenizer ", tok.name(), " has no eos/stop id to end turns with");
+  const EnvironmentSpec& spec = env.spec();
+  const int64_t stop = tok.stop_ids().front();
+  DemoReport report;
+  constexpr size_t kPerCall = 256;  // requests in flight at once
+  for (size_t b = 0; b < examples.size(); b += kPerCall) {
+    const size_t e = std::min(examples.size(), b + kPerCall);
+    std::vector<EnvDemoRequest> asks;
+    for (size_t i = b; i < e; ++i)
+      asks.push_back({int64_t(i - b), examples[i].prompt_text.empty() ? examples[i].prompt : examples[i].prompt_text,
+                      examples[i].label, examples[i].data_source, examples[i].metadata});
+    const std::vector<EnvDemo> demos = env.demonstrate(asks);
+    for (size_t i = b; i < e; ++i) {
+      const EnvDemo& d = demos[i - b];
+      Example& ex = examples[i];
+      ex.answer_ids.clear();
+      ex.answer_trained.clear();
+      if (d.failed || d.turns.empty()) {
+        ++(d.failed ? report.failed : report.label);
+        continue;
+      }
+      const std::string where = str_cat("sft: the environment's demonstration of ", ex.origin);
+      KILN_CHECK(int64_t(d.turns.size()) <= spec.max_turns, where, " has ", d.turns.size(),
+                 " turns, more than environment.max_turns (", spec.max_turns, ")");
+      for (const EnvTurn& t : d.turns) {
+        std::vector<int64_t> r = tok.encode(t.response);
+        r.push_back(stop);
+        ex.answer_ids.insert(ex.answer_ids.end(), r.begin(), r.end());
+        ex.answer_trained.insert(ex.answer_trained.end(), r.size(), 1);
+        const std::vector<int64_t> o = t.observation_ids.empty() && !t.observation.empty() ? tok.encode(t.observation)
+                                                                                           : t.observation_ids;
+        KILN_CHECK(int64_t(o.size()) <= spec.max_observation_tokens, where, " has an observation of ", o.size(),
+                   " tokens, more than environment.max_observation_tokens (", spec.max_observation_tokens, ")");
+        for (int64_t id : o)
+          KILN_CHECK(id >= 0 && id < tok.vocab_size(), where, " has observation id ", id, " outside the tokenizer's ",
+                     tok.vocab_size(), " ids");
+        ex.answer_ids.insert(ex.answer_ids.end(), o.begin(), o.end());
+        ex.answer_trained.insert(ex.answer_trained.end(), o.size(), 0);
+      }
+      KILN_CHECK(int64_t(ex.answer_ids.size()) <= spec.max_episode_tokens, where, " is ", ex.answer_ids.size(),
+                 " tokens, more than environment.max_episode_tokens (", spec.max_episode_tokens, ")");
+      ++report.demonstrated;
+    }
+  }
+  return report;
+}
+
 std::string SftMetrics::to_json() const {
   // A non-finite loss is written as null (JSON has no NaN), with skipped marking the update.
   return nlohmann::ordered_json{{"step", step}, {"loss", loss}, {"token_accuracy", token_accuracy}, {"skipped", skipped}}
@@ -73,15 +151,8 @@ struct SftTrainer::Impl {
     std::vector<Example> batch_all = stream.next(cfg.batch_size);
     const size_t R = size_t(group.size()), r = size_t(group.rank());
     for (size_t i = batch_all.size() * r / R; i < batch_all.size() * (r + 1) / R; ++i) {
-      const Example& p = batch_all[i];
-      const std::vector<int64_t>& prompt = p.prompt_ids;
-      std::vector<int64_t> answer = tok->encode(p.label);
-      answer.push_back(tok->stop_ids().front());
-      std::vector<int64_t> seq = prompt;
-      seq.insert(seq.end(), answer.begin(), answer.end());
-      // Position j predicts token j+1; only answer tokens are targets.
-      for (size_t j = 0; j < seq.size(); ++j)
-        targets.push_back(j + 1 < seq.size() && j + 1 >= prompt.size() ? seq[j + 1] : -100);
+      auto [seq, t] = sft_sequence(batch_all[i], *tok);
+      targets.insert(targets.end(), t.begin(), t.end());
       seqs.push_back(std::move(seq));
     }
     model::PackedBatch batch = model::PackedBatch::from_sequences(seqs, model.device());

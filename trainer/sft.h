@@ -3,18 +3,30 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "core/comm.h"
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
 #include "trainer/schedule.h"
 #include "trainer/dataset.h"
+#include "trainer/environment.h"
 
 namespace kiln::text {
 class Tokenizer;
 }
 
 namespace kiln::trainer {
+
+// sft.demonstrations: where the warm start's answers come from.
+enum class Demonstrations {
+  kLabel,        // each example's label, then the tokenizer's stop id
+  kEnvironment,  // the recipe's environment demonstrates an episode per example (add_demonstrations)
+};
+Demonstrations parse_demonstrations(const std::string& name);  // label | environment
+const char* demonstrations_name(Demonstrations d);
 
 struct SftConfig {
   int64_t steps = 200;
@@ -25,6 +37,7 @@ struct SftConfig {
   int64_t stop_after_nonfinite = 3;  // non-finite gradient norms in a row that stop the run; each is skipped
   uint64_t seed = 0;
   PromptFormat prompt;         // the same rendering GRPO uses (the recipe's prompt: section)
+  Demonstrations demonstrations = Demonstrations::kLabel;
   void validate() const;
   static optimizers::OptimizerConfig default_optim() {
     optimizers::OptimizerConfig o;
@@ -41,9 +54,24 @@ struct SftMetrics {
   std::string to_json() const;
 };
 
+struct DemoReport {
+  int64_t demonstrated = 0;  // examples given an episode to imitate
+  int64_t label = 0;         // examples the environment had none for: their label is the answer
+  int64_t failed = 0;        // requests that failed (on_failure: zero): their label is the answer
+};
+// Asks `env` for a demonstration of every example and stores it as the example's answer_ids and
+// answer_trained: each turn's response then the tokenizer's first stop id (trained), each
+// observation as episodes take it (not trained). A demonstration that does not fit
+// max_episode_tokens, max_turns or max_observation_tokens is an error naming the example.
+DemoReport add_demonstrations(std::vector<Example>& examples, Environment& env, const text::Tokenizer& tok);
+// One example's training sequence (prompt then answer) and its targets: position j holds the id
+// at j + 1 where that is a trained answer token, else -100.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> sft_sequence(const Example& ex, const text::Tokenizer& tok);
+
 class SftTrainer {
  public:
-  // The target of an example is its label followed by the tokenizer's first stop id (its eos).
+  // The target of an example is its answer_ids where add_demonstrations set them (their trained
+  // tokens), else its label followed by the tokenizer's first stop id (its eos).
   // Data parallel over `group`: each rank takes its share of every batch, gradients are summed,
   // and each parameter's owner steps it (ZeRO-1) and broadcasts it.
   SftTrainer(model::Muse& model, SftConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,

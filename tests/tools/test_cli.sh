@@ -292,10 +292,16 @@ check_fails "sft into a used run directory" "already holds a run (sft-recipe.yam
 sed 's/^  rank: 8 .*/  rank: -1/' "$src/recipes/lora-grpo-arith-tiny.yaml" > "$tmp/lorabad.yaml"
 sed -i "s|config: ../configs|config: $src/configs|" "$tmp/lorabad.yaml"
 check_fails "bad LoRA rank" "lora.rank" "$kiln" train "$tmp/lorabad.yaml" --steps 1 --out "$tmp/lorabad"
-# Multi-turn GRPO (recipes/grpo-tool-tiny.yaml) from the same warm start: episodes with the
-# calculator environment, a worker process found beside the recipe.
+# Multi-turn GRPO (recipes/grpo-tool-tiny.yaml): a warm start on the calculator environment's
+# demonstrations (a worker process found beside the recipe), then episodes with it.
+check "sft on an environment's demonstrations" "sft: the environment demonstrated 906 of 1800 examples" \
+  "$kiln" sft "$src/recipes/grpo-tool-tiny.yaml" --steps 3 --out "$tmp/tool"
 check "multi-turn GRPO with an environment" "train: done" "$kiln" train "$src/recipes/grpo-tool-tiny.yaml" \
-  --init-from "$tmp/lora/sft" --steps 2 --out "$tmp/tool"
+  --init-from "$tmp/tool/sft" --steps 2 --out "$tmp/tool"
+grep -q 'demonstrations: environment' "$tmp/tool/sft-recipe.yaml" || { echo "FAIL: the resolved sft recipe lacks its demonstrations"; fails=$((fails+1)); }
+sed -e "s|config: ../configs|config: $src/configs|" -e '/^sft:$/a\  demonstrations: environment' "$src/recipes/grpo-arith-tiny.yaml" > "$tmp/demobad.yaml"
+check_fails "demonstrations without an environment" "sft.demonstrations: environment needs the recipe's environment: section" \
+  "$kiln" sft "$tmp/demobad.yaml" --steps 1 --out "$tmp/demobad"
 grep -q '"episodes":{"turns":' "$tmp/tool/metrics.jsonl" || { echo "FAIL: no episode metrics in the tool run"; fails=$((fails+1)); }
 grep -q '"reward_components":{"correct":[0-9.e+-]*,"format":[0-9.e+-]*,"tool_calls"' "$tmp/tool/metrics.jsonl" \
   || { echo "FAIL: the tool run lacks the environment's components"; fails=$((fails+1)); }

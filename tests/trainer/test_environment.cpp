@@ -95,6 +95,33 @@ TEST(EnvironmentTest, AnswersThatBreakTheProtocolFailTheirEpisode) {
                           {"environment: request failed", "test_env.py", "id=7", "exactly one of"}));
 }
 
+EnvDemoRequest demo(int64_t id, const std::string& kind) { return {id, kind, "46", "arithmetic", "{}"}; }
+
+TEST(EnvironmentTest, DemonstrationsAndTheAnswersTheProtocolRejects) {
+  const nlohmann::json line = nlohmann::json::parse(environment_demo_line({4, "12+34=", "46", "d", R"({"k": 2})"}));
+  EXPECT_EQ(line["id"], 4);
+  EXPECT_EQ(line["demonstrate"], true);
+  EXPECT_EQ(line["prompt"], "12+34=");
+  EXPECT_EQ(line["label"], "46");
+  EXPECT_EQ(line["metadata"]["k"], 2);
+  Environment env(test_env());
+  const std::vector<EnvDemo> d = env.demonstrate(
+      {demo(0, "demo:text"), demo(1, "demo:ids"), demo(2, "demo:none"), demo(3, "demo:lastobs"), demo(4, "demo:noresponse")});
+  ASSERT_EQ(d.size(), 5u);
+  ASSERT_EQ(d[0].turns.size(), 2u);
+  EXPECT_EQ(d[0].turns[0].response, "c 1+2");
+  EXPECT_EQ(d[0].turns[0].observation, "=3\n");
+  EXPECT_EQ(d[0].turns[1].response, "46");
+  EXPECT_TRUE(d[0].turns[1].observation.empty() && d[0].turns[1].observation_ids.empty());
+  ASSERT_EQ(d[1].turns.size(), 2u);
+  EXPECT_EQ(d[1].turns[0].observation_ids, (std::vector<int64_t>{65, 66}));
+  EXPECT_TRUE(d[2].turns.empty() && !d[2].failed);
+  EXPECT_TRUE(d[3].failed && d[3].turns.empty());
+  EXPECT_NE(d[3].error.find("the last turn (turns[0]) has an observation"), std::string::npos) << d[3].error;
+  EXPECT_TRUE(d[4].failed);
+  EXPECT_NE(d[4].error.find("turns[0] has no \"response\" string"), std::string::npos) << d[4].error;
+}
+
 TEST(EnvironmentTest, CrashAndHangEndOnlyTheirEpisodes) {
   EnvironmentSpec spec = test_env();
   spec.worker.num_workers = 2;

@@ -3,8 +3,13 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include <cmath>
+#include <unistd.h>
 
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "trainer/environment.h"
 #include "trainer/sft.h"
 #include "tests/test_util.h"
 #include "tests/trainer/grpo_fixtures.h"
@@ -12,6 +17,67 @@
 
 namespace kiln::trainer {
 namespace {
+
+EnvironmentSpec demo_env() {
+  EnvironmentSpec spec;
+  spec.worker.command = {access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3",
+                         test::source_path("tests/trainer/workers/test_env.py")};
+  spec.worker.timeout_s = 3;
+  spec.worker.on_failure = OnFailure::kZero;
+  spec.max_turns = 3;
+  spec.max_observation_tokens = 16;
+  spec.max_episode_tokens = 40;
+  return spec;
+}
+
+Example demo_example(const std::string& kind) {
+  Example ex;
+  ex.prompt = ex.prompt_text = kind;
+  ex.label = "46";
+  ex.origin = "test#" + kind;
+  return ex;
+}
+
+// The environment's demonstrations become the answers: each response then the stop id, trained;
+// each observation as episodes take it (text tokenized once, or ids), not trained. Without one the
+// label is the answer.
+TEST(Sft, DemonstrationsTrainTheResponsesNotTheObservations) {
+  auto tok = test::byte_tokenizer();
+  const int64_t stop = tok->stop_ids().front();
+  Environment env(demo_env());
+  std::vector<Example> exs = {demo_example("demo:text"), demo_example("demo:ids"), demo_example("demo:none")};
+  const DemoReport r = add_demonstrations(exs, env, *tok);
+  EXPECT_EQ(r.demonstrated, 2);
+  EXPECT_EQ(r.label, 1);
+  std::vector<int64_t> want = tok->encode("c 1+2");
+  want.push_back(stop);
+  const std::vector<int64_t> obs = tok->encode("=3\n"), last = tok->encode("46");
+  want.insert(want.end(), obs.begin(), obs.end());
+  want.insert(want.end(), last.begin(), last.end());
+  want.push_back(stop);
+  EXPECT_EQ(exs[0].answer_ids, want);
+  std::vector<uint8_t> trained(6, 1);
+  trained.insert(trained.end(), obs.size(), 0);
+  trained.insert(trained.end(), 3, 1);
+  EXPECT_EQ(exs[0].answer_trained, trained);
+  EXPECT_EQ(exs[1].answer_ids, (std::vector<int64_t>{'c', stop, 65, 66, '4', '6', stop}));
+  EXPECT_EQ(exs[1].answer_trained, (std::vector<uint8_t>{1, 1, 0, 0, 1, 1, 1}));
+  EXPECT_TRUE(exs[2].answer_ids.empty());
+  // The targets: the prompt's last token predicts the first answer token; an observation's tokens
+  // are never targets, the response after it is.
+  exs[1].prompt_ids = {5, 6};
+  const auto [seq, targets] = sft_sequence(exs[1], *tok);
+  EXPECT_EQ(seq, (std::vector<int64_t>{5, 6, 'c', stop, 65, 66, '4', '6', stop}));
+  EXPECT_EQ(targets, (std::vector<int64_t>{-100, 'c', stop, -100, -100, '4', '6', stop, -100}));
+  exs[2].prompt_ids = {5};
+  EXPECT_EQ(sft_sequence(exs[2], *tok).second, (std::vector<int64_t>{'4', '6', stop, -100}));
+  // A demonstration beyond the episode limits names the example and the limit.
+  std::vector<Example> long_obs = {demo_example("demo:long")};
+  EXPECT_TRUE(test::throws_with([&] { add_demonstrations(long_obs, env, *tok); },
+                                {"test#demo:long", "30 tokens", "max_observation_tokens (16)"}));
+  std::vector<Example> many = {demo_example("demo:turns")};
+  EXPECT_TRUE(test::throws_with([&] { add_demonstrations(many, env, *tok); }, {"5 turns", "max_turns (3)"}));
+}
 
 TEST(Sft, LossFallsAndAnswersAreMemorised) {
   model::ModelConfig c = test::byte_vocab_config();

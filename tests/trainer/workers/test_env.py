@@ -10,7 +10,10 @@
 # the ids [65 + turn, 66 + turn] (odd turns), and turn N - 1 ends the episode with reward
 # sum(response_ids) % 2 (varied, so that groups have advantages). --crash-turn T: exit 3 on turn T of
 # the episodes whose first response id is odd. --bad-ids: observe id 100000 (outside any test vocab).
-# --nul-text: observe text holding a NUL byte.
+# --nul-text: observe text holding a NUL byte. A demonstration request's prompt names its answer:
+# "demo:text" (a call observed as text, then the label), "demo:ids" (an observation as ids),
+# "demo:none" (no turns), "demo:long" (a 30-byte observation), "demo:turns" (five turns),
+# "demo:lastobs" (the last turn observed: refused), "demo:noresponse" (refused).
 import json
 import sys
 import time
@@ -39,7 +42,21 @@ def scripted(req):
     return {"id": rid, "done": False, "observation_ids": [65 + turn, 66 + turn]}
 
 
+def demonstration(req):
+    kind, label = req["prompt"], req["label"]
+    turns = {"demo:text": [{"response": "c 1+2", "observation": "=3\n"}, {"response": label}],
+             "demo:ids": [{"response": "c", "observation_ids": [65, 66]}, {"response": label}],
+             "demo:none": [],
+             "demo:long": [{"response": "c", "observation": "x" * 30}, {"response": label}],
+             "demo:turns": [{"response": "c", "observation": "o"}] * 4 + [{"response": label}],
+             "demo:lastobs": [{"response": label, "observation": "o"}],
+             "demo:noresponse": [{"observation": "o"}, {"response": label}]}[kind]
+    return {"id": req["id"], "turns": turns}
+
+
 def answer(req):
+    if req.get("demonstrate"):
+        return demonstration(req)
     if script:
         return scripted(req)
     resp, rid = req["response"], req["id"]
