@@ -145,39 +145,38 @@ Environment::Environment(EnvironmentSpec spec) : spec_(std::move(spec)) {
   pool_ = std::make_unique<WorkerPool>(spec_.worker, "environment");
 }
 
-std::vector<EnvStep> Environment::step(const std::vector<EnvRequest>& requests) {
+namespace {
+// One pool call: a line per request, each answer read into its slot (read returns why it cannot
+// be used, or ""), and a failed request's slot made by failed(error).
+template <typename Answer, typename Request, typename Line, typename Read, typename Failed>
+std::vector<Answer> ask(WorkerPool& pool, const std::vector<Request>& requests, Line line, Read read, Failed failed) {
   std::vector<int64_t> ids;
   std::vector<std::string> lines;
-  for (const EnvRequest& r : requests) {
+  for (const Request& r : requests) {
     ids.push_back(r.id);
-    lines.push_back(environment_request_line(r));
+    lines.push_back(line(r));
   }
-  std::vector<EnvStep> steps(requests.size());
+  std::vector<Answer> answers(requests.size());
   const std::vector<WorkerOutcome> outcomes =
-      pool_->call(ids, lines, [&](size_t i, const Json& j) { return read_answer(j, steps[i]); });
+      pool.call(ids, lines, [&](size_t i, const Json& j) { return read(j, answers[i]); });
   for (size_t i = 0; i < outcomes.size(); ++i)
-    if (outcomes[i].failed) {
-      steps[i] = EnvStep();
-      steps[i].done = true;
-      steps[i].failed = true;
-      steps[i].error = outcomes[i].error;
-    }
-  return steps;
+    if (outcomes[i].failed) answers[i] = failed(outcomes[i].error);
+  return answers;
+}
+}  // namespace
+
+std::vector<EnvStep> Environment::step(const std::vector<EnvRequest>& requests) {
+  return ask<EnvStep>(*pool_, requests, environment_request_line, read_answer, [](const std::string& error) {
+    EnvStep s;
+    s.done = s.failed = true;
+    s.error = error;
+    return s;
+  });
 }
 
 std::vector<EnvDemo> Environment::demonstrate(const std::vector<EnvDemoRequest>& requests) {
-  std::vector<int64_t> ids;
-  std::vector<std::string> lines;
-  for (const EnvDemoRequest& r : requests) {
-    ids.push_back(r.id);
-    lines.push_back(environment_demo_line(r));
-  }
-  std::vector<EnvDemo> demos(requests.size());
-  const std::vector<WorkerOutcome> outcomes =
-      pool_->call(ids, lines, [&](size_t i, const Json& j) { return read_demo(j, demos[i]); });
-  for (size_t i = 0; i < outcomes.size(); ++i)
-    if (outcomes[i].failed) demos[i] = EnvDemo{{}, true, outcomes[i].error};
-  return demos;
+  return ask<EnvDemo>(*pool_, requests, environment_demo_line, read_demo,
+                      [](const std::string& error) { return EnvDemo{{}, true, error}; });
 }
 
 RewardStats Environment::stats() const { return pool_->stats(); }
