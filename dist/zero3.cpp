@@ -58,25 +58,42 @@ std::vector<int> zero_owners(const std::vector<int64_t>& numels, int ranks) {
   return owner;
 }
 
-Zero3::Zero3(model::Muse& m, const comm::Group& group, const std::function<bool(const std::string&)>& select)
-    : group_(group) {
+std::unordered_map<std::string, int> Zero3::owners(const model::Muse& whole, int ranks,
+                                                   const std::function<bool(const std::string&)>& select) {
+  std::vector<std::string> names;
   std::vector<int64_t> numels;
+  for (const auto& [name, t] : whole.named_parameters())
+    if (select(name)) names.push_back(name), numels.push_back(t.numel());
+  const std::vector<int> owner = zero_owners(numels, ranks);
+  std::unordered_map<std::string, int> out;
+  for (size_t i = 0; i < names.size(); ++i) out[names[i]] = owner[i];
+  return out;
+}
+
+Zero3::Zero3(model::Muse& m, const comm::Group& group, const std::function<bool(const std::string&)>& select,
+             const model::Muse* whole)
+    : group_(group) {
+  const auto owner = owners(whole ? *whole : m, group_.size(), select);
+  std::unordered_map<std::string, std::vector<int64_t>> shape;
+  for (const auto& [name, t] : (whole ? *whole : m).named_parameters()) shape[name] = t.sizes().vec();
+  // router_bias is a buffer (not in named_parameters): it stays whole on every rank.
+  at::NoGradGuard no_grad;
   for (const auto& [name, t] : m.named_parameters()) {
     if (!select(name)) continue;
-    KILN_CHECK(t.numel() > 0, "zero3: ", name, " is empty; it is sharded already or was never loaded");
-    KILN_CHECK(t.is_contiguous(), "zero3: ", name, " is not contiguous; its owner broadcasts its storage as it is");
-    entries_.push_back({name, t.sizes().vec(), 0, t});
-    numels.push_back(t.numel());
-  }
-  // router_bias is a buffer (not in named_parameters): it stays whole on every rank.
-  const std::vector<int> owners = zero_owners(numels, group_.size());
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < entries_.size(); ++i) {
-    Entry& e = entries_[i];
-    e.owner = owners[i];
-    index_[e.own.unsafeGetTensorImpl()] = i;
-    by_name_[e.name] = i;
-    if (!owns(e)) e.own.set_(at::empty({0}, e.own.options()));  // every handle of the model sees it
+    KILN_CHECK(owner.count(name), "zero3: ", name, " is not in the whole model's shapes");
+    KILN_CHECK(whole || t.numel() > 0, "zero3: ", name, " is empty: a model that holds placeholders needs the whole ",
+               "model's shapes (model::Muse::shapes)");
+    Entry e{name, shape.at(name), owner.at(name), t};
+    if (owns(e)) {
+      KILN_CHECK(t.sizes().vec() == e.shape, "zero3: rank ", group_.rank(), " owns ", name, " but holds it with shape ",
+                 t.sizes(), ", not the whole ", at::IntArrayRef(e.shape), "; it is sharded already or was never loaded");
+      KILN_CHECK(t.is_contiguous(), "zero3: ", name, " is not contiguous; its owner broadcasts its storage as it is");
+    } else if (t.numel() > 0) {
+      e.own.set_(at::empty({0}, e.own.options()));  // every handle of the model sees the placeholder
+    }
+    index_[e.own.unsafeGetTensorImpl()] = entries_.size();
+    by_name_[e.name] = entries_.size();
+    entries_.push_back(std::move(e));
   }
 }
 

@@ -20,8 +20,15 @@ class Zero3 : public model::WeightGather {
   // Shards the tensors of `m` that `select` picks by name over `group`: each goes whole to an owner
   // (largest first, to the least-loaded rank), and every other rank's copy is released in place
   // (its storage becomes a zero-element tensor; the handle, dtype, device and requires_grad stay).
-  // `m` must outlive this object and keep its tensors (update them in place only).
-  Zero3(model::Muse& m, const comm::Group& group, const std::function<bool(const std::string&)>& select);
+  // `m` must outlive this object and keep its tensors (update them in place only). With `whole`
+  // (the whole model's shapes, e.g. model::Muse::shapes on the meta device) `m` may already hold
+  // placeholders where other ranks own (model::Muse::init_owned with owners()'s choice).
+  Zero3(model::Muse& m, const comm::Group& group, const std::function<bool(const std::string&)>& select,
+        const model::Muse* whole = nullptr);
+  // The owner of each tensor `select` picks (by name), over `ranks` ranks, from the whole model's
+  // shapes: what a Zero3 over that model chooses, known before any weight exists.
+  static std::unordered_map<std::string, int> owners(const model::Muse& whole, int ranks,
+                                                     const std::function<bool(const std::string&)>& select);
 
   struct Entry {
     std::string name;            // Muse::named_parameters name

@@ -44,6 +44,11 @@ Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device de
 // and everything else, reading only those experts' tensors: a rank's host and device memory hold
 // its share. NVFP4 checkpoints are still read whole, then cut.
 Muse load_checkpoint_shard(const std::string& dir, at::ScalarType dtype, at::Device device, int rank, int size);
+// The same shard holding only the tensors `keep` selects by in-memory name (a ZeRO-3 rank's
+// share, dist/zero3.h); the others are zero-element placeholders and are not read. NVFP4
+// checkpoints are read as the shard, then cut.
+Muse load_checkpoint_owned(const std::string& dir, at::ScalarType dtype, at::Device device, int rank, int size,
+                           const std::function<bool(const std::string&)>& keep);
 
 // "bf16" / "bfloat16" / "fp32" / "float32" / "fp64" / "float64" -> torch dtype.
 at::ScalarType parse_dtype(const std::string& name);

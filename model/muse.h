@@ -177,6 +177,14 @@ class Muse {
   // (each expert has its own stream), without ever holding the other ranks' experts.
   static Muse init_shard(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device, int rank,
                          int size);
+  // The same shard in which only the tensors `keep` selects (by named_parameters name) are drawn;
+  // the others are zero-element placeholders (ZeRO-3's tensors owned by other ranks, dist/zero3.h).
+  // What it draws equals init_shard's, and nothing else is allocated.
+  static Muse init_owned(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device, int rank,
+                         int size, const std::function<bool(const std::string&)>& keep);
+  // Every tensor's shape and dtype on the meta device, with `experts` experts per layer (-1: all):
+  // what a sharding is planned from before any weight exists.
+  static Muse shapes(const ModelConfig& cfg, at::ScalarType dtype, int64_t experts = -1);
 
   const ModelConfig& config() const { return cfg_; }
   const Weights& weights() const { return w_; }
@@ -188,8 +196,9 @@ class Muse {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
   void set_requires_grad(bool on);
   // A deep copy: its own detached storage for every tensor (the rollout engine's weights, the
-  // frozen reference policy of the KL term).
-  Muse clone() const;
+  // frozen reference policy of the KL term). With `keep`, only the named_parameters it selects are
+  // copied and the others become zero-element placeholders (a ZeRO-3 share, dist/zero3.h).
+  Muse clone(const std::function<bool(const std::string&)>& keep = {}) const;
 
   ForwardOutput forward(const PackedBatch& batch, const ForwardOptions& opt = {}) const;
   // fp32 logits [rows, V] of final-normed hidden states (fp64 in fp64 runs).

@@ -57,9 +57,11 @@ ExpertRange expert_shard(const ModelConfig& cfg, int rank, int size);
 // Loads every tensor the config names from `ckpt` into a model of `dtype` on `device`, except those
 // `skip(layer, suffix)` selects (left undefined); `extra` are further names the checkpoint must
 // hold. Of the experts only `experts` are read (each expert is its own tensor in the file, so a
-// shard reads only its share). Errors name missing, unexpected and misshapen tensors.
+// shard reads only its share), and with `keep` only the tensors it selects by in-memory name (the
+// others become zero-element placeholders, though the file must still hold them). Errors name
+// missing, unexpected and misshapen tensors.
 Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, at::ScalarType dtype, at::Device device,
                   const std::function<bool(int64_t, const std::string&)>& skip, const std::set<std::string>& extra,
-                  ExpertRange experts = {});
+                  ExpertRange experts = {}, const std::function<bool(const std::string&)>& keep = {});
 
 }  // namespace kiln::model::detail

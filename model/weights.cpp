@@ -237,11 +237,12 @@ std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {
   return out;
 }
 
-Muse Muse::clone() const {
+Muse Muse::clone(const std::function<bool(const std::string&)>& keep) const {
   at::NoGradGuard g;
   Weights w = w_;
-  for_each_tensor(w, [](const std::string&, at::Tensor& t, bool) {
-    if (t.defined()) t = t.detach().clone();
+  for_each_tensor(w, [&](const std::string& name, at::Tensor& t, bool trainable) {
+    if (!t.defined()) return;
+    t = !trainable || !keep || keep(name) ? t.detach().clone() : at::empty({0}, t.options());
   });
   // The NVFP4 copies and the adapters too.
   for (LayerWeights& l : w.layers)
@@ -264,22 +265,34 @@ namespace {
 // rank's shard), in its dtype on `device`.
 template <typename Draw>
 Muse build(const ModelConfig& cfg, at::ScalarType dtype, at::Device device, const Draw& draw,
-           int64_t num_experts_held) {
+           int64_t num_experts_held, const std::function<bool(const std::string&)>& keep = {}) {
   cfg.validate();
   const double std = cfg.init_std;
   const double out_std = std / std::sqrt(2.0 * double(cfg.num_layers));  // residual-writing matrices
   auto finish = [&](at::Tensor t, const std::string& suffix) {
     return t.to(device, tensor_dtype(suffix, dtype)).contiguous();
   };
+  // A tensor `keep` leaves out is an empty placeholder of its dtype, drawn from no stream.
+  auto held = [&](const std::string& name) { return !keep || keep(name); };
+  auto placeholder = [&](const std::string& suffix) {
+    return at::empty({0}, at::TensorOptions().device(device).dtype(tensor_dtype(suffix, dtype)));
+  };
   Weights w;
-  w.embed = finish(draw(std::vector<int64_t>{cfg.vocab_size, cfg.hidden_size}, std, "model.embed_tokens.weight", ""), "");
-  w.lm_head = finish(draw(std::vector<int64_t>{cfg.vocab_size, cfg.hidden_size}, std, "lm_head.weight", ""), "");
-  w.final_norm = finish(at::ones({cfg.hidden_size}, at::TensorOptions().device(device)), "");
+  const std::vector<int64_t> vd{cfg.vocab_size, cfg.hidden_size};
+  w.embed = held("model.embed_tokens.weight") ? finish(draw(vd, std, "model.embed_tokens.weight", ""), "")
+                                              : placeholder("");
+  w.lm_head = held("lm_head.weight") ? finish(draw(vd, std, "lm_head.weight", ""), "") : placeholder("");
+  w.final_norm = held("model.norm.weight") ? finish(at::ones({cfg.hidden_size}, at::TensorOptions().device(device)), "")
+                                           : placeholder("");
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     LayerWeights l;
     const std::string prefix = layer_prefix(i);
     for (auto [suffix, shape] : layer_shapes(cfg)) {
       if (is_expert_stack(suffix)) shape[0] = num_experts_held;  // a shard holds its experts only
+      if (suffix != "mlp.router.e_score_correction_bias" && !held(prefix + suffix)) {  // a buffer stays whole
+        *layer_slot(l, suffix) = placeholder(suffix);
+        continue;
+      }
       at::Tensor t;
       const bool residual_out = suffix == "self_attn.o_proj.weight" || suffix == "mlp.experts.down_proj.weight" ||
                                 suffix == "mlp.unpooler.weight";
@@ -305,6 +318,17 @@ Muse Muse::init(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at:
 
 Muse Muse::init_shard(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device, int rank,
                       int size) {
+  return init_owned(cfg, seed, dtype, device, rank, size, {});
+}
+
+Muse Muse::shapes(const ModelConfig& cfg, at::ScalarType dtype, int64_t experts) {
+  return build(cfg, dtype, at::kMeta, [](const std::vector<int64_t>& shape, double, const std::string&,
+                                         const std::string&) { return at::empty(shape, at::kMeta); },
+               experts < 0 ? cfg.num_experts : experts);
+}
+
+Muse Muse::init_owned(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device, int rank,
+                      int size, const std::function<bool(const std::string&)>& keep) {
   const detail::ExpertRange r = detail::expert_shard(cfg, rank, size);
   // Each tensor, each expert on its own, from the CPU stream of (seed, its name): a shard draws
   // exactly the values the whole model has there.
@@ -316,7 +340,7 @@ Muse Muse::init_shard(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtyp
     for (int64_t e = r.first; e < r.first + r.size(cfg); ++e)
       experts.push_back(normal(one, std, seed, expert_name(prefix, e, suffix)));
     return at::stack(experts, 0);
-  }, r.size(cfg));
+  }, r.size(cfg), keep);
 }
 
 Muse Muse::init_on_device(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device) {
@@ -422,7 +446,7 @@ ExpertRange expert_shard(const ModelConfig& cfg, int rank, int size) {
 
 Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, at::ScalarType dtype, at::Device device,
                   const std::function<bool(int64_t, const std::string&)>& skip, const std::set<std::string>& extra,
-                  ExpertRange range) {
+                  ExpertRange range, const std::function<bool(const std::string&)>& keep) {
   std::set<std::string> expected = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"};
   expected.insert(extra.begin(), extra.end());
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
@@ -452,17 +476,24 @@ Muse load_tensors(const ModelConfig& cfg, const safetensors::Checkpoint& ckpt, a
     check_finite(loaded, name, ckpt.path());
     return loaded.to(device);
   };
+  // A tensor `keep` leaves out is not read: a zero-element placeholder of its dtype (not buffers).
+  auto held = [&](const std::string& name) { return !keep || keep(name); };
+  auto placeholder = [&](at::ScalarType t) { return at::empty({0}, at::TensorOptions().device(device).dtype(t)); };
   Weights w;
   const int64_t V = cfg.vocab_size, d = cfg.hidden_size;
-  w.embed = load("model.embed_tokens.weight", {V, d}, dtype);
-  w.lm_head = load("lm_head.weight", {V, d}, dtype);
-  w.final_norm = load("model.norm.weight", {d}, dtype);
+  w.embed = held("model.embed_tokens.weight") ? load("model.embed_tokens.weight", {V, d}, dtype) : placeholder(dtype);
+  w.lm_head = held("lm_head.weight") ? load("lm_head.weight", {V, d}, dtype) : placeholder(dtype);
+  w.final_norm = held("model.norm.weight") ? load("model.norm.weight", {d}, dtype) : placeholder(dtype);
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     LayerWeights l;
     const std::string prefix = layer_prefix(i);
     for (const auto& [suffix, shape] : layer_shapes(cfg)) {
       if (skip && skip(i, suffix)) continue;
       const at::ScalarType t = tensor_dtype(suffix, dtype);
+      if (suffix != "mlp.router.e_score_correction_bias" && !held(prefix + suffix)) {
+        *layer_slot(l, suffix) = placeholder(t);
+        continue;
+      }
       if (!is_expert_stack(suffix)) {
         *layer_slot(l, suffix) = load(prefix + suffix, shape, t, suffix);
         continue;
@@ -485,10 +516,18 @@ Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device de
 }
 
 Muse load_checkpoint_shard(const std::string& dir, at::ScalarType dtype, at::Device device, int rank, int size) {
-  if (is_nvfp4_checkpoint(dir)) return load_nvfp4_checkpoint(dir, dtype, device, rank, size);
+  return load_checkpoint_owned(dir, dtype, device, rank, size, {});
+}
+
+Muse load_checkpoint_owned(const std::string& dir, at::ScalarType dtype, at::Device device, int rank, int size,
+                           const std::function<bool(const std::string&)>& keep) {
+  if (is_nvfp4_checkpoint(dir)) {
+    Muse m = load_nvfp4_checkpoint(dir, dtype, device, rank, size);
+    return keep ? m.clone(keep) : m;
+  }
   ModelConfig cfg = ModelConfig::from_json_file(dir + "/config.json");
   return load_tensors(cfg, safetensors::Checkpoint::open(dir), dtype, device, {}, {},
-                      detail::expert_shard(cfg, rank, size));
+                      detail::expert_shard(cfg, rank, size), keep);
 }
 
 }  // namespace kiln::model

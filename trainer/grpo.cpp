@@ -231,6 +231,7 @@ struct GrpoTrainer::Impl {
                                        // engine's replica, unless ZeRO-3 gives it a copy of its own)
   std::unique_ptr<dist::Zero3> zero3;  // parallel.dense zero3: the sharding of `shard`
   std::unique_ptr<dist::Zero3> ref_zero3;  // ... and of `reference`
+  std::unique_ptr<model::Muse> zero3_shapes;  // the trained model's whole shapes, on the meta device
   // ZeRO-3 with sharded engines: what they serve, the replica's dense tensors (gathered from their
   // owners after each step) beside this rank's trained experts and adapters (shared with `shard`).
   std::unique_ptr<model::Muse> rollout_view;
@@ -288,10 +289,15 @@ struct GrpoTrainer::Impl {
       }
       // ZeRO-3 releases in place what this rank does not own: the trained model gets a copy of its
       // own, apart from the engine's replica.
-      // Under expert parallelism the shard's experts are its own already and only the rest is cloned.
       shard = std::make_unique<model::Muse>(ep > 1 ? model::shard_experts(policy, e, int(ep)) : policy);
-      if (z3) {
-        *shard = shard->clone();
+      if (z3) {  // a copy of only what this rank will own (and its experts), planned from the shapes
+        zero3_shapes = std::make_unique<model::Muse>(
+            model::Muse::shapes(policy.config(), policy.dtype(), policy.config().num_experts / ep));
+        const auto owner = dist::Zero3::owners(*zero3_shapes, group.size(), zero3_select());
+        *shard = shard->clone([&](const std::string& name) {
+          const auto it = owner.find(name);
+          return it == owner.end() || it->second == group.rank();
+        });
         for (model::LayerWeights& l : shard->weights().layers) l.nvfp4 = {};  // dense weights train and serve it
       }
     }
@@ -319,9 +325,8 @@ struct GrpoTrainer::Impl {
     const auto named = lora() ? model::lora_parameters(trained()) : trained().named_parameters();
     for (auto& [name, t] : named) t.requires_grad_(true);
     if (z3) {  // the dense part (at ep = 1 every tensor) whole on one rank each; LoRA's adapters stay replicated
-      auto select = [ep](const std::string& name) { return ep == 1 || !model::is_expert_tensor(name); };
-      zero3 = std::make_unique<dist::Zero3>(*shard, group, select);
-      if (reference) ref_zero3 = std::make_unique<dist::Zero3>(*reference, group, select);
+      zero3 = std::make_unique<dist::Zero3>(*shard, group, zero3_select(), zero3_shapes.get());
+      if (reference) ref_zero3 = std::make_unique<dist::Zero3>(*reference, group, zero3_select(), zero3_shapes.get());
     }
     for (auto& [name, t] : named) {
       params.push_back(t);
@@ -347,6 +352,10 @@ struct GrpoTrainer::Impl {
   // Log-probs (and own routing) of every target under `model` (the current policy, or the frozen
   // reference), micro-batched (trainer/scoring.h).
   model::Muse& trained() { return shard ? *shard : policy; }
+  // What ZeRO-3 shards: the dense part, and at ep 1 the experts too.
+  std::function<bool(const std::string&)> zero3_select() const {
+    return [ep = cfg.parallel.ep](const std::string& name) { return ep == 1 || !model::is_expert_tensor(name); };
+  }
   // What the engine serves: the replica, or with sharded engines this rank's shard.
   const model::Muse& rollout_source() {
     return !cfg.parallel.sharded_rollout() ? policy : rollout_view ? *rollout_view : trained();
@@ -900,17 +909,14 @@ struct GrpoTrainer::Impl {
     m.lr = cfg.optim.adamw.lr * cfg.schedule.factor(steps);
     for (int64_t ms = 0; ms < cfg.mini_steps; ++ms) {
       int64_t gb = ms * per_mini, ge = std::min(N, (ms + 1) * per_mini);
-      size_t mb = size_t(std::clamp(gb, g0, g1) - g0), me = size_t(std::clamp(ge, g0, g1) - g0);
-      if (shard) {
-        // Expert parallel: each rank slices its own trajectories (equal counts everywhere), so all
-        // ranks run the same number of forwards; the global mini-batch is their union.
-        const int64_t n_local = int64_t(trajs.size()), per_local = (n_local + cfg.mini_steps - 1) / cfg.mini_steps;
-        mb = size_t(std::min(n_local, ms * per_local));
-        me = size_t(std::min(n_local, (ms + 1) * per_local));
-        gb = 0;
-        ge = int64_t(group.all_reduce(double(me - mb)));
-      }
+      const size_t mb = size_t(std::clamp(gb, g0, g1) - g0), me = size_t(std::clamp(ge, g0, g1) - g0);
       if (gb >= ge) break;
+      // Expert parallelism and ZeRO-3 exchange tokens or gather weights in every forward: a rank
+      // with fewer micro-batches in this mini-step (none, where the mini-step does not reach its
+      // trajectories) runs as many empty ones, a one-token forward whose loss is multiplied by 0,
+      // so that every rank runs the same collectives and the mini-steps are one rank's.
+      const int64_t micro = cfg.micro_batch_seqs, mine = (int64_t(me - mb) + micro - 1) / micro;
+      const int64_t empty = shard ? int64_t(group.all_reduce(double(mine), comm::ReduceOp::kMax)) - mine : 0;
       const double local_tokens = mb < me ? pack(trajs, mb, me, at::kCPU, at::kDouble).loss_mask.sum().item<double>() : 0.0;
       const double slice_tokens = std::max(group.all_reduce(local_tokens), 1.0);
       for (at::Tensor& p : params) p.mutable_grad().reset();
@@ -946,6 +952,12 @@ struct GrpoTrainer::Impl {
         kl_sum += lo.kl * tokens;
         mis_sum += lo.mis_masked_fraction * tokens;
         loss_tokens += tokens;
+      }
+      for (int64_t i = 0; i < empty; ++i) {
+        model::PackedBatch one = model::PackedBatch::from_sequences({{0}}, policy.device());
+        model::ForwardOptions fo = forward_options();
+        fo.targets = at::zeros({1}, one.tokens.options());
+        (trained().forward(one, fo).logprobs.sum() * 0.0).backward();
       }
       // Sum the ranks' gradients, then global grad-norm clipping (an infinite bound when off still
       // reports the norm); the owners step and broadcast.

@@ -230,10 +230,10 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
 
 TEST(DataParallel, GrpoOnAllRanksMatchesOneRank) { check_grpo(1, 3); }  // mini-steps crossing ranks
 
-// Expert parallel over all ranks (ep = world), and dp=2 x ep=2 at 4 ranks; one mini-step, since
-// expert-parallel ranks slice their own trajectories into mini-steps.
+// Expert parallel over all ranks (ep = world), and dp=2 x ep=2 at 4 ranks; mini-steps cross ranks
+// (a rank the mini-step does not reach joins its exchanges with empty micro-batches).
 TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
-  check_grpo(Group::world().size(), 1);
+  check_grpo(Group::world().size(), 3);
   if (Group::world().size() == 4) check_grpo(2, 1);
   check_grpo(Group::world().size(), 1, /*kl_coef=*/0.05);  // the reference is an expert shard too
   // The rollout engines serve their shards, exchanging tokens in lockstep (needs ep > 1: at one
@@ -247,13 +247,12 @@ TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
 
 // The dense part under ZeRO-3 (each tensor on one rank, gathered a layer at a time): alone (dp =
 // world), with the KL reference sharded too, with the experts sharded by expert parallelism, and
-// LoRA over a sharded frozen base, and beside sharded engines. One mini-step: ranks slice their own
-// trajectories, as under EP.
+// LoRA over a sharded frozen base, and beside sharded engines; mini-steps crossing ranks.
 TEST(DataParallel, GrpoWithZero3MatchesOneRank) {
   const int64_t W = Group::world().size();
-  check_grpo(1, 1, 0, "replica", 0, /*zero3=*/true);
+  check_grpo(1, 3, 0, "replica", 0, /*zero3=*/true);
   check_grpo(1, 1, 0.05, "replica", 0, true);
-  check_grpo(W, 1, 0, "replica", 0, true);
+  check_grpo(W, 3, 0, "replica", 0, true);
   check_grpo(1, 1, 0.05, "replica", 4, true);
   if (W > 1) {  // sharded engines serve the owners' dense part beside their own experts
     check_grpo(W, 1, 0.05, "sharded", 0, true);

@@ -151,6 +151,44 @@ TEST(Zero3, WithDataTimesExpertParallelism) {
   check({2, true});
 }
 
+// Sharded from the start: each rank draws only the tensors it owns (and its experts), planned from
+// the shapes on the meta device; it holds what sharding a whole init leaves it, bit for bit.
+void check_sharded_init(int ep) {
+  const Group& w = Group::world();
+  const int e = w.rank() % ep;
+  const model::ModelConfig cfg = test::byte_vocab_config();
+  const Muse shapes = Muse::shapes(cfg, at::kFloat, cfg.num_experts / ep);
+  EXPECT_EQ(shapes.device().type(), at::kMeta);
+  auto select = [&](const std::string& n) { return ep == 1 || !model::is_expert_tensor(n); };
+  const auto owner = Zero3::owners(shapes, w.size(), select);
+  Muse part = Muse::init_owned(cfg, 9, at::kFloat, at::kCPU, e, ep, [&](const std::string& n) {
+    const auto it = owner.find(n);
+    return it == owner.end() || it->second == w.rank();  // its experts under ep > 1, else what it owns
+  });
+  Zero3 zero(part, w, select, &shapes);
+  const Muse whole = Muse::init(cfg, 9, at::kFloat, at::kCPU);
+  Muse cut = model::shard_experts(whole.clone(), e, ep);  // its own tensors: ZeRO-3 releases them in place
+  Zero3 reference(cut, w, select);  // sharding a whole init, the usual way
+  auto pp = part.named_parameters(), pc = cut.named_parameters();
+  ASSERT_EQ(pp.size(), pc.size());
+  for (size_t i = 0; i < pp.size(); ++i) {
+    EXPECT_EQ(pp[i].second.sizes(), pc[i].second.sizes()) << pp[i].first << " ep=" << ep;
+    if (pp[i].second.numel() > 0) EXPECT_TRUE(test::all_equal(pp[i].second, pc[i].second)) << pp[i].first;
+  }
+  Muse gathered = Muse::init(cfg, 1, at::kFloat, at::kCPU);
+  zero.gather_into(gathered);
+  auto pg = gathered.named_parameters(), pw = whole.named_parameters();
+  for (size_t i = 0; i < pg.size(); ++i)
+    if (select(pg[i].first)) EXPECT_TRUE(test::all_equal(pg[i].second, pw[i].second)) << pg[i].first << " ep=" << ep;
+  Muse unplanned = Muse::init_owned(cfg, 9, at::kFloat, at::kCPU, e, ep, [&](const std::string&) { return false; });
+  EXPECT_TRUE(test::throws_with([&] { Zero3 z(unplanned, w, select); }, {"needs the whole model's shapes"}));
+}
+
+TEST(Zero3, ShardedInitDrawsOnlyWhatEachRankOwns) {
+  check_sharded_init(1);
+  check_sharded_init(Group::world().size());
+}
+
 // The whole model back from the shards, and the shards from a whole model.
 TEST(Zero3, GatherIntoAndTakeFromAWholeModel) {
   const Group& w = Group::world();

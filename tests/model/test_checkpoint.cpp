@@ -121,6 +121,37 @@ TEST(Checkpoint, ShardedInitAndLoadEqualTheWholeModelCut) {
                                 {"rank 4"}));
 }
 
+// A ZeRO-3 share without the whole: init_owned draws, clone(keep) copies and load_checkpoint_owned
+// reads only the selected tensors; the rest are zero-element placeholders of the right dtype.
+// Muse::shapes holds every shape on the meta device, experts cut as asked.
+TEST(Checkpoint, OwnedInitAndCloneHoldOnlyTheirShare) {
+  const model::ModelConfig cfg = test::micro_config();
+  const Muse whole = Muse::init(cfg, 11, at::kFloat, at::kCPU);
+  auto mine = [](const std::string& name) { return name.find("q_proj") != std::string::npos || name == "lm_head.weight"; };
+  test::TempDir dir;
+  model::save_checkpoint(whole, dir.path(), /*max_shard_bytes=*/20000);
+  for (const Muse& m : {Muse::init_owned(cfg, 11, at::kFloat, at::kCPU, 0, 1, mine), whole.clone(mine),
+                        model::load_checkpoint_owned(dir.path(), at::kFloat, at::kCPU, 0, 1, mine)}) {
+    auto got = m.named_parameters(), want = whole.named_parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].second.scalar_type(), want[i].second.scalar_type()) << got[i].first;
+      if (mine(got[i].first))
+        EXPECT_TRUE(test::all_equal(got[i].second, want[i].second)) << got[i].first;
+      else
+        EXPECT_EQ(got[i].second.numel(), 0) << got[i].first;
+    }
+  }
+  const Muse shapes = Muse::shapes(cfg, at::kFloat, cfg.num_experts / 2);
+  auto s = shapes.named_parameters(), c = model::shard_experts(whole, 1, 2).named_parameters();
+  ASSERT_EQ(s.size(), c.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    EXPECT_EQ(s[i].second.device().type(), at::kMeta) << s[i].first;
+    EXPECT_EQ(s[i].second.sizes(), c[i].second.sizes()) << s[i].first;
+    EXPECT_EQ(s[i].second.scalar_type(), c[i].second.scalar_type()) << s[i].first;
+  }
+}
+
 // Every rank writes its own part (its experts; rank 0 also the dense part), one merges the index:
 // the directory loads whole and by shard exactly, no part holds another rank's experts, and a
 // missing or doubled part is an error naming the tensors.
