@@ -15,6 +15,10 @@
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
 
+#if KILN_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace kiln::dist {
 namespace {
 
@@ -45,7 +49,7 @@ Run run(const Muse& m, const std::vector<std::vector<int64_t>>& seqs, double nor
   o.targets = at::tensor(targets, at::kLong);
   std::optional<at::NoGradGuard> no_grad;
   if (!grad) no_grad.emplace();
-  model::ForwardOutput out = m.forward(model::PackedBatch::from_sequences(seqs, at::kCPU), o);
+  model::ForwardOutput out = m.forward(model::PackedBatch::from_sequences(seqs, m.device()), o);
   at::Tensor loss = -out.logprobs.sum() / norm;
   if (loss.requires_grad()) loss.backward();
   return {out.logprobs.detach(), out.routing, loss.item<double>()};
@@ -56,6 +60,7 @@ struct Case {
   bool replay = false; // replay the one-rank run's routing
   bool lora = false;   // adapters on every target, the base frozen (and sharded)
   bool grad = true;
+  at::Device device = at::kCPU;  // CUDA: the gathers and reductions go through NCCL
 };
 
 void check(const Case& c) {
@@ -71,7 +76,7 @@ void check(const Case& c) {
   double norm = 0;
   for (const auto& s : seqs) norm += double(s.size()) - 1;
   auto make = [&] {
-    Muse m = Muse::init(cfg, 9, at::kFloat, at::kCPU);
+    Muse m = Muse::init(cfg, 9, at::kFloat, c.device);
     if (c.lora) {
       model::add_lora(m, {4, 8}, 3);
       at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
@@ -146,6 +151,18 @@ TEST(Zero3, WithRoutingReplay) { check({1, true}); }
 TEST(Zero3, WithoutAGradient) { check({1, false, false, false}); }
 TEST(Zero3, LoraOverAShardedFrozenBase) { check({1, false, true}); }
 TEST(Zero3, WithTheExpertsShardedByExpertParallelism) { check({Group::world().size()}); }
+// On a GPU per rank the broadcasts and reductions are NCCL calls, those of the backward issued from
+// autograd's device thread (one GPU runs it at one rank: ctest kiln_mpi_np1_cuda).
+TEST(Zero3, CudaTensorsGoThroughNccl) {
+#if KILN_WITH_CUDA
+  if (!at::hasCUDA() || c10::cuda::device_count() < Group::world().size()) GTEST_SKIP() << "needs a GPU per rank";
+  c10::cuda::set_device(c10::DeviceIndex(Group::world().local_rank()));
+  check({1, true, false, true, at::Device(at::kCUDA, c10::DeviceIndex(Group::world().local_rank()))});
+#else
+  GTEST_SKIP() << "a CPU build";
+#endif
+}
+
 TEST(Zero3, WithDataTimesExpertParallelism) {
   if (Group::world().size() != 4) GTEST_SKIP() << "dp=2 x ep=2 needs 4 ranks";
   check({2, true});
