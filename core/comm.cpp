@@ -100,6 +100,14 @@ MPI_Datatype mpi_type(at::ScalarType t) {
   }
 }
 
+// What MPI reduces for t: t itself, or a CPU copy for a CUDA tensor (no NCCL) or a bf16/fp16 one
+// (widened to fp32, which MPI can sum), for the caller to reduce and copy back.
+at::Tensor mpi_reducible(const at::Tensor& t) {
+  const bool low = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+  if (!t.is_cuda() && !low) return t;
+  return t.to(at::kCPU, low ? at::kFloat : t.scalar_type()).contiguous();
+}
+
 int checked_int(int64_t n, const char* what) {
   KILN_CHECK(n >= 0 && n <= INT_MAX, "comm: ", what, " of ", n, " bytes exceeds MPI's int count; split the tensor");
   return int(n);
@@ -248,9 +256,7 @@ void Group::all_reduce(at::Tensor& t, ReduceOp op) const {
     return;
   }
 #endif
-  if (t.is_cuda() || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf) {
-    const bool low = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
-    at::Tensor host = t.to(at::kCPU, low ? at::kFloat : t.scalar_type()).contiguous();
+  if (at::Tensor host = mpi_reducible(t); !host.is_same(t)) {
     all_reduce(host, op);
     t.copy_(host);
     return;
@@ -275,9 +281,7 @@ void Group::reduce(at::Tensor& t, int root, ReduceOp op) const {
     return;
   }
 #endif
-  if (t.is_cuda() || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf) {
-    const bool low = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
-    at::Tensor host = t.to(at::kCPU, low ? at::kFloat : t.scalar_type()).contiguous();
+  if (at::Tensor host = mpi_reducible(t); !host.is_same(t)) {
     reduce(host, root, op);
     if (rank_ == root) t.copy_(host);
     return;

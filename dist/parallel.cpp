@@ -65,7 +65,7 @@ void all_reduce_grads(const comm::Group& group, const std::vector<at::Tensor>& p
   at::NoGradGuard no_grad;
   std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;  // a deterministic order on every rank
   for (const at::Tensor& p : params) {
-    at::Tensor& g = const_cast<at::Tensor&>(p).mutable_grad();
+    at::Tensor& g = p.mutable_grad();
     if (!g.defined()) g = at::zeros_like(p);
     by_dtype[g.scalar_type()].push_back(g);
   }
@@ -245,7 +245,7 @@ double clip_grads_expert_parallel(const std::vector<at::Tensor>& params, const s
   const double coef = max_norm / (total + 1e-6);  // the rule of torch's clip_grad_norm_
   if (max_norm > 0 && coef < 1)
     for (const at::Tensor& p : params)
-      if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().mul_(coef);
+      if (p.grad().defined()) p.mutable_grad().mul_(coef);
   return total;
 }
 

@@ -201,19 +201,18 @@ Run add_sft(CLI::App& app) {
     trainer::Recipe& r = s.recipe;
     const bool lead = comm::Group::world().rank() == 0;
     if (lead) report_data(s);
-    if (r.sft.demonstrations == trainer::Demonstrations::kEnvironment) {
-      // The environment's workers demonstrate an episode per training example (trainer/sft.h).
-      trainer::Environment env(r.grpo.environment);
-      trainer::prepare_prompts(s.data.train, *s.tokenizer, r.sft.prompt);
-      const trainer::DemoReport d = trainer::add_demonstrations(s.data.train, env, *s.tokenizer);
-      if (lead)
-        fmt::print("sft: the environment demonstrated {} of {} examples ({} without a demonstration, {} failed, "
-                   "answered by their label)\n", d.demonstrated, s.data.train.size(), d.label, d.failed);
-    }
     if (lead && r.grpo.parallel.zero3() && comm::Group::world().size() > 1)
       fmt::print("sft: parallel.dense zero3 applies to kiln train; sft keeps the dense part replicated on every rank "
                  "(data parallel, ZeRO-1 optimizer state)\n");
-    trainer::SftTrainer sft(*s.policy, r.sft, s.tokenizer, s.data.train);
+    // The environment's workers demonstrate an episode per training example (trainer/sft.h).
+    std::unique_ptr<trainer::Environment> env;
+    if (r.sft.demonstrations == trainer::Demonstrations::kEnvironment)
+      env = std::make_unique<trainer::Environment>(r.grpo.environment);
+    trainer::SftTrainer sft(*s.policy, r.sft, s.tokenizer, s.data.train, comm::Group::world(), env.get());
+    if (const trainer::DemoReport& d = sft.demonstrations(); lead && env)
+      fmt::print("sft: the environment demonstrated {} of {} examples ({} without a demonstration, {} failed, "
+                 "answered by their label)\n", d.demonstrated, d.demonstrated + d.label + d.failed, d.label, d.failed);
+    env.reset();  // its workers are done
     std::FILE* log = nullptr;
     const std::string log_path = r.run.out + "/sft-metrics.jsonl";
     if (lead) {

@@ -40,6 +40,13 @@ symbolize() {
     [ -f "$file" ] && echo "$at: $(addr2line -f -C -i -e "$file" "$off" | tr '\n' ' ')" | tee -a "$out/$2"
   done
 }
+# arith_sft <name> <steps> <file>: muse-small's short SFT on two-digit addition (the GPU smoke
+# recipe), weights in $tmp/<name>/sft; its last lines to $out/<file>.
+arith_sft() {
+  sed -e "s|config: ../configs|config: $PWD/configs|" recipes/grpo-arith-small-gpu.yaml > "$tmp/$1.yaml"
+  printf 'sft:\n  steps: %s\n  batch_size: 64\n  lr: 0.001\n  lr_decay: cosine\n  min_lr_ratio: 0.1\n' "$2" >> "$tmp/$1.yaml"
+  ./build-gpu/kiln sft "$tmp/$1.yaml" --out "$tmp/$1" 2>&1 | tr '\r' '\n' | grep -v "^sft [0-9]" | tail -3 | tee -a "$out/$3"
+}
 mismatch_report() {  # mismatch_report <metrics.jsonl>: per step, R3 on and off
   python3 - "$1" <<'PY'
 import sys, json
@@ -276,11 +283,7 @@ if want async; then
 # Both runs start from the same short SFT (KILN_ASYNC_SFT_STEPS, default 30: 300 steps reach 98% and
 # leave the reward nothing to gain), so that the reward curve moves.
 step "async GRPO: SFT warm start, then synchronous vs max_staleness 1"
-sed -e "s|config: ../configs|config: $PWD/configs|" recipes/grpo-arith-small-gpu.yaml > "$tmp/async-sft.yaml"
-printf 'sft:\n  steps: %s\n  batch_size: 64\n  lr: 0.001\n  lr_decay: cosine\n  min_lr_ratio: 0.1\n' \
-  "${KILN_ASYNC_SFT_STEPS:-30}" >> "$tmp/async-sft.yaml"
-./build-gpu/kiln sft "$tmp/async-sft.yaml" --out "$tmp/async-sft" 2>&1 | tr '\r' '\n' | grep -v "^sft [0-9]" | tail -2 \
-  | tee -a "$out/async.txt"
+arith_sft async-sft "${KILN_ASYNC_SFT_STEPS:-30}" async.txt
 for k in off 1; do
   sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: 64/" \
       -e "s/^  max_tokens: .*/  max_tokens: 32/" -e "s/^  mismatch_ab: .*/  mismatch_ab: false/" \
@@ -355,11 +358,7 @@ if want mismatch; then
 # 256 prompts x 8 from BF16, NVFP4 (W4A16) and W4A4 (dynamic per-token scales) rollouts of those
 # same weights and rescores every token with the bf16 trainer, R3 on and off. No weight changes.
 step "mismatch: muse-small after ${KILN_SFT_STEPS:-300} SFT steps"
-sed -e "s|config: ../configs|config: $PWD/configs|" recipes/grpo-arith-small-gpu.yaml > "$tmp/sft.yaml"
-printf 'sft:\n  steps: %s\n  batch_size: 64\n  lr: 0.001\n  lr_decay: cosine\n  min_lr_ratio: 0.1\n' \
-  "${KILN_SFT_STEPS:-300}" >> "$tmp/sft.yaml"
-./build-gpu/kiln sft "$tmp/sft.yaml" --out "$tmp/sft" 2>&1 | tr '\r' '\n' | grep -v "^sft [0-9]" | tail -3 \
-  | tee -a "$out/mismatch.txt"
+arith_sft sft "${KILN_SFT_STEPS:-300}" mismatch.txt
 python3 -c 'import random; r = random.Random(7)
 for _ in range(256): print("{\"prompt\": \"%d+%d=\"}" % (r.randint(10, 99), r.randint(10, 99)))' > "$tmp/prompts.jsonl"
 for q in none nvfp4 w4a4; do

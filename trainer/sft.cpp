@@ -116,6 +116,7 @@ struct SftTrainer::Impl {
   model::Muse& model;
   SftConfig cfg;
   std::shared_ptr<const text::Tokenizer> tok;
+  DemoReport demos;  // what the environment demonstrated (sft.demonstrations: environment)
   DataStream stream;
   comm::Group group;
   std::vector<at::Tensor> params;  // all: clipping and the gradient all-reduce
@@ -125,8 +126,8 @@ struct SftTrainer::Impl {
   UpdateGuard guard;
 
   Impl(model::Muse& m, SftConfig c, std::shared_ptr<const text::Tokenizer> t, std::vector<Example> train,
-       const comm::Group& g)
-      : model(m), cfg(c), tok(std::move(t)), stream(prepared(std::move(train)), c.seed), group(g) {
+       const comm::Group& g, Environment* env)
+      : model(m), cfg(c), tok(std::move(t)), stream(prepared(std::move(train), env), c.seed), group(g) {
     cfg.validate();
     guard.limit = cfg.stop_after_nonfinite;
     KILN_CHECK(cfg.batch_size >= group.size(), "sft: batch_size (", cfg.batch_size,
@@ -137,10 +138,14 @@ struct SftTrainer::Impl {
     if (group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
   }
 
-  std::vector<Example> prepared(std::vector<Example> train) {
+  std::vector<Example> prepared(std::vector<Example> train, Environment* env) {
     KILN_CHECK(tok, "sft: no tokenizer given");
     KILN_CHECK(!tok->stop_ids().empty(), "sft: the tokenizer ", tok->name(), " has no eos/stop id to end answers with");
     prepare_prompts(train, *tok, cfg.prompt);
+    if (cfg.demonstrations == Demonstrations::kEnvironment) {
+      KILN_CHECK(env, "sft: demonstrations: environment, but no environment was given to demonstrate");
+      demos = add_demonstrations(train, *env, *tok);
+    }
     return train;
   }
 
@@ -183,8 +188,9 @@ struct SftTrainer::Impl {
 };
 
 SftTrainer::SftTrainer(model::Muse& model, SftConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
-                       std::vector<Example> train, const comm::Group& group)
-    : impl_(std::make_unique<Impl>(model, config, std::move(tokenizer), std::move(train), group)) {}
+                       std::vector<Example> train, const comm::Group& group, Environment* env)
+    : impl_(std::make_unique<Impl>(model, config, std::move(tokenizer), std::move(train), group, env)) {}
+const DemoReport& SftTrainer::demonstrations() const { return impl_->demos; }
 SftTrainer::~SftTrainer() = default;
 SftMetrics SftTrainer::step() { return impl_->step(); }
 

@@ -74,10 +74,12 @@ class SftTrainer {
   // tokens), else its label followed by the tokenizer's first stop id (its eos).
   // Data parallel over `group`: each rank takes its share of every batch, gradients are summed,
   // and each parameter's owner steps it (ZeRO-1) and broadcasts it.
+  // With sft.demonstrations: environment, `env` demonstrates every example (add_demonstrations).
   SftTrainer(model::Muse& model, SftConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
-             std::vector<Example> train, const comm::Group& group = comm::Group::world());
+             std::vector<Example> train, const comm::Group& group = comm::Group::world(), Environment* env = nullptr);
   ~SftTrainer();
   SftMetrics step();
+  const DemoReport& demonstrations() const;
 
  private:
   struct Impl;

@@ -15,6 +15,7 @@
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "model/muse.h"
+#include "tests/dist/next_token.h"
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
 
@@ -22,33 +23,8 @@ namespace kiln::model {
 namespace {
 
 using comm::Group;
-
-std::vector<std::vector<int64_t>> sequences() {
-  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(11);
-  std::vector<std::vector<int64_t>> out;
-  for (int64_t i = 0; i < 13; ++i) {
-    at::Tensor t = at::randint(128, {2 + 7 * (i % 3)}, g, at::kLong);
-    out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
-  }
-  return out;
-}
-
-struct Run {
-  at::Tensor logprobs, routing;
-  double loss = 0;
-};
-
-// -sum log p / norm over `seqs`, backward; log-probs and routing of the tokens.
-Run run(const Muse& m, const std::vector<std::vector<int64_t>>& seqs, double norm, ForwardOptions o) {
-  std::vector<int64_t> targets;
-  for (const auto& s : seqs)
-    for (size_t j = 0; j < s.size(); ++j) targets.push_back(j + 1 < s.size() ? s[j + 1] : -100);
-  o.targets = at::tensor(targets, at::kLong);
-  ForwardOutput out = m.forward(PackedBatch::from_sequences(seqs, at::kCPU), o);
-  at::Tensor loss = -out.logprobs.sum() / norm;
-  loss.backward();
-  return {out.logprobs.detach(), out.routing, loss.item<double>()};
-}
+using test::LossRun;
+using test::next_token_loss;
 
 void check(int ep) {
   const Group& w = Group::world();
@@ -58,24 +34,21 @@ void check(int ep) {
   ASSERT_EQ(ep_group.size(), ep);
   const ModelConfig cfg = test::byte_vocab_config();
   const int64_t per = cfg.num_experts / ep;
-  auto seqs = sequences();
-  double norm = 0;
-  for (const auto& s : seqs) norm += double(s.size()) - 1;
+  const test::Sequences seqs = test::token_sequences(11, 13, 2, 7);
+  const double norm = test::target_count(seqs);
 
   Muse full = Muse::init(cfg, 9, at::kFloat, at::kCPU);
   full.set_requires_grad(true);
-  Run ref = run(full, seqs, norm, {});
+  LossRun ref = next_token_loss(full, seqs, norm, {});
 
   Muse shard = shard_experts(Muse::init(cfg, 9, at::kFloat, at::kCPU), e, ep);
   shard.set_requires_grad(true);
-  const size_t b = seqs.size() * size_t(w.rank()) / size_t(W), en = seqs.size() * size_t(w.rank() + 1) / size_t(W);
-  std::vector<std::vector<int64_t>> mine(seqs.begin() + long(b), seqs.begin() + long(en));
-  int64_t t0 = 0, tn = 0;  // this rank's token rows in the full batch
-  for (size_t i = 0; i < b; ++i) t0 += int64_t(seqs[i].size());
-  for (const auto& s : mine) tn += int64_t(s.size());
+  const test::RankShare share = test::rank_share(seqs, w.rank(), W);
+  const test::Sequences& mine = share.seqs;
+  const int64_t t0 = share.first_row, tn = share.rows;  // this rank's token rows in the full batch
   ForwardOptions o;
   o.expert_group = &ep_group;
-  Run got = run(shard, mine, norm, o);
+  LossRun got = next_token_loss(shard, mine, norm, o);
 
   EXPECT_NEAR(w.all_reduce(got.loss), ref.loss, 1e-5 * std::abs(ref.loss)) << "ep=" << ep;
   EXPECT_TRUE(test::all_close(got.logprobs, ref.logprobs.narrow(0, t0, tn), 1e-5, 1e-6)) << "ep=" << ep;
@@ -97,11 +70,11 @@ void check(int ep) {
   skewed.select(2, 1).fill_(1);
   ForwardOptions full_skew;
   full_skew.replay_routing = skewed;
-  Run ref_skew = run(full, seqs, norm, full_skew);
+  LossRun ref_skew = next_token_loss(full, seqs, norm, full_skew);
   ForwardOptions skew = o;
   skew.replay_routing = skewed.narrow(0, t0, tn);
   for (auto& [n, p] : shard.named_parameters()) p.mutable_grad().reset();
-  Run got_skew = run(shard, mine, norm, skew);
+  LossRun got_skew = next_token_loss(shard, mine, norm, skew);
   EXPECT_TRUE(test::all_close(got_skew.logprobs, ref_skew.logprobs.narrow(0, t0, tn), 1e-5, 1e-6)) << "skewed ep=" << ep;
   EXPECT_NEAR(w.all_reduce(got_skew.loss), ref_skew.loss, 1e-5 * std::abs(ref_skew.loss)) << "skewed ep=" << ep;
 
@@ -109,7 +82,7 @@ void check(int ep) {
   ForwardOptions replay = o;
   replay.replay_routing = ref.routing.narrow(0, t0, tn);
   for (auto& [n, p] : shard.named_parameters()) p.mutable_grad().reset();
-  Run again = run(shard, mine, norm, replay);
+  LossRun again = next_token_loss(shard, mine, norm, replay);
   EXPECT_TRUE(test::all_close(again.logprobs, ref.logprobs.narrow(0, t0, tn), 1e-5, 1e-6)) << "replay ep=" << ep;
 }
 

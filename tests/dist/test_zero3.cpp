@@ -5,13 +5,13 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include <optional>
 #include <string>
 
 #include "dist/zero3.h"
 #include "model/expert_parallel.h"
 #include "model/lora.h"
 #include "model/muse.h"
+#include "tests/dist/next_token.h"
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
 
@@ -26,34 +26,8 @@ using comm::Group;
 using model::ForwardOptions;
 using model::Muse;
 
-std::vector<std::vector<int64_t>> sequences() {
-  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(23);
-  std::vector<std::vector<int64_t>> out;
-  for (int64_t i = 0; i < 11; ++i) {
-    at::Tensor t = at::randint(128, {1 + 9 * (i % 3)}, g, at::kLong);
-    out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
-  }
-  return out;
-}
-
-struct Run {
-  at::Tensor logprobs, routing;
-  double loss = 0;
-};
-
-// -sum log p / norm over `seqs`, backward when a parameter trains.
-Run run(const Muse& m, const std::vector<std::vector<int64_t>>& seqs, double norm, ForwardOptions o, bool grad) {
-  std::vector<int64_t> targets;
-  for (const auto& s : seqs)
-    for (size_t j = 0; j < s.size(); ++j) targets.push_back(j + 1 < s.size() ? s[j + 1] : -100);
-  o.targets = at::tensor(targets, at::kLong);
-  std::optional<at::NoGradGuard> no_grad;
-  if (!grad) no_grad.emplace();
-  model::ForwardOutput out = m.forward(model::PackedBatch::from_sequences(seqs, m.device()), o);
-  at::Tensor loss = -out.logprobs.sum() / norm;
-  if (loss.requires_grad()) loss.backward();
-  return {out.logprobs.detach(), out.routing, loss.item<double>()};
-}
+using test::LossRun;
+using test::next_token_loss;
 
 struct Case {
   int ep = 1;          // experts sharded over ep ranks (dp = world / ep copies of each shard)
@@ -72,9 +46,8 @@ void check(const Case& c) {
   const int64_t per = cfg.num_experts / c.ep;
   const std::string what = "ep=" + std::to_string(c.ep) + (c.replay ? " replay" : "") + (c.lora ? " lora" : "") +
                            (c.grad ? "" : " no grad");
-  auto seqs = sequences();
-  double norm = 0;
-  for (const auto& s : seqs) norm += double(s.size()) - 1;
+  const test::Sequences seqs = test::token_sequences(23, 11, 1, 9);
+  const double norm = test::target_count(seqs);
   auto make = [&] {
     Muse m = Muse::init(cfg, 9, at::kFloat, c.device);
     if (c.lora) {
@@ -97,7 +70,7 @@ void check(const Case& c) {
 
   Muse full = make();
   set_trained(full);
-  Run ref = run(full, seqs, norm, {}, c.grad);
+  LossRun ref = next_token_loss(full, seqs, norm, {}, c.grad);
 
   Muse part = c.ep > 1 ? model::shard_experts(make(), e, c.ep) : make();
   set_trained(part);
@@ -111,17 +84,14 @@ void check(const Case& c) {
   }
   EXPECT_EQ(int64_t(w.all_reduce(double(held))), total) << "every sharded tensor lives on exactly one rank";
 
-  const size_t b = seqs.size() * size_t(w.rank()) / size_t(W), en = seqs.size() * size_t(w.rank() + 1) / size_t(W);
-  std::vector<std::vector<int64_t>> mine(seqs.begin() + long(b), seqs.begin() + long(en));
-  int64_t t0 = 0, tn = 0;
-  for (size_t i = 0; i < b; ++i) t0 += int64_t(seqs[i].size());
-  for (const auto& s : mine) tn += int64_t(s.size());
+  const test::RankShare share = test::rank_share(seqs, w.rank(), W);
+  const int64_t t0 = share.first_row, tn = share.rows;
   ForwardOptions o;
   o.gather = &zero;
   if (c.ep > 1) o.expert_group = &ep_group;
   if (c.replay) o.replay_routing = ref.routing.narrow(0, t0, tn);
   ASSERT_GT(tn, 0);
-  Run got = run(part, mine, norm, o, c.grad);
+  LossRun got = next_token_loss(part, share.seqs, norm, o, c.grad);
   EXPECT_NEAR(w.all_reduce(got.loss), ref.loss, 1e-5 * std::abs(ref.loss)) << what;
   EXPECT_TRUE(test::all_close(got.logprobs, ref.logprobs.narrow(0, t0, tn), 1e-5, 1e-6)) << what;
   EXPECT_TRUE(test::all_equal(got.routing, ref.routing.narrow(0, t0, tn))) << what;

@@ -377,34 +377,29 @@ for r in 0 1; do
 done
 check "sft on 2 ranks" "sft: done" mpi -np 2 "$kiln" sft "$tmp/recipe.yaml" --steps 2 --out "$tmp/dp2"
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  ep: 2\n'; } > "$tmp/ep2.yaml"
-check "train with experts over 2 ranks" "dp=1 ep=2" mpi -np 2 "$kiln" train "$tmp/ep2.yaml" --steps 2 --out "$tmp/ep2"
-check "resume expert-parallel" "resumed from" mpi -np 2 "$kiln" train "$tmp/ep2.yaml" --steps 3 --resume "$tmp/ep2"
+# resumes_exactly <what> <expected> <recipe> <dir>: at 2 ranks, 2 steps then a resume to 3 give
+# the metrics of the same 3 steps run at once (into <dir>-full).
+resumes_exactly() {
+  local what="$1" want="$2" recipe="$3" dir="$4"
+  check "$what" "$want" mpi -np 2 "$kiln" train "$recipe" --steps 2 --out "$dir"
+  check "$what, resumed" "resumed from" mpi -np 2 "$kiln" train "$recipe" --steps 3 --resume "$dir"
+  check "$what, uninterrupted" "train: done" mpi -np 2 "$kiln" train "$recipe" --steps 3 --out "$dir-full"
+  [ "$(strip_times "$dir-full/metrics.jsonl")" = "$(strip_times "$dir/metrics.jsonl")" ] \
+    || { echo "FAIL: $what: resumed metrics differ from the uninterrupted run"; fails=$((fails+1)); }
+}
+resumes_exactly "train with experts over 2 ranks" "dp=1 ep=2" "$tmp/ep2.yaml" "$tmp/ep2"
+[ "$(grep -c '"reward"' "$tmp/ep2/metrics.jsonl" 2>/dev/null)" = 3 ] || { echo "FAIL: ep=2 run lacks 3 step lines"; fails=$((fails+1)); }
 sed 's/^  ep: 2$/  ep: 2\n  rollout: sharded/' "$tmp/ep2.yaml" > "$tmp/ep2s.yaml"
 sed 's/^  ep: 2$/  ep: 2\n  rollout: both/' "$tmp/ep2.yaml" > "$tmp/ep2bad.yaml"
 check_fails "bad rollout placement" "parallel.rollout: parallel: rollout must be replica or sharded (got 'both')" \
   "$kiln" train "$tmp/ep2bad.yaml" --steps 1 --out "$tmp/ep2bad"
-check "sharded rollout engines" "rollout=sharded" mpi -np 2 "$kiln" train "$tmp/ep2s.yaml" --steps 2 --out "$tmp/ep2s"
-check "resume them" "resumed from" mpi -np 2 "$kiln" train "$tmp/ep2s.yaml" --steps 3 --resume "$tmp/ep2s"
-check "sharded, uninterrupted" "train: done" mpi -np 2 "$kiln" train "$tmp/ep2s.yaml" --steps 3 --out "$tmp/ep2sfull"
-if [ "$(strip_times "$tmp/ep2s/metrics.jsonl")" != "$(strip_times "$tmp/ep2sfull/metrics.jsonl")" ]; then
-  echo "FAIL: resumed sharded-rollout metrics differ from the uninterrupted run"; fails=$((fails+1))
-fi
+resumes_exactly "sharded rollout engines" "rollout=sharded" "$tmp/ep2s.yaml" "$tmp/ep2s"
 { cat "$tmp/ep2.yaml"; printf 'loss:\n  kl_coef: 0.05\n'; } > "$tmp/ep2kl.yaml"
 check "expert-parallel with the KL term" "train: done" mpi -np 2 "$kiln" train "$tmp/ep2kl.yaml" --steps 2 --out "$tmp/ep2kl"
 check "resume it" "resumed from" mpi -np 2 "$kiln" train "$tmp/ep2kl.yaml" --steps 3 --resume "$tmp/ep2kl"
-[ "$(grep -c '"reward"' "$tmp/ep2/metrics.jsonl" 2>/dev/null)" = 3 ] || { echo "FAIL: ep=2 run lacks 3 step lines"; fails=$((fails+1)); }
-check "expert-parallel, uninterrupted" "train: done" mpi -np 2 "$kiln" train "$tmp/ep2.yaml" --steps 3 --out "$tmp/ep2full"
-if [ "$(strip_times "$tmp/ep2full/metrics.jsonl")" != "$(strip_times "$tmp/ep2/metrics.jsonl")" ]; then
-  echo "FAIL: resumed expert-parallel metrics differ from the uninterrupted run"; fails=$((fails+1))
-fi
-# The dense part under ZeRO-3 on 2 ranks: trains, resumes, and equals the uninterrupted run.
+# The dense part under ZeRO-3 on 2 ranks.
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  dense: zero3\n'; } > "$tmp/z3.yaml"
-check "train with the dense part under ZeRO-3" "dense=zero3" mpi -np 2 "$kiln" train "$tmp/z3.yaml" --steps 2 --out "$tmp/z3"
-check "resume it" "resumed from" mpi -np 2 "$kiln" train "$tmp/z3.yaml" --steps 3 --resume "$tmp/z3"
-check "ZeRO-3, uninterrupted" "train: done" mpi -np 2 "$kiln" train "$tmp/z3.yaml" --steps 3 --out "$tmp/z3full"
-if [ "$(strip_times "$tmp/z3full/metrics.jsonl")" != "$(strip_times "$tmp/z3/metrics.jsonl")" ]; then
-  echo "FAIL: resumed ZeRO-3 metrics differ from the uninterrupted run"; fails=$((fails+1))
-fi
+resumes_exactly "train with the dense part under ZeRO-3" "dense=zero3" "$tmp/z3.yaml" "$tmp/z3"
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  dense: zero3\n  ep: 2\n  rollout: sharded\n'; } > "$tmp/z3s.yaml"
 check "ZeRO-3 beside sharded engines" "dense=zero3 rollout=sharded" mpi -np 2 "$kiln" train "$tmp/z3s.yaml" --steps 2 --out "$tmp/z3s"
 sed 's/^  dense: zero3$/  dense: zero2/' "$tmp/z3.yaml" > "$tmp/z3bad.yaml"

@@ -15,6 +15,19 @@ namespace kiln::test {
 // The muse-tiny byte tokenizer the trainer tests use.
 inline std::shared_ptr<const text::Tokenizer> byte_tokenizer() { return text::make_byte_tokenizer(128); }
 
+// A GRPO step small enough for the CPU tests: `prompts` x `samples` samples of at most
+// `max_tokens` tokens, lr 1e-2, an 8 MiB KV cache of 4-token blocks.
+inline trainer::GrpoConfig small_grpo(int64_t prompts, int64_t samples, int64_t max_tokens) {
+  trainer::GrpoConfig g;
+  g.prompts_per_step = prompts;
+  g.samples_per_prompt = samples;
+  g.max_tokens = max_tokens;
+  g.optim.adamw.lr = 1e-2;
+  g.engine.kv_cache_bytes = 8 << 20;
+  g.engine.block_size = 4;
+  return g;
+}
+
 // A single-limit evaluation (greedy, one sample per prompt).
 inline trainer::EvalConfig eval_limit(int64_t limit) {
   trainer::EvalConfig e;

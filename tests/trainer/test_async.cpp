@@ -17,13 +17,7 @@ namespace kiln::trainer {
 namespace {
 
 GrpoConfig async_grpo(int64_t k) {
-  GrpoConfig g;
-  g.prompts_per_step = 4;
-  g.samples_per_prompt = 4;
-  g.max_tokens = 3;
-  g.optim.adamw.lr = 1e-2;
-  g.engine.kv_cache_bytes = 8 << 20;
-  g.engine.block_size = 4;
+  GrpoConfig g = test::small_grpo(4, 4, 3);
   g.reward.type = RewardType::kRegexFormat;  // a digit anywhere: varies within groups
   g.reward.regex_format.pattern = "(?s).*[0-9].*";
   g.loss.tis = true;                          // off-policy batches: the rollout's log-probs correct

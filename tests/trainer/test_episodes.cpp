@@ -183,13 +183,7 @@ TEST(Episodes, EnvironmentFailuresEndOnlyTheirEpisodes) {
 
 TEST(Grpo, MultiTurnEpisodesTrainAndEvaluate) {
   model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
-  GrpoConfig cfg;
-  cfg.prompts_per_step = 2;
-  cfg.samples_per_prompt = 4;
-  cfg.max_tokens = 3;
-  cfg.optim.adamw.lr = 1e-2;
-  cfg.engine.kv_cache_bytes = 8 << 20;
-  cfg.engine.block_size = 4;
+  GrpoConfig cfg = test::small_grpo(2, 4, 3);
   cfg.environment = scripted_env(3);
   GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), split(arithmetic_problems(32, 1, 6), 0.25, 1));
   for (int step = 0; step < 2; ++step) {

@@ -18,14 +18,8 @@ namespace kiln::trainer {
 namespace {
 
 GrpoConfig small_grpo() {
-  GrpoConfig g;
-  g.prompts_per_step = 4;
-  g.samples_per_prompt = 4;
-  g.max_tokens = 4;
-  g.optim.adamw.lr = 1e-2;
+  GrpoConfig g = test::small_grpo(4, 4, 4);
   g.micro_batch_seqs = 5;  // several micro-batches, one partial
-  g.engine.kv_cache_bytes = 8 << 20;
-  g.engine.block_size = 4;
   return g;
 }
 

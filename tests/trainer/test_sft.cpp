@@ -77,6 +77,16 @@ TEST(Sft, DemonstrationsTrainTheResponsesNotTheObservations) {
                                 {"test#demo:long", "30 tokens", "max_observation_tokens (16)"}));
   std::vector<Example> many = {demo_example("demo:turns")};
   EXPECT_TRUE(test::throws_with([&] { add_demonstrations(many, env, *tok); }, {"5 turns", "max_turns (3)"}));
+  // The trainer asks the environment itself, and needs one to ask.
+  model::Muse m = model::Muse::init(test::byte_vocab_config(), 1, at::kFloat, at::kCPU);
+  SftConfig cfg;
+  cfg.batch_size = 2;
+  cfg.demonstrations = Demonstrations::kEnvironment;
+  SftTrainer sft(m, cfg, tok, {demo_example("demo:text"), demo_example("demo:none")}, comm::Group::world(), &env);
+  EXPECT_EQ(sft.demonstrations().demonstrated, 1);
+  EXPECT_EQ(sft.demonstrations().label, 1);
+  EXPECT_TRUE(test::throws_with([&] { SftTrainer none(m, cfg, tok, {demo_example("demo:text")}); },
+                                {"no environment was given"}));
 }
 
 TEST(Sft, LossFallsAndAnswersAreMemorised) {
