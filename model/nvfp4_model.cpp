@@ -157,18 +157,39 @@ void quantize_model(Muse& m, bool kernel_layout, bool drop_dense) {
   }
 }
 
-bool requantize(Muse& m, const std::string& name, const at::Tensor& dense) {
+namespace {
+// The layer and linear slot a Muse::named_parameters name refers to, or a null slot.
+std::pair<int64_t, const LinearSlot*> linear_of(const Muse& m, const std::string& name) {
   const std::string head = "model.layers.";
-  if (name.rfind(head, 0) != 0) return false;
+  if (name.rfind(head, 0) != 0) return {-1, nullptr};
   const size_t dot = name.find('.', head.size());
   int64_t layer = -1;
   try {
     layer = std::stoll(name.substr(head.size(), dot - head.size()));
   } catch (const std::exception&) {
-    return false;  // not a layer tensor name
+    return {-1, nullptr};  // not a layer tensor name
   }
   const LinearSlot* s = slot_of(name.substr(dot + 1));
-  if (!s || layer < 0 || layer >= m.config().num_layers) return false;
+  if (!s || layer < 0 || layer >= m.config().num_layers) return {-1, nullptr};
+  return {layer, s};
+}
+}  // namespace
+
+bool quantize_linear(Muse& m, const std::string& name, bool kernel_layout, bool drop_dense) {
+  const auto [layer, s] = linear_of(m, name);
+  if (!s || !quantized(m.config(), layer, *s)) return false;
+  LayerWeights& l = m.weights().layers[size_t(layer)];
+  at::Tensor& dense = l.*s->dense;
+  KILN_CHECK(dense.defined() && dense.numel() > 0, "nvfp4: layer ", layer, " ", s->module, " has no weights to quantise");
+  at::NoGradGuard g;
+  l.nvfp4.*s->q = quantize_dense(dense, kernel_layout);
+  if (drop_dense) dense = at::Tensor();
+  return true;
+}
+
+bool requantize(Muse& m, const std::string& name, const at::Tensor& dense) {
+  const auto [layer, s] = linear_of(m, name);
+  if (!s) return false;
   LayerWeights& l = m.weights().layers[size_t(layer)];
   kernels::Nvfp4Tensor& q = l.nvfp4.*s->q;
   if ((l.*s->dense).defined() || !q.packed.defined()) return false;  // served dense

@@ -33,6 +33,9 @@ Nvfp4Footprint nvfp4_footprint(const ModelConfig& cfg, bool input_scales = true)
 // layout when `kernel_layout`). With `drop_dense` the dense copies are released, so the forward
 // serves NVFP4; linears that already hold NVFP4 weights and no dense ones are left as they are.
 void quantize_model(Muse& m, bool kernel_layout, bool drop_dense);
+// quantize_model for one linear, by its Muse::named_parameters name: quantises it afresh from its
+// dense weight when it is one that NVFP4 serves and returns true; false for every other tensor.
+bool quantize_linear(Muse& m, const std::string& name, bool kernel_layout, bool drop_dense);
 // A weight sync into an NVFP4-serving model: when `name` (a Muse::named_parameters name) is a
 // linear served from NVFP4, quantises `dense` into its storage in place (addresses unchanged, so
 // captured CUDA graphs stay valid) and returns true; false for every other tensor. Calibrated

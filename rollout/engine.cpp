@@ -62,6 +62,9 @@ struct RequestState {
 };
 
 namespace {
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+using Item = std::function<std::pair<std::string, at::Tensor>(size_t)>;  // the i-th of a sync's tensors
+
 EngineConfig validated(EngineConfig c) {
   c.validate();
   return c;
@@ -83,13 +86,16 @@ struct Engine::Impl {
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
   std::function<void(const StepTrace&)> trace;
   int64_t weight_version = 0;            // weight or adapter updates so far
+  int64_t update_weights(size_t count, const Item& item);   // Engine::update_weights, tensors one at a time
+  int64_t update_adapters(size_t count, const Item& item);
   std::map<int64_t, std::unique_ptr<Seq>> sessions;  // finished turns kept for a next one (idle)
   int64_t next_session = 0;
 
-  Impl(const model::Muse& m, EngineConfig config)
+  Impl(const model::Muse& m, EngineConfig config, const WeightSource& source)
       : model(m.clone()), cfg(m.config()), ec(validated(config)),
         kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device()),
         sched(kv, ec, cfg.sliding_window), work(sched.work()), attention(kv, cfg) {
+    if (source) fill(source);
     if (ec.quantization != Quantization::kNone) {
       // The GEMM kernels read their own sign-bit layout; the CPU reference reads ModelOpt's.
       model::quantize_model(model, /*kernel_layout=*/model.device().is_cuda(), /*drop_dense=*/true);
@@ -112,6 +118,25 @@ struct Engine::Impl {
     }
     if (ec.cuda_graphs && !ec.expert_group && !host_sync && DecodeGraphs::available(model)) {
       graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, ec.fused_rope_cache);
+    }
+  }
+
+  // The tensors `source` answers for, one at a time: each replaces the copy's placeholder or shard
+  // in place (Tensor::set_, so every handle of the model sees it) and an NVFP4-served linear is
+  // quantised at once, its dense copy released before the next tensor comes.
+  void fill(const WeightSource& source) {
+    at::NoGradGuard g;
+    const bool quantize = ec.quantization != Quantization::kNone;
+    auto named = model.named_parameters();
+    const auto adapters = model::lora_parameters(model);
+    named.insert(named.end(), adapters.begin(), adapters.end());
+    for (auto& [name, t] : named) {
+      at::Tensor w = source(name, t);
+      if (w.defined()) t.set_(w.to(t.options(), /*non_blocking=*/false, /*copy=*/true).contiguous());
+      KILN_CHECK(t.numel() > 0, "rollout: the model holds no weights for ", name,
+                 " (a placeholder of a sharded model) and the weight source gave none");
+      if (quantize) model::quantize_linear(model, name, /*kernel_layout=*/model.device().is_cuda(), /*drop_dense=*/true);
+      t = at::Tensor();  // the last handle of a quantised linear's dense weights
     }
   }
 
@@ -448,7 +473,8 @@ struct Engine::Impl {
   }
 };
 
-Engine::Engine(const model::Muse& model, EngineConfig config) : impl_(std::make_unique<Impl>(model, config)) {}
+Engine::Engine(const model::Muse& model, EngineConfig config, const WeightSource& source)
+    : impl_(std::make_unique<Impl>(model, config, source)) {}
 Engine::~Engine() = default;
 
 void Engine::reset_peaks() {
@@ -499,18 +525,18 @@ std::vector<RequestOutput> Engine::generate(const std::vector<Request>& requests
 
 namespace {
 
-using Named = std::vector<std::pair<std::string, at::Tensor>>;
-
-// Copies `named` into the same-named tensors of `own` in place, each once and with its shape; a
-// name `own` lacks goes to `other`, which takes it (true) or refuses it. Every tensor of `own` must
-// come. Returns the bytes copied. `what` names the call and `noun` the tensors in errors.
-int64_t copy_by_name(const char* what, const char* noun, const Named& own, const Named& named,
+// Copies `count` named tensors (item(i), fetched one at a time) into the same-named tensors of
+// `own` in place, each once and with its shape; a name `own` lacks goes to `other`, which takes it
+// (true) or refuses it. Every tensor of `own` must come. Returns the bytes copied. `what` names
+// the call and `noun` the tensors in errors.
+int64_t copy_by_name(const char* what, const char* noun, const Named& own, size_t count, const Item& item,
                      const std::function<bool(const std::string&, const at::Tensor&)>& other) {
   at::NoGradGuard g;
   std::map<std::string, at::Tensor> by_name(own.begin(), own.end());
   std::set<std::string> seen;
   int64_t bytes = 0;
-  for (const auto& [name, t] : named) {
+  for (size_t i = 0; i < count; ++i) {
+    const auto [name, t] = item(i);
     KILN_CHECK(seen.insert(name).second, "rollout: ", what, " got ", name, " twice");
     auto it = by_name.find(name);
     if (it == by_name.end()) {
@@ -523,25 +549,51 @@ int64_t copy_by_name(const char* what, const char* noun, const Named& own, const
     bytes += int64_t(t.numel()) * int64_t(t.element_size());
   }
   for (const auto& [name, t] : own)
-    KILN_CHECK(seen.count(name), "rollout: ", what, " did not get ", name, " (", named.size(), " ", noun,
+    KILN_CHECK(seen.count(name), "rollout: ", what, " did not get ", name, " (", count, " ", noun,
                " given, the engine has ", own.size(), ")");
   return bytes;
 }
 
-}  // namespace
-
-void Engine::update_weights(const Named& named) {
-  // A linear served from NVFP4 has no dense tensor: it is re-quantised from the trainer's weights.
-  copy_by_name("update_weights", "tensors", impl_->model.named_parameters(), named,
-               [&](const std::string& name, const at::Tensor& t) { return model::requantize(impl_->model, name, t); });
-  impl_->weight_version++;
+Item items_of(const Named& named) {
+  return [&named](size_t i) { return named[i]; };
+}
+// named[i], or what `source` fetches for it.
+Item items_of(const Named& named, const WeightSource& source) {
+  return [&named, &source](size_t i) {
+    at::Tensor w = source ? source(named[i].first, named[i].second) : at::Tensor();
+    return std::make_pair(named[i].first, w.defined() ? w : named[i].second);
+  };
 }
 
-int64_t Engine::update_adapters(const Named& named) {
-  const Named own = model::lora_parameters(impl_->model);
+}  // namespace
+
+void Engine::update_weights(const Named& named) { impl_->update_weights(named.size(), items_of(named)); }
+
+int64_t Engine::update_weights(const model::Muse& from, const WeightSource& source) {
+  const Named named = from.named_parameters();
+  return impl_->update_weights(named.size(), items_of(named, source));
+}
+
+int64_t Engine::update_adapters(const Named& named) { return impl_->update_adapters(named.size(), items_of(named)); }
+
+int64_t Engine::update_adapters(const model::Muse& from, const WeightSource& source) {
+  const Named named = model::lora_parameters(from);
+  return impl_->update_adapters(named.size(), items_of(named, source));
+}
+
+int64_t Engine::Impl::update_weights(size_t count, const Item& item) {
+  // A linear served from NVFP4 has no dense tensor: it is re-quantised from the trainer's weights.
+  const int64_t bytes = copy_by_name("update_weights", "tensors", model.named_parameters(), count, item,
+                                     [&](const std::string& name, const at::Tensor& t) { return model::requantize(model, name, t); });
+  weight_version++;
+  return bytes;
+}
+
+int64_t Engine::Impl::update_adapters(size_t count, const Item& item) {
+  const Named own = model::lora_parameters(model);
   KILN_CHECK(!own.empty(), "rollout: update_adapters: the engine's model has no LoRA adapters");
-  const int64_t bytes = copy_by_name("update_adapters", "adapters", own, named, {});
-  impl_->weight_version++;
+  const int64_t bytes = copy_by_name("update_adapters", "adapters", own, count, item, {});
+  weight_version++;
   return bytes;
 }
 

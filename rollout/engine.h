@@ -119,10 +119,19 @@ struct StepTrace {
   std::vector<Item> items;
 };
 
+// Where an engine gets a weight that its model holds only in part, by Muse::named_parameters (or
+// model::lora_parameters) name: a ZeRO-3 placeholder broadcast from its owner, a rank's expert
+// shard gathered whole for a replica. Returns the whole tensor, or an undefined one to serve
+// `own` as it is. Called for every tensor in the model's order on every rank alike, so that it
+// may run collectives; the engine keeps one fetched tensor at a time.
+using WeightSource = std::function<at::Tensor(const std::string& name, const at::Tensor& own)>;
+
 class Engine {
  public:
-  // Takes its own handles to the model's weights; update_weights() replaces them in place.
-  Engine(const model::Muse& model, EngineConfig config);
+  // Takes its own copy of the model's weights; update_weights() replaces them in place. With a
+  // `source`, the tensors it answers for are fetched one at a time and (NVFP4) quantised as they
+  // arrive, so that a rank holding a share of the model never holds the whole of it in BF16.
+  Engine(const model::Muse& model, EngineConfig config, const WeightSource& source = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -154,10 +163,14 @@ class Engine {
   // Copies new weights into the engine's tensors in place (same names and shapes as
   // Muse::named_parameters()); throws naming the first mismatch. Only between steps.
   void update_weights(const std::vector<std::pair<std::string, at::Tensor>>& named);
+  // The same from `from`'s named_parameters, each through `source` (see WeightSource) when given:
+  // a sharded trainer's weights, fetched one tensor at a time. Returns the bytes copied.
+  int64_t update_weights(const model::Muse& from, const WeightSource& source);
   // LoRA: copies adapters (model::lora_parameters names and shapes, all of them) into the engine's
   // own, which it applies unmerged on its base (dense or NVFP4). Throws naming a missing, unknown
   // or wrongly shaped adapter. Returns the bytes copied. Only between steps.
   int64_t update_adapters(const std::vector<std::pair<std::string, at::Tensor>>& named);
+  int64_t update_adapters(const model::Muse& from, const WeightSource& source);  // as update_weights
   // The number of weight or adapter updates so far (0 at construction): the version each drawn
   // token records (Sample::weight_versions), so that a trainer can tell how stale a sample is.
   int64_t weight_version() const;

@@ -249,6 +249,70 @@ TEST(Engine, UpdateWeightsReplacesTheModelInPlace) {
   EXPECT_THROW(engine.update_weights(wrong), Error);
 }
 
+// An engine over a share of a model (every other tensor a placeholder, the experts half a stack),
+// its missing weights fetched one at a time by a WeightSource, samples what an engine over the
+// whole model samples: unquantised, and NVFP4 with each linear quantised as it arrives. The
+// source is asked for every tensor once, in the model's order. An update through a source equals
+// a whole update, and a placeholder the source leaves empty is an error naming it.
+void check_engine_from_a_share(const model::ModelConfig& cfg, rollout::Quantization q) {
+  const model::Muse whole = model::Muse::init(cfg, 8, at::kFloat, at::kCPU);
+  const model::Muse next = model::Muse::init(cfg, 9, at::kFloat, at::kCPU);
+  int n = 0;
+  model::Muse share = whole.clone([&](const std::string&) { return n++ % 2 == 0; });
+  for (model::LayerWeights& l : share.weights().layers)
+    for (at::Tensor* t : {&l.expert_gate, &l.expert_up, &l.expert_down, &l.expert_norm})
+      if (t->numel() > 0) *t = t->narrow(0, 0, cfg.num_experts / 2).clone();
+  std::map<std::string, at::Tensor> by_name;
+  std::vector<std::string> asked;
+  auto source_of = [&](const model::Muse& m) -> rollout::WeightSource {
+    by_name.clear();
+    asked.clear();
+    for (const auto& [name, t] : m.named_parameters()) by_name[name] = t;
+    return [&](const std::string& name, const at::Tensor& own) {
+      asked.push_back(name);
+      const at::Tensor& w = by_name.at(name);
+      return own.sizes() == w.sizes() ? at::Tensor() : w;
+    };
+  };
+  EngineConfig ec = small_engine();
+  ec.quantization = q;
+  Engine from_share(share, ec, source_of(whole));
+  std::vector<std::string> order;
+  for (const auto& [name, t] : whole.named_parameters()) order.push_back(name);
+  EXPECT_EQ(asked, order);
+  Engine from_whole(whole, ec);
+  auto same_samples = [&](Engine& a, Engine& b) {
+    auto reqs = mixed_requests();
+    auto x = a.generate(reqs), y = b.generate(reqs);
+    for (size_t r = 0; r < reqs.size(); ++r)
+      for (size_t j = 0; j < x[r].samples.size(); ++j) {
+        EXPECT_EQ(x[r].samples[j].tokens, y[r].samples[j].tokens) << "request " << r << " sample " << j;
+        EXPECT_EQ(x[r].samples[j].logprobs, y[r].samples[j].logprobs) << "request " << r << " sample " << j;
+        EXPECT_TRUE(test::all_equal(x[r].samples[j].routing, y[r].samples[j].routing));
+      }
+  };
+  same_samples(from_share, from_whole);
+  // The update: `next` through a share of it, against `next` whole.
+  model::Muse next_share = share.clone();
+  auto mine = next_share.named_parameters(), theirs = next.named_parameters();
+  for (size_t i = 0; i < mine.size(); ++i)
+    if (mine[i].second.numel() > 0) mine[i].second.copy_(theirs[i].second.narrow(0, 0, mine[i].second.size(0)));
+  EXPECT_GT(from_share.update_weights(next_share, source_of(next)), 0);
+  EXPECT_EQ(asked, order);
+  from_whole.update_weights(next.named_parameters());
+  same_samples(from_share, from_whole);
+  EXPECT_TRUE(test::throws_with([&] { Engine bad(share, ec, [](const std::string&, const at::Tensor&) { return at::Tensor(); }); },
+                                {"rollout: the model holds no weights for", "placeholder"}));
+}
+
+TEST(Engine, AShareFilledFromASourceServesTheWholeModel) {
+  check_engine_from_a_share(engine_config(), rollout::Quantization::kNone);
+  model::ModelConfig c = test::nvfp4_micro_config();
+  c.full_attention_period = 2;
+  c.sliding_window = 5;
+  check_engine_from_a_share(c, rollout::Quantization::kNvfp4);
+}
+
 // Every generated token records the weight version it was drawn under: a sample that spans an
 // update mid-generation carries both versions, in order; a refused update leaves the version alone.
 TEST(Engine, TokensRecordTheWeightVersionTheyWereDrawnUnder) {
