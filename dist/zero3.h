@@ -53,9 +53,11 @@ class Zero3 : public model::WeightGather {
   model::LayerWeights gather_layer(int64_t i, const model::LayerWeights& own) const override;
   void finish_layer(int64_t i, const model::LayerWeights& gathered, const model::LayerWeights& own) const override;
   at::Tensor gather(const at::Tensor& own) const override;
+  // The whole tensor on every rank, broadcast from its owner (no graph; the owner's own storage
+  // on the owner). Collective.
+  at::Tensor whole(const Entry& e) const;
 
  private:
-  at::Tensor whole(const Entry& e) const;  // the whole tensor on every rank, from its owner (no graph)
 
   comm::Group group_;
   std::vector<Entry> entries_;

@@ -22,13 +22,17 @@ namespace kiln::model {
 using namespace detail;
 namespace {
 
-// (out, in) of a slot's weight (one expert's), from the dense weight or its NVFP4 copy.
-std::pair<int64_t, int64_t> out_in(const LayerWeights& l, int64_t layer, const LinearSlot& s) {
+// (out, in) of a slot's weight (one expert's), from the dense weight, its NVFP4 copy or, for a
+// placeholder (a ZeRO-3 share, dist/zero3.h), the config's shapes.
+std::pair<int64_t, int64_t> out_in(const ModelConfig& cfg, const LayerWeights& l, int64_t layer, const LinearSlot& s) {
   const at::Tensor& d = l.*s.dense;
-  if (d.defined()) return {d.size(-2), d.size(-1)};
+  if (d.defined() && d.dim() >= 2) return {d.size(-2), d.size(-1)};
   const kernels::Nvfp4Tensor& q = l.nvfp4.*s.q;
-  KILN_CHECK(q.packed.defined(), "lora: layer ", layer, " ", s.module, " has no weights");
-  return {q.rows(), q.cols()};
+  if (q.packed.defined()) return {q.rows(), q.cols()};
+  KILN_CHECK(d.defined(), "lora: layer ", layer, " ", s.module, " has no weights");
+  for (const auto& [suffix, shape] : layer_shapes(cfg))
+    if (suffix == std::string(s.module) + ".weight") return {shape[shape.size() - 2], shape.back()};
+  KILN_FAIL("lora: no shape for ", s.module);
 }
 
 bool targeted(const std::vector<std::string>& targets, const LinearSlot& s) {
@@ -63,7 +67,7 @@ void LoraConfig::validate() const {
   }
 }
 
-void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed) {
+void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed, int64_t first_expert) {
   cfg.validate();
   KILN_CHECK(cfg.enabled(), "lora: add_lora needs rank > 0");
   at::NoGradGuard g;
@@ -75,12 +79,16 @@ void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed) {
     l.lora.scale = cfg.scale();
     for (const LinearSlot& s : linear_slots()) {
       if (!targeted(cfg.targets, s)) continue;
-      auto [out, in] = out_in(l, i, s);
-      const int64_t E = s.expert ? m.config().num_experts : 1;
+      auto [out, in] = out_in(m.config(), l, i, s);
+      // The experts this model holds: a stack of its own, else (placeholders) every one.
+      const at::Tensor& d = l.*s.dense;
+      const int64_t E = !s.expert ? 1 : d.defined() && d.dim() == 3 ? d.size(0) : m.config().num_experts;
+      KILN_CHECK(first_expert + E <= m.config().num_experts, "lora: experts [", first_expert, ", ", first_expert + E,
+                 ") are not among the model's ", m.config().num_experts);
       std::vector<at::Tensor> as;
       for (int64_t e = 0; e < E; ++e) {
         // PEFT's init: Kaiming-uniform with a = sqrt(5), i.e. bound 1 / sqrt(in); B = 0.
-        const std::string name = linear_module(i, s, e) + ".lora_A";
+        const std::string name = linear_module(i, s, s.expert ? first_expert + e : e) + ".lora_A";
         at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(stream_seed(seed, name));
         const double bound = 1.0 / std::sqrt(double(in));
         as.push_back(at::empty({r, in}, at::kFloat).uniform_(-bound, bound, gen));
@@ -217,7 +225,7 @@ void load_peft_adapter(Muse& m, const std::string& dir) {
     lora.scale = lc.scale();
     for (const LinearSlot& s : linear_slots()) {
       if (!targeted(lc.targets, s)) continue;
-      auto [out, inw] = out_in(l, i, s);
+      auto [out, inw] = out_in(m.config(), l, i, s);
       std::vector<at::Tensor> as, bs;
       for (int64_t e = 0; e < (s.expert ? m.config().num_experts : 1); ++e) {
         const std::string key = "base_model.model." + linear_module(i, s, e);

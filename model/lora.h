@@ -27,8 +27,9 @@ struct LoraConfig {
 
 // Adds adapters to `m`: A [r, in] Kaiming-uniform (bound 1/sqrt(in)) from a stream seeded by
 // (seed, name), B [out, r] zeros, in the model's dtype on its device. Experts get [E, r, in] and
-// [E, out, r]. Replaces adapters already there.
-void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed);
+// [E, out, r] for the E experts `m` holds: an expert shard's are experts first_expert.. (the same
+// values as the whole model's, sliced). Replaces adapters already there.
+void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed, int64_t first_expert = 0);
 // The adapter parameters add_lora creates for `model` (rank r: r * (in + out) per adapted matrix,
 // per expert for the expert targets), counted from the config alone.
 int64_t lora_parameter_count(const ModelConfig& model, const LoraConfig& cfg);

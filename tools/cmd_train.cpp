@@ -101,9 +101,7 @@ void check_same_recipe(const std::string& dir, const trainer::Recipe& r) {
 
 // Before a GPU model is allocated: the recipe's memory plan (trainer/plan.h) on this job's ranks and
 // this GPU. A recipe the plan says cannot fit is refused with the plan's numbers, not an OOM later.
-void check_plan(const trainer::Recipe& r, const comm::Group& world, at::Device device) {
-  const model::ModelConfig cfg = r.init_from.empty() ? model::ModelConfig::from_yaml_file(r.model_config)
-                                                     : model::ModelConfig::from_json_file(r.init_from + "/config.json");
+void check_plan(const trainer::Recipe& r, const model::ModelConfig& cfg, const comm::Group& world, at::Device device) {
   dist::ParallelConfig par = r.grpo.parallel;
   par.resolve(world.size(), cfg.num_experts);
   trainer::Cluster c;
@@ -144,11 +142,31 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
     c10::cuda::set_device(device.index());
 #endif
   }
-  if (resolved_name == std::string("recipe.yaml") && device.is_cuda()) check_plan(r, world, device);
-  s.policy = std::make_unique<model::Muse>(
-      r.init_from.empty() ? model::Muse::init(model::ModelConfig::from_yaml_file(r.model_config), r.model_seed, dtype, device)
-                          : model::load_checkpoint(r.init_from, dtype, device));
-  s.tokenizer = trainer::load_recipe_tokenizer(r, s.policy->config());
+  const bool train = resolved_name == std::string("recipe.yaml");
+  const model::ModelConfig config = r.init_from.empty() ? model::ModelConfig::from_yaml_file(r.model_config)
+                                                        : model::ModelConfig::from_json_file(r.init_from + "/config.json");
+  if (train && device.is_cuda()) check_plan(r, config, world, device);
+  // GRPO under expert parallelism or ZeRO-3: each rank draws or reads only its share of the model
+  // (its experts, the dense tensors it owns), never the whole of it. A bad layout is left for
+  // add_train to report.
+  trainer::PolicyShare share;
+  if (train) {
+    try {
+      share = trainer::policy_share(config, dtype, r.grpo.parallel, world);
+    } catch (const Error&) {
+    }
+  }
+  const auto keep = share.keep ? share.keep : [](const std::string&) { return true; };
+  if (share.whole())
+    s.policy = std::make_unique<model::Muse>(r.init_from.empty() ? model::Muse::init(config, r.model_seed, dtype, device)
+                                                                 : model::load_checkpoint(r.init_from, dtype, device));
+  else if (r.init_from.empty())
+    s.policy = std::make_unique<model::Muse>(
+        model::Muse::init_owned(config, r.model_seed, dtype, device, share.expert_rank, share.expert_ranks, keep));
+  else
+    s.policy = std::make_unique<model::Muse>(
+        model::load_checkpoint_owned(r.init_from, dtype, device, share.expert_rank, share.expert_ranks, keep));
+  s.tokenizer = trainer::load_recipe_tokenizer(r, config);
   s.data = trainer::load_data(r, &s.train_lines, &s.eval_lines);
   if (world.rank() == 0) write_text_atomic(r.run.out + "/" + resolved_name, r.to_yaml());
   return s;
@@ -308,16 +326,17 @@ Run add_train(CLI::App& app) {
                    stop_signal::name(result.stop_signal), result.stopped_at, r.run.steps, ckpt, a->recipe, r.run.out);
       return;
     }
-    trainer.sync_policy();  // collective: a sharded rollout leaves the full experts to the end
+    // Every rank writes its own tensors (or rank 0 the adapters); the base of a LoRA run is
+    // unchanged, so the adapters go alone.
+    const bool adapters = model::lora_rank(policy) > 0;
+    trainer.save_model(r.run.out + (adapters ? "/adapter" : "/final"));
     if (!lead) return;
-    if (model::lora_rank(policy) > 0) {  // the base is unchanged: write the adapters alone
-      model::save_peft_adapter(policy, r.run.out + "/adapter");
+    if (adapters) {
       fmt::print("train: done; held-out mean@{} {:.3f}; metrics in {}/metrics.jsonl, PEFT adapter in "
                  "{}/adapter (kiln merge <base> {}/adapter <out> folds it in)\n",
                  last.k, last.all.mean_at_k, r.run.out, r.run.out, r.run.out);
       return;
     }
-    save_model_dir(policy, *s.tokenizer, r.run.out + "/final");
     fmt::print("train: done; held-out mean@{} {:.3f}; metrics in {}/metrics.jsonl, weights in {}/final\n", last.k,
                last.all.mean_at_k, r.run.out, r.run.out);
   };

@@ -25,6 +25,7 @@
 #include <fstream>
 #include <numeric>
 #include <optional>
+#include <set>
 
 #include "core/checkpoint_dir.h"
 #include "core/error.h"
@@ -87,7 +88,52 @@ struct Gathered {
   int64_t num_seqs = 0;
 };
 
+// What ZeRO-3 shards: the dense part, and at ep 1 the experts too.
+std::function<bool(const std::string&)> zero3_selection(int64_t ep) {
+  return [ep](const std::string& name) { return ep == 1 || !model::is_expert_tensor(name); };
+}
+
+// Every tensor present (no placeholder) and every expert of every layer.
+bool holds_whole(const model::Muse& m) {
+  for (const auto& [name, t] : m.named_parameters())
+    if (t.numel() == 0) return false;
+  const at::Tensor& experts = m.weights().layers.front().expert_gate;
+  return !experts.defined() || experts.size(0) == m.config().num_experts;
+}
+
+// A policy that is not whole must be exactly this rank's share: its expert shard, and every tensor
+// the share keeps present.
+void check_share(const model::Muse& m, const PolicyShare& share) {
+  const int64_t E = m.config().num_experts, per = E / share.expert_ranks;
+  const at::Tensor& experts = m.weights().layers.front().expert_gate;
+  KILN_CHECK(!experts.defined() || experts.numel() == 0 || experts.size(0) == per, "grpo: the policy holds ",
+             experts.size(0), " experts per layer, neither all ", E, " nor this rank's shard of ", per,
+             " (parallel.ep=", share.expert_ranks, "); build it with trainer::policy_share");
+  for (const auto& [name, t] : m.named_parameters())
+    KILN_CHECK(t.numel() > 0 || (share.keep && !share.keep(name)), "grpo: the policy is a share of the model but holds ",
+               "no ", name, ", which this rank keeps (expert shard ", share.expert_rank, " of ", share.expert_ranks,
+               "); build it with trainer::policy_share for the recipe's parallel layout");
+}
+
 }  // namespace
+
+PolicyShare policy_share(const model::ModelConfig& model, at::ScalarType dtype, dist::ParallelConfig parallel,
+                         const comm::Group& group) {
+  parallel.resolve(group.size(), model.num_experts);
+  PolicyShare s;
+  s.expert_ranks = int(parallel.ep);
+  s.expert_rank = int(group.rank() % parallel.ep);
+  if (parallel.zero3()) {  // what Zero3 will give this rank: the trainer's own selection and owners
+    const int64_t ep = parallel.ep;
+    const auto owner = dist::Zero3::owners(model::Muse::shapes(model, dtype, model.num_experts / ep), group.size(),
+                                           zero3_selection(ep));
+    s.keep = [owner, rank = group.rank()](const std::string& name) {
+      const auto it = owner.find(name);
+      return it == owner.end() || it->second == rank;
+    };
+  }
+  return s;
+}
 
 void GrpoConfig::validate() const {
   KILN_CHECK(prompts_per_step > 0, "grpo: prompts_per_step must be positive (got ", prompts_per_step, ")");
@@ -226,15 +272,13 @@ struct GrpoTrainer::Impl {
   comm::Group group;               // every rank: each holds its own share of the prompts
   comm::Group ep_group;            // ep > 1: the ranks whose expert shards make up one model
   comm::Group expert_dp;           // ep > 1: the ranks holding the same expert shard
-  std::unique_ptr<model::Muse> shard;  // ep > 1 or ZeRO-3: the trained model (ep > 1: this rank's
-                                       // experts, every other tensor shared with `policy`, the
-                                       // engine's replica, unless ZeRO-3 gives it a copy of its own)
+  bool whole = true;                   // `policy` holds the whole model (else it is this rank's share)
+  std::unique_ptr<model::Muse> shard;  // ep > 1 or ZeRO-3: the trained model. From a share, `policy`
+                                       // itself; from a whole policy its experts' slice (the rest
+                                       // shared with it), or under ZeRO-3 a copy of its own
   std::unique_ptr<dist::Zero3> zero3;  // parallel.dense zero3: the sharding of `shard`
   std::unique_ptr<dist::Zero3> ref_zero3;  // ... and of `reference`
   std::unique_ptr<model::Muse> zero3_shapes;  // the trained model's whole shapes, on the meta device
-  // ZeRO-3 with sharded engines: what they serve, the replica's dense tensors (gathered from their
-  // owners after each step) beside this rank's trained experts and adapters (shared with `shard`).
-  std::unique_ptr<model::Muse> rollout_view;
   std::vector<at::Tensor> params;  // all trained tensors: clipping, the gradient all-reduce, the broadcast
   std::vector<bool> is_expert;     // ep > 1: params[i] is an expert shard (not ZeRO-3's)
   std::unique_ptr<dist::ZeroOne> zero;   // the optimizer, over the tensors this rank owns
@@ -276,8 +320,12 @@ struct GrpoTrainer::Impl {
                  "); lower either");
     }
     const int64_t ep = cfg.parallel.ep;
-    if (cfg.lora.enabled() && model::lora_rank(policy) == 0) model::add_lora(policy, cfg.lora, cfg.seed);
     const bool z3 = cfg.parallel.zero3();
+    const PolicyShare share = policy_share(policy.config(), policy.dtype(), cfg.parallel, group);
+    whole = holds_whole(policy);
+    if (!whole) check_share(policy, share);
+    const int64_t first_expert = whole ? 0 : share.expert_rank * (policy.config().num_experts / share.expert_ranks);
+    if (cfg.lora.enabled() && model::lora_rank(policy) == 0) model::add_lora(policy, cfg.lora, cfg.seed, first_expert);
     if (ep > 1 || z3) {
       KILN_CHECK(cfg.prompts_per_step % group.size() == 0, "grpo: expert parallel and ZeRO-3 need prompts_per_step (",
                  cfg.prompts_per_step, ") divisible by the ranks (", group.size(),
@@ -287,47 +335,33 @@ struct GrpoTrainer::Impl {
         ep_group = group.split(d, e);
         expert_dp = group.split(e, d);  // its own split call: colours need not differ from ep_group's
       }
-      // ZeRO-3 releases in place what this rank does not own: the trained model gets a copy of its
-      // own, apart from the engine's replica.
-      shard = std::make_unique<model::Muse>(ep > 1 ? model::shard_experts(policy, e, int(ep)) : policy);
-      if (z3) {  // a copy of only what this rank will own (and its experts), planned from the shapes
+      if (!whole) {
+        shard = std::make_unique<model::Muse>(policy);  // the share trains in place
+      } else {
+        // This rank's experts (the rest shared with `policy`); under ZeRO-3 a copy of only what
+        // this rank will own, so that releasing the others leaves the whole policy as it is.
+        shard = std::make_unique<model::Muse>(ep > 1 ? model::shard_experts(policy, e, int(ep)) : policy);
+        if (z3) *shard = shard->clone(share.keep);
+      }
+      if (z3) {
         zero3_shapes = std::make_unique<model::Muse>(
             model::Muse::shapes(policy.config(), policy.dtype(), policy.config().num_experts / ep));
-        const auto owner = dist::Zero3::owners(*zero3_shapes, group.size(), zero3_select());
-        *shard = shard->clone([&](const std::string& name) {
-          const auto it = owner.find(name);
-          return it == owner.end() || it->second == group.rank();
-        });
         for (model::LayerWeights& l : shard->weights().layers) l.nvfp4 = {};  // dense weights train and serve it
+        // The dense part (at ep = 1 every tensor) whole on one rank each; LoRA's adapters stay replicated.
+        zero3 = std::make_unique<dist::Zero3>(*shard, group, zero3_select(), zero3_shapes.get());
       }
-    }
-    if (z3 && cfg.parallel.sharded_rollout()) {
-      model::Weights w = policy.weights();
-      for (size_t i = 0; i < w.layers.size(); ++i) {
-        const model::LayerWeights& mine = shard->weights().layers[i];
-        model::LayerWeights& l = w.layers[i];
-        l.expert_gate = mine.expert_gate, l.expert_up = mine.expert_up, l.expert_down = mine.expert_down;
-        l.expert_norm = mine.expert_norm;
-        l.lora = mine.lora;
-        // This rank's NVFP4 experts, when the replica holds codes (an NVFP4 checkpoint); the
-        // engine quantises them afresh from the trained experts at every sync.
-        l.nvfp4.expert_gate = l.nvfp4.expert_up = l.nvfp4.expert_down = kernels::Nvfp4Tensor();
-      }
-      rollout_view = std::make_unique<model::Muse>(policy.config(), std::move(w));
     }
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.sharded_rollout()) ec.expert_group = &ep_group;  // serves this rank's experts
-    engine = std::make_unique<rollout::Engine>(rollout_source(), ec);
+    // The engine's weights, fetched tensor by tensor where this rank holds a share.
+    engine = std::make_unique<rollout::Engine>(trained(), ec, engine_source());
     // The KL reference: a frozen copy of what is trained (an expert shard under expert
     // parallelism); with LoRA the base itself, adapters disabled (no second copy).
     if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
+    if (reference && z3) ref_zero3 = std::make_unique<dist::Zero3>(*reference, group, zero3_select(), zero3_shapes.get());
     trained().set_requires_grad(!lora());
     const auto named = lora() ? model::lora_parameters(trained()) : trained().named_parameters();
     for (auto& [name, t] : named) t.requires_grad_(true);
-    if (z3) {  // the dense part (at ep = 1 every tensor) whole on one rank each; LoRA's adapters stay replicated
-      zero3 = std::make_unique<dist::Zero3>(*shard, group, zero3_select(), zero3_shapes.get());
-      if (reference) ref_zero3 = std::make_unique<dist::Zero3>(*reference, group, zero3_select(), zero3_shapes.get());
-    }
     for (auto& [name, t] : named) {
       params.push_back(t);
       is_expert.push_back(ep > 1 && model::is_expert_tensor(name));
@@ -352,13 +386,20 @@ struct GrpoTrainer::Impl {
   // Log-probs (and own routing) of every target under `model` (the current policy, or the frozen
   // reference), micro-batched (trainer/scoring.h).
   model::Muse& trained() { return shard ? *shard : policy; }
+  const model::Muse& trained() const { return shard ? *shard : policy; }
   // What ZeRO-3 shards: the dense part, and at ep 1 the experts too.
-  std::function<bool(const std::string&)> zero3_select() const {
-    return [ep = cfg.parallel.ep](const std::string& name) { return ep == 1 || !model::is_expert_tensor(name); };
-  }
-  // What the engine serves: the replica, or with sharded engines this rank's shard.
-  const model::Muse& rollout_source() {
-    return !cfg.parallel.sharded_rollout() ? policy : rollout_view ? *rollout_view : trained();
+  std::function<bool(const std::string&)> zero3_select() const { return zero3_selection(cfg.parallel.ep); }
+  // Where the engine gets what this rank holds only in part (rollout::WeightSource): ZeRO-3's
+  // tensors from their owners, and for a replica every rank's experts. None without sharding.
+  rollout::WeightSource engine_source() const {
+    if (!shard) return {};
+    return [this](const std::string& name, const at::Tensor& own) -> at::Tensor {
+      if (zero3)
+        if (const dist::Zero3::Entry* e = zero3->find(name)) return zero3->whole(*e);
+      if (cfg.parallel.ep > 1 && !cfg.parallel.sharded_rollout() && model::is_expert_tensor(name))
+        return ep_group.all_gather(own.detach());
+      return {};
+    };
   }
   // The ZeRO-3 sharding of the trained model or of the KL reference; null for any other model.
   const dist::Zero3* zero_of(const model::Muse& m) const {
@@ -991,31 +1032,6 @@ struct GrpoTrainer::Impl {
     m.grad_norm = applied > 0 ? norm_sum / double(applied) : std::nan("");
   }
 
-  // Expert parallel: a full model from the ranks' shards (experts all-gathered over ep_group, the
-  // rest copied), or a shard from a full model (its slice of the experts); ZeRO-3's tensors from
-  // or to their owners. Tensors the two share are left alone.
-  void shard_to_full(model::Muse& part, model::Muse& full) const { copy_shard(full, part, true); }
-  void full_to_shard(model::Muse& full, model::Muse& part) const { copy_shard(full, part, false); }
-  void copy_shard(model::Muse& full, model::Muse& part, bool into_full) const {
-    at::NoGradGuard no_grad;
-    auto f = full.named_parameters(), p = part.named_parameters();
-    const auto fl = model::lora_parameters(full), pl = model::lora_parameters(part);
-    f.insert(f.end(), fl.begin(), fl.end());
-    p.insert(p.end(), pl.begin(), pl.end());
-    KILN_CHECK(f.size() == p.size(), "grpo: the full model and its shard hold different tensors");
-    const dist::Zero3* z = zero_of(part);
-    for (size_t i = 0; i < f.size(); ++i) {
-      at::Tensor &whole = f[i].second, &mine = p[i].second;
-      if (whole.is_same(mine) || (z && z->find(mine))) continue;
-      const bool expert = model::is_expert_tensor(f[i].first);
-      const int64_t n = mine.size(0);
-      if (into_full)
-        whole.copy_(expert ? ep_group.all_gather(mine.detach()) : mine.detach());
-      else
-        mine.copy_(expert ? whole.narrow(0, ep_group.rank() * n, n) : whole);
-    }
-    if (z && !lora()) into_full ? z->gather_into(full) : z->take_from(full);  // LoRA's base is frozen
-  }
   // 6. The weight sync to the rollout engine, timed: adapters only (LoRA); or every weight, where a
   // sharded engine shares the trained tensors and a replica under expert parallelism gathers every
   // rank's experts. Then the probe check.
@@ -1030,17 +1046,10 @@ struct GrpoTrainer::Impl {
     if (policy.device().is_cuda()) c10::cuda::device_synchronize();  // the optimizer's kernels are not the sync's
 #endif
     const auto t = Clock::now();
-    if (lora()) {  // a replica gathers the experts' adapters first; a sharded engine takes its own
-      if (!cfg.parallel.sharded_rollout()) gather_experts();
-      const auto named = model::lora_parameters(rollout_source());
-      m.sync_bytes = engine->update_adapters(named);
-    } else {
-      if (!cfg.parallel.sharded_rollout()) gather_experts();
-      else if (zero3) zero3->gather_into(policy);  // the dense part the sharded engines serve, from its owners
-      const auto named = rollout_source().named_parameters();
-      engine->update_weights(named);
-      for (const auto& [name, w] : named) m.sync_bytes += int64_t(w.numel()) * int64_t(w.element_size());
-    }
+    // Tensor by tensor: ZeRO-3's from their owners, a replica's experts (or their adapters) from
+    // every rank; a sharded engine takes its own experts.
+    m.sync_bytes = lora() ? engine->update_adapters(trained(), engine_source())
+                          : engine->update_weights(trained(), engine_source());
 #if KILN_WITH_CUDA
     if (policy.device().is_cuda()) c10::cuda::device_synchronize();
 #endif
@@ -1087,9 +1096,26 @@ struct GrpoTrainer::Impl {
     return diff;
   }
 
-  // The engine's replica (`policy`) from this step's shards.
+  // A whole `policy` from the trained shards (sync_policy): experts all-gathered over ep_group,
+  // ZeRO-3's tensors from their owners, the rest copied unless shared. A share is the trained
+  // model itself.
   void gather_experts() {
-    if (shard) shard_to_full(*shard, policy);
+    if (!shard || !whole) return;
+    at::NoGradGuard no_grad;
+    auto f = policy.named_parameters(), p = shard->named_parameters();
+    const auto fl = model::lora_parameters(policy), pl = model::lora_parameters(*shard);
+    f.insert(f.end(), fl.begin(), fl.end());
+    p.insert(p.end(), pl.begin(), pl.end());
+    KILN_CHECK(f.size() == p.size(), "grpo: the full model and its shard hold different tensors");
+    for (size_t i = 0; i < f.size(); ++i) {
+      const std::string& name = f[i].first;
+      at::Tensor &full = f[i].second, &mine = p[i].second;
+      if (full.is_same(mine)) continue;
+      const dist::Zero3::Entry* e = zero3 ? zero3->find(name) : nullptr;
+      full.copy_(e                                                      ? zero3->whole(*e)
+                 : cfg.parallel.ep > 1 && model::is_expert_tensor(name) ? ep_group.all_gather(mine.detach())
+                                                                        : mine.detach());
+    }
   }
 
   // Held-out evaluation: each rank samples and scores its share of the prompts; the scores are
@@ -1167,17 +1193,142 @@ struct GrpoTrainer::Impl {
     for (const auto& [source, v] : sums) em.by_source[source] = score_of(v.data());
     return em;
   }
+
+  // ---- checkpoints ----
+
+  // A cheap identity of the frozen base (LoRA checkpoints store the adapters only and check that
+  // they resume on the same base): the sum of its elements in fp64. Each tensor (each expert) is
+  // summed by the one rank that writes it and the sums are added in one order, so that a share
+  // gives what the whole policy gives. Collective.
+  double base_fingerprint() const {
+    at::NoGradGuard g;
+    const int64_t E = trained().config().num_experts, ep = cfg.parallel.ep;
+    const bool first_copy = ep > 1 ? expert_dp.rank() == 0 : group.rank() == 0;
+    std::vector<at::Tensor> sums;
+    for (const auto& [name, t] : trained().named_parameters()) {
+      const bool expert = model::is_expert_tensor(name);
+      at::Tensor part = at::zeros({expert ? E : 1}, at::kDouble);
+      const dist::Zero3::Entry* e = zero3 ? zero3->find(name) : nullptr;
+      if (e ? zero3->owns(*e) : first_copy) {
+        const at::Tensor w = t.detach();
+        if (!expert) part.fill_(w.sum(at::kDouble).item<double>());
+        else if (w.size(0) == E) part.copy_(w.flatten(1).sum(1, false, at::kDouble).cpu());
+        else part.narrow(0, ep_group.rank() * w.size(0), w.size(0)).copy_(w.flatten(1).sum(1, false, at::kDouble).cpu());
+      }
+      sums.push_back(part);
+    }
+    at::Tensor all = at::cat(sums);
+    if (group.size() > 1) group.all_reduce(all);
+    return all.sum().item<double>();
+  }
+
+  // The trained adapters of the whole model (collective): under expert parallelism every rank's
+  // expert adapters gathered, in a view that shares everything else.
+  model::Muse whole_adapters() const {
+    model::Weights w = trained().weights();
+    if (cfg.parallel.ep > 1)
+      for (model::LayerWeights& l : w.layers)
+        for (at::Tensor* t : {&l.lora.gate_a, &l.lora.gate_b, &l.lora.up_a, &l.lora.up_b, &l.lora.down_a, &l.lora.down_b})
+          if (t->defined()) *t = ep_group.all_gather(t->detach());
+    return model::Muse(trained().config(), std::move(w));
+  }
+
+  // A sharded save writes each rank's tensors: a NaN one rank holds must stop every rank before
+  // any writes (the writer alone would throw, and the others wait at the next barrier). Collective.
+  void check_finite(const std::string& dir) const {
+    if (!shard || lora()) return;
+    at::NoGradGuard no_grad;
+    double bad = 0;
+    for (const auto& [name, t] : trained().named_parameters())
+      if (t.numel() > 0) bad += at::isfinite(t.detach()).logical_not().sum().item<double>();
+    const double all_bad = group.all_reduce(bad);
+    KILN_CHECK(all_bad == 0, "grpo: refusing to write step ", steps, " into ", dir, ": the weights hold ",
+               int64_t(all_bad), " NaN/inf value(s) (", int64_t(bad), " on rank ", group.rank(),
+               "); the run has diverged: resume from the last checkpoint with a lower lr");
+  }
+
+  // `m` (the trained model or the KL reference, sharded by `z` under ZeRO-3) into the checkpoint
+  // folder `out` (collective). A sharded model is written by its ranks, each its own tensors (its
+  // experts by the first copy of each expert shard, ZeRO-3's by their owners, the rest by rank 0),
+  // and rank 0 joins the indexes: no tensor moves between ranks. Otherwise rank 0 writes it.
+  void write_weights(const model::Muse& m, const dist::Zero3* z, const std::string& out) const {
+    const int64_t ep = cfg.parallel.ep;
+    const int rank = group.rank();
+    if (!shard) {
+      if (rank == 0) model::save_checkpoint(m, out);
+      return;
+    }
+    const bool my_experts = ep > 1 ? expert_dp.rank() == 0 : rank == 0;
+    if (z) {
+      const int64_t first_expert = ep > 1 ? (rank % ep) * (m.config().num_experts / ep) : 0;
+      model::save_checkpoint_owned(m, out, rank, group.size(), first_expert, [&](const std::string& name) {
+        if (const dist::Zero3::Entry* e = z->find(name)) return z->owns(*e);
+        return model::is_expert_tensor(name) ? my_experts : rank == 0;  // buffers (router_bias): rank 0
+      }, rank == 0);
+    } else if (my_experts) {
+      model::save_checkpoint_part(m, out, int(rank % ep), int(ep), rank == 0);
+    }
+    group.barrier();
+    if (rank == 0) safetensors::merge_checkpoint_index(out);
+  }
+
+  // The trained weights into `out` (collective): with LoRA the PEFT adapter (rank 0), otherwise
+  // the weights and the tokenizer's files, so that the folder loads on its own.
+  void write_model(const std::string& out) const {
+    if (lora()) {
+      const model::Muse adapters = whole_adapters();
+      if (group.rank() == 0) model::save_peft_adapter(adapters, out);
+      return;
+    }
+    write_weights(trained(), zero3.get(), out);
+    const std::string tokenizer_files = text::tokenizer_dir(*tok);
+    if (group.rank() == 0 && !tokenizer_files.empty()) text::copy_tokenizer_files(tokenizer_files, out);
+  }
+
+  // Reads `sub` of the checkpoint `dir` into `into` in place: each rank only the tensors it holds
+  // (its experts; under ZeRO-3 those it owns), through the safetensors index.
+  void restore(model::Muse& into, const std::string& dir, const std::string& sub) const {
+    const int64_t ep = cfg.parallel.ep;
+    std::set<std::string> held;
+    for (const auto& [name, t] : into.named_parameters())
+      if (t.numel() > 0) held.insert(name);
+    model::Muse saved = model::load_checkpoint_owned(dir + "/" + sub, into.dtype(), into.device(), int(group.rank() % ep),
+                                                     int(ep), [&](const std::string& name) { return held.count(name) > 0; });
+    at::NoGradGuard g;
+    auto mine = into.named_parameters(), theirs = saved.named_parameters();
+    KILN_CHECK(mine.size() == theirs.size(), "grpo: checkpoint ", dir, "/", sub, " holds a different model");
+    for (size_t i = 0; i < mine.size(); ++i) {
+      if (!held.count(mine[i].first)) continue;
+      KILN_CHECK(mine[i].second.sizes() == theirs[i].second.sizes(), "grpo: checkpoint ", dir, "/", sub, " tensor ",
+                 mine[i].first, " has shape ", theirs[i].second.sizes(), ", the model ", mine[i].second.sizes());
+      mine[i].second.copy_(theirs[i].second);
+    }
+  }
+
+  // The adapters of `dir`/adapter into the trained ones in place (the optimizer holds them); an
+  // expert shard takes its slice.
+  void restore_adapters(const std::string& dir) {
+    KILN_CHECK(std::filesystem::exists(dir + "/adapter/adapter_config.json"), "grpo: checkpoint ", dir,
+               " has no adapter/ but the recipe trains LoRA adapters; resume with the recipe the run was started with");
+    model::Muse saved(trained().config(), trained().weights());  // a view: load_peft_adapter replaces its adapters
+    model::load_peft_adapter(saved, dir + "/adapter");
+    auto mine = model::lora_parameters(trained()), theirs = model::lora_parameters(saved);
+    KILN_CHECK(mine.size() == theirs.size(), "grpo: checkpoint ", dir, "/adapter holds ", theirs.size(),
+               " adapters, the run trains ", mine.size());
+    at::NoGradGuard g;
+    for (size_t i = 0; i < mine.size(); ++i) {
+      at::Tensor t = theirs[i].second;
+      if (model::is_expert_tensor(mine[i].first) && t.size(0) != mine[i].second.size(0))  // this rank's experts
+        t = t.narrow(0, ep_group.rank() * mine[i].second.size(0), mine[i].second.size(0));
+      KILN_CHECK(mine[i].first == theirs[i].first && mine[i].second.sizes() == t.sizes(), "grpo: checkpoint ", dir,
+                 "/adapter: ", theirs[i].first, " ", t.sizes(), " does not fit ", mine[i].first, " ",
+                 mine[i].second.sizes());
+      mine[i].second.copy_(t);
+    }
+  }
 };
 
 namespace {
-// A cheap identity of a model's weights: the sum of every element, in fp64 (LoRA checkpoints
-// store the adapters only and check that they resume on the same base).
-double base_fingerprint(const model::Muse& m) {
-  at::NoGradGuard g;
-  double sum = 0;
-  for (const auto& [name, t] : m.named_parameters()) sum += t.detach().sum(at::kDouble).item<double>();
-  return sum;
-}
 // This rank's shard of the optimizer state in a checkpoint.
 std::string optimizer_file(const comm::Group& g) {
   return g.size() == 1 ? "optimizer.safetensors"
@@ -1189,69 +1340,13 @@ void GrpoTrainer::save(const std::string& dir) const {
   const comm::Group& g = impl_->group;
   const CheckpointDir ck(dir);  // written as dir.tmp, state.json last, then swapped in
   const std::string tmp = ck.tmp();
-  // Under expert parallelism each expert shard's first copy writes its own experts (rank 0 the rest
-  // too) and rank 0 joins the indexes: no expert moves between ranks. LoRA exports the gathered
-  // adapters from rank 0.
-  const int64_t ep = impl_->cfg.parallel.ep;
-  const bool parts = ep > 1 && !impl_->zero3 && !impl_->lora();
-  // Under ZeRO-3 every rank writes the tensors it owns (and each expert shard's first copy its
-  // experts), the KL reference's too: nothing is gathered for a save.
-  const bool owned = impl_->zero3 && !impl_->lora();
-  // Under expert parallelism the reference is a shard: every rank helps assemble the full one.
-  std::unique_ptr<model::Muse> full_reference;
-  if (impl_->cfg.parallel.sharded_rollout() && !parts && !owned) impl_->gather_experts();  // the full model to write
-  if (impl_->reference && impl_->shard && !owned) {
-    full_reference = std::make_unique<model::Muse>(impl_->policy.clone());
-    impl_->shard_to_full(*impl_->reference, *full_reference);
-  }
-  if (parts || owned) {
-    // Each rank writes its own tensors: a NaN one rank holds must stop every rank before any
-    // writes (the writer alone would throw, and the others wait at the next barrier).
-    double bad = 0;
-    for (const auto& [name, t] : impl_->trained().named_parameters())
-      if (t.numel() > 0) bad += at::isfinite(t.detach()).logical_not().sum().item<double>();
-    const double all_bad = g.all_reduce(bad);
-    KILN_CHECK(all_bad == 0, "grpo: refusing to checkpoint step ", impl_->steps, " into ", dir, ": the weights hold ",
-               int64_t(all_bad), " NaN/inf value(s) (", int64_t(bad), " on rank ", g.rank(),
-               "); the run has diverged: resume from the last checkpoint with a lower lr");
-  }
+  impl_->check_finite(dir);
+  const double fingerprint = impl_->lora() ? impl_->base_fingerprint() : 0.0;
   if (g.rank() == 0) ck.begin();
   g.barrier();  // dir.tmp exists for every rank's files
-  if (parts) {
-    if (impl_->expert_dp.rank() == 0)
-      model::save_checkpoint_part(*impl_->shard, tmp + "/model", int(g.rank() % ep), int(ep), g.rank() == 0);
-    g.barrier();
-    if (g.rank() == 0) safetensors::merge_checkpoint_index(tmp + "/model");
-  }
-  if (owned) {
-    auto write_owned = [&](const model::Muse& m, const dist::Zero3& z, const std::string& sub) {
-      const int64_t first_expert = ep > 1 ? (g.rank() % ep) * (m.config().num_experts / ep) : 0;
-      const bool my_experts = ep > 1 && impl_->expert_dp.rank() == 0;
-      model::save_checkpoint_owned(m, tmp + "/" + sub, g.rank(), g.size(), first_expert, [&](const std::string& name) {
-        if (const dist::Zero3::Entry* e = z.find(name)) return z.owns(*e);
-        return model::is_expert_tensor(name) ? my_experts : g.rank() == 0;  // buffers (router_bias): rank 0
-      }, g.rank() == 0);
-    };
-    write_owned(*impl_->shard, *impl_->zero3, "model");
-    if (impl_->reference) write_owned(*impl_->reference, *impl_->ref_zero3, "reference");
-    g.barrier();
-    if (g.rank() == 0) {
-      safetensors::merge_checkpoint_index(tmp + "/model");
-      if (impl_->reference) safetensors::merge_checkpoint_index(tmp + "/reference");
-    }
-  }
-  if (g.rank() == 0) {
-    // LoRA: the frozen base is the recipe's; only its fingerprint goes with the adapters.
-    if (impl_->lora()) model::save_peft_adapter(impl_->policy, tmp + "/adapter");
-    else if (!parts && !owned) model::save_checkpoint(impl_->policy, tmp + "/model");
-    // model/ loads on its own (kiln generate, --init-from): it carries the tokenizer it was trained with.
-    if (!impl_->lora()) {
-      const std::string tokenizer_files = text::tokenizer_dir(*impl_->tok);
-      if (!tokenizer_files.empty()) text::copy_tokenizer_files(tokenizer_files, tmp + "/model");
-    }
-    if (impl_->reference && !owned)
-      model::save_checkpoint(full_reference ? *full_reference : *impl_->reference, tmp + "/reference");
-  }
+  // LoRA: the frozen base is the recipe's; only its fingerprint goes with the adapters.
+  impl_->write_model(tmp + (impl_->lora() ? "/adapter" : "/model"));
+  if (impl_->reference) impl_->write_weights(*impl_->reference, impl_->ref_zero3.get(), tmp + "/reference");
   g.barrier();
   if (auto* opt = impl_->zero->optimizer()) opt->save(tmp + "/" + optimizer_file(g));  // each rank its own shard
   g.barrier();
@@ -1264,9 +1359,28 @@ void GrpoTrainer::save(const std::string& dir) const {
                                    {"ep", impl_->cfg.parallel.ep},
                                    {"lora_rank", impl_->cfg.lora.rank},
                                    {"lora_alpha", impl_->cfg.lora.alpha},
-                                   {"base_fingerprint", impl_->lora() ? base_fingerprint(impl_->policy) : 0.0}}
+                                   {"base_fingerprint", fingerprint}}
                         .dump(2) + "\n");
     ck.commit();
+  }
+  g.barrier();
+}
+
+void GrpoTrainer::save_model(const std::string& dir) const {
+  const comm::Group& g = impl_->group;
+  const std::string tmp = dir + ".tmp";
+  impl_->check_finite(dir);
+  if (g.rank() == 0) remove_tree(tmp);
+  g.barrier();
+  impl_->write_model(tmp);
+  g.barrier();
+  if (g.rank() == 0) {  // a kill leaves no half-written `dir`
+    sync_tree(tmp);
+    remove_tree(dir);
+    std::error_code ec;
+    std::filesystem::rename(tmp, dir, ec);
+    KILN_CHECK(!ec, "grpo: cannot rename ", tmp, " to ", dir, " (", ec.message(), ")");
+    sync_parent(dir);
   }
   g.barrier();
 }
@@ -1301,68 +1415,27 @@ void GrpoTrainer::load(const std::string& dir) {
              ": resume with the recipe the run was started with");
   KILN_CHECK(st.value("seed", uint64_t(0)) == impl_->cfg.seed, "grpo: checkpoint ", dir, " was made with seed ",
              st.value("seed", uint64_t(0)), " but the recipe says ", impl_->cfg.seed);
-  // Into `into` (the whole model, or with size > 1 the expert shard `rank`, whose experts alone
-  // are read from the files).
-  auto restore = [&](model::Muse& into, const std::string& sub, int rank = 0, int size = 1) {
-    model::Muse saved = model::load_checkpoint_shard(dir + "/" + sub, into.dtype(), into.device(), rank, size);
-    at::NoGradGuard g;
-    auto mine = into.named_parameters(), theirs = saved.named_parameters();
-    KILN_CHECK(mine.size() == theirs.size(), "grpo: checkpoint ", dir, "/", sub, " holds a different model");
-    for (size_t i = 0; i < mine.size(); ++i) {
-      KILN_CHECK(mine[i].second.sizes() == theirs[i].second.sizes(), "grpo: checkpoint ", dir, "/", sub, " tensor ",
-                 mine[i].first, " has shape ", theirs[i].second.sizes(), ", the model ", mine[i].second.sizes());
-      mine[i].second.copy_(theirs[i].second);
-    }
-  };
   if (impl_->lora()) {
-    const double want = st.value("base_fingerprint", 0.0), have = base_fingerprint(impl_->policy);
+    const double want = st.value("base_fingerprint", 0.0), have = impl_->base_fingerprint();
     KILN_CHECK(want == have, "grpo: checkpoint ", dir, " holds adapters for another base (fingerprint ", want,
                ", this model's ", have, "); resume from the base the run started with");
-  } else if (impl_->cfg.parallel.ep > 1 && !impl_->zero3) {
-    // Each rank reads only its own experts; the full policy's others come from their ranks.
-    const int64_t ep = impl_->cfg.parallel.ep;
-    restore(*impl_->shard, "model", int(impl_->group.rank() % ep), int(ep));
-    impl_->shard_to_full(*impl_->shard, impl_->policy);
+    impl_->restore_adapters(dir);
   } else {
-    restore(impl_->policy, "model");
-  }
-  if (impl_->lora()) {
-    KILN_CHECK(std::filesystem::exists(dir + "/adapter/adapter_config.json"), "grpo: checkpoint ", dir,
-               " has no adapter/ but the recipe trains LoRA adapters; resume with the recipe the run was started with");
-    // Into a view sharing the base, then copied in place: the optimizer holds the adapters' tensors.
-    model::Muse saved(impl_->policy.config(), impl_->policy.weights());
-    model::load_peft_adapter(saved, dir + "/adapter");
-    auto mine = model::lora_parameters(impl_->policy), theirs = model::lora_parameters(saved);
-    KILN_CHECK(mine.size() == theirs.size(), "grpo: checkpoint ", dir, "/adapter holds ", theirs.size(),
-               " adapters, the run trains ", mine.size());
-    at::NoGradGuard g;
-    for (size_t i = 0; i < mine.size(); ++i) {
-      KILN_CHECK(mine[i].first == theirs[i].first && mine[i].second.sizes() == theirs[i].second.sizes(), "grpo: checkpoint ",
-                 dir, "/adapter: ", theirs[i].first, " ", theirs[i].second.sizes(), " does not fit ", mine[i].first, " ",
-                 mine[i].second.sizes());
-      mine[i].second.copy_(theirs[i].second);
-    }
+    impl_->restore(impl_->trained(), dir, "model");
   }
   if (impl_->reference) {
     KILN_CHECK(std::filesystem::exists(dir + "/reference/config.json"), "grpo: checkpoint ", dir,
                " has no reference/ policy but the recipe's kl_coef=", impl_->cfg.loss.kl_coef,
                " needs one; resume with the kl_coef the run was started with");
-    if (impl_->shard) {
-      model::Muse full = impl_->policy.clone();
-      restore(full, "reference");
-      impl_->full_to_shard(full, *impl_->reference);
-    } else {
-      restore(*impl_->reference, "reference");
-    }
+    impl_->restore(*impl_->reference, dir, "reference");
   }
-  // The shards first: an optimizer file without master weights starts them from the parameters.
-  if (impl_->shard) impl_->full_to_shard(impl_->policy, *impl_->shard);
+  // An optimizer file without master weights starts them from the parameters just read.
   if (auto* opt = impl_->zero->optimizer()) opt->load(dir + "/" + optimizer_file(impl_->group));
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
   // LoRA's base is frozen (and checked above): the engine keeps its (perhaps NVFP4) base.
-  if (!impl_->lora()) impl_->engine->update_weights(impl_->rollout_source().named_parameters());
-  if (impl_->lora()) impl_->engine->update_adapters(model::lora_parameters(impl_->rollout_source()));
+  if (impl_->lora()) impl_->engine->update_adapters(impl_->trained(), impl_->engine_source());
+  else impl_->engine->update_weights(impl_->trained(), impl_->engine_source());
   impl_->version_base = impl_->steps - impl_->engine->weight_version();
 }
 

@@ -4,6 +4,7 @@
 // (mean@k, pass@k per data_source) and checkpoints.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -153,12 +154,29 @@ struct StepMetrics {
   std::string to_json() const;
 };
 
+// What one rank holds of the policy under a layout (parallel.ep, parallel.dense): its expert shard
+// (expert_rank of expert_ranks) and under ZeRO-3 only the tensors `keep` selects (the dense ones
+// it owns; its experts too at ep 1), the others zero-element placeholders. A policy built this way
+// (Muse::init_owned, model::load_checkpoint_owned) never exists whole on any rank, and
+// GrpoTrainer takes it as it takes a whole one.
+struct PolicyShare {
+  int expert_rank = 0, expert_ranks = 1;
+  std::function<bool(const std::string&)> keep;  // by Muse::named_parameters name; empty: every tensor
+  bool whole() const { return expert_ranks == 1 && !keep; }
+};
+// `parallel` as in the recipe (resolved here against the group's size and the model's experts).
+PolicyShare policy_share(const model::ModelConfig& model, at::ScalarType dtype, dist::ParallelConfig parallel,
+                         const comm::Group& group = comm::Group::world());
+
 class GrpoTrainer {
  public:
   // `policy` is trained in place (fp32 or fp64 on the CPU, or bf16/fp32 on GPU). With a group of
   // several ranks (data parallel): each rank rolls out and trains on its share of every step's
   // prompts (whole groups), gradients are summed, each rank keeps the optimizer state of the
   // parameters it owns (ZeRO-1) and broadcasts them after the step. Metrics are global.
+  // Under expert parallelism or ZeRO-3 `policy` may be this rank's share (policy_share): it is
+  // then trained in place and never gathered; a whole policy is copied, and only sync_policy() and
+  // save() bring it up to date.
   // Prompts are rendered and tokenized here (config.prompt), over-long ones dropped. The reward
   // is make_reward(config.reward) unless one is given.
   GrpoTrainer(model::Muse& policy, GrpoConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
@@ -182,8 +200,8 @@ class GrpoTrainer {
   // The last step the caller will run (0: unknown). Under grpo.async the producer samples no batch
   // past it, so a run's end waits for no rollout it will not train on.
   void set_last_step(int64_t step);
-  // With experts sharded (ep > 1) and a sharded rollout, `policy`'s experts are only gathered by
-  // save() and by this call (collective: every rank calls it). Otherwise they are always current.
+  // Under expert parallelism or ZeRO-3 a whole `policy` is brought up to date only by save() and
+  // by this call (collective: every rank calls it); a share is always current (it is what trains).
   void sync_policy();
   const DataStream& stream() const;
   // A resumable checkpoint in `dir`: weights (safetensors + config.json), optimizer state, the step,
@@ -193,6 +211,10 @@ class GrpoTrainer {
   // so no RNG state is needed for the same samples after a resume.
   void save(const std::string& dir) const;
   void load(const std::string& dir);
+  // The trained weights alone into `dir` (collective): a checkpoint with the tokenizer's files, or
+  // with LoRA a PEFT adapter. Written as save() writes them (each rank its own tensors when the
+  // trainer shards), into dir.tmp, then renamed.
+  void save_model(const std::string& dir) const;
 
  private:
   struct Impl;

@@ -1,5 +1,6 @@
 // GoogleTest main for the MPI tests: every rank runs every test; a failure on any rank makes that
-// rank exit non-zero, and so mpirun. Only rank 0 prints the per-test lines. An exception that
+// rank exit non-zero, and so mpirun. Only rank 0 prints the per-test lines; the other ranks print
+// their failures, each line prefixed with the rank. An exception that
 // escapes a test body ends the whole job at once: the other ranks would otherwise wait in their
 // next collective until ctest's timeout. A crash prints its rank and a symbolised backtrace
 // (core/crash.h; the binary exports its symbols).
@@ -19,8 +20,11 @@ class AbortOnEscapedException : public ::testing::EmptyTestEventListener {
   void OnTestStart(const ::testing::TestInfo& t) override { name_ = std::string(t.test_suite_name()) + "." + t.name(); }
   void OnTestPartResult(const ::testing::TestPartResult& r) override {
     const std::string message = r.message() ? r.message() : "";
-    if (!r.failed() || message.find("thrown in the test body") == std::string::npos) return;
     const int rank = kiln::comm::Group::world().rank();
+    if (r.failed() && rank != 0)  // rank 0's printer says its own; the others' failures are said here
+      std::fprintf(stderr, "rank %d: %s failed at %s:%d: %s\n", rank, name_.c_str(), r.file_name() ? r.file_name() : "?",
+                   r.line_number(), message.c_str());
+    if (!r.failed() || message.find("thrown in the test body") == std::string::npos) return;
     std::fprintf(stderr, "rank %d: %s: %s\nrank %d: aborting the job so that no rank waits for this one\n", rank,
                  name_.c_str(), message.c_str(), rank);
     std::fflush(stderr);

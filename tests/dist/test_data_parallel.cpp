@@ -8,6 +8,7 @@
 
 #include "core/files.h"
 #include "model/checkpoint.h"
+#include "model/expert_parallel.h"
 #include "model/lora.h"
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
@@ -130,16 +131,35 @@ GrpoConfig dp_grpo() {
   return cfg;
 }
 
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+// The tensors `part` holds (placeholders skipped; a smaller expert stack is expert shard
+// `expert_rank`), each with the same slice of its namesake in `whole`.
+std::vector<std::pair<std::string, std::pair<at::Tensor, at::Tensor>>> held(const Named& whole, const Named& part,
+                                                                            int64_t expert_rank) {
+  EXPECT_EQ(whole.size(), part.size());
+  std::vector<std::pair<std::string, std::pair<at::Tensor, at::Tensor>>> out;
+  for (size_t i = 0; i < std::min(whole.size(), part.size()); ++i) {
+    const at::Tensor& p = part[i].second;
+    if (p.numel() == 0) continue;
+    at::Tensor w = whole[i].second;
+    if (p.size(0) != w.size(0)) w = w.narrow(0, expert_rank * p.size(0), p.size(0));
+    out.push_back({part[i].first, {w, p}});
+  }
+  return out;
+}
+
 // A GRPO run over every rank (experts sharded over `ep` of them, the dense part under ZeRO-3 when
-// zero3) against the same run on one rank.
+// zero3) against the same run on one rank. With `share` each rank's policy is only its share
+// (trainer::policy_share, drawn by Muse::init_owned, as kiln train builds it): the trainer then
+// never holds the whole model, and the share is compared with the same slice of the one-rank run.
 void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::string& rollout = "replica",
-                int64_t lora_rank = 0, bool zero3 = false) {
+                int64_t lora_rank = 0, bool zero3 = false, bool share = false) {
   const Group& w = Group::world();
   const Group alone = w.split(w.rank(), 0);  // a one-rank group: the reference run
   model::ModelConfig mc = test::byte_vocab_config();
   mc.init_std = 1.0;  // sharp enough that the greedy reply is sampled often, but not always
   model::Muse m1 = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
-  model::Muse mw = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
   Dataset data = test::self_consistent_problems(m1, 200);
   GrpoConfig cfg = dp_grpo();
   cfg.mini_steps = mini_steps;
@@ -152,6 +172,21 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
   cfg.parallel.ep = ep;
   cfg.parallel.rollout = parse_rollout_placement(rollout);
   if (zero3) cfg.parallel.dense = DenseSharding::kZero3;
+  const PolicyShare ps = policy_share(mc, at::kFloat, cfg.parallel, w);
+  const int64_t er = ps.expert_rank;
+  auto policy = [&](uint64_t seed) {
+    if (!share) return model::Muse::init(mc, seed, at::kFloat, at::kCPU);
+    EXPECT_FALSE(ps.whole());
+    const auto keep = ps.keep ? ps.keep : [](const std::string&) { return true; };
+    return model::Muse::init_owned(mc, seed, at::kFloat, at::kCPU, ps.expert_rank, ps.expert_ranks, keep);
+  };
+  model::Muse mw = policy(3);
+  if (share && w.size() > 1) {  // a share indeed: placeholders (ZeRO-3) or fewer experts
+    int64_t missing = 0;
+    for (const auto& [name, t] : mw.named_parameters())
+      missing += t.numel() == 0 || (model::is_expert_tensor(name) && t.size(0) < mc.num_experts);
+    EXPECT_GT(missing, 0);
+  }
   GrpoTrainer all(mw, cfg, test::byte_tokenizer(), data, w);
   for (int s = 0; s < 3; ++s) {
     StepMetrics a = one.step(), b = all.step();
@@ -176,10 +211,10 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
     EXPECT_NEAR(b.routing_disagreement, a.routing_disagreement, 1e-12) << "step " << s;
   }
   EXPECT_NEAR(all.evaluate(test::eval_limit(20)).all.mean_at_k, one.evaluate(test::eval_limit(20)).all.mean_at_k, 1e-12);
-  all.sync_policy();
+  all.sync_policy();  // a share is current already
   auto p1 = m1.named_parameters(), pw = mw.named_parameters();
   if (lora_rank > 0) {  // the base is frozen; the adapters (the experts' gathered back) are what trained
-    for (size_t i = 0; i < p1.size(); ++i) EXPECT_TRUE(test::all_equal(pw[i].second, p1[i].second)) << p1[i].first;
+    for (const auto& [name, t] : held(p1, pw, er)) EXPECT_TRUE(test::all_equal(t.second, t.first)) << name;
     p1 = model::lora_parameters(m1);
     pw = model::lora_parameters(mw);
     ASSERT_EQ(p1.size(), pw.size());
@@ -193,11 +228,12 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
     const std::string dir = "/tmp/kiln-mpi-ckpt-" + std::to_string(id.item<int64_t>()) + "-" + rollout +
                             std::to_string(ep) + (kl_coef != 0 ? "kl" : "") + (zero3 ? "z3" : "");
     all.save(dir);
+    {  // every rank: what it holds is what was written
+      const model::Muse saved = model::load_checkpoint(dir + "/model", at::kFloat, at::kCPU);
+      for (const auto& [name, t] : held(saved.named_parameters(), mw.named_parameters(), er))
+        EXPECT_TRUE(test::all_equal(t.second, t.first)) << name;
+    }
     if (w.rank() == 0) {
-      model::Muse saved = model::load_checkpoint(dir + "/model", at::kFloat, at::kCPU);
-      auto ps = saved.named_parameters(), pm = mw.named_parameters();
-      ASSERT_EQ(ps.size(), pm.size());
-      for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(test::all_equal(ps[i].second, pm[i].second)) << ps[i].first;
       int parts = 0;
       for (const auto& f : std::filesystem::directory_iterator(dir + "/model"))
         parts += f.path().filename().string().rfind("model-rank", 0) == 0;
@@ -210,21 +246,22 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
         for (size_t i = 0; i < pr.size(); ++i) EXPECT_TRUE(test::all_equal(pr[i].second, p0[i].second)) << pr[i].first;
       }
     }
-    model::Muse mr = model::Muse::init(mc, 4, at::kFloat, at::kCPU);  // other weights: the load must replace them
+    model::Muse mr = policy(4);  // other weights: the load must replace them
     GrpoTrainer resumed(mr, cfg, test::byte_tokenizer(), data, w);
     resumed.load(dir);
     resumed.sync_policy();
-    auto pr = mr.named_parameters(), pm = mw.named_parameters();
-    for (size_t i = 0; i < pr.size(); ++i) EXPECT_TRUE(test::all_equal(pr[i].second, pm[i].second)) << pr[i].first;
+    for (const auto& [name, t] : held(mw.named_parameters(), mr.named_parameters(), er))
+      EXPECT_TRUE(test::all_equal(t.second, t.first)) << name;
     w.barrier();
     if (w.rank() == 0) remove_tree(dir);  // not std::filesystem::remove_all (core/files.h)
   }
-  for (size_t i = 0; i < p1.size(); ++i) {
+  for (const auto& [name, t] : held(p1, pw, er)) {
     // Not element-wise: AdamW turns gradient elements at rounding-noise level into full-size
     // steps whose sign the summation order decides (seen: lm_head rows, 0.014 apart at 4 ranks),
-    // and Muon amplifies weak directions. Each tensor as a whole must agree to 1%.
-    const double diff = (pw[i].second - p1[i].second).norm().item<double>(), ref = p1[i].second.norm().item<double>();
-    EXPECT_LT(diff, 1e-2 * ref) << p1[i].first << " ep=" << ep;
+    // and Muon amplifies weak directions. Each tensor as a whole must agree to 1% (a slice that
+    // never trained, such as a zero LoRA B, exactly).
+    const double diff = (t.second - t.first).norm().item<double>(), ref = t.first.norm().item<double>();
+    EXPECT_LE(diff, 1e-2 * ref) << name << " ep=" << ep;
   }
 }
 
@@ -257,6 +294,20 @@ TEST(DataParallel, GrpoWithZero3MatchesOneRank) {
   if (W > 1) {  // sharded engines serve the owners' dense part beside their own experts
     check_grpo(W, 1, 0.05, "sharded", 0, true);
     check_grpo(W, 1, 0, "sharded", 4, true);
+  }
+}
+
+// Each rank given only its share of the policy (trainer::policy_share, as kiln train builds it):
+// the engines are filled tensor by tensor from the owners and the ranks' experts, the checkpoint
+// is written and read by share, and no rank ever holds the whole model.
+TEST(DataParallel, GrpoFromSharesMatchesOneRank) {
+  const int64_t W = Group::world().size();
+  check_grpo(1, 3, 0.05, "replica", 0, /*zero3=*/true, /*share=*/true);
+  check_grpo(W, 1, 0.05, "replica", 0, true, true);
+  check_grpo(1, 1, 0, "replica", 4, true, true);  // LoRA over a sharded frozen base
+  if (W > 1) {
+    check_grpo(W, 1, 0.05, "sharded", 0, true, true);
+    check_grpo(W, 1, 0, "replica", 4, false, true);  // expert shards alone, the dense part replicated
   }
 }
 
