@@ -19,7 +19,6 @@ struct PlanArgs {
   int64_t dp = 0, ep = 0, tp = 1;
   std::string dense = "replicated";
   bool implemented_only = false;
-  bool sharded_init = false;
 };
 
 // The best plan on `c` (implemented layouts only when asked), or none.
@@ -34,7 +33,6 @@ void run_plan(const PlanArgs& a) {
   const trainer::Recipe r = trainer::Recipe::from_yaml_file(a.recipe);
   trainer::PlanJob job = trainer::plan_job(r.grpo, r.dtype);
   if (a.seq_len > 0) job.seq_len = a.seq_len;
-  job.full_policy_copy = !a.sharded_init;
   trainer::Cluster c;
   c.nodes = a.nodes;
   c.gpus_per_node = a.gpus_per_node;
@@ -49,8 +47,6 @@ void run_plan(const PlanArgs& a) {
              job.lora ? fmt::format("LoRA rank {}", job.lora_rank) : std::string("full-parameter"),
              job.muon ? " with Muon" : " (AdamW)", job.state_placement, job.rollout_quantization,
              job.rollout_sharded ? "sharded" : "replica");
-  if (job.full_policy_copy)
-    fmt::print("(as kiln runs today: under ep > 1 every rank also holds the whole policy; --sharded-init plans without it)\n");
   if (a.ep > 0) {  // one layout, checked
     trainer::Layout l;
     l.ep = a.ep;
@@ -107,8 +103,6 @@ Run add_plan(CLI::App& app) {
   cmd->add_option("--show", a->show, "Layouts listed after the best one")->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--max-nodes", a->max_nodes, "Largest cluster tried with --nodes 0")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_flag("--implemented", a->implemented_only, "Only layouts kiln trains today (tp 1, dense replicated)");
-  cmd->add_flag("--sharded-init", a->sharded_init,
-                "Plan with sharded init and load: no rank holds the whole model (kiln today keeps it under ep > 1)");
   return [a] { run_plan(*a); };
 }
 

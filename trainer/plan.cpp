@@ -126,12 +126,7 @@ Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster&
 
   // Trained model: weights, gradients.
   gpu("expert weights (1/ep of every layer's experts)", p.experts / ep * wb);
-  if (L.ep > 1 && job.full_policy_copy)
-    gpu("the other ranks' experts (kiln today keeps the whole policy beside its shard)",
-        p.experts * (ep - 1) / ep * wb);
   gpu(fmt::format("dense weights ({})", dense_sharding_name(L.dense)), dense_held * wb);
-  if (L.dense == DenseSharding::kZero3 && job.full_policy_copy)
-    gpu("the whole dense part (kiln today keeps the whole policy beside its ZeRO-3 share)", p.dense * (W - 1) / W * wb);
   if (L.dense == DenseSharding::kZero3)
     gpu("two layers' dense weights gathered (ZeRO-3 prefetch)", 2 * p.dense / double(cfg.num_layers) * wb);
   double trained_experts = p.experts, trained_dense = p.dense, trained_muon_dense = p.muon_dense;
@@ -178,21 +173,28 @@ Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster&
   else
     gpu(fmt::format("activations, {} tokens (recompute: {})", int64_t(tokens), format_bytes(recomputed)), stored);
 
-  // The rollout engine's weights: an unquantised engine serves the trained tensors themselves.
+  // The rollout engine's weights: its own copy of what it serves (rollout::Engine clones the model,
+  // so that training never changes a batch's weights under it). A sharded engine serves 1/ep of
+  // the experts (and the tp slice of the dense part); a replica all of them.
+  const double dense_served = p.dense_tp / tp + (p.dense - p.dense_tp);
+  const double expert_served = job.rollout_sharded ? 1.0 / ep : 1.0;
+  const char* where = job.rollout_sharded ? "shard" : "replica";
   if (job.rollout_quantization != "none") {
+    // NVFP4 codes and scales for the quantised linears, BF16 copies of the rest (the router FP32,
+    // counted at BF16 here: a million parameters per layer at most).
     const model::Nvfp4Footprint nv = model::nvfp4_footprint(cfg, job.rollout_quantization == "nvfp4");
-    const double quantized_bytes = double(nv.bytes) - double(nv.kept_params) * wb;  // the kept ones are shared
-    // The quantised experts (those of bf16_expert_layers stay BF16, shared with the trainer) as a
-    // share of the quantised parameters; the rest are the dense linears.
+    const double kept_bytes = double(nv.kept_params) * wb, quantized_bytes = double(nv.bytes) - kept_bytes;
+    // The quantised experts (those of bf16_expert_layers stay BF16) as a share of the quantised
+    // parameters; the rest are the dense linears.
     const double n_bf16 = double(cfg.bf16_expert_layers.size()), n_layers = double(cfg.num_layers);
-    const double q_experts = p.experts * (n_layers - n_bf16) / n_layers;
+    const double q_experts = p.experts * (n_layers - n_bf16) / n_layers, kept_experts = p.experts - q_experts;
     const double expert_share = std::min(1.0, q_experts / std::max(1.0, double(nv.quantized_params)));
-    const double shard = job.rollout_sharded ? quantized_bytes * (expert_share / ep + (1 - expert_share) / tp)
-                                             : quantized_bytes;
-    gpu(fmt::format("rollout {} weights ({})", job.rollout_quantization, job.rollout_sharded ? "shard" : "replica"),
-        shard);
-  } else if (!job.rollout_sharded && L.ep > 1 && !job.full_policy_copy) {
-    gpu("rollout replica's other experts (bf16)", p.experts * (ep - 1) / ep * wb);
+    const double quantized = quantized_bytes * (expert_share * expert_served + (1 - expert_share) / tp);
+    const double kept = kept_experts * expert_served * wb + (kept_bytes - kept_experts * wb);
+    gpu(fmt::format("rollout {} weights ({}): codes and scales", job.rollout_quantization, where), quantized);
+    gpu(fmt::format("rollout weights kept at their width ({}: embedding, head, norms, router)", where), kept);
+  } else {
+    gpu(fmt::format("rollout weights (bf16 {})", where), (p.experts * expert_served + dense_served) * wb);
   }
 
   for (const PlanItem& i : plan.gpu) plan.gpu_used += i.bytes;

@@ -51,8 +51,6 @@ struct PlanJob {
   std::string rollout_quantization = "none";  // none | nvfp4 | w4a4
   bool rollout_sharded = false;      // each rank serves its expert shard (else a full replica)
   double kv_cache_bytes = 64.0 * (1 << 20);
-  bool full_policy_copy = true;      // kiln today: under ep > 1 each rank still holds the whole
-                                     // trained model besides its expert shard
 };
 // seq_len: the recipe's prompt limit (256 without one) plus its max_tokens.
 PlanJob plan_job(const GrpoConfig& g, const std::string& dtype);

@@ -82,11 +82,11 @@ check_fails "mismatch with top-p" "the rescoring uses one distribution" \
 check_fails "missing config" "cannot open" "$kiln" info "$tmp/nope.yaml"
 # kiln plan: the README's 816B plans, a checked layout, and a size it cannot read.
 check "plan 816B full-parameter" "fewest nodes of 8 GPUs that fit: 16" \
-  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/grpo-816b.yaml" --nodes 0 --sharded-init
+  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/grpo-816b.yaml" --nodes 0
 check "plan 816B LoRA" "fewest nodes of 8 GPUs that fit: 4" \
-  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/lora-grpo-816b.yaml" --nodes 0 --sharded-init
-check "plan a layout that does not fit" "the other ranks' experts (kiln today keeps the whole policy" \
-  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/grpo-816b.yaml" --nodes 16 --ep 128
+  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/lora-grpo-816b.yaml" --nodes 0
+check "plan a layout that does not fit" "does not fit:" \
+  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/grpo-816b.yaml" --nodes 4 --ep 32 --dense zero3
 check "plan muse-small on one GPU" "fits" \
   "$kiln" plan "$src/configs/muse-small.yaml" "$src/recipes/grpo-arith-small-gpu.yaml" --gpus-per-node 1
 check_fails "plan with a bad size" "plan: --gpu-mem: unknown unit 'parsecs'" \

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "model/config.h"
+#include "model/nvfp4_model.h"
 #include "tests/test_util.h"
 #include "trainer/plan.h"
 
@@ -40,7 +41,19 @@ TEST(Plan, ItemsFollowFromTheParameterCounts) {
   ASSERT_TRUE(p.fits()) << p.report();
   const double experts = double(n.experts), dense = double(n.total() - n.experts);
   EXPECT_DOUBLE_EQ(item(p, "expert weights"), experts / 2 * 2);
-  EXPECT_DOUBLE_EQ(item(p, "the other ranks' experts"), experts / 2 * 2);  // kiln today under ep > 1
+  EXPECT_LT(item(p, "the other ranks' experts"), 0);  // each rank holds only its share
+  // The engine's own bf16 copy of what it serves: every expert for a replica, 1/ep when sharded.
+  EXPECT_DOUBLE_EQ(item(p, "rollout weights (bf16 replica)"), (experts + dense) * 2);
+  PlanJob sharded = job;
+  sharded.rollout_sharded = true;
+  EXPECT_DOUBLE_EQ(item(make_plan(cfg, sharded, c, {2, 2, 1, DenseSharding::kReplicated}), "rollout weights (bf16 shard)"),
+                   (experts / 2 + dense) * 2);
+  // An NVFP4 replica holds what `kiln quantize` writes: codes and scales, the rest at its width.
+  PlanJob nvfp4 = job;
+  nvfp4.rollout_quantization = "nvfp4";
+  const Plan q = make_plan(cfg, nvfp4, c, {2, 2, 1, DenseSharding::kReplicated});
+  EXPECT_NEAR(item(q, "rollout nvfp4 weights (replica)") + item(q, "rollout weights kept"),
+              double(model::nvfp4_footprint(cfg, true).bytes), 1.0);
   EXPECT_DOUBLE_EQ(item(p, "dense weights"), dense * 2);
   EXPECT_DOUBLE_EQ(item(p, "gradients"), (experts / 2 + dense) * 2);
   // Masters 4 B for all; Muon one fp32 moment (experts, attention, latent), AdamW two (the rest).
@@ -52,10 +65,8 @@ TEST(Plan, ItemsFollowFromTheParameterCounts) {
   EXPECT_DOUBLE_EQ(p.kv_left, c.gpu_bytes - c.reserve_bytes - sum);
   const double kv_token = model::kv_cache_bytes_per_token(cfg, job.seq_len);
   EXPECT_EQ(p.kv_tokens, int64_t(p.kv_left / kv_token));
-  // Sharded init removes the full copy; ZeRO-3 splits the dense part and its gradients.
-  job.full_policy_copy = false;
+  // ZeRO-3 splits the dense part and its gradients.
   const Plan z = make_plan(cfg, job, c, {2, 2, 1, DenseSharding::kZero3});
-  EXPECT_LT(item(z, "the other ranks' experts"), 0);
   EXPECT_DOUBLE_EQ(item(z, "dense weights"), dense / 4 * 2);
   EXPECT_DOUBLE_EQ(item(z, "gradients"), (experts / 2 + dense / 4) * 2);
   EXPECT_TRUE(z.layout.implemented());  // ZeRO-3 trains (dist/zero3.h); dense tp does not
@@ -138,7 +149,7 @@ TEST(Plan, ActivationEstimateIsWithinTenPercentOfTheH200) {
 }
 
 // The README's plans: 816B full-parameter GRPO first fits on 16 nodes of 8 H200s (ep 128, the
-// dense part under ZeRO-3), LoRA GRPO on 4; neither fits with kiln's full policy copy.
+// dense part under ZeRO-3), LoRA GRPO on 4.
 TEST(Plan, The816bPlansOfTheReadme) {
   const model::ModelConfig cfg = big();
   PlanJob job;
@@ -148,7 +159,6 @@ TEST(Plan, The816bPlansOfTheReadme) {
   job.rollout_quantization = "nvfp4";
   job.rollout_sharded = true;
   job.kv_cache_bytes = 16.0 * (1ll << 30);
-  job.full_policy_copy = false;
   auto fewest = [&](const PlanJob& j) {
     for (int64_t nodes = 1; nodes <= 64; ++nodes) {
       Cluster c;
@@ -164,10 +174,6 @@ TEST(Plan, The816bPlansOfTheReadme) {
   lora.lora_rank = 32;
   lora.lora_targets = {"q_proj", "k_proj", "v_proj", "o_proj", "pooler", "unpooler", "gate_proj", "up_proj", "down_proj"};
   EXPECT_EQ(fewest(lora), 4);
-  job.full_policy_copy = true;
-  Cluster c;
-  c.nodes = 16;
-  for (const Plan& p : search_layouts(cfg, job, c)) EXPECT_FALSE(p.fits()) << p.layout.describe();
 }
 
 TEST(Plan, SizesParseWithUnits) {
