@@ -315,7 +315,8 @@ for n in ${KILN_LONG_TOKENS:-8192 32768}; do
       -e "s/^  samples_per_prompt: .*/  samples_per_prompt: 4/" -e "s/^  max_tokens: .*/  max_tokens: $n/" \
       -e "s/^  mismatch_ab: .*/  mismatch_ab: false\n  recompute: true/" -e "s/^  micro_batch_seqs: .*/  micro_batch_seqs: 1/" \
       -e "s/^  kv_cache_mb: .*/  kv_cache_mb: ${KILN_LONG_KV_MB:-8192}/" -e "s/^  max_num_seqs: .*/  max_num_seqs: 16/" \
-      -e "s/^  every: .*/  every: 1000/" -e "s/^  steps: .*/  steps: 2/" recipes/grpo-arith-small-gpu.yaml > "$tmp/long-$n.yaml"
+      -e "s/^  every: .*/  every: 1000/" -e "s/^  prompts: 64/  prompts: 4/" -e "s/^  steps: .*/  steps: 2/" \
+      recipes/grpo-arith-small-gpu.yaml > "$tmp/long-$n.yaml"  # the final eval: 4 prompts (64 x 8K tokens took minutes)
   ./build-gpu/kiln train "$tmp/long-$n.yaml" --out "$tmp/long-$n" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2 | tee -a "$out/long.txt"
   python3 - "$tmp/long-$n/metrics.jsonl" "$n" <<'PY' 2>&1 | tee -a "$out/long.txt"
 import sys, json
@@ -338,7 +339,10 @@ sed -e "s|config: ../configs/muse-tiny.yaml|config: $PWD/configs/muse-small.yaml
     -e "s/^  every: 25/  every: 10/" -e "s|python3, calculator_env.py|python3, $PWD/recipes/calculator_env.py|" \
     recipes/grpo-tool-tiny.yaml > "$tmp/tool.yaml"
 ./build-gpu/kiln sft "$tmp/tool.yaml" --out "$tmp/tool" 2>&1 | tr '\r' '\n' | grep -v "^sft [0-9]" | tail -2 | tee -a "$out/tool.txt"
-./build-gpu/kiln train "$tmp/tool.yaml" --init-from "$tmp/tool/sft" --out "$tmp/tool" > "$tmp/tool-train.log" 2>&1
+# SIGTERM after KILN_TOOL_SECONDS (default 420) so that a run longer than the call still reports
+# its curve: kiln checkpoints and exits cleanly on the signal.
+timeout -s TERM "${KILN_TOOL_SECONDS:-420}" ./build-gpu/kiln train "$tmp/tool.yaml" --init-from "$tmp/tool/sft" \
+  --out "$tmp/tool" > "$tmp/tool-train.log" 2>&1
 echo "kiln train exited with $?" | tee -a "$out/tool.txt"
 tr '\r' '\n' < "$tmp/tool-train.log" | grep -v "^step " | tail -40 | tee -a "$out/tool.txt"
 symbolize "$tmp/tool-train.log" tool.txt
@@ -350,6 +354,7 @@ print("reward per step:", [round(r["reward"], 3) for r in steps])
 print("turns per episode:", [round(r.get("episodes", {}).get("turns", 0), 2) for r in steps])
 print("tool calls per episode:", [round(r.get("reward_components", {}).get("tool_calls", 0), 2) for r in steps])
 print("held-out mean@1:", [(r["step"], round(r["eval"]["mean_at_k"], 3)) for r in rows if "eval" in r])
+print("seconds per step:", [round(r["step_seconds"], 1) for r in steps])
 PY
 fi  # tool
 if want mismatch; then
