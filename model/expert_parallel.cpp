@@ -41,6 +41,26 @@ at::Tensor exchange_rows(const comm::Group& group, const at::Tensor& x, const st
   return ExchangeRows::apply(x, reinterpret_cast<int64_t>(&group), send, recv);
 }
 
+ExpertDispatcher::Routed AllToAllDispatcher::dispatch(const at::Tensor& z, const at::Tensor& flat, int64_t k,
+                                                     int64_t local) const {
+  const int64_t S = group_.size();
+  Routed r;
+  at::Tensor owner = at::div(flat, local, "floor");
+  r.order = std::get<1>(at::sort(owner, /*stable=*/true, 0, /*descending=*/false));  // slots by owner
+  at::Tensor per_rank = at::zeros({S}, flat.options()).index_add_(0, owner, at::ones_like(owner)).cpu();
+  r.send.assign(per_rank.data_ptr<int64_t>(), per_rank.data_ptr<int64_t>() + S);
+  at::Tensor ids_out = (flat - owner * local).index_select(0, r.order);  // local expert ids at the owner
+  r.ids = group_.all_to_all_v(ids_out, r.send, &r.recv);
+  r.rows = exchange_rows(group_, z.index_select(0, at::div(r.order, k, "floor")), r.send, r.recv);
+  return r;
+}
+
+at::Tensor AllToAllDispatcher::combine(const at::Tensor& y, const Routed& r) const {
+  at::Tensor back = exchange_rows(group_, y, r.recv, r.send);  // owner order
+  at::Tensor inverse = at::empty_like(r.order).scatter_(0, r.order, at::arange(r.order.size(0), r.order.options()));
+  return back.index_select(0, inverse);
+}
+
 Muse shard_experts(const Muse& full, int rank, int size) {
   const int64_t E = full.config().num_experts;
   KILN_CHECK(size >= 1 && E % size == 0 && rank >= 0 && rank < size, "shard_experts: ", E,

@@ -17,8 +17,23 @@ namespace kiln::model {
 inline bool is_expert_tensor(const std::string& name) { return name.find("mlp.experts.") != std::string::npos; }
 
 // The experts [rank * E/size, (rank+1) * E/size) of every layer of `full` (and their LoRA
-// adapters), copied; everything else shared with `full`. Forward it with ForwardOptions::expert_group set to a group of `size` ranks.
+// adapters), copied; everything else shared with `full`. Forward it with ForwardOptions::experts
+// set to an AllToAllDispatcher over a group of `size` ranks.
 Muse shard_experts(const Muse& full, int rank, int size);
+
+// Expert parallelism over `group` (rank r holds experts [r * local, (r + 1) * local)): each slot's
+// row goes to its expert's rank by all-to-all-v and its output comes back the same way.
+class AllToAllDispatcher : public ExpertDispatcher {
+ public:
+  explicit AllToAllDispatcher(const comm::Group& group) : group_(group) {}  // `group` must outlive it
+  int64_t ranks() const override { return group_.size(); }
+  Routed dispatch(const at::Tensor& z, const at::Tensor& flat, int64_t k, int64_t local) const override;
+  at::Tensor combine(const at::Tensor& y, const Routed& routed) const override;
+  const comm::Group& group() const { return group_; }
+
+ private:
+  const comm::Group& group_;
+};
 
 // Rows [sum(send[:j]), +send[j]) of x go to rank j; returns the rows received, in rank order
 // (recv[j] from rank j). Differentiable in x: the gradient goes back by the reverse exchange.

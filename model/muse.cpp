@@ -240,37 +240,29 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   return ys.index_select(0, inverse);  // back to slot order
 }
 
-// The experts of every slot under expert parallelism: slots go to the rank holding their expert
-// (all-to-all-v), run there (SwiGLU and the per-expert norm), and come back; [T * k, d_l] in slot
-// order. The weights hold E / group.size() experts, this rank's consecutive share.
-at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& z,
-                                   const at::Tensor& flat, int64_t k, const comm::Group& group,
-                                   const ForwardOptions& opt) {
-  const int64_t E = cfg.num_experts, n = flat.size(0), S = group.size();
+// The experts of every slot under expert parallelism: the dispatcher takes each slot's row to the
+// rank holding its expert, this rank runs its experts (SwiGLU and the per-expert norm) on what it
+// gets, and the outputs go back; [T * k, d_l] in slot order. The weights hold E / ranks() experts.
+at::Tensor dispatched_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& z,
+                              const at::Tensor& flat, int64_t k, const ExpertDispatcher& dispatcher,
+                              const ForwardOptions& opt) {
+  const int64_t E = cfg.num_experts, S = dispatcher.ranks();
   const int64_t local = lw.expert_gate.defined() ? lw.expert_gate.size(0) : lw.nvfp4.expert_gate.packed.size(0);
   for (const at::Tensor* a : {&lw.lora.gate_a, &lw.lora.up_a, &lw.lora.down_a})
     KILN_CHECK(!a->defined() || a->size(0) == local, "latent_moe: layer ", layer, " holds expert adapters for ",
                a->size(0), " experts but ", local, " expert weights (shard the adapters with model::shard_experts)");
   KILN_CHECK(local * S == E, "latent_moe: expert parallel over ", S, " ranks needs ", E / S,
              " experts per rank, the weights hold ", local, " (use model::shard_experts)");
-  at::Tensor owner = at::div(flat, local, "floor");
-  at::Tensor order = std::get<1>(at::sort(owner, /*stable=*/true, 0, /*descending=*/false));  // slots by owner
-  at::Tensor per_rank = at::zeros({S}, flat.options()).index_add_(0, owner, at::ones_like(owner)).cpu();
-  std::vector<int64_t> send(per_rank.data_ptr<int64_t>(), per_rank.data_ptr<int64_t>() + S), recv;
-  at::Tensor ids_out = (flat - owner * local).index_select(0, order);  // local expert ids at the owner
-  at::Tensor ids_in = group.all_to_all_v(ids_out, send, &recv);
-  at::Tensor rows_in = exchange_rows(group, z.index_select(0, at::div(order, k, "floor")), send, recv);
-  at::Tensor y_in;
-  if (rows_in.size(0) == 0) {
-    y_in = rows_in * 0;  // keeps this rank's backward exchange in the graph: every rank must join it
+  const ExpertDispatcher::Routed routed = dispatcher.dispatch(z, flat, k, local);
+  at::Tensor y;
+  if (routed.rows.size(0) == 0) {
+    y = routed.rows * 0;  // keeps this rank's backward exchange in the graph: every rank must join it
   } else {
     at::Tensor counts;
-    y_in = run_experts(lw, layer, rows_in, ids_in, 1, counts, opt);
-    y_in = rms_norm(y_in, lw.expert_norm.index_select(0, ids_in), cfg.rms_norm_eps);
+    y = run_experts(lw, layer, routed.rows, routed.ids, 1, counts, opt);
+    y = rms_norm(y, lw.expert_norm.index_select(0, routed.ids), cfg.rms_norm_eps);
   }
-  at::Tensor back = exchange_rows(group, y_in, recv, send);  // owner order
-  at::Tensor inverse = at::empty_like(order).scatter_(0, order, at::arange(n, order.options()));
-  return back.index_select(0, inverse);
+  return dispatcher.combine(y, routed);
 }
 
 // The fused training path of the latent MoE: dense experts on CUDA in bf16 through torch's
@@ -278,7 +270,7 @@ at::Tensor expert_parallel_experts(const ModelConfig& cfg, const LayerWeights& l
 bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, const ForwardOptions& opt) {
 #if KILN_TORCH_AT_LEAST(2, 8)
   const bool lora = !opt.disable_lora && lw.lora.on_experts();
-  const bool expert_parallel = opt.expert_group && opt.expert_group->size() > 1;
+  const bool expert_parallel = opt.experts && opt.experts->ranks() > 1;
   // NVFP4 experts join at every size: the W4A16 grouped kernel (decode) or torch's grouped GEMM on
   // the dequantised stack (prefill) runs on the same padded layout, so no row moves of their own.
   const bool weights = lw.expert_gate.defined() || kernels::nvfp4_grouped_on_device(lw.nvfp4.expert_gate, z);
@@ -346,8 +338,8 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
     m = fused_experts(cfg, lw, layer, z, flat, w, counts, opt);  // summed in fp32, stored in z's dtype
   } else {
     at::Tensor y;
-    if (opt.expert_group && opt.expert_group->size() > 1) {
-      y = expert_parallel_experts(cfg, lw, layer, z, flat, k, *opt.expert_group, opt).view({T, k, -1});
+    if (opt.experts && opt.experts->ranks() > 1) {
+      y = dispatched_experts(cfg, lw, layer, z, flat, k, *opt.experts, opt).view({T, k, -1});
       counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
     } else {
       y = run_experts(lw, layer, z, flat, k, counts, opt);

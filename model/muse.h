@@ -111,6 +111,28 @@ class WeightGather {
   virtual at::Tensor gather(const at::Tensor& own) const = 0;
 };
 
+// Where a layer's routed rows meet their experts, when they are spread over ranks (expert
+// parallelism, model/expert_parallel.h's AllToAllDispatcher). Applied from outside the model like
+// WeightGather: the MoE runs the experts this rank holds on whatever rows dispatch() hands it, and
+// combine() takes their outputs back. Both are differentiable, and every rank of the dispatcher's
+// group calls them for every layer.
+class ExpertDispatcher {
+ public:
+  struct Routed {
+    at::Tensor rows;                     // [n, d_l]: the rows this rank's experts run
+    at::Tensor ids;                      // [n] int64: the local expert of each row
+    std::vector<int64_t> send, recv;     // rows per rank each way
+    at::Tensor order;                    // the slots sorted by the rank that holds their expert
+  };
+  virtual ~ExpertDispatcher() = default;
+  virtual int64_t ranks() const = 0;
+  // The slots `flat` [T * k] (expert ids) of rows z [T, d_l] to the ranks holding their experts,
+  // `local` experts per rank.
+  virtual Routed dispatch(const at::Tensor& z, const at::Tensor& flat, int64_t k, int64_t local) const = 0;
+  // The outputs y [n, d_l] of dispatch()'s rows back to their slots: [T * k, d_l] in slot order.
+  virtual at::Tensor combine(const at::Tensor& y, const Routed& routed) const = 0;
+};
+
 struct ForwardOptions {
   bool return_logits = false;   // [T, V] fp32 logits (large: avoid for big vocabularies)
   at::Tensor targets;           // [T] int64: when defined, return log p(targets[t] | tokens[<=t]);
@@ -140,8 +162,9 @@ struct ForwardOptions {
   // per-expert loop for the experts.
   std::function<void(int64_t, const std::string&, const at::Tensor&)> observe_linear_input;
   bool disable_lora = false;    // run the base alone (LoRA's KL reference policy)
-  const comm::Group* expert_group = nullptr;  // expert parallel: the weights hold this rank's
-                                // num_experts/size experts (model/expert_parallel.h); not owned
+  // Expert parallel: the weights hold this rank's num_experts / ranks() experts, and their rows
+  // travel through the dispatcher (model/expert_parallel.h); null: every expert here. Not owned.
+  const ExpertDispatcher* experts = nullptr;
   // With a gradient: each layer keeps only its input and expert ids and runs again in the backward
   // (its routing replayed): the activations of one layer at a time instead of all of them, for
   // about one more forward of compute. The model must outlive the backward.

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "model/expert_parallel.h"
 #include "model/lora.h"
 #include "model/nvfp4_model.h"
 #include "rollout/decode_graph.h"
@@ -84,6 +85,7 @@ struct Engine::Impl {
   bool use_graph = false;                // the current step replays a CUDA graph (set by schedule)
   EngineStats st;
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
+  std::unique_ptr<model::AllToAllDispatcher> dispatcher;  // an expert shard's exchange (ec.expert_group)
   std::function<void(const StepTrace&)> trace;
   int64_t weight_version = 0;            // weight or adapter updates so far
   int64_t update_weights(size_t count, const Item& item);   // Engine::update_weights, tensors one at a time
@@ -95,6 +97,7 @@ struct Engine::Impl {
       : model(m.clone()), cfg(m.config()), ec(validated(config)),
         kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device()),
         sched(kv, ec, cfg.sliding_window), work(sched.work()), attention(kv, cfg) {
+    if (ec.expert_group) dispatcher = std::make_unique<model::AllToAllDispatcher>(*ec.expert_group);
     if (source) fill(source);
     if (ec.quantization != Quantization::kNone) {
       // The GEMM kernels read their own sign-bit layout; the CPU reference reads ModelOpt's.
@@ -298,7 +301,7 @@ struct Engine::Impl {
   void idle_exchange() {
     at::NoGradGuard no_grad;
     model::ForwardOptions opt;
-    opt.expert_group = ec.expert_group;
+    opt.experts = dispatcher.get();
     opt.skip_head = true;
     opt.load_balance = false;
     model.forward(model::PackedBatch::from_sequences({{0}}, model.device()), opt);
@@ -354,7 +357,7 @@ struct Engine::Impl {
       batch.tokens = at::tensor(flat, at::kLong).to(model.device());
       model::ForwardOptions opt;
       opt.attention = &attention;
-      opt.expert_group = ec.expert_group;
+      opt.experts = dispatcher.get();
       opt.skip_head = true;
       opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
       opt.load_balance = false;

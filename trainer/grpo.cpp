@@ -272,6 +272,7 @@ struct GrpoTrainer::Impl {
   comm::Group group;               // every rank: each holds its own share of the prompts
   comm::Group ep_group;            // ep > 1: the ranks whose expert shards make up one model
   comm::Group expert_dp;           // ep > 1: the ranks holding the same expert shard
+  std::unique_ptr<model::AllToAllDispatcher> dispatcher;  // ep > 1: the trained model's expert exchange
   bool whole = true;                   // `policy` holds the whole model (else it is this rank's share)
   std::unique_ptr<model::Muse> shard;  // ep > 1 or ZeRO-3: the trained model. From a share, `policy`
                                        // itself; from a whole policy its experts' slice (the rest
@@ -334,6 +335,7 @@ struct GrpoTrainer::Impl {
       if (ep > 1) {
         ep_group = group.split(d, e);
         expert_dp = group.split(e, d);  // its own split call: colours need not differ from ep_group's
+        dispatcher = std::make_unique<model::AllToAllDispatcher>(ep_group);
       }
       if (!whole) {
         shard = std::make_unique<model::Muse>(policy);  // the share trains in place
@@ -409,7 +411,7 @@ struct GrpoTrainer::Impl {
   // Forward options of the trained model: the expert exchange under expert parallelism.
   model::ForwardOptions forward_options() const {
     model::ForwardOptions o;
-    if (cfg.parallel.ep > 1) o.expert_group = &ep_group;
+    o.experts = dispatcher.get();
     o.gather = zero3.get();
     o.use_fused = cfg.fused_kernels;
     o.recompute = cfg.recompute;
@@ -1070,16 +1072,16 @@ struct GrpoTrainer::Impl {
     if (int64_t(probe.size()) > cfg.sync_check_tokens) probe.resize(size_t(cfg.sync_check_tokens));
     if (probe.size() < 2) return -1;
     at::NoGradGuard g;
-    auto lp = [&](const model::Muse& m, const comm::Group* experts) {
+    auto lp = [&](const model::Muse& m, const model::ExpertDispatcher* experts) {
       model::PackedBatch b = model::PackedBatch::from_sequences({probe}, m.device());
       model::ForwardOptions o;
       o.load_balance = false;
-      o.expert_group = experts;
+      o.experts = experts;
       o.gather = zero_of(m);
       o.targets = at::cat({b.tokens.narrow(0, 1, b.num_tokens() - 1), at::full({1}, -100L, b.tokens.options())});
       return m.forward(b, o).logprobs.narrow(0, 0, b.num_tokens() - 1).to(at::kDouble).cpu();
     };
-    const comm::Group* experts = cfg.parallel.ep > 1 ? &ep_group : nullptr;
+    const model::ExpertDispatcher* experts = dispatcher.get();
     const bool sharded_engine = cfg.parallel.sharded_rollout();
     const at::Tensor mine = lp(trained(), experts);
     const at::Tensor theirs = lp(engine->model(), sharded_engine ? experts : nullptr);

@@ -47,7 +47,8 @@ void check(int ep) {
   const test::Sequences& mine = share.seqs;
   const int64_t t0 = share.first_row, tn = share.rows;  // this rank's token rows in the full batch
   ForwardOptions o;
-  o.expert_group = &ep_group;
+  const model::AllToAllDispatcher dispatcher(ep_group);
+  o.experts = &dispatcher;
   LossRun got = next_token_loss(shard, mine, norm, o);
 
   EXPECT_NEAR(w.all_reduce(got.loss), ref.loss, 1e-5 * std::abs(ref.loss)) << "ep=" << ep;

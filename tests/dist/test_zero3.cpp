@@ -88,7 +88,8 @@ void check(const Case& c) {
   const int64_t t0 = share.first_row, tn = share.rows;
   ForwardOptions o;
   o.gather = &zero;
-  if (c.ep > 1) o.expert_group = &ep_group;
+  const model::AllToAllDispatcher dispatcher(ep_group);
+  if (c.ep > 1) o.experts = &dispatcher;
   if (c.replay) o.replay_routing = ref.routing.narrow(0, t0, tn);
   ASSERT_GT(tn, 0);
   LossRun got = next_token_loss(part, share.seqs, norm, o, c.grad);
