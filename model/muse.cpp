@@ -23,6 +23,7 @@
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
 #include "kernels/swiglu.h"
+#include "model/batch_invariant.h"
 #include "model/expert_parallel.h"
 #include "model/names.h"
 
@@ -44,6 +45,16 @@ kernels::Nvfp4LinearOptions nvfp4_options(const kernels::Nvfp4Tensor& q, bool w4
   return o;
 }
 
+// x [T, K] . w^T, one row at a time under batch-invariant numerics (model/batch_invariant.h).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool rowwise) {
+  return rowwise ? rowwise_linear(x, w) : at::linear(x, w);
+}
+
+// RMSNorm as the forward applies it: each row alone under batch-invariant numerics.
+at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps, const ForwardOptions& opt) {
+  return opt.batch_invariant ? rowwise_rms_norm(x, w, eps) : rms_norm(x, w, eps);
+}
+
 // x [T, K] . W^T from the dense weight, or from its NVFP4 copy when the dense one was released,
 // plus the LoRA term scale * B (A x) when the layer has adapters there.
 at::Tensor project(const at::Tensor& x, const LayerWeights& lw, detail::LinearIndex which, int64_t layer,
@@ -52,16 +63,18 @@ at::Tensor project(const at::Tensor& x, const LayerWeights& lw, detail::LinearIn
   if (opt.observe_linear_input) opt.observe_linear_input(layer, r.module, x);
   const at::Tensor& dense = lw.*r.dense;
   const kernels::Nvfp4Tensor& q = lw.nvfp4.*r.q;
+  const bool rowwise = opt.batch_invariant;
   at::Tensor y;
   if (dense.defined()) {
-    y = at::linear(x, dense);
+    y = linear(x, dense, rowwise);
   } else {
     KILN_CHECK(q.packed.defined(), "muse: layer ", layer, " ", r.module, " has neither dense nor NVFP4 weights");
+    KILN_CHECK(!rowwise, "muse: batch-invariant numerics serve dense weights, not NVFP4 (layer ", layer, " ", r.module, ")");
     y = kernels::nvfp4_linear(x, q, nvfp4_options(q, lw.nvfp4.w4a4));
   }
   const at::Tensor& a = lw.lora.*r.a;
   if (!a.defined() || opt.disable_lora) return y;
-  return y + at::linear(at::linear(x, a), lw.lora.*r.b) * lw.lora.scale;
+  return y + linear(linear(x, a, rowwise), lw.lora.*r.b, rowwise) * lw.lora.scale;
 }
 
 // The experts' LoRA term scale * B_e (A_e x) for rows grouped into padded per-expert segments
@@ -89,6 +102,7 @@ struct ExpertProj {
   const at::Tensor& b;
   double scale;
   bool w4a4;
+  bool rowwise;  // batch-invariant numerics (one() only)
 
   // Rows in the padded layout of kernels::moe_layout (ends: its int32 segment ends, MoeLayout's
   // offsets or ends; segments: 0 then ends as int64, or undefined), on torch's grouped GEMM, or
@@ -116,13 +130,14 @@ struct ExpertProj {
   at::Tensor one(const at::Tensor& x, int64_t e) const {
     at::Tensor y;
     if (dense.defined()) {
-      y = at::linear(x, dense[e]);
+      y = linear(x, dense[e], rowwise);
     } else {
+      KILN_CHECK(!rowwise, "muse: batch-invariant numerics serve dense experts, not NVFP4");
       kernels::Nvfp4Tensor qe{q.packed[e], q.block_scale[e], q.tensor_scale[e], q.kernel_layout,
                               q.input_scale.defined() ? q.input_scale[e] : at::Tensor()};
       y = kernels::nvfp4_linear(x, qe, nvfp4_options(qe, w4a4));
     }
-    return a.defined() ? y + at::linear(at::linear(x, a[e]), b[e]) * scale : y;
+    return a.defined() ? y + linear(linear(x, a[e], rowwise), b[e], rowwise) * scale : y;
   }
 };
 
@@ -142,7 +157,7 @@ ExpertStack expert_stack(const LayerWeights& lw, int64_t layer, const ForwardOpt
              " experts have neither dense nor NVFP4 weights");
   auto proj = [&](const at::Tensor& dense, const kernels::Nvfp4Tensor& q, const at::Tensor& a,
                   const at::Tensor& b) -> ExpertProj {
-    return {dense, q, lora ? a : kNone, lora ? b : kNone, lo.scale, nv.w4a4};
+    return {dense, q, lora ? a : kNone, lora ? b : kNone, lo.scale, nv.w4a4, opt.batch_invariant};
   };
   return {proj(lw.expert_gate, nv.expert_gate, lo.gate_a, lo.gate_b),
           proj(lw.expert_up, nv.expert_up, lo.up_a, lo.up_b),
@@ -172,7 +187,18 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   }
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
-  if (flash.cu_seqlens.defined()) {
+  if (opt.batch_invariant) {  // each query alone over exactly its keys, as the engine's cache attention
+    std::vector<at::Tensor> rows;
+    rows.reserve(size_t(T));
+    for (int64_t s = 0; s < batch.num_sequences(); ++s) {
+      const int64_t start = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - start;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t lo = full ? 0 : std::max<int64_t>(0, j - cfg.sliding_window + 1);
+        rows.push_back(query_attention(q[start + j], k.narrow(0, start + lo, j - lo + 1), v.narrow(0, start + lo, j - lo + 1)));
+      }
+    }
+    o = at::stack(rows);
+  } else if (flash.cu_seqlens.defined()) {
     o = kernels::flash_varlen_attention(q, k, v, flash.cu_seqlens, flash.max_len, full ? 0 : cfg.sliding_window);
   } else if (padded.num_problems > 1 && padded.score_bytes(cfg.num_q_heads) <= kPaddedScoreBytes) {
     o = padded_attention(padded, q, k, v, full, cfg.sliding_window);
@@ -201,7 +227,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   const kernels::MoeLayout l = kernels::moe_layout(ids, s.experts(), k, kGroupAlign);
   counts = l.counts;
   const bool grouped = opt.use_grouped_mm && (!s.lora || lw.lora.experts_grouped()) && !opt.observe_linear_input &&
-                       z.is_cuda() && z.scalar_type() == at::kBFloat16;
+                       !opt.batch_invariant && z.is_cuda() && z.scalar_type() == at::kBFloat16;
   if (grouped && (!s.quantized() || kernels::nvfp4_grouped_dequantizes(s.gate.q, n, z))) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
     // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
@@ -211,7 +237,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   }
   at::Tensor zs = z.index_select(0, l.src_token);  // rows sorted by expert
   at::Tensor inverse = at::empty_like(l.order).scatter_(0, l.order, at::arange(n, l.order.options()));
-  if (s.quantized() && !opt.observe_linear_input && (!s.lora || grouped)) {
+  if (s.quantized() && !opt.observe_linear_input && !opt.batch_invariant && (!s.lora || grouped)) {
     // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
     at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
     at::Tensor act = at::silu(s.gate.sorted(zs, offsets, l)) * s.up.sorted(zs, offsets, l);
@@ -230,7 +256,9 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
       opt.observe_linear_input(layer, prefix + "gate_proj", seg);
       opt.observe_linear_input(layer, prefix + "up_proj", seg);
     }
-    at::Tensor a = at::silu(s.gate.one(seg, e)) * s.up.one(seg, e);
+    at::Tensor g = s.gate.one(seg, e);
+    at::Tensor a = (opt.batch_invariant ? rowwise_apply(g, [](const at::Tensor& r) { return at::silu(r); }) : at::silu(g)) *
+                   s.up.one(seg, e);
     if (opt.observe_linear_input) opt.observe_linear_input(layer, prefix + "down_proj", a);
     parts.push_back(s.down.one(a, e));
     start += c[e];
@@ -260,7 +288,7 @@ at::Tensor dispatched_experts(const ModelConfig& cfg, const LayerWeights& lw, in
   } else {
     at::Tensor counts;
     y = run_experts(lw, layer, routed.rows, routed.ids, 1, counts, opt);
-    y = rms_norm(y, lw.expert_norm.index_select(0, routed.ids), cfg.rms_norm_eps);
+    y = norm(y, lw.expert_norm.index_select(0, routed.ids), cfg.rms_norm_eps, opt);
   }
   return dispatcher.combine(y, routed);
 }
@@ -274,7 +302,7 @@ bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, c
   // NVFP4 experts join at every size: the W4A16 grouped kernel (decode) or torch's grouped GEMM on
   // the dequantised stack (prefill) runs on the same padded layout, so no row moves of their own.
   const bool weights = lw.expert_gate.defined() || kernels::nvfp4_grouped_on_device(lw.nvfp4.expert_gate, z);
-  return opt.use_fused && opt.use_grouped_mm && !expert_parallel && weights && z.is_cuda() &&
+  return opt.use_fused && opt.use_grouped_mm && !opt.batch_invariant && !expert_parallel && weights && z.is_cuda() &&
          z.scalar_type() == at::kBFloat16 && !opt.observe_linear_input && (!lora || lw.lora.experts_grouped()) &&
          k <= 16;
 #else
@@ -312,6 +340,22 @@ at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t
 #endif
 }
 
+// The router's choice for each token alone (batch-invariant numerics): the reference on one row
+// at a time.
+kernels::MoeRoute rowwise_route(const at::Tensor& logits, int64_t k, bool sigmoid, const at::Tensor& bias,
+                                const at::Tensor& replay) {
+  std::vector<at::Tensor> ids, weights, scores;
+  for (int64_t t = 0; t < logits.size(0); ++t) {
+    const kernels::MoeRoute r = kernels::moe_route_reference(logits.narrow(0, t, 1).clone(at::MemoryFormat::Contiguous),
+                                                             k, sigmoid, bias, replay.defined() ? replay.narrow(0, t, 1) : replay);
+    ids.push_back(r.ids);
+    weights.push_back(r.weights);
+    scores.push_back(r.scores);
+  }
+  if (ids.empty()) return kernels::moe_route_reference(logits, k, sigmoid, bias, replay);
+  return {at::cat(ids), at::cat(weights), at::cat(scores)};
+}
+
 struct MoeOut {
   at::Tensor out;         // [T, d]
   at::Tensor ids;         // [T, k] int64
@@ -322,12 +366,14 @@ struct MoeOut {
 MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
                   const at::Tensor& replay, const ForwardOptions& opt) {
   const int64_t T = h.size(0), k = cfg.top_k, E = cfg.num_experts;
-  at::Tensor logits = at::linear(h.to(lw.router.scalar_type()), lw.router);  // [T, E] fp32
+  at::Tensor logits = linear(h.to(lw.router.scalar_type()), lw.router, opt.batch_invariant);  // [T, E] fp32
   const bool sigmoid = cfg.router_score == RouterScore::kSigmoid;
-  // Without a gradient or the balance loss (the rollout), one kernel on CUDA; else the ATen ops.
-  const bool plain = opt.rollout && opt.use_fused && !opt.load_balance && !logits.requires_grad();
-  const kernels::MoeRoute route = plain ? kernels::moe_route(logits, k, sigmoid, lw.router_bias, replay)
-                                        : kernels::moe_route_reference(logits, k, sigmoid, lw.router_bias, replay);
+  // Without a gradient or the balance loss (the rollout), one kernel on CUDA; else the ATen ops
+  // (each token alone under batch-invariant numerics).
+  const bool plain = opt.rollout && opt.use_fused && !opt.load_balance && !logits.requires_grad() && !opt.batch_invariant;
+  const kernels::MoeRoute route = plain                  ? kernels::moe_route(logits, k, sigmoid, lw.router_bias, replay)
+                                  : opt.batch_invariant ? rowwise_route(logits, k, sigmoid, lw.router_bias, replay)
+                                                        : kernels::moe_route_reference(logits, k, sigmoid, lw.router_bias, replay);
   const at::Tensor &ids = route.ids, &w = route.weights;
 
   at::Tensor z = project(h, lw, detail::kPooler, layer, opt);  // [T, d_l]
@@ -343,9 +389,14 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
       counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
     } else {
       y = run_experts(lw, layer, z, flat, k, counts, opt);
-      y = rms_norm(y, lw.expert_norm.index_select(0, flat), cfg.rms_norm_eps).view({T, k, -1});
+      y = norm(y, lw.expert_norm.index_select(0, flat), cfg.rms_norm_eps, opt).view({T, k, -1});
     }
-    m = (y.to(w.scalar_type()) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
+    if (opt.batch_invariant) {  // the k terms added in slot order, each row alone by construction
+      m = y.select(1, 0).to(w.scalar_type()) * w.select(1, 0).unsqueeze(-1);
+      for (int64_t j = 1; j < k; ++j) m = m + y.select(1, j).to(w.scalar_type()) * w.select(1, j).unsqueeze(-1);
+    } else {
+      m = (y.to(w.scalar_type()) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
+    }
   }
   const auto acc = w.scalar_type();
   MoeOut r;
@@ -393,20 +444,20 @@ struct LayerOut {
 LayerOut run_layer(const LayerContext& c, const LayerWeights& lw, int64_t i, const at::Tensor& x,
                    const at::Tensor& replay, const at::Tensor& xn = {}, const at::Tensor& next_norm = {}) {
   const double eps = c.cfg.rms_norm_eps;
-  const bool fuse = c.opt.rollout;
-  at::Tensor a = attention(c.cfg, lw, i, xn.defined() ? xn : rms_norm(x, lw.input_norm, eps), c.batch, c.cos, c.sin,
+  const bool fuse = c.opt.rollout && !c.opt.batch_invariant;
+  at::Tensor a = attention(c.cfg, lw, i, xn.defined() ? xn : norm(x, lw.input_norm, eps, c.opt), c.batch, c.cos, c.sin,
                            c.opt.attention, c.padded, c.flash, c.opt);
   at::Tensor h, hn;
   if (fuse) {
     std::tie(h, hn) = kernels::add_rms_norm(a, x, lw.post_attn_norm, lw.pre_moe_norm, eps);
   } else {
-    h = x + rms_norm(a, lw.post_attn_norm, eps);
-    hn = rms_norm(h, lw.pre_moe_norm, eps);
+    h = x + norm(a, lw.post_attn_norm, eps, c.opt);
+    hn = norm(h, lw.pre_moe_norm, eps, c.opt);
   }
   MoeOut moe = latent_moe(c.cfg, lw, i, hn, replay, c.opt);
   LayerOut r{at::Tensor(), moe.ids, moe.balance, at::Tensor()};
   if (fuse && next_norm.defined()) std::tie(r.x, r.xn) = kernels::add_rms_norm(moe.out, h, lw.post_moe_norm, next_norm, eps);
-  else r.x = h + rms_norm(moe.out, lw.post_moe_norm, eps);
+  else r.x = h + norm(moe.out, lw.post_moe_norm, eps, c.opt);
   return r;
 }
 
@@ -627,12 +678,14 @@ Muse::Muse(ModelConfig cfg, Weights weights) : cfg_(std::move(cfg)), w_(std::mov
 }
 
 namespace {
-at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& lm_head) {
-  return at::linear(hidden, lm_head).to(router_dtype(lm_head.scalar_type()));
+at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& lm_head, bool rowwise) {
+  return linear(hidden, lm_head, rowwise).to(router_dtype(lm_head.scalar_type()));
 }
 }  // namespace
 
-at::Tensor Muse::logits(const at::Tensor& hidden) const { return head_logits(hidden, w_.lm_head); }
+at::Tensor Muse::logits(const at::Tensor& hidden, bool batch_invariant) const {
+  return head_logits(hidden, w_.lm_head, batch_invariant);
+}
 
 ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt) const {
   const int64_t T = batch.num_tokens(), L = cfg_.num_layers, k = cfg_.top_k;
@@ -675,7 +728,15 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
                "forward: positions must be int64 [", T, "] on ", device(), " (got ", opt.positions.sizes(), " ",
                opt.positions.scalar_type(), " on ", opt.positions.device(), ")");
   at::Tensor positions = opt.positions.defined() ? opt.positions : batch.positions();
-  auto [cos, sin] = rope_tables(positions, cfg_.head_dim, cfg_.rope_theta, dtype());
+  // Batch-invariant numerics: each position's table alone (cos and sin round by where they sit).
+  auto table = [&](const at::Tensor& pos) { return rope_tables(pos, cfg_.head_dim, cfg_.rope_theta, dtype()); };
+  at::Tensor cos, sin;
+  if (opt.batch_invariant) {
+    cos = rowwise_apply(positions, [&](const at::Tensor& p) { return table(p.view({1})).first; });
+    sin = rowwise_apply(positions, [&](const at::Tensor& p) { return table(p.view({1})).second; });
+  } else {
+    std::tie(cos, sin) = table(positions);
+  }
   // Varlen flash attention where libtorch has it (CUDA bf16); otherwise, for many sequences, one
   // padded attention per layer instead of a loop over sequences.
   FlashPlan flash;
@@ -720,7 +781,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
     routing.push_back(r.ids);
     if (balance.defined()) balance = balance + r.balance;
   }
-  if (!xn.defined()) xn = rms_norm(x, gather ? gather->gather(w_.final_norm) : w_.final_norm, cfg_.rms_norm_eps);
+  if (!xn.defined()) xn = norm(x, gather ? gather->gather(w_.final_norm) : w_.final_norm, cfg_.rms_norm_eps, opt);
   const at::Tensor head = gather && !opt.skip_head ? gather->gather(w_.lm_head) : w_.lm_head;
 
   ForwardOutput out;
@@ -730,7 +791,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
     out.hidden = xn;
     return out;
   }
-  if (opt.return_logits) out.logits = head_logits(xn, head);
+  if (opt.return_logits) out.logits = head_logits(xn, head, opt.batch_invariant);
   if (opt.targets.defined()) {
     KILN_CHECK(opt.temperature > 0, "forward: temperature must be positive (got ", opt.temperature, ")");
     KILN_CHECK(opt.targets.dim() == 1 && opt.targets.size(0) == T, "forward: targets must be [", T,
@@ -748,6 +809,11 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
       // Only the chosen logit and the logsumexp are kept: no [T, V] log-softmax is built (and on
       // CUDA no fp32 copy of the logits: kernels::token_logprobs).
       at::Tensor target = safe.narrow(0, a, n);
+      if (opt.batch_invariant) {  // as the engine records a sampled token's: each row alone
+        at::Tensor logits = out.logits.defined() ? out.logits.narrow(0, a, n) : head_logits(xn.narrow(0, a, n), head, true);
+        lps.push_back(rowwise_token_logprobs(logits, target, opt.temperature));
+        continue;
+      }
       if (!out.logits.defined()) {
         lps.push_back(opt.use_fused ? kernels::token_logprobs(xn.narrow(0, a, n), head, target, opt.temperature)
                                     : kernels::token_logprobs_reference(xn.narrow(0, a, n), head, target,

@@ -150,6 +150,12 @@ struct ForwardOptions {
                                 // from the rows it needs)
   bool check_inputs = true;     // range-check token and routing ids (costs device syncs)
   bool load_balance = true;     // compute load_balance_loss (the rollout engine skips it: fewer kernels)
+  // Batch-invariant numerics (model/batch_invariant.h; rollout.numerics: bitwise): every linear,
+  // norm, routing decision, attention query and log-prob computed row by row by calls whose shapes
+  // do not depend on the batch, so that the trainer and the rollout engine give the same bits for
+  // the same tokens. Dense weights only; the fused and grouped paths are off. Slow: a test and
+  // reference mode until batch-invariant kernels exist.
+  bool batch_invariant = false;
   bool rollout = false;         // the rollout engine's forward (no gradient): on CUDA the router's
                                 // softmax, top-k and weights in one kernel (kernels/moe_route.h) and
                                 // expert GEMMs that stop at the last real row. The trainer's scoring
@@ -225,7 +231,7 @@ class Muse {
 
   ForwardOutput forward(const PackedBatch& batch, const ForwardOptions& opt = {}) const;
   // fp32 logits [rows, V] of final-normed hidden states (fp64 in fp64 runs).
-  at::Tensor logits(const at::Tensor& hidden) const;
+  at::Tensor logits(const at::Tensor& hidden, bool batch_invariant = false) const;
 
  private:
   ModelConfig cfg_;

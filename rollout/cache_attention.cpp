@@ -4,12 +4,15 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <utility>
+
+#include "model/batch_invariant.h"
 
 namespace kiln::rollout {
 
-CacheAttention::CacheAttention(KvCache& kv, const model::ModelConfig& cfg)
-    : kv_(kv), W_(cfg.sliding_window), group_(cfg.num_q_heads / cfg.num_kv_heads) {}
+CacheAttention::CacheAttention(KvCache& kv, const model::ModelConfig& cfg, bool batch_invariant)
+    : kv_(kv), W_(cfg.sliding_window), group_(cfg.num_q_heads / cfg.num_kv_heads), batch_invariant_(batch_invariant) {}
 
 void CacheAttention::plan(const std::vector<Work>& step) {
   work_ = &step;
@@ -26,10 +29,18 @@ void CacheAttention::plan_group(int g) {
   std::vector<int64_t> decode_read, write_rows, write_src, piece_rows, decode_out;
   std::vector<std::vector<int64_t>> q_rows, q_pos, k_rows, k_pos;
   std::vector<std::pair<int64_t, int64_t>> pieces(work.size(), {0, 0});
+  const at::Device dev = kv_.keys(true).device();
+  auto to_dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(dev); };
+  p.item_read.assign(batch_invariant_ ? work.size() : 0, at::Tensor());
   for (size_t i = 0; i < work.size(); ++i) {
     const Work& w = work[i];
     const Seq& s = *w.seq;
     const int64_t lo = full ? 0 : w.window_lo;
+    if (batch_invariant_) {  // positions [lo, start) in order
+      std::vector<int64_t> rows;
+      kv_.rows(s.blocks, lo, w.start, full, rows);
+      p.item_read[i] = to_dev(rows);
+    }
     if (w.n == 1) {
       const int64_t first = int64_t(decode_read.size());
       kv_.rows(s.blocks, lo, w.start, full, decode_read);
@@ -57,8 +68,6 @@ void CacheAttention::plan_group(int g) {
   for (auto& r : k_rows)
     for (int64_t& x : r)
       if (x < 0) x = cached + (-1 - x);  // new keys follow the cached ones in the key source
-  const at::Device dev = kv_.keys(true).device();
-  auto to_dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(dev); };
   p.decode_read = to_dev(decode_read);
   p.decode_out = to_dev(decode_out);
   p.decode = q_rows.empty() ? model::PaddedLayout{} : model::PaddedLayout::build(q_rows, q_pos, k_rows, k_pos, dev);
@@ -76,13 +85,13 @@ at::Tensor CacheAttention::attend(int64_t layer, bool full, const model::PackedB
   const int64_t g = kv_.group_of(layer);
   const GroupPlan& p = plan_[full ? 0 : 1];
   at::Tensor kl = kv_.keys(full)[g], vl = kv_.values(full)[g];  // [blocks * B, Hkv, hd]
-  at::Tensor o = at::empty_like(q);
-  if (p.decode.num_problems > 0) {
+  at::Tensor o = batch_invariant_ ? attend_each(p, full, q, k, v, kl, vl) : at::empty_like(q);
+  if (!batch_invariant_ && p.decode.num_problems > 0) {
     at::Tensor ks = at::cat({kl.index_select(0, p.decode_read), k}, 0);
     at::Tensor vs = at::cat({vl.index_select(0, p.decode_read), v}, 0);
     o.index_copy_(0, p.decode_out, model::padded_attention(p.decode, q, ks, vs, full, W_));
   }
-  for (size_t i = 0; i < work.size(); ++i) {
+  for (size_t i = 0; i < work.size() && !batch_invariant_; ++i) {
     const Work& w = work[i];
     if (w.n == 1) continue;
     at::Tensor kn = k.narrow(0, w.offset, w.n), vn = v.narrow(0, w.offset, w.n);
@@ -99,6 +108,28 @@ at::Tensor CacheAttention::attend(int64_t layer, bool full, const model::PackedB
   // every read of this layer.
   kl.index_copy_(0, p.write_rows, k.index_select(0, p.write_src));
   vl.index_copy_(0, p.write_rows, v.index_select(0, p.write_src));
+  return o;
+}
+
+// Batch-invariant: each new query of each item over exactly the positions it sees, [lo, its own],
+// in position order, cached ones first (model::query_attention, as the trainer's forward).
+at::Tensor CacheAttention::attend_each(const GroupPlan& p, bool full, const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& kl, const at::Tensor& vl) const {
+  const std::vector<Work>& work = *work_;
+  at::Tensor o = at::empty_like(q);
+  for (size_t i = 0; i < work.size(); ++i) {
+    const Work& w = work[i];
+    const at::Tensor& read = p.item_read[i];
+    at::Tensor kn = k.narrow(0, w.offset, w.n), vn = v.narrow(0, w.offset, w.n);
+    at::Tensor keys = read.numel() > 0 ? at::cat({kl.index_select(0, read), kn}, 0) : kn;
+    at::Tensor values = read.numel() > 0 ? at::cat({vl.index_select(0, read), vn}, 0) : vn;
+    const int64_t lo = full ? 0 : w.window_lo;
+    for (int64_t j = 0; j < w.n; ++j) {
+      const int64_t pos = w.start + j, first = full ? 0 : std::max<int64_t>(0, pos - W_ + 1);
+      o[w.offset + j].copy_(model::query_attention(q[w.offset + j], keys.narrow(0, first - lo, pos - first + 1),
+                                                   values.narrow(0, first - lo, pos - first + 1)));
+    }
+  }
   return o;
 }
 

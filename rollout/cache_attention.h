@@ -16,7 +16,9 @@ namespace kiln::rollout {
 
 class CacheAttention : public model::AttentionBackend {
  public:
-  CacheAttention(KvCache& kv, const model::ModelConfig& cfg);
+  // batch_invariant: each new query attends alone over exactly its keys (model::query_attention),
+  // as the trainer's batch-invariant forward does.
+  CacheAttention(KvCache& kv, const model::ModelConfig& cfg, bool batch_invariant = false);
   // Routes the step's reads and writes: every cache row in few host-to-device copies, the decode
   // items (one new token each) as one padded batch, prefill pieces one by one. `work` gives each
   // item's rows in the packed batch; its sequences' blocks are writable for the new positions.
@@ -34,14 +36,19 @@ class CacheAttention : public model::AttentionBackend {
     model::PaddedLayout decode;           // over cat(cache rows decode_read, the batch's new K/V)
     at::Tensor decode_out;                // batch rows of the decode items' queries
     std::vector<at::Tensor> piece_read;   // per work item: cache rows a prefill piece reads
+    std::vector<at::Tensor> item_read;    // batch-invariant: per work item, the cache rows it reads
     at::Tensor write_rows;                // cache rows written this step
     at::Tensor write_src;                 // batch rows whose new K/V go there
   };
 
   void plan_group(int g);
 
+  at::Tensor attend_each(const GroupPlan& p, bool full, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& kl, const at::Tensor& vl) const;
+
   KvCache& kv_;
   int64_t W_, group_;                    // window; query heads per KV head
+  bool batch_invariant_;
   const std::vector<Work>* work_ = nullptr;  // the planned step (the caller's)
   GroupPlan plan_[2];                    // [0] full-attention layers, [1] window layers
 };

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "model/batch_invariant.h"
 #include "model/expert_parallel.h"
 #include "model/lora.h"
 #include "model/nvfp4_model.h"
@@ -51,6 +52,8 @@ void EngineConfig::validate() const {
   KILN_CHECK(max_num_seqs > 0, "rollout config: max_num_seqs must be positive (got ", max_num_seqs, ")");
   KILN_CHECK(max_batch_tokens > 0, "rollout config: max_batch_tokens must be positive (got ", max_batch_tokens, ")");
   KILN_CHECK(prefill_chunk > 0, "rollout config: prefill_chunk must be positive (got ", prefill_chunk, ")");
+  KILN_CHECK(quantization == Quantization::kNone || !batch_invariant, "rollout config: numerics bitwise serves the ",
+             "trainer's dense weights; quantization '", quantization_name(quantization), "' cannot be bitwise");
   KILN_CHECK(quantization == Quantization::kNone || !expert_group, "rollout config: quantization '",
              quantization_name(quantization),
              "' is not supported with sharded (expert-parallel) engines yet; use parallel.rollout: replica");
@@ -96,7 +99,7 @@ struct Engine::Impl {
   Impl(const model::Muse& m, EngineConfig config, const WeightSource& source)
       : model(m.clone()), cfg(m.config()), ec(validated(config)),
         kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device()),
-        sched(kv, ec, cfg.sliding_window), work(sched.work()), attention(kv, cfg) {
+        sched(kv, ec, cfg.sliding_window), work(sched.work()), attention(kv, cfg, ec.batch_invariant) {
     if (ec.expert_group) dispatcher = std::make_unique<model::AllToAllDispatcher>(*ec.expert_group);
     if (source) fill(source);
     if (ec.quantization != Quantization::kNone) {
@@ -119,7 +122,7 @@ struct Engine::Impl {
       host_sync |= nvfp4_experts && l.lora.on_experts() && !l.lora.experts_grouped();
       host_sync |= nvfp4_experts && many_rows;
     }
-    if (ec.cuda_graphs && !ec.expert_group && !host_sync && DecodeGraphs::available(model)) {
+    if (ec.cuda_graphs && !ec.expert_group && !ec.batch_invariant && !host_sync && DecodeGraphs::available(model)) {
       graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, ec.fused_rope_cache);
     }
   }
@@ -168,6 +171,9 @@ struct Engine::Impl {
     KILN_CHECK(p.temperature >= 0, "rollout: temperature must be >= 0 (got ", p.temperature, ")");
     KILN_CHECK(p.top_p > 0 && p.top_p <= 1, "rollout: top_p must be in (0, 1] (got ", p.top_p, ")");
     KILN_CHECK(p.top_k >= 0, "rollout: top_k must be >= 0 (got ", p.top_k, ")");
+    KILN_CHECK(!ec.batch_invariant || (p.top_p >= 1 && p.top_k == 0), "rollout: numerics bitwise records the ",
+               "log-prob of the whole softmax, which the trainer rescores; top_p (", p.top_p, ") and top_k (", p.top_k,
+               ") would sample from another distribution: leave them at 1 and 0");
     for (int64_t t : p.stop_token_ids)
       KILN_CHECK(t >= 0 && t < cfg.vocab_size, "rollout: stop token ", t, " is outside [0, vocab_size=", cfg.vocab_size, ")");
     const int64_t longest = held + int64_t(ids.size()) + p.max_tokens;
@@ -292,7 +298,14 @@ struct Engine::Impl {
   void draw(const std::vector<std::pair<Seq*, int64_t>>& draws, const at::Tensor& logits, const DecodeResult* graph) {
     std::vector<Draw> d;
     for (const auto& [s, row] : draws) d.push_back({row, &params(*s), stream_seed(*s)});
-    const auto picked = graph ? draw_tokens(d, logits, graph->ids, graph->logprobs) : draw_tokens(d, logits);
+    auto picked = graph ? draw_tokens(d, logits, graph->ids, graph->logprobs) : draw_tokens(d, logits);
+    if (ec.batch_invariant)  // the log-prob the trainer's forward computes for this token (model/batch_invariant.h)
+      for (size_t i = 0; i < draws.size(); ++i) {
+        const double T = params(*draws[i].first).temperature;
+        picked[i].second = model::rowwise_token_logprobs(logits.narrow(0, draws[i].second, 1),
+                                                         at::full({1}, picked[i].first, at::kLong), T > 0 ? T : 1.0)
+                               .item<double>();
+      }
     for (size_t i = 0; i < draws.size(); ++i) append(*draws[i].first, picked[i].first, picked[i].second);
   }
 
@@ -302,6 +315,7 @@ struct Engine::Impl {
     at::NoGradGuard no_grad;
     model::ForwardOptions opt;
     opt.experts = dispatcher.get();
+    opt.batch_invariant = ec.batch_invariant;
     opt.skip_head = true;
     opt.load_balance = false;
     model.forward(model::PackedBatch::from_sequences({{0}}, model.device()), opt);
@@ -358,6 +372,8 @@ struct Engine::Impl {
       model::ForwardOptions opt;
       opt.attention = &attention;
       opt.experts = dispatcher.get();
+      opt.batch_invariant = ec.batch_invariant;
+    opt.batch_invariant = ec.batch_invariant;
       opt.skip_head = true;
       opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
       opt.load_balance = false;
@@ -397,7 +413,7 @@ struct Engine::Impl {
       logits = graph.logits;
       logit_row = rows;
     } else if (!rows.empty()) {
-      logits = model.logits(hidden.index_select(0, at::tensor(rows, at::kLong).to(model.device())));
+      logits = model.logits(hidden.index_select(0, at::tensor(rows, at::kLong).to(model.device())), ec.batch_invariant);
       std::iota(logit_row.begin(), logit_row.end(), 0);
     }
     std::vector<std::pair<Seq*, int64_t>> draws;

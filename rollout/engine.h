@@ -70,6 +70,11 @@ struct EngineConfig {
   // Weights served. NVFP4 copies the model already holds (an NVFP4 checkpoint's) are served as they
   // are; the rest are quantised from the dense weights. update_weights() re-quantises.
   Quantization quantization = Quantization::kNone;
+  // rollout.numerics: bitwise. The forward's batch-invariant numerics (ForwardOptions::
+  // batch_invariant) and each sampled token's log-prob computed as the trainer's forward computes
+  // it, so that a trainer with the same numerics rescores every token to the same bits, whatever
+  // the batch, chunking or preemption. Dense weights, no CUDA graphs, no top-p or top-k; slow.
+  bool batch_invariant = false;
   const comm::Group* expert_group = nullptr;  // the model is an expert shard (model/expert_parallel.h):
                                         // generate() steps in lockstep with the group's engines, a
                                         // rank without work joining each exchange with one dummy

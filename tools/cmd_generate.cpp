@@ -216,7 +216,8 @@ struct Rescored {
 };
 
 Rescored rescore(const model::Muse& m, const std::vector<rollout::Request>& requests,
-                 const std::vector<rollout::RequestOutput>& outputs, double temperature, int64_t micro_batch) {
+                 const std::vector<rollout::RequestOutput>& outputs, double temperature, int64_t micro_batch,
+                 bool bitwise) {
   std::vector<trainer::Trajectory> trajs;
   std::vector<int64_t> pos;  // each response token's index in its response
   Rescored r;
@@ -242,11 +243,13 @@ Rescored rescore(const model::Muse& m, const std::vector<rollout::Request>& requ
     }
   KILN_CHECK(!trajs.empty(), "mismatch: no sample has a generated token; raise --max-tokens");
   const trainer::Packed whole = trainer::pack(trajs, 0, trajs.size(), at::kCPU, at::kDouble);
-  const trainer::Scored replay = trainer::score_trajectories(m, trajs, true, micro_batch, temperature, {});
-  const trainer::Scored own = trainer::score_trajectories(m, trajs, false, micro_batch, temperature, {});
+  model::ForwardOptions base;
+  base.batch_invariant = bitwise;  // --numerics bitwise: the trainer's forward as the engine's
+  const trainer::Scored replay = trainer::score_trajectories(m, trajs, true, micro_batch, temperature, base);
+  const trainer::Scored own = trainer::score_trajectories(m, trajs, false, micro_batch, temperature, base);
   // The batch-composition effect: each sequence scored alone against inside its micro-batch.
-  const trainer::Scored alone = trainer::score_trajectories(m, trajs, true, 1, temperature, {});
-  const at::Tensor entropy = trainer::token_entropies(m, trajs, micro_batch, temperature, {});
+  const trainer::Scored alone = trainer::score_trajectories(m, trajs, true, 1, temperature, base);
+  const at::Tensor entropy = trainer::token_entropies(m, trajs, micro_batch, temperature, base);
   const int64_t n = int64_t(trajs.size());
   r.replay = trainer::mismatch_metrics(replay.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, n);
   r.own = trainer::mismatch_metrics(own.logprobs.cpu(), whole.rollout_lp, whole.mask, whole.seq_ids, n);
@@ -305,10 +308,13 @@ void print_mismatch(const Rescored& r, int64_t worst) {
   by("entropy", r.entropy, {0, 0.1, 0.5, 1, 2, 4, inf}, " nats");
   by("position", r.position.to(at::kDouble), {0, 1, 4, 16, 64, 256, 1024, inf}, "");
   const at::Tensor comp = (r.lp_alone - r.lp_replay).abs();
+  // The correlation is undefined when every |d| is the same (bitwise numerics: all 0).
+  const double corr = d.std().item<double>() > 0 ? at::corrcoef(at::stack({d, r.entropy})).index({0, 1}).item<double>()
+                                                  : std::nan("");
   fmt::print("batch composition (R3): each sequence scored alone vs in micro-batches of {}: mean|d| {:.3e}, max|d| "
-             "{:.3e}; corr(|d|, entropy) {:.3f}\n",
+             "{:.3e}; corr(|d|, entropy) {}\n",
              r.micro_batch, comp.mean().item<double>(), comp.max().item<double>(),
-             at::corrcoef(at::stack({d, r.entropy})).index({0, 1}).item<double>());
+             std::isnan(corr) ? std::string("undefined (|d| constant)") : fmt::format("{:.3f}", corr));
   const int64_t k = std::min<int64_t>(worst, d.numel());
   if (k <= 0) return;
   at::Tensor top = std::get<1>(d.topk(k));
@@ -395,7 +401,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     uint64_t seed = 0;
     int64_t kv_cache_mb = 256, block_size = 16, max_num_seqs = 64, max_batch_tokens = 2048, prefill_chunk = 512;
     bool quiet = false;
-    std::string quantization = "none";
+    std::string quantization = "none", numerics = "standard";
     int64_t micro_batch_seqs = 64, worst = 5;
     std::string png;
     bool alone = false;
@@ -427,6 +433,11 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
   cmd->add_flag("--quiet", a->quiet, "No progress line on stderr");
   cmd->add_option("--quantization", a->quantization, "Rollout weights: none, nvfp4 (W4A16) or w4a4")
       ->check(CLI::IsMember({"none", "nvfp4", "w4a4"}))
+      ->capture_default_str();
+  cmd->add_option("--numerics", a->numerics,
+                  "standard, or bitwise: batch-invariant numerics, under which the trainer's forward rescores every "
+                  "sampled token to the same bits (slow; dense weights, no top-p or top-k)")
+      ->check(CLI::IsMember({"standard", "bitwise"}))
       ->capture_default_str();
   if (mismatch) {
     cmd->add_option("--micro-batch-seqs", a->micro_batch_seqs, "Sequences per rescoring forward")
@@ -494,6 +505,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
       }
     rollout::EngineConfig ec;
     ec.quantization = rollout::parse_quantization(a->quantization);
+    ec.batch_invariant = a->numerics == "bitwise";
     ec.kv_cache_bytes = a->kv_cache_mb << 20;
     ec.block_size = a->block_size;
     ec.max_num_seqs = a->max_num_seqs;
@@ -528,9 +540,10 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
       for (const auto& s : r.samples) num_tokens += int64_t(s.tokens.size()), ++num_samples;
     if (mismatch) {
       const Rescored r = rescore(m, requests, outputs, defaults.temperature > 0 ? defaults.temperature : 1.0,
-                                 a->micro_batch_seqs);
-      fmt::print("{} samples of {} prompts from {} (rollout weights {}, {} on {}), rescored by the trainer's forward\n",
-                 num_samples, outputs.size(), a->model, a->quantization, a->dtype, device.str());
+                                 a->micro_batch_seqs, ec.batch_invariant);
+      fmt::print("{} samples of {} prompts from {} (rollout weights {}, {} on {}, numerics {}), rescored by the "
+                 "trainer's forward\n",
+                 num_samples, outputs.size(), a->model, a->quantization, a->dtype, device.str(), a->numerics);
       print_mismatch(r, a->worst);
       if (a->alone) rollout_alone(engine, requests, outputs);
       if (!a->out.empty())

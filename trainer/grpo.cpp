@@ -144,6 +144,8 @@ void GrpoConfig::validate() const {
              "grpo: temperature must be positive and finite for RL sampling (got ", temperature, ")");
   KILN_CHECK(std::isfinite(top_p) && top_p > 0 && top_p <= 1, "grpo: top_p must be in (0, 1] (got ", top_p, ")");
   KILN_CHECK(top_k >= 0, "grpo: top_k must be >= 0 (got ", top_k, "); 0 is off");
+  KILN_CHECK(!engine.batch_invariant || (top_p >= 1 && top_k == 0), "grpo: rollout.numerics bitwise rescores the ",
+             "whole softmax; top_p (", top_p, ") and top_k (", top_k, ") must stay at 1 and 0");
   KILN_CHECK(async_staleness >= -1, "grpo: async.max_staleness must be >= 0 (got ", async_staleness,
              "); leave async out for the synchronous step");
   KILN_CHECK(async_staleness < 0 || !dynamic_sampling, "grpo: dynamic_sampling needs every rank in step ",
@@ -413,6 +415,7 @@ struct GrpoTrainer::Impl {
     model::ForwardOptions o;
     o.experts = dispatcher.get();
     o.gather = zero3.get();
+    o.batch_invariant = cfg.engine.batch_invariant;  // rollout.numerics: bitwise
     o.use_fused = cfg.fused_kernels;
     o.recompute = cfg.recompute;
     return o;
@@ -1078,6 +1081,7 @@ struct GrpoTrainer::Impl {
       o.load_balance = false;
       o.experts = experts;
       o.gather = zero_of(m);
+      o.batch_invariant = cfg.engine.batch_invariant;
       o.targets = at::cat({b.tokens.narrow(0, 1, b.num_tokens() - 1), at::full({1}, -100L, b.tokens.options())});
       return m.forward(b, o).logprobs.narrow(0, 0, b.num_tokens() - 1).to(at::kDouble).cpu();
     };

@@ -447,6 +447,11 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     } catch (const Error& e) {
       ro.fail("quantization", e.what());
     }
+    std::string numerics = g.engine.batch_invariant ? "bitwise" : "standard";
+    ro.get("numerics", numerics);
+    if (numerics != "standard" && numerics != "bitwise")
+      ro.fail("numerics", "expected standard or bitwise (got '" + numerics + "')");
+    g.engine.batch_invariant = numerics == "bitwise";
     ro.get("sync_check_tokens", g.sync_check_tokens);
     ro.get("sync_check_threshold", g.sync_check_threshold);
     ro.finish();
@@ -626,7 +631,8 @@ std::string Recipe::to_yaml() const {
     << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key
     << "max_batch_tokens" << YAML::Value << g.engine.max_batch_tokens << YAML::Key << "prefill_chunk"
     << YAML::Value << g.engine.prefill_chunk << YAML::Key << "cuda_graphs" << YAML::Value << g.engine.cuda_graphs
-    << YAML::Key << "quantization" << YAML::Value << rollout::quantization_name(g.engine.quantization) << YAML::Key << "sync_check_tokens"
+    << YAML::Key << "quantization" << YAML::Value << rollout::quantization_name(g.engine.quantization)
+    << YAML::Key << "numerics" << YAML::Value << (g.engine.batch_invariant ? "bitwise" : "standard") << YAML::Key << "sync_check_tokens"
     << YAML::Value << g.sync_check_tokens << YAML::Key << "sync_check_threshold" << YAML::Value
     << g.sync_check_threshold << YAML::EndMap;
   e << YAML::Key << "lora" << YAML::Value << YAML::BeginMap << YAML::Key << "rank" << YAML::Value << g.lora.rank

@@ -78,6 +78,13 @@ r3=$(echo "$out" | grep "rollout routing (R3)" | awk '{print $5}')
 awk -v d="$r3" 'BEGIN {exit !(d != "" && d + 0 < 1e-5)}' || { echo "FAIL: fp32 mismatch $r3 is not at rounding level"; fails=$((fails+1)); }
 check_fails "mismatch with top-p" "the rescoring uses one distribution" \
   "$kiln" mismatch --model "$tmp/ckpt" --prompt "ids:1,2" --top-p 0.9 --quiet
+# --numerics bitwise: the trainer rescores every sampled token to the rollout's bits.
+out=$("$kiln" mismatch --model "$tmp/ckpt" --prompt "ids:1,2,3" --prompt "ids:4" -n 3 --max-tokens 5 --quiet \
+  --numerics bitwise 2>&1) || { echo "FAIL: mismatch --numerics bitwise: $out"; fails=$((fails+1)); }
+for row in "rollout routing (R3)" "own routing"; do
+  [[ "$(echo "$out" | grep -F "  $row")" == *"0.000e+00    0.000e+00  0.000e+00  0.000e+00    0.000e+00"* ]] \
+    || { echo "FAIL: bitwise mismatch is not exactly 0 ($row): $out"; fails=$((fails+1)); }
+done
 
 check_fails "missing config" "cannot open" "$kiln" info "$tmp/nope.yaml"
 # kiln plan: the README's 816B plans, a checked layout, and a size it cannot read.

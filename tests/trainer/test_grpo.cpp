@@ -145,6 +145,37 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   }
 }
 
+// rollout.numerics: bitwise: the trainer rescores every sampled token to the rollout's bits
+// (chunked prefill and a mixed batch on the engine's side, micro-batches on the trainer's), so
+// every mismatch metric is exactly 0 with routing replay on and off, the routing agrees by
+// construction, and the sync check reads 0.
+TEST(Grpo, BitwiseNumericsGiveExactlyZeroMismatch) {
+  model::ModelConfig mc = test::byte_vocab_config();
+  mc.init_std = 1.0;
+  model::Muse policy = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  Dataset data = test::self_consistent_problems(policy, 200);
+  GrpoConfig cfg = small_grpo();
+  cfg.mismatch_ab = true;
+  cfg.engine.batch_invariant = true;
+  cfg.engine.prefill_chunk = 3;
+  GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
+  for (int s = 1; s <= 2; ++s) {
+    const StepMetrics m = trainer.step();
+    ASSERT_GT(m.mismatch.tokens, 0);
+    EXPECT_EQ(m.mismatch.max_abs, 0.0) << m.to_json();
+    EXPECT_EQ(m.mismatch.mean_abs_token, 0.0);
+    EXPECT_EQ(m.mismatch.k3_kl, 0.0);
+    EXPECT_TRUE(m.has_no_replay);
+    EXPECT_EQ(m.mismatch_no_replay.max_abs, 0.0);
+    EXPECT_EQ(m.routing_disagreement, 0.0);
+    EXPECT_EQ(m.sync_check, 0.0);
+    EXPECT_EQ(m.clip_fraction, 0.0);  // one mini-step: its ratio is exactly 1
+  }
+  GrpoConfig bad = cfg;
+  bad.top_p = 0.9;
+  EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"numerics bitwise", "top_p"}));
+}
+
 TEST(Grpo, ResumeFromACheckpointReproducesTheUninterruptedRunBitwise) { check_resume(0.0); }
 TEST(Grpo, ResumeWithTheKlTermRestoresTheReferencePolicy) { check_resume(0.05); }
 TEST(Grpo, ResumeWithOptimizerStateOnNvmeIsBitwiseToo) { check_resume(0.0, optimizers::Placement::kNvme); }
