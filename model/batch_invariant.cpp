@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -18,17 +19,28 @@ at::Tensor own_row(const at::Tensor& x, int64_t i) { return x.select(0, i).clone
 
 at::ScalarType acc_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
+constexpr int64_t kLinearRows = 64;  // rows per GEMM of rowwise_linear
+
 }  // namespace
 
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w) {
   KILN_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rowwise_linear: x [T, K] and w [N, K] (got ",
              x.sizes(), " and ", w.sizes(), ")");
-  if (x.size(0) == 0) return at::empty({0, w.size(0)}, x.options());
+  const int64_t T = x.size(0);
+  if (T == 0) return at::empty({0, w.size(0)}, x.options());
+  // Every GEMM multiplies exactly kLinearRows rows (the last chunk padded with zeros), in a fresh
+  // tensor: the library then picks one kernel, one tiling and one reduction order over K for every
+  // call, and a row's result depends on its own values alone, not on its neighbours or its place.
   const at::Tensor wc = w.contiguous();
-  std::vector<at::Tensor> rows;
-  rows.reserve(size_t(x.size(0)));
-  for (int64_t i = 0; i < x.size(0); ++i) rows.push_back(at::mv(wc, own_row(x, i)));
-  return at::stack(rows);
+  std::vector<at::Tensor> parts;
+  parts.reserve(size_t((T + kLinearRows - 1) / kLinearRows));
+  for (int64_t a = 0; a < T; a += kLinearRows) {
+    const int64_t n = std::min(kLinearRows, T - a);
+    at::Tensor chunk = at::zeros({kLinearRows, x.size(1)}, x.options());
+    chunk = chunk.index_copy(0, at::arange(n, x.options().dtype(at::kLong)), x.narrow(0, a, n));
+    parts.push_back(at::linear(chunk, wc).narrow(0, 0, n));
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
 }
 
 at::Tensor rowwise_apply(const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&)>& f) {

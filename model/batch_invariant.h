@@ -10,7 +10,8 @@
 
 namespace kiln::model {
 
-// x [T, K] . w^T ([N, K]) one row at a time: [T, N] in x's dtype. Differentiable.
+// x [T, K] . w^T ([N, K]): [T, N] in x's dtype, by GEMMs of a fixed number of rows (zero-padded),
+// so that every row goes through the same kernel and reduction order. Differentiable.
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w);
 // f of each row of x alone (a [1, ...] copy of its own), stacked: for elementwise ops such as exp
 // or cos, whose vectorised and scalar paths round differently, so that an element's result would
