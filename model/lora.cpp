@@ -100,6 +100,14 @@ void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed, int64_t first_exper
   }
 }
 
+void copy_adapters(Muse& m) {
+  at::NoGradGuard g;
+  for (LayerWeights& l : m.weights().layers)
+    for (const LinearSlot& s : linear_slots())
+      for (at::Tensor* t : {&(l.lora.*s.a), &(l.lora.*s.b)})
+        if (t->defined()) *t = t->detach().clone();
+}
+
 std::vector<std::pair<std::string, at::Tensor>> lora_parameters(const Muse& m) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (int64_t i = 0; i < int64_t(m.weights().layers.size()); ++i) {

@@ -30,6 +30,9 @@ struct LoraConfig {
 // [E, out, r] for the E experts `m` holds: an expert shard's are experts first_expert.. (the same
 // values as the whole model's, sliced). Replaces adapters already there.
 void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed, int64_t first_expert = 0);
+// Replaces every adapter of `m` by a copy of its own: for a view that shares a frozen base with
+// the trainer but not the adapters it updates (the rollout engine's, EngineConfig::share_weights).
+void copy_adapters(Muse& m);
 // The adapter parameters add_lora creates for `model` (rank r: r * (in + out) per adapted matrix,
 // per expert for the expert targets), counted from the config alone.
 int64_t lora_parameter_count(const ModelConfig& model, const LoraConfig& cfg);

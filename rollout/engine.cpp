@@ -52,6 +52,8 @@ void EngineConfig::validate() const {
   KILN_CHECK(max_num_seqs > 0, "rollout config: max_num_seqs must be positive (got ", max_num_seqs, ")");
   KILN_CHECK(max_batch_tokens > 0, "rollout config: max_batch_tokens must be positive (got ", max_batch_tokens, ")");
   KILN_CHECK(prefill_chunk > 0, "rollout config: prefill_chunk must be positive (got ", prefill_chunk, ")");
+  KILN_CHECK(!share_weights || !expert_group, "rollout config: share_weights serves a whole frozen model; an expert ",
+             "shard's engine (expert_group) fills its own");
   KILN_CHECK(quantization == Quantization::kNone || !batch_invariant, "rollout config: numerics bitwise serves the ",
              "trainer's dense weights; quantization '", quantization_name(quantization), "' cannot be bitwise");
   KILN_CHECK(quantization == Quantization::kNone || !expert_group, "rollout config: quantization '",
@@ -97,9 +99,11 @@ struct Engine::Impl {
   int64_t next_session = 0;
 
   Impl(const model::Muse& m, EngineConfig config, const WeightSource& source)
-      : model(m.clone()), cfg(m.config()), ec(validated(config)),
+      : model(config.share_weights ? shared_view(m) : m.clone()), cfg(m.config()), ec(validated(config)),
         kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device()),
         sched(kv, ec, cfg.sliding_window), work(sched.work()), attention(kv, cfg, ec.batch_invariant) {
+    KILN_CHECK(!(ec.share_weights && source), "rollout: an engine that shares its model's weights cannot fill them "
+               "from a weight source (it would write into the model's own tensors)");
     if (ec.expert_group) dispatcher = std::make_unique<model::AllToAllDispatcher>(*ec.expert_group);
     if (source) fill(source);
     if (ec.quantization != Quantization::kNone) {
@@ -125,6 +129,14 @@ struct Engine::Impl {
     if (ec.cuda_graphs && !ec.expert_group && !ec.batch_invariant && !host_sync && DecodeGraphs::available(model)) {
       graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, ec.fused_rope_cache);
     }
+  }
+
+  // `m`'s weights themselves with a copy of its adapters (EngineConfig::share_weights). The
+  // engine's forwards run without a graph, so the shared tensors' requires_grad does not matter.
+  static model::Muse shared_view(const model::Muse& m) {
+    model::Muse view(m.config(), m.weights());
+    model::copy_adapters(view);
+    return view;
   }
 
   // The tensors `source` answers for, one at a time: each replaces the copy's placeholder or shard
@@ -588,6 +600,13 @@ Item items_of(const Named& named, const WeightSource& source) {
 
 void Engine::update_weights(const Named& named) { impl_->update_weights(named.size(), items_of(named)); }
 
+namespace {
+void check_own_weights(const EngineConfig& ec) {
+  KILN_CHECK(!ec.share_weights, "rollout: update_weights on an engine that shares its model's weights "
+             "(share_weights: a frozen base); it takes update_adapters only");
+}
+}  // namespace
+
 int64_t Engine::update_weights(const model::Muse& from, const WeightSource& source) {
   const Named named = from.named_parameters();
   return impl_->update_weights(named.size(), items_of(named, source));
@@ -601,6 +620,7 @@ int64_t Engine::update_adapters(const model::Muse& from, const WeightSource& sou
 }
 
 int64_t Engine::Impl::update_weights(size_t count, const Item& item) {
+  check_own_weights(ec);
   // A linear served from NVFP4 has no dense tensor: it is re-quantised from the trainer's weights.
   const int64_t bytes = copy_by_name("update_weights", "tensors", model.named_parameters(), count, item,
                                      [&](const std::string& name, const at::Tensor& t) { return model::requantize(model, name, t); });

@@ -357,6 +357,7 @@ struct GrpoTrainer::Impl {
     }
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.sharded_rollout()) ec.expert_group = &ep_group;  // serves this rank's experts
+    ec.share_weights = lora() && !shard;  // LoRA's frozen base needs no second copy
     // The engine's weights, fetched tensor by tensor where this rank holds a share.
     engine = std::make_unique<rollout::Engine>(trained(), ec, engine_source());
     // The KL reference: a frozen copy of what is trained (an expert shard under expert

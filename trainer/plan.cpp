@@ -193,7 +193,8 @@ Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster&
     const double kept = kept_experts * expert_served * wb + (kept_bytes - kept_experts * wb);
     gpu(fmt::format("rollout {} weights ({}): codes and scales", job.rollout_quantization, where), quantized);
     gpu(fmt::format("rollout weights kept at their width ({}: embedding, head, norms, router)", where), kept);
-  } else {
+  } else if (!(job.lora && L.ep == 1 && L.dense == DenseSharding::kReplicated)) {
+    // (A LoRA replica at ep 1 serves the trainer's frozen base itself: EngineConfig::share_weights.)
     gpu(fmt::format("rollout weights (bf16 {})", where), (p.experts * expert_served + dense_served) * wb);
   }
 

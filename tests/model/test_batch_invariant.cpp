@@ -99,6 +99,7 @@ TEST(BatchInvariant, EngineLogprobsAndRoutingAreTheTrainersBitForBit) {
   check_engine_is_bitwise(at::kFloat, 1 << 20, at::kCPU);
   check_engine_is_bitwise(at::kBFloat16, 1 << 20, at::kCPU);
   check_engine_is_bitwise(at::kFloat, 8 << 10, at::kCPU);  // preempted and recomputed
+  check_engine_is_bitwise(at::kBFloat16, 4 << 10, at::kCPU);
 }
 
 TEST(BatchInvariant, EngineRefusesWhatCannotBeBitwise) {

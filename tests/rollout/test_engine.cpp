@@ -8,6 +8,7 @@
 #include <map>
 #include <gtest/gtest.h>
 
+#include "model/lora.h"
 #include "model/muse.h"
 #include "rollout/engine.h"
 #include "tests/model/reference.h"
@@ -311,6 +312,45 @@ TEST(Engine, AShareFilledFromASourceServesTheWholeModel) {
   c.full_attention_period = 2;
   c.sliding_window = 5;
   check_engine_from_a_share(c, rollout::Quantization::kNvfp4);
+}
+
+// share_weights: the engine serves its model's own base tensors (a frozen base: LoRA) with a copy
+// of the adapters. It samples what a copying engine samples; the trainer's later adapter changes
+// reach it only through update_adapters; update_weights is refused.
+TEST(Engine, SharedWeightsServeTheFrozenBaseWithAdaptersOfTheirOwn) {
+  model::Muse m = model::Muse::init(engine_config(), 8, at::kFloat, at::kCPU);
+  model::LoraConfig lc;
+  lc.rank = 2;
+  lc.alpha = 4;
+  model::add_lora(m, lc, 1);
+  auto bump = [&](double by) {
+    at::NoGradGuard g;
+    for (auto& [name, t] : model::lora_parameters(m)) t.add_(by);  // B starts at zero: make the adapters matter
+  };
+  bump(0.05);
+  EngineConfig ec = small_engine();
+  ec.share_weights = true;
+  Engine shared(m, ec);
+  Engine copied(m, small_engine());
+  EXPECT_TRUE(shared.model().weights().layers[0].q_proj.is_same(m.weights().layers[0].q_proj));
+  EXPECT_TRUE(shared.model().weights().layers[1].expert_up.is_same(m.weights().layers[1].expert_up));
+  EXPECT_FALSE(shared.model().weights().layers[0].lora.q_a.is_same(m.weights().layers[0].lora.q_a));
+  auto same_samples = [&](bool want) {
+    auto reqs = mixed_requests();
+    auto x = shared.generate(reqs), y = copied.generate(reqs);
+    bool all = true;
+    for (size_t r = 0; r < reqs.size(); ++r)
+      for (size_t j = 0; j < x[r].samples.size(); ++j) all &= x[r].samples[j].logprobs == y[r].samples[j].logprobs;
+    EXPECT_EQ(all, want);
+  };
+  same_samples(true);
+  bump(0.2);  // the trainer's step: neither engine sees it yet
+  same_samples(true);
+  shared.update_adapters(model::lora_parameters(m));
+  same_samples(false);  // only the shared engine has the new adapters
+  copied.update_adapters(model::lora_parameters(m));
+  same_samples(true);
+  EXPECT_TRUE(test::throws_with([&] { shared.update_weights(m.named_parameters()); }, {"shares its model's weights"}));
 }
 
 // Every generated token records the weight version it was drawn under: a sample that spans an

@@ -130,6 +130,8 @@ TEST(Plan, PlacementsLoraAndRecomputeMoveTheRightBytes) {
   EXPECT_DOUBLE_EQ(item(lo, "LoRA adapters on the dense part"), q_adapters * 2);
   EXPECT_DOUBLE_EQ(item(lo, "gradients (adapters)"), (expert_adapters + q_adapters) * 2);
   EXPECT_DOUBLE_EQ(item(lo, "optimizer state"), (expert_adapters + q_adapters) * (4 + 4));  // masters + Muon
+  // A LoRA replica at ep 1 serves the frozen base itself: no second copy of the weights.
+  EXPECT_LT(item(lo, "rollout weights"), 0);
 
   Cluster tiny = c;
   tiny.gpu_bytes = 8.0 * (1ll << 30);
