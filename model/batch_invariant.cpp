@@ -1,12 +1,16 @@
-// Batch-invariant reductions (batch_invariant.h): each row through its own call of fixed shape.
-// A row is copied into a fresh tensor first, so that its alignment, like its shape, is the same
-// wherever it came from.
+// Batch-invariant reductions (batch_invariant.h): rows through calls of one fixed shape, in
+// zero-padded chunks where every step is exact IEEE arithmetic, one row at a time where it is not.
+// Every chunk or row is a fresh tensor, so that its alignment, like its shape, is the same wherever
+// it came from.
 #include "model/batch_invariant.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "core/error.h"
@@ -19,28 +23,98 @@ at::Tensor own_row(const at::Tensor& x, int64_t i) { return x.select(0, i).clone
 
 at::ScalarType acc_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-constexpr int64_t kLinearRows = 64;  // rows per GEMM of rowwise_linear
+constexpr int64_t kChunkRows = 64;  // rows per call of the chunked forms
+
+// f over x's rows in chunks of exactly kChunkRows rows (the last one padded with zero rows), each
+// a fresh tensor: the library then picks one kernel, one tiling and one reduction order for every
+// call, and a row's result depends on its own values alone, not on its neighbours or its place.
+// For ops whose per-row arithmetic is exact IEEE (GEMM sums, x * x, the mean, 1 / sqrt), not for
+// exp or cos (their vectorised and scalar paths differ: rowwise_apply).
+at::Tensor chunked(const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&, int64_t, int64_t)>& f) {
+  const int64_t T = x.size(0);
+  std::vector<at::Tensor> parts;
+  parts.reserve(size_t((T + kChunkRows - 1) / kChunkRows));
+  for (int64_t a = 0; a < T; a += kChunkRows) {
+    const int64_t n = std::min(kChunkRows, T - a);
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape[0] = kChunkRows;
+    at::Tensor chunk = at::zeros(shape, x.options());
+    chunk = chunk.index_copy(0, at::arange(n, x.options().dtype(at::kLong)), x.narrow(0, a, n));
+    parts.push_back(f(chunk, a, n).narrow(0, 0, n));
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
+// The batch-invariant linear: the forward in fixed-size GEMMs, the backward (which the rollout
+// never runs, and whose bits no log-prob depends on) as two plain GEMMs over all rows.
+struct FixedRowsLinear : public torch::autograd::Function<FixedRowsLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w) {
+    ctx->save_for_backward({x, w});
+    const at::Tensor wc = w.contiguous();
+    return chunked(x, [&](const at::Tensor& c, int64_t, int64_t) { return at::linear(c, wc); });
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor g = grads[0].contiguous();
+    return {g.matmul(saved[1]), g.t().matmul(saved[0])};
+  }
+};
+
+// Standard masked attention of one sequence with GQA (the backward of causal_query_attention).
+at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) {
+  const int64_t n = q.size(0), group = q.size(1) / k.size(1);
+  const double scale = 1.0 / std::sqrt(double(q.size(2)));
+  at::Tensor qh = q.transpose(0, 1);                                   // [Hq, n, hd]
+  at::Tensor kh = k.transpose(0, 1).repeat_interleave(group, 0);       // [Hq, n, hd]
+  at::Tensor vh = v.transpose(0, 1).repeat_interleave(group, 0);
+  at::Tensor scores = at::matmul(qh, kh.transpose(1, 2)).to(acc_of(q.scalar_type())) * scale;  // [Hq, n, n]
+  at::Tensor i = at::arange(n, q.options().dtype(at::kLong)).unsqueeze(1), j = i.t();
+  at::Tensor allowed = j.le(i);
+  if (window > 0) allowed = allowed.logical_and(j.gt(i - window));
+  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(scores, -1).to(q.scalar_type()), vh).transpose(0, 1);  // [n, Hq, hd]
+}
+
+struct CausalQueryAttention : public torch::autograd::Function<CausalQueryAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, int64_t window) {
+    ctx->save_for_backward({q, k, v});
+    ctx->saved_data["window"] = window;
+    std::vector<at::Tensor> rows;
+    rows.reserve(size_t(q.size(0)));
+    for (int64_t j = 0; j < q.size(0); ++j) {
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, j - window + 1) : 0;
+      rows.push_back(query_attention(q[j], k.narrow(0, lo, j - lo + 1), v.narrow(0, lo, j - lo + 1)));
+    }
+    return at::stack(rows);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::AutoGradMode on(true);
+    at::Tensor q = saved[0].detach().requires_grad_(true), k = saved[1].detach().requires_grad_(true),
+               v = saved[2].detach().requires_grad_(true);
+    const at::Tensor o = masked_attention(q, k, v, ctx->saved_data["window"].toInt());
+    const auto g = torch::autograd::grad({o}, {q, k, v}, {grads[0]});
+    return {g[0], g[1], g[2], at::Tensor()};
+  }
+};
 
 }  // namespace
+
+at::Tensor causal_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) {
+  KILN_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0),
+             "causal_query_attention: q [n, Hq, hd], k and v [n, Hkv, hd] (got ", q.sizes(), ", ", k.sizes(), ")");
+  if (q.size(0) == 0) return q * 1;
+  return CausalQueryAttention::apply(q, k, v, window);
+}
 
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w) {
   KILN_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rowwise_linear: x [T, K] and w [N, K] (got ",
              x.sizes(), " and ", w.sizes(), ")");
-  const int64_t T = x.size(0);
-  if (T == 0) return at::empty({0, w.size(0)}, x.options());
-  // Every GEMM multiplies exactly kLinearRows rows (the last chunk padded with zeros), in a fresh
-  // tensor: the library then picks one kernel, one tiling and one reduction order over K for every
-  // call, and a row's result depends on its own values alone, not on its neighbours or its place.
-  const at::Tensor wc = w.contiguous();
-  std::vector<at::Tensor> parts;
-  parts.reserve(size_t((T + kLinearRows - 1) / kLinearRows));
-  for (int64_t a = 0; a < T; a += kLinearRows) {
-    const int64_t n = std::min(kLinearRows, T - a);
-    at::Tensor chunk = at::zeros({kLinearRows, x.size(1)}, x.options());
-    chunk = chunk.index_copy(0, at::arange(n, x.options().dtype(at::kLong)), x.narrow(0, a, n));
-    parts.push_back(at::linear(chunk, wc).narrow(0, 0, n));
-  }
-  return parts.size() == 1 ? parts[0] : at::cat(parts);
+  if (x.size(0) == 0) return at::empty({0, w.size(0)}, x.options());
+  return FixedRowsLinear::apply(x, w);
 }
 
 at::Tensor rowwise_apply(const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&)>& f) {
@@ -55,13 +129,13 @@ at::Tensor rowwise_rms_norm(const at::Tensor& x, const at::Tensor& weight, doubl
   KILN_CHECK(x.dim() == 2 && (weight.dim() == 1 || weight.sizes() == x.sizes()), "rowwise_rms_norm: x [T, n] and ",
              "weight [n] or [T, n] (got ", x.sizes(), " and ", weight.sizes(), ")");
   if (x.size(0) == 0) return x * 1;
-  std::vector<at::Tensor> rows;
-  rows.reserve(size_t(x.size(0)));
-  for (int64_t i = 0; i < x.size(0); ++i) {
-    const at::Tensor w = weight.dim() == 1 ? weight : own_row(weight, i);
-    rows.push_back(kernels::rms_norm_reference(own_row(x, i).unsqueeze(0), w, eps).squeeze(0));
-  }
-  return at::stack(rows);
+  // x * 1/sqrt(mean(x * x) + eps) * w: exact IEEE steps, so fixed-size chunks suffice.
+  return chunked(x, [&](const at::Tensor& c, int64_t a, int64_t n) {
+    if (weight.dim() == 1) return kernels::rms_norm_reference(c, weight, eps);
+    at::Tensor w = at::zeros(c.sizes(), weight.options()).index_copy(0, at::arange(n, weight.options().dtype(at::kLong)),
+                                                                     weight.narrow(0, a, n));
+    return kernels::rms_norm_reference(c, w, eps);
+  });
 }
 
 at::Tensor query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {

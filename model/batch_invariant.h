@@ -23,6 +23,11 @@ at::Tensor rowwise_rms_norm(const at::Tensor& x, const at::Tensor& weight, doubl
 // k and v [n, Hkv, hd] -> [Hq, hd] (GQA: query head h reads KV head h / (Hq / Hkv)). Scores and
 // softmax in fp32 (fp64 for fp64), the probabilities in q's dtype before the product with v.
 at::Tensor query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+// Causal attention of one sequence, q [n, Hq, hd], k and v [n, Hkv, hd] -> [n, Hq, hd]: query j
+// over keys [j - window + 1, j] (window 0: [0, j]), each by query_attention, as the engine's cache
+// attention computes it. Differentiable: the backward recomputes the whole sequence's masked
+// attention with a graph (its bits do not matter to any log-prob).
+at::Tensor causal_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window);
 // log softmax(logits[t] / temperature)[targets[t]] of each row of logits [T, V] (fp32 or fp64)
 // alone: [T]. Differentiable. The engine records a sampled token's log-prob with the same call.
 at::Tensor rowwise_token_logprobs(const at::Tensor& logits, const at::Tensor& targets, double temperature);

@@ -188,16 +188,14 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
   if (opt.batch_invariant) {  // each query alone over exactly its keys, as the engine's cache attention
-    std::vector<at::Tensor> rows;
-    rows.reserve(size_t(T));
+    std::vector<at::Tensor> seqs;
     for (int64_t s = 0; s < batch.num_sequences(); ++s) {
       const int64_t start = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - start;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t lo = full ? 0 : std::max<int64_t>(0, j - cfg.sliding_window + 1);
-        rows.push_back(query_attention(q[start + j], k.narrow(0, start + lo, j - lo + 1), v.narrow(0, start + lo, j - lo + 1)));
-      }
+      if (n > 0)
+        seqs.push_back(causal_query_attention(q.narrow(0, start, n), k.narrow(0, start, n), v.narrow(0, start, n),
+                                              full ? 0 : cfg.sliding_window));
     }
-    o = at::stack(rows);
+    o = seqs.size() == 1 ? seqs[0] : at::cat(seqs, 0);
   } else if (flash.cu_seqlens.defined()) {
     o = kernels::flash_varlen_attention(q, k, v, flash.cu_seqlens, flash.max_len, full ? 0 : cfg.sliding_window);
   } else if (padded.num_problems > 1 && padded.score_bytes(cfg.num_q_heads) <= kPaddedScoreBytes) {
