@@ -101,7 +101,49 @@ struct CausalQueryAttention : public torch::autograd::Function<CausalQueryAttent
   }
 };
 
+struct RowwiseSilu : public torch::autograd::Function<RowwiseSilu> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
+    ctx->save_for_backward({x});
+    return rowwise_apply(x, [](const at::Tensor& r) { return at::silu(r); });
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    const at::Tensor s = at::sigmoid(x);
+    return {grads[0] * s * (1 + x * (1 - s))};
+  }
+};
+
+// log softmax(logits / T)[target] per row; the backward (1[target] - softmax(logits / T)) / T.
+struct RowwiseTokenLogprobs : public torch::autograd::Function<RowwiseTokenLogprobs> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
+                            double temperature) {
+    ctx->save_for_backward({logits, targets});
+    ctx->saved_data["temperature"] = temperature;
+    const at::Tensor ids = targets.to(at::kCPU, at::kLong);
+    std::vector<at::Tensor> rows;
+    rows.reserve(size_t(logits.size(0)));
+    for (int64_t i = 0; i < logits.size(0); ++i) {
+      at::Tensor row = own_row(logits, i);
+      if (temperature != 1.0) row = row / temperature;
+      rows.push_back(row.select(0, ids[i].item<int64_t>()) - at::logsumexp(row, {0}));
+    }
+    return at::stack(rows);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const double T = ctx->saved_data["temperature"].toDouble();
+    const at::Tensor& logits = saved[0];
+    at::Tensor g = -at::softmax(logits / T, -1);
+    g.scatter_add_(1, saved[1].to(logits.device(), at::kLong).unsqueeze(1), at::ones({logits.size(0), 1}, g.options()));
+    return {g * (grads[0].unsqueeze(1) / T), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor rowwise_silu(const at::Tensor& x) { return x.size(0) == 0 ? at::silu(x) : RowwiseSilu::apply(x); }
 
 at::Tensor causal_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) {
   KILN_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0),
@@ -158,15 +200,7 @@ at::Tensor rowwise_token_logprobs(const at::Tensor& logits, const at::Tensor& ta
              "rowwise_token_logprobs: logits [T, V], targets [T] and a positive temperature (got ", logits.sizes(), ", ",
              targets.sizes(), ", ", temperature, ")");
   if (logits.size(0) == 0) return at::empty({0}, logits.options());
-  const at::Tensor ids = targets.to(at::kCPU, at::kLong);
-  std::vector<at::Tensor> rows;
-  rows.reserve(size_t(logits.size(0)));
-  for (int64_t i = 0; i < logits.size(0); ++i) {
-    at::Tensor row = own_row(logits, i);
-    if (temperature != 1.0) row = row / temperature;
-    rows.push_back(row.select(0, ids[i].item<int64_t>()) - at::logsumexp(row, {0}));
-  }
-  return at::stack(rows);
+  return RowwiseTokenLogprobs::apply(logits, targets, temperature);
 }
 
 }  // namespace kiln::model

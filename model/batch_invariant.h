@@ -17,6 +17,8 @@ at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w);
 // or cos, whose vectorised and scalar paths round differently, so that an element's result would
 // otherwise depend on where it sits in the tensor (and in the threads' split of it).
 at::Tensor rowwise_apply(const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&)>& f);
+// SiLU of each row alone (rowwise_apply), differentiable with the plain backward.
+at::Tensor rowwise_silu(const at::Tensor& x);
 // RMSNorm of each row of x [T, n] alone; weight [n] or one row per row [T, n].
 at::Tensor rowwise_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // One query position's attention over exactly the keys it sees, in position order: q [Hq, hd],

@@ -255,7 +255,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
       opt.observe_linear_input(layer, prefix + "up_proj", seg);
     }
     at::Tensor g = s.gate.one(seg, e);
-    at::Tensor a = (opt.batch_invariant ? rowwise_apply(g, [](const at::Tensor& r) { return at::silu(r); }) : at::silu(g)) *
+    at::Tensor a = (opt.batch_invariant ? rowwise_silu(g) : at::silu(g)) *
                    s.up.one(seg, e);
     if (opt.observe_linear_input) opt.observe_linear_input(layer, prefix + "down_proj", a);
     parts.push_back(s.down.one(a, e));
