@@ -10,8 +10,9 @@
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
 # cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt);
-# async the synchronous GRPO step against grpo.async (async.txt); long (long responses, long.txt)
-# and tool (the multi-turn calculator recipe on muse-small, tool.txt).
+# async the synchronous GRPO step against grpo.async (async.txt); long (long responses, long.txt),
+# tool (the multi-turn calculator recipe on muse-small, tool.txt) and bitwise (the GRPO step under
+# rollout.numerics: bitwise against the standard numerics, bitwise.txt).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -305,6 +306,25 @@ print("  reward per step:   ", [round(r["reward"], 3) for r in rows])
 PY
 done
 fi  # async
+if want bitwise; then
+# Issue 22: what rollout.numerics: bitwise costs against the standard numerics on the same recipe:
+# muse-small in bf16, KILN_BITWISE_PROMPTS prompts (default 16) x 8 samples x 16 tokens, mismatch
+# with replay on and off; per step the phases and both mismatches (0 under bitwise).
+step "bitwise numerics: the GRPO step, standard vs bitwise"
+for mode in standard bitwise; do
+  sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: ${KILN_BITWISE_PROMPTS:-16}/" \
+      -e "s/^  every: .*/  every: 1000/" -e "s/^  prompts: 64/  prompts: 8/" -e "s/^  steps: .*/  steps: 4/" \
+      -e "s/^  kv_cache_mb: .*/  kv_cache_mb: 2048\n  numerics: $mode/" recipes/grpo-arith-small-gpu.yaml > "$tmp/bitwise-$mode.yaml"
+  timeout 240 ./build-gpu/kiln train "$tmp/bitwise-$mode.yaml" --out "$tmp/bitwise-$mode" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
+  python3 - "$tmp/bitwise-$mode/metrics.jsonl" "$mode" <<'PY' 2>&1 | tee -a "$out/bitwise.txt"
+import sys, json
+for r in (json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l):
+    print(f"{sys.argv[2]} step {r['step']}: {r['step_seconds']:.2f} s (rollout {r['rollout_seconds']:.2f}, lp_old "
+          f"{r['lp_old_seconds']:.2f}, train {r['train_seconds']:.2f}); max|d| R3 on {r['mismatch']['max_abs']:.3e}, "
+          f"off {r['mismatch_no_replay']['max_abs']:.3e}")
+PY
+done
+fi  # bitwise
 if want long; then
 # Issue 23: long responses. muse-small GRPO whose samples run to max_tokens (a random init rarely
 # stops), 4 prompts x 4 samples, activations recomputed in the backward; per length: the step's

@@ -277,6 +277,17 @@ check "train with an NVFP4 rollout" "train: done" "$kiln" train "$tmp/nv.yaml" -
 grep -q "quantization: nvfp4" "$tmp/nvrun/recipe.yaml" || { echo "FAIL: resolved recipe lacks quantization"; fails=$((fails+1)); }
 sed 's/quantization: nvfp4/quantization: int4/' "$tmp/nv.yaml" > "$tmp/nvbad.yaml"
 check_fails "bad quantization" "quantization must be none, nvfp4 or w4a4" "$kiln" train "$tmp/nvbad.yaml" --steps 1 --out "$tmp/nvbad"
+# rollout.numerics: bitwise trains with every mismatch exactly 0; a bad value names the key.
+sed "s/^  kv_cache_mb: 4/  kv_cache_mb: 4\n  numerics: bitwise/" "$tmp/recipe.yaml" > "$tmp/bw.yaml"
+check "train with bitwise numerics" "train: done" "$kiln" train "$tmp/bw.yaml" --steps 2 --out "$tmp/bwrun"
+grep -q "numerics: bitwise" "$tmp/bwrun/recipe.yaml" || { echo "FAIL: resolved recipe lacks numerics"; fails=$((fails+1)); }
+gaps=$(grep -o '"max_abs":[^,}]*' "$tmp/bwrun/metrics.jsonl")
+if [ -z "$gaps" ] || echo "$gaps" | grep -qv ':0.0$'; then
+  echo "FAIL: bitwise numerics left a mismatch (or measured none): $gaps"
+  fails=$((fails+1))
+fi
+sed 's/numerics: bitwise/numerics: exact/' "$tmp/bw.yaml" > "$tmp/bwbad.yaml"
+check_fails "bad numerics" "expected standard or bitwise" "$kiln" train "$tmp/bwbad.yaml" --steps 1 --out "$tmp/bwbad"
 # LoRA GRPO (recipes/lora-grpo-arith-tiny.yaml, shortened) from a short SFT warm start: the
 # reward and the held-out accuracy must rise; the PEFT adapter merges into a checkpoint.
 check "sft warm start for LoRA" "sft: done" "$kiln" sft "$src/recipes/grpo-arith-tiny.yaml" --steps 120 --out "$tmp/lora"
