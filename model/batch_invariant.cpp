@@ -114,21 +114,20 @@ struct RowwiseSilu : public torch::autograd::Function<RowwiseSilu> {
   }
 };
 
-// log softmax(logits / T)[target] per row; the backward (1[target] - softmax(logits / T)) / T.
+// log softmax(logits / T)[target] per row, in the fixed chunks (log_softmax works along each row,
+// the division is exact); the backward (1[target] - softmax(logits / T)) / T.
 struct RowwiseTokenLogprobs : public torch::autograd::Function<RowwiseTokenLogprobs> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
                             double temperature) {
     ctx->save_for_backward({logits, targets});
     ctx->saved_data["temperature"] = temperature;
-    const at::Tensor ids = targets.to(at::kCPU, at::kLong);
-    std::vector<at::Tensor> rows;
-    rows.reserve(size_t(logits.size(0)));
-    for (int64_t i = 0; i < logits.size(0); ++i) {
-      at::Tensor row = own_row(logits, i);
-      if (temperature != 1.0) row = row / temperature;
-      rows.push_back(row.select(0, ids[i].item<int64_t>()) - at::logsumexp(row, {0}));
-    }
-    return at::stack(rows);
+    const at::Tensor ids = targets.to(logits.device(), at::kLong);
+    return chunked(logits, [&](const at::Tensor& c, int64_t a, int64_t n) {
+      const at::Tensor lp = at::log_softmax(temperature != 1.0 ? c / temperature : c, -1);
+      at::Tensor picked = at::zeros({c.size(0)}, lp.options());
+      picked.narrow(0, 0, n).copy_(lp.narrow(0, 0, n).gather(1, ids.narrow(0, a, n).unsqueeze(1)).squeeze(1));
+      return picked;
+    });
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {

@@ -338,17 +338,25 @@ at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t
 #endif
 }
 
-// The router's choice for each token alone (batch-invariant numerics): the reference on one row
-// at a time.
+// The router's choice for each token as if alone (batch-invariant numerics). A softmax router's
+// every step works along a row (softmax, top-k, gather, the sum over k, a division), so rows go
+// through the reference in zero-padded chunks of a fixed 64; a sigmoid's is elementwise over the
+// whole tensor (its vectorised and scalar paths round differently), so one row at a time.
 kernels::MoeRoute rowwise_route(const at::Tensor& logits, int64_t k, bool sigmoid, const at::Tensor& bias,
                                 const at::Tensor& replay) {
+  const int64_t rows = sigmoid ? 1 : 64;
   std::vector<at::Tensor> ids, weights, scores;
-  for (int64_t t = 0; t < logits.size(0); ++t) {
-    const kernels::MoeRoute r = kernels::moe_route_reference(logits.narrow(0, t, 1).clone(at::MemoryFormat::Contiguous),
-                                                             k, sigmoid, bias, replay.defined() ? replay.narrow(0, t, 1) : replay);
-    ids.push_back(r.ids);
-    weights.push_back(r.weights);
-    scores.push_back(r.scores);
+  for (int64_t t = 0; t < logits.size(0); t += rows) {
+    const int64_t n = std::min(rows, logits.size(0) - t);
+    auto padded = [&](const at::Tensor& x) {
+      at::Tensor c = at::zeros({rows, x.size(1)}, x.options());
+      return c.index_copy(0, at::arange(n, x.options().dtype(at::kLong)), x.narrow(0, t, n));
+    };
+    const kernels::MoeRoute r =
+        kernels::moe_route_reference(padded(logits), k, sigmoid, bias, replay.defined() ? padded(replay) : replay);
+    ids.push_back(r.ids.narrow(0, 0, n));
+    weights.push_back(r.weights.narrow(0, 0, n));
+    scores.push_back(r.scores.narrow(0, 0, n));
   }
   if (ids.empty()) return kernels::moe_route_reference(logits, k, sigmoid, bias, replay);
   return {at::cat(ids), at::cat(weights), at::cat(scores)};

@@ -219,8 +219,8 @@ Run add_sft(CLI::App& app) {
     trainer::Recipe& r = s.recipe;
     const bool lead = comm::Group::world().rank() == 0;
     if (lead) report_data(s);
-    if (lead && r.grpo.parallel.zero3() && comm::Group::world().size() > 1)
-      fmt::print("sft: parallel.dense zero3 applies to kiln train; sft keeps the dense part replicated on every rank "
+    if (lead && (r.grpo.parallel.zero3() || r.grpo.parallel.ep > 1) && comm::Group::world().size() > 1)
+      fmt::print("sft: parallel.ep and parallel.dense apply to kiln train; sft holds the whole model on every rank "
                  "(data parallel, ZeRO-1 optimizer state)\n");
     // The environment's workers demonstrate an episode per training example (trainer/sft.h).
     std::unique_ptr<trainer::Environment> env;
