@@ -22,7 +22,6 @@
 #include "core/comm.h"
 #include "core/error.h"
 #include "core/stop_signal.h"
-#include "core/checkpoint_dir.h"
 #include "core/files.h"
 #include "core/yaml_util.h"
 #include "model/checkpoint.h"
@@ -146,15 +145,13 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   const model::ModelConfig config = r.init_from.empty() ? model::ModelConfig::from_yaml_file(r.model_config)
                                                         : model::ModelConfig::from_json_file(r.init_from + "/config.json");
   if (train && device.is_cuda()) check_plan(r, config, world, device);
-  // GRPO under expert parallelism or ZeRO-3: each rank draws or reads only its share of the model
-  // (its experts, the dense tensors it owns), never the whole of it. A bad layout is left for
-  // add_train to report.
+  // Under expert parallelism or ZeRO-3 (GRPO and SFT alike) each rank draws or reads only its
+  // share of the model (its experts, the dense tensors it owns), never the whole of it. A bad
+  // layout is left for the trainers to report.
   trainer::PolicyShare share;
-  if (train) {
-    try {
-      share = trainer::policy_share(config, dtype, r.grpo.parallel, world);
-    } catch (const Error&) {
-    }
+  try {
+    share = trainer::policy_share(config, dtype, r.grpo.parallel, world);
+  } catch (const Error&) {
   }
   const auto keep = share.keep ? share.keep : [](const std::string&) { return true; };
   if (share.whole())
@@ -181,22 +178,6 @@ void report_data(const Setup& s) {
   }
 }
 
-// Writes the weights with the tokenizer they were trained with (so that the folder loads on its
-// own) into dir.tmp, syncs it and renames it to `dir`: a kill leaves no half-written `dir`.
-void save_model_dir(const model::Muse& policy, const text::Tokenizer& tok, const std::string& dir) {
-  const std::string tmp = dir + ".tmp";
-  remove_tree(tmp);
-  model::save_checkpoint(policy, tmp);
-  const std::string from = text::tokenizer_dir(tok);
-  if (!from.empty()) text::copy_tokenizer_files(from, tmp);
-  sync_tree(tmp);
-  remove_tree(dir);  // claim_run_dir left none unless --overwrite asked for it to go
-  std::error_code ec;
-  std::filesystem::rename(tmp, dir, ec);
-  KILN_CHECK(!ec, "train: cannot rename ", tmp, " to ", dir, " (", ec.message(), ")");
-  sync_parent(dir);
-}
-
 }  // namespace
 
 Run add_sft(CLI::App& app) {
@@ -219,14 +200,14 @@ Run add_sft(CLI::App& app) {
     trainer::Recipe& r = s.recipe;
     const bool lead = comm::Group::world().rank() == 0;
     if (lead) report_data(s);
-    if (lead && (r.grpo.parallel.zero3() || r.grpo.parallel.ep > 1) && comm::Group::world().size() > 1)
-      fmt::print("sft: parallel.ep and parallel.dense apply to kiln train; sft holds the whole model on every rank "
-                 "(data parallel, ZeRO-1 optimizer state)\n");
     // The environment's workers demonstrate an episode per training example (trainer/sft.h).
     std::unique_ptr<trainer::Environment> env;
     if (r.sft.demonstrations == trainer::Demonstrations::kEnvironment)
       env = std::make_unique<trainer::Environment>(r.grpo.environment);
-    trainer::SftTrainer sft(*s.policy, r.sft, s.tokenizer, s.data.train, comm::Group::world(), env.get());
+    // The recipe's parallel layout, as kiln train runs it: experts over ep ranks, the dense part
+    // under ZeRO-3 when asked.
+    trainer::SftTrainer sft(*s.policy, r.sft, s.tokenizer, s.data.train, comm::Group::world(), env.get(),
+                            r.grpo.parallel);
     if (const trainer::DemoReport& d = sft.demonstrations(); lead && env)
       fmt::print("sft: the environment demonstrated {} of {} examples ({} without a demonstration, {} failed, "
                  "answered by their label)\n", d.demonstrated, d.demonstrated + d.label + d.failed, d.label, d.failed);
@@ -252,8 +233,8 @@ Run add_sft(CLI::App& app) {
     if (lead) {
       KILN_CHECK(std::fclose(log) == 0, "sft: cannot write ", log_path, " (", std::strerror(errno), "); check the disk space");
       std::fprintf(stderr, "\n");
-      save_model_dir(*s.policy, *s.tokenizer, r.run.out + "/sft");
     }
+    sft.save_model(r.run.out + "/sft");  // every rank its own tensors
     // Held-out accuracy of the warm-started model, measured the way GRPO measures it.
     trainer::GrpoTrainer probe(*s.policy, r.grpo, s.tokenizer, s.data);
     const trainer::EvalMetrics e = probe.evaluate(r.run.eval);

@@ -25,7 +25,6 @@
 #include <fstream>
 #include <numeric>
 #include <optional>
-#include <set>
 
 #include "core/checkpoint_dir.h"
 #include "core/error.h"
@@ -88,52 +87,7 @@ struct Gathered {
   int64_t num_seqs = 0;
 };
 
-// What ZeRO-3 shards: the dense part, and at ep 1 the experts too.
-std::function<bool(const std::string&)> zero3_selection(int64_t ep) {
-  return [ep](const std::string& name) { return ep == 1 || !model::is_expert_tensor(name); };
-}
-
-// Every tensor present (no placeholder) and every expert of every layer.
-bool holds_whole(const model::Muse& m) {
-  for (const auto& [name, t] : m.named_parameters())
-    if (t.numel() == 0) return false;
-  const at::Tensor& experts = m.weights().layers.front().expert_gate;
-  return !experts.defined() || experts.size(0) == m.config().num_experts;
-}
-
-// A policy that is not whole must be exactly this rank's share: its expert shard, and every tensor
-// the share keeps present.
-void check_share(const model::Muse& m, const PolicyShare& share) {
-  const int64_t E = m.config().num_experts, per = E / share.expert_ranks;
-  const at::Tensor& experts = m.weights().layers.front().expert_gate;
-  KILN_CHECK(!experts.defined() || experts.numel() == 0 || experts.size(0) == per, "grpo: the policy holds ",
-             experts.size(0), " experts per layer, neither all ", E, " nor this rank's shard of ", per,
-             " (parallel.ep=", share.expert_ranks, "); build it with trainer::policy_share");
-  for (const auto& [name, t] : m.named_parameters())
-    KILN_CHECK(t.numel() > 0 || (share.keep && !share.keep(name)), "grpo: the policy is a share of the model but holds ",
-               "no ", name, ", which this rank keeps (expert shard ", share.expert_rank, " of ", share.expert_ranks,
-               "); build it with trainer::policy_share for the recipe's parallel layout");
-}
-
 }  // namespace
-
-PolicyShare policy_share(const model::ModelConfig& model, at::ScalarType dtype, dist::ParallelConfig parallel,
-                         const comm::Group& group) {
-  parallel.resolve(group.size(), model.num_experts);
-  PolicyShare s;
-  s.expert_ranks = int(parallel.ep);
-  s.expert_rank = int(group.rank() % parallel.ep);
-  if (parallel.zero3()) {  // what Zero3 will give this rank: the trainer's own selection and owners
-    const int64_t ep = parallel.ep;
-    const auto owner = dist::Zero3::owners(model::Muse::shapes(model, dtype, model.num_experts / ep), group.size(),
-                                           zero3_selection(ep));
-    s.keep = [owner, rank = group.rank()](const std::string& name) {
-      const auto it = owner.find(name);
-      return it == owner.end() || it->second == rank;
-    };
-  }
-  return s;
-}
 
 void GrpoConfig::validate() const {
   KILN_CHECK(prompts_per_step > 0, "grpo: prompts_per_step must be positive (got ", prompts_per_step, ")");
@@ -272,16 +226,14 @@ struct GrpoTrainer::Impl {
   DataStream stream;
   std::unique_ptr<rollout::Engine> engine;  // serves `policy` (a full replica) or, sharded, `*shard`
   comm::Group group;               // every rank: each holds its own share of the prompts
+  // The trained model under the layout (dist/sharded_model.h), and short names for its parts:
+  std::unique_ptr<dist::ShardedModel> layout;
   comm::Group ep_group;            // ep > 1: the ranks whose expert shards make up one model
   comm::Group expert_dp;           // ep > 1: the ranks holding the same expert shard
-  std::unique_ptr<model::AllToAllDispatcher> dispatcher;  // ep > 1: the trained model's expert exchange
-  bool whole = true;                   // `policy` holds the whole model (else it is this rank's share)
-  std::unique_ptr<model::Muse> shard;  // ep > 1 or ZeRO-3: the trained model. From a share, `policy`
-                                       // itself; from a whole policy its experts' slice (the rest
-                                       // shared with it), or under ZeRO-3 a copy of its own
-  std::unique_ptr<dist::Zero3> zero3;  // parallel.dense zero3: the sharding of `shard`
+  const model::ExpertDispatcher* dispatcher = nullptr;  // ep > 1: the trained model's expert exchange
+  model::Muse* shard = nullptr;    // ep > 1 or ZeRO-3: the trained model (else `policy` trains)
+  dist::Zero3* zero3 = nullptr;    // parallel.dense zero3: the sharding of `shard`
   std::unique_ptr<dist::Zero3> ref_zero3;  // ... and of `reference`
-  std::unique_ptr<model::Muse> zero3_shapes;  // the trained model's whole shapes, on the meta device
   std::vector<at::Tensor> params;  // all trained tensors: clipping, the gradient all-reduce, the broadcast
   std::vector<bool> is_expert;     // ep > 1: params[i] is an expert shard (not ZeRO-3's)
   std::unique_ptr<dist::ZeroOne> zero;   // the optimizer, over the tensors this rank owns
@@ -323,38 +275,24 @@ struct GrpoTrainer::Impl {
                  "); lower either");
     }
     const int64_t ep = cfg.parallel.ep;
-    const bool z3 = cfg.parallel.zero3();
-    const PolicyShare share = policy_share(policy.config(), policy.dtype(), cfg.parallel, group);
-    whole = holds_whole(policy);
-    if (!whole) check_share(policy, share);
-    const int64_t first_expert = whole ? 0 : share.expert_rank * (policy.config().num_experts / share.expert_ranks);
-    if (cfg.lora.enabled() && model::lora_rank(policy) == 0) model::add_lora(policy, cfg.lora, cfg.seed, first_expert);
-    if (ep > 1 || z3) {
+    if (cfg.lora.enabled() && model::lora_rank(policy) == 0) {
+      // A share's adapters are drawn for its own experts (the same values as the whole model's).
+      const PolicyShare share = policy_share(policy.config(), policy.dtype(), cfg.parallel, group);
+      const at::Tensor& experts = policy.weights().layers.front().expert_gate;
+      const bool expert_shard = experts.defined() && experts.dim() == 3 && experts.size(0) < policy.config().num_experts;
+      model::add_lora(policy, cfg.lora, cfg.seed,
+                      expert_shard ? share.expert_rank * (policy.config().num_experts / share.expert_ranks) : 0);
+    }
+    if (ep > 1 || cfg.parallel.zero3())
       KILN_CHECK(cfg.prompts_per_step % group.size() == 0, "grpo: expert parallel and ZeRO-3 need prompts_per_step (",
                  cfg.prompts_per_step, ") divisible by the ranks (", group.size(),
                  "): every rank must run the same number of forwards, which exchange tokens or gather weights");
-      const int e = int(group.rank() % ep), d = int(group.rank() / ep);
-      if (ep > 1) {
-        ep_group = group.split(d, e);
-        expert_dp = group.split(e, d);  // its own split call: colours need not differ from ep_group's
-        dispatcher = std::make_unique<model::AllToAllDispatcher>(ep_group);
-      }
-      if (!whole) {
-        shard = std::make_unique<model::Muse>(policy);  // the share trains in place
-      } else {
-        // This rank's experts (the rest shared with `policy`); under ZeRO-3 a copy of only what
-        // this rank will own, so that releasing the others leaves the whole policy as it is.
-        shard = std::make_unique<model::Muse>(ep > 1 ? model::shard_experts(policy, e, int(ep)) : policy);
-        if (z3) *shard = shard->clone(share.keep);
-      }
-      if (z3) {
-        zero3_shapes = std::make_unique<model::Muse>(
-            model::Muse::shapes(policy.config(), policy.dtype(), policy.config().num_experts / ep));
-        for (model::LayerWeights& l : shard->weights().layers) l.nvfp4 = {};  // dense weights train and serve it
-        // The dense part (at ep = 1 every tensor) whole on one rank each; LoRA's adapters stay replicated.
-        zero3 = std::make_unique<dist::Zero3>(*shard, group, zero3_select(), zero3_shapes.get());
-      }
-    }
+    layout = std::make_unique<dist::ShardedModel>(policy, cfg.parallel, group);
+    shard = layout->shard();
+    zero3 = layout->zero3();
+    dispatcher = layout->experts();
+    ep_group = layout->ep_group();
+    expert_dp = layout->expert_dp();
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.sharded_rollout()) ec.expert_group = &ep_group;  // serves this rank's experts
     ec.share_weights = lora() && !shard;  // LoRA's frozen base needs no second copy
@@ -363,7 +301,7 @@ struct GrpoTrainer::Impl {
     // The KL reference: a frozen copy of what is trained (an expert shard under expert
     // parallelism); with LoRA the base itself, adapters disabled (no second copy).
     if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
-    if (reference && z3) ref_zero3 = std::make_unique<dist::Zero3>(*reference, group, zero3_select(), zero3_shapes.get());
+    if (reference) ref_zero3 = layout->shard_like(*reference);
     trained().set_requires_grad(!lora());
     const auto named = lora() ? model::lora_parameters(trained()) : trained().named_parameters();
     for (auto& [name, t] : named) t.requires_grad_(true);
@@ -373,7 +311,7 @@ struct GrpoTrainer::Impl {
     }
     optimizers::OptimizerConfig oc = cfg.optim;
     oc.fused = cfg.fused_kernels;
-    zero = std::make_unique<dist::ZeroOne>(named, is_expert, group, expert_dp, oc, zero3.get());
+    zero = std::make_unique<dist::ZeroOne>(named, is_expert, group, expert_dp, oc, zero3);
     if (!shard && group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
   }
 
@@ -392,30 +330,23 @@ struct GrpoTrainer::Impl {
   // reference), micro-batched (trainer/scoring.h).
   model::Muse& trained() { return shard ? *shard : policy; }
   const model::Muse& trained() const { return shard ? *shard : policy; }
-  // What ZeRO-3 shards: the dense part, and at ep 1 the experts too.
-  std::function<bool(const std::string&)> zero3_select() const { return zero3_selection(cfg.parallel.ep); }
   // Where the engine gets what this rank holds only in part (rollout::WeightSource): ZeRO-3's
   // tensors from their owners, and for a replica every rank's experts. None without sharding.
   rollout::WeightSource engine_source() const {
     if (!shard) return {};
-    return [this](const std::string& name, const at::Tensor& own) -> at::Tensor {
-      if (zero3)
-        if (const dist::Zero3::Entry* e = zero3->find(name)) return zero3->whole(*e);
-      if (cfg.parallel.ep > 1 && !cfg.parallel.sharded_rollout() && model::is_expert_tensor(name))
-        return ep_group.all_gather(own.detach());
-      return {};
+    return [this](const std::string& name, const at::Tensor& own) {
+      return layout->whole_tensor(name, own, !cfg.parallel.sharded_rollout());
     };
   }
   // The ZeRO-3 sharding of the trained model or of the KL reference; null for any other model.
   const dist::Zero3* zero_of(const model::Muse& m) const {
-    return &m == shard.get() ? zero3.get() : &m == reference.get() ? ref_zero3.get() : nullptr;
+    return shard && &m == shard ? zero3 : &m == reference.get() ? ref_zero3.get() : nullptr;
   }
   bool lora() const { return cfg.lora.enabled(); }
   // Forward options of the trained model: the expert exchange under expert parallelism.
   model::ForwardOptions forward_options() const {
     model::ForwardOptions o;
-    o.experts = dispatcher.get();
-    o.gather = zero3.get();
+    layout->apply(o);  // the expert exchange, ZeRO-3's gathers
     o.batch_invariant = cfg.engine.batch_invariant;  // rollout.numerics: bitwise
     o.use_fused = cfg.fused_kernels;
     o.recompute = cfg.recompute;
@@ -1011,7 +942,7 @@ struct GrpoTrainer::Impl {
       double norm = 0;
       if (shard) {
         zero->all_reduce_grads();
-        norm = dist::clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip, zero3.get());
+        norm = dist::clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip, zero3);
       } else {
         if (reducer) {
           if (!armed) reducer->arm();  // no trajectories here in this mini-step: still joins in
@@ -1086,7 +1017,7 @@ struct GrpoTrainer::Impl {
       o.targets = at::cat({b.tokens.narrow(0, 1, b.num_tokens() - 1), at::full({1}, -100L, b.tokens.options())});
       return m.forward(b, o).logprobs.narrow(0, 0, b.num_tokens() - 1).to(at::kDouble).cpu();
     };
-    const model::ExpertDispatcher* experts = dispatcher.get();
+    const model::ExpertDispatcher* experts = dispatcher;
     const bool sharded_engine = cfg.parallel.sharded_rollout();
     const at::Tensor mine = lp(trained(), experts);
     const at::Tensor theirs = lp(engine->model(), sharded_engine ? experts : nullptr);
@@ -1103,27 +1034,8 @@ struct GrpoTrainer::Impl {
     return diff;
   }
 
-  // A whole `policy` from the trained shards (sync_policy): experts all-gathered over ep_group,
-  // ZeRO-3's tensors from their owners, the rest copied unless shared. A share is the trained
-  // model itself.
-  void gather_experts() {
-    if (!shard || !whole) return;
-    at::NoGradGuard no_grad;
-    auto f = policy.named_parameters(), p = shard->named_parameters();
-    const auto fl = model::lora_parameters(policy), pl = model::lora_parameters(*shard);
-    f.insert(f.end(), fl.begin(), fl.end());
-    p.insert(p.end(), pl.begin(), pl.end());
-    KILN_CHECK(f.size() == p.size(), "grpo: the full model and its shard hold different tensors");
-    for (size_t i = 0; i < f.size(); ++i) {
-      const std::string& name = f[i].first;
-      at::Tensor &full = f[i].second, &mine = p[i].second;
-      if (full.is_same(mine)) continue;
-      const dist::Zero3::Entry* e = zero3 ? zero3->find(name) : nullptr;
-      full.copy_(e                                                      ? zero3->whole(*e)
-                 : cfg.parallel.ep > 1 && model::is_expert_tensor(name) ? ep_group.all_gather(mine.detach())
-                                                                        : mine.detach());
-    }
-  }
+  // A whole `policy` from the trained shards (sync_policy); a share is the trained model itself.
+  void gather_experts() { layout->update_policy(); }
 
   // Held-out evaluation: each rank samples and scores its share of the prompts; the scores are
   // gathered per data_source.
@@ -1240,44 +1152,11 @@ struct GrpoTrainer::Impl {
     return model::Muse(trained().config(), std::move(w));
   }
 
-  // A sharded save writes each rank's tensors: a NaN one rank holds must stop every rank before
-  // any writes (the writer alone would throw, and the others wait at the next barrier). Collective.
+  // Before a sharded save (collective): LoRA's base is frozen, so only full-parameter runs check.
   void check_finite(const std::string& dir) const {
-    if (!shard || lora()) return;
-    at::NoGradGuard no_grad;
-    double bad = 0;
-    for (const auto& [name, t] : trained().named_parameters())
-      if (t.numel() > 0) bad += at::isfinite(t.detach()).logical_not().sum().item<double>();
-    const double all_bad = group.all_reduce(bad);
-    KILN_CHECK(all_bad == 0, "grpo: refusing to write step ", steps, " into ", dir, ": the weights hold ",
-               int64_t(all_bad), " NaN/inf value(s) (", int64_t(bad), " on rank ", group.rank(),
-               "); the run has diverged: resume from the last checkpoint with a lower lr");
+    if (!lora()) layout->check_finite(str_cat("step ", steps, " into ", dir));
   }
-
-  // `m` (the trained model or the KL reference, sharded by `z` under ZeRO-3) into the checkpoint
-  // folder `out` (collective). A sharded model is written by its ranks, each its own tensors (its
-  // experts by the first copy of each expert shard, ZeRO-3's by their owners, the rest by rank 0),
-  // and rank 0 joins the indexes: no tensor moves between ranks. Otherwise rank 0 writes it.
-  void write_weights(const model::Muse& m, const dist::Zero3* z, const std::string& out) const {
-    const int64_t ep = cfg.parallel.ep;
-    const int rank = group.rank();
-    if (!shard) {
-      if (rank == 0) model::save_checkpoint(m, out);
-      return;
-    }
-    const bool my_experts = ep > 1 ? expert_dp.rank() == 0 : rank == 0;
-    if (z) {
-      const int64_t first_expert = ep > 1 ? (rank % ep) * (m.config().num_experts / ep) : 0;
-      model::save_checkpoint_owned(m, out, rank, group.size(), first_expert, [&](const std::string& name) {
-        if (const dist::Zero3::Entry* e = z->find(name)) return z->owns(*e);
-        return model::is_expert_tensor(name) ? my_experts : rank == 0;  // buffers (router_bias): rank 0
-      }, rank == 0);
-    } else if (my_experts) {
-      model::save_checkpoint_part(m, out, int(rank % ep), int(ep), rank == 0);
-    }
-    group.barrier();
-    if (rank == 0) safetensors::merge_checkpoint_index(out);
-  }
+  void write_weights(const model::Muse& m, const dist::Zero3* z, const std::string& out) const { layout->write(m, z, out); }
 
   // The trained weights into `out` (collective): with LoRA the PEFT adapter (rank 0), otherwise
   // the weights and the tokenizer's files, so that the folder loads on its own.
@@ -1287,30 +1166,12 @@ struct GrpoTrainer::Impl {
       if (group.rank() == 0) model::save_peft_adapter(adapters, out);
       return;
     }
-    write_weights(trained(), zero3.get(), out);
+    write_weights(trained(), zero3, out);
     const std::string tokenizer_files = text::tokenizer_dir(*tok);
     if (group.rank() == 0 && !tokenizer_files.empty()) text::copy_tokenizer_files(tokenizer_files, out);
   }
 
-  // Reads `sub` of the checkpoint `dir` into `into` in place: each rank only the tensors it holds
-  // (its experts; under ZeRO-3 those it owns), through the safetensors index.
-  void restore(model::Muse& into, const std::string& dir, const std::string& sub) const {
-    const int64_t ep = cfg.parallel.ep;
-    std::set<std::string> held;
-    for (const auto& [name, t] : into.named_parameters())
-      if (t.numel() > 0) held.insert(name);
-    model::Muse saved = model::load_checkpoint_owned(dir + "/" + sub, into.dtype(), into.device(), int(group.rank() % ep),
-                                                     int(ep), [&](const std::string& name) { return held.count(name) > 0; });
-    at::NoGradGuard g;
-    auto mine = into.named_parameters(), theirs = saved.named_parameters();
-    KILN_CHECK(mine.size() == theirs.size(), "grpo: checkpoint ", dir, "/", sub, " holds a different model");
-    for (size_t i = 0; i < mine.size(); ++i) {
-      if (!held.count(mine[i].first)) continue;
-      KILN_CHECK(mine[i].second.sizes() == theirs[i].second.sizes(), "grpo: checkpoint ", dir, "/", sub, " tensor ",
-                 mine[i].first, " has shape ", theirs[i].second.sizes(), ", the model ", mine[i].second.sizes());
-      mine[i].second.copy_(theirs[i].second);
-    }
-  }
+  void restore(model::Muse& into, const std::string& dir, const std::string& sub) const { layout->restore(into, dir, sub); }
 
   // The adapters of `dir`/adapter into the trained ones in place (the optimizer holds them); an
   // expert shard takes its slice.

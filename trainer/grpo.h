@@ -17,6 +17,7 @@
 #include "rollout/engine.h"
 #include "trainer/losses.h"
 #include "dist/parallel.h"
+#include "dist/sharded_model.h"
 #include "trainer/schedule.h"
 #include "trainer/dataset.h"
 #include "trainer/environment.h"
@@ -154,19 +155,9 @@ struct StepMetrics {
   std::string to_json() const;
 };
 
-// What one rank holds of the policy under a layout (parallel.ep, parallel.dense): its expert shard
-// (expert_rank of expert_ranks) and under ZeRO-3 only the tensors `keep` selects (the dense ones
-// it owns; its experts too at ep 1), the others zero-element placeholders. A policy built this way
-// (Muse::init_owned, model::load_checkpoint_owned) never exists whole on any rank, and
-// GrpoTrainer takes it as it takes a whole one.
-struct PolicyShare {
-  int expert_rank = 0, expert_ranks = 1;
-  std::function<bool(const std::string&)> keep;  // by Muse::named_parameters name; empty: every tensor
-  bool whole() const { return expert_ranks == 1 && !keep; }
-};
-// `parallel` as in the recipe (resolved here against the group's size and the model's experts).
-PolicyShare policy_share(const model::ModelConfig& model, at::ScalarType dtype, dist::ParallelConfig parallel,
-                         const comm::Group& group = comm::Group::world());
+// What a rank holds of the policy under a layout, and how to build only that (dist/sharded_model.h).
+using dist::PolicyShare;
+using dist::policy_share;
 
 class GrpoTrainer {
  public:

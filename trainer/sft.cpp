@@ -8,10 +8,15 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <filesystem>
 
+#include "core/checkpoint_dir.h"
 #include "core/error.h"
-#include "text/tokenizer.h"
+#include "core/files.h"
 #include "dist/parallel.h"
+#include "dist/sharded_model.h"
+#include "model/expert_parallel.h"
+#include "text/tokenizer.h"
 #include "trainer/update_guard.h"
 
 namespace kiln::trainer {
@@ -119,23 +124,34 @@ struct SftTrainer::Impl {
   DemoReport demos;  // what the environment demonstrated (sft.demonstrations: environment)
   DataStream stream;
   comm::Group group;
-  std::vector<at::Tensor> params;  // all: clipping and the gradient all-reduce
+  dist::ParallelConfig parallel;
+  std::unique_ptr<dist::ShardedModel> layout;  // the trained model under the layout
+  std::vector<at::Tensor> params;  // all trained tensors: clipping and the gradient reduction
+  std::vector<bool> is_expert;     // ep > 1: params[i] is an expert shard (not ZeRO-3's)
   std::unique_ptr<dist::ZeroOne> zero;   // the optimizer, over the tensors this rank owns
-  std::unique_ptr<dist::OverlappedGradReducer> reducer;  // more than one rank
+  std::unique_ptr<dist::OverlappedGradReducer> reducer;  // replicated over more than one rank
   int64_t steps = 0;
   UpdateGuard guard;
 
   Impl(model::Muse& m, SftConfig c, std::shared_ptr<const text::Tokenizer> t, std::vector<Example> train,
-       const comm::Group& g, Environment* env)
-      : model(m), cfg(c), tok(std::move(t)), stream(prepared(std::move(train), env), c.seed), group(g) {
+       const comm::Group& g, Environment* env, dist::ParallelConfig par)
+      : model(m), cfg(c), tok(std::move(t)), stream(prepared(std::move(train), env), c.seed), group(g),
+        parallel(std::move(par)) {
     cfg.validate();
     guard.limit = cfg.stop_after_nonfinite;
     KILN_CHECK(cfg.batch_size >= group.size(), "sft: batch_size (", cfg.batch_size,
-               ") must be at least the data-parallel ranks (", group.size(), ")");
-    model.set_requires_grad(true);
-    for (auto& [name, p] : model.named_parameters()) params.push_back(p);
-    zero = std::make_unique<dist::ZeroOne>(model.named_parameters(), std::vector<bool>{}, group, comm::Group(), cfg.optim);
-    if (group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
+               ") must be at least the ranks (", group.size(), "): every rank trains on a share of every batch");
+    parallel.resolve(group.size(), model.config().num_experts);
+    layout = std::make_unique<dist::ShardedModel>(model, parallel, group);
+    model::Muse& trained = layout->trained();
+    trained.set_requires_grad(true);
+    const auto named = trained.named_parameters();
+    for (const auto& [name, p] : named) {
+      params.push_back(p);
+      is_expert.push_back(parallel.ep > 1 && model::is_expert_tensor(name));
+    }
+    zero = std::make_unique<dist::ZeroOne>(named, is_expert, group, layout->expert_dp(), cfg.optim, layout->zero3());
+    if (!layout->sharded() && group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
   }
 
   std::vector<Example> prepared(std::vector<Example> train, Environment* env) {
@@ -160,11 +176,13 @@ struct SftTrainer::Impl {
       targets.insert(targets.end(), t.begin(), t.end());
       seqs.push_back(std::move(seq));
     }
+    model::Muse& trained = layout->trained();
     model::PackedBatch batch = model::PackedBatch::from_sequences(seqs, model.device());
     model::ForwardOptions o;
+    layout->apply(o);  // the expert exchange, ZeRO-3's gathers
     o.targets = at::tensor(targets, at::kLong).to(model.device());
     o.return_logits = true;
-    auto out = model.forward(batch, o);
+    auto out = trained.forward(batch, o);
     at::Tensor mask = o.targets.ne(-100);
     const double n = std::max(group.all_reduce(mask.sum().item<double>()), 1.0);  // answer tokens, all ranks
     at::Tensor loss = -out.logprobs.sum() / n;
@@ -172,8 +190,14 @@ struct SftTrainer::Impl {
     for (at::Tensor& p : params) p.mutable_grad().reset();
     if (reducer) reducer->arm();
     loss.backward();
-    if (reducer) reducer->finish();
-    const double norm = torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
+    double norm = 0;
+    if (layout->sharded()) {  // replicated gradients over every rank, experts' over their copies
+      zero->all_reduce_grads();
+      norm = dist::clip_grads_expert_parallel(params, is_expert, layout->ep_group(), cfg.grad_clip, layout->zero3());
+    } else {
+      if (reducer) reducer->finish();
+      norm = torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
+    }
     SftMetrics m;
     m.step = ++steps;
     m.skipped = !guard.admit(norm, loss.item<double>(), "sft", m.step);
@@ -188,8 +212,32 @@ struct SftTrainer::Impl {
 };
 
 SftTrainer::SftTrainer(model::Muse& model, SftConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
-                       std::vector<Example> train, const comm::Group& group, Environment* env)
-    : impl_(std::make_unique<Impl>(model, config, std::move(tokenizer), std::move(train), group, env)) {}
+                       std::vector<Example> train, const comm::Group& group, Environment* env,
+                       dist::ParallelConfig parallel)
+    : impl_(std::make_unique<Impl>(model, config, std::move(tokenizer), std::move(train), group, env,
+                                   std::move(parallel))) {}
+void SftTrainer::sync_policy() { impl_->layout->update_policy(); }
+
+void SftTrainer::save_model(const std::string& dir) const {
+  const comm::Group& g = impl_->group;
+  const std::string tmp = dir + ".tmp";
+  impl_->layout->check_finite(dir);
+  if (g.rank() == 0) remove_tree(tmp);
+  g.barrier();
+  impl_->layout->write(impl_->layout->trained(), impl_->layout->zero3(), tmp);
+  const std::string tokenizer_files = text::tokenizer_dir(*impl_->tok);
+  if (g.rank() == 0 && !tokenizer_files.empty()) text::copy_tokenizer_files(tokenizer_files, tmp);
+  g.barrier();
+  if (g.rank() == 0) {  // a kill leaves no half-written `dir`
+    sync_tree(tmp);
+    remove_tree(dir);
+    std::error_code ec;
+    std::filesystem::rename(tmp, dir, ec);
+    KILN_CHECK(!ec, "sft: cannot rename ", tmp, " to ", dir, " (", ec.message(), ")");
+    sync_parent(dir);
+  }
+  g.barrier();
+}
 const DemoReport& SftTrainer::demonstrations() const { return impl_->demos; }
 SftTrainer::~SftTrainer() = default;
 SftMetrics SftTrainer::step() { return impl_->step(); }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/comm.h"
+#include "dist/parallel.h"
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
 #include "trainer/schedule.h"
@@ -73,13 +74,23 @@ class SftTrainer {
   // The target of an example is its answer_ids where add_demonstrations set them (their trained
   // tokens), else its label followed by the tokenizer's first stop id (its eos).
   // Data parallel over `group`: each rank takes its share of every batch, gradients are summed,
-  // and each parameter's owner steps it (ZeRO-1) and broadcasts it.
+  // and each parameter's owner steps it (ZeRO-1) and broadcasts it. Under `parallel` (the
+  // recipe's parallel: section) the experts are sharded over ep ranks and the dense part may be
+  // under ZeRO-3, as in GRPO (dist/sharded_model.h); `model` may then be this rank's share
+  // (dist::policy_share), trained in place, or a whole model that only sync_policy() and
+  // save_model() bring up to date.
   // With sft.demonstrations: environment, `env` demonstrates every example (add_demonstrations).
   SftTrainer(model::Muse& model, SftConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
-             std::vector<Example> train, const comm::Group& group = comm::Group::world(), Environment* env = nullptr);
+             std::vector<Example> train, const comm::Group& group = comm::Group::world(), Environment* env = nullptr,
+             dist::ParallelConfig parallel = {});
   ~SftTrainer();
   SftMetrics step();
   const DemoReport& demonstrations() const;
+  // A whole `model` from the trained shards (collective); nothing to do for a share.
+  void sync_policy();
+  // The trained weights with the tokenizer's files into `dir` (collective): each rank writes the
+  // tensors it holds, into dir.tmp, then renamed, so a kill leaves no half-written `dir`.
+  void save_model(const std::string& dir) const;
 
  private:
   struct Impl;

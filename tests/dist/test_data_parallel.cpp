@@ -16,6 +16,8 @@
 #include "tests/trainer/small_model.h"
 #include "tests/trainer/grpo_fixtures.h"
 #include "trainer/grpo.h"
+#include "trainer/sft.h"
+#include "trainer/tasks.h"
 #include "dist/parallel.h"
 
 namespace kiln::trainer {
@@ -309,6 +311,57 @@ TEST(DataParallel, GrpoFromSharesMatchesOneRank) {
     check_grpo(W, 1, 0.05, "sharded", 0, true, true);
     check_grpo(W, 1, 0, "replica", 4, false, true);  // expert shards alone, the dense part replicated
   }
+}
+
+// SFT under the layouts GRPO uses (experts over ep ranks, the dense part under ZeRO-3), from a
+// whole model or from shares, against the same steps on one rank: the same losses and token
+// accuracies, each rank's tensors the same slice of the one-rank run's, and save_model written by
+// share loads as what the ranks hold.
+void check_sft(int64_t ep, bool zero3, bool share) {
+  const Group& w = Group::world();
+  const Group alone = w.split(w.rank(), 0);
+  const model::ModelConfig mc = test::byte_vocab_config();
+  model::Muse m1 = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  const std::vector<Example> train = arithmetic_problems(64, 1, 3);
+  SftConfig sc;
+  sc.batch_size = 8;
+  sc.optim.adamw.lr = sc.optim.muon.lr = 1e-2;
+  SftTrainer one(m1, sc, test::byte_tokenizer(), train, alone);
+  ParallelConfig par;
+  par.ep = ep;
+  if (zero3) par.dense = DenseSharding::kZero3;
+  const PolicyShare ps = policy_share(mc, at::kFloat, par, w);
+  const auto keep = ps.keep ? ps.keep : [](const std::string&) { return true; };
+  model::Muse mw = share ? model::Muse::init_owned(mc, 3, at::kFloat, at::kCPU, ps.expert_rank, ps.expert_ranks, keep)
+                         : model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  SftTrainer all(mw, sc, test::byte_tokenizer(), train, w, nullptr, par);
+  const std::string what = str_cat("ep=", ep, " zero3=", zero3, " share=", share);
+  for (int s = 0; s < 3; ++s) {
+    const SftMetrics a = one.step(), b = all.step();
+    EXPECT_NEAR(b.loss, a.loss, 1e-5 * std::max(1.0, std::abs(a.loss))) << what << " step " << s;
+    EXPECT_NEAR(b.token_accuracy, a.token_accuracy, 1e-12) << what << " step " << s;
+  }
+  all.sync_policy();
+  for (const auto& [name, t] : held(m1.named_parameters(), mw.named_parameters(), ps.expert_rank)) {
+    const double diff = (t.second - t.first).norm().item<double>(), ref = t.first.norm().item<double>();
+    EXPECT_LE(diff, 1e-2 * ref) << name << " " << what;
+  }
+  at::Tensor id = at::tensor(std::vector<int64_t>{int64_t(::getpid())});
+  w.broadcast(id, 0);
+  const std::string dir = str_cat("/tmp/kiln-mpi-sft-", id.item<int64_t>(), "-", ep, zero3, share);
+  all.save_model(dir);
+  const model::Muse saved = model::load_checkpoint(dir, at::kFloat, at::kCPU);
+  for (const auto& [name, t] : held(saved.named_parameters(), mw.named_parameters(), ps.expert_rank))
+    EXPECT_TRUE(test::all_equal(t.second, t.first)) << name << " " << what;
+  w.barrier();
+  if (w.rank() == 0) remove_tree(dir);
+}
+
+TEST(DataParallel, SftUnderExpertParallelAndZero3MatchesOneRank) {
+  const int64_t W = Group::world().size();
+  check_sft(W, false, false);  // experts sharded from a whole model
+  check_sft(1, true, true);    // every tensor under ZeRO-3, from shares
+  check_sft(W, true, true);    // experts sharded and the dense part under ZeRO-3, from shares
 }
 
 // Dynamic sampling over every rank: each rank drops its flat groups, the rounds continue while
