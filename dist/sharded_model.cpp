@@ -4,9 +4,12 @@
 
 #include <ATen/ATen.h>
 
+#include <filesystem>
 #include <set>
 
+#include "core/checkpoint_dir.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/lora.h"
@@ -155,6 +158,23 @@ void ShardedModel::write(const model::Muse& m, const Zero3* z, const std::string
   }
   group_.barrier();
   if (rank == 0) safetensors::merge_checkpoint_index(out);
+}
+
+void ShardedModel::write_folder(const std::string& dir, const std::function<void(const std::string&)>& fill) const {
+  const std::string tmp = dir + ".tmp";
+  if (group_.rank() == 0) remove_tree(tmp);
+  group_.barrier();
+  fill(tmp);
+  group_.barrier();
+  if (group_.rank() == 0) {
+    sync_tree(tmp);
+    remove_tree(dir);
+    std::error_code ec;
+    std::filesystem::rename(tmp, dir, ec);
+    KILN_CHECK(!ec, "parallel: cannot rename ", tmp, " to ", dir, " (", ec.message(), ")");
+    sync_parent(dir);
+  }
+  group_.barrier();
 }
 
 void ShardedModel::restore(model::Muse& into, const std::string& dir, const std::string& sub) const {

@@ -64,6 +64,10 @@ class ShardedModel {
   // expert shard, ZeRO-3's by their owners, the rest by rank 0) and rank 0 joins the indexes: no
   // tensor moves between ranks. Otherwise rank 0 writes it.
   void write(const model::Muse& m, const Zero3* z, const std::string& out) const;
+  // The folder `dir` as one kill-safe unit (collective): every rank's `fill(tmp)` writes its part
+  // into dir.tmp, then rank 0 syncs it and renames it over `dir`, so a kill leaves the old `dir`
+  // or the whole new one, never half of it.
+  void write_folder(const std::string& dir, const std::function<void(const std::string& tmp)>& fill) const;
   // `sub` of the checkpoint `dir` into `into` in place: each rank only the tensors it holds.
   void restore(model::Muse& into, const std::string& dir, const std::string& sub) const;
 

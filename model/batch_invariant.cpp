@@ -23,24 +23,18 @@ at::Tensor own_row(const at::Tensor& x, int64_t i) { return x.select(0, i).clone
 
 at::ScalarType acc_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-constexpr int64_t kChunkRows = 64;  // rows per call of the chunked forms
-
-// f over x's rows in chunks of exactly kChunkRows rows (the last one padded with zero rows), each
+// f over x's rows in chunks of exactly kBatchInvariantRows rows (the last one padded with zero rows), each
 // a fresh tensor: the library then picks one kernel, one tiling and one reduction order for every
 // call, and a row's result depends on its own values alone, not on its neighbours or its place.
 // For ops whose per-row arithmetic is exact IEEE (GEMM sums, x * x, the mean, 1 / sqrt), not for
 // exp or cos (their vectorised and scalar paths differ: rowwise_apply).
 at::Tensor chunked(const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&, int64_t, int64_t)>& f) {
-  const int64_t T = x.size(0);
+  const int64_t T = x.size(0), R = kBatchInvariantRows;
   std::vector<at::Tensor> parts;
-  parts.reserve(size_t((T + kChunkRows - 1) / kChunkRows));
-  for (int64_t a = 0; a < T; a += kChunkRows) {
-    const int64_t n = std::min(kChunkRows, T - a);
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape[0] = kChunkRows;
-    at::Tensor chunk = at::zeros(shape, x.options());
-    chunk = chunk.index_copy(0, at::arange(n, x.options().dtype(at::kLong)), x.narrow(0, a, n));
-    parts.push_back(f(chunk, a, n).narrow(0, 0, n));
+  parts.reserve(size_t((T + R - 1) / R));
+  for (int64_t a = 0; a < T; a += R) {
+    const int64_t n = std::min(R, T - a);
+    parts.push_back(f(padded_rows(x, a, n), a, n).narrow(0, 0, n));
   }
   return parts.size() == 1 ? parts[0] : at::cat(parts);
 }
@@ -151,6 +145,12 @@ at::Tensor causal_query_attention(const at::Tensor& q, const at::Tensor& k, cons
   return CausalQueryAttention::apply(q, k, v, window);
 }
 
+at::Tensor padded_rows(const at::Tensor& x, int64_t first, int64_t n, int64_t rows) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape[0] = rows;
+  return at::zeros(shape, x.options()).index_copy(0, at::arange(n, x.options().dtype(at::kLong)), x.narrow(0, first, n));
+}
+
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w) {
   KILN_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rowwise_linear: x [T, K] and w [N, K] (got ",
              x.sizes(), " and ", w.sizes(), ")");
@@ -172,10 +172,7 @@ at::Tensor rowwise_rms_norm(const at::Tensor& x, const at::Tensor& weight, doubl
   if (x.size(0) == 0) return x * 1;
   // x * 1/sqrt(mean(x * x) + eps) * w: exact IEEE steps, so fixed-size chunks suffice.
   return chunked(x, [&](const at::Tensor& c, int64_t a, int64_t n) {
-    if (weight.dim() == 1) return kernels::rms_norm_reference(c, weight, eps);
-    at::Tensor w = at::zeros(c.sizes(), weight.options()).index_copy(0, at::arange(n, weight.options().dtype(at::kLong)),
-                                                                     weight.narrow(0, a, n));
-    return kernels::rms_norm_reference(c, w, eps);
+    return kernels::rms_norm_reference(c, weight.dim() == 1 ? weight : padded_rows(weight, a, n), eps);
   });
 }
 

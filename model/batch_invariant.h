@@ -10,6 +10,11 @@
 
 namespace kiln::model {
 
+// Rows per call of the chunked batch-invariant forms.
+constexpr int64_t kBatchInvariantRows = 64;
+// Rows [first, first + n) of x in a fresh zero tensor of `rows` rows (n <= rows): a chunk of one
+// fixed shape whatever n is.
+at::Tensor padded_rows(const at::Tensor& x, int64_t first, int64_t n, int64_t rows = kBatchInvariantRows);
 // x [T, K] . w^T ([N, K]): [T, N] in x's dtype, by GEMMs of a fixed number of rows (zero-padded),
 // so that every row goes through the same kernel and reduction order. Differentiable.
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w);

@@ -344,16 +344,12 @@ at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t
 // whole tensor (its vectorised and scalar paths round differently), so one row at a time.
 kernels::MoeRoute rowwise_route(const at::Tensor& logits, int64_t k, bool sigmoid, const at::Tensor& bias,
                                 const at::Tensor& replay) {
-  const int64_t rows = sigmoid ? 1 : 64;
+  const int64_t rows = sigmoid ? 1 : kBatchInvariantRows;
   std::vector<at::Tensor> ids, weights, scores;
   for (int64_t t = 0; t < logits.size(0); t += rows) {
     const int64_t n = std::min(rows, logits.size(0) - t);
-    auto padded = [&](const at::Tensor& x) {
-      at::Tensor c = at::zeros({rows, x.size(1)}, x.options());
-      return c.index_copy(0, at::arange(n, x.options().dtype(at::kLong)), x.narrow(0, t, n));
-    };
-    const kernels::MoeRoute r =
-        kernels::moe_route_reference(padded(logits), k, sigmoid, bias, replay.defined() ? padded(replay) : replay);
+    const kernels::MoeRoute r = kernels::moe_route_reference(padded_rows(logits, t, n, rows), k, sigmoid, bias,
+                                                             replay.defined() ? padded_rows(replay, t, n, rows) : replay);
     ids.push_back(r.ids.narrow(0, 0, n));
     weights.push_back(r.weights.narrow(0, 0, n));
     scores.push_back(r.scores.narrow(0, 0, n));

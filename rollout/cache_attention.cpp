@@ -79,35 +79,47 @@ void CacheAttention::plan_group(int g) {
     if (work[i].n > 1) p.piece_read[i] = all_pieces.narrow(0, pieces[i].first, pieces[i].second);
 }
 
+namespace {
+// An item's keys (or values) in position order: the cache rows `read`, then its new ones.
+at::Tensor with_cached(const at::Tensor& cache, const at::Tensor& read, const at::Tensor& fresh) {
+  return read.numel() > 0 ? at::cat({cache.index_select(0, read), fresh}, 0) : fresh;
+}
+}  // namespace
+
 at::Tensor CacheAttention::attend(int64_t layer, bool full, const model::PackedBatch& batch, const at::Tensor& q,
                                   const at::Tensor& k, const at::Tensor& v) {
-  const std::vector<Work>& work = *work_;
   const int64_t g = kv_.group_of(layer);
   const GroupPlan& p = plan_[full ? 0 : 1];
   at::Tensor kl = kv_.keys(full)[g], vl = kv_.values(full)[g];  // [blocks * B, Hkv, hd]
-  at::Tensor o = batch_invariant_ ? attend_each(p, full, q, k, v, kl, vl) : at::empty_like(q);
-  if (!batch_invariant_ && p.decode.num_problems > 0) {
+  at::Tensor o = batch_invariant_ ? attend_each(p, full, q, k, v, kl, vl) : attend_batched(p, full, q, k, v, kl, vl);
+  // Keep the new keys (every position for full layers, the last W for window layers) only after
+  // every read of this layer.
+  kl.index_copy_(0, p.write_rows, k.index_select(0, p.write_src));
+  vl.index_copy_(0, p.write_rows, v.index_select(0, p.write_src));
+  return o;
+}
+
+// The decode items as one padded batch, the prefill pieces one by one.
+at::Tensor CacheAttention::attend_batched(const GroupPlan& p, bool full, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const at::Tensor& kl, const at::Tensor& vl) const {
+  const std::vector<Work>& work = *work_;
+  at::Tensor o = at::empty_like(q);
+  if (p.decode.num_problems > 0) {
     at::Tensor ks = at::cat({kl.index_select(0, p.decode_read), k}, 0);
     at::Tensor vs = at::cat({vl.index_select(0, p.decode_read), v}, 0);
     o.index_copy_(0, p.decode_out, model::padded_attention(p.decode, q, ks, vs, full, W_));
   }
-  for (size_t i = 0; i < work.size() && !batch_invariant_; ++i) {
+  for (size_t i = 0; i < work.size(); ++i) {
     const Work& w = work[i];
     if (w.n == 1) continue;
-    at::Tensor kn = k.narrow(0, w.offset, w.n), vn = v.narrow(0, w.offset, w.n);
-    const at::Tensor& read = p.piece_read[i];
-    at::Tensor keys = read.numel() > 0 ? at::cat({kl.index_select(0, read), kn}, 0) : kn;
-    at::Tensor values = read.numel() > 0 ? at::cat({vl.index_select(0, read), vn}, 0) : vn;
+    at::Tensor keys = with_cached(kl, p.piece_read[i], k.narrow(0, w.offset, w.n));
+    at::Tensor values = with_cached(vl, p.piece_read[i], v.narrow(0, w.offset, w.n));
     at::Tensor qs = q.narrow(0, w.offset, w.n).transpose(0, 1);
     at::Tensor ks = model::expand_kv_heads(keys.transpose(0, 1), group_);
     at::Tensor vs = model::expand_kv_heads(values.transpose(0, 1), group_);
     const int64_t lo = full ? 0 : w.window_lo;
     o.narrow(0, w.offset, w.n).copy_(model::sequence_attention(qs, ks, vs, full, W_, w.start, lo).transpose(0, 1));
   }
-  // Keep the new keys (every position for full layers, the last W for window layers) only after
-  // every read of this layer.
-  kl.index_copy_(0, p.write_rows, k.index_select(0, p.write_src));
-  vl.index_copy_(0, p.write_rows, v.index_select(0, p.write_src));
   return o;
 }
 
@@ -119,10 +131,8 @@ at::Tensor CacheAttention::attend_each(const GroupPlan& p, bool full, const at::
   at::Tensor o = at::empty_like(q);
   for (size_t i = 0; i < work.size(); ++i) {
     const Work& w = work[i];
-    const at::Tensor& read = p.item_read[i];
-    at::Tensor kn = k.narrow(0, w.offset, w.n), vn = v.narrow(0, w.offset, w.n);
-    at::Tensor keys = read.numel() > 0 ? at::cat({kl.index_select(0, read), kn}, 0) : kn;
-    at::Tensor values = read.numel() > 0 ? at::cat({vl.index_select(0, read), vn}, 0) : vn;
+    at::Tensor keys = with_cached(kl, p.item_read[i], k.narrow(0, w.offset, w.n));
+    at::Tensor values = with_cached(vl, p.item_read[i], v.narrow(0, w.offset, w.n));
     const int64_t lo = full ? 0 : w.window_lo;
     for (int64_t j = 0; j < w.n; ++j) {
       const int64_t pos = w.start + j, first = full ? 0 : std::max<int64_t>(0, pos - W_ + 1);

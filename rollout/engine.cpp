@@ -585,11 +585,8 @@ int64_t copy_by_name(const char* what, const char* noun, const Named& own, size_
   return bytes;
 }
 
-Item items_of(const Named& named) {
-  return [&named](size_t i) { return named[i]; };
-}
-// named[i], or what `source` fetches for it.
-Item items_of(const Named& named, const WeightSource& source) {
+// named[i], or what `source` (when given) fetches for it.
+Item items_of(const Named& named, const WeightSource& source = {}) {
   return [&named, &source](size_t i) {
     at::Tensor w = source ? source(named[i].first, named[i].second) : at::Tensor();
     return std::make_pair(named[i].first, w.defined() ? w : named[i].second);
@@ -599,13 +596,6 @@ Item items_of(const Named& named, const WeightSource& source) {
 }  // namespace
 
 void Engine::update_weights(const Named& named) { impl_->update_weights(named.size(), items_of(named)); }
-
-namespace {
-void check_own_weights(const EngineConfig& ec) {
-  KILN_CHECK(!ec.share_weights, "rollout: update_weights on an engine that shares its model's weights "
-             "(share_weights: a frozen base); it takes update_adapters only");
-}
-}  // namespace
 
 int64_t Engine::update_weights(const model::Muse& from, const WeightSource& source) {
   const Named named = from.named_parameters();
@@ -620,7 +610,8 @@ int64_t Engine::update_adapters(const model::Muse& from, const WeightSource& sou
 }
 
 int64_t Engine::Impl::update_weights(size_t count, const Item& item) {
-  check_own_weights(ec);
+  KILN_CHECK(!ec.share_weights, "rollout: update_weights on an engine that shares its model's weights "
+             "(share_weights: a frozen base); it takes update_adapters only");
   // A linear served from NVFP4 has no dense tensor: it is re-quantised from the trainer's weights.
   const int64_t bytes = copy_by_name("update_weights", "tensors", model.named_parameters(), count, item,
                                      [&](const std::string& name, const at::Tensor& t) { return model::requantize(model, name, t); });

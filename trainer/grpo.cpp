@@ -1156,7 +1156,6 @@ struct GrpoTrainer::Impl {
   void check_finite(const std::string& dir) const {
     if (!lora()) layout->check_finite(str_cat("step ", steps, " into ", dir));
   }
-  void write_weights(const model::Muse& m, const dist::Zero3* z, const std::string& out) const { layout->write(m, z, out); }
 
   // The trained weights into `out` (collective): with LoRA the PEFT adapter (rank 0), otherwise
   // the weights and the tokenizer's files, so that the folder loads on its own.
@@ -1166,12 +1165,10 @@ struct GrpoTrainer::Impl {
       if (group.rank() == 0) model::save_peft_adapter(adapters, out);
       return;
     }
-    write_weights(trained(), zero3, out);
+    layout->write(trained(), zero3, out);
     const std::string tokenizer_files = text::tokenizer_dir(*tok);
     if (group.rank() == 0 && !tokenizer_files.empty()) text::copy_tokenizer_files(tokenizer_files, out);
   }
-
-  void restore(model::Muse& into, const std::string& dir, const std::string& sub) const { layout->restore(into, dir, sub); }
 
   // The adapters of `dir`/adapter into the trained ones in place (the optimizer holds them); an
   // expert shard takes its slice.
@@ -1214,7 +1211,7 @@ void GrpoTrainer::save(const std::string& dir) const {
   g.barrier();  // dir.tmp exists for every rank's files
   // LoRA: the frozen base is the recipe's; only its fingerprint goes with the adapters.
   impl_->write_model(tmp + (impl_->lora() ? "/adapter" : "/model"));
-  if (impl_->reference) impl_->write_weights(*impl_->reference, impl_->ref_zero3.get(), tmp + "/reference");
+  if (impl_->reference) impl_->layout->write(*impl_->reference, impl_->ref_zero3.get(), tmp + "/reference");
   g.barrier();
   if (auto* opt = impl_->zero->optimizer()) opt->save(tmp + "/" + optimizer_file(g));  // each rank its own shard
   g.barrier();
@@ -1235,22 +1232,8 @@ void GrpoTrainer::save(const std::string& dir) const {
 }
 
 void GrpoTrainer::save_model(const std::string& dir) const {
-  const comm::Group& g = impl_->group;
-  const std::string tmp = dir + ".tmp";
   impl_->check_finite(dir);
-  if (g.rank() == 0) remove_tree(tmp);
-  g.barrier();
-  impl_->write_model(tmp);
-  g.barrier();
-  if (g.rank() == 0) {  // a kill leaves no half-written `dir`
-    sync_tree(tmp);
-    remove_tree(dir);
-    std::error_code ec;
-    std::filesystem::rename(tmp, dir, ec);
-    KILN_CHECK(!ec, "grpo: cannot rename ", tmp, " to ", dir, " (", ec.message(), ")");
-    sync_parent(dir);
-  }
-  g.barrier();
+  impl_->layout->write_folder(dir, [&](const std::string& tmp) { impl_->write_model(tmp); });
 }
 
 void GrpoTrainer::load(const std::string& dir) {
@@ -1289,13 +1272,13 @@ void GrpoTrainer::load(const std::string& dir) {
                ", this model's ", have, "); resume from the base the run started with");
     impl_->restore_adapters(dir);
   } else {
-    impl_->restore(impl_->trained(), dir, "model");
+    impl_->layout->restore(impl_->trained(), dir, "model");
   }
   if (impl_->reference) {
     KILN_CHECK(std::filesystem::exists(dir + "/reference/config.json"), "grpo: checkpoint ", dir,
                " has no reference/ policy but the recipe's kl_coef=", impl_->cfg.loss.kl_coef,
                " needs one; resume with the kl_coef the run was started with");
-    impl_->restore(*impl_->reference, dir, "reference");
+    impl_->layout->restore(*impl_->reference, dir, "reference");
   }
   // An optimizer file without master weights starts them from the parameters just read.
   if (auto* opt = impl_->zero->optimizer()) opt->load(dir + "/" + optimizer_file(impl_->group));

@@ -8,11 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
-#include <filesystem>
 
-#include "core/checkpoint_dir.h"
 #include "core/error.h"
-#include "core/files.h"
 #include "dist/parallel.h"
 #include "dist/sharded_model.h"
 #include "model/expert_parallel.h"
@@ -219,24 +216,13 @@ SftTrainer::SftTrainer(model::Muse& model, SftConfig config, std::shared_ptr<con
 void SftTrainer::sync_policy() { impl_->layout->update_policy(); }
 
 void SftTrainer::save_model(const std::string& dir) const {
-  const comm::Group& g = impl_->group;
-  const std::string tmp = dir + ".tmp";
-  impl_->layout->check_finite(dir);
-  if (g.rank() == 0) remove_tree(tmp);
-  g.barrier();
-  impl_->layout->write(impl_->layout->trained(), impl_->layout->zero3(), tmp);
-  const std::string tokenizer_files = text::tokenizer_dir(*impl_->tok);
-  if (g.rank() == 0 && !tokenizer_files.empty()) text::copy_tokenizer_files(tokenizer_files, tmp);
-  g.barrier();
-  if (g.rank() == 0) {  // a kill leaves no half-written `dir`
-    sync_tree(tmp);
-    remove_tree(dir);
-    std::error_code ec;
-    std::filesystem::rename(tmp, dir, ec);
-    KILN_CHECK(!ec, "sft: cannot rename ", tmp, " to ", dir, " (", ec.message(), ")");
-    sync_parent(dir);
-  }
-  g.barrier();
+  const dist::ShardedModel& layout = *impl_->layout;
+  layout.check_finite(dir);
+  layout.write_folder(dir, [&](const std::string& tmp) {
+    layout.write(layout.trained(), layout.zero3(), tmp);
+    const std::string tokenizer_files = text::tokenizer_dir(*impl_->tok);
+    if (impl_->group.rank() == 0 && !tokenizer_files.empty()) text::copy_tokenizer_files(tokenizer_files, tmp);
+  });
 }
 const DemoReport& SftTrainer::demonstrations() const { return impl_->demos; }
 SftTrainer::~SftTrainer() = default;
