@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/flash_varlen.h"
+#include "kernels/invariant.h"
 #include "kernels/rms_norm.h"
 
 namespace kiln::model {
@@ -44,6 +46,7 @@ at::Tensor chunked(const at::Tensor& x, const std::function<at::Tensor(const at:
 struct FixedRowsLinear : public torch::autograd::Function<FixedRowsLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w) {
     ctx->save_for_backward({x, w});
+    if (kernels::invariant_kernels_serve(x)) return kernels::invariant_linear_cuda(x, w);
     const at::Tensor wc = w.contiguous();
     return chunked(x, [&](const at::Tensor& c, int64_t, int64_t) { return at::linear(c, wc); });
   }
@@ -52,6 +55,47 @@ struct FixedRowsLinear : public torch::autograd::Function<FixedRowsLinear> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor g = grads[0].contiguous();
     return {g.matmul(saved[1]), g.t().matmul(saved[0])};
+  }
+};
+
+// The grouped form: one launch where the kernel serves, else rowwise_linear per group; the
+// backward two plain GEMMs per group.
+struct GroupedRowsLinear : public torch::autograd::Function<GroupedRowsLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& offsets) {
+    ctx->save_for_backward({x, w, offsets});
+    const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    if (kernels::invariant_grouped_linear_serves(xc, wc)) return kernels::invariant_grouped_linear_cuda(xc, wc, offsets);
+    const at::Tensor host = offsets.cpu();
+    const int64_t* o = host.data_ptr<int64_t>();
+    at::Tensor y = at::empty({x.size(0), w.size(1)}, x.options());
+    for (int64_t e = 0; e < w.size(0); ++e)
+      if (o[e + 1] > o[e]) y.narrow(0, o[e], o[e + 1] - o[e]).copy_(rowwise_linear(xc.narrow(0, o[e], o[e + 1] - o[e]), wc[e]));
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    const at::Tensor g = grads[0].contiguous(), host = saved[2].cpu();
+    const int64_t* o = host.data_ptr<int64_t>();
+    // dx: one grouped launch over the transposed stack where the kernel serves (its rounding is
+    // as good as any: no log-prob reads a gradient's bits); dw: a GEMM per group.
+    const at::Tensor wt = w.transpose(1, 2).contiguous();
+    const bool grouped_dx = kernels::invariant_grouped_linear_serves(g, wt);
+    at::Tensor dx = grouped_dx ? kernels::invariant_grouped_linear_cuda(g, wt, saved[2]) : at::zeros_like(x);
+    at::Tensor dw = at::zeros_like(w);
+    for (int64_t e = 0; e < w.size(0); ++e) {
+      if (o[e + 1] == o[e]) continue;
+      const at::Tensor ge = g.narrow(0, o[e], o[e + 1] - o[e]);
+      if (!grouped_dx) {
+        at::Tensor dxe = dx.narrow(0, o[e], o[e + 1] - o[e]);
+        at::mm_out(dxe, ge, w[e]);
+      }
+      at::Tensor dwe = dw[e];
+      at::mm_out(dwe, ge.t(), x.narrow(0, o[e], o[e + 1] - o[e]));
+    }
+    return {dx, dw, at::Tensor()};
   }
 };
 
@@ -70,28 +114,69 @@ at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return at::matmul(at::softmax(scores, -1).to(q.scalar_type()), vh).transpose(0, 1);  // [n, Hq, hd]
 }
 
+// Each sequence's queries over their causal (windowed) keys, rows of the packed k and v.
+KeyRanges causal_ranges(const std::vector<int64_t>& cu_seqlens, int64_t window) {
+  KeyRanges r;
+  r.begin.reserve(size_t(cu_seqlens.back()));
+  r.count.reserve(size_t(cu_seqlens.back()));
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s)
+    for (int64_t j = 0; j < cu_seqlens[s + 1] - cu_seqlens[s]; ++j) {
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, j - window + 1) : 0;
+      r.begin.push_back(cu_seqlens[s] + lo);
+      r.count.push_back(j - lo + 1);
+    }
+  return r;
+}
+
 struct CausalQueryAttention : public torch::autograd::Function<CausalQueryAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, int64_t window) {
+                            const at::Tensor& v, const std::vector<int64_t>& cu_seqlens, int64_t window) {
     ctx->save_for_backward({q, k, v});
     ctx->saved_data["window"] = window;
-    std::vector<at::Tensor> rows;
-    rows.reserve(size_t(q.size(0)));
-    for (int64_t j = 0; j < q.size(0); ++j) {
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, j - window + 1) : 0;
-      rows.push_back(query_attention(q[j], k.narrow(0, lo, j - lo + 1), v.narrow(0, lo, j - lo + 1)));
-    }
-    return at::stack(rows);
+    ctx->saved_data["cu_seqlens"] = c10::List<int64_t>(cu_seqlens);
+    return ranged_attention(q, k, v, at::Tensor(), at::Tensor(), causal_ranges(cu_seqlens, window));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
+    const int64_t window = ctx->saved_data["window"].toInt();
+    const c10::List<int64_t> cu = ctx->saved_data["cu_seqlens"].toIntList();
     at::AutoGradMode on(true);
     at::Tensor q = saved[0].detach().requires_grad_(true), k = saved[1].detach().requires_grad_(true),
                v = saved[2].detach().requires_grad_(true);
-    const at::Tensor o = masked_attention(q, k, v, ctx->saved_data["window"].toInt());
-    const auto g = torch::autograd::grad({o}, {q, k, v}, {grads[0]});
-    return {g[0], g[1], g[2], at::Tensor()};
+    if (kernels::flash_varlen_available(q.device(), q.scalar_type(), q.size(2))) {  // one varlen call for every sequence
+      std::vector<int32_t> cu32;
+      int64_t max_len = 0;
+      for (size_t s = 0; s < cu.size(); ++s) {
+        cu32.push_back(int32_t(cu.get(s)));
+        if (s > 0) max_len = std::max(max_len, cu.get(s) - cu.get(s - 1));
+      }
+      const at::Tensor cu_dev = at::tensor(c10::ArrayRef<int32_t>(cu32), at::kInt).to(q.device());
+      const at::Tensor o = kernels::flash_varlen_attention(q, k, v, cu_dev, max_len, window);
+      const auto g = torch::autograd::grad({o}, {q, k, v}, {grads[0]});
+      return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
+    }
+    std::vector<at::Tensor> outs, gs;
+    for (size_t s = 0; s + 1 < cu.size(); ++s) {
+      const int64_t a = cu.get(s), n = cu.get(s + 1) - a;
+      if (n == 0) continue;
+      outs.push_back(masked_attention(q.narrow(0, a, n), k.narrow(0, a, n), v.narrow(0, a, n), window));
+      gs.push_back(grads[0].narrow(0, a, n));
+    }
+    const auto g = torch::autograd::grad(outs, {q, k, v}, gs, /*retain_graph=*/false, /*create_graph=*/false,
+                                         /*allow_unused=*/true);
+    auto or_zeros = [](const at::Tensor& gr, const at::Tensor& like) { return gr.defined() ? gr : at::zeros_like(like); };
+    return {or_zeros(g[0], q), or_zeros(g[1], k), or_zeros(g[2], v), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ValuesOf : public torch::autograd::Function<ValuesOf> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& values, const at::Tensor&) {
+    return values.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    return {at::Tensor(), grads[0]};
   }
 };
 
@@ -116,6 +201,10 @@ struct RowwiseTokenLogprobs : public torch::autograd::Function<RowwiseTokenLogpr
     ctx->save_for_backward({logits, targets});
     ctx->saved_data["temperature"] = temperature;
     const at::Tensor ids = targets.to(logits.device(), at::kLong);
+    if (logits.is_cuda()) {  // log_softmax's CUDA kernels take a row per block or warp, chosen by V alone
+      const at::Tensor own = reinterpret_cast<uintptr_t>(logits.data_ptr()) % 256 == 0 ? logits : logits.clone();
+      return at::log_softmax(temperature != 1.0 ? own / temperature : own, -1).gather(1, ids.unsqueeze(1)).squeeze(1);
+    }
     return chunked(logits, [&](const at::Tensor& c, int64_t a, int64_t n) {
       const at::Tensor lp = at::log_softmax(temperature != 1.0 ? c / temperature : c, -1);
       at::Tensor picked = at::zeros({c.size(0)}, lp.options());
@@ -138,11 +227,77 @@ struct RowwiseTokenLogprobs : public torch::autograd::Function<RowwiseTokenLogpr
 
 at::Tensor rowwise_silu(const at::Tensor& x) { return x.size(0) == 0 ? at::silu(x) : RowwiseSilu::apply(x); }
 
-at::Tensor causal_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) {
-  KILN_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0),
-             "causal_query_attention: q [n, Hq, hd], k and v [n, Hkv, hd] (got ", q.sizes(), ", ", k.sizes(), ")");
+at::Tensor causal_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::vector<int64_t>& cu_seqlens, int64_t window) {
+  KILN_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+                 !cu_seqlens.empty() && cu_seqlens.back() == q.size(0),
+             "causal_query_attention: q [T, Hq, hd], k and v [T, Hkv, hd], cu_seqlens ending at T (got ", q.sizes(),
+             ", ", k.sizes(), ")");
   if (q.size(0) == 0) return q * 1;
-  return CausalQueryAttention::apply(q, k, v, window);
+  return CausalQueryAttention::apply(q, k, v, cu_seqlens, window);
+}
+
+void KeyRanges::upload(at::Device device) {
+  std::vector<int32_t> all;
+  all.reserve(begin.size() + count.size() + table.size());
+  for (const auto* part : {&begin, &count, &table})
+    for (int64_t x : *part) all.push_back(int32_t(x));
+  packed = at::tensor(c10::ArrayRef<int32_t>(all), at::kInt).to(device);
+}
+
+at::Tensor ranged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kf,
+                            const at::Tensor& vf, const KeyRanges& r) {
+  const int64_t list = r.table.empty() ? k.size(0) : int64_t(r.table.size());
+  KILN_CHECK(q.dim() == 3 && r.begin.size() == size_t(q.size(0)) && r.count.size() == r.begin.size(),
+             "ranged_attention: q [n, Hq, hd] and n ranges (got ", q.sizes(), " and ", r.begin.size(), ")");
+  for (size_t i = 0; i < r.begin.size(); ++i)
+    KILN_CHECK(r.count[i] > 0 && r.begin[i] >= 0 && r.begin[i] + r.count[i] <= list, "ranged_attention: query ", i,
+               " reads keys [", r.begin[i], ", ", r.begin[i] + r.count[i], ") of ", list);
+  for (int64_t e : r.table)
+    KILN_CHECK(e >= 0 ? e < k.size(0) : kf.defined() && -1 - e < kf.size(0), "ranged_attention: table entry ", e,
+               " is outside the keys (", k.size(0), " main, ", kf.defined() ? kf.size(0) : 0, " fresh)");
+  if (kernels::invariant_kernels_serve(q)) {
+    KeyRanges local;
+    const KeyRanges* up = &r;
+    if (!r.packed.defined() || r.packed.device() != q.device()) {
+      local = r;
+      local.upload(q.device());
+      up = &local;
+    }
+    return kernels::ranged_attention_cuda(q, k, v, kf, vf, up->packed, int64_t(r.table.size()));
+  }
+  // The CPU: the key list gathered, then query_attention per query.
+  at::Tensor keys = k, values = v;
+  if (!r.table.empty()) {
+    std::vector<int64_t> main_src, main_dst, fresh_src, fresh_dst;
+    for (size_t i = 0; i < r.table.size(); ++i) {
+      const int64_t e = r.table[i];
+      (e >= 0 ? main_src : fresh_src).push_back(e >= 0 ? e : -1 - e);
+      (e >= 0 ? main_dst : fresh_dst).push_back(int64_t(i));
+    }
+    auto gather = [&](const at::Tensor& main, const at::Tensor& fresh) {
+      std::vector<int64_t> shape = main.sizes().vec();
+      shape[0] = int64_t(r.table.size());
+      at::Tensor out = at::empty(shape, main.options());
+      auto ids = [&](const std::vector<int64_t>& x) { return at::tensor(x, at::kLong).to(main.device()); };
+      if (!main_src.empty()) out.index_copy_(0, ids(main_dst), main.index_select(0, ids(main_src)));
+      if (!fresh_src.empty()) out.index_copy_(0, ids(fresh_dst), fresh.index_select(0, ids(fresh_src)));
+      return out;
+    };
+    keys = gather(k, kf);
+    values = gather(v, vf);
+  }
+  std::vector<at::Tensor> rows;
+  rows.reserve(r.begin.size());
+  for (size_t i = 0; i < r.begin.size(); ++i)
+    rows.push_back(query_attention(q[int64_t(i)], keys.narrow(0, r.begin[i], r.count[i]),
+                                   values.narrow(0, r.begin[i], r.count[i])));
+  return rows.empty() ? q * 1 : at::stack(rows);
+}
+
+at::Tensor straight_through(const at::Tensor& values, const at::Tensor& differentiable) {
+  if (!differentiable.requires_grad()) return values;
+  return ValuesOf::apply(values, differentiable);
 }
 
 at::Tensor padded_rows(const at::Tensor& x, int64_t first, int64_t n, int64_t rows) {
@@ -158,8 +313,17 @@ at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w) {
   return FixedRowsLinear::apply(x, w);
 }
 
+at::Tensor grouped_rowwise_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets) {
+  KILN_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2) && offsets.dim() == 1 &&
+                 offsets.size(0) == w.size(0) + 1 && offsets.scalar_type() == at::kLong,
+             "grouped_rowwise_linear: x [rows, K], w [G, N, K] and int64 offsets [G + 1] (got ", x.sizes(), ", ",
+             w.sizes(), ", ", offsets.sizes(), ")");
+  if (x.size(0) == 0) return at::empty({0, w.size(1)}, x.options());
+  return GroupedRowsLinear::apply(x, w, offsets);
+}
+
 at::Tensor rowwise_apply(const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&)>& f) {
-  if (x.size(0) == 0) return f(x);
+  if (x.size(0) == 0 || x.is_cuda()) return f(x);
   std::vector<at::Tensor> rows;
   rows.reserve(size_t(x.size(0)));
   for (int64_t i = 0; i < x.size(0); ++i) rows.push_back(f(own_row(x, i).unsqueeze(0)));
@@ -170,6 +334,15 @@ at::Tensor rowwise_rms_norm(const at::Tensor& x, const at::Tensor& weight, doubl
   KILN_CHECK(x.dim() == 2 && (weight.dim() == 1 || weight.sizes() == x.sizes()), "rowwise_rms_norm: x [T, n] and ",
              "weight [n] or [T, n] (got ", x.sizes(), " and ", weight.sizes(), ")");
   if (x.size(0) == 0) return x * 1;
+  if (x.is_cuda() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)) {
+    at::Tensor values;
+    {
+      at::NoGradGuard no_grad;
+      values = kernels::rms_norm_cuda(x.detach().contiguous(), weight.detach(), eps);
+    }
+    const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
+    return grad ? straight_through(values, kernels::rms_norm(x, weight, eps)) : values;
+  }
   // x * 1/sqrt(mean(x * x) + eps) * w: exact IEEE steps, so fixed-size chunks suffice.
   return chunked(x, [&](const at::Tensor& c, int64_t a, int64_t n) {
     return kernels::rms_norm_reference(c, weight.dim() == 1 ? weight : padded_rows(weight, a, n), eps);

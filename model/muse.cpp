@@ -126,6 +126,13 @@ struct ExpertProj {
     at::Tensor xp = at::zeros({l.bound, xs.size(1)}, xs.options()).index_copy(0, l.dest, xs);
     return y + grouped_lora(xp, a, b, l.offsets, scale).index_select(0, l.dest);
   }
+  // Rows sorted by expert (offsets [E + 1] int64 on the device), under batch-invariant numerics:
+  // each row as one() would give it, in one launch per GEMM on CUDA.
+  at::Tensor invariant(const at::Tensor& xs, const at::Tensor& offsets) const {
+    at::Tensor y = grouped_rowwise_linear(xs, dense, offsets);
+    if (!a.defined()) return y;
+    return y + grouped_rowwise_linear(grouped_rowwise_linear(xs, a, offsets), b, offsets) * scale;
+  }
   // Expert e alone on its rows x.
   at::Tensor one(const at::Tensor& x, int64_t e) const {
     at::Tensor y;
@@ -188,14 +195,7 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
   if (opt.batch_invariant) {  // each query alone over exactly its keys, as the engine's cache attention
-    std::vector<at::Tensor> seqs;
-    for (int64_t s = 0; s < batch.num_sequences(); ++s) {
-      const int64_t start = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - start;
-      if (n > 0)
-        seqs.push_back(causal_query_attention(q.narrow(0, start, n), k.narrow(0, start, n), v.narrow(0, start, n),
-                                              full ? 0 : cfg.sliding_window));
-    }
-    o = seqs.size() == 1 ? seqs[0] : at::cat(seqs, 0);
+    o = causal_query_attention(q, k, v, batch.cu_seqlens, full ? 0 : cfg.sliding_window);
   } else if (flash.cu_seqlens.defined()) {
     o = kernels::flash_varlen_attention(q, k, v, flash.cu_seqlens, flash.max_len, full ? 0 : cfg.sliding_window);
   } else if (padded.num_problems > 1 && padded.score_bytes(cfg.num_q_heads) <= kPaddedScoreBytes) {
@@ -235,6 +235,13 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   }
   at::Tensor zs = z.index_select(0, l.src_token);  // rows sorted by expert
   at::Tensor inverse = at::empty_like(l.order).scatter_(0, l.order, at::arange(n, l.order.options()));
+  if (opt.batch_invariant && !s.quantized() && !opt.observe_linear_input) {
+    // Batch-invariant experts: grouped GEMMs whose rows do not depend on the batch (one launch
+    // each on CUDA, no host sync).
+    at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
+    at::Tensor act = rowwise_silu(s.gate.invariant(zs, offsets)) * s.up.invariant(zs, offsets);
+    return s.down.invariant(act, offsets).index_select(0, inverse);
+  }
   if (s.quantized() && !opt.observe_linear_input && !opt.batch_invariant && (!s.lora || grouped)) {
     // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
     at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
@@ -343,7 +350,24 @@ at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t
 // through the reference in zero-padded chunks of a fixed 64; a sigmoid's is elementwise over the
 // whole tensor (its vectorised and scalar paths round differently), so one row at a time.
 kernels::MoeRoute rowwise_route(const at::Tensor& logits, int64_t k, bool sigmoid, const at::Tensor& bias,
-                                const at::Tensor& replay) {
+                                const at::Tensor& replay, bool need_scores) {
+  if (logits.is_cuda() && logits.scalar_type() == at::kFloat) {
+    // On CUDA the route kernel (a warp per token) decides each token alone; the weights' gradient,
+    // and the scores the balance loss reads, are the reference's for the same experts.
+    kernels::MoeRoute r;
+    {
+      at::NoGradGuard no_grad;
+      r = kernels::moe_route_cuda(logits.detach(), k, sigmoid, bias, replay);
+    }
+    if (logits.requires_grad() && at::GradMode::is_enabled()) {
+      const kernels::MoeRoute ref = kernels::moe_route_reference(logits, k, sigmoid, bias, r.ids);
+      r.weights = straight_through(r.weights, ref.weights);
+      r.scores = ref.scores;
+    } else if (need_scores) {
+      r.scores = kernels::moe_route_reference(logits, k, sigmoid, bias, r.ids).scores;
+    }
+    return r;
+  }
   const int64_t rows = sigmoid ? 1 : kBatchInvariantRows;
   std::vector<at::Tensor> ids, weights, scores;
   for (int64_t t = 0; t < logits.size(0); t += rows) {
@@ -374,7 +398,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   // (each token alone under batch-invariant numerics).
   const bool plain = opt.rollout && opt.use_fused && !opt.load_balance && !logits.requires_grad() && !opt.batch_invariant;
   const kernels::MoeRoute route = plain                  ? kernels::moe_route(logits, k, sigmoid, lw.router_bias, replay)
-                                  : opt.batch_invariant ? rowwise_route(logits, k, sigmoid, lw.router_bias, replay)
+                                  : opt.batch_invariant ? rowwise_route(logits, k, sigmoid, lw.router_bias, replay, opt.load_balance)
                                                         : kernels::moe_route_reference(logits, k, sigmoid, lw.router_bias, replay);
   const at::Tensor &ids = route.ids, &w = route.weights;
 
@@ -734,15 +758,15 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   auto table = [&](const at::Tensor& pos) { return rope_tables(pos, cfg_.head_dim, cfg_.rope_theta, dtype()); };
   at::Tensor cos, sin;
   if (opt.batch_invariant) {
-    cos = rowwise_apply(positions, [&](const at::Tensor& p) { return table(p.view({1})).first; });
-    sin = rowwise_apply(positions, [&](const at::Tensor& p) { return table(p.view({1})).second; });
+    cos = rowwise_apply(positions, [&](const at::Tensor& p) { return table(p.reshape({-1})).first; });
+    sin = rowwise_apply(positions, [&](const at::Tensor& p) { return table(p.reshape({-1})).second; });
   } else {
     std::tie(cos, sin) = table(positions);
   }
   // Varlen flash attention where libtorch has it (CUDA bf16); otherwise, for many sequences, one
   // padded attention per layer instead of a loop over sequences.
   FlashPlan flash;
-  if (!opt.attention && opt.use_fused && kernels::flash_varlen_available(device(), dtype())) {
+  if (!opt.attention && opt.use_fused && kernels::flash_varlen_available(device(), dtype(), cfg_.head_dim)) {
     std::vector<int32_t> cu(batch.cu_seqlens.begin(), batch.cu_seqlens.end());
     for (int64_t s = 0; s < batch.num_sequences(); ++s)
       flash.max_len = std::max(flash.max_len, batch.cu_seqlens[s + 1] - batch.cu_seqlens[s]);

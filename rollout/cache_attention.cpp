@@ -31,15 +31,25 @@ void CacheAttention::plan_group(int g) {
   std::vector<std::pair<int64_t, int64_t>> pieces(work.size(), {0, 0});
   const at::Device dev = kv_.keys(true).device();
   auto to_dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(dev); };
-  p.item_read.assign(batch_invariant_ ? work.size() : 0, at::Tensor());
+  model::KeyRanges& r = p.ranges;
+  r = model::KeyRanges{};
   for (size_t i = 0; i < work.size(); ++i) {
     const Work& w = work[i];
     const Seq& s = *w.seq;
     const int64_t lo = full ? 0 : w.window_lo;
-    if (batch_invariant_) {  // positions [lo, start) in order
-      std::vector<int64_t> rows;
-      kv_.rows(s.blocks, lo, w.start, full, rows);
-      p.item_read[i] = to_dev(rows);
+    if (batch_invariant_) {  // the item's positions [lo, start + n) in order, then each query's range
+      const int64_t base = int64_t(r.table.size());
+      kv_.rows(s.blocks, lo, w.start, full, r.table);
+      for (int64_t j = 0; j < w.n; ++j) r.table.push_back(-1 - (w.offset + j));
+      if (int64_t(r.begin.size()) < w.offset + w.n) {
+        r.begin.resize(size_t(w.offset + w.n), 0);
+        r.count.resize(size_t(w.offset + w.n), 0);
+      }
+      for (int64_t j = 0; j < w.n; ++j) {
+        const int64_t pos = w.start + j, first = full ? 0 : std::max<int64_t>(0, pos - W_ + 1);
+        r.begin[size_t(w.offset + j)] = base + first - lo;
+        r.count[size_t(w.offset + j)] = pos - first + 1;
+      }
     }
     if (w.n == 1) {
       const int64_t first = int64_t(decode_read.size());
@@ -68,6 +78,7 @@ void CacheAttention::plan_group(int g) {
   for (auto& r : k_rows)
     for (int64_t& x : r)
       if (x < 0) x = cached + (-1 - x);  // new keys follow the cached ones in the key source
+  if (batch_invariant_ && dev.is_cuda()) r.upload(dev);
   p.decode_read = to_dev(decode_read);
   p.decode_out = to_dev(decode_out);
   p.decode = q_rows.empty() ? model::PaddedLayout{} : model::PaddedLayout::build(q_rows, q_pos, k_rows, k_pos, dev);
@@ -124,23 +135,10 @@ at::Tensor CacheAttention::attend_batched(const GroupPlan& p, bool full, const a
 }
 
 // Batch-invariant: each new query of each item over exactly the positions it sees, [lo, its own],
-// in position order, cached ones first (model::query_attention, as the trainer's forward).
-at::Tensor CacheAttention::attend_each(const GroupPlan& p, bool full, const at::Tensor& q, const at::Tensor& k,
+// in position order, cached ones first (model::ranged_attention, as the trainer's forward).
+at::Tensor CacheAttention::attend_each(const GroupPlan& p, bool, const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& kl, const at::Tensor& vl) const {
-  const std::vector<Work>& work = *work_;
-  at::Tensor o = at::empty_like(q);
-  for (size_t i = 0; i < work.size(); ++i) {
-    const Work& w = work[i];
-    at::Tensor keys = with_cached(kl, p.item_read[i], k.narrow(0, w.offset, w.n));
-    at::Tensor values = with_cached(vl, p.item_read[i], v.narrow(0, w.offset, w.n));
-    const int64_t lo = full ? 0 : w.window_lo;
-    for (int64_t j = 0; j < w.n; ++j) {
-      const int64_t pos = w.start + j, first = full ? 0 : std::max<int64_t>(0, pos - W_ + 1);
-      o[w.offset + j].copy_(model::query_attention(q[w.offset + j], keys.narrow(0, first - lo, pos - first + 1),
-                                                   values.narrow(0, first - lo, pos - first + 1)));
-    }
-  }
-  return o;
+  return model::ranged_attention(q, kl, vl, k, v, p.ranges);
 }
 
 }  // namespace kiln::rollout

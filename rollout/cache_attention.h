@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/batch_invariant.h"
 #include "model/muse.h"
 #include "rollout/kv_cache.h"
 #include "rollout/scheduler.h"
@@ -16,7 +17,7 @@ namespace kiln::rollout {
 
 class CacheAttention : public model::AttentionBackend {
  public:
-  // batch_invariant: each new query attends alone over exactly its keys (model::query_attention),
+  // batch_invariant: each new query attends alone over exactly its keys (model::ranged_attention),
   // as the trainer's batch-invariant forward does.
   CacheAttention(KvCache& kv, const model::ModelConfig& cfg, bool batch_invariant = false);
   // Routes the step's reads and writes: every cache row in few host-to-device copies, the decode
@@ -36,7 +37,9 @@ class CacheAttention : public model::AttentionBackend {
     model::PaddedLayout decode;           // over cat(cache rows decode_read, the batch's new K/V)
     at::Tensor decode_out;                // batch rows of the decode items' queries
     std::vector<at::Tensor> piece_read;   // per work item: cache rows a prefill piece reads
-    std::vector<at::Tensor> item_read;    // batch-invariant: per work item, the cache rows it reads
+    // Batch-invariant: every item's keys in position order in one key list (its cached rows, then
+    // the step's new ones, read in place), and each query's range there (model::ranged_attention).
+    model::KeyRanges ranges;
     at::Tensor write_rows;                // cache rows written this step
     at::Tensor write_src;                 // batch rows whose new K/V go there
   };

@@ -305,19 +305,36 @@ struct Engine::Impl {
     return r;
   }
 
+  // Under bitwise numerics each drawn token's log-prob as the trainer's forward computes it
+  // (model::rowwise_token_logprobs, whose rows do not depend on each other): one call per
+  // temperature over the drawn rows.
+  void record_trainer_logprobs(const std::vector<std::pair<Seq*, int64_t>>& draws, const at::Tensor& logits,
+                               std::vector<std::pair<int64_t, double>>& picked) {
+    std::map<double, std::vector<size_t>> by_temperature;
+    for (size_t i = 0; i < draws.size(); ++i) {
+      const double T = params(*draws[i].first).temperature;
+      by_temperature[T > 0 ? T : 1.0].push_back(i);
+    }
+    for (const auto& [T, which] : by_temperature) {
+      std::vector<int64_t> rows, tokens;
+      for (size_t i : which) {
+        rows.push_back(draws[i].second);
+        tokens.push_back(picked[i].first);
+      }
+      const at::Tensor lp = model::rowwise_token_logprobs(
+          logits.index_select(0, at::tensor(rows, at::kLong).to(logits.device())), at::tensor(tokens, at::kLong), T);
+      const at::Tensor host = lp.to(at::kCPU, at::kDouble);
+      for (size_t j = 0; j < which.size(); ++j) picked[which[j]].second = host.data_ptr<double>()[j];
+    }
+  }
+
   // Draws the next token of each (sample, row) of `logits` (device [rows, V]) and appends it; a
   // graph step's result gives the ids it sampled on the GPU (rollout/sampler.h).
   void draw(const std::vector<std::pair<Seq*, int64_t>>& draws, const at::Tensor& logits, const DecodeResult* graph) {
     std::vector<Draw> d;
     for (const auto& [s, row] : draws) d.push_back({row, &params(*s), stream_seed(*s)});
     auto picked = graph ? draw_tokens(d, logits, graph->ids, graph->logprobs) : draw_tokens(d, logits);
-    if (ec.batch_invariant)  // the log-prob the trainer's forward computes for this token (model/batch_invariant.h)
-      for (size_t i = 0; i < draws.size(); ++i) {
-        const double T = params(*draws[i].first).temperature;
-        picked[i].second = model::rowwise_token_logprobs(logits.narrow(0, draws[i].second, 1),
-                                                         at::full({1}, picked[i].first, at::kLong), T > 0 ? T : 1.0)
-                               .item<double>();
-      }
+    if (ec.batch_invariant) record_trainer_logprobs(draws, logits, picked);
     for (size_t i = 0; i < draws.size(); ++i) append(*draws[i].first, picked[i].first, picked[i].second);
   }
 

@@ -21,6 +21,15 @@ TEST(CudaBatchInvariant, EngineLogprobsAndRoutingAreTheTrainersBitForBit) {
   test::check_engine_is_bitwise(at::kBFloat16, 4 << 10, cuda);
 }
 
+// The training forward on the GPU's batch-invariant kernels backpropagates through their plain
+// forms (straight_through): the gradient is the standard forward's within fp32 rounding.
+TEST(CudaBatchInvariant, GradientsMatchTheStandardForward) {
+  test::check_bitwise_gradients(at::kFloat, at::Device(at::kCUDA, 0), 1e-4);
+  // bf16: the grouped experts' dx kernel and the straight-through norms and router; a transposed
+  // or misplaced gradient would be off by O(1).
+  test::check_bitwise_gradients(at::kBFloat16, at::Device(at::kCUDA, 0), 5e-2);
+}
+
 // GRPO in bf16 on the GPU under bitwise numerics: every mismatch metric exactly 0, replay on and
 // off, through micro-batches on the trainer's side and chunked prefill on the engine's.
 TEST(CudaBatchInvariant, GrpoMismatchIsExactlyZero) {

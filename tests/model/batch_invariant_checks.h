@@ -24,6 +24,32 @@ inline model::ModelConfig bitwise_config() {
   return c;
 }
 
+// The bitwise forward's gradient (GRPO's training step under rollout.numerics: bitwise) against
+// the standard forward's, every parameter within `tol` (relative and absolute), routing replayed.
+inline void check_bitwise_gradients(at::ScalarType dtype, at::Device device, double tol) {
+  model::Muse a = model::Muse::init(bitwise_config(), 5, dtype, device);
+  model::Muse b = a.clone();
+  a.set_requires_grad(true);
+  b.set_requires_grad(true);
+  const std::vector<std::vector<int64_t>> seqs = {{3, 1, 4, 1, 5, 9, 2, 6}, {5, 3, 5}};
+  auto loss = [&](const model::Muse& m, bool bitwise) {
+    model::ForwardOptions o;
+    o.batch_invariant = bitwise;
+    o.targets = at::tensor(std::vector<int64_t>{1, 4, 1, 5, 9, 2, 6, -100, 3, 5, -100}, at::kLong);
+    o.replay_routing = m.forward(model::PackedBatch::from_sequences(seqs, device), model::ForwardOptions{}).routing;
+    return -m.forward(model::PackedBatch::from_sequences(seqs, device), o).logprobs.sum();
+  };
+  loss(a, true).backward();
+  loss(b, false).backward();
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    ASSERT_TRUE(pa[i].second.grad().defined()) << pa[i].first;
+    EXPECT_TRUE(all_close(pa[i].second.grad().cpu().to(at::kDouble), pb[i].second.grad().cpu().to(at::kDouble), tol,
+                          tol))
+        << pa[i].first << " " << dtype << " on " << device;
+  }
+}
+
 // The engine under bitwise numerics against the trainer's forward: every sampled token's log-prob
 // and every token's routing, bit for bit, through a mixed batch with chunked prefill and a cache
 // small enough to preempt.
@@ -59,7 +85,9 @@ inline void check_engine_is_bitwise(at::ScalarType dtype, int64_t kv_bytes, at::
       EXPECT_TRUE(all_equal(m.forward(model::PackedBatch::from_sequences({all}, device), o).routing.cpu(), s.routing.cpu()));
     }
   EXPECT_GT(tokens, 30);
-  if (kv_bytes < (1 << 20)) EXPECT_GT(engine.stats().preemptions, 0) << "the small cache did not preempt";
+  if (kv_bytes < (1 << 20)) {
+    EXPECT_GT(engine.stats().preemptions, 0) << "the small cache did not preempt";
+  }
 }
 
 }  // namespace kiln::test

@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "model/batch_invariant.h"
 #include "model/muse.h"
 #include "rollout/engine.h"
 #include "tests/model/reference.h"
@@ -73,26 +74,63 @@ TEST(BatchInvariant, LogprobsAndRoutingDoNotDependOnTheBatch) {
 
 // The training forward backpropagates through the row-by-row ops: its gradient is the standard
 // forward's within rounding.
-TEST(BatchInvariant, GradientsMatchTheStandardForward) {
-  model::Muse a = model::Muse::init(bitwise_config(), 5, at::kDouble, at::kCPU);
-  model::Muse b = a.clone();
-  a.set_requires_grad(true);
-  b.set_requires_grad(true);
-  const std::vector<std::vector<int64_t>> seqs = {{3, 1, 4, 1, 5, 9, 2, 6}, {5, 3, 5}};
-  auto loss = [&](const model::Muse& m, bool bitwise) {
-    model::ForwardOptions o;
-    o.batch_invariant = bitwise;
-    o.targets = at::tensor(std::vector<int64_t>{1, 4, 1, 5, 9, 2, 6, -100, 3, 5, -100}, at::kLong);
-    o.replay_routing = m.forward(model::PackedBatch::from_sequences(seqs, at::kCPU), model::ForwardOptions{}).routing;
-    return -m.forward(model::PackedBatch::from_sequences(seqs, at::kCPU), o).logprobs.sum();
-  };
-  loss(a, true).backward();
-  loss(b, false).backward();
-  auto pa = a.named_parameters(), pb = b.named_parameters();
-  for (size_t i = 0; i < pa.size(); ++i) {
-    ASSERT_TRUE(pa[i].second.grad().defined()) << pa[i].first;
-    EXPECT_TRUE(test::all_close(pa[i].second.grad(), pb[i].second.grad(), 1e-9, 1e-10)) << pa[i].first;
+TEST(BatchInvariant, GradientsMatchTheStandardForward) { test::check_bitwise_gradients(at::kDouble, at::kCPU, 1e-9); }
+
+// The grouped linear gives each row the bits rowwise_linear gives it with its group's weight, and
+// the plain gradient; empty groups are skipped.
+TEST(BatchInvariant, GroupedLinearIsRowwiseLinearPerGroup) {
+  at::manual_seed(3);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    at::Tensor x = at::randn({19, 24}).to(dt), w = at::randn({4, 7, 24}).to(dt);
+    const std::vector<int64_t> ends = {0, 5, 5, 18, 19};
+    at::Tensor y = model::grouped_rowwise_linear(x, w, at::tensor(ends, at::kLong));
+    for (int64_t e = 0; e < 4; ++e) {
+      const int64_t n = ends[size_t(e) + 1] - ends[size_t(e)];
+      if (n > 0)
+        EXPECT_TRUE(test::all_equal(y.narrow(0, ends[size_t(e)], n),
+                                    model::rowwise_linear(x.narrow(0, ends[size_t(e)], n), w[e])))
+            << "group " << e << " " << dt;
+    }
   }
+  at::Tensor x = at::randn({19, 24}, at::kDouble).requires_grad_(true), w = at::randn({3, 7, 24}, at::kDouble).requires_grad_(true);
+  const std::vector<int64_t> ends = {0, 11, 11, 19};
+  model::grouped_rowwise_linear(x, w, at::tensor(ends, at::kLong)).pow(2).sum().backward();
+  at::Tensor x2 = x.detach().clone().requires_grad_(true), w2 = w.detach().clone().requires_grad_(true);
+  at::cat({at::linear(x2.narrow(0, 0, 11), w2[0]), at::linear(x2.narrow(0, 11, 8), w2[2])}).pow(2).sum().backward();
+  EXPECT_TRUE(test::all_close(x.grad(), x2.grad(), 1e-12, 1e-12));
+  EXPECT_TRUE(test::all_close(w.grad(), w2.grad(), 1e-12, 1e-12));
+  EXPECT_TRUE(test::throws_with([&] { model::grouped_rowwise_linear(x, w, at::tensor(std::vector<int64_t>{0, 19}, at::kLong)); },
+                                {"grouped_rowwise_linear", "offsets"}));
+}
+
+// Ranged attention: query i over exactly keys [begin, begin + count) of its key list, as
+// query_attention; through a table, rows of the main and the fresh keys in the table's order; a
+// range or table entry outside the keys is refused, named.
+TEST(BatchInvariant, RangedAttentionReadsExactlyItsKeys) {
+  at::manual_seed(4);
+  at::Tensor q = at::randn({3, 4, 8}, at::kDouble), k = at::randn({10, 2, 8}, at::kDouble), v = at::randn({10, 2, 8}, at::kDouble);
+  model::KeyRanges r;
+  r.begin = {0, 4, 9};
+  r.count = {1, 5, 1};
+  at::Tensor o = model::ranged_attention(q, k, v, {}, {}, r);
+  EXPECT_TRUE(test::all_equal(o[1], model::query_attention(q[1], k.narrow(0, 4, 5), v.narrow(0, 4, 5))));
+  // One key: the output is its value (per KV head, each query head of the group).
+  EXPECT_TRUE(test::all_close(o[0].narrow(0, 0, 2), v[0][0].expand({2, 8}), 1e-12, 1e-12));
+  // Main rows 7, 2 and fresh row 1, in that order.
+  at::Tensor kf = at::randn({2, 2, 8}, at::kDouble), vf = at::randn({2, 2, 8}, at::kDouble);
+  model::KeyRanges t;
+  t.begin = {0};
+  t.count = {3};
+  t.table = {7, 2, -2};
+  at::Tensor keys = at::stack({k[7], k[2], kf[1]}), values = at::stack({v[7], v[2], vf[1]});
+  EXPECT_TRUE(test::all_equal(model::ranged_attention(q.narrow(0, 0, 1), k, v, kf, vf, t)[0],
+                              model::query_attention(q[0], keys, values)));
+  r.count[2] = 2;
+  EXPECT_TRUE(test::throws_with([&] { model::ranged_attention(q, k, v, {}, {}, r); },
+                                {"ranged_attention", "query 2", "of 10"}));
+  t.table = {7, 2, -3};
+  EXPECT_TRUE(test::throws_with([&] { model::ranged_attention(q.narrow(0, 0, 1), k, v, kf, vf, t); },
+                                {"ranged_attention", "table entry -3"}));
 }
 
 TEST(BatchInvariant, EngineLogprobsAndRoutingAreTheTrainersBitForBit) {

@@ -1,0 +1,328 @@
+// Batch-invariant CUDA kernels (rollout.numerics: bitwise): a GEMM and a ranged attention whose
+// every output row is computed by the same instructions in the same reduction order whatever the
+// number of rows, their place in the batch or the grid; no split-K, no atomics, no shape heuristics.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda_convert.cuh"
+#include "kernels/cuda_memory.cuh"
+#include "kernels/cuda_mma.cuh"
+#include "kernels/invariant_cuda.h"
+
+namespace kiln::kernels {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// bf16 GEMM y = x . w^T on tensor cores. A block computes a 64 x 128 tile of y over K in steps of
+// 32 (two mma k-steps each, in order), double-buffered through cp.async; rows past M and columns
+// past K are zero-filled in shared memory. Each y element's sum runs over K in the same order for
+// any M, so a row's result is its own.
+constexpr int kTm = 64, kTn = 128, kTk = 32, kGemmThreads = 256;
+constexpr int kPitch = kTk + 8;  // bf16 per shared row: 80 bytes keeps the fragment loads conflict-free
+
+__device__ __forceinline__ uint32_t lds32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// The 64 x 128 tile at rows [m0, m_end) of x (at most 64), columns n0.. of w [N, K], into y [*, N].
+__device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                               __nv_bfloat16* __restrict__ y, int64_t m0, int64_t m_end, int64_t n0,
+                                               int N, int K) {
+  __shared__ alignas(16) __nv_bfloat16 xs[2][kTm][kPitch];
+  __shared__ alignas(16) __nv_bfloat16 ws[2][kTn][kPitch];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int wm = (warp / 4) * 32, wn = (warp % 4) * 32;  // the warp's 32 x 32 sub-tile
+
+  auto load = [&](int stage, int k0) {
+    {  // x: 64 rows x 4 chunks of 8, one chunk per thread
+      const int r = tid / 4, c = (tid % 4) * 8;
+      const bool in = m0 + r < m_end && k0 + c < K;
+      cp_async16(&xs[stage][r][c], in ? x + (m0 + r) * K + k0 + c : x, in);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // w: 128 rows x 4 chunks
+      const int id = tid + i * kGemmThreads, r = id / 4, c = (id % 4) * 8;
+      const bool in = n0 + r < N && k0 + c < K;
+      cp_async16(&ws[stage][r][c], in ? w + (n0 + r) * K + k0 + c : w, in);
+    }
+    cp_async_commit();
+  };
+
+  float acc[2][4][4] = {};
+  const int steps = (K + kTk - 1) / kTk;
+  load(0, 0);
+  for (int s = 0; s < steps; ++s) {
+    const int stage = s & 1;
+    if (s + 1 < steps) {
+      load(stage ^ 1, (s + 1) * kTk);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kTk; kk += 16) {
+      uint32_t a[2][4], b[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const __nv_bfloat16* r0 = &xs[stage][wm + mi * 16 + g][kk + 2 * t];
+        const __nv_bfloat16* r8 = &xs[stage][wm + mi * 16 + g + 8][kk + 2 * t];
+        a[mi][0] = lds32(r0);
+        a[mi][1] = lds32(r8);
+        a[mi][2] = lds32(r0 + 8);
+        a[mi][3] = lds32(r8 + 8);
+      }
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const __nv_bfloat16* c = &ws[stage][wn + ni * 8 + g][kk + 2 * t];
+        b[ni][0] = lds32(c);
+        b[ni][1] = lds32(c + 8);
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+          mma_bf16(acc[mi][ni], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b[ni][0], b[ni][1]);
+    }
+    __syncthreads();  // the next iteration's load overwrites the stage just read
+  }
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // rows g and g + 8
+        const int64_t row = m0 + wm + mi * 16 + g + h * 8, col = n0 + wn + ni * 8 + 2 * t;
+        if (row >= m_end) continue;
+        if (col < N) y[row * N + col] = __float2bfloat16_rn(acc[mi][ni][2 * h]);
+        if (col + 1 < N) y[row * N + col + 1] = __float2bfloat16_rn(acc[mi][ni][2 * h + 1]);
+      }
+}
+
+__global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const __nv_bfloat16* __restrict__ x,
+                                                                 const __nv_bfloat16* __restrict__ w,
+                                                                 __nv_bfloat16* __restrict__ y, int M, int N, int K) {
+  const int64_t m0 = int64_t(blockIdx.y) * kTm;
+  gemm_bf16_tile(x, w, y, m0, M, int64_t(blockIdx.x) * kTn, N, K);
+}
+
+// Rows sorted by group: group e holds rows [offsets[e], offsets[e + 1]) and multiplies w[e]. Block
+// row b is the b-th 64-row tile counted across the groups in order; the grid bounds them from
+// above (rows / 64 + groups), so nothing is read back to the host.
+__global__ void __launch_bounds__(kGemmThreads) gemm_bf16_grouped_kernel(const __nv_bfloat16* __restrict__ x,
+                                                                         const __nv_bfloat16* __restrict__ w,
+                                                                         __nv_bfloat16* __restrict__ y,
+                                                                         const int64_t* __restrict__ offsets, int groups,
+                                                                         int N, int K) {
+  int64_t tile = blockIdx.y;
+  for (int e = 0; e < groups; ++e) {
+    const int64_t lo = offsets[e], hi = offsets[e + 1], tiles = (hi - lo + kTm - 1) / kTm;
+    if (tile < tiles) {
+      gemm_bf16_tile(x, w + int64_t(e) * N * K, y, lo + tile * kTm, hi, int64_t(blockIdx.x) * kTn, N, K);
+      return;
+    }
+    tile -= tiles;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Any dtype on CUDA cores (fp32, fp64, unaligned bf16): a block computes 32 x 32 outputs, a
+// thread four rows of one column, each a fused multiply-add per k in order, accumulated in Acc.
+constexpr int kSimpleTile = 32;
+
+template <typename T, typename Acc>
+__device__ __forceinline__ Acc to_acc(T v) {
+  if constexpr (std::is_same_v<T, double>) return v;
+  else return Acc(to_float(v));
+}
+template <typename T, typename Acc>
+__device__ __forceinline__ T from_acc(Acc v) {
+  if constexpr (std::is_same_v<T, double>) return v;
+  else return from_float<T>(float(v));
+}
+
+template <typename T, typename Acc>
+__global__ void gemm_simple_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int M, int N,
+                                   int K) {
+  __shared__ Acc xs[kSimpleTile][kSimpleTile + 1], ws[kSimpleTile][kSimpleTile + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y;  // 32 x 8
+  const int64_t m0 = int64_t(blockIdx.y) * kSimpleTile, n0 = int64_t(blockIdx.x) * kSimpleTile;
+  Acc acc[4] = {};
+  for (int k0 = 0; k0 < K; k0 += kSimpleTile) {
+    for (int r = ty; r < kSimpleTile; r += 8) {
+      const bool kin = k0 + tx < K;
+      xs[r][tx] = kin && m0 + r < M ? to_acc<T, Acc>(x[(m0 + r) * K + k0 + tx]) : Acc(0);
+      ws[r][tx] = kin && n0 + r < N ? to_acc<T, Acc>(w[(n0 + r) * K + k0 + tx]) : Acc(0);
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int kk = 0; kk < kSimpleTile; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] = fma(xs[ty + 8 * i][kk], ws[tx][kk], acc[i]);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t row = m0 + ty + 8 * i, col = n0 + tx;
+    if (row < M && col < N) y[row * N + col] = from_acc<T, Acc>(acc[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ranged attention: a warp per (query, head) walks the query's keys one at a time in order with an
+// online softmax in Acc. The score's sum over head dims is a butterfly, whose every lane ends with
+// the same bits (each step adds the same two values, a + b = b + a), so the lanes agree.
+constexpr int kAttnWarps = 4, kMaxPerLane = 8;  // head_dim <= 256
+
+template <typename Acc>
+__device__ __forceinline__ Acc warp_sum(Acc v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    ranged_attention_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                            const T* __restrict__ kf, const T* __restrict__ vf, const int32_t* __restrict__ table,
+                            const int32_t* __restrict__ begin, const int32_t* __restrict__ count, T* __restrict__ o,
+                            int64_t pairs, int Hq, int Hkv, int hd, Acc scale) {
+  const int lane = threadIdx.x % 32;
+  const int64_t pair = int64_t(blockIdx.x) * kAttnWarps + threadIdx.x / 32;
+  if (pair >= pairs) return;
+  const int64_t i = pair / Hq;
+  const int h = int(pair % Hq), kvh = h / (Hq / Hkv);
+  Acc qv[kMaxPerLane], acc[kMaxPerLane];
+#pragma unroll
+  for (int p = 0; p < kMaxPerLane; ++p) {
+    const int d = lane + 32 * p;
+    qv[p] = d < hd ? to_acc<T, Acc>(q[(i * Hq + h) * hd + d]) : Acc(0);
+    acc[p] = 0;
+  }
+  Acc m = -INFINITY, l = 0;
+  const int64_t first = begin[i];
+  for (int j = 0; j < count[i]; ++j) {
+    // The key's row: of k and v, or through the table, of k/v (>= 0) or of kf/vf (-1 - entry).
+    const T *kb = k, *vb = v;
+    int64_t key = first + j;
+    if (table) {
+      const int32_t e = table[key];
+      key = e >= 0 ? e : -1 - e;
+      if (e < 0) kb = kf, vb = vf;
+    }
+    const int64_t row = (key * Hkv + kvh) * hd;
+    Acc s = 0;
+#pragma unroll
+    for (int p = 0; p < kMaxPerLane; ++p) {
+      const int d = lane + 32 * p;
+      if (d < hd) s = fma(qv[p], to_acc<T, Acc>(kb[row + d]), s);
+    }
+    s = warp_sum(s) * scale;
+    const Acc mn = s > m ? s : m;
+    const Acc corr = exp(m - mn), e = exp(s - mn);
+    l = l * corr + e;
+#pragma unroll
+    for (int p = 0; p < kMaxPerLane; ++p) {
+      const int d = lane + 32 * p;
+      if (d < hd) acc[p] = acc[p] * corr + e * to_acc<T, Acc>(vb[row + d]);
+    }
+    m = mn;
+  }
+#pragma unroll
+  for (int p = 0; p < kMaxPerLane; ++p) {
+    const int d = lane + 32 * p;
+    if (d < hd) o[(i * Hq + h) * hd + d] = from_acc<T, Acc>(l > 0 ? acc[p] / l : Acc(0));
+  }
+}
+
+unsigned blocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
+
+}  // namespace
+
+cudaError_t launch_invariant_gemm(int dtype, const void* x, const void* w, void* y, int64_t M, int64_t N, int64_t K,
+                                  cudaStream_t stream) {
+  if (M == 0 || N == 0) return cudaSuccess;
+  if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || K == 0 || M > 65535LL * kTm) return cudaErrorInvalidValue;
+  const int m = int(M), n = int(N), k = int(K);
+  const bool aligned = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0) && K % 8 == 0;
+  if (dtype == kInvariantBf16 && aligned) {
+    gemm_bf16_kernel<<<dim3(blocks(N, kTn), blocks(M, kTm)), kGemmThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(y), m,
+        n, k);
+    return cudaGetLastError();
+  }
+  const dim3 grid(blocks(N, kSimpleTile), blocks(M, kSimpleTile)), block(32, 8);
+  if (M > 65535LL * kSimpleTile) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case kInvariantF32:
+      gemm_simple_kernel<float, float><<<grid, block, 0, stream>>>(static_cast<const float*>(x),
+                                                                   static_cast<const float*>(w),
+                                                                   static_cast<float*>(y), m, n, k);
+      break;
+    case kInvariantBf16:
+      gemm_simple_kernel<__nv_bfloat16, float><<<grid, block, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(y),
+          m, n, k);
+      break;
+    case kInvariantF64:
+      gemm_simple_kernel<double, double><<<grid, block, 0, stream>>>(static_cast<const double*>(x),
+                                                                     static_cast<const double*>(w),
+                                                                     static_cast<double*>(y), m, n, k);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_invariant_grouped_gemm(const void* x, const void* w, void* y, const int64_t* offsets, int64_t rows,
+                                          int64_t groups, int64_t N, int64_t K, cudaStream_t stream) {
+  if (rows == 0 || N == 0) return cudaSuccess;
+  if (N > INT32_MAX || K > INT32_MAX || K == 0 || K % 8 != 0 || groups > INT32_MAX ||
+      (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 != 0)
+    return cudaErrorInvalidValue;
+  const int64_t tiles = rows / kTm + groups;
+  if (tiles > 65535) return cudaErrorInvalidValue;
+  gemm_bf16_grouped_kernel<<<dim3(blocks(N, kTn), unsigned(tiles)), kGemmThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(y),
+      offsets, int(groups), int(N), int(K));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ranged_attention(int dtype, const void* q, const void* k, const void* v, const void* kf,
+                                    const void* vf, const int32_t* table, const int32_t* begin, const int32_t* count,
+                                    void* o, int64_t queries, int Hq, int Hkv, int hd, cudaStream_t stream) {
+  if (queries == 0) return cudaSuccess;
+  if (hd < 1 || hd > 32 * kMaxPerLane || Hkv < 1 || Hq % Hkv != 0) return cudaErrorInvalidValue;
+  const int64_t pairs = queries * Hq;
+  const unsigned grid = blocks(pairs, kAttnWarps);
+  const double scale = 1.0 / std::sqrt(double(hd));
+  switch (dtype) {
+    case kInvariantF32:
+      ranged_attention_kernel<float, float><<<grid, kAttnWarps * 32, 0, stream>>>(
+          static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v), static_cast<const float*>(kf),
+          static_cast<const float*>(vf), table, begin, count,
+          static_cast<float*>(o), pairs, Hq, Hkv, hd, float(scale));
+      break;
+    case kInvariantBf16:
+      ranged_attention_kernel<__nv_bfloat16, float><<<grid, kAttnWarps * 32, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(k),
+          static_cast<const __nv_bfloat16*>(v), static_cast<const __nv_bfloat16*>(kf),
+          static_cast<const __nv_bfloat16*>(vf), table, begin, count, static_cast<__nv_bfloat16*>(o), pairs, Hq, Hkv, hd,
+          float(scale));
+      break;
+    case kInvariantF64:
+      ranged_attention_kernel<double, double><<<grid, kAttnWarps * 32, 0, stream>>>(
+          static_cast<const double*>(q), static_cast<const double*>(k), static_cast<const double*>(v), static_cast<const double*>(kf),
+          static_cast<const double*>(vf), table, begin, count,
+          static_cast<double*>(o), pairs, Hq, Hkv, hd, scale);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace kiln::kernels

@@ -1,0 +1,84 @@
+// The batch-invariant CUDA kernels (kernels/invariant.h): the GEMM and the ranged attention against
+// float64 on odd sizes in bf16, fp32 and fp64, and each row's bits the same whatever batch it runs in.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "kernels/invariant.h"
+#include "model/batch_invariant.h"
+
+namespace kiln {
+namespace {
+
+const at::Device kCuda(at::kCUDA, 0);
+
+// max |a - b| over max |ref| (a and b compared in float64 on the CPU).
+double relative_error(const at::Tensor& a, const at::Tensor& ref) {
+  at::Tensor r = ref.to(at::kCPU, at::kDouble);
+  return (a.to(at::kCPU, at::kDouble) - r).abs().max().item<double>() / std::max(1e-30, r.abs().max().item<double>());
+}
+
+double tolerance(at::ScalarType t) { return t == at::kBFloat16 ? 1e-2 : t == at::kFloat ? 1e-5 : 1e-12; }
+
+TEST(CudaInvariant, LinearMatchesFloat64AndRowsDoNotDependOnTheBatch) {
+  at::manual_seed(7);
+  // (N, K): tensor cores (K % 8 == 0, tails in N and K), and CUDA cores (K odd).
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{19, 64}, {111, 200}, {130, 520}, {7, 19}, {4097, 24}};
+  for (at::ScalarType dt : {at::kBFloat16, at::kFloat, at::kDouble})
+    for (auto [N, K] : shapes) {
+      const int64_t M = 4097;
+      at::Tensor x = at::randn({M, K}, at::TensorOptions().dtype(at::kDouble)).to(kCuda, dt);
+      at::Tensor w = (at::randn({N, K}, at::TensorOptions().dtype(at::kDouble)) / std::sqrt(double(K))).to(kCuda, dt);
+      at::Tensor y = kernels::invariant_linear_cuda(x, w);
+      ASSERT_EQ(y.scalar_type(), dt);
+      EXPECT_LT(relative_error(y, at::linear(x.to(at::kCPU, at::kDouble), w.to(at::kCPU, at::kDouble))), tolerance(dt))
+          << "N " << N << " K " << K << " " << dt;
+      // Rows alone, or in batches of 19 and 111 at other offsets, in fresh tensors: the same bits.
+      for (auto [first, n] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {4096, 1}, {5, 19}, {3000, 111}}) {
+        at::Tensor part = kernels::invariant_linear_cuda(x.narrow(0, first, n).clone(), w);
+        EXPECT_TRUE(at::equal(part, y.narrow(0, first, n))) << "rows " << first << "+" << n << " N " << N << " K "
+                                                            << K << " " << dt;
+      }
+    }
+}
+
+TEST(CudaInvariant, RangedAttentionMatchesFloat64AndQueriesDoNotDependOnTheBatch) {
+  at::manual_seed(8);
+  for (at::ScalarType dt : {at::kBFloat16, at::kFloat, at::kDouble})
+    for (int64_t hd : {16, 64, 96}) {
+      const int64_t n = 111, m = 4097, Hq = 6, Hkv = 2;
+      auto opts = at::TensorOptions().dtype(at::kDouble);
+      at::Tensor q = at::randn({n, Hq, hd}, opts).to(kCuda, dt), k = at::randn({m, Hkv, hd}, opts).to(kCuda, dt),
+                 v = at::randn({m, Hkv, hd}, opts).to(kCuda, dt);
+      model::KeyRanges r;
+      for (int64_t i = 0; i < n; ++i) {  // lengths 1, 19, 111, 4097 and others
+        const int64_t c = i == 0 ? 1 : i == 1 ? 19 : i == 2 ? 111 : i == 3 ? m : 1 + (i * 37) % 300;
+        r.count.push_back(c);
+        r.begin.push_back((i * 101) % (m - c + 1));
+      }
+      at::Tensor o = model::ranged_attention(q, k, v, {}, {}, r);
+      // float64 on the CPU, query by query.
+      at::Tensor qd = q.to(at::kCPU, at::kDouble), kd = k.to(at::kCPU, at::kDouble), vd = v.to(at::kCPU, at::kDouble);
+      at::Tensor ref = model::ranged_attention(qd, kd, vd, {}, {}, r);
+      EXPECT_LT(relative_error(o, ref), tolerance(dt) * 2) << "hd " << hd << " " << dt;
+      // Queries alone, their keys read through a table from two other buffers (the engine's cache
+      // rows and new rows, here reversed halves): the same bits.
+      for (int64_t i : {0, 1, 2, 3}) {
+        const int64_t b = r.begin[size_t(i)], c = r.count[size_t(i)], half = c / 2;
+        at::Tensor main_k = k.narrow(0, b, half).flip(0).contiguous(), main_v = v.narrow(0, b, half).flip(0).contiguous();
+        at::Tensor fresh_k = k.narrow(0, b + half, c - half).flip(0).contiguous(),
+                   fresh_v = v.narrow(0, b + half, c - half).flip(0).contiguous();
+        model::KeyRanges one;
+        one.begin = {0};
+        one.count = {c};
+        for (int64_t j = 0; j < half; ++j) one.table.push_back(half - 1 - j);
+        for (int64_t j = 0; j < c - half; ++j) one.table.push_back(-1 - (c - half - 1 - j));
+        at::Tensor alone = model::ranged_attention(q.narrow(0, i, 1).clone(), main_k, main_v, fresh_k, fresh_v, one);
+        EXPECT_TRUE(at::equal(alone, o.narrow(0, i, 1))) << "query " << i << " hd " << hd << " " << dt;
+      }
+    }
+}
+
+}  // namespace
+}  // namespace kiln
