@@ -68,8 +68,9 @@ at::Tensor flash_varlen_attention(const at::Tensor& q, const at::Tensor& k, cons
 #endif
 }
 
-bool flash_varlen_available(at::Device device, at::ScalarType dtype) {
+bool flash_varlen_available(at::Device device, at::ScalarType dtype, int64_t head_dim) {
   if (!kCompiledIn || !device.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) return false;
+  if (head_dim % 8 != 0 || head_dim > 256) return false;  // FlashAttention-2's head sizes
   // One probe per process: two sequences (5 and 3 tokens), GQA, a window, forward and backward.
   static std::once_flag once;
   static bool works = false;

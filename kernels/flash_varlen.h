@@ -10,9 +10,10 @@
 
 namespace kiln::kernels {
 
-// Whether flash_varlen_attention runs on `device` for `dtype`: compiled in, a CUDA device, bf16
-// or fp16, and a one-time probe (a tiny forward and backward) succeeded.
-bool flash_varlen_available(at::Device device, at::ScalarType dtype);
+// Whether flash_varlen_attention runs on `device` for `dtype` and `head_dim`: compiled in, a CUDA
+// device, bf16 or fp16, a head dim that is a multiple of 8 up to 256, and a one-time probe (a tiny
+// forward and backward) succeeded.
+bool flash_varlen_available(at::Device device, at::ScalarType dtype, int64_t head_dim);
 
 // q [T, Hq, hd], k and v [T, Hkv, hd] (Hkv divides Hq), sequences packed at cu_seqlens [S + 1]
 // int32 on q's device, max_len the longest. Query i of a sequence sees keys j <= i, and within

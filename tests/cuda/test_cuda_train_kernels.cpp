@@ -167,7 +167,7 @@ TEST(CudaTrainMoeRows, DispatchAndCombineMatchFloat64) {
 }
 
 TEST(CudaTrainFlash, VarlenMatchesFloat64WithWindowsAndGqa) {
-  if (!kernels::flash_varlen_available(at::Device(at::kCUDA), at::kBFloat16))
+  if (!kernels::flash_varlen_available(at::Device(at::kCUDA), at::kBFloat16, 64))
     GTEST_SKIP() << "this libtorch has no usable _flash_attention_forward; the padded attention serves";
   at::manual_seed(5);
   const std::vector<int64_t> lens = {1, 19, 111, 300, 7};
