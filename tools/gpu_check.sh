@@ -93,7 +93,7 @@ if [ -n "${KILN_CUDA_FILTER:-}" ]; then  # a gtest filter over kiln_test_cuda in
 else
 (cd build-gpu && ctest -L cuda --output-on-failure > "$tmp/ctest-cuda.log" 2>&1)
 fi
-grep -E "\*\*\*Failed|Failure|Expected|Which is|elements differ" "$tmp/ctest-cuda.log" | head -100 | tee -a "$out/tests.log"
+grep -E "\*\*\*Failed|Failure|Expected|Which is|elements differ|exception with description" "$tmp/ctest-cuda.log" | head -100 | tee -a "$out/tests.log"
 grep -E "tests passed|^\s+[0-9]+ - " "$tmp/ctest-cuda.log" | tee -a "$out/tests.log"
 fi
 if want mpi; then  # the CPU-rank MPI tests of this build, whole output (a crash prints its backtrace)
@@ -324,6 +324,15 @@ for r in (json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l):
           f"off {r['mismatch_no_replay']['max_abs']:.3e}")
 PY
 done
+python3 - "$tmp/bitwise-standard/metrics.jsonl" "$tmp/bitwise-bitwise/metrics.jsonl" <<'PY' 2>&1 | tee -a "$out/bitwise.txt"
+import sys, json
+def mean(path, key):  # steps after the first (warm-up)
+    rows = [json.loads(l) for l in open(path) if '"step_seconds"' in l][1:]
+    return sum(r[key] for r in rows) / max(1, len(rows))
+for key in ("step_seconds", "rollout_seconds", "lp_old_seconds", "train_seconds"):
+    s, b = mean(sys.argv[1], key), mean(sys.argv[2], key)
+    print(f"{key[:-8]:>8}: standard {s:.3f} s, bitwise {b:.3f} s, bitwise / standard {b / s:.2f}x")
+PY
 fi  # bitwise
 if want long; then
 # Issue 23: long responses. muse-small GRPO whose samples run to max_tokens (a random init rarely
