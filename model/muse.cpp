@@ -754,12 +754,20 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
                "forward: positions must be int64 [", T, "] on ", device(), " (got ", opt.positions.sizes(), " ",
                opt.positions.scalar_type(), " on ", opt.positions.device(), ")");
   at::Tensor positions = opt.positions.defined() ? opt.positions : batch.positions();
-  // Batch-invariant numerics: each position's table alone (cos and sin round by where they sit).
+  // Batch-invariant numerics: each position's table alone (on the CPU cos and sin round by where
+  // they sit), once per distinct position, then gathered for the tokens.
   auto table = [&](const at::Tensor& pos) { return rope_tables(pos, cfg_.head_dim, cfg_.rope_theta, dtype()); };
   at::Tensor cos, sin;
   if (opt.batch_invariant) {
-    cos = rowwise_apply(positions, [&](const at::Tensor& p) { return table(p.reshape({-1})).first; });
-    sin = rowwise_apply(positions, [&](const at::Tensor& p) { return table(p.reshape({-1})).second; });
+    at::Tensor distinct, index;
+    std::tie(distinct, index, std::ignore) = at::_unique2(positions, /*sorted=*/true, /*return_inverse=*/true);
+    const at::Tensor both = rowwise_apply(distinct, [&](const at::Tensor& p) {
+      const auto t = table(p.reshape({-1}));
+      return at::cat({t.first, t.second}, -1);
+    });
+    const int64_t w = both.size(-1) / 2;
+    cos = both.narrow(-1, 0, w).index_select(0, index.reshape({-1}));
+    sin = both.narrow(-1, w, w).index_select(0, index.reshape({-1}));
   } else {
     std::tie(cos, sin) = table(positions);
   }
