@@ -48,7 +48,12 @@ at::Tensor invariant_linear_cuda(const at::Tensor& x, const at::Tensor& w) {
 #if KILN_WITH_CUDA
   if (x.size(1) == 0) return y.zero_();
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  // A fresh copy of a view that does not start on 16 bytes: which kernel runs (and so a row's
+  // bits) then depends on the dtype and K alone, never on where a tensor starts.
+  auto own = [](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t.contiguous() : t.clone(at::MemoryFormat::Contiguous);
+  };
+  const at::Tensor xc = own(x), wc = own(w);
   check_launch(launch_invariant_gemm(invariant_dtype(x), xc.data_ptr(), wc.data_ptr(), y.data_ptr(), x.size(0),
                                      w.size(0), x.size(1), c10::cuda::getCurrentCUDAStream()),
                "invariant_linear");

@@ -104,23 +104,23 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
 __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const __nv_bfloat16* __restrict__ x,
                                                                  const __nv_bfloat16* __restrict__ w,
                                                                  __nv_bfloat16* __restrict__ y, int M, int N, int K) {
-  const int64_t m0 = int64_t(blockIdx.y) * kTm;
-  gemm_bf16_tile(x, w, y, m0, M, int64_t(blockIdx.x) * kTn, N, K);
+  const int64_t m0 = int64_t(blockIdx.x) * kTm;  // row tiles on x (up to 2^31 - 1), column tiles on y
+  gemm_bf16_tile(x, w, y, m0, M, int64_t(blockIdx.y) * kTn, N, K);
 }
 
 // Rows sorted by group: group e holds rows [offsets[e], offsets[e + 1]) and multiplies w[e]. Block
-// row b is the b-th 64-row tile counted across the groups in order; the grid bounds them from
-// above (rows / 64 + groups), so nothing is read back to the host.
+// row b (blockIdx.x) is the b-th 64-row tile counted across the groups in order; the grid bounds
+// them from above (rows / 64 + groups), so nothing is read back to the host.
 __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_grouped_kernel(const __nv_bfloat16* __restrict__ x,
                                                                          const __nv_bfloat16* __restrict__ w,
                                                                          __nv_bfloat16* __restrict__ y,
                                                                          const int64_t* __restrict__ offsets, int groups,
                                                                          int N, int K) {
-  int64_t tile = blockIdx.y;
+  int64_t tile = blockIdx.x;
   for (int e = 0; e < groups; ++e) {
     const int64_t lo = offsets[e], hi = offsets[e + 1], tiles = (hi - lo + kTm - 1) / kTm;
     if (tile < tiles) {
-      gemm_bf16_tile(x, w + int64_t(e) * N * K, y, lo + tile * kTm, hi, int64_t(blockIdx.x) * kTn, N, K);
+      gemm_bf16_tile(x, w + int64_t(e) * N * K, y, lo + tile * kTm, hi, int64_t(blockIdx.y) * kTn, N, K);
       return;
     }
     tile -= tiles;
@@ -148,7 +148,7 @@ __global__ void gemm_simple_kernel(const T* __restrict__ x, const T* __restrict_
                                    int K) {
   __shared__ Acc xs[kSimpleTile][kSimpleTile + 1], ws[kSimpleTile][kSimpleTile + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;  // 32 x 8
-  const int64_t m0 = int64_t(blockIdx.y) * kSimpleTile, n0 = int64_t(blockIdx.x) * kSimpleTile;
+  const int64_t m0 = int64_t(blockIdx.x) * kSimpleTile, n0 = int64_t(blockIdx.y) * kSimpleTile;
   Acc acc[4] = {};
   for (int k0 = 0; k0 < K; k0 += kSimpleTile) {
     for (int r = ty; r < kSimpleTile; r += 8) {
@@ -244,17 +244,16 @@ unsigned blocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
 cudaError_t launch_invariant_gemm(int dtype, const void* x, const void* w, void* y, int64_t M, int64_t N, int64_t K,
                                   cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
-  if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || K == 0 || M > 65535LL * kTm) return cudaErrorInvalidValue;
+  if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || K == 0 || N > 65535LL * kSimpleTile) return cudaErrorInvalidValue;
   const int m = int(M), n = int(N), k = int(K);
   const bool aligned = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0) && K % 8 == 0;
   if (dtype == kInvariantBf16 && aligned) {
-    gemm_bf16_kernel<<<dim3(blocks(N, kTn), blocks(M, kTm)), kGemmThreads, 0, stream>>>(
+    gemm_bf16_kernel<<<dim3(blocks(M, kTm), blocks(N, kTn)), kGemmThreads, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(y), m,
         n, k);
     return cudaGetLastError();
   }
-  const dim3 grid(blocks(N, kSimpleTile), blocks(M, kSimpleTile)), block(32, 8);
-  if (M > 65535LL * kSimpleTile) return cudaErrorInvalidValue;
+  const dim3 grid(blocks(M, kSimpleTile), blocks(N, kSimpleTile)), block(32, 8);
   switch (dtype) {
     case kInvariantF32:
       gemm_simple_kernel<float, float><<<grid, block, 0, stream>>>(static_cast<const float*>(x),
@@ -284,8 +283,8 @@ cudaError_t launch_invariant_grouped_gemm(const void* x, const void* w, void* y,
       (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 != 0)
     return cudaErrorInvalidValue;
   const int64_t tiles = rows / kTm + groups;
-  if (tiles > 65535) return cudaErrorInvalidValue;
-  gemm_bf16_grouped_kernel<<<dim3(blocks(N, kTn), unsigned(tiles)), kGemmThreads, 0, stream>>>(
+  if (tiles > INT32_MAX || N > 65535LL * kTn) return cudaErrorInvalidValue;
+  gemm_bf16_grouped_kernel<<<dim3(unsigned(tiles), blocks(N, kTn)), kGemmThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(y),
       offsets, int(groups), int(N), int(K));
   return cudaGetLastError();

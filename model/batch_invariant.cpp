@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -81,19 +82,25 @@ struct GroupedRowsLinear : public torch::autograd::Function<GroupedRowsLinear> {
     const int64_t* o = host.data_ptr<int64_t>();
     // dx: one grouped launch over the transposed stack where the kernel serves (its rounding is
     // as good as any: no log-prob reads a gradient's bits); dw: a GEMM per group.
-    const at::Tensor wt = w.transpose(1, 2).contiguous();
-    const bool grouped_dx = kernels::invariant_grouped_linear_serves(g, wt);
-    at::Tensor dx = grouped_dx ? kernels::invariant_grouped_linear_cuda(g, wt, saved[2]) : at::zeros_like(x);
-    at::Tensor dw = at::zeros_like(w);
+    // Only the gradients wanted (frozen experts under LoRA want none for w).
+    const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
+    const at::Tensor wt = want_dx ? w.transpose(1, 2).contiguous() : at::Tensor();
+    const bool grouped_dx = want_dx && kernels::invariant_grouped_linear_serves(g, wt);
+    at::Tensor dx = grouped_dx ? kernels::invariant_grouped_linear_cuda(g, wt, saved[2])
+                    : want_dx  ? at::zeros_like(x)
+                               : at::Tensor();
+    at::Tensor dw = want_dw ? at::zeros_like(w) : at::Tensor();
     for (int64_t e = 0; e < w.size(0); ++e) {
       if (o[e + 1] == o[e]) continue;
       const at::Tensor ge = g.narrow(0, o[e], o[e + 1] - o[e]);
-      if (!grouped_dx) {
+      if (want_dx && !grouped_dx) {
         at::Tensor dxe = dx.narrow(0, o[e], o[e + 1] - o[e]);
         at::mm_out(dxe, ge, w[e]);
       }
-      at::Tensor dwe = dw[e];
-      at::mm_out(dwe, ge.t(), x.narrow(0, o[e], o[e + 1] - o[e]));
+      if (want_dw) {
+        at::Tensor dwe = dw[e];
+        at::mm_out(dwe, ge.t(), x.narrow(0, o[e], o[e + 1] - o[e]));
+      }
     }
     return {dx, dw, at::Tensor()};
   }
@@ -201,8 +208,14 @@ struct RowwiseTokenLogprobs : public torch::autograd::Function<RowwiseTokenLogpr
     ctx->save_for_backward({logits, targets});
     ctx->saved_data["temperature"] = temperature;
     const at::Tensor ids = targets.to(logits.device(), at::kLong);
-    if (logits.is_cuda()) {  // log_softmax's CUDA kernels take a row per block or warp, chosen by V alone
-      const at::Tensor own = reinterpret_cast<uintptr_t>(logits.data_ptr()) % 256 == 0 ? logits : logits.clone();
+    if (logits.is_cuda()) {
+      // log_softmax's CUDA kernels take a row per block or warp, chosen by V alone, but the block
+      // kernel splits a row by the row's own 16-byte alignment: rows padded with -inf to a
+      // multiple of 16 bytes all start aligned, wherever they sit.
+      const int64_t per16 = 16 / int64_t(logits.element_size()), pad = (per16 - logits.size(1) % per16) % per16;
+      at::Tensor own = pad > 0 ? at::constant_pad_nd(logits, {0, pad}, -std::numeric_limits<double>::infinity())
+                       : reinterpret_cast<uintptr_t>(logits.data_ptr()) % 256 == 0 ? logits
+                                                                               : logits.clone();
       return at::log_softmax(temperature != 1.0 ? own / temperature : own, -1).gather(1, ids.unsqueeze(1)).squeeze(1);
     }
     return chunked(logits, [&](const at::Tensor& c, int64_t a, int64_t n) {
@@ -241,7 +254,10 @@ void KeyRanges::upload(at::Device device) {
   std::vector<int32_t> all;
   all.reserve(begin.size() + count.size() + table.size());
   for (const auto* part : {&begin, &count, &table})
-    for (int64_t x : *part) all.push_back(int32_t(x));
+    for (int64_t x : *part) {
+      KILN_CHECK(x >= INT32_MIN && x <= INT32_MAX, "KeyRanges: ", x, " does not fit the kernel's int32 ranges");
+      all.push_back(int32_t(x));
+    }
   packed = at::tensor(c10::ArrayRef<int32_t>(all), at::kInt).to(device);
 }
 

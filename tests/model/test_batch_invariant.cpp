@@ -99,6 +99,10 @@ TEST(BatchInvariant, GroupedLinearIsRowwiseLinearPerGroup) {
   at::cat({at::linear(x2.narrow(0, 0, 11), w2[0]), at::linear(x2.narrow(0, 11, 8), w2[2])}).pow(2).sum().backward();
   EXPECT_TRUE(test::all_close(x.grad(), x2.grad(), 1e-12, 1e-12));
   EXPECT_TRUE(test::all_close(w.grad(), w2.grad(), 1e-12, 1e-12));
+  // Frozen weights (LoRA's base): only dx is computed, the same.
+  at::Tensor x3 = x.detach().clone().requires_grad_(true);
+  model::grouped_rowwise_linear(x3, w.detach(), at::tensor(ends, at::kLong)).pow(2).sum().backward();
+  EXPECT_TRUE(test::all_close(x3.grad(), x2.grad(), 1e-12, 1e-12));
   EXPECT_TRUE(test::throws_with([&] { model::grouped_rowwise_linear(x, w, at::tensor(std::vector<int64_t>{0, 19}, at::kLong)); },
                                 {"grouped_rowwise_linear", "offsets"}));
 }
