@@ -30,13 +30,17 @@ DenseSharding parse_dense_sharding(const std::string& name) {
 }
 
 RolloutPlacement parse_rollout_placement(const std::string& name) {
-  if (name == "replica") return RolloutPlacement::kReplica;
-  if (name == "sharded") return RolloutPlacement::kSharded;
-  KILN_FAIL("parallel: rollout must be replica or sharded (got '", name, "')");
+  for (RolloutPlacement p : {RolloutPlacement::kAuto, RolloutPlacement::kReplica, RolloutPlacement::kSharded})
+    if (name == rollout_placement_name(p)) return p;
+  KILN_FAIL("parallel: rollout must be auto, replica or sharded (got '", name, "')");
 }
 
 const char* rollout_placement_name(RolloutPlacement p) {
-  return p == RolloutPlacement::kSharded ? "sharded" : "replica";
+  switch (p) {
+    case RolloutPlacement::kAuto: return "auto";
+    case RolloutPlacement::kSharded: return "sharded";
+    default: return "replica";
+  }
 }
 
 std::string ParallelConfig::describe() const {

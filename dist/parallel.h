@@ -29,15 +29,17 @@ DenseSharding parse_dense_sharding(const std::string& name);  // replicated | ze
 
 // Where the rollout engine's experts live under expert parallelism: a full replica on every rank
 // (gathered after each step), or each rank's own shard (the group's engines step in lockstep).
-enum class RolloutPlacement { kReplica, kSharded };
-RolloutPlacement parse_rollout_placement(const std::string& name);  // "replica" or "sharded"
+// kAuto (the default): `kiln train` takes a replica where its memory plan says one fits, the shard
+// where only that fits (trainer/plan.h); anything else reading the config treats it as a replica.
+enum class RolloutPlacement { kAuto, kReplica, kSharded };
+RolloutPlacement parse_rollout_placement(const std::string& name);  // "auto", "replica" or "sharded"
 const char* rollout_placement_name(RolloutPlacement p);
 
 struct ParallelConfig {
   int64_t dp = 0;  // data-parallel ranks; 0: world size / ep
   int64_t ep = 1;  // expert-parallel ranks
   int64_t tp = 1;  // reserved: must be 1
-  RolloutPlacement rollout = RolloutPlacement::kReplica;  // kSharded needs ep > 1
+  RolloutPlacement rollout = RolloutPlacement::kAuto;  // kSharded needs ep > 1
   // The dense part (and at ep = 1 the experts too): replicated with ZeRO-1 optimizer state, or
   // ZeRO-3 (dist/zero3.h: each tensor whole on one rank, gathered a layer at a time, the layers
   // recomputed in the backward; sharded engines get the dense part from its owners after each

@@ -100,7 +100,8 @@ void check_same_recipe(const std::string& dir, const trainer::Recipe& r) {
 
 // Before a GPU model is allocated: the recipe's memory plan (trainer/plan.h) on this job's ranks and
 // this GPU. A recipe the plan says cannot fit is refused with the plan's numbers, not an OOM later.
-void check_plan(const trainer::Recipe& r, const model::ModelConfig& cfg, const comm::Group& world, at::Device device) {
+// parallel.rollout: auto becomes the placement the plan picks (a replica where one fits).
+void check_plan(trainer::Recipe& r, const model::ModelConfig& cfg, const comm::Group& world, at::Device device) {
   dist::ParallelConfig par = r.grpo.parallel;
   par.resolve(world.size(), cfg.num_experts);
   trainer::Cluster c;
@@ -110,6 +111,10 @@ void check_plan(const trainer::Recipe& r, const model::ModelConfig& cfg, const c
   c.host_bytes = c.nvme_bytes = std::numeric_limits<double>::infinity();  // not checked here
   const trainer::Plan plan = trainer::make_plan(cfg, trainer::plan_job(r.grpo, r.dtype), c,
                                                 {par.dp, par.ep, 1, par.dense});
+  if (r.grpo.parallel.rollout == dist::RolloutPlacement::kAuto) {
+    r.grpo.parallel.rollout = plan.rollout_sharded ? dist::RolloutPlacement::kSharded : dist::RolloutPlacement::kReplica;
+    if (world.rank() == 0 && par.ep > 1) fmt::print("train: parallel.rollout {}\n", plan.rollout_choice);
+  }
   KILN_CHECK(plan.fits(), "train: by kiln's memory plan this recipe does not fit ", device, ": ",
              fmt::format("{}", fmt::join(plan.problems, "; ")), ". Lower optim.micro_batch_seqs or rollout.kv_cache_mb, "
              "set grpo.recompute: true, move the optimizer state (optim.state: cpu), or add ranks (parallel.ep); "
@@ -129,7 +134,15 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   const comm::Group& world = comm::Group::world();
   comm::set_collective_timeout(r.grpo.parallel.collective_timeout_s);
   claim_run_dir(r.run.out, outputs, reuse, resolved_name == std::string("recipe.yaml") ? "train" : "sft");
-  if (reuse == Reuse::kResume) check_same_recipe(r.run.out, r);
+  if (reuse == Reuse::kResume) {
+    // parallel.rollout: auto keeps the placement the run chose when it started.
+    if (r.grpo.parallel.rollout == dist::RolloutPlacement::kAuto) {
+      const YAML::Node saved = yaml::load_file(r.run.out + "/recipe.yaml");
+      if (saved["parallel"].IsMap() && saved["parallel"]["rollout"].IsScalar())
+        r.grpo.parallel.rollout = dist::parse_rollout_placement(saved["parallel"]["rollout"].as<std::string>());
+    }
+    check_same_recipe(r.run.out, r);
+  }
   world.barrier();  // every rank has looked at the directory before rank 0 writes into it
   std::error_code ec;
   std::filesystem::create_directories(r.run.out, ec);  // ranks race here; a real failure shows at the first write
@@ -145,6 +158,8 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   const model::ModelConfig config = r.init_from.empty() ? model::ModelConfig::from_yaml_file(r.model_config)
                                                         : model::ModelConfig::from_json_file(r.init_from + "/config.json");
   if (train && device.is_cuda()) check_plan(r, config, world, device);
+  // Off the GPU nothing is planned: auto is a replica.
+  if (r.grpo.parallel.rollout == dist::RolloutPlacement::kAuto) r.grpo.parallel.rollout = dist::RolloutPlacement::kReplica;
   // Under expert parallelism or ZeRO-3 (GRPO and SFT alike) each rank draws or reads only its
   // share of the model (its experts, the dense tensors it owns), never the whole of it. A bad
   // layout is left for the trainers to report.

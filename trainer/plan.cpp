@@ -38,6 +38,8 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   j.recompute = g.recompute;
   j.rollout_quantization = rollout::quantization_name(g.engine.quantization);
   j.rollout_sharded = g.parallel.sharded_rollout();
+  j.rollout_auto = g.parallel.rollout == dist::RolloutPlacement::kAuto;
+  j.rollout_shard_allowed = g.async_staleness < 0 && !g.environment.enabled();
   j.kv_cache_bytes = double(g.engine.kv_cache_bytes);
   return j;
 }
@@ -92,8 +94,12 @@ double layer_activation_bytes_per_token(const model::ModelConfig& c, int64_t tp)
   return kActivationCalibration * (2 * values + 8.0 * double(c.num_experts));
 }
 
-Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& L) {
+namespace {
+
+// The plan with the rollout placed as job.rollout_sharded says.
+Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& L) {
   Plan plan;
+  plan.rollout_sharded = job.rollout_sharded;
   plan.layout = L;
   plan.cluster = cluster;
   const int64_t world = cluster.world();
@@ -221,9 +227,34 @@ Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster&
   return plan;
 }
 
+}  // namespace
+
+Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& L) {
+  if (!job.rollout_auto) return plan_placed(cfg, job, cluster, L);
+  PlanJob placed = job;
+  placed.rollout_sharded = false;
+  Plan replica = plan_placed(cfg, placed, cluster, L);
+  if (replica.fits() || L.ep == 1 || !job.rollout_shard_allowed) {
+    replica.rollout_choice = replica.fits()  ? "auto: a replica fits"
+                             : L.ep == 1     ? "auto: a replica (ep 1 has no expert shards)"
+                                             : "auto: a replica (async rollouts and environments need one)";
+    return replica;
+  }
+  placed.rollout_sharded = true;
+  Plan shard = plan_placed(cfg, placed, cluster, L);
+  if (!shard.fits()) {
+    replica.rollout_choice = "auto: a replica; the expert-sharded rollout does not fit either";
+    return replica;
+  }
+  shard.rollout_choice = fmt::format("auto: sharded, since a replica does not fit ({} of {} per GPU)",
+                                     format_bytes(replica.gpu_used), format_bytes(cluster.gpu_bytes));
+  return shard;
+}
+
 std::string Plan::report() const {
   std::string s = fmt::format("layout: {} on {} node(s) x {} GPUs{}\n", layout.describe(), cluster.nodes,
                               cluster.gpus_per_node, layout.implemented() ? "" : " (not implemented yet)");
+  if (!rollout_choice.empty()) s += fmt::format("rollout: {}\n", rollout_choice);
   auto table = [&](const char* title, const std::vector<PlanItem>& items, double used, double cap) {
     if (items.empty()) return;
     s += fmt::format("{}\n", title);

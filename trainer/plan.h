@@ -50,6 +50,10 @@ struct PlanJob {
   bool recompute = false;
   std::string rollout_quantization = "none";  // none | nvfp4 | w4a4
   bool rollout_sharded = false;      // each rank serves its expert shard (else a full replica)
+  // parallel.rollout: auto: make_plan takes the replica where it fits, else the shard where that
+  // fits and the recipe allows it (rollout_shard_allowed: no async, no environment).
+  bool rollout_auto = false;
+  bool rollout_shard_allowed = true;
   double kv_cache_bytes = 64.0 * (1 << 20);
 };
 // seq_len: the recipe's prompt limit (256 without one) plus its max_tokens.
@@ -68,6 +72,8 @@ struct Plan {
   double kv_left = 0;                     // per GPU after everything else and the reserve
   int64_t kv_tokens = 0;                  // tokens of seq_len-long sequences the left-over holds
   std::vector<std::string> problems;      // empty: it fits
+  bool rollout_sharded = false;           // the rollout planned: each rank's expert shard, or a replica
+  std::string rollout_choice;             // under parallel.rollout: auto, why this placement
   bool fits() const { return problems.empty(); }
   std::string report() const;             // the tables and the verdict
 };
@@ -76,6 +82,7 @@ struct Plan {
 // ranks, from the layer's shapes: calibrated on the H200 against `kiln bench train` (see plan.cpp).
 double layer_activation_bytes_per_token(const model::ModelConfig& cfg, int64_t tp = 1);
 
+// Under job.rollout_auto the plan of the placement it picks (Plan::rollout_choice says why).
 Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& layout);
 
 // Every layout of the cluster's world (ep dividing the experts, tp a power of two within a node

@@ -410,6 +410,8 @@ TEST(DataParallel, LayoutErrorsNameEveryValue) {
   sharded_alone.rollout = RolloutPlacement::kSharded;
   EXPECT_TRUE(test::throws_with([&] { sharded_alone.resolve(4, 8); }, {"rollout sharded needs ep > 1", "ep=1"}));
   EXPECT_EQ(parse_rollout_placement("sharded"), RolloutPlacement::kSharded);
+  EXPECT_EQ(parse_rollout_placement("auto"), RolloutPlacement::kAuto);
+  EXPECT_EQ(ParallelConfig{}.rollout, RolloutPlacement::kAuto);  // the default: kiln train's plan decides
   EXPECT_STREQ(rollout_placement_name(RolloutPlacement::kReplica), "replica");
   EXPECT_TRUE(test::throws_with([] { parse_rollout_placement("both"); }, {"replica or sharded", "'both'"}));
 }

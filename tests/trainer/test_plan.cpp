@@ -178,6 +178,47 @@ TEST(Plan, The816bPlansOfTheReadme) {
   EXPECT_EQ(fewest(lora), 4);
 }
 
+// parallel.rollout: auto takes a replica where one fits, else the expert shard where that fits and
+// the recipe allows it; the report says which and why.
+TEST(Plan, AutoRolloutTakesAReplicaWhereOneFitsElseTheShard) {
+  PlanJob job;
+  job.rollout_auto = true;
+  Cluster four = one_gpu();
+  four.gpus_per_node = 4;
+  const Plan small_plan = make_plan(small(), job, four, {2, 2, 1, DenseSharding::kReplicated});
+  EXPECT_TRUE(small_plan.fits());
+  EXPECT_FALSE(small_plan.rollout_sharded);
+  EXPECT_NE(small_plan.report().find("rollout: auto: a replica fits"), std::string::npos) << small_plan.report();
+  // 816B on 16 nodes, where the README's sharded plan fits: a replica cannot.
+  const model::ModelConfig cfg = big();
+  PlanJob sharded;
+  sharded.micro_batch_seqs = 1;
+  sharded.seq_len = 5120;
+  sharded.recompute = true;
+  sharded.rollout_quantization = "nvfp4";
+  sharded.rollout_sharded = true;
+  sharded.kv_cache_bytes = 16.0 * (1ll << 30);
+  Cluster c;
+  c.nodes = 16;
+  const std::vector<Plan> plans = search_layouts(cfg, sharded, c);
+  ASSERT_TRUE(!plans.empty() && plans.front().fits());
+  const Layout L = plans.front().layout;
+  PlanJob automatic = sharded;
+  automatic.rollout_sharded = false;
+  automatic.rollout_auto = true;
+  const Plan picked = make_plan(cfg, automatic, c, L);
+  EXPECT_TRUE(picked.fits()) << picked.report();
+  EXPECT_TRUE(picked.rollout_sharded);
+  EXPECT_DOUBLE_EQ(picked.gpu_used, plans.front().gpu_used);
+  EXPECT_NE(picked.rollout_choice.find("sharded, since a replica does not fit"), std::string::npos) << picked.rollout_choice;
+  // Async rollouts need a replica: then the plan is the replica's, which does not fit.
+  automatic.rollout_shard_allowed = false;
+  const Plan replica = make_plan(cfg, automatic, c, L);
+  EXPECT_FALSE(replica.fits());
+  EXPECT_FALSE(replica.rollout_sharded);
+  EXPECT_NE(replica.rollout_choice.find("async rollouts"), std::string::npos) << replica.rollout_choice;
+}
+
 TEST(Plan, SizesParseWithUnits) {
   EXPECT_DOUBLE_EQ(parse_bytes("141GiB", "x"), 141.0 * (1ll << 30));
   EXPECT_DOUBLE_EQ(parse_bytes("2 TB", "x"), 2e12);
