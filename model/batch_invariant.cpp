@@ -121,8 +121,9 @@ at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return at::matmul(at::softmax(scores, -1).to(q.scalar_type()), vh).transpose(0, 1);  // [n, Hq, hd]
 }
 
-// Each sequence's queries over their causal (windowed) keys, rows of the packed k and v.
-KeyRanges causal_ranges(const std::vector<int64_t>& cu_seqlens, int64_t window) {
+}  // namespace
+
+KeyRanges causal_key_ranges(const std::vector<int64_t>& cu_seqlens, int64_t window) {
   KeyRanges r;
   r.begin.reserve(size_t(cu_seqlens.back()));
   r.count.reserve(size_t(cu_seqlens.back()));
@@ -135,13 +136,16 @@ KeyRanges causal_ranges(const std::vector<int64_t>& cu_seqlens, int64_t window) 
   return r;
 }
 
+namespace {
+
 struct CausalQueryAttention : public torch::autograd::Function<CausalQueryAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const std::vector<int64_t>& cu_seqlens, int64_t window) {
+                            const at::Tensor& v, const std::vector<int64_t>& cu_seqlens, int64_t window,
+                            const KeyRanges& ranges) {
     ctx->save_for_backward({q, k, v});
     ctx->saved_data["window"] = window;
     ctx->saved_data["cu_seqlens"] = c10::List<int64_t>(cu_seqlens);
-    return ranged_attention(q, k, v, at::Tensor(), at::Tensor(), causal_ranges(cu_seqlens, window));
+    return ranged_attention(q, k, v, at::Tensor(), at::Tensor(), ranges);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -161,7 +165,7 @@ struct CausalQueryAttention : public torch::autograd::Function<CausalQueryAttent
       const at::Tensor cu_dev = at::tensor(c10::ArrayRef<int32_t>(cu32), at::kInt).to(q.device());
       const at::Tensor o = kernels::flash_varlen_attention(q, k, v, cu_dev, max_len, window);
       const auto g = torch::autograd::grad({o}, {q, k, v}, {grads[0]});
-      return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
+      return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
     }
     std::vector<at::Tensor> outs, gs;
     for (size_t s = 0; s + 1 < cu.size(); ++s) {
@@ -173,7 +177,7 @@ struct CausalQueryAttention : public torch::autograd::Function<CausalQueryAttent
     const auto g = torch::autograd::grad(outs, {q, k, v}, gs, /*retain_graph=*/false, /*create_graph=*/false,
                                          /*allow_unused=*/true);
     auto or_zeros = [](const at::Tensor& gr, const at::Tensor& like) { return gr.defined() ? gr : at::zeros_like(like); };
-    return {or_zeros(g[0], q), or_zeros(g[1], k), or_zeros(g[2], v), at::Tensor(), at::Tensor()};
+    return {or_zeros(g[0], q), or_zeros(g[1], k), or_zeros(g[2], v), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -241,13 +245,13 @@ struct RowwiseTokenLogprobs : public torch::autograd::Function<RowwiseTokenLogpr
 at::Tensor rowwise_silu(const at::Tensor& x) { return x.size(0) == 0 ? at::silu(x) : RowwiseSilu::apply(x); }
 
 at::Tensor causal_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const std::vector<int64_t>& cu_seqlens, int64_t window) {
+                                  const std::vector<int64_t>& cu_seqlens, int64_t window, const KeyRanges& ranges) {
   KILN_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
                  !cu_seqlens.empty() && cu_seqlens.back() == q.size(0),
              "causal_query_attention: q [T, Hq, hd], k and v [T, Hkv, hd], cu_seqlens ending at T (got ", q.sizes(),
              ", ", k.sizes(), ")");
   if (q.size(0) == 0) return q * 1;
-  return CausalQueryAttention::apply(q, k, v, cu_seqlens, window);
+  return CausalQueryAttention::apply(q, k, v, cu_seqlens, window, ranges);
 }
 
 void KeyRanges::upload(at::Device device) {
@@ -259,6 +263,7 @@ void KeyRanges::upload(at::Device device) {
       all.push_back(int32_t(x));
     }
   packed = at::tensor(c10::ArrayRef<int32_t>(all), at::kInt).to(device);
+  checked_main = checked_fresh = -1;
 }
 
 at::Tensor ranged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kf,
@@ -266,12 +271,17 @@ at::Tensor ranged_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t list = r.table.empty() ? k.size(0) : int64_t(r.table.size());
   KILN_CHECK(q.dim() == 3 && r.begin.size() == size_t(q.size(0)) && r.count.size() == r.begin.size(),
              "ranged_attention: q [n, Hq, hd] and n ranges (got ", q.sizes(), " and ", r.begin.size(), ")");
-  for (size_t i = 0; i < r.begin.size(); ++i)
-    KILN_CHECK(r.count[i] > 0 && r.begin[i] >= 0 && r.begin[i] + r.count[i] <= list, "ranged_attention: query ", i,
-               " reads keys [", r.begin[i], ", ", r.begin[i] + r.count[i], ") of ", list);
-  for (int64_t e : r.table)
-    KILN_CHECK(e >= 0 ? e < k.size(0) : kf.defined() && -1 - e < kf.size(0), "ranged_attention: table entry ", e,
-               " is outside the keys (", k.size(0), " main, ", kf.defined() ? kf.size(0) : 0, " fresh)");
+  const int64_t fresh = kf.defined() ? kf.size(0) : 0;
+  if (!r.packed.defined() || r.checked_main != k.size(0) || r.checked_fresh != fresh) {  // uploaded: once, not per layer
+    for (size_t i = 0; i < r.begin.size(); ++i)
+      KILN_CHECK(r.count[i] > 0 && r.begin[i] >= 0 && r.begin[i] + r.count[i] <= list, "ranged_attention: query ", i,
+                 " reads keys [", r.begin[i], ", ", r.begin[i] + r.count[i], ") of ", list);
+    for (int64_t e : r.table)
+      KILN_CHECK(e >= 0 ? e < k.size(0) : -1 - e < fresh, "ranged_attention: table entry ", e,
+                 " is outside the keys (", k.size(0), " main, ", fresh, " fresh)");
+    r.checked_main = k.size(0);
+    r.checked_fresh = fresh;
+  }
   if (kernels::invariant_kernels_serve(q)) {
     KeyRanges local;
     const KeyRanges* up = &r;

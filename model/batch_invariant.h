@@ -45,7 +45,9 @@ at::Tensor query_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // < 0 (the engine: cached rows, then the step's new ones, without gathering them).
 struct KeyRanges {
   std::vector<int64_t> begin, count, table;
-  at::Tensor packed;  // int32 [begin | count | table] on the device, after upload()
+  at::Tensor packed;  // int32 [begin | count | table] on the device, after upload(); change nothing after it
+  // The key counts the uploaded ranges were last checked against (ranged_attention checks them once).
+  mutable int64_t checked_main = -1, checked_fresh = -1;
   void upload(at::Device device);
 };
 // Each query of q [n, Hq, hd] over its keys (KeyRanges) of k, v (main) and kf, vf (fresh; may be
@@ -55,13 +57,17 @@ struct KeyRanges {
 // differentiable.
 at::Tensor ranged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kf,
                             const at::Tensor& vf, const KeyRanges& ranges);
-// Causal attention of packed sequences (cu_seqlens [S + 1] on the host), q [T, Hq, hd], k and v
-// [T, Hkv, hd] -> [T, Hq, hd]: query j of a sequence over its keys [j - window + 1, j] (window 0:
-// [0, j]), by ranged_attention, as the engine's cache attention computes it. Differentiable: the
-// backward recomputes the standard attention (varlen flash where it runs, else each sequence's
-// masked attention) with a graph; its bits reach no log-prob.
+// The keys of each query of packed sequences (cu_seqlens [S + 1]) under causal attention: query j
+// of a sequence over its rows [j - window + 1, j] (window 0: [0, j]). Built once per forward and
+// uploaded for every layer of that window.
+KeyRanges causal_key_ranges(const std::vector<int64_t>& cu_seqlens, int64_t window);
+// Causal attention of packed sequences, q [T, Hq, hd], k and v [T, Hkv, hd] -> [T, Hq, hd], over
+// `ranges` (causal_key_ranges of the same cu_seqlens and window), by ranged_attention, as the
+// engine's cache attention computes it. Differentiable: the backward recomputes the standard
+// attention (varlen flash where it runs, else each sequence's masked attention) with a graph; its
+// bits reach no log-prob.
 at::Tensor causal_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const std::vector<int64_t>& cu_seqlens, int64_t window);
+                                  const std::vector<int64_t>& cu_seqlens, int64_t window, const KeyRanges& ranges);
 // values' bits forward, while the gradient flows into `differentiable` (the plain form of the same
 // function at the same inputs) as if it had produced them: for forms whose backward is the plain
 // one. values must not require a gradient.

@@ -171,10 +171,12 @@ ExpertStack expert_stack(const LayerWeights& lw, int64_t layer, const ForwardOpt
           proj(lw.expert_down, nv.expert_down, lo.down_a, lo.down_b), lora};
 }
 
-// The packed batch for varlen flash attention: cu_seqlens on the device and the longest sequence.
+// The packed batch for varlen flash attention: cu_seqlens on the device and the longest sequence;
+// under batch-invariant numerics each query's keys instead, built once for every layer.
 struct FlashPlan {
   at::Tensor cu_seqlens;  // [S + 1] int32; undefined: flash attention is not used
   int64_t max_len = 0;
+  KeyRanges invariant[2];  // batch-invariant: [0] full-attention layers, [1] window layers
 };
 
 at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
@@ -195,7 +197,7 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
   if (opt.batch_invariant) {  // each query alone over exactly its keys, as the engine's cache attention
-    o = causal_query_attention(q, k, v, batch.cu_seqlens, full ? 0 : cfg.sliding_window);
+    o = causal_query_attention(q, k, v, batch.cu_seqlens, full ? 0 : cfg.sliding_window, flash.invariant[full ? 0 : 1]);
   } else if (flash.cu_seqlens.defined()) {
     o = kernels::flash_varlen_attention(q, k, v, flash.cu_seqlens, flash.max_len, full ? 0 : cfg.sliding_window);
   } else if (padded.num_problems > 1 && padded.score_bytes(cfg.num_q_heads) <= kPaddedScoreBytes) {
@@ -774,14 +776,20 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   // Varlen flash attention where libtorch has it (CUDA bf16); otherwise, for many sequences, one
   // padded attention per layer instead of a loop over sequences.
   FlashPlan flash;
-  if (!opt.attention && opt.use_fused && kernels::flash_varlen_available(device(), dtype(), cfg_.head_dim)) {
+  if (!opt.attention && opt.batch_invariant) {
+    for (int w = 0; w < 2; ++w) {
+      flash.invariant[w] = causal_key_ranges(batch.cu_seqlens, w == 0 ? 0 : cfg_.sliding_window);
+      if (device().is_cuda()) flash.invariant[w].upload(device());
+    }
+  } else if (!opt.attention && opt.use_fused &&
+             kernels::flash_varlen_available(device(), dtype(), cfg_.head_dim)) {
     std::vector<int32_t> cu(batch.cu_seqlens.begin(), batch.cu_seqlens.end());
     for (int64_t s = 0; s < batch.num_sequences(); ++s)
       flash.max_len = std::max(flash.max_len, batch.cu_seqlens[s + 1] - batch.cu_seqlens[s]);
     flash.cu_seqlens = at::tensor(cu, at::kInt).to(device());
   }
   PaddedLayout padded;
-  if (!opt.attention && !flash.cu_seqlens.defined() && batch.num_sequences() > 1) {
+  if (!opt.attention && !opt.batch_invariant && !flash.cu_seqlens.defined() && batch.num_sequences() > 1) {
     std::vector<std::vector<int64_t>> rows, pos;
     for (int64_t s = 0; s < batch.num_sequences(); ++s) {
       const int64_t b = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - b;

@@ -50,8 +50,7 @@ void CacheAttention::plan_group(int g) {
         r.begin[size_t(w.offset + j)] = base + first - lo;
         r.count[size_t(w.offset + j)] = pos - first + 1;
       }
-    }
-    if (w.n == 1) {
+    } else if (w.n == 1) {  // the standard numerics: decode items as one padded batch, pieces alone
       const int64_t first = int64_t(decode_read.size());
       kv_.rows(s.blocks, lo, w.start, full, decode_read);
       q_rows.push_back({w.offset});
