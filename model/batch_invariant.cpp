@@ -5,6 +5,8 @@
 #include "model/batch_invariant.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -12,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "core/error.h"
@@ -181,6 +184,50 @@ struct CausalQueryAttention : public torch::autograd::Function<CausalQueryAttent
   }
 };
 
+// ranged_attention on the CPU (contiguous tensors): per (query, head) the keys in order, the score
+// a sum over head dims in order, an online softmax in Acc (fp32, fp64 for fp64).
+at::Tensor ranged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kf,
+                                const at::Tensor& vf, const KeyRanges& r) {
+  const int64_t n = q.size(0), Hq = q.size(1), hd = q.size(2), Hkv = k.size(1), group = Hq / Hkv;
+  at::Tensor o = at::empty(q.sizes(), q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "ranged_attention_cpu", [&] {
+    using Acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+    const scalar_t *kfp = kf.defined() ? kf.data_ptr<scalar_t>() : nullptr, *vfp = vf.defined() ? vf.data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = o.data_ptr<scalar_t>();
+    const Acc scale = Acc(1.0 / std::sqrt(double(hd)));
+    at::parallel_for(0, n * Hq, 1, [&](int64_t from, int64_t to) {
+      std::vector<Acc> acc(static_cast<size_t>(hd));
+      for (int64_t pair = from; pair < to; ++pair) {
+        const int64_t i = pair / Hq, h = pair % Hq, kvh = h / group;
+        const scalar_t* qi = qp + (i * Hq + h) * hd;
+        std::fill(acc.begin(), acc.end(), Acc(0));
+        Acc m = -std::numeric_limits<Acc>::infinity(), l = 0;
+        for (int64_t j = 0; j < r.count[size_t(i)]; ++j) {
+          int64_t key = r.begin[size_t(i)] + j;
+          const scalar_t *kb = kp, *vb = vp;
+          if (!r.table.empty()) {
+            const int64_t e = r.table[size_t(key)];
+            key = e >= 0 ? e : -1 - e;
+            if (e < 0) kb = kfp, vb = vfp;
+          }
+          const scalar_t *kr = kb + (key * Hkv + kvh) * hd, *vr = vb + (key * Hkv + kvh) * hd;
+          Acc sc = 0;
+          for (int64_t d = 0; d < hd; ++d) sc += Acc(qi[d]) * Acc(kr[d]);
+          sc *= scale;
+          const Acc mn = std::max(m, sc), corr = std::exp(m - mn), e = std::exp(sc - mn);
+          l = l * corr + e;
+          for (int64_t d = 0; d < hd; ++d) acc[size_t(d)] = acc[size_t(d)] * corr + e * Acc(vr[d]);
+          m = mn;
+        }
+        scalar_t* out = op + (i * Hq + h) * hd;
+        for (int64_t d = 0; d < hd; ++d) out[d] = scalar_t(l > 0 ? acc[size_t(d)] / l : Acc(0));
+      }
+    });
+  });
+  return o;
+}
+
 struct ValuesOf : public torch::autograd::Function<ValuesOf> {
   static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& values, const at::Tensor&) {
     return values.clone();
@@ -191,10 +238,30 @@ struct ValuesOf : public torch::autograd::Function<ValuesOf> {
   }
 };
 
+// SiLU on the CPU, x / (1 + exp(-x)) in Acc, one scalar expression per element: no vector path
+// whose rounding would depend on where an element sits (ATen's CPU silu has one).
+at::Tensor silu_each(const at::Tensor& x) {
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_each", [&] {
+    using Acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const scalar_t* in = xc.data_ptr<scalar_t>();
+    scalar_t* out = y.data_ptr<scalar_t>();
+    at::parallel_for(0, xc.numel(), 4096, [&](int64_t from, int64_t to) {
+      for (int64_t i = from; i < to; ++i) {
+        const Acc v = Acc(in[i]);
+        out[i] = scalar_t(v / (Acc(1) + std::exp(-v)));
+      }
+    });
+  });
+  return y;
+}
+
 struct RowwiseSilu : public torch::autograd::Function<RowwiseSilu> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
     ctx->save_for_backward({x});
-    return rowwise_apply(x, [](const at::Tensor& r) { return at::silu(r); });
+    // On CUDA an elementwise kernel runs one code path for every element already.
+    return x.is_cuda() ? at::silu(x) : silu_each(x);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -292,33 +359,10 @@ at::Tensor ranged_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
     return kernels::ranged_attention_cuda(q, k, v, kf, vf, up->packed, int64_t(r.table.size()));
   }
-  // The CPU: the key list gathered, then query_attention per query.
-  at::Tensor keys = k, values = v;
-  if (!r.table.empty()) {
-    std::vector<int64_t> main_src, main_dst, fresh_src, fresh_dst;
-    for (size_t i = 0; i < r.table.size(); ++i) {
-      const int64_t e = r.table[i];
-      (e >= 0 ? main_src : fresh_src).push_back(e >= 0 ? e : -1 - e);
-      (e >= 0 ? main_dst : fresh_dst).push_back(int64_t(i));
-    }
-    auto gather = [&](const at::Tensor& main, const at::Tensor& fresh) {
-      std::vector<int64_t> shape = main.sizes().vec();
-      shape[0] = int64_t(r.table.size());
-      at::Tensor out = at::empty(shape, main.options());
-      auto ids = [&](const std::vector<int64_t>& x) { return at::tensor(x, at::kLong).to(main.device()); };
-      if (!main_src.empty()) out.index_copy_(0, ids(main_dst), main.index_select(0, ids(main_src)));
-      if (!fresh_src.empty()) out.index_copy_(0, ids(fresh_dst), fresh.index_select(0, ids(fresh_src)));
-      return out;
-    };
-    keys = gather(k, kf);
-    values = gather(v, vf);
-  }
-  std::vector<at::Tensor> rows;
-  rows.reserve(r.begin.size());
-  for (size_t i = 0; i < r.begin.size(); ++i)
-    rows.push_back(query_attention(q[int64_t(i)], keys.narrow(0, r.begin[i], r.count[i]),
-                                   values.narrow(0, r.begin[i], r.count[i])));
-  return rows.empty() ? q * 1 : at::stack(rows);
+  // The CPU: the same walk as the CUDA kernel, one (query, head) at a time, keys in order with an
+  // online softmax; each pair's arithmetic is its own whatever the batch or the threads' split.
+  return ranged_attention_cpu(q.contiguous(), k.contiguous(), v.contiguous(),
+                              kf.defined() ? kf.contiguous() : at::Tensor(), vf.defined() ? vf.contiguous() : at::Tensor(), r);
 }
 
 at::Tensor straight_through(const at::Tensor& values, const at::Tensor& differentiable) {

@@ -30,7 +30,9 @@ at::Tensor grouped_rowwise_linear(const at::Tensor& x, const at::Tensor& w, cons
 // result would otherwise depend on where it sits in the tensor (and in the threads' split of it).
 // On CUDA f(x) at once: a CUDA elementwise kernel runs one code path for every element.
 at::Tensor rowwise_apply(const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&)>& f);
-// SiLU of each row alone (rowwise_apply), differentiable with the plain backward.
+// SiLU with each element computed alone: one scalar expression per element on the CPU (whose
+// vector path rounds differently), the elementwise kernel on CUDA. Differentiable, with the plain
+// backward.
 at::Tensor rowwise_silu(const at::Tensor& x);
 // RMSNorm of each row of x [T, n] alone; weight [n] or one row per row [T, n]. On CUDA (float,
 // bf16) the forward kernel, a block per row; the gradient is the reference's.
@@ -51,9 +53,10 @@ struct KeyRanges {
   void upload(at::Device device);
 };
 // Each query of q [n, Hq, hd] over its keys (KeyRanges) of k, v (main) and kf, vf (fresh; may be
-// undefined without a table), [*, Hkv, hd]: query_attention per query on the CPU, one kernel on
-// CUDA (kernels::ranged_attention_cuda, whose online softmax rounds differently, but alike for
-// every query). The engine's cache attention and the trainer's forward both come here. Not
+// undefined without a table), [*, Hkv, hd]: per (query, head) the keys in order with an online
+// softmax in fp32 (fp64 for fp64), a C++ loop on the CPU and one kernel on CUDA
+// (kernels::ranged_attention_cuda); query_attention is the same function by ATen ops, rounded
+// differently. The engine's cache attention and the trainer's forward both come here. Not
 // differentiable.
 at::Tensor ranged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kf,
                             const at::Tensor& vf, const KeyRanges& ranges);

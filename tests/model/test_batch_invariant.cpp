@@ -108,8 +108,9 @@ TEST(BatchInvariant, GroupedLinearIsRowwiseLinearPerGroup) {
 }
 
 // Ranged attention: query i over exactly keys [begin, begin + count) of its key list, as
-// query_attention; through a table, rows of the main and the fresh keys in the table's order; a
-// range or table entry outside the keys is refused, named.
+// query_attention computes it (within rounding); through a table, rows of the main and the fresh
+// keys in the table's order, the same bits as those keys read in place; a range or table entry
+// outside the keys is refused, named.
 TEST(BatchInvariant, RangedAttentionReadsExactlyItsKeys) {
   at::manual_seed(4);
   at::Tensor q = at::randn({3, 4, 8}, at::kDouble), k = at::randn({10, 2, 8}, at::kDouble), v = at::randn({10, 2, 8}, at::kDouble);
@@ -117,7 +118,7 @@ TEST(BatchInvariant, RangedAttentionReadsExactlyItsKeys) {
   r.begin = {0, 4, 9};
   r.count = {1, 5, 1};
   at::Tensor o = model::ranged_attention(q, k, v, {}, {}, r);
-  EXPECT_TRUE(test::all_equal(o[1], model::query_attention(q[1], k.narrow(0, 4, 5), v.narrow(0, 4, 5))));
+  EXPECT_TRUE(test::all_close(o[1], model::query_attention(q[1], k.narrow(0, 4, 5), v.narrow(0, 4, 5)), 1e-12, 1e-12));
   // One key: the output is its value (per KV head, each query head of the group).
   EXPECT_TRUE(test::all_close(o[0].narrow(0, 0, 2), v[0][0].expand({2, 8}), 1e-12, 1e-12));
   // Main rows 7, 2 and fresh row 1, in that order.
@@ -127,8 +128,13 @@ TEST(BatchInvariant, RangedAttentionReadsExactlyItsKeys) {
   t.count = {3};
   t.table = {7, 2, -2};
   at::Tensor keys = at::stack({k[7], k[2], kf[1]}), values = at::stack({v[7], v[2], vf[1]});
-  EXPECT_TRUE(test::all_equal(model::ranged_attention(q.narrow(0, 0, 1), k, v, kf, vf, t)[0],
-                              model::query_attention(q[0], keys, values)));
+  model::KeyRanges in_place;
+  in_place.begin = {0};
+  in_place.count = {3};
+  EXPECT_TRUE(test::all_equal(model::ranged_attention(q.narrow(0, 0, 1), k, v, kf, vf, t),
+                              model::ranged_attention(q.narrow(0, 0, 1), keys, values, {}, {}, in_place)));
+  EXPECT_TRUE(test::all_close(model::ranged_attention(q.narrow(0, 0, 1), k, v, kf, vf, t)[0],
+                              model::query_attention(q[0], keys, values), 1e-12, 1e-12));
   r.count[2] = 2;
   EXPECT_TRUE(test::throws_with([&] { model::ranged_attention(q, k, v, {}, {}, r); },
                                 {"ranged_attention", "query 2", "of 10"}));

@@ -409,7 +409,7 @@ resumes_exactly "train with experts over 2 ranks" "dp=1 ep=2" "$tmp/ep2.yaml" "$
 [ "$(grep -c '"reward"' "$tmp/ep2/metrics.jsonl" 2>/dev/null)" = 3 ] || { echo "FAIL: ep=2 run lacks 3 step lines"; fails=$((fails+1)); }
 sed 's/^  ep: 2$/  ep: 2\n  rollout: sharded/' "$tmp/ep2.yaml" > "$tmp/ep2s.yaml"
 sed 's/^  ep: 2$/  ep: 2\n  rollout: both/' "$tmp/ep2.yaml" > "$tmp/ep2bad.yaml"
-check_fails "bad rollout placement" "parallel.rollout: parallel: rollout must be replica or sharded (got 'both')" \
+check_fails "bad rollout placement" "parallel.rollout: parallel: rollout must be auto, replica or sharded (got 'both')" \
   "$kiln" train "$tmp/ep2bad.yaml" --steps 1 --out "$tmp/ep2bad"
 resumes_exactly "sharded rollout engines" "rollout=sharded" "$tmp/ep2s.yaml" "$tmp/ep2s"
 { cat "$tmp/ep2.yaml"; printf 'loss:\n  kl_coef: 0.05\n'; } > "$tmp/ep2kl.yaml"
