@@ -21,9 +21,12 @@
 #include "kernels/flash_varlen.h"
 #include "kernels/invariant.h"
 #include "kernels/rms_norm.h"
+#include "model/muse.h"
 
 namespace kiln::model {
 namespace {
+
+constexpr int64_t kPaddedBackwardBytes = int64_t(256) << 20;  // the recompute's padded scores, at most
 
 at::Tensor own_row(const at::Tensor& x, int64_t i) { return x.select(0, i).clone(at::MemoryFormat::Contiguous); }
 
@@ -169,6 +172,22 @@ struct CausalQueryAttention : public torch::autograd::Function<CausalQueryAttent
       const at::Tensor o = kernels::flash_varlen_attention(q, k, v, cu_dev, max_len, window);
       const auto g = torch::autograd::grad({o}, {q, k, v}, {grads[0]});
       return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    if (cu.size() > 2) {  // many sequences: one padded attention, as the standard forward's CPU path
+      std::vector<std::vector<int64_t>> rows, pos;
+      for (size_t s = 0; s + 1 < cu.size(); ++s) {
+        const int64_t a = cu.get(s), n = cu.get(s + 1) - a;
+        if (n == 0) continue;
+        rows.emplace_back(n);
+        pos.emplace_back(n);
+        for (int64_t j = 0; j < n; ++j) rows.back()[size_t(j)] = a + j, pos.back()[size_t(j)] = j;
+      }
+      const PaddedLayout layout = PaddedLayout::build(rows, pos, rows, pos, q.device());
+      if (layout.num_problems > 1 && layout.score_bytes(q.size(1)) <= kPaddedBackwardBytes) {
+        const at::Tensor o = padded_attention(layout, q, k, v, window <= 0, window);
+        const auto g = torch::autograd::grad({o}, {q, k, v}, {grads[0]});
+        return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
+      }
     }
     std::vector<at::Tensor> outs, gs;
     for (size_t s = 0; s + 1 < cu.size(); ++s) {
