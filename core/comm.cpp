@@ -480,6 +480,33 @@ Work Group::all_reduce_async(at::Tensor& t) const {
   return w;
 }
 
+void Group::send_bytes(const at::Tensor& bytes, int dst, int tag) const {
+  KILN_CHECK(bytes.is_cpu() && bytes.is_contiguous() && bytes.scalar_type() == at::kByte && bytes.dim() == 1,
+             "comm: send_bytes takes a contiguous CPU uint8 vector (got ", bytes.scalar_type(), " ", bytes.sizes(),
+             " on ", bytes.device(), ")");
+  KILN_CHECK(size_ > 1 && dst >= 0 && dst < size_ && dst != rank_, "comm: send_bytes to rank ", dst,
+             " of a group of ", size_, " from rank ", rank_);
+  int64_t n = bytes.numel();
+  KILN_MPI(MPI_Send(&n, 1, MPI_INT64_T, dst, tag, impl_->comm), "MPI_Send of a size");
+  const auto* p = static_cast<const char*>(bytes.data_ptr());
+  for (int64_t i = 0; i < n; i += kMaxCount)  // a pair's messages under one tag arrive in order
+    KILN_MPI(MPI_Send(p + i, int(std::min(kMaxCount, n - i)), MPI_BYTE, dst, tag, impl_->comm), "MPI_Send");
+}
+
+at::Tensor Group::recv_bytes(int src, int tag) const {
+  KILN_CHECK(size_ > 1 && src >= 0 && src < size_ && src != rank_, "comm: recv_bytes from rank ", src,
+             " of a group of ", size_, " at rank ", rank_);
+  int64_t n = 0;
+  KILN_MPI(MPI_Recv(&n, 1, MPI_INT64_T, src, tag, impl_->comm, MPI_STATUS_IGNORE), "MPI_Recv of a size");
+  KILN_CHECK(n >= 0, "comm: recv_bytes from rank ", src, " announced ", n, " bytes");
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kByte));
+  auto* p = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < n; i += kMaxCount)
+    KILN_MPI(MPI_Recv(p + i, int(std::min(kMaxCount, n - i)), MPI_BYTE, src, tag, impl_->comm, MPI_STATUS_IGNORE),
+             "MPI_Recv");
+  return out;
+}
+
 void Group::barrier() const {
   if (size_ > 1) KILN_MPI(MPI_Barrier(impl_->comm), "MPI_Barrier");
 }

@@ -71,6 +71,11 @@ class Group {
   at::Tensor all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& send_rows,
                           std::vector<int64_t>* recv_rows = nullptr) const;
   void barrier() const;
+  // Point to point, blocking (and watched like the collectives): `bytes` (a contiguous CPU uint8
+  // tensor, any size) to rank `dst` of this group under `tag`; recv_bytes returns what rank `src`
+  // sent under `tag`, in the order sent. A one-rank group has no one to talk to: both throw.
+  void send_bytes(const at::Tensor& bytes, int dst, int tag) const;
+  at::Tensor recv_bytes(int src, int tag) const;
 
  private:
   bool nccl_path(const at::Tensor& t) const;

@@ -35,6 +35,7 @@
 #include "model/expert_parallel.h"
 #include "text/tokenizer.h"
 #include "trainer/episodes.h"
+#include "trainer/produced.h"
 #include "trainer/scoring.h"
 #include "trainer/update_guard.h"
 
@@ -384,13 +385,8 @@ struct GrpoTrainer::Impl {
     return m;
   }
 
-  // This step's prompts: every rank draws the same ones and takes its contiguous share, so that
-  // sampling seeds can use global indices.
-  struct Batch {
-    std::vector<Example> prompts;  // this rank's
-    int64_t total = 0, first = 0;  // prompts in all; the global index of prompts[0]
-    int64_t step = 0;              // the step it is drawn for (sampling seeds)
-  };
+  // This step's prompts (trainer/produced.h).
+  using Batch = PromptBatch;
   Batch draw_prompts(int64_t step) {
     std::vector<Example> all = stream.next(cfg.prompts_per_step);
     const int64_t P = int64_t(all.size()), R = group.size();
@@ -452,22 +448,8 @@ struct GrpoTrainer::Impl {
     return b;
   }
 
-  // A batch rolled out and scored on this rank alone (no collective: under grpo.async a producer
-  // thread makes them), waiting for finish_rewards.
-  struct Produced {
-    Batch batch;
-    std::vector<Trajectory> trajs;
-    std::vector<RewardRequest> reqs;    // what the metrics and the sample dump read
-    std::vector<RewardResult> results;
-    std::vector<double> lengths;        // drawn tokens per sample
-    RewardStats worker;                 // the reward's or environment's counters over this batch
-    double rollout_seconds = 0, reward_seconds = 0;
-    double turns = 0, observed = 0;     // episodes: sums of turns and observation tokens
-    int64_t preemptions = 0;            // the engine's preemptions while sampling it
-    double kv_peak = 0;                 // the fullest KV pool's peak use while sampling it (fraction)
-    int64_t version = 0;                // the engine's weight version it was sampled with
-    uint64_t data_position = 0;         // the data stream's position before its prompts (async)
-  };
+  // A batch rolled out and scored on this rank alone (trainer/produced.h).
+  using Produced = ProducedBatch;
 
   Produced produce(const Batch& b, int64_t round) {
     const int64_t preempted = engine->stats().preemptions;

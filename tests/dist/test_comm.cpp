@@ -5,6 +5,7 @@
 
 #include "core/comm.h"
 #include "tests/test_util.h"
+#include "tests/trainer/produced_fixture.h"
 
 #if KILN_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -160,6 +161,36 @@ TEST(Comm, CudaTensorsGiveTheCpuResults) {
   }
 }
 #endif
+
+// Point to point: every other rank sends rank 0 an empty message, a rolled-out batch (what a
+// rollout rank hands its trainer) and a message of its own size, in that order under one tag; rank
+// 0 gets each back equal and in order. A one-rank group refuses both sides.
+TEST(Comm, BytesGoPointToPointInOrder) {
+  const Group& w = Group::world();
+  if (w.size() == 1) {
+    EXPECT_TRUE(test::throws_with([&] { w.recv_bytes(0, 7); }, {"recv_bytes", "group of 1"}));
+    return;
+  }
+  auto own = [](int r) { return (at::arange(1000 * r + 3, at::kLong) * 7 + r).remainder(251).to(at::kByte); };
+  if (w.rank() > 0) {
+    w.send_bytes(at::empty({0}, at::kByte), 0, 7);
+    ByteWriter b;
+    trainer::write_produced(b, test::produced_fixture(w.rank()));
+    w.send_bytes(b.tensor(), 0, 7);
+    w.send_bytes(own(w.rank()), 0, 7);
+  } else {
+    for (int r = 1; r < w.size(); ++r) {
+      EXPECT_EQ(w.recv_bytes(r, 7).numel(), 0);
+      const at::Tensor bytes = w.recv_bytes(r, 7);
+      ByteReader reader(bytes.data_ptr<uint8_t>(), size_t(bytes.numel()), "the batch from rank " + std::to_string(r));
+      test::expect_same_produced(trainer::read_produced(reader), test::produced_fixture(r));
+      reader.expect_end();
+      EXPECT_TRUE(at::equal(w.recv_bytes(r, 7), own(r))) << "rank " << r;
+    }
+  }
+  EXPECT_TRUE(test::throws_with([&] { w.send_bytes(own(1), w.rank(), 7); }, {"send_bytes", "to rank"}));
+  w.barrier();
+}
 
 }  // namespace
 }  // namespace kiln::comm
