@@ -49,15 +49,23 @@ at::Tensor ByteReader::get_tensor(const char* field) {
   if (get<uint8_t>(field) == 0) return at::Tensor();
   const size_t at = at_;
   const int32_t code = get<int32_t>(field);
-  KILN_CHECK(code >= 0 && code < int32_t(at::ScalarType::NumOptions), "bytes: reading ", field, " of ", what_,
-             " at offset ", at, ": ", code, " is not a dtype");
+  const at::ScalarType dtype = at::ScalarType(code);
+  bool plain = false;
+  for (at::ScalarType t : {at::kByte, at::kChar, at::kShort, at::kInt, at::kLong, at::kHalf, at::kFloat, at::kDouble,
+                           at::kBool, at::kBFloat16})
+    plain = plain || (code >= 0 && code < int32_t(at::ScalarType::NumOptions) && dtype == t);
+  KILN_CHECK(plain, "bytes: reading ", field, " of ", what_, " at offset ", at, ": ", code,
+             " is not a dtype this encoding writes");
   const std::vector<int64_t> shape = get_vector<int64_t>(field);
-  int64_t numel = 1;
+  // The product of the dimensions, zeros counted as ones, stays far below int64's range, so that
+  // at::empty's strides cannot overflow on a garbled shape; the bytes themselves are checked below.
+  constexpr int64_t kMaxExtent = int64_t(1) << 48;
+  int64_t numel = 1, extent = 1;
   for (int64_t d : shape) {
-    KILN_CHECK(d >= 0 && (d == 0 || numel <= int64_t(n_ - at_) / d), "bytes: reading ", field, " of ", what_,
-               " at offset ", at, ": a dimension of ", d, " in ", shape.size(), " does not fit the ", n_ - at_,
-               " bytes left");
+    KILN_CHECK(d >= 0 && extent <= kMaxExtent / std::max<int64_t>(d, 1), "bytes: reading ", field, " of ", what_,
+               " at offset ", at, ": a dimension of ", d, " in a shape of ", shape.size(), " does not fit");
     numel *= d;
+    extent *= std::max<int64_t>(d, 1);
   }
   at::Tensor t = at::empty(shape, at::TensorOptions().dtype(at::ScalarType(code)));
   KILN_CHECK(uint64_t(numel) * t.element_size() <= n_ - at_, "bytes: reading ", field, " of ", what_, " at offset ",

@@ -114,6 +114,7 @@ int checked_int(int64_t n, const char* what) {
 }
 
 constexpr int64_t kMaxCount = int64_t(1) << 28;  // elements per MPI call in chunked collectives
+constexpr int kMaxTag = 32767;  // the largest tag every MPI must accept (MPI_TAG_UB is at least this)
 
 #if KILN_WITH_NCCL
 void check_nccl(ncclResult_t rc, const char* what) {
@@ -486,6 +487,7 @@ void Group::send_bytes(const at::Tensor& bytes, int dst, int tag) const {
              " on ", bytes.device(), ")");
   KILN_CHECK(size_ > 1 && dst >= 0 && dst < size_ && dst != rank_, "comm: send_bytes to rank ", dst,
              " of a group of ", size_, " from rank ", rank_);
+  KILN_CHECK(tag >= 0 && tag <= kMaxTag, "comm: send_bytes tag ", tag, " outside [0, ", kMaxTag, "]");
   int64_t n = bytes.numel();
   KILN_MPI(MPI_Send(&n, 1, MPI_INT64_T, dst, tag, impl_->comm), "MPI_Send of a size");
   const auto* p = static_cast<const char*>(bytes.data_ptr());
@@ -496,6 +498,7 @@ void Group::send_bytes(const at::Tensor& bytes, int dst, int tag) const {
 at::Tensor Group::recv_bytes(int src, int tag) const {
   KILN_CHECK(size_ > 1 && src >= 0 && src < size_ && src != rank_, "comm: recv_bytes from rank ", src,
              " of a group of ", size_, " at rank ", rank_);
+  KILN_CHECK(tag >= 0 && tag <= kMaxTag, "comm: recv_bytes tag ", tag, " outside [0, ", kMaxTag, "]");
   int64_t n = 0;
   KILN_MPI(MPI_Recv(&n, 1, MPI_INT64_T, src, tag, impl_->comm, MPI_STATUS_IGNORE), "MPI_Recv of a size");
   KILN_CHECK(n >= 0, "comm: recv_bytes from rank ", src, " announced ", n, " bytes");

@@ -72,8 +72,10 @@ class Group {
                           std::vector<int64_t>* recv_rows = nullptr) const;
   void barrier() const;
   // Point to point, blocking (and watched like the collectives): `bytes` (a contiguous CPU uint8
-  // tensor, any size) to rank `dst` of this group under `tag`; recv_bytes returns what rank `src`
-  // sent under `tag`, in the order sent. A one-rank group has no one to talk to: both throw.
+  // tensor, any size) to rank `dst` of this group under `tag` (0 to 32767); recv_bytes returns what
+  // rank `src` sent under `tag`, in the order sent. A one-rank group has no one to talk to: both
+  // throw. Two ranks sending to each other at once may block each other (a large send waits for its
+  // receive), and under MPI's SERIALIZED threading only one thread may be in MPI at a time.
   void send_bytes(const at::Tensor& bytes, int dst, int tag) const;
   at::Tensor recv_bytes(int src, int tag) const;
 

@@ -354,8 +354,18 @@ void KeyRanges::upload(at::Device device) {
 
 at::Tensor ranged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kf,
                             const at::Tensor& vf, const KeyRanges& r) {
+  auto kv_like = [&](const at::Tensor& t) {
+    return t.dim() == 3 && t.size(1) == k.size(1) && t.size(2) == q.size(2) && t.scalar_type() == q.scalar_type() &&
+           t.device() == q.device();
+  };
+  KILN_CHECK(q.dim() == 3 && k.dim() == 3 && kv_like(k) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
+                 v.sizes() == k.sizes() && kv_like(v),
+             "ranged_attention: q [n, Hq, hd], k and v [m, Hkv, hd] of q's dtype and device, Hkv dividing Hq (got ",
+             q.sizes(), ", ", k.sizes(), ", ", v.sizes(), ")");
+  KILN_CHECK(!kf.defined() || (kv_like(kf) && vf.defined() && vf.sizes() == kf.sizes() && kv_like(vf)),
+             "ranged_attention: the fresh keys kf and vf must both be [*, Hkv, hd] like k");
   const int64_t list = r.table.empty() ? k.size(0) : int64_t(r.table.size());
-  KILN_CHECK(q.dim() == 3 && r.begin.size() == size_t(q.size(0)) && r.count.size() == r.begin.size(),
+  KILN_CHECK(r.begin.size() == size_t(q.size(0)) && r.count.size() == r.begin.size(),
              "ranged_attention: q [n, Hq, hd] and n ranges (got ", q.sizes(), " and ", r.begin.size(), ")");
   const int64_t fresh = kf.defined() ? kf.size(0) : 0;
   if (!r.packed.defined() || r.checked_main != k.size(0) || r.checked_fresh != fresh) {  // uploaded: once, not per layer
@@ -380,6 +390,7 @@ at::Tensor ranged_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   // The CPU: the same walk as the CUDA kernel, one (query, head) at a time, keys in order with an
   // online softmax; each pair's arithmetic is its own whatever the batch or the threads' split.
+  KILN_CHECK(q.is_cpu(), "ranged_attention: tensors on ", q.device(), " need kiln's CUDA kernels (a CUDA build)");
   return ranged_attention_cpu(q.contiguous(), k.contiguous(), v.contiguous(),
                               kf.defined() ? kf.contiguous() : at::Tensor(), vf.defined() ? vf.contiguous() : at::Tensor(), r);
 }

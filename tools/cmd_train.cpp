@@ -107,7 +107,8 @@ void check_plan(trainer::Recipe& r, const model::ModelConfig& cfg, const comm::G
   trainer::Cluster c;
   c.nodes = 1;
   c.gpus_per_node = world.size();  // the per-GPU numbers depend on the world, not on how nodes split it
-  c.gpu_bytes = model::device_memory_bytes(device);
+  // The smallest GPU of the job, so that every rank plans (and places the rollout) alike.
+  c.gpu_bytes = world.all_reduce(model::device_memory_bytes(device), comm::ReduceOp::kMin);
   c.host_bytes = c.nvme_bytes = std::numeric_limits<double>::infinity();  // not checked here
   const trainer::Plan plan = trainer::make_plan(cfg, trainer::plan_job(r.grpo, r.dtype), c,
                                                 {par.dp, par.ep, 1, par.dense});
@@ -136,10 +137,13 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   claim_run_dir(r.run.out, outputs, reuse, resolved_name == std::string("recipe.yaml") ? "train" : "sft");
   if (reuse == Reuse::kResume) {
     // parallel.rollout: auto keeps the placement the run chose when it started.
-    if (r.grpo.parallel.rollout == dist::RolloutPlacement::kAuto) {
-      const YAML::Node saved = yaml::load_file(r.run.out + "/recipe.yaml");
-      if (saved["parallel"].IsMap() && saved["parallel"]["rollout"].IsScalar())
-        r.grpo.parallel.rollout = dist::parse_rollout_placement(saved["parallel"]["rollout"].as<std::string>());
+    // A run saved before the key existed served a replica.
+    const std::string saved_path = r.run.out + "/recipe.yaml";
+    if (r.grpo.parallel.rollout == dist::RolloutPlacement::kAuto && std::filesystem::exists(saved_path)) {
+      const YAML::Node saved = yaml::load_file(saved_path);
+      const bool named = saved["parallel"].IsMap() && saved["parallel"]["rollout"].IsScalar();
+      r.grpo.parallel.rollout = named ? dist::parse_rollout_placement(saved["parallel"]["rollout"].as<std::string>())
+                                      : dist::RolloutPlacement::kReplica;
     }
     check_same_recipe(r.run.out, r);
   }

@@ -51,7 +51,7 @@ struct PlanJob {
   std::string rollout_quantization = "none";  // none | nvfp4 | w4a4
   bool rollout_sharded = false;      // each rank serves its expert shard (else a full replica)
   // parallel.rollout: auto: make_plan takes the replica where it fits, else the shard where that
-  // fits and the recipe allows it (rollout_shard_allowed: no async, no environment).
+  // fits and the recipe allows it (rollout_shard_allowed: no async, no environment, unquantized).
   bool rollout_auto = false;
   bool rollout_shard_allowed = true;
   double kv_cache_bytes = 64.0 * (1 << 20);

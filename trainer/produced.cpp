@@ -78,7 +78,7 @@ void write_result(ByteWriter& w, const RewardResult& x) {
 RewardResult read_result(ByteReader& r) {
   RewardResult x;
   x.reward = r.get<double>("a reward");
-  const int64_t n = r.count("a reward's components", 9);  // at least a length and a value each
+  const int64_t n = r.count("a reward's components", 16);  // a name's length and a value each
   for (int64_t i = 0; i < n; ++i) {
     std::string name = r.get_string("a reward component's name");
     x.components.emplace_back(std::move(name), r.get<double>("a reward component's value"));
@@ -110,9 +110,10 @@ void write_all(ByteWriter& w, const std::vector<T>& v, const F& write_one) {
   w.put(int64_t(v.size()));
   for (const T& x : v) write_one(w, x);
 }
+// `least`: the fewest bytes one element takes, which bounds the count by what is left.
 template <typename F>
-auto read_all(ByteReader& r, const char* field, const F& read_one) {
-  const int64_t n = r.count(field, 1);
+auto read_all(ByteReader& r, const char* field, size_t least, const F& read_one) {
+  const int64_t n = r.count(field, least);
   std::vector<decltype(read_one(r))> v;
   v.reserve(size_t(n));
   for (int64_t i = 0; i < n; ++i) v.push_back(read_one(r));
@@ -140,13 +141,15 @@ void write_produced(ByteWriter& w, const ProducedBatch& p) {
 
 ProducedBatch read_produced(ByteReader& r) {
   ProducedBatch p;
-  p.batch.prompts = read_all(r, "the prompts", read_example);
+  // The fewest bytes of each: 7 string and 3 vector lengths; 4 vector lengths, a tensor flag and 3
+  // numbers; an id, 5 string lengths and a flag; a reward, a count, a flag and a string length.
+  p.batch.prompts = read_all(r, "the prompts", 80, read_example);
   p.batch.total = r.get<int64_t>("the prompt count");
   p.batch.first = r.get<int64_t>("the first prompt's index");
   p.batch.step = r.get<int64_t>("the step");
-  p.trajs = read_all(r, "the trajectories", read_trajectory);
-  p.reqs = read_all(r, "the reward requests", read_request);
-  p.results = read_all(r, "the reward results", read_result);
+  p.trajs = read_all(r, "the trajectories", 50, read_trajectory);
+  p.reqs = read_all(r, "the reward requests", 49, read_request);
+  p.results = read_all(r, "the reward results", 25, read_result);
   p.lengths = r.get_vector<double>("the response lengths");
   p.worker = read_stats(r);
   for (double* v : {&p.rollout_seconds, &p.reward_seconds, &p.turns, &p.observed}) *v = r.get<double>("the timings");

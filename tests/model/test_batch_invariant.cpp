@@ -141,6 +141,11 @@ TEST(BatchInvariant, RangedAttentionReadsExactlyItsKeys) {
   t.table = {7, 2, -3};
   EXPECT_TRUE(test::throws_with([&] { model::ranged_attention(q.narrow(0, 0, 1), k, v, kf, vf, t); },
                                 {"ranged_attention", "table entry -3"}));
+  // Shapes the loop would read past: 3 KV heads for 4 query heads, a head dim that differs.
+  EXPECT_TRUE(test::throws_with([&] { model::ranged_attention(q, at::randn({10, 3, 8}, at::kDouble), at::randn({10, 3, 8}, at::kDouble), {}, {}, r); },
+                                {"ranged_attention", "Hkv dividing Hq"}));
+  EXPECT_TRUE(test::throws_with([&] { model::ranged_attention(q, k.narrow(2, 0, 4), v.narrow(2, 0, 4), {}, {}, r); },
+                                {"ranged_attention", "[m, Hkv, hd]"}));
 }
 
 TEST(BatchInvariant, EngineLogprobsAndRoutingAreTheTrainersBitForBit) {

@@ -56,6 +56,18 @@ TEST(Produced, TensorsKeepDtypeAndShape) {
   EXPECT_EQ(e.scalar_type(), at::kBFloat16);
   EXPECT_EQ(e.sizes(), (std::vector<int64_t>{0, 5}));
   r.expect_end();
+  // A dtype this encoding never writes, and a shape whose product would overflow after a zero.
+  ByteWriter q;
+  q.put(uint8_t(1));
+  q.put(int32_t(at::ScalarType::QInt8));
+  ByteReader rq(q.bytes().data(), q.bytes().size(), "a tensor");
+  EXPECT_TRUE(test::throws_with([&] { rq.get_tensor("the routing"); }, {"the routing", "not a dtype"}));
+  ByteWriter s;
+  s.put(uint8_t(1));
+  s.put(int32_t(at::kFloat));
+  s.put(std::vector<int64_t>{0, int64_t(1) << 62, int64_t(1) << 62});
+  ByteReader rs(s.bytes().data(), s.bytes().size(), "a tensor");
+  EXPECT_TRUE(test::throws_with([&] { rs.get_tensor("the routing"); }, {"the routing", "does not fit"}));
 }
 
 }  // namespace
