@@ -186,12 +186,13 @@ PY
 done
 fi  # grpostep
 if want calibrate; then
-step "kiln plan against measured peaks: muse-small GRPO (bf16; LoRA; optimizer state in CPU memory)"
-for v in base lora cpu; do
+step "kiln plan against measured peaks: muse-small GRPO (bf16; LoRA; optimizer state in CPU memory; NVFP4 rollout)"
+for v in base lora cpu nvfp4; do
   sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  every: .*/  every: 1000/" -e "s/^  steps: .*/  steps: 3/" \
       -e "s/^  mismatch_ab: .*/  mismatch_ab: false/" recipes/grpo-arith-small-gpu.yaml > "$tmp/cal-$v.yaml"
   [ "$v" = lora ] && printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/cal-$v.yaml"
   [ "$v" = cpu ] && sed -i "s/^optim:/optim:\n  state: cpu/" "$tmp/cal-$v.yaml"
+  [ "$v" = nvfp4 ] && sed -i "s/^rollout:/rollout:\n  quantization: nvfp4/" "$tmp/cal-$v.yaml"  # quantised from the bf16 init
   ./build-gpu/kiln train "$tmp/cal-$v.yaml" --out "$tmp/cal-$v" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -1
   seq=$(python3 -c "import json,sys; r=[json.loads(l) for l in open('$tmp/cal-$v/metrics.jsonl') if '\"tokens\"' in l]; print(max(1, round(max(x['tokens'] for x in r) / 128)))")
   planned=$(./build-gpu/kiln plan configs/muse-small.yaml "$tmp/cal-$v.yaml" --gpus-per-node 1 --seq-len "$seq" | grep -m1 "total, of" | awk '{print $1, $2}')
