@@ -443,10 +443,18 @@ at::Tensor rowwise_rms_norm(const at::Tensor& x, const at::Tensor& weight, doubl
     const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
     return grad ? straight_through(values, kernels::rms_norm(x, weight, eps)) : values;
   }
-  // x * 1/sqrt(mean(x * x) + eps) * w: exact IEEE steps, so fixed-size chunks suffice.
-  return chunked(x, [&](const at::Tensor& c, int64_t a, int64_t n) {
-    return kernels::rms_norm_reference(c, weight.dim() == 1 ? weight : padded_rows(weight, a, n), eps);
-  });
+  // x * 1/sqrt(mean(x * x) + eps) * w: exact IEEE steps, so fixed-size chunks suffice. With a
+  // gradient, the reference over all rows gives it (one graph instead of one per chunk).
+  at::Tensor values;
+  {
+    at::NoGradGuard no_grad;
+    const at::Tensor xd = x.detach(), wd = weight.detach();
+    values = chunked(xd, [&](const at::Tensor& c, int64_t a, int64_t n) {
+      return kernels::rms_norm_reference(c, wd.dim() == 1 ? wd : padded_rows(wd, a, n), eps);
+    });
+  }
+  const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
+  return grad ? straight_through(values, kernels::rms_norm_reference(x, weight, eps)) : values;
 }
 
 at::Tensor query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
