@@ -77,7 +77,7 @@ fi
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON \
   -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_CUDA_ARCHITECTURES=90a "$@" > "$out/configure.log" 2>&1 \
   || { tail -40 "$out/configure.log"; exit 1; }
-grep -E "kiln:|Found (Torch|MPI|HDF5|GTest|CUDA)" "$out/configure.log" | tee "$out/tests.log"
+grep -E "kiln:|Found (Torch|MPI|HDF5|GTest|CUDA)" "$out/configure.log" | tee -a "$out/tests.log"  # -a: a second run in one call keeps the first's
 
 step build
 start=$(date +%s)
@@ -309,13 +309,17 @@ done
 fi  # async
 if want bitwise; then
 # Issue 22: what rollout.numerics: bitwise costs against the standard numerics on the same recipe:
-# muse-small in bf16, KILN_BITWISE_PROMPTS prompts (default 16) x 8 samples x 16 tokens, mismatch
-# with replay on and off; per step the phases and both mismatches (0 under bitwise).
-step "bitwise numerics: the GRPO step, standard vs bitwise"
+# muse-small in bf16, KILN_BITWISE_PROMPTS prompts (default "16 64", each in turn) x 8 samples x 16
+# tokens, mismatch with replay on and off; per step the phases and both mismatches (0 under
+# bitwise), then the ratios of the steps after the first.
+for prompts in ${KILN_BITWISE_PROMPTS:-16 64}; do
+step "bitwise numerics: the GRPO step, standard vs bitwise, $prompts prompts x 8"
+echo "$prompts prompts x 8:" >> "$out/bitwise.txt"
 for mode in standard bitwise; do
-  sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: ${KILN_BITWISE_PROMPTS:-16}/" \
+  sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: $prompts/" \
       -e "s/^  every: .*/  every: 1000/" -e "s/^  prompts: 64/  prompts: 8/" -e "s/^  steps: .*/  steps: 4/" \
       -e "s/^  kv_cache_mb: .*/  kv_cache_mb: 2048\n  numerics: $mode/" recipes/grpo-arith-small-gpu.yaml > "$tmp/bitwise-$mode.yaml"
+  rm -rf "$tmp/bitwise-$mode"
   timeout 240 ./build-gpu/kiln train "$tmp/bitwise-$mode.yaml" --out "$tmp/bitwise-$mode" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
   python3 - "$tmp/bitwise-$mode/metrics.jsonl" "$mode" <<'PY' 2>&1 | tee -a "$out/bitwise.txt"
 import sys, json
@@ -334,6 +338,7 @@ for key in ("step_seconds", "rollout_seconds", "lp_old_seconds", "train_seconds"
     s, b = mean(sys.argv[1], key), mean(sys.argv[2], key)
     print(f"{key[:-8]:>8}: standard {s:.3f} s, bitwise {b:.3f} s, bitwise / standard {b / s:.2f}x")
 PY
+done
 fi  # bitwise
 if want long; then
 # Issue 23: long responses. muse-small GRPO whose samples run to max_tokens (a random init rarely
