@@ -49,12 +49,10 @@ at::Tensor ByteReader::get_tensor(const char* field) {
   if (get<uint8_t>(field) == 0) return at::Tensor();
   const size_t at = at_;
   const int32_t code = get<int32_t>(field);
-  const at::ScalarType dtype = at::ScalarType(code);
-  bool plain = false;
-  for (at::ScalarType t : {at::kByte, at::kChar, at::kShort, at::kInt, at::kLong, at::kHalf, at::kFloat, at::kDouble,
-                           at::kBool, at::kBFloat16})
-    plain = plain || (code >= 0 && code < int32_t(at::ScalarType::NumOptions) && dtype == t);
-  KILN_CHECK(plain, "bytes: reading ", field, " of ", what_, " at offset ", at, ": ", code,
+  static constexpr at::ScalarType kPlain[] = {at::kByte, at::kChar,   at::kShort, at::kInt,  at::kLong,
+                                              at::kHalf, at::kFloat, at::kDouble, at::kBool, at::kBFloat16};
+  KILN_CHECK(std::any_of(std::begin(kPlain), std::end(kPlain), [&](at::ScalarType t) { return int32_t(t) == code; }),
+             "bytes: reading ", field, " of ", what_, " at offset ", at, ": ", code,
              " is not a dtype this encoding writes");
   const std::vector<int64_t> shape = get_vector<int64_t>(field);
   // The product of the dimensions, zeros counted as ones, stays far below int64's range, so that
@@ -67,7 +65,7 @@ at::Tensor ByteReader::get_tensor(const char* field) {
     numel *= d;
     extent *= std::max<int64_t>(d, 1);
   }
-  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(at::ScalarType(code)));
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(at::ScalarType(code)));  // a plain dtype, checked
   KILN_CHECK(uint64_t(numel) * t.element_size() <= n_ - at_, "bytes: reading ", field, " of ", what_, " at offset ",
              at, ": a tensor of ", numel, " elements does not fit the ", n_ - at_, " bytes left");
   raw(t.data_ptr(), t.nbytes(), field);

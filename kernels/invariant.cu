@@ -239,6 +239,18 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 
 unsigned blocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
 
+// f(T{}, Acc{}) for a dtype code: the storage type and the accumulation type; false for a code
+// that names none.
+template <typename F>
+bool with_dtype(int dtype, const F& f) {
+  switch (dtype) {
+    case kInvariantF32: return f(float{}, float{}), true;
+    case kInvariantBf16: return f(__nv_bfloat16{}, float{}), true;
+    case kInvariantF64: return f(double{}, double{}), true;
+    default: return false;
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_invariant_gemm(int dtype, const void* x, const void* w, void* y, int64_t M, int64_t N, int64_t K,
@@ -254,26 +266,12 @@ cudaError_t launch_invariant_gemm(int dtype, const void* x, const void* w, void*
     return cudaGetLastError();
   }
   const dim3 grid(blocks(M, kSimpleTile), blocks(N, kSimpleTile)), block(32, 8);
-  switch (dtype) {
-    case kInvariantF32:
-      gemm_simple_kernel<float, float><<<grid, block, 0, stream>>>(static_cast<const float*>(x),
-                                                                   static_cast<const float*>(w),
-                                                                   static_cast<float*>(y), m, n, k);
-      break;
-    case kInvariantBf16:
-      gemm_simple_kernel<__nv_bfloat16, float><<<grid, block, 0, stream>>>(
-          static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(y),
-          m, n, k);
-      break;
-    case kInvariantF64:
-      gemm_simple_kernel<double, double><<<grid, block, 0, stream>>>(static_cast<const double*>(x),
-                                                                     static_cast<const double*>(w),
-                                                                     static_cast<double*>(y), m, n, k);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  const bool known = with_dtype(dtype, [&](auto t, auto a) {
+    using T = decltype(t);
+    gemm_simple_kernel<T, decltype(a)><<<grid, block, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(w),
+                                                                   static_cast<T*>(y), m, n, k);
+  });
+  return known ? cudaGetLastError() : cudaErrorInvalidValue;
 }
 
 cudaError_t launch_invariant_grouped_gemm(const void* x, const void* w, void* y, const int64_t* offsets, int64_t rows,
@@ -298,30 +296,14 @@ cudaError_t launch_ranged_attention(int dtype, const void* q, const void* k, con
   const int64_t pairs = queries * Hq;
   const unsigned grid = blocks(pairs, kAttnWarps);
   const double scale = 1.0 / std::sqrt(double(hd));
-  switch (dtype) {
-    case kInvariantF32:
-      ranged_attention_kernel<float, float><<<grid, kAttnWarps * 32, 0, stream>>>(
-          static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v), static_cast<const float*>(kf),
-          static_cast<const float*>(vf), table, begin, count,
-          static_cast<float*>(o), pairs, Hq, Hkv, hd, float(scale));
-      break;
-    case kInvariantBf16:
-      ranged_attention_kernel<__nv_bfloat16, float><<<grid, kAttnWarps * 32, 0, stream>>>(
-          static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(k),
-          static_cast<const __nv_bfloat16*>(v), static_cast<const __nv_bfloat16*>(kf),
-          static_cast<const __nv_bfloat16*>(vf), table, begin, count, static_cast<__nv_bfloat16*>(o), pairs, Hq, Hkv, hd,
-          float(scale));
-      break;
-    case kInvariantF64:
-      ranged_attention_kernel<double, double><<<grid, kAttnWarps * 32, 0, stream>>>(
-          static_cast<const double*>(q), static_cast<const double*>(k), static_cast<const double*>(v), static_cast<const double*>(kf),
-          static_cast<const double*>(vf), table, begin, count,
-          static_cast<double*>(o), pairs, Hq, Hkv, hd, scale);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  const bool known = with_dtype(dtype, [&](auto t, auto a) {
+    using T = decltype(t);
+    using Acc = decltype(a);
+    ranged_attention_kernel<T, Acc><<<grid, kAttnWarps * 32, 0, stream>>>(
+        static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(kf),
+        static_cast<const T*>(vf), table, begin, count, static_cast<T*>(o), pairs, Hq, Hkv, hd, Acc(scale));
+  });
+  return known ? cudaGetLastError() : cudaErrorInvalidValue;
 }
 
 }  // namespace kiln::kernels

@@ -18,15 +18,12 @@
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/flash_varlen.h"
 #include "kernels/invariant.h"
 #include "kernels/rms_norm.h"
 #include "model/muse.h"
 
 namespace kiln::model {
 namespace {
-
-constexpr int64_t kPaddedBackwardBytes = int64_t(256) << 20;  // the recompute's padded scores, at most
 
 at::Tensor own_row(const at::Tensor& x, int64_t i) { return x.select(0, i).clone(at::MemoryFormat::Contiguous); }
 
@@ -112,21 +109,6 @@ struct GroupedRowsLinear : public torch::autograd::Function<GroupedRowsLinear> {
   }
 };
 
-// Standard masked attention of one sequence with GQA (the backward of causal_query_attention).
-at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) {
-  const int64_t n = q.size(0), group = q.size(1) / k.size(1);
-  const double scale = 1.0 / std::sqrt(double(q.size(2)));
-  at::Tensor qh = q.transpose(0, 1);                                   // [Hq, n, hd]
-  at::Tensor kh = k.transpose(0, 1).repeat_interleave(group, 0);       // [Hq, n, hd]
-  at::Tensor vh = v.transpose(0, 1).repeat_interleave(group, 0);
-  at::Tensor scores = at::matmul(qh, kh.transpose(1, 2)).to(acc_of(q.scalar_type())) * scale;  // [Hq, n, n]
-  at::Tensor i = at::arange(n, q.options().dtype(at::kLong)).unsqueeze(1), j = i.t();
-  at::Tensor allowed = j.le(i);
-  if (window > 0) allowed = allowed.logical_and(j.gt(i - window));
-  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
-  return at::matmul(at::softmax(scores, -1).to(q.scalar_type()), vh).transpose(0, 1);  // [n, Hq, hd]
-}
-
 }  // namespace
 
 KeyRanges causal_key_ranges(const std::vector<int64_t>& cu_seqlens, int64_t window) {
@@ -161,45 +143,10 @@ struct CausalQueryAttention : public torch::autograd::Function<CausalQueryAttent
     at::AutoGradMode on(true);
     at::Tensor q = saved[0].detach().requires_grad_(true), k = saved[1].detach().requires_grad_(true),
                v = saved[2].detach().requires_grad_(true);
-    if (kernels::flash_varlen_available(q.device(), q.scalar_type(), q.size(2))) {  // one varlen call for every sequence
-      std::vector<int32_t> cu32;
-      int64_t max_len = 0;
-      for (size_t s = 0; s < cu.size(); ++s) {
-        cu32.push_back(int32_t(cu.get(s)));
-        if (s > 0) max_len = std::max(max_len, cu.get(s) - cu.get(s - 1));
-      }
-      const at::Tensor cu_dev = at::tensor(c10::ArrayRef<int32_t>(cu32), at::kInt).to(q.device());
-      const at::Tensor o = kernels::flash_varlen_attention(q, k, v, cu_dev, max_len, window);
-      const auto g = torch::autograd::grad({o}, {q, k, v}, {grads[0]});
-      return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
-    }
-    if (cu.size() > 2) {  // many sequences: one padded attention, as the standard forward's CPU path
-      std::vector<std::vector<int64_t>> rows, pos;
-      for (size_t s = 0; s + 1 < cu.size(); ++s) {
-        const int64_t a = cu.get(s), n = cu.get(s + 1) - a;
-        if (n == 0) continue;
-        rows.emplace_back(n);
-        pos.emplace_back(n);
-        for (int64_t j = 0; j < n; ++j) rows.back()[size_t(j)] = a + j, pos.back()[size_t(j)] = j;
-      }
-      const PaddedLayout layout = PaddedLayout::build(rows, pos, rows, pos, q.device());
-      if (layout.num_problems > 1 && layout.score_bytes(q.size(1)) <= kPaddedBackwardBytes) {
-        const at::Tensor o = padded_attention(layout, q, k, v, window <= 0, window);
-        const auto g = torch::autograd::grad({o}, {q, k, v}, {grads[0]});
-        return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
-      }
-    }
-    std::vector<at::Tensor> outs, gs;
-    for (size_t s = 0; s + 1 < cu.size(); ++s) {
-      const int64_t a = cu.get(s), n = cu.get(s + 1) - a;
-      if (n == 0) continue;
-      outs.push_back(masked_attention(q.narrow(0, a, n), k.narrow(0, a, n), v.narrow(0, a, n), window));
-      gs.push_back(grads[0].narrow(0, a, n));
-    }
-    const auto g = torch::autograd::grad(outs, {q, k, v}, gs, /*retain_graph=*/false, /*create_graph=*/false,
-                                         /*allow_unused=*/true);
-    auto or_zeros = [](const at::Tensor& gr, const at::Tensor& like) { return gr.defined() ? gr : at::zeros_like(like); };
-    return {or_zeros(g[0], q), or_zeros(g[1], k), or_zeros(g[2], v), at::Tensor(), at::Tensor(), at::Tensor()};
+    // The standard forward's attention (varlen flash, one padded batch, or sequence by sequence).
+    const at::Tensor o = packed_causal_attention(q, k, v, std::vector<int64_t>(cu.begin(), cu.end()), window);
+    const auto g = torch::autograd::grad({o}, {q, k, v}, {grads[0]});
+    return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -434,27 +381,21 @@ at::Tensor rowwise_rms_norm(const at::Tensor& x, const at::Tensor& weight, doubl
   KILN_CHECK(x.dim() == 2 && (weight.dim() == 1 || weight.sizes() == x.sizes()), "rowwise_rms_norm: x [T, n] and ",
              "weight [n] or [T, n] (got ", x.sizes(), " and ", weight.sizes(), ")");
   if (x.size(0) == 0) return x * 1;
-  if (x.is_cuda() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)) {
-    at::Tensor values;
-    {
-      at::NoGradGuard no_grad;
-      values = kernels::rms_norm_cuda(x.detach().contiguous(), weight.detach(), eps);
-    }
-    const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
-    return grad ? straight_through(values, kernels::rms_norm(x, weight, eps)) : values;
-  }
-  // x * 1/sqrt(mean(x * x) + eps) * w: exact IEEE steps, so fixed-size chunks suffice. With a
-  // gradient, the reference over all rows gives it (one graph instead of one per chunk).
+  // The values: on CUDA (float, bf16) the forward kernel, a block per row; elsewhere
+  // x * 1/sqrt(mean(x * x) + eps) * w, exact IEEE steps, so fixed-size chunks suffice.
   at::Tensor values;
   {
     at::NoGradGuard no_grad;
     const at::Tensor xd = x.detach(), wd = weight.detach();
-    values = chunked(xd, [&](const at::Tensor& c, int64_t a, int64_t n) {
-      return kernels::rms_norm_reference(c, wd.dim() == 1 ? wd : padded_rows(wd, a, n), eps);
-    });
+    values = x.is_cuda() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
+                 ? kernels::rms_norm_cuda(xd.contiguous(), wd, eps)
+                 : chunked(xd, [&](const at::Tensor& c, int64_t a, int64_t n) {
+                     return kernels::rms_norm_reference(c, wd.dim() == 1 ? wd : padded_rows(wd, a, n), eps);
+                   });
   }
+  // The gradient: the plain norm's over all rows (one graph, not one per chunk).
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
-  return grad ? straight_through(values, kernels::rms_norm_reference(x, weight, eps)) : values;
+  return grad ? straight_through(values, kernels::rms_norm(x, weight, eps)) : values;
 }
 
 at::Tensor query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {

@@ -67,8 +67,7 @@ KeyRanges causal_key_ranges(const std::vector<int64_t>& cu_seqlens, int64_t wind
 // Causal attention of packed sequences, q [T, Hq, hd], k and v [T, Hkv, hd] -> [T, Hq, hd], over
 // `ranges` (causal_key_ranges of the same cu_seqlens and window), by ranged_attention, as the
 // engine's cache attention computes it. Differentiable: the backward recomputes the standard
-// attention (varlen flash where it runs, else each sequence's masked attention) with a graph; its
-// bits reach no log-prob.
+// attention (model::packed_causal_attention) with a graph; its bits reach no log-prob.
 at::Tensor causal_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::vector<int64_t>& cu_seqlens, int64_t window, const KeyRanges& ranges);
 // values' bits forward, while the gradient flows into `differentiable` (the plain form of the same

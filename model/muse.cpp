@@ -179,12 +179,57 @@ struct FlashPlan {
   KeyRanges invariant[2];  // batch-invariant: [0] full-attention layers, [1] window layers
 };
 
+// The standard numerics' plans for packed causal sequences, built once for every layer: varlen
+// flash where it runs; otherwise, for many sequences, one padded batch.
+FlashPlan flash_plan(const std::vector<int64_t>& cu_seqlens, at::Device device) {
+  FlashPlan flash;
+  std::vector<int32_t> cu(cu_seqlens.begin(), cu_seqlens.end());
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s)
+    flash.max_len = std::max(flash.max_len, cu_seqlens[s + 1] - cu_seqlens[s]);
+  flash.cu_seqlens = at::tensor(cu, at::kInt).to(device);
+  return flash;
+}
+
+PaddedLayout causal_layout(const std::vector<int64_t>& cu_seqlens, at::Device device) {
+  std::vector<std::vector<int64_t>> rows, pos;
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    const int64_t b = cu_seqlens[s], n = cu_seqlens[s + 1] - b;
+    if (n == 0) continue;
+    rows.emplace_back(n);
+    pos.emplace_back(n);
+    std::iota(rows.back().begin(), rows.back().end(), b);
+    std::iota(pos.back().begin(), pos.back().end(), 0);
+  }
+  return PaddedLayout::build(rows, pos, rows, pos, device);
+}
+
+// q [T, Hq, hd], k and v [T, Hkv, hd] of packed sequences by the standard numerics: varlen flash
+// (flash planned), one padded batch (its scores small enough), else sequence by sequence.
+at::Tensor standard_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const std::vector<int64_t>& cu_seqlens, int64_t window, const FlashPlan& flash,
+                              const PaddedLayout& padded) {
+  const bool full = window <= 0;
+  if (flash.cu_seqlens.defined()) return kernels::flash_varlen_attention(q, k, v, flash.cu_seqlens, flash.max_len, window);
+  if (padded.num_problems > 1 && padded.score_bytes(q.size(1)) <= kPaddedScoreBytes)
+    return padded_attention(padded, q, k, v, full, window);
+  const int64_t group = q.size(1) / k.size(1);
+  std::vector<at::Tensor> outs;
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    const int64_t start = cu_seqlens[s], n = cu_seqlens[s + 1] - start;
+    if (n == 0) continue;
+    at::Tensor qs = q.narrow(0, start, n).transpose(0, 1);  // [Hq, n, hd]
+    at::Tensor ks = expand_kv_heads(k.narrow(0, start, n).transpose(0, 1), group);
+    at::Tensor vs = expand_kv_heads(v.narrow(0, start, n).transpose(0, 1), group);
+    outs.push_back(sequence_attention(qs, ks, vs, full, window).transpose(0, 1));
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+}
+
 at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
                      const PackedBatch& batch, const at::Tensor& cos, const at::Tensor& sin,
                      AttentionBackend* backend, const PaddedLayout& padded, const FlashPlan& flash,
                      const ForwardOptions& opt) {
   const int64_t T = h.size(0), hd = cfg.head_dim;
-  const int64_t group = cfg.num_q_heads / cfg.num_kv_heads;
   const bool full = cfg.is_full_attention(layer);
   at::Tensor q = project(h, lw, detail::kQProj, layer, opt).view({T, cfg.num_q_heads, hd});
   at::Tensor k = project(h, lw, detail::kKProj, layer, opt).view({T, cfg.num_kv_heads, hd});
@@ -198,22 +243,8 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   k = apply_rope(k, cos, sin);
   if (opt.batch_invariant) {  // each query alone over exactly its keys, as the engine's cache attention
     o = causal_query_attention(q, k, v, batch.cu_seqlens, full ? 0 : cfg.sliding_window, flash.invariant[full ? 0 : 1]);
-  } else if (flash.cu_seqlens.defined()) {
-    o = kernels::flash_varlen_attention(q, k, v, flash.cu_seqlens, flash.max_len, full ? 0 : cfg.sliding_window);
-  } else if (padded.num_problems > 1 && padded.score_bytes(cfg.num_q_heads) <= kPaddedScoreBytes) {
-    o = padded_attention(padded, q, k, v, full, cfg.sliding_window);
   } else {
-    std::vector<at::Tensor> outs;
-    outs.reserve(batch.num_sequences());
-    for (int64_t s = 0; s < batch.num_sequences(); ++s) {
-      const int64_t start = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - start;
-      if (n == 0) continue;
-      at::Tensor qs = q.narrow(0, start, n).transpose(0, 1);  // [Hq, n, hd]
-      at::Tensor ks = expand_kv_heads(k.narrow(0, start, n).transpose(0, 1), group);
-      at::Tensor vs = expand_kv_heads(v.narrow(0, start, n).transpose(0, 1), group);
-      outs.push_back(sequence_attention(qs, ks, vs, full, cfg.sliding_window).transpose(0, 1));
-    }
-    o = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+    o = standard_attention(q, k, v, batch.cu_seqlens, full ? 0 : cfg.sliding_window, flash, padded);
   }
   return project(o.reshape({T, cfg.q_size()}), lw, detail::kOProj, layer, opt);
 }
@@ -237,16 +268,18 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   }
   at::Tensor zs = z.index_select(0, l.src_token);  // rows sorted by expert
   at::Tensor inverse = at::empty_like(l.order).scatter_(0, l.order, at::arange(n, l.order.options()));
+  // Each expert's first sorted row, and the end, on the device (no host sync).
+  auto sorted_offsets = [&] { return at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)}); };
   if (opt.batch_invariant && !s.quantized() && !opt.observe_linear_input) {
     // Batch-invariant experts: grouped GEMMs whose rows do not depend on the batch (one launch
-    // each on CUDA, no host sync).
-    at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
+    // each on CUDA).
+    const at::Tensor offsets = sorted_offsets();
     at::Tensor act = rowwise_silu(s.gate.invariant(zs, offsets)) * s.up.invariant(zs, offsets);
     return s.down.invariant(act, offsets).index_select(0, inverse);
   }
   if (s.quantized() && !opt.observe_linear_input && !opt.batch_invariant && (!s.lora || grouped)) {
-    // NVFP4 grouped GEMMs over expert-sorted rows; offsets stay on the device (no host sync).
-    at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
+    // NVFP4 grouped GEMMs over expert-sorted rows.
+    const at::Tensor offsets = sorted_offsets();
     at::Tensor act = at::silu(s.gate.sorted(zs, offsets, l)) * s.up.sorted(zs, offsets, l);
     return s.down.sorted(act, offsets, l).index_select(0, inverse);
   }
@@ -715,6 +748,17 @@ at::Tensor Muse::logits(const at::Tensor& hidden, bool batch_invariant) const {
   return head_logits(hidden, w_.lm_head, batch_invariant);
 }
 
+at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::vector<int64_t>& cu_seqlens, int64_t window) {
+  FlashPlan flash;
+  PaddedLayout padded;
+  if (kernels::flash_varlen_available(q.device(), q.scalar_type(), q.size(2)))
+    flash = flash_plan(cu_seqlens, q.device());
+  else if (cu_seqlens.size() > 2)
+    padded = causal_layout(cu_seqlens, q.device());
+  return standard_attention(q, k, v, cu_seqlens, window, flash, padded);
+}
+
 ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt) const {
   const int64_t T = batch.num_tokens(), L = cfg_.num_layers, k = cfg_.top_k;
   KILN_CHECK(T > 0, "forward: the batch holds no tokens; give at least one sequence with tokens");
@@ -783,24 +827,11 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
     }
   } else if (!opt.attention && opt.use_fused &&
              kernels::flash_varlen_available(device(), dtype(), cfg_.head_dim)) {
-    std::vector<int32_t> cu(batch.cu_seqlens.begin(), batch.cu_seqlens.end());
-    for (int64_t s = 0; s < batch.num_sequences(); ++s)
-      flash.max_len = std::max(flash.max_len, batch.cu_seqlens[s + 1] - batch.cu_seqlens[s]);
-    flash.cu_seqlens = at::tensor(cu, at::kInt).to(device());
+    flash = flash_plan(batch.cu_seqlens, device());
   }
   PaddedLayout padded;
-  if (!opt.attention && !opt.batch_invariant && !flash.cu_seqlens.defined() && batch.num_sequences() > 1) {
-    std::vector<std::vector<int64_t>> rows, pos;
-    for (int64_t s = 0; s < batch.num_sequences(); ++s) {
-      const int64_t b = batch.cu_seqlens[s], n = batch.cu_seqlens[s + 1] - b;
-      if (n == 0) continue;
-      rows.emplace_back(n);
-      pos.emplace_back(n);
-      std::iota(rows.back().begin(), rows.back().end(), b);
-      std::iota(pos.back().begin(), pos.back().end(), 0);
-    }
-    padded = PaddedLayout::build(rows, pos, rows, pos, device());
-  }
+  if (!opt.attention && !opt.batch_invariant && !flash.cu_seqlens.defined() && batch.num_sequences() > 1)
+    padded = causal_layout(batch.cu_seqlens, device());
   const WeightGather* gather = opt.gather;  // sharded dense weights: gathered where they are read
   at::Tensor x = at::embedding(gather ? gather->gather(w_.embed) : w_.embed, batch.tokens);  // [T, d]
   std::vector<at::Tensor> routing;

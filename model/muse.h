@@ -249,6 +249,11 @@ std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, int64
 // (full=false) lets the query at position i see keys at positions i-W < j <= i. Returns [H, n, hd].
 at::Tensor sequence_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool full,
                               int64_t window, int64_t q_start = 0, int64_t k_start = 0);
+// Causal attention of packed sequences (cu_seqlens [S + 1]), q [T, Hq, hd], k and v [T, Hkv, hd]
+// -> [T, Hq, hd], by the standard forward's numerics: varlen flash where it runs, else one padded
+// batch for many sequences, else one sequence at a time. window <= 0: full. Differentiable.
+at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const std::vector<int64_t>& cu_seqlens, int64_t window);
 // [Hkv, n, hd] -> [Hq, n, hd]: query head h reads KV head h / group.
 at::Tensor expand_kv_heads(const at::Tensor& x, int64_t group);
 

@@ -101,7 +101,11 @@ at::Tensor CacheAttention::attend(int64_t layer, bool full, const model::PackedB
   const int64_t g = kv_.group_of(layer);
   const GroupPlan& p = plan_[full ? 0 : 1];
   at::Tensor kl = kv_.keys(full)[g], vl = kv_.values(full)[g];  // [blocks * B, Hkv, hd]
-  at::Tensor o = batch_invariant_ ? attend_each(p, full, q, k, v, kl, vl) : attend_batched(p, full, q, k, v, kl, vl);
+  // Batch-invariant: each new query over exactly the positions it sees, in position order, cached
+  // ones first, read in place through the plan's table (model::ranged_attention, as the trainer's
+  // forward); else decode items batched and prefill pieces one by one.
+  at::Tensor o = batch_invariant_ ? model::ranged_attention(q, kl, vl, k, v, p.ranges)
+                                  : attend_batched(p, full, q, k, v, kl, vl);
   // Keep the new keys (every position for full layers, the last W for window layers) only after
   // every read of this layer.
   kl.index_copy_(0, p.write_rows, k.index_select(0, p.write_src));
@@ -131,13 +135,6 @@ at::Tensor CacheAttention::attend_batched(const GroupPlan& p, bool full, const a
     o.narrow(0, w.offset, w.n).copy_(model::sequence_attention(qs, ks, vs, full, W_, w.start, lo).transpose(0, 1));
   }
   return o;
-}
-
-// Batch-invariant: each new query of each item over exactly the positions it sees, [lo, its own],
-// in position order, cached ones first (model::ranged_attention, as the trainer's forward).
-at::Tensor CacheAttention::attend_each(const GroupPlan& p, bool, const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, const at::Tensor& kl, const at::Tensor& vl) const {
-  return model::ranged_attention(q, kl, vl, k, v, p.ranges);
 }
 
 }  // namespace kiln::rollout

@@ -49,8 +49,6 @@ class CacheAttention : public model::AttentionBackend {
   // The new queries' attention over the layer's cache kl, vl and the new keys k, v.
   at::Tensor attend_batched(const GroupPlan& p, bool full, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& kl, const at::Tensor& vl) const;
-  at::Tensor attend_each(const GroupPlan& p, bool full, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& kl, const at::Tensor& vl) const;
 
   KvCache& kv_;
   int64_t W_, group_;                    // window; query heads per KV head

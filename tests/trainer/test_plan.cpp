@@ -25,6 +25,19 @@ double item(const Plan& p, const std::string& prefix) {
   return -1;
 }
 
+// The README's 816B job: one 5,120-token sequence per micro-batch, layers recomputed, an NVFP4
+// rollout on each rank's expert shard, a 16 GiB KV cache.
+PlanJob readme_816b_job() {
+  PlanJob job;
+  job.micro_batch_seqs = 1;
+  job.seq_len = 5120;
+  job.recompute = true;
+  job.rollout_quantization = "nvfp4";
+  job.rollout_sharded = true;
+  job.kv_cache_bytes = 16.0 * (1ll << 30);
+  return job;
+}
+
 Cluster one_gpu() {
   Cluster c;
   c.nodes = 1;
@@ -155,13 +168,7 @@ TEST(Plan, ActivationEstimateIsWithinTenPercentOfTheH200) {
 // dense part under ZeRO-3), LoRA GRPO on 4.
 TEST(Plan, The816bPlansOfTheReadme) {
   const model::ModelConfig cfg = big();
-  PlanJob job;
-  job.micro_batch_seqs = 1;
-  job.seq_len = 5120;
-  job.recompute = true;
-  job.rollout_quantization = "nvfp4";
-  job.rollout_sharded = true;
-  job.kv_cache_bytes = 16.0 * (1ll << 30);
+  const PlanJob job = readme_816b_job();
   auto fewest = [&](const PlanJob& j) {
     for (int64_t nodes = 1; nodes <= 64; ++nodes) {
       Cluster c;
@@ -192,13 +199,7 @@ TEST(Plan, AutoRolloutTakesAReplicaWhereOneFitsElseTheShard) {
   EXPECT_NE(small_plan.report().find("rollout: auto: a replica fits"), std::string::npos) << small_plan.report();
   // 816B on 16 nodes, where the README's sharded plan fits: a replica cannot.
   const model::ModelConfig cfg = big();
-  PlanJob sharded;
-  sharded.micro_batch_seqs = 1;
-  sharded.seq_len = 5120;
-  sharded.recompute = true;
-  sharded.rollout_quantization = "nvfp4";
-  sharded.rollout_sharded = true;
-  sharded.kv_cache_bytes = 16.0 * (1ll << 30);
+  const PlanJob sharded = readme_816b_job();
   Cluster c;
   c.nodes = 16;
   const std::vector<Plan> plans = search_layouts(cfg, sharded, c);
