@@ -249,6 +249,15 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   return project(o.reshape({T, cfg.q_size()}), lw, detail::kOProj, layer, opt);
 }
 
+// torch's grouped GEMM reads bf16 operands whose row strides are multiples of 16 bytes, so the
+// latent and the experts' hidden widths must be multiples of 8 (small test configs are not).
+bool grouped_mm_widths_fit(const LayerWeights& lw, const at::Tensor& z) {
+  const int64_t hidden = lw.expert_gate.defined()               ? lw.expert_gate.size(1)
+                         : lw.nvfp4.expert_gate.packed.defined() ? lw.nvfp4.expert_gate.rows()
+                                                                 : 0;
+  return z.size(1) % 8 == 0 && hidden % 8 == 0;
+}
+
 // SwiGLU experts, W_down_e . (silu(W_gate_e . z) * (W_up_e . z)), for every slot; [T * k, d_l] in
 // slot order. ids [T * k]: the expert of each slot (kernels::moe_layout sorts them).
 at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& z, const at::Tensor& ids, int64_t k,
@@ -258,7 +267,8 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   const kernels::MoeLayout l = kernels::moe_layout(ids, s.experts(), k, kGroupAlign);
   counts = l.counts;
   const bool grouped = opt.use_grouped_mm && (!s.lora || lw.lora.experts_grouped()) && !opt.observe_linear_input &&
-                       !opt.batch_invariant && z.is_cuda() && z.scalar_type() == at::kBFloat16;
+                       !opt.batch_invariant && z.is_cuda() && z.scalar_type() == at::kBFloat16 &&
+                       grouped_mm_widths_fit(lw, z);
   if (grouped && (!s.quantized() || kernels::nvfp4_grouped_dequantizes(s.gate.q, n, z))) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
     // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
@@ -344,7 +354,7 @@ bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, c
   const bool weights = lw.expert_gate.defined() || kernels::nvfp4_grouped_on_device(lw.nvfp4.expert_gate, z);
   return opt.use_fused && opt.use_grouped_mm && !opt.batch_invariant && !expert_parallel && weights && z.is_cuda() &&
          z.scalar_type() == at::kBFloat16 && !opt.observe_linear_input && (!lora || lw.lora.experts_grouped()) &&
-         k <= 16;
+         k <= 16 && grouped_mm_widths_fit(lw, z);
 #else
   (void)lw, (void)z, (void)k, (void)opt;
   return false;

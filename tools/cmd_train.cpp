@@ -255,7 +255,10 @@ Run add_sft(CLI::App& app) {
     }
     sft.save_model(r.run.out + "/sft");  // every rank its own tensors
     // Held-out accuracy of the warm-started model, measured the way GRPO measures it.
-    trainer::GrpoTrainer probe(*s.policy, r.grpo, s.tokenizer, s.data);
+    trainer::GrpoConfig g = r.grpo;
+    g.async_staleness = -1;  // every rank evaluates, none waits to roll out for another
+    g.async_split = false;
+    trainer::GrpoTrainer probe(*s.policy, g, s.tokenizer, s.data);
     const trainer::EvalMetrics e = probe.evaluate(r.run.eval);
     if (lead)
       fmt::print("sft: done; held-out mean@{} {:.3f}, pass@{} {:.3f}; weights in {}/sft\n", e.k, e.all.mean_at_k, e.k,
@@ -291,14 +294,21 @@ Run add_train(CLI::App& app) {
     const comm::Group& world = comm::Group::world();
     const bool lead = world.rank() == 0;
     dist::ParallelConfig layout = r.grpo.parallel;
+    // Under grpo.async.placement split the second half of the ranks only roll out.
+    const int trainers = r.grpo.async_split ? world.size() / 2 : world.size();
     try {
-      layout.resolve(world.size(), policy.config().num_experts);
+      layout.resolve(trainers, policy.config().num_experts);
     } catch (const Error&) {
       if (!lead) world.barrier();
       throw;
     }
     if (lead) report_data(s);
     trainer::GrpoTrainer trainer(policy, r.grpo, s.tokenizer, s.data);
+    stop_signal::install();  // a scheduler's SIGTERM/SIGUSR1: checkpoint after this step and exit
+    if (trainer.serves_rollouts()) {  // until the trainer it rolls out for is done
+      trainer.serve_rollouts();
+      return;
+    }
     const std::string ckpt = r.run.out + "/checkpoint";
     if (!a->resume.empty()) {
       trainer.load(ckpt);
@@ -312,12 +322,11 @@ Run add_train(CLI::App& app) {
                  "mean {:.0f}, max {} tokens); tokenizer {}; {} rank(s), {}; run dir {} (checkpoint {})\n",
                  r.run.steps, r.grpo.prompts_per_step, r.grpo.samples_per_prompt, tp.kept, trainer.test_prompts().kept,
                  tp.too_long + trainer.test_prompts().too_long, tp.mean_tokens, tp.max_tokens, s.tokenizer->name(),
-                 world.size(), layout.describe(), r.run.out,
+                 world.size(), layout.describe() + (r.grpo.async_split ? fmt::format(", {} rollout rank(s)", trainers) : ""), r.run.out,
                  r.run.checkpoint_every > 0 ? fmt::format("every {} steps and at the end", r.run.checkpoint_every)
                                             : std::string("at the end only"));
     }
     if (!a->resume.empty() && lead) fmt::print("train: resumed from {} at step {}\n", ckpt, trainer.steps_done());
-    stop_signal::install();  // a scheduler's SIGTERM/SIGUSR1: checkpoint after this step and exit
     const trainer::RunResult result = trainer::run_grpo(trainer, r.run, lead ? stderr : nullptr);
     const trainer::EvalMetrics& last = result.last;
     if (result.stopped_at > 0) {

@@ -10,7 +10,8 @@
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
 # cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt);
-# async the synchronous GRPO step against grpo.async (async.txt); long (long responses, long.txt),
+# async the synchronous GRPO step against grpo.async (async.txt); split (grpo.async.placement split
+# with two CUDA ranks on the one GPU, split.txt); long (long responses, long.txt),
 # tool (the multi-turn calculator recipe on muse-small, tool.txt) and bitwise (the GRPO step under
 # rollout.numerics: bitwise against the standard numerics, bitwise.txt).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
@@ -307,6 +308,27 @@ print("  reward per step:   ", [round(r["reward"], 3) for r in rows])
 PY
 done
 fi  # async
+if want split; then
+# Issue 23: grpo.async.placement split on CUDA ranks. Two ranks share the one GPU: rank 0 trains and
+# rank 1 rolls out for it, the batches and the weights going between them over MPI. muse-small,
+# 64 prompts x 8 samples x 32 tokens, k = 1, from a random init; each step's phases and exchanges.
+step "async GRPO, placement split: two CUDA ranks on one GPU"
+sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: 64/" \
+    -e "s/^  max_tokens: .*/  max_tokens: 32/" -e "s/^  mismatch_ab: .*/  mismatch_ab: false\n  async: {max_staleness: 1, placement: split}/" \
+    -e "s/^  every: .*/  every: 1000/" -e "s/^  prompts: 64/  prompts: 8/" -e "s/^  steps: .*/  steps: 8/" \
+    -e "s/^  aggregation: token-mean/  aggregation: token-mean\n  tis: true/" recipes/grpo-arith-small-gpu.yaml > "$tmp/split.yaml"
+OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=4 timeout 400 \
+  mpiexec --oversubscribe -np 2 ./build-gpu/kiln train "$tmp/split.yaml" --out "$tmp/split" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -4 | tee -a "$out/split.txt"
+python3 - "$tmp/split/metrics.jsonl" <<'PY' 2>&1 | tee -a "$out/split.txt"
+import sys, json
+for r in (json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l):
+    a = r.get("async", {})
+    print(f"step {r['step']}: {r['step_seconds']*1e3:.0f} ms (rollout {r['rollout_seconds']*1e3:.0f}, lp_old "
+          f"{r['lp_old_seconds']*1e3:.0f}, train {r['train_seconds']*1e3:.0f}, weights out {r['sync_seconds']*1e3:.0f} ms "
+          f"for {r['sync_bytes']/1e6:.0f} MB), staleness {a.get('staleness')}, trainer waited {a.get('wait_seconds', 0)*1e3:.0f} ms, "
+          f"rollout waited {a.get('rollout_wait_seconds', 0)*1e3:.0f} ms, sync check {r.get('sync_check', -1):.2e}, reward {r['reward']:.3f}")
+PY
+fi  # split
 if want bitwise; then
 # Issue 22: what rollout.numerics: bitwise costs against the standard numerics on the same recipe:
 # muse-small in bf16, KILN_BITWISE_PROMPTS prompts (default "16 64", each in turn) x 8 samples x 16
@@ -350,7 +372,7 @@ for n in ${KILN_LONG_TOKENS:-8192 32768}; do
       -e "s/^  samples_per_prompt: .*/  samples_per_prompt: 4/" -e "s/^  max_tokens: .*/  max_tokens: $n/" \
       -e "s/^  mismatch_ab: .*/  mismatch_ab: false\n  recompute: true/" -e "s/^  micro_batch_seqs: .*/  micro_batch_seqs: 1/" \
       -e "s/^  kv_cache_mb: .*/  kv_cache_mb: ${KILN_LONG_KV_MB:-8192}/" -e "s/^  max_num_seqs: .*/  max_num_seqs: 16/" \
-      -e "s/^  every: .*/  every: 1000/" -e "s/^  prompts: 64/  prompts: 4/" -e "s/^  steps: .*/  steps: 2/" \
+      -e "s/^  every: .*/  every: 1000/" -e "s/^  prompts: 64/  prompts: 4/" -e "s/^  steps: .*/  steps: ${KILN_LONG_STEPS:-2}/" \
       recipes/grpo-arith-small-gpu.yaml > "$tmp/long-$n.yaml"  # the final eval: 4 prompts (64 x 8K tokens took minutes)
   ./build-gpu/kiln train "$tmp/long-$n.yaml" --out "$tmp/long-$n" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2 | tee -a "$out/long.txt"
   python3 - "$tmp/long-$n/metrics.jsonl" "$n" <<'PY' 2>&1 | tee -a "$out/long.txt"

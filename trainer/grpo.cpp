@@ -36,6 +36,7 @@
 #include "text/tokenizer.h"
 #include "trainer/episodes.h"
 #include "trainer/produced.h"
+#include "trainer/rollout_link.h"
 #include "trainer/scoring.h"
 #include "trainer/update_guard.h"
 
@@ -103,6 +104,8 @@ void GrpoConfig::validate() const {
              "whole softmax; top_p (", top_p, ") and top_k (", top_k, ") must stay at 1 and 0");
   KILN_CHECK(async_staleness >= -1, "grpo: async.max_staleness must be >= 0 (got ", async_staleness,
              "); leave async out for the synchronous step");
+  KILN_CHECK(async_staleness >= 0 || !async_split, "grpo: async.placement split needs async rollouts ",
+             "(async.max_staleness >= 0)");
   KILN_CHECK(async_staleness < 0 || !dynamic_sampling, "grpo: dynamic_sampling needs every rank in step ",
              "(its extra rounds are collective), which async rollouts are not; use one or the other");
   KILN_CHECK(max_sampling_rounds >= 0, "grpo: max_sampling_rounds must be >= 0 (got ", max_sampling_rounds,
@@ -182,7 +185,9 @@ std::string StepMetrics::to_json() const {
   if (mis_masked_fraction != 0) j["mis_masked_fraction"] = mis_masked_fraction;
   j["zero_variance_groups"] = zero_variance_groups;
   j["rollout_engine"] = {{"preemptions", preemptions}, {"kv_peak", kv_peak}};
-  if (staleness >= 0) j["async"] = {{"staleness", staleness}, {"wait_seconds", async_wait_seconds}};
+  if (staleness >= 0)
+    j["async"] = {{"staleness", staleness}, {"wait_seconds", async_wait_seconds},
+                  {"rollout_wait_seconds", rollout_wait_seconds}};
   if (episode_turns > 0) j["episodes"] = {{"turns", episode_turns}, {"observation_tokens", observation_tokens}};
   if (!reward_components.empty()) j["reward_components"] = reward_components;
   j["reward_failures"] = reward_failures;
@@ -226,7 +231,11 @@ struct GrpoTrainer::Impl {
   Dataset data;                    // prompts rendered and tokenized
   DataStream stream;
   std::unique_ptr<rollout::Engine> engine;  // serves `policy` (a full replica) or, sharded, `*shard`
-  comm::Group group;               // every rank: each holds its own share of the prompts
+  comm::Group group;               // every rank that trains: each holds its own share of the prompts
+  // grpo.async.placement split: the link to the partner rank (rollout_link.h), and whether this
+  // rank is the one that rolls out (it then has an engine but no optimizer).
+  std::optional<RolloutLink> link;
+  bool rollout_side = false;
   // The trained model under the layout (dist/sharded_model.h), and short names for its parts:
   std::unique_ptr<dist::ShardedModel> layout;
   comm::Group ep_group;            // ep > 1: the ranks whose expert shards make up one model
@@ -247,8 +256,17 @@ struct GrpoTrainer::Impl {
   Impl(model::Muse& p, GrpoConfig c, std::shared_ptr<const text::Tokenizer> t, Dataset d, const comm::Group& g,
        std::shared_ptr<Reward> r)
       : policy(p), cfg(std::move(c)), tok(std::move(t)), reward(std::move(r)), data(prepared(std::move(d))),
-        stream(data.train, cfg.seed), group(g) {
+        stream(data.train, cfg.seed), group(role_group(g, cfg)) {
     cfg.validate();
+    KILN_CHECK(!cfg.async_split || (cfg.parallel.ep == 1 && !cfg.parallel.zero3()), "grpo: async.placement split ",
+               "sends whole weights from each trainer rank to its rollout rank, so every trainer must hold the whole ",
+               "model: use parallel.ep 1 and dense replicated (got ep ", cfg.parallel.ep, ", dense ",
+               dist::dense_sharding_name(cfg.parallel.dense), ")");
+    if (cfg.async_split) {
+      const int T = g.size() / 2;
+      rollout_side = g.rank() >= T;
+      link.emplace(g, rollout_side ? g.rank() - T : g.rank() + T, !rollout_side);
+    }
     guard.limit = cfg.stop_after_nonfinite;
     cfg.parallel.resolve(group.size(), policy.config().num_experts);
     KILN_CHECK(cfg.prompts_per_step >= group.size(), "grpo: prompts_per_step (", cfg.prompts_per_step,
@@ -297,8 +315,10 @@ struct GrpoTrainer::Impl {
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.sharded_rollout()) ec.expert_group = &ep_group;  // serves this rank's experts
     ec.share_weights = lora() && !shard;  // LoRA's frozen base needs no second copy
-    // The engine's weights, fetched tensor by tensor where this rank holds a share.
-    engine = std::make_unique<rollout::Engine>(trained(), ec, engine_source());
+    // The engine's weights, fetched tensor by tensor where this rank holds a share. Under the split
+    // placement only the rollout ranks have one, and nothing else: they do not train.
+    if (!cfg.async_split || rollout_side) engine = std::make_unique<rollout::Engine>(trained(), ec, engine_source());
+    if (rollout_side) return;
     // The KL reference: a frozen copy of what is trained (an expert shard under expert
     // parallelism); with LoRA the base itself, adapters disabled (no second copy).
     if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
@@ -314,6 +334,14 @@ struct GrpoTrainer::Impl {
     oc.fused = cfg.fused_kernels;
     zero = std::make_unique<dist::ZeroOne>(named, is_expert, group, expert_dp, oc, zero3);
     if (!shard && group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
+  }
+
+  // Under grpo.async.placement split, the half of `g` this rank is in (trainers first); else `g`.
+  static comm::Group role_group(const comm::Group& g, const GrpoConfig& c) {
+    if (!c.async_split) return g;
+    KILN_CHECK(g.size() >= 2 && g.size() % 2 == 0, "grpo: async.placement split needs an even number of ranks, the ",
+               "first half to train and the second to roll out (got ", g.size(), ")");
+    return g.split(g.rank() < g.size() / 2 ? 0 : 1, g.rank());
   }
 
   // The dataset with its prompts rendered and tokenized (config.prompt); the reports say how many
@@ -364,6 +392,8 @@ struct GrpoTrainer::Impl {
   // ---- the step, phase by phase ----
 
   StepMetrics step() {
+    KILN_CHECK(!rollout_side, "grpo: this rank rolls out for trainer rank ", link ? link->peer() : -1,
+               " (async.placement split); it serves rollouts and takes no step");
     const auto t_step = Clock::now();
     model::reset_peak_memory(policy.device());
     StepMetrics m;
@@ -536,6 +566,7 @@ struct GrpoTrainer::Impl {
 #endif
     for (;;) {
       int64_t i = 0;
+      const auto waiting = Clock::now();
       {
         std::unique_lock<std::mutex> lk(async.mu);
         async.cv.wait(lk, [&] {
@@ -545,9 +576,9 @@ struct GrpoTrainer::Impl {
         if (async.stopping) return;
         async.producing = true;
       }
-      const uint64_t position = stream.position();
-      Produced p = produce(draw_prompts(i), 0);
-      p.data_position = position;
+      const double waited = seconds_since(waiting);
+      Produced p = produce_next(i);
+      p.wait_seconds = waited;
       {
         std::lock_guard<std::mutex> lk(async.mu);
         async.producing = false;
@@ -558,24 +589,39 @@ struct GrpoTrainer::Impl {
     }
   }
 
-  // The batch of this step (its producer started on first use); rethrows what stopped the producer.
+  // Batch i, the next of the data stream, with the position it was drawn at.
+  Produced produce_next(int64_t i) {
+    const uint64_t position = stream.position();
+    Produced p = produce(draw_prompts(i), 0);
+    p.data_position = position;
+    return p;
+  }
+
+  // The batch of this step, from the producer thread (started on first use; what stopped it is
+  // rethrown) or from the rollout rank.
   Produced take_produced(StepMetrics& m) {
-    if (!async.thread.joinable()) {
-      async.produced = steps - 1;  // the batches of the steps already trained
-      async.thread = std::thread([this] { produce_loop(); });
-    }
     const auto t = Clock::now();
-    std::unique_lock<std::mutex> lk(async.mu);
-    async.cv.wait(lk, [&] { return !async.ready.empty() || async.error; });
-    if (async.ready.empty()) std::rethrow_exception(async.error);
-    Produced p = std::move(async.ready.front());
-    async.ready.pop_front();
+    Produced p = link ? take_from_rollout_rank() : take_from_thread();
     m.async_wait_seconds = seconds_since(t);
+    if (link) m.sync_check = p.sync_check;  // the check of the weights that sampled it
     m.staleness = (steps - 1) - p.version;
     // min(steps - 1, k) exactly, but fresher right after a resume (the loaded weights are all there is).
     KILN_CHECK(p.batch.step == steps && m.staleness >= 0 && m.staleness <= cfg.async_staleness,
                "grpo: internal error: step ", steps, " got batch ", p.batch.step, " of weight version ", p.version,
                " (max_staleness ", cfg.async_staleness, "); report this");
+    return p;
+  }
+
+  Produced take_from_thread() {
+    if (!async.thread.joinable()) {
+      async.produced = steps - 1;  // the batches of the steps already trained
+      async.thread = std::thread([this] { produce_loop(); });
+    }
+    std::unique_lock<std::mutex> lk(async.mu);
+    async.cv.wait(lk, [&] { return !async.ready.empty() || async.error; });
+    if (async.ready.empty()) std::rethrow_exception(async.error);
+    Produced p = std::move(async.ready.front());
+    async.ready.pop_front();
     return p;
   }
 
@@ -601,6 +647,7 @@ struct GrpoTrainer::Impl {
   // Where a resumed run draws its next prompts: under grpo.async, before the oldest batch made but
   // not trained (it is sampled again after a resume), or where the producer will draw next.
   uint64_t data_position() {
+    if (link) return split.ready.empty() ? stream.position() : split.ready.front().data_position;
     uint64_t position = 0;
     with_producer_paused(0, [&] {
       if (!async.ready.empty()) position = async.ready.front().data_position;
@@ -623,7 +670,232 @@ struct GrpoTrainer::Impl {
     async.error = nullptr;
   }
 
-  ~Impl() { stop_producer(); }
+  ~Impl() {
+    stop_producer();
+    if (link && !rollout_side) close_link();
+  }
+
+  // ---- grpo.async.placement split: the trainer's end ----
+  // The rollout rank runs the producer's schedule with what it was sent: batch i once it has the
+  // weights of update v(i) and i is not past the last step it knows. The trainer knows what it sent,
+  // so it knows every batch the rollout rank will make, and it receives them all before it sends
+  // anything (drain): a rank never sends to one that is itself sending, which could block both.
+  struct Split {
+    bool started = false, broken = false;
+    int64_t received = 0;      // batches received: 1 .. received
+    int64_t sent_version = 0;  // the weights the rollout rank has
+    int64_t sent_last = 0;     // the last step it knows of (0: none)
+    std::deque<Produced> ready;
+  } split;
+
+  bool rollout_can_make(int64_t i) const {
+    return (split.sent_last <= 0 || i <= split.sent_last) && split.sent_version >= version_for(i);
+  }
+  void drain() {
+    while (rollout_can_make(split.received + 1)) receive_batch();
+  }
+  // The rollout rank's error, as this rank's.
+  [[noreturn]] void rollout_failed(const RolloutLink::Message& msg) {
+    ByteReader r = msg.body("the error from the rollout rank");
+    KILN_FAIL("grpo: rollout rank ", link->peer(), " (async.placement split) stopped: ", r.get_string("the error"));
+  }
+  void receive_batch() {
+    const RolloutLink::Message msg = link->recv();
+    if (msg.kind == LinkKind::kError) rollout_failed(msg);
+    KILN_CHECK(msg.kind == LinkKind::kBatch, "grpo: rollout rank ", link->peer(), " sent ", link_kind_name(msg.kind),
+               " where batch ", split.received + 1, " was due; report this");
+    ByteReader r = msg.body(str_cat("batch ", split.received + 1, " from rank ", link->peer()));
+    Produced p = read_produced(r);
+    r.expect_end();
+    const int64_t i = ++split.received;
+    KILN_CHECK(p.batch.step == i && p.data_position == stream.position(), "grpo: internal error: rollout rank ",
+               link->peer(), " sent the batch of step ", p.batch.step, " from data position ", p.data_position,
+               " where step ", i, " from ", stream.position(), " was due; report this");
+    stream.next(cfg.prompts_per_step);  // this rank's stream follows the rollout rank's, for checkpoints
+    split.ready.push_back(std::move(p));
+  }
+
+  // What a weight sync sends: the adapters (LoRA) or every trained tensor.
+  NamedTensors synced_tensors() const {
+    return lora() ? model::lora_parameters(trained()) : trained().named_parameters();
+  }
+  // A header (`version`, the last step, this rank's probe log-probs) and the weights.
+  int64_t send_weights(LinkKind kind, const std::vector<int64_t>& head) {
+    ByteWriter w;
+    for (int64_t v : head) w.put(v);
+    w.put(last_step);
+    const std::vector<int64_t> probe = probe_tokens();
+    w.put_tensor(probe.empty() ? at::Tensor() : own_probe_logprobs(probe));
+    link->send(kind, w);
+    const int64_t bytes = link->send_tensors(synced_tensors());
+    split.sent_last = last_step;
+    return bytes;
+  }
+
+  // A session: the rollout rank starts from this rank's data position and weights, those of
+  // `trained` updates.
+  void start_session(int64_t trained) {
+    KILN_CHECK(!split.broken, "grpo: an earlier error left rollout rank ", link->peer(),
+               " mid-exchange; build a new trainer to go on");
+    if (split.started) return;
+    split.ready.clear();
+    split.received = split.sent_version = trained;
+    send_weights(LinkKind::kStart, {trained, int64_t(stream.position())});
+    split.started = true;
+  }
+
+  // The weight sync: after the batches made with the weights before (through step + k).
+  void sync_split(StepMetrics& m) {
+    if (!split.started) return;  // the next session starts from these weights
+    drain();
+    const auto t = Clock::now();
+    m.sync_bytes = send_weights(LinkKind::kWeights, {steps});
+    m.sync_seconds = seconds_since(t);
+    split.sent_version = steps;
+  }
+
+  Produced take_from_rollout_rank() {
+    start_session(steps - 1);  // the step under way has not updated the weights yet
+    if (split.ready.empty()) {
+      KILN_CHECK(rollout_can_make(split.received + 1), "grpo: internal error: step ", steps,
+                 " waits for a batch the rollout rank cannot make (weights ", split.sent_version, ", last step ",
+                 split.sent_last, "); report this");
+      receive_batch();
+    }
+    Produced p = std::move(split.ready.front());
+    split.ready.pop_front();
+    return p;
+  }
+
+  EvalMetrics evaluate_remote(const EvalConfig& ec) {
+    ec.validate();
+    start_session(steps);
+    drain();
+    ByteWriter w;
+    w.put(steps);
+    w.put(last_step);
+    write_eval_config(w, ec);
+    link->send(LinkKind::kEval, w);
+    split.sent_last = last_step;
+    const RolloutLink::Message msg = link->recv();
+    if (msg.kind == LinkKind::kError) rollout_failed(msg);
+    KILN_CHECK(msg.kind == LinkKind::kEvalResult, "grpo: rollout rank ", link->peer(), " sent ",
+               link_kind_name(msg.kind), " where the evaluation was due; report this");
+    ByteReader r = msg.body("the evaluation from rank " + std::to_string(link->peer()));
+    EvalMetrics em = read_eval_metrics(r);
+    r.expect_end();
+    return em;
+  }
+
+  // Ends the session (a resume starts a new one from the checkpoint).
+  void end_session() {
+    if (!link || rollout_side || !split.started || split.broken) return;
+    drain();
+    link->send(LinkKind::kStop);
+    split.started = false;
+    split.ready.clear();
+  }
+
+  // The rollout rank returns from serving. Never throws: it runs in the destructor.
+  void close_link() noexcept {
+    if (split.broken) return;
+    try {
+      if (split.started) drain();
+      link->send(LinkKind::kExit);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "grpo: could not tell rollout rank %d to exit: %s\n", link->peer(), e.what());
+    }
+  }
+
+  // ---- grpo.async.placement split: the rollout rank's end ----
+  double last_sync_check = -1;  // the probe check of the weights it has
+
+  void serve() {
+    KILN_CHECK(rollout_side, "grpo: serve_rollouts is for the rollout ranks of async.placement split; this rank trains");
+    try {
+      serve_sessions();
+    } catch (const std::exception& e) {
+      try {  // the trainer reports it too, instead of waiting for a batch that will not come
+        ByteWriter w;
+        w.put(std::string(e.what()));
+        link->send(LinkKind::kError, w);
+      } catch (...) {
+      }
+      throw;
+    }
+  }
+
+  void serve_sessions() {
+    at::NoGradGuard no_grad;
+    for (;;) {
+      const RolloutLink::Message msg = link->recv();
+      if (msg.kind == LinkKind::kExit) return;
+      KILN_CHECK(msg.kind == LinkKind::kStart, "grpo: trainer rank ", link->peer(), " sent ",
+                 link_kind_name(msg.kind), " before starting a session; report this");
+      ByteReader r = msg.body("the start from rank " + std::to_string(link->peer()));
+      steps = r.get<int64_t>("the step");
+      stream.seek(uint64_t(r.get<int64_t>("the data position")));
+      receive_weights(r, steps);
+      if (!serve_session()) return;
+    }
+  }
+
+  // Makes every batch it can, and between them answers the trainer; false once told to exit.
+  bool serve_session() {
+    int64_t next = steps + 1;
+    double waited = 0;
+    for (;;) {
+      if ((last_step <= 0 || next <= last_step) && weight_version() >= version_for(next)) {
+        Produced p = produce_next(next++);
+        p.wait_seconds = waited;
+        p.sync_check = last_sync_check;
+        waited = 0;
+        ByteWriter w;
+        write_produced(w, p);
+        link->send(LinkKind::kBatch, w);
+        continue;
+      }
+      const auto t = Clock::now();
+      const RolloutLink::Message msg = link->recv();
+      waited += seconds_since(t);
+      ByteReader r = msg.body(str_cat("the ", link_kind_name(msg.kind), " message from rank ", link->peer()));
+      switch (msg.kind) {
+        case LinkKind::kWeights:
+          receive_weights(r, r.get<int64_t>("the weight version"));
+          break;
+        case LinkKind::kEval: {
+          steps = r.get<int64_t>("the step");
+          last_step = r.get<int64_t>("the last step");
+          const EvalConfig ec = read_eval_config(r);
+          r.expect_end();
+          ByteWriter w;
+          write_eval_metrics(w, evaluate_now(ec));
+          link->send(LinkKind::kEvalResult, w);
+          break;
+        }
+        case LinkKind::kStop:
+          return true;
+        case LinkKind::kExit:
+          return false;
+        default:
+          KILN_FAIL("grpo: trainer rank ", link->peer(), " sent ", link_kind_name(msg.kind), " mid-session; report this");
+      }
+    }
+  }
+
+  // The rest of a start or weights header (the last step, the trainer's probe log-probs), then the
+  // weights into this rank's model and the engine; the probe checks the engine against the trainer.
+  void receive_weights(ByteReader& r, int64_t version) {
+    last_step = r.get<int64_t>("the last step");
+    const at::Tensor theirs = r.get_tensor("the trainer's probe log-probs");
+    r.expect_end();
+    link->recv_tensors(synced_tensors());
+    if (lora()) engine->update_adapters(trained(), {});
+    else engine->update_weights(trained(), {});
+    version_base = version - engine->weight_version();
+    last_sync_check = -1;
+    if (theirs.defined()) last_sync_check = compare_probe(theirs, probe_logprobs(engine->model(), probe_tokens(), nullptr));
+  }
 
   std::vector<rollout::Request> requests_for(const Batch& b, int64_t round) {
     std::vector<rollout::Request> reqs;
@@ -724,6 +996,7 @@ struct GrpoTrainer::Impl {
       group.all_reduce(engine_sums);
       m.preemptions = int64_t(engine_sums.item<double>());
       m.kv_peak = group.all_reduce(p.kv_peak, comm::ReduceOp::kMax);
+      if (cfg.async_staleness >= 0) m.rollout_wait_seconds = group.all_reduce(p.wait_seconds, comm::ReduceOp::kMax);
     }
     if (env) {
       at::Tensor sums = at::tensor({p.turns, p.observed}, at::kDouble);
@@ -957,6 +1230,7 @@ struct GrpoTrainer::Impl {
   // Under grpo.async the producer is paused between batches for it, once the batches that need the
   // weights before this update are out.
   void sync_rollout(StepMetrics& m) {
+    if (link) return sync_split(m);
     with_producer_paused(needed_for(steps), [&] { sync_engine(m); });
   }
 
@@ -980,38 +1254,57 @@ struct GrpoTrainer::Impl {
   // |log-prob difference|, or -1 when not checked. Under expert parallelism both forwards exchange
   // tokens, so every rank of the group runs them together.
   double check_sync() {
-    if (cfg.sync_check_tokens == 0 || data.train.empty()) return -1;
+    const std::vector<int64_t> probe = probe_tokens();
+    if (probe.empty()) return -1;
+    const at::Tensor mine = own_probe_logprobs(probe);
+    return compare_probe(mine, probe_logprobs(engine->model(), probe, cfg.parallel.sharded_rollout() ? dispatcher : nullptr));
+  }
+
+  // The probe: the first training prompt and its answer, at most sync_check_tokens; empty when
+  // not checked.
+  std::vector<int64_t> probe_tokens() const {
+    if (cfg.sync_check_tokens == 0 || data.train.empty()) return {};
     std::vector<int64_t> probe = data.train[0].prompt_ids;
     if (!data.train[0].label.empty()) {
       const std::vector<int64_t> label = tok->encode(data.train[0].label);
       probe.insert(probe.end(), label.begin(), label.end());
     }
     if (int64_t(probe.size()) > cfg.sync_check_tokens) probe.resize(size_t(cfg.sync_check_tokens));
-    if (probe.size() < 2) return -1;
+    if (probe.size() < 2) return {};
+    return probe;
+  }
+
+  // Each probe token's log-prob given the ones before it, in fp64 on the CPU.
+  at::Tensor probe_logprobs(const model::Muse& m, const std::vector<int64_t>& probe,
+                            const model::ExpertDispatcher* experts) const {
     at::NoGradGuard g;
-    auto lp = [&](const model::Muse& m, const model::ExpertDispatcher* experts) {
-      model::PackedBatch b = model::PackedBatch::from_sequences({probe}, m.device());
-      model::ForwardOptions o;
-      o.load_balance = false;
-      o.experts = experts;
-      o.gather = zero_of(m);
-      o.batch_invariant = cfg.engine.batch_invariant;
-      o.targets = at::cat({b.tokens.narrow(0, 1, b.num_tokens() - 1), at::full({1}, -100L, b.tokens.options())});
-      return m.forward(b, o).logprobs.narrow(0, 0, b.num_tokens() - 1).to(at::kDouble).cpu();
-    };
-    const model::ExpertDispatcher* experts = dispatcher;
-    const bool sharded_engine = cfg.parallel.sharded_rollout();
-    const at::Tensor mine = lp(trained(), experts);
-    const at::Tensor theirs = lp(engine->model(), sharded_engine ? experts : nullptr);
-    // Non-finite on the trainer's side is divergence, not a bad sync: say so.
+    model::PackedBatch b = model::PackedBatch::from_sequences({probe}, m.device());
+    model::ForwardOptions o;
+    o.load_balance = false;
+    o.experts = experts;
+    o.gather = zero_of(m);
+    o.batch_invariant = cfg.engine.batch_invariant;
+    o.targets = at::cat({b.tokens.narrow(0, 1, b.num_tokens() - 1), at::full({1}, -100L, b.tokens.options())});
+    return m.forward(b, o).logprobs.narrow(0, 0, b.num_tokens() - 1).to(at::kDouble).cpu();
+  }
+
+  // The trained model's probe log-probs; non-finite ones are divergence, not a bad sync: said so.
+  at::Tensor own_probe_logprobs(const std::vector<int64_t>& probe) const {
+    const at::Tensor mine = probe_logprobs(trained(), probe, dispatcher);
     KILN_CHECK(at::isfinite(mine).all().item<bool>(), "grpo: after step ", steps,
                " the policy's own log-probs are not finite: the weights hold NaN or inf (the run diverged); lower "
                "the lr and resume from the last checkpoint");
+    return mine;
+  }
+
+  // The mean |difference| of the trainer's and the rollout's probe log-probs, checked against the
+  // threshold.
+  double compare_probe(const at::Tensor& mine, const at::Tensor& theirs) const {
     const double diff = (mine - theirs).abs().mean().item<double>();
     const double limit = cfg.sync_check_threshold >= 0 ? cfg.sync_check_threshold
                                                        : cfg.engine.quantization == rollout::Quantization::kNone ? 1e-3 : 1.0;
     KILN_CHECK(std::isfinite(diff) && diff <= limit, "grpo: weight sync check failed after step ", steps,
-               ": trainer and rollout log-probs differ by ", diff, " (mean over ", probe.size() - 1,
+               ": trainer and rollout log-probs differ by ", diff, " (mean over ", mine.numel(),
                " probe tokens; threshold ", limit, "); the rollout's weights are not the trainer's");
     return diff;
   }
@@ -1022,6 +1315,7 @@ struct GrpoTrainer::Impl {
   // Held-out evaluation: each rank samples and scores its share of the prompts; the scores are
   // gathered per data_source.
   EvalMetrics evaluate(const EvalConfig& ec) {
+    if (link) return evaluate_remote(ec);
     EvalMetrics em;
     with_producer_paused(0, [&] { em = evaluate_now(ec); });
     return em;
@@ -1220,6 +1514,7 @@ void GrpoTrainer::save_model(const std::string& dir) const {
 
 void GrpoTrainer::load(const std::string& dir) {
   impl_->stop_producer();  // its batches were drawn from the old position with the old weights
+  impl_->end_session();    // the same for a rollout rank's
   // Whatever interrupted the last save, the newest complete checkpoint is put in place first.
   int64_t found = 0;
   if (impl_->group.rank() == 0) found = CheckpointDir(dir).recover();
@@ -1266,7 +1561,9 @@ void GrpoTrainer::load(const std::string& dir) {
   if (auto* opt = impl_->zero->optimizer()) opt->load(dir + "/" + optimizer_file(impl_->group));
   impl_->steps = st["step"].get<int64_t>();
   impl_->stream.seek(st["data_position"].get<uint64_t>());
-  // LoRA's base is frozen (and checked above): the engine keeps its (perhaps NVFP4) base.
+  // LoRA's base is frozen (and checked above): the engine keeps its (perhaps NVFP4) base. Under the
+  // split placement the next session sends the weights.
+  if (!impl_->engine) return;
   if (impl_->lora()) impl_->engine->update_adapters(impl_->trained(), impl_->engine_source());
   else impl_->engine->update_weights(impl_->trained(), impl_->engine_source());
   impl_->version_base = impl_->steps - impl_->engine->weight_version();
@@ -1293,7 +1590,8 @@ StepMetrics GrpoTrainer::step() {
     // schedule (grpo.async): it would wait for an update that never comes. Stop it; a caller that
     // goes on gets a fresh one.
     impl_->stop_producer();
-    impl_->version_base = impl_->steps - impl_->engine->weight_version();  // the engine's weights start the next schedule
+    if (impl_->engine) impl_->version_base = impl_->steps - impl_->engine->weight_version();  // the engine's weights start the next schedule
+    impl_->split.broken = impl_->link.has_value();  // the rollout rank may be mid-exchange
     throw;
   }
 }
@@ -1304,5 +1602,8 @@ const std::vector<GrpoTrainer::SampleRecord>& GrpoTrainer::last_samples() const 
 int64_t GrpoTrainer::steps_done() const { return impl_->steps; }
 void GrpoTrainer::sync_policy() { impl_->gather_experts(); }
 const DataStream& GrpoTrainer::stream() const { return impl_->stream; }
+const comm::Group& GrpoTrainer::group() const { return impl_->group; }
+bool GrpoTrainer::serves_rollouts() const { return impl_->rollout_side; }
+void GrpoTrainer::serve_rollouts() { impl_->serve(); }
 
 }  // namespace kiln::trainer

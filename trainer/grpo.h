@@ -57,6 +57,11 @@ struct GrpoConfig {
   // loss.mis). k = 0 runs the thread but stays on-policy (bitwise the synchronous run). Weights
   // reach the engine between the producer's batches.
   int64_t async_staleness = -1;
+  // grpo.async.placement: false (colocated) runs the producer as a thread beside the trainer on
+  // every rank; true (split) gives it ranks of its own: of 2T ranks, the first T train and rank
+  // T + t rolls out for trainer t (GrpoTrainer::serve_rollouts), the same batches with the same
+  // staleness. Weights go to the rollout ranks after every update; evaluation runs there.
+  bool async_split = false;
   PolicyLossConfig loss;
   RewardSpec reward;                // how responses are scored (trainer/rewards.h)
   // Multi-turn (trainer/environment.h): when its command is set, every sample is an episode whose
@@ -132,6 +137,8 @@ struct StepMetrics {
                                           // (fraction; the largest over ranks)
   int64_t staleness = -1;                 // grpo.async: updates between the batch's weights and the trained ones (-1: off)
   double async_wait_seconds = 0;          // grpo.async: how long the trainer waited for the batch
+  double rollout_wait_seconds = 0;        // grpo.async: how long the producer waited for weights before it
+                                          // (the most over ranks)
   double episode_turns = 0;               // multi-turn: mean sampled turns per episode (0: single-turn)
   double observation_tokens = 0;          // multi-turn: mean tokens the environment appended per episode
   std::map<std::string, double> reward_components;  // mean of each named part of the reward
@@ -188,6 +195,13 @@ class GrpoTrainer {
   };
   const std::vector<SampleRecord>& last_samples() const;
   int64_t steps_done() const;
+  // The ranks that train together: the group given, or under grpo.async.placement split its first
+  // half. Every call above except serve_rollouts is collective over it.
+  const comm::Group& group() const;
+  // grpo.async.placement split: whether this rank is one of the second half, which roll out. Such a
+  // rank only calls serve_rollouts, which returns once its trainer is destroyed.
+  bool serves_rollouts() const;
+  void serve_rollouts();
   // The last step the caller will run (0: unknown). Under grpo.async the producer samples no batch
   // past it, so a run's end waits for no rollout it will not train on.
   void set_last_step(int64_t step);

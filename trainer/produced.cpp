@@ -132,11 +132,12 @@ void write_produced(ByteWriter& w, const ProducedBatch& p) {
   write_all(w, p.results, write_result);
   w.put(p.lengths);
   write_stats(w, p.worker);
-  for (double v : {p.rollout_seconds, p.reward_seconds, p.turns, p.observed}) w.put(v);
+  for (double v : {p.rollout_seconds, p.reward_seconds, p.wait_seconds, p.turns, p.observed}) w.put(v);
   w.put(p.preemptions);
   w.put(p.kv_peak);
   w.put(p.version);
   w.put(p.data_position);
+  w.put(p.sync_check);
 }
 
 ProducedBatch read_produced(ByteReader& r) {
@@ -152,11 +153,13 @@ ProducedBatch read_produced(ByteReader& r) {
   p.results = read_all(r, "the reward results", 25, read_result);
   p.lengths = r.get_vector<double>("the response lengths");
   p.worker = read_stats(r);
-  for (double* v : {&p.rollout_seconds, &p.reward_seconds, &p.turns, &p.observed}) *v = r.get<double>("the timings");
+  for (double* v : {&p.rollout_seconds, &p.reward_seconds, &p.wait_seconds, &p.turns, &p.observed})
+    *v = r.get<double>("the timings");
   p.preemptions = r.get<int64_t>("the preemptions");
   p.kv_peak = r.get<double>("the KV peak");
   p.version = r.get<int64_t>("the weight version");
   p.data_position = r.get<uint64_t>("the data position");
+  p.sync_check = r.get<double>("the sync check");
   return p;
 }
 

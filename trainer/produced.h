@@ -30,11 +30,13 @@ struct ProducedBatch {
   std::vector<double> lengths;        // drawn tokens per sample
   RewardStats worker;                 // the reward's or environment's counters over this batch
   double rollout_seconds = 0, reward_seconds = 0;
+  double wait_seconds = 0;            // how long the producer waited for its weights before it (async)
   double turns = 0, observed = 0;     // episodes: sums of turns and observation tokens
   int64_t preemptions = 0;            // the engine's preemptions while sampling it
   double kv_peak = 0;                 // the fullest KV pool's peak use while sampling it (fraction)
   int64_t version = 0;                // the engine's weight version it was sampled with
   uint64_t data_position = 0;         // the data stream's position before its prompts (async)
+  double sync_check = -1;             // split ranks: the probe check of the weights it was sampled with
 };
 
 // Every field, in order; read_produced gives back an equal batch (tensors on the CPU).

@@ -376,6 +376,12 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     if (s.has("async")) {  // asynchronous GRPO with bounded staleness
       auto a = s.child("async");
       a.require("max_staleness", g.async_staleness);
+      std::string placement = g.async_split ? "split" : "colocated";
+      a.get("placement", placement);
+      if (placement != "colocated" && placement != "split")
+        a.fail("placement", "expected colocated (a producer thread on every rank) or split (the second half of the "
+                            "ranks roll out for the first), got '" + placement + "'");
+      g.async_split = placement == "split";
       a.finish();
       if (g.async_staleness < 0) a.fail("max_staleness", "must be >= 0 (leave async out for the synchronous step)");
     }
@@ -604,7 +610,8 @@ std::string Recipe::to_yaml() const {
     << g.fused_kernels << YAML::Key << "recompute" << YAML::Value << g.recompute;
   if (g.async_staleness >= 0)
     e << YAML::Key << "async" << YAML::Value << YAML::BeginMap << YAML::Key << "max_staleness" << YAML::Value
-      << g.async_staleness << YAML::EndMap;
+      << g.async_staleness << YAML::Key << "placement" << YAML::Value << (g.async_split ? "split" : "colocated")
+      << YAML::EndMap;
   e << YAML::EndMap;
   e << YAML::Key << "loss" << YAML::Value << YAML::BeginMap << YAML::Key << "eps_low" << YAML::Value
     << g.loss.eps_low << YAML::Key << "eps_high" << YAML::Value << g.loss.eps_high << YAML::Key << "aggregation"

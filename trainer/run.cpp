@@ -105,7 +105,7 @@ void stall_for_tests(int64_t step, int rank) {
 }  // namespace
 
 RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress) {
-  const comm::Group& world = comm::Group::world();
+  const comm::Group& world = trainer.group();  // the ranks that train (not those that only roll out)
   const bool lead = world.rank() == 0;
   const int64_t first = trainer.steps_done() + 1;
   std::unique_ptr<RunLog> log;

@@ -67,12 +67,14 @@ inline trainer::ProducedBatch produced_fixture(int seed) {
   p.worker.total_seconds = 0.75;
   p.rollout_seconds = 1.5;
   p.reward_seconds = 0.25;
+  p.wait_seconds = 0.125;
   p.turns = 3;
   p.observed = 11;
   p.preemptions = 2;
   p.kv_peak = 0.625;
   p.version = 9 + seed;
   p.data_position = (uint64_t(1) << 40) + uint64_t(seed);
+  p.sync_check = 3e-7;
   return p;
 }
 
@@ -138,12 +140,14 @@ inline void expect_same_produced(const trainer::ProducedBatch& a, const trainer:
   EXPECT_EQ(a.worker.total_seconds, b.worker.total_seconds);
   EXPECT_EQ(a.rollout_seconds, b.rollout_seconds);
   EXPECT_EQ(a.reward_seconds, b.reward_seconds);
+  EXPECT_EQ(a.wait_seconds, b.wait_seconds);
   EXPECT_EQ(a.turns, b.turns);
   EXPECT_EQ(a.observed, b.observed);
   EXPECT_EQ(a.preemptions, b.preemptions);
   EXPECT_EQ(a.kv_peak, b.kv_peak);
   EXPECT_EQ(a.version, b.version);
   EXPECT_EQ(a.data_position, b.data_position);
+  EXPECT_EQ(a.sync_check, b.sync_check);
 }
 
 }  // namespace kiln::test

@@ -1,0 +1,56 @@
+// The wire between a trainer rank and the rank that rolls out for it (grpo.async.placement: split):
+// typed messages in order each way, named tensors one message each, and the encodings of an
+// evaluation request and its result.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/bytes.h"
+#include "core/comm.h"
+
+namespace kiln::trainer {
+
+struct EvalConfig;
+struct EvalMetrics;
+
+// Trainer -> rollout: kStart (a session: position, step, weights), kWeights (a new version),
+// kEval (score the held-out prompts), kStop (end the session), kExit (return from serving).
+// Rollout -> trainer: kBatch (a ProducedBatch), kEvalResult, kError (what stopped the rollout).
+enum class LinkKind : uint8_t { kStart = 1, kWeights, kEval, kStop, kExit, kBatch, kEvalResult, kError };
+const char* link_kind_name(LinkKind k);
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+class RolloutLink {
+ public:
+  // `peer` is a rank of `world`; this end sends under one tag and receives under the other.
+  RolloutLink(comm::Group world, int peer, bool trainer_side);
+  int peer() const { return peer_; }
+
+  struct Message {
+    LinkKind kind{};
+    at::Tensor bytes;  // the whole message, the kind byte first
+    ByteReader body(const std::string& what) const;  // the bytes after the kind
+  };
+  void send(LinkKind kind, const ByteWriter& body = ByteWriter()) const;
+  Message recv() const;
+  // Each tensor as a message of its own (its name, then its values copied to the CPU), so that no
+  // more than one tensor is ever held as bytes; returns the bytes of the values.
+  int64_t send_tensors(const NamedTensors& tensors) const;
+  // Exactly `into`'s tensors, in its order, copied into them in place; a name or shape that does
+  // not match is an error naming both.
+  void recv_tensors(const NamedTensors& into) const;
+
+ private:
+  comm::Group world_;
+  int peer_ = 0, send_tag_ = 0, recv_tag_ = 0;
+};
+
+void write_eval_config(ByteWriter& w, const EvalConfig& c);
+EvalConfig read_eval_config(ByteReader& r);
+void write_eval_metrics(ByteWriter& w, const EvalMetrics& m);
+EvalMetrics read_eval_metrics(ByteReader& r);
+
+}  // namespace kiln::trainer
