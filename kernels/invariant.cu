@@ -17,23 +17,36 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // bf16 GEMM y = x . w^T on tensor cores. A block computes a 64 x 128 tile of y over K in steps of
-// 32 (two mma k-steps each, in order), double-buffered through cp.async; rows past M and columns
+// 32 (two mma k-steps each, in order), three stages deep through cp.async; rows past M and columns
 // past K are zero-filled in shared memory. Each y element's sum runs over K in the same order for
-// any M, so a row's result is its own.
-constexpr int kTm = 64, kTn = 128, kTk = 32, kGemmThreads = 256;
-constexpr int kPitch = kTk + 8;  // bf16 per shared row: 80 bytes keeps the fragment loads conflict-free
+// any M, so a row's result is its own. The pipeline depth and the fragment loads (ldmatrix) do not
+// change which products are summed in which order.
+constexpr int kTm = 64, kTn = 128, kTk = 32, kGemmThreads = 256, kStages = 3;
+constexpr int kPitch = kTk + 8;  // bf16 per shared row: 80 bytes keeps the ldmatrix rows conflict-free
 
-__device__ __forceinline__ uint32_t lds32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// Four 8 x 8 bf16 matrices from shared memory: lane l gives the address of row l % 8 of matrix
+// l / 8 and receives, in r[j], its (row l / 4, columns 2 (l % 4) and + 1) of matrix j: the mma
+// fragment layout.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
 
 // The 64 x 128 tile at rows [m0, m_end) of x (at most 64), columns n0.. of w [N, K], into y [*, N].
 __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                                                __nv_bfloat16* __restrict__ y, int64_t m0, int64_t m_end, int64_t n0,
                                                int N, int K) {
-  __shared__ alignas(16) __nv_bfloat16 xs[2][kTm][kPitch];
-  __shared__ alignas(16) __nv_bfloat16 ws[2][kTn][kPitch];
+  __shared__ alignas(16) __nv_bfloat16 xs[kStages][kTm][kPitch];  // 46 KB in all: static shared memory
+  __shared__ alignas(16) __nv_bfloat16 ws[kStages][kTn][kPitch];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
   const int wm = (warp / 4) * 32, wn = (warp % 4) * 32;  // the warp's 32 x 32 sub-tile
+  // ldmatrix rows: for x, matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15) as a0..a3; for w, two n-tiles
+  // x (k 0-7 | 8-15) as b[ni][0..1], b[ni + 1][0..1].
+  const int a_row = lane % 8 + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;
+  const int b_row = lane % 8 + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;
 
   auto load = [&](int stage, int k0) {
     {  // x: 64 rows x 4 chunks of 8, one chunk per thread
@@ -53,10 +66,14 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
   float acc[2][4][4] = {};
   const int steps = (K + kTk - 1) / kTk;
   load(0, 0);
+  if (steps > 1) load(1, kTk);
   for (int s = 0; s < steps; ++s) {
-    const int stage = s & 1;
-    if (s + 1 < steps) {
-      load(stage ^ 1, (s + 1) * kTk);
+    const int stage = s % kStages;
+    // Stage s is complete once at most the loads issued after it are pending.
+    if (s + 2 < steps) {
+      load((s + 2) % kStages, (s + 2) * kTk);  // into the stage read in iteration s - 1
+      cp_async_wait<2>();
+    } else if (s + 1 < steps) {
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -66,19 +83,12 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
     for (int kk = 0; kk < kTk; kk += 16) {
       uint32_t a[2][4], b[4][2];
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-        const __nv_bfloat16* r0 = &xs[stage][wm + mi * 16 + g][kk + 2 * t];
-        const __nv_bfloat16* r8 = &xs[stage][wm + mi * 16 + g + 8][kk + 2 * t];
-        a[mi][0] = lds32(r0);
-        a[mi][1] = lds32(r8);
-        a[mi][2] = lds32(r0 + 8);
-        a[mi][3] = lds32(r8 + 8);
-      }
+      for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(a[mi], &xs[stage][wm + mi * 16 + a_row][kk + a_col]);
 #pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
-        const __nv_bfloat16* c = &ws[stage][wn + ni * 8 + g][kk + 2 * t];
-        b[ni][0] = lds32(c);
-        b[ni][1] = lds32(c + 8);
+      for (int ni = 0; ni < 4; ni += 2) {
+        uint32_t r[4];
+        ldmatrix_x4(r, &ws[stage][wn + ni * 8 + b_row][kk + b_col]);
+        b[ni][0] = r[0], b[ni][1] = r[1], b[ni + 1][0] = r[2], b[ni + 1][1] = r[3];
       }
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
@@ -86,7 +96,7 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
         for (int ni = 0; ni < 4; ++ni)
           mma_bf16(acc[mi][ni], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b[ni][0], b[ni][1]);
     }
-    __syncthreads();  // the next iteration's load overwrites the stage just read
+    __syncthreads();  // a later iteration's load overwrites the stage just read
   }
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi)

@@ -231,9 +231,8 @@ struct RowwiseSilu : public torch::autograd::Function<RowwiseSilu> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const at::Tensor x = ctx->get_saved_variables()[0];
-    const at::Tensor s = at::sigmoid(x);
-    return {grads[0] * s * (1 + x * (1 - s))};
+    // ATen's SiLU gradient, as the standard forward's: in fp32 for bf16, rounded once.
+    return {at::silu_backward(grads[0], ctx->get_saved_variables()[0])};
   }
 };
 

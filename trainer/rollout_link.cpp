@@ -59,14 +59,20 @@ RolloutLink::Message RolloutLink::recv() const {
   return m;
 }
 
+// Each tensor is two messages: its name, dtype and shape (an empty tensor of it), then its values'
+// bytes as they lie in a contiguous CPU copy, so nothing is copied into or out of a byte buffer.
 int64_t RolloutLink::send_tensors(const NamedTensors& tensors) const {
   int64_t bytes = 0;
   for (const auto& [name, t] : tensors) {
-    ByteWriter w;
-    w.put(name);
-    w.put_tensor(t.detach().cpu().contiguous());
-    bytes += int64_t(t.numel() * t.element_size());
-    world_.send_bytes(w.tensor(), peer_, send_tag_);
+    ByteWriter head;
+    head.put(name);
+    head.put(int64_t(t.scalar_type()));
+    head.put(t.sizes().vec());
+    world_.send_bytes(head.tensor(), peer_, send_tag_);
+    const at::Tensor values = t.detach().to(at::kCPU).contiguous();
+    const at::Tensor raw = at::from_blob(values.data_ptr(), {int64_t(values.nbytes())}, at::kByte);
+    world_.send_bytes(raw, peer_, send_tag_);
+    bytes += raw.numel();
   }
   return bytes;
 }
@@ -74,16 +80,22 @@ int64_t RolloutLink::send_tensors(const NamedTensors& tensors) const {
 void RolloutLink::recv_tensors(const NamedTensors& into) const {
   at::NoGradGuard no_grad;
   for (const auto& [name, t] : into) {
-    const at::Tensor bytes = world_.recv_bytes(peer_, recv_tag_);
-    ByteReader r(bytes.data_ptr<uint8_t>(), size_t(bytes.numel()), "the weights from rank " + std::to_string(peer_));
-    const std::string got = r.get_string("a tensor's name");
-    const at::Tensor v = r.get_tensor("a tensor's values");
-    r.expect_end();
-    KILN_CHECK(got == name && v.sizes() == t.sizes(), "rollout link: rank ", peer_, " sent ", got, " ", v.sizes(),
-               " where this rank's model has ", name, " ", t.sizes(),
+    const at::Tensor head_bytes = world_.recv_bytes(peer_, recv_tag_);
+    ByteReader head(head_bytes.data_ptr<uint8_t>(), size_t(head_bytes.numel()),
+                    "the weights from rank " + std::to_string(peer_));
+    const std::string got = head.get_string("a tensor's name");
+    const int64_t dtype = head.get<int64_t>("a tensor's dtype");
+    const std::vector<int64_t> shape = head.get_vector<int64_t>("a tensor's shape");
+    head.expect_end();
+    KILN_CHECK(got == name && at::IntArrayRef(shape) == t.sizes() && dtype == int64_t(t.scalar_type()),
+               "rollout link: rank ", peer_, " sent ", got, " ", at::IntArrayRef(shape), " (dtype ", dtype, ") where this ",
+               "rank's model has ", name, " ", t.sizes(), " ", t.scalar_type(),
                "; trainer and rollout ranks must build the same model from the same recipe");
+    const at::Tensor raw = world_.recv_bytes(peer_, recv_tag_);
+    KILN_CHECK(raw.numel() == int64_t(t.nbytes()), "rollout link: rank ", peer_, " sent ", raw.numel(), " bytes for ",
+               name, ", which takes ", t.nbytes());
     at::Tensor dst = t;
-    dst.copy_(v);
+    dst.copy_(raw.view(t.scalar_type()).view(t.sizes()));
   }
 }
 

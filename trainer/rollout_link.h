@@ -36,8 +36,8 @@ class RolloutLink {
   };
   void send(LinkKind kind, const ByteWriter& body = ByteWriter()) const;
   Message recv() const;
-  // Each tensor as a message of its own (its name, then its values copied to the CPU), so that no
-  // more than one tensor is ever held as bytes; returns the bytes of the values.
+  // Tensor by tensor (a header naming it, then its values' bytes from a CPU copy), so that no
+  // more than one tensor is ever held on the CPU; returns the bytes of the values.
   int64_t send_tensors(const NamedTensors& tensors) const;
   // Exactly `into`'s tensors, in its order, copied into them in place; a name or shape that does
   // not match is an error naming both.

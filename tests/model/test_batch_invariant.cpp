@@ -75,6 +75,7 @@ TEST(BatchInvariant, LogprobsAndRoutingDoNotDependOnTheBatch) {
 // The training forward backpropagates through the row-by-row ops: its gradient is the standard
 // forward's within rounding.
 TEST(BatchInvariant, GradientsMatchTheStandardForward) { test::check_bitwise_gradients(at::kDouble, at::kCPU, 1e-9); }
+TEST(BatchInvariant, Bf16GradientsAreAsCloseToFp64AsTheStandardOnes) { test::check_bitwise_gradients_bf16(at::kCPU); }
 
 // The grouped linear gives each row the bits rowwise_linear gives it with its group's weight, and
 // the plain gradient; empty groups are skipped.
