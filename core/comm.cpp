@@ -495,12 +495,13 @@ void Group::send_bytes(const at::Tensor& bytes, int dst, int tag) const {
     KILN_MPI(MPI_Send(p + i, int(std::min(kMaxCount, n - i)), MPI_BYTE, dst, tag, impl_->comm), "MPI_Send");
 }
 
-at::Tensor Group::recv_bytes(int src, int tag) const {
+at::Tensor Group::recv_bytes(int src, int tag, bool watched) const {
   KILN_CHECK(size_ > 1 && src >= 0 && src < size_ && src != rank_, "comm: recv_bytes from rank ", src,
              " of a group of ", size_, " at rank ", rank_);
   KILN_CHECK(tag >= 0 && tag <= kMaxTag, "comm: recv_bytes tag ", tag, " outside [0, ", kMaxTag, "]");
   int64_t n = 0;
-  KILN_MPI(MPI_Recv(&n, 1, MPI_INT64_T, src, tag, impl_->comm, MPI_STATUS_IGNORE), "MPI_Recv of a size");
+  if (watched) KILN_MPI(MPI_Recv(&n, 1, MPI_INT64_T, src, tag, impl_->comm, MPI_STATUS_IGNORE), "MPI_Recv of a size");
+  else check_mpi(MPI_Recv(&n, 1, MPI_INT64_T, src, tag, impl_->comm, MPI_STATUS_IGNORE), "MPI_Recv of a size");
   KILN_CHECK(n >= 0, "comm: recv_bytes from rank ", src, " announced ", n, " bytes");
   at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kByte));
   auto* p = static_cast<char*>(out.data_ptr());

@@ -92,6 +92,9 @@ void check_same_recipe(const std::string& dir, const trainer::Recipe& r) {
     // existed have none).
     if ((*n)["parallel"].IsMap()) (*n)["parallel"].remove("collective_timeout_s");
   }
+  // Runs started before grpo.async.placement existed ran the producer beside the trainer.
+  YAML::Node async_before = before["grpo"].IsMap() ? before["grpo"]["async"] : YAML::Node();
+  if (async_before.IsMap() && !async_before["placement"]) async_before["placement"] = "colocated";
   const std::vector<std::string> changed = yaml::diff(before, now);
   KILN_CHECK(changed.empty(), "train: --resume ", dir, ": the recipe differs from the one the run was started with (",
              saved, ") at ", fmt::format("{}", fmt::join(changed, ", ")),
@@ -103,10 +106,13 @@ void check_same_recipe(const std::string& dir, const trainer::Recipe& r) {
 // parallel.rollout: auto becomes the placement the plan picks (a replica where one fits).
 void check_plan(trainer::Recipe& r, const model::ModelConfig& cfg, const comm::Group& world, at::Device device) {
   dist::ParallelConfig par = r.grpo.parallel;
-  par.resolve(world.size(), cfg.num_experts);
+  // Under grpo.async.placement split the layout is the training half's; the plan puts the engine
+  // on the other half.
+  const int trainers = r.grpo.async_split ? std::max(1, world.size() / 2) : world.size();
+  par.resolve(trainers, cfg.num_experts);
   trainer::Cluster c;
   c.nodes = 1;
-  c.gpus_per_node = world.size();  // the per-GPU numbers depend on the world, not on how nodes split it
+  c.gpus_per_node = trainers;  // the per-GPU numbers depend on the world, not on how nodes split it
   // The smallest GPU of the job, so that every rank plans (and places the rollout) alike.
   c.gpu_bytes = world.all_reduce(model::device_memory_bytes(device), comm::ReduceOp::kMin);
   c.host_bytes = c.nvme_bytes = std::numeric_limits<double>::infinity();  // not checked here

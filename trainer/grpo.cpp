@@ -391,9 +391,14 @@ struct GrpoTrainer::Impl {
 
   // ---- the step, phase by phase ----
 
-  StepMetrics step() {
+  // Refuses `what` on a rollout rank of async.placement split, which only serves rollouts.
+  void trainer_only(const char* what) const {
     KILN_CHECK(!rollout_side, "grpo: this rank rolls out for trainer rank ", link ? link->peer() : -1,
-               " (async.placement split); it serves rollouts and takes no step");
+               " (async.placement split); it serves rollouts and does not ", what);
+  }
+
+  StepMetrics step() {
+    trainer_only("take steps");
     const auto t_step = Clock::now();
     model::reset_peak_memory(policy.device());
     StepMetrics m;
@@ -681,12 +686,23 @@ struct GrpoTrainer::Impl {
   // so it knows every batch the rollout rank will make, and it receives them all before it sends
   // anything (drain): a rank never sends to one that is itself sending, which could block both.
   struct Split {
-    bool started = false, broken = false;
+    bool started = false;
+    // The rollout rank returned after an error (rollout_failed), or an exchange was cut short by
+    // one: no further message may go either way.
+    bool peer_gone = false, mid_exchange = false;
+    bool broken() const { return peer_gone || mid_exchange; }
     int64_t received = 0;      // batches received: 1 .. received
     int64_t sent_version = 0;  // the weights the rollout rank has
     int64_t sent_last = 0;     // the last step it knows of (0: none)
     std::deque<Produced> ready;
   } split;
+
+  // Marks a send or receive under way; an exception that leaves one leaves the link unusable.
+  struct Exchange {
+    Split& s;
+    explicit Exchange(Split& split) : s(split) { s.mid_exchange = true; }
+    void done() { s.mid_exchange = false; }
+  };
 
   bool rollout_can_make(int64_t i) const {
     return (split.sent_last <= 0 || i <= split.sent_last) && split.sent_version >= version_for(i);
@@ -696,11 +712,14 @@ struct GrpoTrainer::Impl {
   }
   // The rollout rank's error, as this rank's.
   [[noreturn]] void rollout_failed(const RolloutLink::Message& msg) {
+    split.peer_gone = true;
     ByteReader r = msg.body("the error from the rollout rank");
     KILN_FAIL("grpo: rollout rank ", link->peer(), " (async.placement split) stopped: ", r.get_string("the error"));
   }
   void receive_batch() {
+    Exchange x(split);
     const RolloutLink::Message msg = link->recv();
+    x.done();
     if (msg.kind == LinkKind::kError) rollout_failed(msg);
     KILN_CHECK(msg.kind == LinkKind::kBatch, "grpo: rollout rank ", link->peer(), " sent ", link_kind_name(msg.kind),
                " where batch ", split.received + 1, " was due; report this");
@@ -726,8 +745,10 @@ struct GrpoTrainer::Impl {
     w.put(last_step);
     const std::vector<int64_t> probe = probe_tokens();
     w.put_tensor(probe.empty() ? at::Tensor() : own_probe_logprobs(probe));
+    Exchange x(split);
     link->send(kind, w);
     const int64_t bytes = link->send_tensors(synced_tensors());
+    x.done();
     split.sent_last = last_step;
     return bytes;
   }
@@ -735,8 +756,8 @@ struct GrpoTrainer::Impl {
   // A session: the rollout rank starts from this rank's data position and weights, those of
   // `trained` updates.
   void start_session(int64_t trained) {
-    KILN_CHECK(!split.broken, "grpo: an earlier error left rollout rank ", link->peer(),
-               " mid-exchange; build a new trainer to go on");
+    KILN_CHECK(!split.broken(), "grpo: an earlier error left rollout rank ", link->peer(),
+               split.peer_gone ? " stopped" : " mid-exchange", "; build a new trainer to go on");
     if (split.started) return;
     split.ready.clear();
     split.received = split.sent_version = trained;
@@ -756,6 +777,7 @@ struct GrpoTrainer::Impl {
 
   Produced take_from_rollout_rank() {
     start_session(steps - 1);  // the step under way has not updated the weights yet
+    if (split.ready.empty() && last_step != split.sent_last) send_last_step();  // set_last_step moved it
     if (split.ready.empty()) {
       KILN_CHECK(rollout_can_make(split.received + 1), "grpo: internal error: step ", steps,
                  " waits for a batch the rollout rank cannot make (weights ", split.sent_version, ", last step ",
@@ -767,6 +789,17 @@ struct GrpoTrainer::Impl {
     return p;
   }
 
+  // The last step, where the rollout rank knew another (a caller that extends or ends a run).
+  void send_last_step() {
+    drain();
+    ByteWriter w;
+    w.put(last_step);
+    Exchange x(split);
+    link->send(LinkKind::kLastStep, w);
+    x.done();
+    split.sent_last = last_step;
+  }
+
   EvalMetrics evaluate_remote(const EvalConfig& ec) {
     ec.validate();
     start_session(steps);
@@ -775,9 +808,11 @@ struct GrpoTrainer::Impl {
     w.put(steps);
     w.put(last_step);
     write_eval_config(w, ec);
+    Exchange x(split);
     link->send(LinkKind::kEval, w);
     split.sent_last = last_step;
     const RolloutLink::Message msg = link->recv();
+    x.done();
     if (msg.kind == LinkKind::kError) rollout_failed(msg);
     KILN_CHECK(msg.kind == LinkKind::kEvalResult, "grpo: rollout rank ", link->peer(), " sent ",
                link_kind_name(msg.kind), " where the evaluation was due; report this");
@@ -789,16 +824,18 @@ struct GrpoTrainer::Impl {
 
   // Ends the session (a resume starts a new one from the checkpoint).
   void end_session() {
-    if (!link || rollout_side || !split.started || split.broken) return;
+    if (!link || rollout_side || !split.started || split.broken()) return;
     drain();
+    Exchange x(split);
     link->send(LinkKind::kStop);
+    x.done();
     split.started = false;
     split.ready.clear();
   }
 
   // The rollout rank returns from serving. Never throws: it runs in the destructor.
   void close_link() noexcept {
-    if (split.broken) return;
+    if (split.broken()) return;
     try {
       if (split.started) drain();
       link->send(LinkKind::kExit);
@@ -873,6 +910,10 @@ struct GrpoTrainer::Impl {
           link->send(LinkKind::kEvalResult, w);
           break;
         }
+        case LinkKind::kLastStep:
+          last_step = r.get<int64_t>("the last step");
+          r.expect_end();
+          break;
         case LinkKind::kStop:
           return true;
         case LinkKind::kExit:
@@ -886,6 +927,7 @@ struct GrpoTrainer::Impl {
   // The rest of a start or weights header (the last step, the trainer's probe log-probs), then the
   // weights into this rank's model and the engine; the probe checks the engine against the trainer.
   void receive_weights(ByteReader& r, int64_t version) {
+    steps = version;  // what the probe check's message names
     last_step = r.get<int64_t>("the last step");
     const at::Tensor theirs = r.get_tensor("the trainer's probe log-probs");
     r.expect_end();
@@ -1478,6 +1520,7 @@ std::string optimizer_file(const comm::Group& g) {
 }  // namespace
 
 void GrpoTrainer::save(const std::string& dir) const {
+  impl_->trainer_only("save checkpoints");
   const comm::Group& g = impl_->group;
   const CheckpointDir ck(dir);  // written as dir.tmp, state.json last, then swapped in
   const std::string tmp = ck.tmp();
@@ -1513,6 +1556,7 @@ void GrpoTrainer::save_model(const std::string& dir) const {
 }
 
 void GrpoTrainer::load(const std::string& dir) {
+  impl_->trainer_only("load checkpoints");
   impl_->stop_producer();  // its batches were drawn from the old position with the old weights
   impl_->end_session();    // the same for a rollout rank's
   // Whatever interrupted the last save, the newest complete checkpoint is put in place first.
@@ -1591,11 +1635,19 @@ StepMetrics GrpoTrainer::step() {
     // goes on gets a fresh one.
     impl_->stop_producer();
     if (impl_->engine) impl_->version_base = impl_->steps - impl_->engine->weight_version();  // the engine's weights start the next schedule
-    impl_->split.broken = impl_->link.has_value();  // the rollout rank may be mid-exchange
+    // The same for a rollout rank: a new session from the weights there are (unless the link
+    // itself failed; then only a new trainer goes on).
+    try {
+      impl_->end_session();
+    } catch (const std::exception&) {
+    }
     throw;
   }
 }
-EvalMetrics GrpoTrainer::evaluate(const EvalConfig& config) { return impl_->evaluate(config); }
+EvalMetrics GrpoTrainer::evaluate(const EvalConfig& config) {
+  impl_->trainer_only("evaluate (its trainer asks it to)");
+  return impl_->evaluate(config);
+}
 const PrepareReport& GrpoTrainer::train_prompts() const { return impl_->train_report; }
 const PrepareReport& GrpoTrainer::test_prompts() const { return impl_->test_report; }
 const std::vector<GrpoTrainer::SampleRecord>& GrpoTrainer::last_samples() const { return impl_->last; }

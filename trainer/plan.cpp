@@ -42,6 +42,7 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   // What the trainer and the engine refuse on a sharded rollout today (grpo.cpp, EngineConfig).
   j.rollout_shard_allowed = g.async_staleness < 0 && !g.environment.enabled() &&
                             g.engine.quantization == rollout::Quantization::kNone;
+  j.rollout_split = g.async_split;
   j.kv_cache_bytes = double(g.engine.kv_cache_bytes);
   return j;
 }
@@ -111,6 +112,10 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
   };
   auto host = [&](const std::string& what, double b) {
     if (b > 0) plan.host.push_back({what, b});
+  };
+  // What the rollout engine holds: on the training GPU, or on a rollout rank of its own.
+  auto served = [&](const std::string& what, double b) {
+    if (b > 0) (job.rollout_split ? plan.rollout_gpu : plan.gpu).push_back({what, b});
   };
   if (L.dp * L.ep * L.tp != world)
     plan.problems.push_back(fmt::format("the layout's dp x ep x tp = {} is not the cluster's {} GPUs",
@@ -187,6 +192,10 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
   const double dense_served = p.dense_tp / tp + (p.dense - p.dense_tp);
   const double expert_served = job.rollout_sharded ? 1.0 / ep : 1.0;
   const char* where = job.rollout_sharded ? "shard" : "replica";
+  if (job.rollout_split) {  // the rank's whole model, which the engine is built from (and LoRA's shares)
+    served("the model the engine is built from (whole)", (p.experts + p.dense) * wb);
+    if (job.lora) served("its LoRA adapters", (lora_count(cfg, job, true) + lora_count(cfg, job, false)) * wb);
+  }
   if (job.rollout_quantization != "none") {
     // NVFP4 codes and scales for the quantised linears, BF16 copies of the rest (the router FP32,
     // counted at BF16 here: a million parameters per layer at most).
@@ -199,23 +208,31 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
     const double expert_share = std::min(1.0, q_experts / std::max(1.0, double(nv.quantized_params)));
     const double quantized = quantized_bytes * (expert_share * expert_served + (1 - expert_share) / tp);
     const double kept = kept_experts * expert_served * wb + (kept_bytes - kept_experts * wb);
-    gpu(fmt::format("rollout {} weights ({}): codes and scales", job.rollout_quantization, where), quantized);
-    gpu(fmt::format("rollout weights kept at their width ({}: embedding, head, norms, router)", where), kept);
+    served(fmt::format("rollout {} weights ({}): codes and scales", job.rollout_quantization, where), quantized);
+    served(fmt::format("rollout weights kept at their width ({}: embedding, head, norms, router)", where), kept);
   } else if (!(job.lora && L.ep == 1 && L.dense == DenseSharding::kReplicated)) {
     // (A LoRA replica at ep 1 serves the trainer's frozen base itself: EngineConfig::share_weights.)
-    gpu(fmt::format("rollout weights (bf16 {})", where), (p.experts * expert_served + dense_served) * wb);
+    served(fmt::format("rollout weights (bf16 {})", where), (p.experts * expert_served + dense_served) * wb);
   }
 
   for (const PlanItem& i : plan.gpu) plan.gpu_used += i.bytes;
   for (const PlanItem& i : plan.host) plan.host_used += i.bytes;
   for (const PlanItem& i : plan.nvme) plan.nvme_used += i.bytes;
-  plan.kv_left = cluster.gpu_bytes - cluster.reserve_bytes - plan.gpu_used;
+  for (const PlanItem& i : plan.rollout_gpu) plan.rollout_gpu_used += i.bytes;
+  if (job.rollout_split && plan.gpu_used + cluster.reserve_bytes > cluster.gpu_bytes)
+    plan.problems.push_back(fmt::format("training GPU: needs {} + {} reserve, has {} (short by {})",
+                                        format_bytes(plan.gpu_used), format_bytes(cluster.reserve_bytes),
+                                        format_bytes(cluster.gpu_bytes),
+                                        format_bytes(plan.gpu_used + cluster.reserve_bytes - cluster.gpu_bytes)));
+  // The KV cache takes what is left where the engine is.
+  plan.kv_left = cluster.gpu_bytes - cluster.reserve_bytes - (job.rollout_split ? plan.rollout_gpu_used : plan.gpu_used);
   const double kv_token = model::kv_cache_bytes_per_token(cfg, std::max<int64_t>(1, job.seq_len)) /
                           (cfg.num_kv_heads % L.tp == 0 ? tp : 1.0);
   plan.kv_tokens = plan.kv_left > 0 ? int64_t(plan.kv_left / kv_token) : 0;
   if (plan.kv_left < job.kv_cache_bytes)
     plan.problems.push_back(fmt::format(
-        "GPU: needs {} + the KV cache's {} + {} reserve, has {} (short by {})", format_bytes(plan.gpu_used),
+        "{}: needs {} + the KV cache's {} + {} reserve, has {} (short by {})",
+        job.rollout_split ? "rollout rank's GPU" : "GPU", format_bytes(job.rollout_split ? plan.rollout_gpu_used : plan.gpu_used),
         format_bytes(job.kv_cache_bytes), format_bytes(cluster.reserve_bytes), format_bytes(cluster.gpu_bytes),
         format_bytes(job.kv_cache_bytes - plan.kv_left)));
   if (plan.host_used > cluster.host_bytes)
@@ -265,6 +282,8 @@ std::string Plan::report() const {
     s += fmt::format("  {:>12}  total, of {}\n", format_bytes(used), format_bytes(cap));
   };
   table("per GPU", gpu, gpu_used, cluster.gpu_bytes);
+  table("per rollout rank (grpo.async.placement split), one more GPU per training GPU", rollout_gpu, rollout_gpu_used,
+        cluster.gpu_bytes);
   if (!gpu.empty())
     s += fmt::format("  {:>12}  left for the KV cache after a {} reserve: {} tokens\n", format_bytes(kv_left),
                      format_bytes(cluster.reserve_bytes), kv_tokens);

@@ -54,6 +54,9 @@ struct PlanJob {
   // fits and the recipe allows it (rollout_shard_allowed: no async, no environment, unquantized).
   bool rollout_auto = false;
   bool rollout_shard_allowed = true;
+  // grpo.async.placement split: the engine and its KV cache live on rollout ranks of their own (one
+  // per training GPU), each also holding the whole model it builds the engine from.
+  bool rollout_split = false;
   double kv_cache_bytes = 64.0 * (1 << 20);
 };
 // seq_len: the recipe's prompt limit (256 without one) plus its max_tokens.
@@ -68,8 +71,9 @@ struct Plan {
   Layout layout;
   Cluster cluster;
   std::vector<PlanItem> gpu, host, nvme;  // per GPU; per node
-  double gpu_used = 0, host_used = 0, nvme_used = 0;
-  double kv_left = 0;                     // per GPU after everything else and the reserve
+  std::vector<PlanItem> rollout_gpu;      // per rollout rank under job.rollout_split (then not in gpu)
+  double gpu_used = 0, host_used = 0, nvme_used = 0, rollout_gpu_used = 0;
+  double kv_left = 0;                     // per GPU (per rollout rank when split) after everything else and the reserve
   int64_t kv_tokens = 0;                  // tokens of seq_len-long sequences the left-over holds
   std::vector<std::string> problems;      // empty: it fits
   bool rollout_sharded = false;           // the rollout planned: each rank's expert shard, or a replica

@@ -21,6 +21,7 @@ const char* link_kind_name(LinkKind k) {
     case LinkKind::kStart: return "start";
     case LinkKind::kWeights: return "weights";
     case LinkKind::kEval: return "eval";
+    case LinkKind::kLastStep: return "last step";
     case LinkKind::kStop: return "stop";
     case LinkKind::kExit: return "exit";
     case LinkKind::kBatch: return "batch";
@@ -32,7 +33,7 @@ const char* link_kind_name(LinkKind k) {
 
 RolloutLink::RolloutLink(comm::Group world, int peer, bool trainer_side)
     : world_(std::move(world)), peer_(peer), send_tag_(trainer_side ? kToRollout : kToTrainer),
-      recv_tag_(trainer_side ? kToTrainer : kToRollout) {
+      recv_tag_(trainer_side ? kToTrainer : kToRollout), trainer_side_(trainer_side) {
   KILN_CHECK(peer >= 0 && peer < world_.size() && peer != world_.rank(), "rollout link: peer ", peer,
              " is not another rank of a group of ", world_.size());
 }
@@ -50,7 +51,7 @@ void RolloutLink::send(LinkKind kind, const ByteWriter& body) const {
 
 RolloutLink::Message RolloutLink::recv() const {
   Message m;
-  m.bytes = world_.recv_bytes(peer_, recv_tag_);
+  m.bytes = world_.recv_bytes(peer_, recv_tag_, /*watched=*/trainer_side_);
   KILN_CHECK(m.bytes.numel() >= 1, "rollout link: an empty message from rank ", peer_);
   const uint8_t k = m.bytes.data_ptr<uint8_t>()[0];
   KILN_CHECK(k >= uint8_t(LinkKind::kStart) && k <= uint8_t(LinkKind::kError), "rollout link: rank ", peer_,

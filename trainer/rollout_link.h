@@ -16,9 +16,10 @@ struct EvalConfig;
 struct EvalMetrics;
 
 // Trainer -> rollout: kStart (a session: position, step, weights), kWeights (a new version),
-// kEval (score the held-out prompts), kStop (end the session), kExit (return from serving).
+// kEval (score the held-out prompts), kLastStep (the run's last step moved), kStop (end the
+// session), kExit (return from serving).
 // Rollout -> trainer: kBatch (a ProducedBatch), kEvalResult, kError (what stopped the rollout).
-enum class LinkKind : uint8_t { kStart = 1, kWeights, kEval, kStop, kExit, kBatch, kEvalResult, kError };
+enum class LinkKind : uint8_t { kStart = 1, kWeights, kEval, kLastStep, kStop, kExit, kBatch, kEvalResult, kError };
 const char* link_kind_name(LinkKind k);
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -35,6 +36,9 @@ class RolloutLink {
     ByteReader body(const std::string& what) const;  // the bytes after the kind
   };
   void send(LinkKind kind, const ByteWriter& body = ByteWriter()) const;
+  // The trainer's receives are watched by the collective timeout (a batch that never comes is a
+  // hung rollout rank); the rollout rank's are not: it waits through whole training steps and
+  // checkpoints, and the trainer's own collectives are watched.
   Message recv() const;
   // Tensor by tensor (a header naming it, then its values' bytes from a CPU copy), so that no
   // more than one tensor is ever held on the CPU; returns the bytes of the values.
@@ -46,6 +50,7 @@ class RolloutLink {
  private:
   comm::Group world_;
   int peer_ = 0, send_tag_ = 0, recv_tag_ = 0;
+  bool trainer_side_ = false;
 };
 
 void write_eval_config(ByteWriter& w, const EvalConfig& c);

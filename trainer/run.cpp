@@ -117,6 +117,7 @@ RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress
     return e;
   };
   EvalMetrics last;
+  trainer.set_last_step(c.steps);  // grpo.async: no batch is sampled past the run's end, nor before the first eval
   if (first == 1) {
     last = evaluate();
     if (lead && progress)
@@ -125,7 +126,6 @@ RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress
   }
   const auto start = std::chrono::steady_clock::now();
   int64_t tokens = 0;
-  trainer.set_last_step(c.steps);  // grpo.async: no batch is sampled past the run's end
   for (int64_t s = first; s <= c.steps; ++s) {
     StepMetrics m = trainer.step();
     tokens += m.tokens;

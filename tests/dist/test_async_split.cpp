@@ -57,7 +57,8 @@ std::vector<at::Tensor> weights_of(const model::Muse& m) {
   return out;
 }
 
-// Three steps with evaluations at 0 and 2 and a checkpoint after step 2, then a second trainer
+// Three steps (the last step set to 2 at first, then to 3) with evaluations at 0 and 2 and a
+// checkpoint after step 2, then a second trainer
 // (other initial weights) resumed from it for step 3. Under the split placement a rollout rank
 // serves each of the two trainers in turn and returns an empty run.
 SplitRun run(const GrpoConfig& cfg, const Group& g, const std::string& dir) {
@@ -68,9 +69,10 @@ SplitRun run(const GrpoConfig& cfg, const Group& g, const std::string& dir) {
     if (t.serves_rollouts()) {
       t.serve_rollouts();
     } else {
-      t.set_last_step(3);
+      t.set_last_step(2);  // then moved to 3 before step 3: the rollout rank is told (kLastStep)
       r.evals.push_back(t.evaluate(test::eval_limit(8)));
       for (int s = 1; s <= 3; ++s) {
+        if (s == 3) t.set_last_step(3);
         r.steps.push_back(t.step());
         if (s != 2) continue;
         r.evals.push_back(t.evaluate(test::eval_limit(8)));
@@ -135,7 +137,8 @@ TEST(AsyncSplit, EqualsTheColocatedRunBitwise) {
     for (size_t s = 0; s < 3; ++s) {
       const std::string at = what + ", step " + std::to_string(s + 1);
       expect_same_step(apart.steps[s], colocated.steps[s], at);
-      EXPECT_EQ(apart.steps[s].staleness, std::min<int64_t>(int64_t(s), k)) << at;
+      // Batch 3 is sampled only once the last step moves to 3 after step 2, from the newest weights.
+      EXPECT_EQ(apart.steps[s].staleness, s == 2 ? 0 : std::min<int64_t>(int64_t(s), k)) << at;
       EXPECT_GE(apart.steps[s].rollout_wait_seconds, 0) << at;
       // The rollout rank checked its weights against the trainer's probe log-probs.
       EXPECT_GE(apart.steps[s].sync_check, 0) << at;

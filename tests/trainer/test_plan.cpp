@@ -155,6 +155,38 @@ TEST(Plan, PlacementsLoraAndRecomputeMoveTheRightBytes) {
   EXPECT_NE(over.report().find("does not fit"), std::string::npos);
 }
 
+// grpo.async.placement split: the training GPU holds no engine and no KV cache; the rollout rank
+// holds the whole model it builds the engine from, the engine's copy and the KV cache.
+TEST(Plan, SplitRolloutRanksHoldTheEngineAndTheKvCache) {
+  const model::ModelConfig cfg = small();
+  const model::ParamCounts n = model::count_parameters(cfg);
+  const Cluster c = one_gpu();
+  const Layout l{1, 1, 1, DenseSharding::kReplicated};
+  PlanJob job;
+  const Plan together = make_plan(cfg, job, c, l);
+  job.rollout_split = true;
+  const Plan apart = make_plan(cfg, job, c, l);
+  ASSERT_TRUE(apart.fits()) << apart.report();
+  const double whole = double(n.total()) * 2;  // bf16
+  EXPECT_NEAR(apart.gpu_used, together.gpu_used - item(together, "rollout weights (bf16 replica)"), 1.0);
+  EXPECT_LT(item(apart, "rollout weights"), 0);
+  ASSERT_EQ(apart.rollout_gpu.size(), 2u) << apart.report();
+  EXPECT_DOUBLE_EQ(apart.rollout_gpu_used, 2 * whole);  // the model and the engine's copy
+  EXPECT_DOUBLE_EQ(apart.kv_left, c.gpu_bytes - c.reserve_bytes - 2 * whole);
+  EXPECT_NE(apart.report().find("per rollout rank"), std::string::npos);
+  // A KV cache that fits beside the engine alone: refused together, accepted apart.
+  job.kv_cache_bytes = c.gpu_bytes - c.reserve_bytes - 2 * whole - (1 << 20);
+  EXPECT_TRUE(make_plan(cfg, job, c, l).fits());
+  job.rollout_split = false;
+  EXPECT_FALSE(make_plan(cfg, job, c, l).fits());
+  // Too big even for a rollout rank: named.
+  job.rollout_split = true;
+  job.kv_cache_bytes = c.gpu_bytes;
+  const Plan over = make_plan(cfg, job, c, l);
+  ASSERT_FALSE(over.fits());
+  EXPECT_NE(over.problems[0].find("rollout rank's GPU"), std::string::npos) << over.problems[0];
+}
+
 // kiln bench train on the H200, 2026-12-02: 94.5 KB per token and layer on muse-small (the peak's
 // 887 KB per token less its 131 KB of bf16 logits, over 8 layers) and 409 KB on the full-width layer.
 TEST(Plan, ActivationEstimateIsWithinTenPercentOfTheH200) {
