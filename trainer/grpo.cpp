@@ -318,7 +318,12 @@ struct GrpoTrainer::Impl {
     // The engine's weights, fetched tensor by tensor where this rank holds a share. Under the split
     // placement only the rollout ranks have one, and nothing else: they do not train.
     if (!cfg.async_split || rollout_side) engine = std::make_unique<rollout::Engine>(trained(), ec, engine_source());
-    if (rollout_side) return;
+    if (rollout_side) {
+      // The engine has its own copy (LoRA's shares the frozen base): the model it was built from
+      // becomes zero-element placeholders, which weight syncs name but never fill.
+      if (!lora()) policy = policy.clone([](const std::string&) { return false; });
+      return;
+    }
     // The KL reference: a frozen copy of what is trained (an expert shard under expert
     // parallelism); with LoRA the base itself, adapters disabled (no second copy).
     if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
@@ -931,9 +936,12 @@ struct GrpoTrainer::Impl {
     last_step = r.get<int64_t>("the last step");
     const at::Tensor theirs = r.get_tensor("the trainer's probe log-probs");
     r.expect_end();
-    link->recv_tensors(synced_tensors());
-    if (lora()) engine->update_adapters(trained(), {});
-    else engine->update_weights(trained(), {});
+    // Straight into the engine, one tensor at a time (this rank's own model holds none of them).
+    const rollout::WeightSource next = [&](const std::string& name, const at::Tensor& own) {
+      return link->recv_tensor(name, own);
+    };
+    if (lora()) engine->update_adapters(trained(), next);
+    else engine->update_weights(trained(), next);
     version_base = version - engine->weight_version();
     last_sync_check = -1;
     if (theirs.defined()) last_sync_check = compare_probe(theirs, probe_logprobs(engine->model(), probe_tokens(), nullptr));

@@ -177,6 +177,9 @@ class GrpoTrainer {
   // save() bring it up to date.
   // Prompts are rendered and tokenized here (config.prompt), over-long ones dropped. The reward
   // is make_reward(config.reward) unless one is given.
+  // Under grpo.async.placement split `group` is split in two halves: on a rollout rank (the second
+  // half) the engine takes its own copy and `policy` becomes zero-element placeholders (LoRA's
+  // engine shares the frozen base, which stays).
   GrpoTrainer(model::Muse& policy, GrpoConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
               Dataset data, const comm::Group& group = comm::Group::world(), std::shared_ptr<Reward> reward = nullptr);
   ~GrpoTrainer();

@@ -192,10 +192,9 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
   const double dense_served = p.dense_tp / tp + (p.dense - p.dense_tp);
   const double expert_served = job.rollout_sharded ? 1.0 / ep : 1.0;
   const char* where = job.rollout_sharded ? "shard" : "replica";
-  if (job.rollout_split) {  // the rank's whole model, which the engine is built from (and LoRA's shares)
-    served("the model the engine is built from (whole)", (p.experts + p.dense) * wb);
-    if (job.lora) served("its LoRA adapters", (lora_count(cfg, job, true) + lora_count(cfg, job, false)) * wb);
-  }
+  if (job.rollout_split && job.lora)  // the frozen base the engine shares, and the engine's adapters
+    served("the frozen base and its LoRA adapters", (p.experts + p.dense + lora_count(cfg, job, true) +
+                                                     lora_count(cfg, job, false)) * wb);
   if (job.rollout_quantization != "none") {
     // NVFP4 codes and scales for the quantised linears, BF16 copies of the rest (the router FP32,
     // counted at BF16 here: a million parameters per layer at most).

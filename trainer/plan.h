@@ -55,7 +55,7 @@ struct PlanJob {
   bool rollout_auto = false;
   bool rollout_shard_allowed = true;
   // grpo.async.placement split: the engine and its KV cache live on rollout ranks of their own (one
-  // per training GPU), each also holding the whole model it builds the engine from.
+  // per training GPU); with LoRA the engine there shares a frozen base of its own.
   bool rollout_split = false;
   double kv_cache_bytes = 64.0 * (1 << 20);
 };

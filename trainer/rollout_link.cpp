@@ -3,7 +3,6 @@
 #include "trainer/rollout_link.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/grad_mode.h>
 
 #include <cstring>
 
@@ -78,26 +77,23 @@ int64_t RolloutLink::send_tensors(const NamedTensors& tensors) const {
   return bytes;
 }
 
-void RolloutLink::recv_tensors(const NamedTensors& into) const {
-  at::NoGradGuard no_grad;
-  for (const auto& [name, t] : into) {
-    const at::Tensor head_bytes = world_.recv_bytes(peer_, recv_tag_);
-    ByteReader head(head_bytes.data_ptr<uint8_t>(), size_t(head_bytes.numel()),
-                    "the weights from rank " + std::to_string(peer_));
-    const std::string got = head.get_string("a tensor's name");
-    const int64_t dtype = head.get<int64_t>("a tensor's dtype");
-    const std::vector<int64_t> shape = head.get_vector<int64_t>("a tensor's shape");
-    head.expect_end();
-    KILN_CHECK(got == name && at::IntArrayRef(shape) == t.sizes() && dtype == int64_t(t.scalar_type()),
-               "rollout link: rank ", peer_, " sent ", got, " ", at::IntArrayRef(shape), " (dtype ", dtype, ") where this ",
-               "rank's model has ", name, " ", t.sizes(), " ", t.scalar_type(),
-               "; trainer and rollout ranks must build the same model from the same recipe");
-    const at::Tensor raw = world_.recv_bytes(peer_, recv_tag_);
-    KILN_CHECK(raw.numel() == int64_t(t.nbytes()), "rollout link: rank ", peer_, " sent ", raw.numel(), " bytes for ",
-               name, ", which takes ", t.nbytes());
-    at::Tensor dst = t;
-    dst.copy_(raw.view(t.scalar_type()).view(t.sizes()));
-  }
+at::Tensor RolloutLink::recv_tensor(const std::string& name, const at::Tensor& like) const {
+  const at::Tensor head_bytes = world_.recv_bytes(peer_, recv_tag_);
+  ByteReader head(head_bytes.data_ptr<uint8_t>(), size_t(head_bytes.numel()),
+                  "the weights from rank " + std::to_string(peer_));
+  const std::string got = head.get_string("a tensor's name");
+  const int64_t dtype = head.get<int64_t>("a tensor's dtype");
+  const std::vector<int64_t> shape = head.get_vector<int64_t>("a tensor's shape");
+  head.expect_end();
+  KILN_CHECK(got == name && dtype == int64_t(like.scalar_type()), "rollout link: rank ", peer_, " sent ", got, " ",
+             at::IntArrayRef(shape), " (dtype ", dtype, ") where this rank's model has ", name, " ", like.scalar_type(),
+             "; trainer and rollout ranks must build the same model from the same recipe");
+  const at::Tensor raw = world_.recv_bytes(peer_, recv_tag_);
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  KILN_CHECK(raw.numel() == numel * int64_t(like.element_size()), "rollout link: rank ", peer_, " sent ", raw.numel(),
+             " bytes for ", name, " ", at::IntArrayRef(shape), ", which takes ", numel * int64_t(like.element_size()));
+  return raw.view(like.scalar_type()).view(shape);
 }
 
 void write_eval_config(ByteWriter& w, const EvalConfig& c) {

@@ -43,9 +43,9 @@ class RolloutLink {
   // Tensor by tensor (a header naming it, then its values' bytes from a CPU copy), so that no
   // more than one tensor is ever held on the CPU; returns the bytes of the values.
   int64_t send_tensors(const NamedTensors& tensors) const;
-  // Exactly `into`'s tensors, in its order, copied into them in place; a name or shape that does
-  // not match is an error naming both.
-  void recv_tensors(const NamedTensors& into) const;
+  // The next tensor, which must be `name`, of `like`'s dtype (any shape: the caller checks it), on
+  // the CPU; send_tensors' counterpart, one call per tensor.
+  at::Tensor recv_tensor(const std::string& name, const at::Tensor& like) const;
 
  private:
   comm::Group world_;

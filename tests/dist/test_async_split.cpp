@@ -11,6 +11,7 @@
 #include "tests/test_util.h"
 #include "tests/trainer/grpo_fixtures.h"
 #include "tests/trainer/small_model.h"
+#include "rollout/engine.h"
 #include "trainer/grpo.h"
 #include "trainer/tasks.h"
 
@@ -58,9 +59,9 @@ std::vector<at::Tensor> weights_of(const model::Muse& m) {
 }
 
 // Three steps (the last step set to 2 at first, then to 3) with evaluations at 0 and 2 and a
-// checkpoint after step 2, then a second trainer
-// (other initial weights) resumed from it for step 3. Under the split placement a rollout rank
-// serves each of the two trainers in turn and returns an empty run.
+// checkpoint after step 2, then a second trainer (other initial weights, but LoRA's base) resumed
+// from it for step 3. Under the split placement a rollout rank serves each of the two trainers in
+// turn and returns an empty run.
 SplitRun run(const GrpoConfig& cfg, const Group& g, const std::string& dir) {
   SplitRun r;
   {
@@ -81,7 +82,7 @@ SplitRun run(const GrpoConfig& cfg, const Group& g, const std::string& dir) {
       r.weights = weights_of(p);
     }
   }
-  model::Muse p = policy(5);
+  model::Muse p = policy(cfg.lora.enabled() ? 4 : 5);  // LoRA resumes on its base alone (checked)
   GrpoTrainer t(p, cfg, test::byte_tokenizer(), data(), g);
   if (t.serves_rollouts()) {
     t.serve_rollouts();
@@ -158,6 +159,44 @@ TEST(AsyncSplit, EqualsTheColocatedRunBitwise) {
     expect_same_weights(apart.resumed_weights, colocated.resumed_weights, what + ", resumed");
     // Without a resume k = 0 is the synchronous run; a resume keeps that (step 3 equal).
     if (k == 0) expect_same_step(apart.resumed, apart.steps[2], "k = 0, resumed against uninterrupted");
+  }
+}
+
+// LoRA (adapters sent, the rollout rank's engine sharing its own frozen base) and an NVFP4 rollout
+// (each weight re-quantised as it arrives): the same run as colocated, bit for bit.
+TEST(AsyncSplit, LoraAndNvfp4RolloutsEqualTheColocatedRun) {
+  const Group& w = Group::world();
+  if (w.size() % 2 != 0) GTEST_SKIP() << "the split placement needs an even number of ranks";
+  const bool trains = w.rank() < w.size() / 2;
+  const Group half = w.split(trains ? 0 : 1, w.rank());
+  for (const std::string variant : {"lora", "nvfp4"}) {
+    GrpoConfig cfg = split_grpo(1);
+    if (variant == "lora") {
+      cfg.lora.rank = 4;
+      cfg.lora.alpha = 8;
+    } else {
+      cfg.engine.quantization = rollout::Quantization::kNvfp4;
+    }
+    SplitRun colocated;
+    const std::string ref_dir = shared_dir("colocated-" + variant), split_dir = shared_dir("split-" + variant);
+    if (trains) colocated = run(cfg, half, ref_dir);
+    cfg.async_split = true;
+    const SplitRun apart = run(cfg, w, split_dir);
+    w.barrier();
+    if (w.rank() == 0) {
+      remove_tree(ref_dir);
+      remove_tree(split_dir);
+    }
+    if (!trains) continue;
+    ASSERT_EQ(apart.steps.size(), 3u) << variant;
+    for (size_t s = 0; s < 3; ++s) {
+      expect_same_step(apart.steps[s], colocated.steps[s], variant + ", step " + std::to_string(s + 1));
+      EXPECT_GE(apart.steps[s].sync_check, 0) << variant;
+    }
+    EXPECT_EQ(apart.evals[1].all.mean_at_k, colocated.evals[1].all.mean_at_k) << variant;
+    expect_same_weights(apart.weights, colocated.weights, variant);
+    expect_same_step(apart.resumed, colocated.resumed, variant + ", resumed step 3");
+    expect_same_weights(apart.resumed_weights, colocated.resumed_weights, variant + ", resumed");
   }
 }
 

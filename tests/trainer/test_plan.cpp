@@ -156,7 +156,7 @@ TEST(Plan, PlacementsLoraAndRecomputeMoveTheRightBytes) {
 }
 
 // grpo.async.placement split: the training GPU holds no engine and no KV cache; the rollout rank
-// holds the whole model it builds the engine from, the engine's copy and the KV cache.
+// holds the engine's copy and the KV cache.
 TEST(Plan, SplitRolloutRanksHoldTheEngineAndTheKvCache) {
   const model::ModelConfig cfg = small();
   const model::ParamCounts n = model::count_parameters(cfg);
@@ -170,12 +170,12 @@ TEST(Plan, SplitRolloutRanksHoldTheEngineAndTheKvCache) {
   const double whole = double(n.total()) * 2;  // bf16
   EXPECT_NEAR(apart.gpu_used, together.gpu_used - item(together, "rollout weights (bf16 replica)"), 1.0);
   EXPECT_LT(item(apart, "rollout weights"), 0);
-  ASSERT_EQ(apart.rollout_gpu.size(), 2u) << apart.report();
-  EXPECT_DOUBLE_EQ(apart.rollout_gpu_used, 2 * whole);  // the model and the engine's copy
-  EXPECT_DOUBLE_EQ(apart.kv_left, c.gpu_bytes - c.reserve_bytes - 2 * whole);
+  ASSERT_EQ(apart.rollout_gpu.size(), 1u) << apart.report();
+  EXPECT_DOUBLE_EQ(apart.rollout_gpu_used, whole);  // the engine's copy
+  EXPECT_DOUBLE_EQ(apart.kv_left, c.gpu_bytes - c.reserve_bytes - whole);
   EXPECT_NE(apart.report().find("per rollout rank"), std::string::npos);
   // A KV cache that fits beside the engine alone: refused together, accepted apart.
-  job.kv_cache_bytes = c.gpu_bytes - c.reserve_bytes - 2 * whole - (1 << 20);
+  job.kv_cache_bytes = c.gpu_bytes - c.reserve_bytes - whole - (1 << 20);
   EXPECT_TRUE(make_plan(cfg, job, c, l).fits());
   job.rollout_split = false;
   EXPECT_FALSE(make_plan(cfg, job, c, l).fits());
