@@ -40,6 +40,14 @@ void run_plan(const PlanArgs& a) {
   c.reserve_bytes = trainer::parse_bytes(a.reserve, "plan: --reserve");
   c.host_bytes = trainer::parse_bytes(a.host_mem, "plan: --host-mem");
   c.nvme_bytes = trainer::parse_bytes(a.nvme, "plan: --nvme");
+  if (job.rollout_split) {  // grpo.async.placement split: half of each node's GPUs roll out
+    KILN_CHECK(c.gpus_per_node % 2 == 0, "plan: ", a.recipe, " puts the rollout on ranks of its own ",
+               "(grpo.async.placement split), which takes half of each node's GPUs; --gpus-per-node ",
+               c.gpus_per_node, " is odd");
+    c.gpus_per_node /= 2;
+    fmt::print("plan: grpo.async.placement split: {} GPUs per node train, {} roll out; the layouts below are the "
+               "training half's\n", c.gpus_per_node, c.gpus_per_node);
+  }
   fmt::print("plan: {} ({}) with {}: {} sequences of {} tokens per micro-batch{}, {} weights, {}{}, optimizer "
              "state on {}, rollout {} ({})\n",
              cfg.name, a.model, a.recipe, job.micro_batch_seqs, job.seq_len, job.recompute ? " (recompute)" : "",

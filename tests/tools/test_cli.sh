@@ -415,6 +415,14 @@ resumes_exactly "sharded rollout engines" "rollout=sharded" "$tmp/ep2s.yaml" "$t
 { cat "$tmp/ep2.yaml"; printf 'loss:\n  kl_coef: 0.05\n'; } > "$tmp/ep2kl.yaml"
 check "expert-parallel with the KL term" "train: done" mpi -np 2 "$kiln" train "$tmp/ep2kl.yaml" --steps 2 --out "$tmp/ep2kl"
 check "resume it" "resumed from" mpi -np 2 "$kiln" train "$tmp/ep2kl.yaml" --steps 3 --resume "$tmp/ep2kl"
+# Rollout on a rank of its own (grpo.async.placement split): rank 1 samples for rank 0; at
+# max_staleness 0 a resume gives the uninterrupted run's metrics.
+sed 's/^grpo:$/grpo:\n  async: {max_staleness: 0, placement: split}/' "$tmp/recipe.yaml" > "$tmp/split.yaml"
+grep -q "placement: split" "$tmp/split.yaml" || { echo "FAIL: the split recipe was not made"; fails=$((fails+1)); }
+resumes_exactly "train with a rollout rank" "1 rollout rank(s)" "$tmp/split.yaml" "$tmp/split"
+out=$(mpi -np 3 "$kiln" train "$tmp/split.yaml" --steps 1 --out "$tmp/split3" 2>&1); rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 124 ] && [[ "$out" == *"async.placement split needs an even number of ranks"* ]] \
+  || { echo "FAIL: split on 3 ranks (rc=$rc): $out" | head -5; fails=$((fails+1)); }
 # The dense part under ZeRO-3 on 2 ranks.
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  dense: zero3\n'; } > "$tmp/z3.yaml"
 resumes_exactly "train with the dense part under ZeRO-3" "dense=zero3" "$tmp/z3.yaml" "$tmp/z3"
