@@ -306,6 +306,8 @@ std::vector<Plan> search_layouts(const model::ModelConfig& cfg, const PlanJob& j
       if ((world / ep) % tp != 0) continue;
       for (DenseSharding d : {DenseSharding::kReplicated, DenseSharding::kZero3, DenseSharding::kTensor}) {
         if ((tp > 1) != (d == DenseSharding::kTensor)) continue;
+        // The split placement sends whole weights from each trainer: ep 1, the dense part replicated.
+        if (job.rollout_split && (ep > 1 || d != DenseSharding::kReplicated)) continue;
         Plan p = make_plan(cfg, job, cluster, {world / ep / tp, ep, tp, d});
         if (p.problems.empty() || p.gpu_used > 0) plans.push_back(std::move(p));
       }

@@ -90,8 +90,9 @@ double layer_activation_bytes_per_token(const model::ModelConfig& cfg, int64_t t
 Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& layout);
 
 // Every layout of the cluster's world (ep dividing the experts, tp a power of two within a node
-// dividing the heads, each dense sharding), best first: fitting before not, implemented before
-// not, then the most memory left per GPU.
+// dividing the heads, each dense sharding; under job.rollout_split only those the split trains:
+// ep 1, dense replicated), best first: fitting before not, implemented before not, then the most
+// memory left per GPU.
 std::vector<Plan> search_layouts(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster);
 
 // "141GiB", "2 TB", "512MiB", "0": bytes. Throws naming `what` on anything else.

@@ -185,6 +185,17 @@ TEST(Plan, SplitRolloutRanksHoldTheEngineAndTheKvCache) {
   const Plan over = make_plan(cfg, job, c, l);
   ASSERT_FALSE(over.fits());
   EXPECT_NE(over.problems[0].find("rollout rank's GPU"), std::string::npos) << over.problems[0];
+  // Only the layouts the split trains are searched: ep 1, the dense part replicated.
+  Cluster eight = c;
+  eight.gpus_per_node = 8;
+  job = PlanJob{};
+  job.rollout_split = true;
+  const std::vector<Plan> layouts = search_layouts(cfg, job, eight);
+  ASSERT_FALSE(layouts.empty());
+  for (const Plan& p : layouts) {
+    EXPECT_EQ(p.layout.ep, 1) << p.layout.describe();
+    EXPECT_EQ(p.layout.dense, DenseSharding::kReplicated) << p.layout.describe();
+  }
 }
 
 // kiln bench train on the H200, 2026-12-02: 94.5 KB per token and layer on muse-small (the peak's
