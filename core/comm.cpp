@@ -481,7 +481,7 @@ Work Group::all_reduce_async(at::Tensor& t) const {
   return w;
 }
 
-void Group::send_bytes(const at::Tensor& bytes, int dst, int tag) const {
+void Group::send_bytes(const at::Tensor& bytes, int dst, int tag, bool watched) const {
   KILN_CHECK(bytes.is_cpu() && bytes.is_contiguous() && bytes.scalar_type() == at::kByte && bytes.dim() == 1,
              "comm: send_bytes takes a contiguous CPU uint8 vector (got ", bytes.scalar_type(), " ", bytes.sizes(),
              " on ", bytes.device(), ")");
@@ -489,10 +489,16 @@ void Group::send_bytes(const at::Tensor& bytes, int dst, int tag) const {
              " of a group of ", size_, " from rank ", rank_);
   KILN_CHECK(tag >= 0 && tag <= kMaxTag, "comm: send_bytes tag ", tag, " outside [0, ", kMaxTag, "]");
   int64_t n = bytes.numel();
-  KILN_MPI(MPI_Send(&n, 1, MPI_INT64_T, dst, tag, impl_->comm), "MPI_Send of a size");
+  // Unwatched, the size and the first chunk may wait for the receiver (a large send does not
+  // return before its receive is posted); the chunks after it may not.
+  const auto send = [&](const void* p, int count, MPI_Datatype type, bool timed, const char* what) {
+    if (timed) KILN_MPI(MPI_Send(p, count, type, dst, tag, impl_->comm), what);
+    else check_mpi(MPI_Send(p, count, type, dst, tag, impl_->comm), what);
+  };
+  send(&n, 1, MPI_INT64_T, watched, "MPI_Send of a size");
   const auto* p = static_cast<const char*>(bytes.data_ptr());
   for (int64_t i = 0; i < n; i += kMaxCount)  // a pair's messages under one tag arrive in order
-    KILN_MPI(MPI_Send(p + i, int(std::min(kMaxCount, n - i)), MPI_BYTE, dst, tag, impl_->comm), "MPI_Send");
+    send(p + i, int(std::min(kMaxCount, n - i)), MPI_BYTE, watched || i > 0, "MPI_Send");
 }
 
 at::Tensor Group::recv_bytes(int src, int tag, bool watched) const {

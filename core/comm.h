@@ -77,8 +77,8 @@ class Group {
   // throw. Two ranks sending to each other at once may block each other (a large send waits for its
   // receive), and under MPI's SERIALIZED threading only one thread may be in MPI at a time.
   // `watched` false: the wait for the message to begin is not timed (a rank that idles until
-  // another has work for it); its bytes are.
-  void send_bytes(const at::Tensor& bytes, int dst, int tag) const;
+  // another has work for it, or whose message waits until the other is ready for it); its bytes are.
+  void send_bytes(const at::Tensor& bytes, int dst, int tag, bool watched = true) const;
   at::Tensor recv_bytes(int src, int tag, bool watched = true) const;
 
  private:

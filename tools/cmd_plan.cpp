@@ -3,6 +3,8 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <optional>
+
 #include "core/error.h"
 #include "model/config.h"
 #include "tools/commands.h"
@@ -20,6 +22,21 @@ struct PlanArgs {
   std::string dense = "replicated";
   bool implemented_only = false;
 };
+
+// Under grpo.async.placement split the first half of the ranks train. mpirun places ranks by
+// slot, so on several nodes that is the first half of the nodes (an even number of them), and on
+// one node half of its GPUs (an even number of them). None where the halves share a node.
+std::optional<trainer::Cluster> training_half(trainer::Cluster c) {
+  if (c.nodes == 1 && c.gpus_per_node % 2 == 0) {
+    c.gpus_per_node /= 2;
+    return c;
+  }
+  if (c.nodes > 1 && c.nodes % 2 == 0) {
+    c.nodes /= 2;
+    return c;
+  }
+  return std::nullopt;
+}
 
 // The best plan on `c` (implemented layouts only when asked), or none.
 const trainer::Plan* best(const std::vector<trainer::Plan>& plans, bool implemented_only) {
@@ -40,13 +57,21 @@ void run_plan(const PlanArgs& a) {
   c.reserve_bytes = trainer::parse_bytes(a.reserve, "plan: --reserve");
   c.host_bytes = trainer::parse_bytes(a.host_mem, "plan: --host-mem");
   c.nvme_bytes = trainer::parse_bytes(a.nvme, "plan: --nvme");
-  if (job.rollout_split) {  // grpo.async.placement split: half of each node's GPUs roll out
-    KILN_CHECK(c.gpus_per_node % 2 == 0, "plan: ", a.recipe, " puts the rollout on ranks of its own ",
-               "(grpo.async.placement split), which takes half of each node's GPUs; --gpus-per-node ",
-               c.gpus_per_node, " is odd");
-    c.gpus_per_node /= 2;
-    fmt::print("plan: grpo.async.placement split: {} GPUs per node train, {} roll out; the layouts below are the "
-               "training half's\n", c.gpus_per_node, c.gpus_per_node);
+  if (job.rollout_split) {
+    KILN_CHECK(a.ep <= 1 && a.dense == "replicated", "plan: ", a.recipe, " puts the rollout on ranks of its own ",
+               "(grpo.async.placement split), whose trainers run ep 1 with the dense part replicated; --ep ", a.ep,
+               " --dense ", a.dense, " is not a layout it trains");
+    KILN_CHECK(a.nodes == 0 || training_half(c), "plan: ", a.recipe, " puts the rollout on ranks of its own ",
+               "(grpo.async.placement split): the first half of the ranks train, which is whole nodes only on an even ",
+               "number of them, or half of one node; --nodes ", a.nodes, " with --gpus-per-node ", c.gpus_per_node,
+               " is neither");
+    if (a.nodes > 0) {
+      const trainer::Cluster half = *training_half(c);
+      fmt::print("plan: grpo.async.placement split: {} train and as many roll out; the layouts below are the training "
+                 "half's\n", c.nodes == 1 ? fmt::format("{} of the node's {} GPUs", half.gpus_per_node, c.gpus_per_node)
+                                         : fmt::format("the first {} of the {} nodes", half.nodes, c.nodes));
+      c = half;
+    }
   }
   fmt::print("plan: {} ({}) with {}: {} sequences of {} tokens per micro-batch{}, {} weights, {}{}, optimizer "
              "state on {}, rollout {} ({})\n",
@@ -67,16 +92,23 @@ void run_plan(const PlanArgs& a) {
   if (a.nodes == 0) {  // the fewest nodes with a layout that fits
     for (int64_t n = 1; n <= a.max_nodes; ++n) {
       c.nodes = n;
-      const std::vector<trainer::Plan> plans = trainer::search_layouts(cfg, job, c);
+      const std::optional<trainer::Cluster> half = job.rollout_split ? training_half(c) : c;
+      if (!half) continue;
+      const std::vector<trainer::Plan> plans = trainer::search_layouts(cfg, job, *half);
       if (const trainer::Plan* p = best(plans, a.implemented_only)) {
-        fmt::print("fewest nodes of {} GPUs that fit{}: {}\n{}", c.gpus_per_node,
-                   a.implemented_only ? " (layouts kiln trains today)" : "", n, p->report());
+        fmt::print("fewest nodes of {} GPUs that fit{}: {}{}\n{}", c.gpus_per_node,
+                   a.implemented_only ? " (layouts kiln trains today)" : "", n,
+                   job.rollout_split ? fmt::format(" (the training half: {} x {} GPUs)", half->nodes, half->gpus_per_node)
+                                     : std::string(), p->report());
         if (const trainer::Plan* today = best(plans, true); !a.implemented_only && today != p)
           fmt::print("with a layout kiln trains today (dense replicated, tp 1): {}\n",
                      today ? today->layout.describe() : std::string("none fits on this many nodes"));
         return;
       }
     }
+    KILN_CHECK(!job.rollout_split || a.gpus_per_node % 2 == 0 || a.max_nodes > 1, "plan: ", a.recipe,
+               " puts the rollout on ranks of its own (grpo.async.placement split), which needs an even number of ",
+               "nodes or of GPUs on one node");
     KILN_FAIL("plan: no layout fits on up to ", a.max_nodes, " nodes of ", c.gpus_per_node, " GPUs (raise --max-nodes)");
   }
   const std::vector<trainer::Plan> plans = trainer::search_layouts(cfg, job, c);

@@ -108,7 +108,7 @@ void check_plan(trainer::Recipe& r, const model::ModelConfig& cfg, const comm::G
   dist::ParallelConfig par = r.grpo.parallel;
   // Under grpo.async.placement split the layout is the training half's; the plan puts the engine
   // on the other half.
-  const int trainers = r.grpo.async_split ? std::max(1, world.size() / 2) : world.size();
+  const int trainers = r.grpo.async_split ? world.size() / 2 : world.size();  // even (prepare)
   par.resolve(trainers, cfg.num_experts);
   trainer::Cluster c;
   c.nodes = 1;
@@ -139,6 +139,10 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   if (!out.empty()) r.run.out = out;
   if (!init_from.empty()) r.init_from = init_from, r.model_config.clear();
   const comm::Group& world = comm::Group::world();
+  const bool train = resolved_name == std::string("recipe.yaml");
+  KILN_CHECK(!train || !r.grpo.async_split || (world.size() >= 2 && world.size() % 2 == 0), "train: ", path,
+             " sets grpo.async.placement split, which needs an even number of ranks, the first half to train and the ",
+             "second to roll out (got ", world.size(), "); launch with mpirun -np 2, 4, ...");
   comm::set_collective_timeout(r.grpo.parallel.collective_timeout_s);
   claim_run_dir(r.run.out, outputs, reuse, resolved_name == std::string("recipe.yaml") ? "train" : "sft");
   if (reuse == Reuse::kResume) {
@@ -164,7 +168,6 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
     c10::cuda::set_device(device.index());
 #endif
   }
-  const bool train = resolved_name == std::string("recipe.yaml");
   const model::ModelConfig config = r.init_from.empty() ? model::ModelConfig::from_yaml_file(r.model_config)
                                                         : model::ModelConfig::from_json_file(r.init_from + "/config.json");
   if (train && device.is_cuda()) check_plan(r, config, world, device);

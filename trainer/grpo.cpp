@@ -23,6 +23,7 @@
 #include <thread>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <optional>
 
@@ -317,13 +318,11 @@ struct GrpoTrainer::Impl {
     ec.share_weights = lora() && !shard;  // LoRA's frozen base needs no second copy
     // The engine's weights, fetched tensor by tensor where this rank holds a share. Under the split
     // placement only the rollout ranks have one, and nothing else: they do not train.
-    if (!cfg.async_split || rollout_side) engine = std::make_unique<rollout::Engine>(trained(), ec, engine_source());
     if (rollout_side) {
-      // The engine has its own copy (LoRA's shares the frozen base): the model it was built from
-      // becomes zero-element placeholders, which weight syncs name but never fill.
-      if (!lora()) policy = policy.clone([](const std::string&) { return false; });
+      build_rollout_engine(ec);
       return;
     }
+    if (!cfg.async_split) engine = std::make_unique<rollout::Engine>(trained(), ec, engine_source());
     // The KL reference: a frozen copy of what is trained (an expert shard under expert
     // parallelism); with LoRA the base itself, adapters disabled (no second copy).
     if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
@@ -339,6 +338,31 @@ struct GrpoTrainer::Impl {
     oc.fused = cfg.fused_kernels;
     zero = std::make_unique<dist::ZeroOne>(named, is_expert, group, expert_dp, oc, zero3);
     if (!shard && group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
+  }
+
+  // A split rollout rank's engine, which holds the only copy of the weights: the policy becomes
+  // zero-element placeholders (which weight syncs name but never fill), and the engine, built from
+  // them, takes each weight from the old policy, which lets it go at once. So no more than one
+  // copy and one tensor are ever held. LoRA's engine shares the frozen base instead.
+  void build_rollout_engine(const rollout::EngineConfig& ec) {
+    if (lora()) {
+      engine = std::make_unique<rollout::Engine>(policy, ec);
+      return;
+    }
+    std::map<std::string, at::Tensor> left;  // the last handles of the old policy's weights
+    {
+      const model::Muse whole = std::move(policy);
+      policy = whole.clone([](const std::string&) { return false; });
+      for (const auto& [name, t] : whole.named_parameters()) left.emplace(name, t);
+    }
+    const rollout::WeightSource hand_over = [&](const std::string& name, const at::Tensor&) {
+      const auto it = left.find(name);
+      KILN_CHECK(it != left.end(), "grpo: the rollout engine asked for ", name, ", which the policy does not hold");
+      at::Tensor w = std::move(it->second);  // freed once the engine has its copy
+      left.erase(it);
+      return w;
+    };
+    engine = std::make_unique<rollout::Engine>(policy, ec, hand_over);
   }
 
   // Under grpo.async.placement split, the half of `g` this rank is in (trainers first); else `g`.
@@ -722,9 +746,8 @@ struct GrpoTrainer::Impl {
     KILN_FAIL("grpo: rollout rank ", link->peer(), " (async.placement split) stopped: ", r.get_string("the error"));
   }
   void receive_batch() {
-    Exchange x(split);
+    Exchange x(split);  // done once the batch is read: a batch that cannot be read leaves the link unused
     const RolloutLink::Message msg = link->recv();
-    x.done();
     if (msg.kind == LinkKind::kError) rollout_failed(msg);
     KILN_CHECK(msg.kind == LinkKind::kBatch, "grpo: rollout rank ", link->peer(), " sent ", link_kind_name(msg.kind),
                " where batch ", split.received + 1, " was due; report this");
@@ -737,6 +760,7 @@ struct GrpoTrainer::Impl {
                " where step ", i, " from ", stream.position(), " was due; report this");
     stream.next(cfg.prompts_per_step);  // this rank's stream follows the rollout rank's, for checkpoints
     split.ready.push_back(std::move(p));
+    x.done();
   }
 
   // What a weight sync sends: the adapters (LoRA) or every trained tensor.
@@ -817,13 +841,13 @@ struct GrpoTrainer::Impl {
     link->send(LinkKind::kEval, w);
     split.sent_last = last_step;
     const RolloutLink::Message msg = link->recv();
-    x.done();
     if (msg.kind == LinkKind::kError) rollout_failed(msg);
     KILN_CHECK(msg.kind == LinkKind::kEvalResult, "grpo: rollout rank ", link->peer(), " sent ",
                link_kind_name(msg.kind), " where the evaluation was due; report this");
     ByteReader r = msg.body("the evaluation from rank " + std::to_string(link->peer()));
     EvalMetrics em = read_eval_metrics(r);
     r.expect_end();
+    x.done();
     return em;
   }
 
@@ -1559,6 +1583,7 @@ void GrpoTrainer::save(const std::string& dir) const {
 }
 
 void GrpoTrainer::save_model(const std::string& dir) const {
+  impl_->trainer_only("save models (its policy is placeholders)");
   impl_->check_finite(dir);
   impl_->layout->write_folder(dir, [&](const std::string& tmp) { impl_->write_model(tmp); });
 }
@@ -1660,7 +1685,10 @@ const PrepareReport& GrpoTrainer::train_prompts() const { return impl_->train_re
 const PrepareReport& GrpoTrainer::test_prompts() const { return impl_->test_report; }
 const std::vector<GrpoTrainer::SampleRecord>& GrpoTrainer::last_samples() const { return impl_->last; }
 int64_t GrpoTrainer::steps_done() const { return impl_->steps; }
-void GrpoTrainer::sync_policy() { impl_->gather_experts(); }
+void GrpoTrainer::sync_policy() {
+  impl_->trainer_only("gather the policy");
+  impl_->gather_experts();
+}
 const DataStream& GrpoTrainer::stream() const { return impl_->stream; }
 const comm::Group& GrpoTrainer::group() const { return impl_->group; }
 bool GrpoTrainer::serves_rollouts() const { return impl_->rollout_side; }

@@ -45,7 +45,7 @@ void RolloutLink::send(LinkKind kind, const ByteWriter& body) const {
   at::Tensor out = at::empty({int64_t(body.bytes().size()) + 1}, at::kByte);
   out.data_ptr<uint8_t>()[0] = uint8_t(kind);
   if (!body.bytes().empty()) std::memcpy(out.data_ptr<uint8_t>() + 1, body.bytes().data(), body.bytes().size());
-  world_.send_bytes(out, peer_, send_tag_);
+  world_.send_bytes(out, peer_, send_tag_, /*watched=*/trainer_side_);  // a batch may wait out a step
 }
 
 RolloutLink::Message RolloutLink::recv() const {

@@ -35,10 +35,11 @@ class RolloutLink {
     at::Tensor bytes;  // the whole message, the kind byte first
     ByteReader body(const std::string& what) const;  // the bytes after the kind
   };
+  // The trainer's sends and receives are watched by the collective timeout (a batch that never
+  // comes is a hung rollout rank); the rollout rank's are not: it waits through whole training
+  // steps and checkpoints, for its next order or for its batch to be taken, and the trainer's own
+  // collectives are watched.
   void send(LinkKind kind, const ByteWriter& body = ByteWriter()) const;
-  // The trainer's receives are watched by the collective timeout (a batch that never comes is a
-  // hung rollout rank); the rollout rank's are not: it waits through whole training steps and
-  // checkpoints, and the trainer's own collectives are watched.
   Message recv() const;
   // Tensor by tensor (a header naming it, then its values' bytes from a CPU copy), so that no
   // more than one tensor is ever held on the CPU; returns the bytes of the values.

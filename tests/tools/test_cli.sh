@@ -96,6 +96,18 @@ check "plan a layout that does not fit" "does not fit:" \
   "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/grpo-816b.yaml" --nodes 4 --ep 32 --dense zero3
 check "plan muse-small on one GPU" "fits" \
   "$kiln" plan "$src/configs/muse-small.yaml" "$src/recipes/grpo-arith-small-gpu.yaml" --gpus-per-node 1
+# Under grpo.async.placement split the first half of the ranks train: half of one node, or the
+# first half of an even number of nodes; the layouts it cannot train are refused by name.
+sed -e "s|config: ../configs|config: $src/configs|" -e 's/^grpo:$/grpo:\n  async: {max_staleness: 1, placement: split}/' \
+  "$src/recipes/grpo-arith-small-gpu.yaml" > "$tmp/split-small.yaml"
+check "plan split on one node" "4 of the node's 8 GPUs train" \
+  "$kiln" plan "$src/configs/muse-small.yaml" "$tmp/split-small.yaml" --gpus-per-node 8
+check "plan split on two nodes" "the first 1 of the 2 nodes train" \
+  "$kiln" plan "$src/configs/muse-small.yaml" "$tmp/split-small.yaml" --nodes 2
+check_fails "plan split on three nodes" "--nodes 3 with --gpus-per-node 8 is neither" \
+  "$kiln" plan "$src/configs/muse-small.yaml" "$tmp/split-small.yaml" --nodes 3
+check_fails "plan split with expert parallel" "--ep 2 --dense replicated is not a layout it trains" \
+  "$kiln" plan "$src/configs/muse-small.yaml" "$tmp/split-small.yaml" --ep 2
 check_fails "plan with a bad size" "plan: --gpu-mem: unknown unit 'parsecs'" \
   "$kiln" plan "$src/configs/muse-small.yaml" "$src/recipes/grpo-arith-small-gpu.yaml" --gpu-mem 3parsecs
 mkdir -p "$tmp/adir"
@@ -421,8 +433,10 @@ sed 's/^grpo:$/grpo:\n  async: {max_staleness: 0, placement: split}/' "$tmp/reci
 grep -q "placement: split" "$tmp/split.yaml" || { echo "FAIL: the split recipe was not made"; fails=$((fails+1)); }
 resumes_exactly "train with a rollout rank" "1 rollout rank(s)" "$tmp/split.yaml" "$tmp/split"
 out=$(mpi -np 3 "$kiln" train "$tmp/split.yaml" --steps 1 --out "$tmp/split3" 2>&1); rc=$?
-[ $rc -ne 0 ] && [ $rc -ne 124 ] && [[ "$out" == *"async.placement split needs an even number of ranks"* ]] \
+[ $rc -ne 0 ] && [ $rc -ne 124 ] && [[ "$out" == *"split, which needs an even number of ranks"*"(got 3)"* ]] \
   || { echo "FAIL: split on 3 ranks (rc=$rc): $out" | head -5; fails=$((fails+1)); }
+check_fails "split on one rank" "split, which needs an even number of ranks, the first half to train and the second to roll out (got 1)" \
+  "$kiln" train "$tmp/split.yaml" --steps 1 --out "$tmp/split1"
 # The dense part under ZeRO-3 on 2 ranks.
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  dense: zero3\n'; } > "$tmp/z3.yaml"
 resumes_exactly "train with the dense part under ZeRO-3" "dense=zero3" "$tmp/z3.yaml" "$tmp/z3"
