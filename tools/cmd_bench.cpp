@@ -172,7 +172,7 @@ double train_step_flops(const model::ModelConfig& c, int64_t seqs, int64_t len) 
 }
 
 void bench_train(at::Device device, const std::string& config, int64_t seqs, int64_t tokens,
-                 const std::string& profile, bool only_fused) {
+                 const std::string& profile, bool only_fused, bool bitwise) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
   KILN_CHECK(seqs >= 1 && tokens % seqs == 0, "bench train: --tokens ", tokens, " must split into --seqs ", seqs,
              " equal sequences");
@@ -194,7 +194,7 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
   // CUDA-only: on the CPU the loop is the one path, timed once.
   struct Path {
     const char* name;
-    bool grouped, fused, recompute = false;
+    bool grouped, fused, recompute = false, bitwise = false;
   };
   std::vector<Path> paths = {{"per-expert loop", false, false}};
   if (device.is_cuda()) {
@@ -204,6 +204,8 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
     if (!only_fused) paths.push_back({"fused + recompute", true, true, true});  // the memory saving, and its cost
     paths.push_back({"grouped + fused", true, true});
   }
+  // rollout.numerics: bitwise, the training forward and backward the trainer runs under it.
+  if (bitwise) paths.push_back({"bitwise", true, true, false, true});
   std::vector<double> t, peak;
   auto step = [&] {
     for (auto& [n, p] : m.named_parameters()) p.mutable_grad() = at::Tensor();
@@ -213,6 +215,7 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
     opt.use_grouped_mm = p.grouped;
     opt.use_fused = p.fused;
     opt.recompute = p.recompute;
+    opt.batch_invariant = p.bitwise;
     model::reset_peak_memory(device);
     t.push_back(time_it(device, step, 2, 7));
     peak.push_back(model::peak_memory_gb(device));
@@ -232,11 +235,18 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
                paths[i].name, weight_bytes / 1e9, weight_bytes / 1e9, act / 1e9, act / double(tokens) / 1e3,
                act / double(tokens) / double(cfg.num_layers) / 1e3);
   }
-  if (paths.size() == 4) fmt::print("grouped / loop: {:.2f}x\n", t[0] / t[1]);
-  if (paths.size() >= 3) {
-    fmt::print("fused / ATen ops: {:.2f}x\n", t[t.size() - 3] / t.back());
-    fmt::print("recompute costs {:.2f}x the step time\n", t[t.size() - 2] / t.back());
-  }
+  // Times by path name (the list depends on the device and the flags).
+  const auto time_of = [&](const std::string& name) {
+    for (size_t i = 0; i < paths.size(); ++i)
+      if (name == paths[i].name) return t[i];
+    return 0.0;
+  };
+  const double loop = time_of("per-expert loop"), aten = time_of("grouped, ATen ops"),
+               recompute = time_of("fused + recompute"), fused = time_of("grouped + fused");
+  if (loop > 0 && aten > 0) fmt::print("grouped / loop: {:.2f}x\n", loop / aten);
+  if (aten > 0 && fused > 0) fmt::print("fused / ATen ops: {:.2f}x\n", aten / fused);
+  if (recompute > 0 && fused > 0) fmt::print("recompute costs {:.2f}x the step time\n", recompute / fused);
+  if (bitwise && fused > 0) fmt::print("bitwise costs {:.2f}x the step time\n", time_of("bitwise") / fused);
   if (!profile.empty()) {
     profile_to(profile, device, step);
     fmt::print("profile of one {} step: {}\n", paths.back().name, profile);
@@ -373,7 +383,7 @@ Run add_bench(CLI::App& app) {
     double chunk_mb = 64;
     int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192;
     std::string profile;
-    bool only_fused = false;
+    bool only_fused = false, bitwise = false;
     RolloutBenchShape rollout;
     std::vector<int64_t> shape;
   };
@@ -403,6 +413,7 @@ Run add_bench(CLI::App& app) {
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; rollout: a path prefix, -<weights>.json added; tools/profile_summary.py)");
   cmd->add_option("--shape", a->shape, "M N K: one dense case of the table (nvfp4; for profilers)")->expected(3);
+  cmd->add_flag("--bitwise", a->bitwise, "Also time the batch-invariant numerics (train: rollout.numerics bitwise), profiled last");
   cmd->add_flag("--only-fused", a->only_fused, "Time only the grouped + fused path (train; for ncu and quick runs)");
   return [a, cmd] {
     const std::string name = a->device.empty() ? (at::hasCUDA() ? "cuda" : "cpu") : a->device;
@@ -416,7 +427,7 @@ Run add_bench(CLI::App& app) {
       if (cmd->count("--gen")) shape.gen = a->gen;
       bench_rollout(device, config, shape, a->quantization, a->profile);
     }
-    else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused);
+    else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused, a->bitwise);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
     else if (a->name == "nvfp4") bench_nvfp4(device, a->shape);
     else if (a->name == "attention") bench_attention(device);

@@ -362,6 +362,12 @@ for key in ("step_seconds", "rollout_seconds", "lp_old_seconds", "train_seconds"
     print(f"{key[:-8]:>8}: standard {s:.3f} s, bitwise {b:.3f} s, bitwise / standard {b / s:.2f}x")
 PY
 done
+# The training step alone at the GRPO step's shape (64 prompts x 8 samples of about 38 tokens):
+# the fused path against bitwise in one run, and where the bitwise step's kernel time goes.
+step "bitwise numerics: bench train, 512 sequences x 38 tokens, profiled"
+./build-gpu/kiln bench train configs/muse-small.yaml --device cuda --seqs 512 --tokens 19456 --only-fused --bitwise \
+  --profile "$tmp/bitwise-train.json" 2>&1 | tee -a "$out/bitwise.txt"
+[ -f "$tmp/bitwise-train.json" ] && python3 tools/profile_summary.py "$tmp/bitwise-train.json" --label bitwise-train --top 25 2>&1 | tee -a "$out/bitwise.txt"
 fi  # bitwise
 if want long; then
 # Issue 23: long responses. muse-small GRPO whose samples run to max_tokens (a random init rarely
