@@ -196,15 +196,20 @@ for v in base lora cpu nvfp4; do
   [ "$v" = nvfp4 ] && sed -i "s/^rollout:/rollout:\n  quantization: nvfp4/" "$tmp/cal-$v.yaml"  # quantised from the bf16 init
   ./build-gpu/kiln train "$tmp/cal-$v.yaml" --out "$tmp/cal-$v" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -1
   seq=$(python3 -c "import json,sys; r=[json.loads(l) for l in open('$tmp/cal-$v/metrics.jsonl') if '\"tokens\"' in l]; print(max(1, round(max(x['tokens'] for x in r) / 128)))")
-  planned=$(./build-gpu/kiln plan configs/muse-small.yaml "$tmp/cal-$v.yaml" --gpus-per-node 1 --seq-len "$seq" | grep -m1 "total, of" | awk '{print $1, $2}')
-  python3 - "$tmp/cal-$v/metrics.jsonl" "$v" "$seq" "$planned" <<'PY' 2>&1 | tee -a "$out/grpo.txt"
+  ./build-gpu/kiln plan configs/muse-small.yaml "$tmp/cal-$v.yaml" --gpus-per-node 1 --seq-len "$seq" > "$tmp/plan-$v.txt"
+  { echo "== $v"; cat "$tmp/plan-$v.txt"; } >> "$out/calibrate.txt"  # the plan's items, to set against the phases
+  planned=$(grep -m1 "total, of" "$tmp/plan-$v.txt" | awk '{print $1, $2}')
+  python3 - "$tmp/cal-$v/metrics.jsonl" "$v" "$seq" "$planned" <<'PY' 2>&1 | tee -a "$out/grpo.txt" "$out/calibrate.txt"
 import sys, json
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"peak_memory_gb"' in l]
-peak = max(r["peak_memory_gb"] for r in rows) * 1e9 / 2**30
+top = max(rows, key=lambda r: r["peak_memory_gb"])
+gib = lambda gb: gb * 1e9 / 2**30
+peak = gib(top["peak_memory_gb"])
 n, unit = sys.argv[4].split()
 plan = float(n) * {"GiB": 1, "MiB": 1 / 1024, "TiB": 1024}[unit] + 2.0  # + the recipe's 2 GiB KV cache
 print(f"calibration {sys.argv[2]}: measured peak {peak:.2f} GiB, planned {plan:.2f} GiB (with the KV cache), "
-      f"planned / measured {plan / peak:.3f} (sequences of {sys.argv[3]} tokens)")
+      f"planned / measured {plan / peak:.3f} (sequences of {sys.argv[3]} tokens); phases of step {top['step']}: " +
+      ", ".join(f"{k} {gib(v):.2f} GiB" for k, v in top.get("phase_peak_gb", {}).items()))
 PY
 done
 fi  # calibrate

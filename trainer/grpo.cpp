@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -218,7 +219,11 @@ std::string StepMetrics::to_json() const {
   j["step_seconds"] = step_seconds;
   j["tokens"] = tokens;
   j["tokens_per_second"] = tokens_per_second;
-  if (peak_memory_gb > 0) j["peak_memory_gb"] = peak_memory_gb;
+  if (peak_memory_gb > 0) {
+    j["peak_memory_gb"] = peak_memory_gb;
+    j["phase_peak_gb"] = {{"rollout", rollout_peak_gb}, {"lp_old", lp_old_peak_gb}, {"train", train_peak_gb},
+                          {"sync", sync_peak_gb}};
+  }
   return j.dump();
 }
 
@@ -429,23 +434,34 @@ struct GrpoTrainer::Impl {
   StepMetrics step() {
     trainer_only("take steps");
     const auto t_step = Clock::now();
-    model::reset_peak_memory(policy.device());
+    const at::Device device = policy.device();
+    // The peak of the phase that just ended, and a fresh count for the next.
+    const auto phase_peak = [&] {
+      const double gb = model::peak_memory_gb(device);
+      model::reset_peak_memory(device);
+      return gb;
+    };
+    model::reset_peak_memory(device);
     StepMetrics m;
     m.step = ++steps;
     Produced produced = cfg.async_staleness >= 0 ? take_produced(m) : produce(draw_prompts(steps), 0);
     Batch b = produced.batch;
     std::vector<Trajectory> trajs = finish_rewards(std::move(produced), m);
     if (cfg.dynamic_sampling) b = keep_informative_groups(trajs, m);
+    m.rollout_peak_gb = phase_peak();
     auto t = Clock::now();
     OldLogprobs old = score_old(trajs, b, m);
     m.lp_old_seconds = seconds_since(t);
+    m.lp_old_peak_gb = phase_peak();
     t = Clock::now();
     train(trajs, old, b, m);
     m.train_seconds = seconds_since(t);
+    m.train_peak_gb = phase_peak();
     sync_rollout(m);
+    m.sync_peak_gb = phase_peak();
     m.step_seconds = seconds_since(t_step);
     m.tokens_per_second = double(m.tokens) / std::max(m.step_seconds, 1e-9);
-    m.peak_memory_gb = model::peak_memory_gb(policy.device());
+    m.peak_memory_gb = std::max({m.rollout_peak_gb, m.lp_old_peak_gb, m.train_peak_gb, m.sync_peak_gb});
     return m;
   }
 

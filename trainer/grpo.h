@@ -153,6 +153,9 @@ struct StepMetrics {
   double rollout_seconds = 0, reward_seconds = 0, lp_old_seconds = 0, train_seconds = 0, step_seconds = 0;
   double tokens_per_second = 0;           // trained tokens (all ranks) per second of the step
   double peak_memory_gb = 0;              // peak device memory of this rank since the last step (CUDA)
+  // ... and of each phase: the rollout (with rewards and dynamic sampling's rounds), lp_old (with
+  // the reference and A/B forwards), train, and the weight sync (CUDA; the memory plan's calibration).
+  double rollout_peak_gb = 0, lp_old_peak_gb = 0, train_peak_gb = 0, sync_peak_gb = 0;
   // Weight sync to the rollout: adapters only (LoRA) or every weight; bytes sent, seconds, and the
   // probe check's mean |log-prob difference| between trainer and rollout (-1: not checked).
   int64_t sync_bytes = 0;
