@@ -45,14 +45,45 @@ at::Tensor chunked(const at::Tensor& x, const std::function<at::Tensor(const at:
   return parts.size() == 1 ? parts[0] : at::cat(parts);
 }
 
-// The batch-invariant linear: the forward in fixed-size GEMMs, the backward (which the rollout
-// never runs, and whose bits no log-prob depends on) as two plain GEMMs over all rows.
+// x [M, K] . w^T on the CPU with every output one accumulator (fp32, fp64 for fp64) that adds
+// x[t, k] * w[n, k] for k in order: a row's bits are its own on any CPU, with any BLAS (a BLAS's
+// kernel for a row can depend on where the row sits in its tile, and differs between CPUs).
+// Vectorisable across n (w transposed once), never across k.
+at::Tensor cpu_rows_linear(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  const at::Tensor xc = x.contiguous(), wt = w.t().contiguous();  // [K, N]
+  at::Tensor y = at::empty({M, N}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "cpu_rows_linear", [&] {
+    using Acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* wp = wt.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+      std::vector<Acc> acc(static_cast<size_t>(N)), wrow(static_cast<size_t>(N));
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc.begin(), acc.end(), Acc(0));
+        for (int64_t k = 0; k < K; ++k) {
+          const Acc xv = Acc(xp[t * K + k]);
+          const scalar_t* wk = wp + k * N;
+          for (int64_t n = 0; n < N; ++n) wrow[size_t(n)] = Acc(wk[n]);
+          for (int64_t n = 0; n < N; ++n) acc[size_t(n)] += xv * wrow[size_t(n)];
+        }
+        for (int64_t n = 0; n < N; ++n) yp[t * N + n] = scalar_t(acc[size_t(n)]);
+      }
+    });
+  });
+  return y;
+}
+
+// The batch-invariant linear: the forward by rows whose bits are their own (CUDA: one GEMM kernel
+// whose reduction order does not depend on M; the CPU: cpu_rows_linear), the backward (which the
+// rollout never runs, and whose bits no log-prob depends on) as two plain GEMMs over all rows.
 struct FixedRowsLinear : public torch::autograd::Function<FixedRowsLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w) {
     ctx->save_for_backward({x, w});
     if (kernels::invariant_kernels_serve(x)) return kernels::invariant_linear_cuda(x, w);
-    const at::Tensor wc = w.contiguous();
-    return chunked(x, [&](const at::Tensor& c, int64_t, int64_t) { return at::linear(c, wc); });
+    KILN_CHECK(x.is_cpu(), "rowwise_linear: tensors on ", x.device(), " need kiln's CUDA kernels (a CUDA build)");
+    return cpu_rows_linear(x, w);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -339,6 +370,66 @@ at::Tensor ranged_attention(const at::Tensor& q, const at::Tensor& k, const at::
   KILN_CHECK(q.is_cpu(), "ranged_attention: tensors on ", q.device(), " need kiln's CUDA kernels (a CUDA build)");
   return ranged_attention_cpu(q.contiguous(), k.contiguous(), v.contiguous(),
                               kf.defined() ? kf.contiguous() : at::Tensor(), vf.defined() ? vf.contiguous() : at::Tensor(), r);
+}
+
+namespace {
+
+// index_select whose backward gathers: row r of x went to rows back[r * per + j] of the result.
+struct GatherRows : public torch::autograd::Function<GatherRows> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& index,
+                            const at::Tensor& back, int64_t per) {
+    ctx->save_for_backward({back});
+    ctx->saved_data["per"] = per;
+    ctx->saved_data["rows"] = x.size(0);
+    return x.index_select(0, index);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor back = ctx->get_saved_variables()[0];
+    const int64_t per = ctx->saved_data["per"].toInt(), rows = ctx->saved_data["rows"].toInt();
+    std::vector<int64_t> shape = grads[0].sizes().vec();
+    shape[0] = per;
+    shape.insert(shape.begin(), rows);
+    const at::Tensor g = grads[0].index_select(0, back);
+    return {per == 1 ? g : g.view(shape).sum(1), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Rows of a small table (weight [E, ...]) picked by ids; the table's gradient is one GEMM with
+// the one-hot ids, in fp32 (fp64 for fp64).
+struct TableRows : public torch::autograd::Function<TableRows> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& table, const at::Tensor& ids) {
+    ctx->save_for_backward({ids});
+    ctx->saved_data["rows"] = table.size(0);
+    return table.index_select(0, ids);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor ids = ctx->get_saved_variables()[0];
+    const at::Tensor& g = grads[0];
+    const at::ScalarType acc = acc_of(g.scalar_type());
+    const int64_t E = ctx->saved_data["rows"].toInt();
+    const at::Tensor one_hot = at::zeros({ids.size(0), E}, g.options().dtype(acc)).scatter_(1, ids.view({-1, 1}), 1.0);
+    std::vector<int64_t> shape = g.sizes().vec();
+    shape[0] = E;
+    const at::Tensor dt = one_hot.t().mm(g.reshape({g.size(0), -1}).to(acc)).view(shape).to(g.scalar_type());
+    return {dt, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& back, int64_t per) {
+  KILN_CHECK(per >= 1 && back.dim() == 1 && back.size(0) == x.size(0) * per && index.dim() == 1 &&
+                 index.size(0) == back.size(0),
+             "gather_rows: x [n, ...] whose every row goes to `per` rows of the result: index and back of n * per ",
+             "(got x ", x.sizes(), ", per ", per, ", index ", index.sizes(), ", back ", back.sizes(), ")");
+  return GatherRows::apply(x, index, back, per);
+}
+
+at::Tensor table_rows(const at::Tensor& table, const at::Tensor& ids) {
+  KILN_CHECK(ids.dim() == 1, "table_rows: ids must be a vector (got ", ids.sizes(), ")");
+  return TableRows::apply(table, ids);
 }
 
 at::Tensor straight_through(const at::Tensor& values, const at::Tensor& differentiable) {

@@ -70,6 +70,13 @@ KeyRanges causal_key_ranges(const std::vector<int64_t>& cu_seqlens, int64_t wind
 // attention (model::packed_causal_attention) with a graph; its bits reach no log-prob.
 at::Tensor causal_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::vector<int64_t>& cu_seqlens, int64_t window, const KeyRanges& ranges);
+// x.index_select(0, index), whose backward gathers instead of scattering (no atomics, a fixed
+// order): every row r of x went to exactly `per` rows of the result, back[r * per + j], so its
+// gradient is their sum over j. For the MoE's moves of rows between token and expert order.
+at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& back, int64_t per);
+// table.index_select(0, ids) for a small table (the per-expert norm weights [E, d] picked per
+// slot), whose gradient is one GEMM with the one-hot ids, not scattered adds that collide.
+at::Tensor table_rows(const at::Tensor& table, const at::Tensor& ids);
 // values' bits forward, while the gradient flows into `differentiable` (the plain form of the same
 // function at the same inputs) as if it had produced them: for forms whose backward is the plain
 // one. values must not require a gradient.

@@ -276,8 +276,11 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
     at::Tensor act = at::silu(s.gate.padded(zp, l.offsets)) * s.up.padded(zp, l.offsets);
     return s.down.padded(act, l.offsets).index_select(0, l.slot_row);
   }
-  at::Tensor zs = z.index_select(0, l.src_token);  // rows sorted by expert
   at::Tensor inverse = at::empty_like(l.order).scatter_(0, l.order, at::arange(n, l.order.options()));
+  // Rows sorted by expert. Under batch-invariant numerics the moves' backward gathers: token t's
+  // k slots lie at sorted rows inverse[t * k + j].
+  at::Tensor zs = opt.batch_invariant && k * z.size(0) == n ? gather_rows(z, l.src_token, inverse, k)
+                                                             : z.index_select(0, l.src_token);
   // Each expert's first sorted row, and the end, on the device (no host sync).
   auto sorted_offsets = [&] { return at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)}); };
   if (opt.batch_invariant && !s.quantized() && !opt.observe_linear_input) {
@@ -285,7 +288,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
     // each on CUDA).
     const at::Tensor offsets = sorted_offsets();
     at::Tensor act = rowwise_silu(s.gate.invariant(zs, offsets)) * s.up.invariant(zs, offsets);
-    return s.down.invariant(act, offsets).index_select(0, inverse);
+    return gather_rows(s.down.invariant(act, offsets), inverse, l.order, 1);  // sorted row i is slot order[i]
   }
   if (s.quantized() && !opt.observe_linear_input && !opt.batch_invariant && (!s.lora || grouped)) {
     // NVFP4 grouped GEMMs over expert-sorted rows.
@@ -460,11 +463,15 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
       counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
     } else {
       y = run_experts(lw, layer, z, flat, k, counts, opt);
-      y = norm(y, lw.expert_norm.index_select(0, flat), cfg.rms_norm_eps, opt).view({T, k, -1});
+      const at::Tensor norm_rows =
+          opt.batch_invariant ? table_rows(lw.expert_norm, flat) : lw.expert_norm.index_select(0, flat);
+      y = norm(y, norm_rows, cfg.rms_norm_eps, opt).view({T, k, -1});
     }
     if (opt.batch_invariant) {  // the k terms added in slot order, each row alone by construction
-      m = y.select(1, 0).to(w.scalar_type()) * w.select(1, 0).unsqueeze(-1);
-      for (int64_t j = 1; j < k; ++j) m = m + y.select(1, j).to(w.scalar_type()) * w.select(1, j).unsqueeze(-1);
+      // unbind, not select: its backward is one stack, not k zero-filled copies summed.
+      const std::vector<at::Tensor> ys = y.unbind(1), ws = w.unbind(1);
+      m = ys[0].to(w.scalar_type()) * ws[0].unsqueeze(-1);
+      for (int64_t j = 1; j < k; ++j) m = m + ys[size_t(j)].to(w.scalar_type()) * ws[size_t(j)].unsqueeze(-1);
     } else {
       m = (y.to(w.scalar_type()) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
     }
