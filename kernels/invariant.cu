@@ -16,13 +16,19 @@ namespace kiln::kernels {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// bf16 GEMM y = x . w^T on tensor cores. A block computes a 64 x 128 tile of y over K in steps of
-// 32 (two mma k-steps each, in order), three stages deep through cp.async; rows past M and columns
-// past K are zero-filled in shared memory. Each y element's sum runs over K in the same order for
-// any M, so a row's result is its own. The pipeline depth and the fragment loads (ldmatrix) do not
-// change which products are summed in which order.
-constexpr int kTm = 64, kTn = 128, kTk = 32, kGemmThreads = 256, kStages = 3;
+// bf16 GEMM y = x . w^T on tensor cores. A block computes a TM x 128 tile of y (TM 64 or 128) over K
+// in steps of 32 (two mma k-steps each, in order), three stages deep through cp.async; rows past M
+// and columns past K are zero-filled in shared memory. Each y element is one accumulator that adds
+// the mma products of K's 16-wide chunks in ascending order, whatever TM, the pipeline depth, the
+// fragment loads (ldmatrix) or the grid: so a row's result is its own for any M, and the launch may
+// pick TM by shape (a large tile where there are rows enough to fill the GPU with it).
+constexpr int kTn = 128, kTk = 32, kGemmThreads = 256, kStages = 3;
 constexpr int kPitch = kTk + 8;  // bf16 per shared row: 80 bytes keeps the ldmatrix rows conflict-free
+
+template <int TM>
+constexpr int gemm_smem_bytes() {
+  return kStages * (TM + kTn) * kPitch * int(sizeof(__nv_bfloat16));
+}
 
 // Four 8 x 8 bf16 matrices from shared memory: lane l gives the address of row l % 8 of matrix
 // l / 8 and receives, in r[j], its (row l / 4, columns 2 (l % 4) and + 1) of matrix j: the mma
@@ -34,28 +40,33 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat1
                : "r"(a));
 }
 
-// The 64 x 128 tile at rows [m0, m_end) of x (at most 64), columns n0.. of w [N, K], into y [*, N].
+// The TM x 128 tile at rows [m0, m_end) of x (at most TM), columns n0.. of w [N, K], into y [*, N].
+// Eight warps as 2 x 4, each a (TM / 2) x 32 sub-tile; shared memory is the kernel's dynamic one.
+template <int TM>
 __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                                                __nv_bfloat16* __restrict__ y, int64_t m0, int64_t m_end, int64_t n0,
                                                int N, int K) {
-  __shared__ alignas(16) __nv_bfloat16 xs[kStages][kTm][kPitch];  // 46 KB in all: static shared memory
-  __shared__ alignas(16) __nv_bfloat16 ws[kStages][kTn][kPitch];
+  constexpr int MI = TM / 32;  // the warp's 16-row mma tiles
+  extern __shared__ __align__(16) unsigned char gemm_smem[];
+  auto xs = reinterpret_cast<__nv_bfloat16(*)[TM][kPitch]>(gemm_smem);
+  auto ws = reinterpret_cast<__nv_bfloat16(*)[kTn][kPitch]>(gemm_smem + kStages * TM * kPitch * sizeof(__nv_bfloat16));
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
-  const int wm = (warp / 4) * 32, wn = (warp % 4) * 32;  // the warp's 32 x 32 sub-tile
+  const int wm = (warp / 4) * (TM / 2), wn = (warp % 4) * 32;
   // ldmatrix rows: for x, matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15) as a0..a3; for w, two n-tiles
   // x (k 0-7 | 8-15) as b[ni][0..1], b[ni + 1][0..1].
   const int a_row = lane % 8 + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;
   const int b_row = lane % 8 + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;
 
   auto load = [&](int stage, int k0) {
-    {  // x: 64 rows x 4 chunks of 8, one chunk per thread
-      const int r = tid / 4, c = (tid % 4) * 8;
+#pragma unroll
+    for (int i = 0; i < TM * 4 / kGemmThreads; ++i) {  // x: TM rows x 4 chunks of 8
+      const int id = tid + i * kGemmThreads, r = id / 4, c = (id % 4) * 8;
       const bool in = m0 + r < m_end && k0 + c < K;
       cp_async16(&xs[stage][r][c], in ? x + (m0 + r) * K + k0 + c : x, in);
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {  // w: 128 rows x 4 chunks
+    for (int i = 0; i < kTn * 4 / kGemmThreads; ++i) {  // w: 128 rows x 4 chunks
       const int id = tid + i * kGemmThreads, r = id / 4, c = (id % 4) * 8;
       const bool in = n0 + r < N && k0 + c < K;
       cp_async16(&ws[stage][r][c], in ? w + (n0 + r) * K + k0 + c : w, in);
@@ -63,7 +74,7 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
     cp_async_commit();
   };
 
-  float acc[2][4][4] = {};
+  float acc[MI][4][4] = {};
   const int steps = (K + kTk - 1) / kTk;
   load(0, 0);
   if (steps > 1) load(1, kTk);
@@ -81,9 +92,9 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < kTk; kk += 16) {
-      uint32_t a[2][4], b[4][2];
+      uint32_t a[MI][4], b[4][2];
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(a[mi], &xs[stage][wm + mi * 16 + a_row][kk + a_col]);
+      for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], &xs[stage][wm + mi * 16 + a_row][kk + a_col]);
 #pragma unroll
       for (int ni = 0; ni < 4; ni += 2) {
         uint32_t r[4];
@@ -91,7 +102,7 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
         b[ni][0] = r[0], b[ni][1] = r[1], b[ni + 1][0] = r[2], b[ni + 1][1] = r[3];
       }
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni)
           mma_bf16(acc[mi][ni], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b[ni][0], b[ni][1]);
@@ -99,7 +110,7 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
     __syncthreads();  // a later iteration's load overwrites the stage just read
   }
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
+  for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
@@ -111,16 +122,18 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
       }
 }
 
+template <int TM>
 __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const __nv_bfloat16* __restrict__ x,
                                                                  const __nv_bfloat16* __restrict__ w,
                                                                  __nv_bfloat16* __restrict__ y, int M, int N, int K) {
-  const int64_t m0 = int64_t(blockIdx.x) * kTm;  // row tiles on x (up to 2^31 - 1), column tiles on y
-  gemm_bf16_tile(x, w, y, m0, M, int64_t(blockIdx.y) * kTn, N, K);
+  const int64_t m0 = int64_t(blockIdx.x) * TM;  // row tiles on x (up to 2^31 - 1), column tiles on y
+  gemm_bf16_tile<TM>(x, w, y, m0, M, int64_t(blockIdx.y) * kTn, N, K);
 }
 
 // Rows sorted by group: group e holds rows [offsets[e], offsets[e + 1]) and multiplies w[e]. Block
-// row b (blockIdx.x) is the b-th 64-row tile counted across the groups in order; the grid bounds
-// them from above (rows / 64 + groups), so nothing is read back to the host.
+// row b (blockIdx.x) is the b-th TM-row tile counted across the groups in order; the grid bounds
+// them from above (rows / TM + groups), so nothing is read back to the host.
+template <int TM>
 __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_grouped_kernel(const __nv_bfloat16* __restrict__ x,
                                                                          const __nv_bfloat16* __restrict__ w,
                                                                          __nv_bfloat16* __restrict__ y,
@@ -128,14 +141,29 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_grouped_kernel(const _
                                                                          int N, int K) {
   int64_t tile = blockIdx.x;
   for (int e = 0; e < groups; ++e) {
-    const int64_t lo = offsets[e], hi = offsets[e + 1], tiles = (hi - lo + kTm - 1) / kTm;
+    const int64_t lo = offsets[e], hi = offsets[e + 1], tiles = (hi - lo + TM - 1) / TM;
     if (tile < tiles) {
-      gemm_bf16_tile(x, w + int64_t(e) * N * K, y, lo + tile * kTm, hi, int64_t(blockIdx.y) * kTn, N, K);
+      gemm_bf16_tile<TM>(x, w + int64_t(e) * N * K, y, lo + tile * TM, hi, int64_t(blockIdx.y) * kTn, N, K);
       return;
     }
     tile -= tiles;
   }
 }
+
+// Launches `kernel` (a TM instance) with its dynamic shared memory, raising the kernel's limit
+// past the default 48 KB the first time.
+template <int TM, typename Kernel, typename... Args>
+cudaError_t launch_gemm(Kernel kernel, dim3 grid, cudaStream_t stream, Args... args) {
+  constexpr int bytes = gemm_smem_bytes<TM>();
+  static const cudaError_t raised =
+      bytes > 48 * 1024 ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) : cudaSuccess;
+  if (raised != cudaSuccess) return raised;
+  kernel<<<grid, kGemmThreads, bytes, stream>>>(args...);
+  return cudaGetLastError();
+}
+
+// The large tile where its blocks still fill the GPU about twice over; the bits are the same.
+bool large_tile(int64_t row_tiles_128, int64_t col_tiles) { return row_tiles_128 * col_tiles >= 2 * num_sms(); }
 
 // ---------------------------------------------------------------------------------------------
 // Any dtype on CUDA cores (fp32, fp64, unaligned bf16): a block computes 32 x 32 outputs, a
@@ -270,10 +298,12 @@ cudaError_t launch_invariant_gemm(int dtype, const void* x, const void* w, void*
   const int m = int(M), n = int(N), k = int(K);
   const bool aligned = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0) && K % 8 == 0;
   if (dtype == kInvariantBf16 && aligned) {
-    gemm_bf16_kernel<<<dim3(blocks(M, kTm), blocks(N, kTn)), kGemmThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(y), m,
-        n, k);
-    return cudaGetLastError();
+    const auto* xb = static_cast<const __nv_bfloat16*>(x);
+    const auto* wb = static_cast<const __nv_bfloat16*>(w);
+    auto* yb = static_cast<__nv_bfloat16*>(y);
+    if (large_tile(blocks(M, 128), blocks(N, kTn)))
+      return launch_gemm<128>(gemm_bf16_kernel<128>, dim3(blocks(M, 128), blocks(N, kTn)), stream, xb, wb, yb, m, n, k);
+    return launch_gemm<64>(gemm_bf16_kernel<64>, dim3(blocks(M, 64), blocks(N, kTn)), stream, xb, wb, yb, m, n, k);
   }
   const dim3 grid(blocks(M, kSimpleTile), blocks(N, kSimpleTile)), block(32, 8);
   const bool known = with_dtype(dtype, [&](auto t, auto a) {
@@ -290,12 +320,17 @@ cudaError_t launch_invariant_grouped_gemm(const void* x, const void* w, void* y,
   if (N > INT32_MAX || K > INT32_MAX || K == 0 || K % 8 != 0 || groups > INT32_MAX ||
       (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 != 0)
     return cudaErrorInvalidValue;
-  const int64_t tiles = rows / kTm + groups;
-  if (tiles > INT32_MAX || N > 65535LL * kTn) return cudaErrorInvalidValue;
-  gemm_bf16_grouped_kernel<<<dim3(unsigned(tiles), blocks(N, kTn)), kGemmThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(y),
-      offsets, int(groups), int(N), int(K));
-  return cudaGetLastError();
+  if (rows / 64 + groups > INT32_MAX || N > 65535LL * kTn) return cudaErrorInvalidValue;
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  const auto* wb = static_cast<const __nv_bfloat16*>(w);
+  auto* yb = static_cast<__nv_bfloat16*>(y);
+  // The large tile where the groups average 256 rows or more (the training forward's experts), so
+  // that few of its rows are a group's padding.
+  if (rows >= 256 * groups && large_tile(rows / 128, blocks(N, kTn)))
+    return launch_gemm<128>(gemm_bf16_grouped_kernel<128>, dim3(unsigned(rows / 128 + groups), blocks(N, kTn)), stream,
+                            xb, wb, yb, offsets, int(groups), int(N), int(K));
+  return launch_gemm<64>(gemm_bf16_grouped_kernel<64>, dim3(unsigned(rows / 64 + groups), blocks(N, kTn)), stream, xb,
+                         wb, yb, offsets, int(groups), int(N), int(K));
 }
 
 cudaError_t launch_ranged_attention(int dtype, const void* q, const void* k, const void* v, const void* kf,

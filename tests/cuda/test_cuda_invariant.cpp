@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <vector>
 
 #include "kernels/invariant.h"
@@ -23,8 +24,10 @@ double tolerance(at::ScalarType t) { return t == at::kBFloat16 ? 1e-2 : t == at:
 
 TEST(CudaInvariant, LinearMatchesFloat64AndRowsDoNotDependOnTheBatch) {
   at::manual_seed(7);
-  // (N, K): tensor cores (K % 8 == 0, tails in N and K), and CUDA cores (K odd).
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{19, 64}, {111, 200}, {130, 520}, {7, 19}, {4097, 24}};
+  // (N, K): tensor cores (K % 8 == 0, tails in N and K), and CUDA cores (K odd). At N 1100 and 4097
+  // the whole batch takes the 128-row tile and the parts the 64-row one: the bits must not differ.
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{19, 64},  {111, 200},  {130, 520},
+                                                           {7, 19},   {4097, 24},  {1100, 520}};
   for (at::ScalarType dt : {at::kBFloat16, at::kFloat, at::kDouble})
     for (auto [N, K] : shapes) {
       const int64_t M = 4097;
@@ -41,6 +44,32 @@ TEST(CudaInvariant, LinearMatchesFloat64AndRowsDoNotDependOnTheBatch) {
                                                             << K << " " << dt;
       }
     }
+}
+
+// The grouped GEMM: each group's rows get the bits the dense GEMM gives them alone with the group's
+// weight. Groups this large take the 128-row tile, the rows alone the 64-row one; empty groups and
+// a group of one row are skipped or served like the rest.
+TEST(CudaInvariant, GroupedLinearRowsAreTheDenseGemmsOfTheirGroup) {
+  at::manual_seed(11);
+  const int64_t N = 1536, K = 200;
+  const std::vector<int64_t> ends = {0, 1, 1501, 1501, 3201};
+  const int64_t rows = ends.back(), groups = int64_t(ends.size()) - 1;
+  at::Tensor x = at::randn({rows, K}, at::TensorOptions().dtype(at::kDouble)).to(kCuda, at::kBFloat16);
+  at::Tensor w = (at::randn({groups, N, K}, at::TensorOptions().dtype(at::kDouble)) / std::sqrt(double(K)))
+                     .to(kCuda, at::kBFloat16);
+  const at::Tensor y = kernels::invariant_grouped_linear_cuda(x, w, at::tensor(ends, at::kLong).to(kCuda));
+  for (int64_t e = 0; e < groups; ++e) {
+    const int64_t lo = ends[size_t(e)], n = ends[size_t(e) + 1] - lo;
+    if (n == 0) continue;
+    const at::Tensor rows_e = x.narrow(0, lo, n);
+    EXPECT_TRUE(at::equal(y.narrow(0, lo, n), kernels::invariant_linear_cuda(rows_e.clone(), w[e]))) << "group " << e;
+    EXPECT_LT(relative_error(y.narrow(0, lo, n), at::linear(rows_e.to(at::kCPU, at::kDouble), w[e].to(at::kCPU, at::kDouble))),
+              tolerance(at::kBFloat16))
+        << "group " << e;
+    // One row of the group alone: the same bits again.
+    EXPECT_TRUE(at::equal(y.narrow(0, lo + n - 1, 1), kernels::invariant_linear_cuda(x.narrow(0, lo + n - 1, 1).clone(), w[e])))
+        << "group " << e << ", its last row alone";
+  }
 }
 
 TEST(CudaInvariant, RangedAttentionMatchesFloat64AndQueriesDoNotDependOnTheBatch) {
