@@ -468,10 +468,11 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
       y = norm(y, norm_rows, cfg.rms_norm_eps, opt).view({T, k, -1});
     }
     if (opt.batch_invariant) {  // the k terms added in slot order, each row alone by construction
-      // unbind, not select: its backward is one stack, not k zero-filled copies summed.
-      const std::vector<at::Tensor> ys = y.unbind(1), ws = w.unbind(1);
-      m = ys[0].to(w.scalar_type()) * ws[0].unsqueeze(-1);
-      for (int64_t j = 1; j < k; ++j) m = m + ys[size_t(j)].to(w.scalar_type()) * ws[size_t(j)].unsqueeze(-1);
+      // The products in one op (each the same IEEE product as alone), then k - 1 adds in order;
+      // unbind, not select: the backward is one stack and one product, not k of each.
+      const std::vector<at::Tensor> terms = (y.to(w.scalar_type()) * w.unsqueeze(-1)).unbind(1);
+      m = terms[0];
+      for (int64_t j = 1; j < k; ++j) m = m + terms[size_t(j)];
     } else {
       m = (y.to(w.scalar_type()) * w.unsqueeze(-1)).sum(1);  // FP32 weighted sum
     }
