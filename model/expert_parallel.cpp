@@ -43,6 +43,7 @@ at::Tensor exchange_rows(const comm::Group& group, const at::Tensor& x, const st
 
 ExpertDispatcher::Routed AllToAllDispatcher::dispatch(const at::Tensor& z, const at::Tensor& flat, int64_t k,
                                                      int64_t local) const {
+  if (fixed_shape_) return dispatch_fixed(z, flat, k, local);
   const int64_t S = group_.size();
   Routed r;
   at::Tensor owner = at::div(flat, local, "floor");
@@ -55,7 +56,38 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch(const at::Tensor& z, const
   return r;
 }
 
+// Slot i of rank r's buffer for rank j is row j * C + (its place among this rank's slots for j),
+// all on the device: a stable sort by owner, and each slot's distance from its owner's first.
+ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z, const at::Tensor& flat, int64_t k,
+                                                            int64_t local) const {
+  const int64_t S = group_.size(), n = flat.size(0);
+  int64_t C = capacity_;
+  if (C <= 0) C = int64_t(group_.all_reduce(double(n), comm::ReduceOp::kMax));
+  KILN_CHECK(n <= C, "expert exchange: ", n, " slots on rank ", group_.rank(), " exceed the fixed capacity of ", C,
+             " rows per rank (set_capacity: the most slots of any rank)");
+  Routed r;
+  r.send.assign(size_t(S), C);
+  r.recv = r.send;
+  const at::TensorOptions longs = flat.options().dtype(at::kLong);
+  const at::Tensor owner = at::div(flat, local, "floor");
+  r.order = std::get<1>(at::sort(owner, /*stable=*/true, 0, /*descending=*/false));
+  const at::Tensor per_rank = at::zeros({S}, longs).index_add_(0, owner, at::ones_like(owner));
+  const at::Tensor first = per_rank.cumsum(0) - per_rank;  // each owner's first sorted slot
+  const at::Tensor sorted_owner = owner.index_select(0, r.order);
+  const at::Tensor place = at::arange(n, longs) - first.index_select(0, sorted_owner);
+  r.slot_rows = at::empty({n}, longs).scatter_(0, r.order, sorted_owner * C + place);
+  // The send buffer: slot rows from z, every other row from an appended zero row.
+  const at::Tensor source = at::full({S * C}, z.size(0), longs).scatter_(0, r.slot_rows, at::div(at::arange(n, longs), k, "floor"));
+  const at::Tensor padded = at::cat({z, at::zeros({1, z.size(1)}, z.options())}).index_select(0, source);
+  // Padding rows go to the experts in turn, so that no expert gets all of them.
+  const at::Tensor ids = (at::arange(S * C, longs) % local).scatter_(0, r.slot_rows, flat - owner * local);
+  r.ids = group_.all_to_all_v(ids, r.send);
+  r.rows = exchange_rows(group_, padded, r.send, r.recv);
+  return r;
+}
+
 at::Tensor AllToAllDispatcher::combine(const at::Tensor& y, const Routed& r) const {
+  if (r.slot_rows.defined()) return exchange_rows(group_, y, r.recv, r.send).index_select(0, r.slot_rows);
   at::Tensor back = exchange_rows(group_, y, r.recv, r.send);  // owner order
   at::Tensor inverse = at::empty_like(r.order).scatter_(0, r.order, at::arange(r.order.size(0), r.order.options()));
   return back.index_select(0, inverse);

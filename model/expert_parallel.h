@@ -23,16 +23,32 @@ Muse shard_experts(const Muse& full, int rank, int size);
 
 // Expert parallelism over `group` (rank r holds experts [r * local, (r + 1) * local)): each slot's
 // row goes to its expert's rank by all-to-all-v and its output comes back the same way.
+//
+// Fixed shape (fixed_shape true): every rank sends each rank exactly `capacity` rows, its slots for
+// that rank first and zero rows after, so that the exchange's sizes never depend on the routing
+// and nothing is read back to the host: what a captured CUDA graph needs. The capacity is the
+// most slots any rank of the group has (no slot is ever dropped): set_capacity() for a caller
+// that knows it (a captured batch bucket), else an all-reduce per dispatch. The padding rows run
+// through the experts (spread over them) and their outputs are never read.
 class AllToAllDispatcher : public ExpertDispatcher {
  public:
-  explicit AllToAllDispatcher(const comm::Group& group) : group_(group) {}  // `group` must outlive it
+  // `group` must outlive it.
+  explicit AllToAllDispatcher(const comm::Group& group, bool fixed_shape = false)
+      : group_(group), fixed_shape_(fixed_shape) {}
   int64_t ranks() const override { return group_.size(); }
   Routed dispatch(const at::Tensor& z, const at::Tensor& flat, int64_t k, int64_t local) const override;
   at::Tensor combine(const at::Tensor& y, const Routed& routed) const override;
   const comm::Group& group() const { return group_; }
+  bool fixed_shape() const { return fixed_shape_; }
+  // Rows each rank sends each rank under fixed_shape: at least every rank's slot count (0: found
+  // by an all-reduce at each dispatch).
+  void set_capacity(int64_t rows) { capacity_ = rows; }
 
  private:
+  Routed dispatch_fixed(const at::Tensor& z, const at::Tensor& flat, int64_t k, int64_t local) const;
   const comm::Group& group_;
+  bool fixed_shape_ = false;
+  int64_t capacity_ = 0;
 };
 
 // Rows [sum(send[:j]), +send[j]) of x go to rank j; returns the rows received, in rank order

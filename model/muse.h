@@ -123,6 +123,7 @@ class ExpertDispatcher {
     at::Tensor ids;                      // [n] int64: the local expert of each row
     std::vector<int64_t> send, recv;     // rows per rank each way
     at::Tensor order;                    // the slots sorted by the rank that holds their expert
+    at::Tensor slot_rows;                // fixed-shape exchanges: each slot's row of the padded send buffer
   };
   virtual ~ExpertDispatcher() = default;
   virtual int64_t ranks() const = 0;

@@ -1,7 +1,8 @@
 // Expert parallelism at the world size mpirun gives: with the experts sharded over ep ranks (and
 // dp = world / ep copies of each shard), loss, log-probs, routing and gradients equal one rank's
 // full-batch forward and backward; routing replay gives the same. A sharded load holds only the
-// rank's share of a checkpoint in memory (peak RSS, measured).
+// rank's share of a checkpoint in memory (peak RSS, measured). The fixed-shape exchange gives the
+// same results as the variable one.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
@@ -31,7 +32,8 @@ using comm::Group;
 using test::LossRun;
 using test::next_token_loss;
 
-void check(int ep) {
+// `fixed`: the fixed-shape exchange (AllToAllDispatcher's padded buffers), which must give the same.
+void check(int ep, bool fixed = false) {
   const Group& w = Group::world();
   const int W = w.size(), e = w.rank() % ep, d = w.rank() / ep;
   ASSERT_EQ(W % ep, 0);
@@ -52,7 +54,7 @@ void check(int ep) {
   const test::Sequences& mine = share.seqs;
   const int64_t t0 = share.first_row, tn = share.rows;  // this rank's token rows in the full batch
   ForwardOptions o;
-  const model::AllToAllDispatcher dispatcher(ep_group);
+  const model::AllToAllDispatcher dispatcher(ep_group, fixed);
   o.experts = &dispatcher;
   LossRun got = next_token_loss(shard, mine, norm, o);
 
@@ -97,6 +99,33 @@ TEST(ExpertParallel, EveryRankAnExpertShardMatchesOneRank) { check(Group::world(
 TEST(ExpertParallel, DataTimesExpertParallelMatchesOneRank) {
   if (Group::world().size() != 4) GTEST_SKIP() << "dp=2 x ep=2 needs 4 ranks";
   check(2);
+}
+
+// The fixed-shape exchange (what a captured sharded rollout needs): every rank sends each rank
+// the same number of rows, padded, and the results are one rank's all the same; also when all
+// slots go to rank 0's experts (the skewed case in check) and with ranks of different token counts.
+TEST(ExpertParallel, FixedShapeExchangeMatchesOneRank) {
+  check(Group::world().size(), /*fixed=*/true);
+  if (Group::world().size() == 4) check(2, /*fixed=*/true);
+}
+
+// A capacity below some rank's slot count is refused by name; one above it works as well.
+TEST(ExpertParallel, FixedShapeCapacityIsChecked) {
+  const Group& w = Group::world();
+  if (w.size() == 1) GTEST_SKIP() << "one rank exchanges nothing";
+  const ModelConfig cfg = test::byte_vocab_config();
+  const Muse shard = shard_experts(Muse::init(cfg, 9, at::kFloat, at::kCPU), w.rank(), w.size());
+  const PackedBatch batch = PackedBatch::from_sequences({{1, 2, 3, 4, 5}}, at::kCPU);
+  ForwardOptions o;
+  o.skip_head = true;
+  model::AllToAllDispatcher fixed(w, /*fixed_shape=*/true), plain(w);
+  o.experts = &plain;
+  const at::Tensor expect = shard.forward(batch, o).hidden;
+  fixed.set_capacity(5 * cfg.top_k + 3);  // every rank has 5 tokens
+  o.experts = &fixed;
+  EXPECT_TRUE(test::all_close(shard.forward(batch, o).hidden, expect, 1e-5, 1e-6));
+  fixed.set_capacity(2);
+  EXPECT_TRUE(test::throws_with([&] { shard.forward(batch, o); }, {"exceed the fixed capacity of 2 rows"}));
 }
 
 TEST(ExpertParallel, ShardsAreTheRightSlices) {
