@@ -219,6 +219,7 @@ std::string StepMetrics::to_json() const {
   j["step_seconds"] = step_seconds;
   j["tokens"] = tokens;
   j["tokens_per_second"] = tokens_per_second;
+  if (lp_old_from_rollout) j["lp_old_from_rollout"] = true;
   if (peak_memory_gb > 0) {
     j["peak_memory_gb"] = peak_memory_gb;
     j["phase_peak_gb"] = {{"rollout", rollout_peak_gb}, {"lp_old", lp_old_peak_gb}, {"train", train_peak_gb},
@@ -1190,19 +1191,41 @@ struct GrpoTrainer::Impl {
   struct OldLogprobs {
     Scored old, ref;
     double total_tokens = 0;  // response tokens, all ranks
+    // lp_old is the rollout's log-probs (lp_old_from_rollout); the first mini-step measures the
+    // mismatch on `whole` (this rank's trajectories, packed on the CPU; sequence ids from seq_offset).
+    bool from_rollout = false;
+    Packed whole;
+    int64_t seq_offset = 0, num_seqs = 0;
   };
+  // Under batch-invariant numerics an on-policy batch's rollout log-probs are the trainer's bit
+  // for bit (the engine records them as the trainer computes them): lp_old is taken from them
+  // instead of a second forward, and the first mini-step's forward, which computes the same
+  // log-probs with a graph, measures the mismatch. Not for a stale batch (other weights), nor
+  // with mismatch_ab and replay off (the A/B needs lp_old's own routing), nor under score_lp_old.
+  bool lp_old_from_rollout(const StepMetrics& m) const {
+    return cfg.engine.batch_invariant && m.staleness <= 0 && !(cfg.mismatch_ab && !cfg.routing_replay) &&
+           !cfg.score_lp_old;
+  }
   OldLogprobs score_old(const std::vector<Trajectory>& trajs, const Batch& b, StepMetrics& m) {
     OldLogprobs o;
-    o.old = score(trajs, cfg.routing_replay);
     Packed whole = pack(trajs, 0, trajs.size(), at::kCPU, at::kDouble);
     // The mismatch metrics see every rank's tokens (gathered; a copy on one rank).
     const int64_t n = b.total * cfg.samples_per_prompt;
     const int64_t seq_offset = b.first * cfg.samples_per_prompt;
+    m.tokens = int64_t(group.all_reduce(double(whole.batch.num_tokens())));
+    m.lp_old_from_rollout = o.from_rollout = lp_old_from_rollout(m);
+    if (o.from_rollout) {
+      o.old.logprobs = whole.rollout_lp;  // 0 off the responses; train() takes its own values there
+      o.seq_offset = seq_offset;
+      o.num_seqs = n;
+    } else {
+      o.old = score(trajs, cfg.routing_replay);
+    }
     Gathered all_tok{group.all_gather_v(whole.rollout_lp), group.all_gather_v(whole.mask),
                      group.all_gather_v(whole.seq_ids + seq_offset), n};
-    m.tokens = int64_t(group.all_reduce(double(whole.batch.num_tokens())));
-    m.mismatch = mismatch_metrics(group.all_gather_v(o.old.logprobs.cpu()), all_tok.rollout_lp, all_tok.mask,
-                                  all_tok.seq_ids, all_tok.num_seqs);
+    if (!o.from_rollout)
+      m.mismatch = mismatch_metrics(group.all_gather_v(o.old.logprobs.cpu()), all_tok.rollout_lp, all_tok.mask,
+                                    all_tok.seq_ids, all_tok.num_seqs);
     if (cfg.mismatch_ab) {
       Scored other = score(trajs, !cfg.routing_replay);
       const Scored& no_replay = cfg.routing_replay ? other : o.old;
@@ -1216,7 +1239,17 @@ struct GrpoTrainer::Impl {
     if (reference) o.ref = score(*reference, trajs, cfg.routing_replay);
     if (lora() && cfg.loss.kl_coef != 0) o.ref = score(trained(), trajs, cfg.routing_replay, /*base_only=*/true);
     o.total_tokens = group.all_reduce(whole.mask.sum().item<double>());
+    if (o.from_rollout) o.whole = std::move(whole);
     return o;
+  }
+
+  // The mismatch of an lp_old taken from the rollout: the first mini-step's log-probs `lp` (this
+  // rank's trajectories from `first`, on the CPU) against the rollout's, over every rank.
+  void measure_mismatch(const OldLogprobs& o, const at::Tensor& lp, int64_t first_token, StepMetrics& m) {
+    const int64_t n = lp.size(0);
+    auto part = [&](const at::Tensor& t) { return group.all_gather_v(t.narrow(0, first_token, n)); };
+    m.mismatch = mismatch_metrics(group.all_gather_v(lp), part(o.whole.rollout_lp), part(o.whole.mask),
+                                  part(o.whole.seq_ids + o.seq_offset), o.num_seqs);
   }
 
   // Optimizer mini-steps: each over a disjoint slice of the trajectories, micro-batched.
@@ -1244,6 +1277,7 @@ struct GrpoTrainer::Impl {
       const double slice_tokens = std::max(group.all_reduce(local_tokens), 1.0);
       for (at::Tensor& p : params) p.mutable_grad().reset();
       bool armed = false;
+      std::vector<at::Tensor> first_lp;  // the first mini-step's log-probs (o.from_rollout)
       for (size_t mb0 = mb; mb0 < me; mb0 += size_t(cfg.micro_batch_seqs)) {
         const size_t e = std::min(me, mb0 + size_t(cfg.micro_batch_seqs));
         if (reducer && e == me) reducer->arm(), armed = true;  // the last backward overlaps the reduction
@@ -1258,6 +1292,11 @@ struct GrpoTrainer::Impl {
         PolicyLossInputs in;
         in.logprobs = out.logprobs;
         in.old_logprobs = o.old.logprobs.narrow(0, t0, nt).to(policy.device(), out.logprobs.scalar_type());
+        if (o.from_rollout) {
+          // Off the responses the rollout has no log-prob: the ratio is 1 there (masked anyway).
+          in.old_logprobs = at::where(p.mask > 0, in.old_logprobs, out.logprobs.detach());
+          if (ms == 0) first_lp.push_back(out.logprobs.detach().to(at::kCPU, at::kDouble));
+        }
         in.advantages = p.advantages;
         in.mask = p.loss_mask;
         in.seq_ids = p.seq_ids;
@@ -1302,6 +1341,10 @@ struct GrpoTrainer::Impl {
       } else {
         ++m.skipped_updates;
       }
+      // Once every rank's exchanges and reductions of the mini-step are done, so that the gathers line up.
+      if (o.from_rollout && ms == 0)
+        measure_mismatch(o, first_lp.empty() ? at::zeros({0}, at::kDouble) : at::cat(first_lp),
+                         token_offsets[mb], m);
     }
     at::Tensor loss_parts = at::tensor({loss_sum, clip_sum, kl_sum, mis_sum, loss_tokens}, at::kDouble);
     group.all_reduce(loss_parts);

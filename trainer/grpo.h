@@ -77,6 +77,9 @@ struct GrpoConfig {
   int64_t micro_batch_seqs = 64;    // sequences per forward/backward (gradient accumulation)
   bool routing_replay = true;       // R3: the trainer's forward uses the rollout's expert sets
   bool mismatch_ab = false;         // also measure the mismatch with replay off (one extra forward)
+  // Under rollout.numerics bitwise an on-policy batch's lp_old is the rollout's log-probs (the
+  // same bits); true scores it with a forward anyway, as a check, at the cost of that forward.
+  bool score_lp_old = false;
   bool recompute = false;           // recompute each layer in the backward (ForwardOptions::recompute)
   bool fused_kernels = true;        // CUDA: the fused training kernels and the multi-tensor AdamW
                                     // (false: the ATen reference ops, for A/B runs and debugging)
@@ -145,6 +148,9 @@ struct StepMetrics {
   int64_t reward_failures = 0;            // samples the reward could not score (worker errors)
   RewardStats reward_stats;               // this step's reward-worker counters, all ranks (timeouts, restarts, ...)
   MismatchMetrics mismatch;               // with routing replay as configured
+  // lp_old was the rollout's log-probs (rollout.numerics bitwise, an on-policy batch), and the
+  // mismatch above is measured by the first mini-step's forward (its slice of the batch).
+  bool lp_old_from_rollout = false;
   bool has_no_replay = false;
   MismatchMetrics mismatch_no_replay;     // with replay off (mismatch_ab)
   double routing_disagreement = 0;        // own vs replayed expert sets (mismatch_ab)

@@ -387,6 +387,7 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     }
     s.get("routing_replay", g.routing_replay);
     s.get("mismatch_ab", g.mismatch_ab);
+    s.get("score_lp_old", g.score_lp_old);
     s.get("fused_kernels", g.fused_kernels);
     s.get("recompute", g.recompute);
     s.finish();
@@ -608,6 +609,7 @@ std::string Recipe::to_yaml() const {
     << YAML::Key << "routing_replay"
     << YAML::Value << g.routing_replay << YAML::Key << "mismatch_ab" << YAML::Value << g.mismatch_ab << YAML::Key << "fused_kernels" << YAML::Value
     << g.fused_kernels << YAML::Key << "recompute" << YAML::Value << g.recompute;
+  if (g.score_lp_old) e << YAML::Key << "score_lp_old" << YAML::Value << true;  // runs before the key: false
   if (g.async_staleness >= 0)
     e << YAML::Key << "async" << YAML::Value << YAML::BeginMap << YAML::Key << "max_staleness" << YAML::Value
       << g.async_staleness << YAML::Key << "placement" << YAML::Value << (g.async_split ? "split" : "colocated")

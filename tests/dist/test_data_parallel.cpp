@@ -284,6 +284,37 @@ TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
   if (Group::world().size() == 4) check_grpo(2, 1, 0, "sharded");
 }
 
+// rollout.numerics bitwise over every rank, data parallel and with the experts sharded: lp_old is
+// the rollout's (no second forward), and the first mini-step measures the mismatch over every
+// rank's tokens, exactly 0, also where a rank has no trajectory in that mini-step (3 mini-steps
+// over 32 trajectories) and joins the gathers with none; the run is one rank's.
+TEST(DataParallel, BitwiseGrpoTakesLpOldFromTheRolloutOnEveryRank) {
+  const Group& w = Group::world();
+  const Group alone = w.split(w.rank(), 0);
+  model::ModelConfig mc = test::byte_vocab_config();
+  mc.init_std = 1.0;
+  const model::Muse init = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  Dataset data = test::self_consistent_problems(init, 200);
+  for (int64_t ep : {int64_t(1), int64_t(w.size())}) {
+    GrpoConfig cfg = dp_grpo();
+    cfg.engine.batch_invariant = true;
+    cfg.mini_steps = 3;
+    model::Muse m1 = init.clone(), mw = init.clone();
+    GrpoTrainer one(m1, cfg, test::byte_tokenizer(), data, alone);
+    cfg.parallel.ep = ep;
+    GrpoTrainer all(mw, cfg, test::byte_tokenizer(), data, w);
+    for (int s = 0; s < 2; ++s) {
+      const StepMetrics a = one.step(), b = all.step();
+      EXPECT_TRUE(b.lp_old_from_rollout) << "ep " << ep;
+      EXPECT_GT(b.mismatch.tokens, 0) << "ep " << ep;
+      EXPECT_EQ(b.mismatch.tokens, a.mismatch.tokens) << "ep " << ep << ": the same first mini-step";
+      EXPECT_EQ(b.mismatch.max_abs, 0.0) << "ep " << ep;
+      EXPECT_EQ(b.reward, a.reward) << "ep " << ep;
+      EXPECT_NEAR(b.loss, a.loss, 1e-5 * std::max(1.0, std::abs(a.loss))) << "ep " << ep << " step " << s;
+    }
+  }
+}
+
 // The dense part under ZeRO-3 (each tensor on one rank, gathered a layer at a time): alone (dp =
 // world), with the KL reference sharded too, with the experts sharded by expert parallelism, and
 // LoRA over a sharded frozen base, and beside sharded engines; mini-steps crossing ranks.

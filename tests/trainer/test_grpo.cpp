@@ -161,6 +161,8 @@ TEST(Grpo, BitwiseNumericsGiveExactlyZeroMismatch) {
   GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
   for (int s = 1; s <= 2; ++s) {
     const StepMetrics m = trainer.step();
+    // lp_old is the rollout's; the first mini-step's forward measured the mismatch on every token.
+    EXPECT_TRUE(m.lp_old_from_rollout);
     ASSERT_GT(m.mismatch.tokens, 0);
     EXPECT_EQ(m.mismatch.max_abs, 0.0) << m.to_json();
     EXPECT_EQ(m.mismatch.mean_abs_token, 0.0);
@@ -174,6 +176,66 @@ TEST(Grpo, BitwiseNumericsGiveExactlyZeroMismatch) {
   GrpoConfig bad = cfg;
   bad.top_p = 0.9;
   EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"numerics bitwise", "top_p"}));
+}
+
+// lp_old from the rollout against the same run with lp_old scored (score_lp_old), bit for bit:
+// losses, gradient norms and weights, with two mini-steps (the second trains on weights the first
+// changed, against the rollout's lp_old) and the TIS correction on. Scored as before: replay off
+// with the A/B on (it needs lp_old's own routing), and a batch stale by one update (other weights).
+TEST(Grpo, BitwiseLpOldFromTheRolloutEqualsTheScoredOne) {
+  model::ModelConfig mc = test::byte_vocab_config();
+  mc.init_std = 1.0;
+  const model::Muse init = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
+  Dataset data = test::self_consistent_problems(init, 200);
+  GrpoConfig cfg = small_grpo();
+  cfg.engine.batch_invariant = true;
+  cfg.mini_steps = 2;
+  cfg.loss.tis = true;
+  cfg.reward.type = RewardType::kRegexFormat;  // a digit anywhere: rewards vary within groups
+  cfg.reward.regex_format.pattern = "(?s).*[0-9].*";
+  struct Run {
+    std::vector<StepMetrics> steps;
+    std::vector<at::Tensor> weights;
+  };
+  auto run = [&](const GrpoConfig& c) {
+    model::Muse policy = init.clone();
+    Run r;
+    GrpoTrainer t(policy, c, test::byte_tokenizer(), data);
+    for (int s = 1; s <= 3; ++s) r.steps.push_back(t.step());
+    for (const auto& [name, w] : policy.named_parameters()) r.weights.push_back(w.detach().clone());
+    return r;
+  };
+  const Run taken = run(cfg);
+  GrpoConfig scored_cfg = cfg;
+  scored_cfg.score_lp_old = true;
+  const Run scored = run(scored_cfg);
+  for (size_t s = 0; s < taken.steps.size(); ++s) {
+    const StepMetrics &a = taken.steps[s], &b = scored.steps[s];
+    EXPECT_TRUE(a.lp_old_from_rollout);
+    EXPECT_FALSE(b.lp_old_from_rollout);
+    EXPECT_GT(a.mismatch.tokens, 0);  // the first mini-step's half of the batch
+    EXPECT_LT(a.mismatch.tokens, b.mismatch.tokens);
+    EXPECT_EQ(a.mismatch.max_abs, 0.0);
+    EXPECT_EQ(b.mismatch.max_abs, 0.0);
+    EXPECT_EQ(a.loss, b.loss) << "step " << s + 1;
+    EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << s + 1;
+    EXPECT_EQ(a.clip_fraction, b.clip_fraction) << "step " << s + 1;
+    EXPECT_GT(a.grad_norm, 0);
+  }
+  for (size_t i = 0; i < taken.weights.size(); ++i) EXPECT_TRUE(at::equal(taken.weights[i], scored.weights[i])) << i;
+  GrpoConfig ab = cfg;
+  ab.routing_replay = false;
+  ab.mismatch_ab = true;
+  for (const StepMetrics& m : run(ab).steps) {
+    EXPECT_FALSE(m.lp_old_from_rollout);
+    EXPECT_EQ(m.mismatch.max_abs, 0.0);
+  }
+  GrpoConfig stale = cfg;
+  stale.async_staleness = 1;
+  const Run async_run = run(stale);
+  EXPECT_TRUE(async_run.steps[0].lp_old_from_rollout);  // the first batch is on-policy
+  EXPECT_EQ(async_run.steps[1].staleness, 1);
+  EXPECT_FALSE(async_run.steps[1].lp_old_from_rollout);
 }
 
 TEST(Grpo, ResumeFromACheckpointReproducesTheUninterruptedRunBitwise) { check_resume(0.0); }
