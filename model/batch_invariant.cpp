@@ -400,8 +400,8 @@ struct GatherRows : public torch::autograd::Function<GatherRows> {
   }
 };
 
-// Rows of a small table (weight [E, ...]) picked by ids; the table's gradient is one GEMM with
-// the one-hot ids, in fp32 (fp64 for fp64).
+// Rows of a small table (weight [E, ...]) picked by ids; the table's gradient is GEMMs with the
+// one-hot ids (in chunks of rows), in fp32 (fp64 for fp64).
 struct TableRows : public torch::autograd::Function<TableRows> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& table, const at::Tensor& ids) {
     ctx->save_for_backward({ids});
@@ -413,12 +413,20 @@ struct TableRows : public torch::autograd::Function<TableRows> {
     const at::Tensor ids = ctx->get_saved_variables()[0];
     const at::Tensor& g = grads[0];
     const at::ScalarType acc = acc_of(g.scalar_type());
-    const int64_t E = ctx->saved_data["rows"].toInt();
-    const at::Tensor one_hot = at::zeros({ids.size(0), E}, g.options().dtype(acc)).scatter_(1, ids.view({-1, 1}), 1.0);
+    const int64_t E = ctx->saved_data["rows"].toInt(), n = ids.size(0), width = n > 0 ? g.numel() / n : 0;
     std::vector<int64_t> shape = g.sizes().vec();
     shape[0] = E;
-    const at::Tensor dt = one_hot.t().mm(g.reshape({g.size(0), -1}).to(acc)).view(shape).to(g.scalar_type());
-    return {dt, at::Tensor()};
+    // In chunks of rows, so that the one-hot stays small whatever the batch.
+    constexpr int64_t kChunk = 16384;
+    const at::Tensor g2 = g.reshape({n, width});
+    at::Tensor dt = at::zeros({E, width}, g.options().dtype(acc));
+    for (int64_t a = 0; a < n; a += kChunk) {
+      const int64_t c = std::min(kChunk, n - a);
+      const at::Tensor one_hot =
+          at::zeros({c, E}, g.options().dtype(acc)).scatter_(1, ids.narrow(0, a, c).view({-1, 1}), 1.0);
+      dt.addmm_(one_hot.t(), g2.narrow(0, a, c).to(acc));
+    }
+    return {dt.view(shape).to(g.scalar_type()), at::Tensor()};
   }
 };
 

@@ -61,10 +61,12 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch(const at::Tensor& z, const
 ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z, const at::Tensor& flat, int64_t k,
                                                             int64_t local) const {
   const int64_t S = group_.size(), n = flat.size(0);
-  int64_t C = capacity_;
-  if (C <= 0) C = int64_t(group_.all_reduce(double(n), comm::ReduceOp::kMax));
-  KILN_CHECK(n <= C, "expert exchange: ", n, " slots on rank ", group_.rank(), " exceed the fixed capacity of ", C,
-             " rows per rank (set_capacity: the most slots of any rank)");
+  // The most slots of any rank (a host all-reduce in eager mode; a captured graph replays none of
+  // this), checked against a set capacity on every rank alike, so that all of them fail together.
+  const int64_t most = int64_t(group_.all_reduce(double(n), comm::ReduceOp::kMax));
+  const int64_t C = capacity_ > 0 ? capacity_ : most;
+  KILN_CHECK(most <= C, "expert exchange: a rank of the group has ", most, " slots, beyond the fixed capacity of ", C,
+             " rows per rank (set_capacity: at least the most slots of any rank)");
   Routed r;
   r.send.assign(size_t(S), C);
   r.recv = r.send;

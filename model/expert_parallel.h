@@ -27,9 +27,10 @@ Muse shard_experts(const Muse& full, int rank, int size);
 // Fixed shape (fixed_shape true): every rank sends each rank exactly `capacity` rows, its slots for
 // that rank first and zero rows after, so that the exchange's sizes never depend on the routing
 // and nothing is read back to the host: what a captured CUDA graph needs. The capacity is the
-// most slots any rank of the group has (no slot is ever dropped): set_capacity() for a caller
-// that knows it (a captured batch bucket), else an all-reduce per dispatch. The padding rows run
-// through the experts (spread over them) and their outputs are never read.
+// most slots any rank of the group has (no slot is ever dropped), found by a host all-reduce per
+// dispatch (which a captured graph does not replay); set_capacity() fixes it for a captured batch
+// bucket, and every rank checks it alike. The padding rows run through the experts (spread over
+// them) and their outputs are never read.
 class AllToAllDispatcher : public ExpertDispatcher {
  public:
   // `group` must outlive it.

@@ -1201,10 +1201,11 @@ struct GrpoTrainer::Impl {
   // for bit (the engine records them as the trainer computes them): lp_old is taken from them
   // instead of a second forward, and the first mini-step's forward, which computes the same
   // log-probs with a graph, measures the mismatch. Not for a stale batch (other weights), nor
-  // with mismatch_ab and replay off (the A/B needs lp_old's own routing), nor under score_lp_old.
+  // with mismatch_ab and replay off (the A/B needs lp_old's own routing), nor under score_lp_old,
+  // nor for an fp64 policy (the rollout keeps its log-probs in fp32, the trainer's are fp64).
   bool lp_old_from_rollout(const StepMetrics& m) const {
     return cfg.engine.batch_invariant && m.staleness <= 0 && !(cfg.mismatch_ab && !cfg.routing_replay) &&
-           !cfg.score_lp_old;
+           !cfg.score_lp_old && policy.dtype() != at::kDouble;
   }
   OldLogprobs score_old(const std::vector<Trajectory>& trajs, const Batch& b, StepMetrics& m) {
     OldLogprobs o;
@@ -1221,8 +1222,11 @@ struct GrpoTrainer::Impl {
     } else {
       o.old = score(trajs, cfg.routing_replay);
     }
-    Gathered all_tok{group.all_gather_v(whole.rollout_lp), group.all_gather_v(whole.mask),
-                     group.all_gather_v(whole.seq_ids + seq_offset), n};
+    // The whole batch's tokens, gathered where this step's metrics read them here.
+    Gathered all_tok;
+    if (!o.from_rollout || cfg.mismatch_ab)
+      all_tok = {group.all_gather_v(whole.rollout_lp), group.all_gather_v(whole.mask),
+                 group.all_gather_v(whole.seq_ids + seq_offset), n};
     if (!o.from_rollout)
       m.mismatch = mismatch_metrics(group.all_gather_v(o.old.logprobs.cpu()), all_tok.rollout_lp, all_tok.mask,
                                     all_tok.seq_ids, all_tok.num_seqs);

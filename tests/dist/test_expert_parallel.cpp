@@ -125,7 +125,7 @@ TEST(ExpertParallel, FixedShapeCapacityIsChecked) {
   o.experts = &fixed;
   EXPECT_TRUE(test::all_close(shard.forward(batch, o).hidden, expect, 1e-5, 1e-6));
   fixed.set_capacity(2);
-  EXPECT_TRUE(test::throws_with([&] { shard.forward(batch, o); }, {"exceed the fixed capacity of 2 rows"}));
+  EXPECT_TRUE(test::throws_with([&] { shard.forward(batch, o); }, {"beyond the fixed capacity of 2 rows"}));
 }
 
 TEST(ExpertParallel, ShardsAreTheRightSlices) {

@@ -236,6 +236,13 @@ TEST(Grpo, BitwiseLpOldFromTheRolloutEqualsTheScoredOne) {
   EXPECT_TRUE(async_run.steps[0].lp_old_from_rollout);  // the first batch is on-policy
   EXPECT_EQ(async_run.steps[1].staleness, 1);
   EXPECT_FALSE(async_run.steps[1].lp_old_from_rollout);
+  // An fp64 policy: the rollout keeps its log-probs in fp32, so lp_old is scored, and the mismatch
+  // is that storage's rounding alone.
+  model::Muse fp64 = model::Muse::init(mc, 3, at::kDouble, at::kCPU);
+  GrpoTrainer t64(fp64, cfg, test::byte_tokenizer(), data);
+  const StepMetrics m64 = t64.step();
+  EXPECT_FALSE(m64.lp_old_from_rollout);
+  EXPECT_LT(m64.mismatch.max_abs, 1e-6);
 }
 
 TEST(Grpo, ResumeFromACheckpointReproducesTheUninterruptedRunBitwise) { check_resume(0.0); }
