@@ -65,6 +65,8 @@ int64_t device_for_rank(int64_t local_rank, int64_t visible);
 // Peak memory allocated on a CUDA device since the last reset, in GB; 0 on the CPU.
 void reset_peak_memory(at::Device device);
 double peak_memory_gb(at::Device device);
+// Memory allocated on a CUDA device now, in GB; 0 on the CPU.
+double current_memory_gb(at::Device device);
 // The device's total memory in bytes (cudaMemGetInfo); 0 on the CPU.
 double device_memory_bytes(at::Device device);
 

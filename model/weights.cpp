@@ -217,17 +217,24 @@ double device_memory_bytes(at::Device device) {
   return 0.0;
 }
 
-double peak_memory_gb(at::Device device) {
+namespace {
+// The allocator's allocated-bytes statistic of `device` ([0]: StatType AGGREGATE in every torch
+// version), peak or current, in GB; 0 on the CPU.
+double allocated_gb(at::Device device, bool peak) {
 #if KILN_WITH_CUDA
   if (device.is_cuda()) {
     const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device));
-    return double(st.allocated_bytes[0].peak) / 1e9;  // [0]: StatType AGGREGATE in every torch version
+    return double(peak ? st.allocated_bytes[0].peak : st.allocated_bytes[0].current) / 1e9;
   }
 #else
-  (void)device;
+  (void)device, (void)peak;
 #endif
   return 0.0;
 }
+}  // namespace
+
+double peak_memory_gb(at::Device device) { return allocated_gb(device, true); }
+double current_memory_gb(at::Device device) { return allocated_gb(device, false); }
 
 std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;

@@ -336,6 +336,15 @@ Run add_train(CLI::App& app) {
                                             : std::string("at the end only"));
     }
     if (!a->resume.empty() && lead) fmt::print("train: resumed from {} at step {}\n", ckpt, trainer.steps_done());
+    if (lead && !trainer.construction_memory().empty()) {  // CUDA: what each part of the trainer allocated
+      std::string parts;
+      double before = 0;
+      for (const auto& [what, gb] : trainer.construction_memory()) {
+        parts += fmt::format("{}{} {:+.2f}", parts.empty() ? "" : ", ", what, gb - before);
+        before = gb;
+      }
+      fmt::print("train: device memory allocated, GB: {}; {:.2f} in all\n", parts, before);
+    }
     const trainer::RunResult result = trainer::run_grpo(trainer, r.run, lead ? stderr : nullptr);
     const trainer::EvalMetrics& last = result.last;
     if (result.stopped_at > 0) {

@@ -194,7 +194,9 @@ for v in base lora cpu nvfp4; do
   [ "$v" = lora ] && printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/cal-$v.yaml"
   [ "$v" = cpu ] && sed -i "s/^optim:/optim:\n  state: cpu/" "$tmp/cal-$v.yaml"
   [ "$v" = nvfp4 ] && sed -i "s/^rollout:/rollout:\n  quantization: nvfp4/" "$tmp/cal-$v.yaml"  # quantised from the bf16 init
-  ./build-gpu/kiln train "$tmp/cal-$v.yaml" --out "$tmp/cal-$v" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -1
+  # The trainer's own memory line (what each part allocated) goes to calibrate.txt beside the plan.
+  ./build-gpu/kiln train "$tmp/cal-$v.yaml" --out "$tmp/cal-$v" 2>&1 | tr '\r' '\n' | grep -v "^step " \
+    | grep -E "device memory|train: done" | sed "s/^/$v: /" | tee -a "$out/calibrate.txt" | tail -1
   seq=$(python3 -c "import json,sys; r=[json.loads(l) for l in open('$tmp/cal-$v/metrics.jsonl') if '\"tokens\"' in l]; print(max(1, round(max(x['tokens'] for x in r) / 128)))")
   ./build-gpu/kiln plan configs/muse-small.yaml "$tmp/cal-$v.yaml" --gpus-per-node 1 --seq-len "$seq" > "$tmp/plan-$v.txt"
   { echo "== $v"; cat "$tmp/plan-$v.txt"; } >> "$out/calibrate.txt"  # the plan's items, to set against the phases
@@ -209,7 +211,8 @@ n, unit = sys.argv[4].split()
 plan = float(n) * {"GiB": 1, "MiB": 1 / 1024, "TiB": 1024}[unit] + 2.0  # + the recipe's 2 GiB KV cache
 print(f"calibration {sys.argv[2]}: measured peak {peak:.2f} GiB, planned {plan:.2f} GiB (with the KV cache), "
       f"planned / measured {plan / peak:.3f} (sequences of {sys.argv[3]} tokens); phases of step {top['step']}: " +
-      ", ".join(f"{k} {gib(v):.2f} GiB" for k, v in top.get("phase_peak_gb", {}).items()))
+      ", ".join(f"{k} {gib(v):.2f} GiB" for k, v in top.get("phase_peak_gb", {}).items()) +
+      f"; allocated after it {gib(top.get('memory_after_gb', 0)):.2f} GiB")
 PY
 done
 fi  # calibrate

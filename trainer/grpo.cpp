@@ -224,6 +224,7 @@ std::string StepMetrics::to_json() const {
     j["peak_memory_gb"] = peak_memory_gb;
     j["phase_peak_gb"] = {{"rollout", rollout_peak_gb}, {"lp_old", lp_old_peak_gb}, {"train", train_peak_gb},
                           {"sync", sync_peak_gb}};
+    j["memory_after_gb"] = memory_after_gb;
   }
   return j.dump();
 }
@@ -259,6 +260,11 @@ struct GrpoTrainer::Impl {
   std::vector<SampleRecord> last;  // the last step's samples (this rank's), for sample dumps
   int64_t steps = 0;
   UpdateGuard guard;               // skips updates with a non-finite gradient norm
+  std::vector<std::pair<std::string, double>> built_memory;  // GrpoTrainer::construction_memory
+  // Records the memory allocated now, after the part `what` (CUDA only).
+  void note_memory(const char* what) {
+    if (policy.device().is_cuda()) built_memory.emplace_back(what, model::current_memory_gb(policy.device()));
+  }
 
   Impl(model::Muse& p, GrpoConfig c, std::shared_ptr<const text::Tokenizer> t, Dataset d, const comm::Group& g,
        std::shared_ptr<Reward> r)
@@ -301,6 +307,7 @@ struct GrpoTrainer::Impl {
                  "); lower either");
     }
     const int64_t ep = cfg.parallel.ep;
+    note_memory("policy");
     if (cfg.lora.enabled() && model::lora_rank(policy) == 0) {
       // A share's adapters are drawn for its own experts (the same values as the whole model's).
       const PolicyShare share = policy_share(policy.config(), policy.dtype(), cfg.parallel, group);
@@ -326,13 +333,16 @@ struct GrpoTrainer::Impl {
     // placement only the rollout ranks have one, and nothing else: they do not train.
     if (rollout_side) {
       build_rollout_engine(ec);
+      note_memory("engine");
       return;
     }
     if (!cfg.async_split) engine = std::make_unique<rollout::Engine>(trained(), ec, engine_source());
+    note_memory("engine");
     // The KL reference: a frozen copy of what is trained (an expert shard under expert
     // parallelism); with LoRA the base itself, adapters disabled (no second copy).
     if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
     if (reference) ref_zero3 = layout->shard_like(*reference);
+    note_memory("reference");
     trained().set_requires_grad(!lora());
     const auto named = lora() ? model::lora_parameters(trained()) : trained().named_parameters();
     for (auto& [name, t] : named) t.requires_grad_(true);
@@ -344,6 +354,7 @@ struct GrpoTrainer::Impl {
     oc.fused = cfg.fused_kernels;
     zero = std::make_unique<dist::ZeroOne>(named, is_expert, group, expert_dp, oc, zero3);
     if (!shard && group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
+    note_memory("optimizer");
   }
 
   // A split rollout rank's engine, which holds the only copy of the weights: the policy becomes
@@ -463,6 +474,7 @@ struct GrpoTrainer::Impl {
     m.step_seconds = seconds_since(t_step);
     m.tokens_per_second = double(m.tokens) / std::max(m.step_seconds, 1e-9);
     m.peak_memory_gb = std::max({m.rollout_peak_gb, m.lp_old_peak_gb, m.train_peak_gb, m.sync_peak_gb});
+    m.memory_after_gb = model::current_memory_gb(device);
     return m;
   }
 
@@ -1754,6 +1766,9 @@ void GrpoTrainer::sync_policy() {
 }
 const DataStream& GrpoTrainer::stream() const { return impl_->stream; }
 const comm::Group& GrpoTrainer::group() const { return impl_->group; }
+const std::vector<std::pair<std::string, double>>& GrpoTrainer::construction_memory() const {
+  return impl_->built_memory;
+}
 bool GrpoTrainer::serves_rollouts() const { return impl_->rollout_side; }
 void GrpoTrainer::serve_rollouts() { impl_->serve(); }
 

@@ -162,6 +162,7 @@ struct StepMetrics {
   // ... and of each phase: the rollout (with rewards and dynamic sampling's rounds), lp_old (with
   // the reference and A/B forwards), train, and the weight sync (CUDA; the memory plan's calibration).
   double rollout_peak_gb = 0, lp_old_peak_gb = 0, train_peak_gb = 0, sync_peak_gb = 0;
+  double memory_after_gb = 0;             // allocated at the step's end: what stays between steps (CUDA)
   // Weight sync to the rollout: adapters only (LoRA) or every weight; bytes sent, seconds, and the
   // probe check's mean |log-prob difference| between trainer and rollout (-1: not checked).
   int64_t sync_bytes = 0;
@@ -210,6 +211,10 @@ class GrpoTrainer {
   // The ranks that train together: the group given, or under grpo.async.placement split its first
   // half. Every call above except serve_rollouts is collective over it.
   const comm::Group& group() const;
+  // Device memory allocated (GB) after each part of construction, in order: the policy as given,
+  // then the rollout engine (its weights and KV cache), the KL reference and the optimizer with
+  // its state; empty on the CPU. For the memory plan's calibration.
+  const std::vector<std::pair<std::string, double>>& construction_memory() const;
   // grpo.async.placement split: whether this rank is one of the second half, which roll out. Such a
   // rank only calls serve_rollouts, which returns once its trainer is destroyed.
   bool serves_rollouts() const;
