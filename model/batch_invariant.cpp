@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/torch_version.h"
 #include "kernels/invariant.h"
 #include "kernels/rms_norm.h"
 #include "model/muse.h"
@@ -117,12 +118,24 @@ struct GroupedRowsLinear : public torch::autograd::Function<GroupedRowsLinear> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1];
-    const at::Tensor g = grads[0].contiguous(), host = saved[2].cpu();
-    const int64_t* o = host.data_ptr<int64_t>();
-    // dx: one grouped launch over the transposed stack where the kernel serves (its rounding is
-    // as good as any: no log-prob reads a gradient's bits); dw: a GEMM per group.
+    const at::Tensor g = grads[0].contiguous();
     // Only the gradients wanted (frozen experts under LoRA want none for w).
     const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
+#if KILN_TORCH_AT_LEAST(2, 8)
+    // On CUDA in bf16, torch's grouped GEMM, no host sync: dx = g_e . w_e for each group's rows
+    // (offsets along M), dw_e = g_e^T . x_e (offsets along the contraction). Its rounding is as
+    // good as any: no log-prob reads a gradient's bits.
+    if (g.is_cuda() && g.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && w.size(1) % 8 == 0 &&
+        w.size(2) % 8 == 0) {
+      const at::Tensor ends = saved[2].narrow(0, 1, w.size(0)).to(at::kInt);
+      return {want_dx ? at::_grouped_mm(g, w.contiguous(), ends) : at::Tensor(),
+              want_dw ? at::_grouped_mm(g.t(), x.contiguous(), ends) : at::Tensor(), at::Tensor()};
+    }
+#endif
+    const at::Tensor host = saved[2].cpu();
+    const int64_t* o = host.data_ptr<int64_t>();
+    // dx: one grouped launch over the transposed stack where the kernel serves; dw: a GEMM per
+    // group.
     const at::Tensor wt = want_dx ? w.transpose(1, 2).contiguous() : at::Tensor();
     const bool grouped_dx = want_dx && kernels::invariant_grouped_linear_serves(g, wt);
     at::Tensor dx = grouped_dx ? kernels::invariant_grouped_linear_cuda(g, wt, saved[2])
