@@ -243,9 +243,11 @@ at::Tensor ranged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   return o;
 }
 
+// straight_through's node. `values` is returned as it is (autograd gives the output an alias of
+// it with this node), not copied: it is a fresh result no one else writes.
 struct ValuesOf : public torch::autograd::Function<ValuesOf> {
   static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& values, const at::Tensor&) {
-    return values.clone();
+    return values;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
                                                  torch::autograd::variable_list grads) {
