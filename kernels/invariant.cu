@@ -3,6 +3,7 @@
 // number of rows, their place in the batch or the grid; no split-K, no atomics, no shape heuristics.
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -151,13 +152,22 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_grouped_kernel(const _
 }
 
 // Launches `kernel` (a TM instance) with its dynamic shared memory, raising the kernel's limit
-// past the default 48 KB the first time.
+// past the default 48 KB the first time on each device (the attribute is per device).
 template <int TM, typename Kernel, typename... Args>
 cudaError_t launch_gemm(Kernel kernel, dim3 grid, cudaStream_t stream, Args... args) {
   constexpr int bytes = gemm_smem_bytes<TM>();
-  static const cudaError_t raised =
-      bytes > 48 * 1024 ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) : cudaSuccess;
-  if (raised != cudaSuccess) return raised;
+  if (bytes > 48 * 1024) {
+    constexpr int kDevices = 64;
+    static std::atomic<bool> raised[kDevices];
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    if (device >= kDevices || !raised[device].load(std::memory_order_acquire)) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      if (err != cudaSuccess) return err;
+      if (device < kDevices) raised[device].store(true, std::memory_order_release);
+    }
+  }
   kernel<<<grid, kGemmThreads, bytes, stream>>>(args...);
   return cudaGetLastError();
 }
