@@ -3,6 +3,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "core/comm.h"
 #include "tests/test_util.h"
 #include "tests/trainer/produced_fixture.h"
@@ -189,6 +192,32 @@ TEST(Comm, BytesGoPointToPointInOrder) {
     }
   }
   EXPECT_TRUE(test::throws_with([&] { w.send_bytes(own(1), w.rank(), 7); }, {"send_bytes", "to rank"}));
+  w.barrier();
+}
+
+// Unwatched point to point (a rollout rank's side of its link): a send whose receiver comes 2.5 s
+// late, and a receive whose sender does, under a 1 s collective timeout, do not end the job; a
+// watched one would (the watchdog aborts every rank, which fails the run). 64 MiB: MPI hands such a
+// message over only once its receive is posted.
+TEST(Comm, UnwatchedBytesMayWaitPastTheTimeout) {
+  const Group& w = Group::world();
+  if (w.size() < 2 || w.rank() > 1) {
+    w.barrier();
+    return;
+  }
+  const at::Tensor big = at::arange(64 << 20, at::kLong).remainder(253).to(at::kByte);
+  comm::set_collective_timeout(1.0);
+  if (w.rank() == 0) {
+    w.send_bytes(big, 1, 11, /*watched=*/false);  // rank 1 is asleep
+    const at::Tensor back = w.recv_bytes(1, 12, /*watched=*/false);  // rank 1 sleeps again first
+    EXPECT_TRUE(at::equal(back, big.narrow(0, 0, 1000)));
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    EXPECT_TRUE(at::equal(w.recv_bytes(0, 11), big));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    w.send_bytes(big.narrow(0, 0, 1000).clone(), 0, 12);
+  }
+  comm::set_collective_timeout(0);
   w.barrier();
 }
 
