@@ -502,14 +502,23 @@ void Group::send_bytes(const at::Tensor& bytes, int dst, int tag, bool watched) 
 }
 
 at::Tensor Group::recv_bytes(int src, int tag, bool watched) const {
+  at::Tensor buffer = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+  return recv_bytes_into(buffer, src, tag, watched);
+}
+
+at::Tensor Group::recv_bytes_into(at::Tensor& buffer, int src, int tag, bool watched) const {
   KILN_CHECK(size_ > 1 && src >= 0 && src < size_ && src != rank_, "comm: recv_bytes from rank ", src,
              " of a group of ", size_, " at rank ", rank_);
   KILN_CHECK(tag >= 0 && tag <= kMaxTag, "comm: recv_bytes tag ", tag, " outside [0, ", kMaxTag, "]");
+  KILN_CHECK(buffer.defined() && buffer.is_cpu() && buffer.scalar_type() == at::kByte && buffer.dim() == 1 &&
+                 buffer.is_contiguous(),
+             "comm: recv_bytes_into takes a contiguous CPU uint8 vector");
   int64_t n = 0;
   if (watched) KILN_MPI(MPI_Recv(&n, 1, MPI_INT64_T, src, tag, impl_->comm, MPI_STATUS_IGNORE), "MPI_Recv of a size");
   else check_mpi(MPI_Recv(&n, 1, MPI_INT64_T, src, tag, impl_->comm, MPI_STATUS_IGNORE), "MPI_Recv of a size");
   KILN_CHECK(n >= 0, "comm: recv_bytes from rank ", src, " announced ", n, " bytes");
-  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kByte));
+  if (buffer.numel() < n) buffer = at::empty({n}, buffer.options());
+  at::Tensor out = buffer.narrow(0, 0, n);
   auto* p = static_cast<char*>(out.data_ptr());
   for (int64_t i = 0; i < n; i += kMaxCount)
     KILN_MPI(MPI_Recv(p + i, int(std::min(kMaxCount, n - i)), MPI_BYTE, src, tag, impl_->comm, MPI_STATUS_IGNORE),

@@ -80,6 +80,9 @@ class Group {
   // another has work for it, or whose message waits until the other is ready for it); its bytes are.
   void send_bytes(const at::Tensor& bytes, int dst, int tag, bool watched = true) const;
   at::Tensor recv_bytes(int src, int tag, bool watched = true) const;
+  // recv_bytes into `buffer` (a CPU uint8 vector, grown with its own options, pinned ones
+  // included, when too small): returns its first bytes, valid until the buffer's next use.
+  at::Tensor recv_bytes_into(at::Tensor& buffer, int src, int tag, bool watched = true) const;
 
  private:
   bool nccl_path(const at::Tensor& t) const;

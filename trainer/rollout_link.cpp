@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
@@ -61,6 +62,13 @@ RolloutLink::Message RolloutLink::recv() const {
 
 // Each tensor is two messages: its name, dtype and shape (an empty tensor of it), then its values'
 // bytes as they lie in a contiguous CPU copy, so nothing is copied into or out of a byte buffer.
+at::Tensor& RolloutLink::staging(int64_t bytes, bool pinned) const {
+  if (!staging_.defined() || staging_.numel() < bytes || staging_.is_pinned() != pinned)
+    staging_ = at::empty({std::max<int64_t>(bytes, staging_.defined() ? staging_.numel() : 0)},
+                         at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+  return staging_;
+}
+
 int64_t RolloutLink::send_tensors(const NamedTensors& tensors) const {
   int64_t bytes = 0;
   for (const auto& [name, t] : tensors) {
@@ -69,10 +77,16 @@ int64_t RolloutLink::send_tensors(const NamedTensors& tensors) const {
     head.put(int64_t(t.scalar_type()));
     head.put(t.sizes().vec());
     world_.send_bytes(head.tensor(), peer_, send_tag_);
-    const at::Tensor values = t.detach().to(at::kCPU).contiguous();
-    const at::Tensor raw = at::from_blob(values.data_ptr(), {int64_t(values.nbytes())}, at::kByte);
-    world_.send_bytes(raw, peer_, send_tag_);
-    bytes += raw.numel();
+    const int64_t n = int64_t(t.numel()) * int64_t(t.element_size());
+    at::Tensor values;  // the CPU copy, or the tensor itself where it is one
+    if (t.is_cpu() && t.is_contiguous()) {
+      values = t.detach();
+    } else {
+      values = staging(n, t.is_cuda()).narrow(0, 0, n).view(t.scalar_type()).view(t.sizes());
+      values.copy_(t.detach());  // from a GPU: done when it returns (not non_blocking)
+    }
+    world_.send_bytes(at::from_blob(values.data_ptr(), {n}, at::kByte), peer_, send_tag_);
+    bytes += n;
   }
   return bytes;
 }
@@ -88,7 +102,7 @@ at::Tensor RolloutLink::recv_tensor(const std::string& name, const at::Tensor& l
   KILN_CHECK(got == name && dtype == int64_t(like.scalar_type()), "rollout link: rank ", peer_, " sent ", got, " ",
              at::IntArrayRef(shape), " (dtype ", dtype, ") where this rank's model has ", name, " ", like.scalar_type(),
              "; trainer and rollout ranks must build the same model from the same recipe");
-  const at::Tensor raw = world_.recv_bytes(peer_, recv_tag_);
+  const at::Tensor raw = world_.recv_bytes_into(staging(0, like.is_cuda()), peer_, recv_tag_);
   int64_t numel = 1;
   for (int64_t d : shape) numel *= d;
   KILN_CHECK(raw.numel() == numel * int64_t(like.element_size()), "rollout link: rank ", peer_, " sent ", raw.numel(),

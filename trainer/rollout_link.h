@@ -42,16 +42,21 @@ class RolloutLink {
   void send(LinkKind kind, const ByteWriter& body = ByteWriter()) const;
   Message recv() const;
   // Tensor by tensor (a header naming it, then its values' bytes from a CPU copy), so that no
-  // more than one tensor is ever held on the CPU; returns the bytes of the values.
+  // more than one tensor is ever held on the CPU; returns the bytes of the values. A GPU tensor is
+  // staged through one pinned buffer, reused (no allocation, no page faults per tensor).
   int64_t send_tensors(const NamedTensors& tensors) const;
   // The next tensor, which must be `name`, of `like`'s dtype (any shape: the caller checks it), on
-  // the CPU; send_tensors' counterpart, one call per tensor.
+  // the CPU; send_tensors' counterpart, one call per tensor. It lies in a buffer the next call
+  // reuses (pinned when `like` is on a GPU): copy it before then.
   at::Tensor recv_tensor(const std::string& name, const at::Tensor& like) const;
 
  private:
   comm::Group world_;
   int peer_ = 0, send_tag_ = 0, recv_tag_ = 0;
   bool trainer_side_ = false;
+  mutable at::Tensor staging_;  // the tensors' bytes on their way (uint8, grown as needed)
+  // staging_ with room for `bytes`, pinned where the other side of the copy is a GPU.
+  at::Tensor& staging(int64_t bytes, bool pinned) const;
 };
 
 void write_eval_config(ByteWriter& w, const EvalConfig& c);

@@ -167,7 +167,8 @@ TEST(Comm, CudaTensorsGiveTheCpuResults) {
 
 // Point to point: every other rank sends rank 0 an empty message, a rolled-out batch (what a
 // rollout rank hands its trainer) and a message of its own size, in that order under one tag; rank
-// 0 gets each back equal and in order. A one-rank group refuses both sides.
+// 0 gets each back equal and in order, also into a buffer of its own (grown once, then reused).
+// A one-rank group refuses both sides.
 TEST(Comm, BytesGoPointToPointInOrder) {
   const Group& w = Group::world();
   if (w.size() == 1) {
@@ -181,6 +182,8 @@ TEST(Comm, BytesGoPointToPointInOrder) {
     trainer::write_produced(b, test::produced_fixture(w.rank()));
     w.send_bytes(b.tensor(), 0, 7);
     w.send_bytes(own(w.rank()), 0, 7);
+    w.send_bytes(own(w.rank()), 0, 7);  // into a buffer that must grow
+    w.send_bytes(own(w.rank()).narrow(0, 0, 5).clone(), 0, 7);  // into the same buffer, not grown
   } else {
     for (int r = 1; r < w.size(); ++r) {
       EXPECT_EQ(w.recv_bytes(r, 7).numel(), 0);
@@ -189,6 +192,12 @@ TEST(Comm, BytesGoPointToPointInOrder) {
       test::expect_same_produced(trainer::read_produced(reader), test::produced_fixture(r));
       reader.expect_end();
       EXPECT_TRUE(at::equal(w.recv_bytes(r, 7), own(r))) << "rank " << r;
+      at::Tensor buffer = at::empty({10}, at::kByte);
+      EXPECT_TRUE(at::equal(w.recv_bytes_into(buffer, r, 7), own(r))) << "rank " << r;
+      EXPECT_GE(buffer.numel(), own(r).numel());
+      const void* kept = buffer.data_ptr();
+      EXPECT_TRUE(at::equal(w.recv_bytes_into(buffer, r, 7), own(r).narrow(0, 0, 5))) << "rank " << r;
+      EXPECT_EQ(buffer.data_ptr(), kept) << "a message that fits reuses the buffer";
     }
   }
   EXPECT_TRUE(test::throws_with([&] { w.send_bytes(own(1), w.rank(), 7); }, {"send_bytes", "to rank"}));
