@@ -174,9 +174,11 @@ void bench_rollout(at::Device device, const std::string& config, const RolloutBe
              "decode tok/s", "step ms", "rows/step", "of bytes", "of FLOPs", "KV peak", "preempt", "steps", "graph");
   std::vector<std::string> quants = {"none"};
   if (quantization != "none") quants.push_back(quantization);
+  if (shape.bitwise) quants.push_back("bitwise");  // BF16 weights, batch-invariant numerics
   double base = 0;
   for (const std::string& q : quants) {
-    ec.quantization = rollout::parse_quantization(q);
+    ec.batch_invariant = q == "bitwise";
+    ec.quantization = rollout::parse_quantization(ec.batch_invariant ? "none" : q);
     const RunResult r = run_workload(m, ec, reqs, device);
     const rollout::EngineStats& s = r.stats;
     const double dsec = std::max(s.decode_seconds, 1e-12);

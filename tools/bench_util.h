@@ -38,6 +38,7 @@ void bench_optim(at::Device device, const std::string& config, const std::string
 struct RolloutBenchShape {
   int64_t prompts = 128, samples = 8, len = 256, gen = 1024, max_seqs = 256;
   double kv_gib = 0;  // 0: room for max_seqs whole sequences (no preemption)
+  bool bitwise = false;  // also the batch-invariant numerics (rollout.numerics: bitwise)
 };
 // `profile` (optional): a path prefix for Kineto traces of a few full-batch decode steps per weights.
 void bench_rollout(at::Device device, const std::string& config, const RolloutBenchShape& shape,

@@ -413,7 +413,7 @@ Run add_bench(CLI::App& app) {
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; rollout: a path prefix, -<weights>.json added; tools/profile_summary.py)");
   cmd->add_option("--shape", a->shape, "M N K: one dense case of the table (nvfp4; for profilers)")->expected(3);
-  cmd->add_flag("--bitwise", a->bitwise, "Also time the batch-invariant numerics (train: rollout.numerics bitwise), profiled last");
+  cmd->add_flag("--bitwise", a->bitwise, "Also time the batch-invariant numerics (rollout.numerics bitwise): train, profiled last; rollout");
   cmd->add_flag("--only-fused", a->only_fused, "Time only the grouped + fused path (train; for ncu and quick runs)");
   return [a, cmd] {
     const std::string name = a->device.empty() ? (at::hasCUDA() ? "cuda" : "cpu") : a->device;
@@ -425,6 +425,7 @@ Run add_bench(CLI::App& app) {
       RolloutBenchShape shape = a->rollout;  // --len and --gen default to decode's 1024 / 32: given only
       if (cmd->count("--len")) shape.len = a->len;
       if (cmd->count("--gen")) shape.gen = a->gen;
+      shape.bitwise = a->bitwise;
       bench_rollout(device, config, shape, a->quantization, a->profile);
     }
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused, a->bitwise);
