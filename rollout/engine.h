@@ -75,9 +75,11 @@ struct EngineConfig {
   // it, so that a trainer with the same numerics rescores every token to the same bits, whatever
   // the batch, chunking or preemption. Dense weights, no CUDA graphs, no top-p or top-k; slow.
   bool batch_invariant = false;
-  // Serve the model's own weights instead of a copy (detached views of the same storage), with a
-  // copy of the LoRA adapters alone: for a frozen base, which nothing else writes (LoRA GRPO), it
-  // saves the engine a whole copy of the model. update_weights() is refused; update_adapters() works.
+  // Serve the model's own weights instead of a copy (the same tensors), with a copy of the LoRA
+  // adapters alone: for a frozen base, which nothing else writes (LoRA GRPO), or for weights that
+  // change only between generate() calls and in place (synchronous full-parameter GRPO), it saves
+  // the engine a whole copy of the model. update_weights() is refused (there is nothing to copy);
+  // update_adapters() works.
   bool share_weights = false;
   const comm::Group* expert_group = nullptr;  // the model is an expert shard (model/expert_parallel.h):
                                         // generate() steps in lockstep with the group's engines, a

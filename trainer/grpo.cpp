@@ -328,7 +328,7 @@ struct GrpoTrainer::Impl {
     expert_dp = layout->expert_dp();
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.sharded_rollout()) ec.expert_group = &ep_group;  // serves this rank's experts
-    ec.share_weights = lora() && !shard;  // LoRA's frozen base needs no second copy
+    ec.share_weights = !shard && (lora() || engine_serves_trained());
     // The engine's weights, fetched tensor by tensor where this rank holds a share. Under the split
     // placement only the rollout ranks have one, and nothing else: they do not train.
     if (rollout_side) {
@@ -380,6 +380,16 @@ struct GrpoTrainer::Impl {
       return w;
     };
     engine = std::make_unique<rollout::Engine>(policy, ec, hand_over);
+  }
+
+  // Whether the engine serves the trained tensors themselves (no copy, nothing to sync), besides
+  // LoRA's frozen base: synchronous full-parameter GRPO at the trained width. Its rollout runs
+  // before the step changes the weights, and the optimizer (like a checkpoint's restore) writes
+  // them in place, so the engine, its CUDA graphs included, always reads the trained weights.
+  // Async rollouts need weights frozen while the trainer steps, a quantised engine its own codes.
+  bool engine_serves_trained() const {
+    return !lora() && cfg.async_staleness < 0 && !cfg.async_split &&
+           cfg.engine.quantization == rollout::Quantization::kNone;
   }
 
   // Under grpo.async.placement split, the half of `g` this rank is in (trainers first); else `g`.
@@ -1383,6 +1393,14 @@ struct GrpoTrainer::Impl {
     with_producer_paused(needed_for(steps), [&] { sync_engine(m); });
   }
 
+  // The trained weights into the engine: the adapters alone under LoRA, nothing where the engine
+  // reads the trained tensors themselves. Returns the bytes copied.
+  int64_t push_to_engine() {
+    if (lora()) return engine->update_adapters(trained(), engine_source());
+    if (engine_serves_trained() && !shard) return 0;
+    return engine->update_weights(trained(), engine_source());
+  }
+
   void sync_engine(StepMetrics& m) {
 #if KILN_WITH_CUDA
     if (policy.device().is_cuda()) c10::cuda::device_synchronize();  // the optimizer's kernels are not the sync's
@@ -1390,8 +1408,7 @@ struct GrpoTrainer::Impl {
     const auto t = Clock::now();
     // Tensor by tensor: ZeRO-3's from their owners, a replica's experts (or their adapters) from
     // every rank; a sharded engine takes its own experts.
-    m.sync_bytes = lora() ? engine->update_adapters(trained(), engine_source())
-                          : engine->update_weights(trained(), engine_source());
+    m.sync_bytes = push_to_engine();
 #if KILN_WITH_CUDA
     if (policy.device().is_cuda()) c10::cuda::device_synchronize();
 #endif
@@ -1716,8 +1733,7 @@ void GrpoTrainer::load(const std::string& dir) {
   // LoRA's base is frozen (and checked above): the engine keeps its (perhaps NVFP4) base. Under the
   // split placement the next session sends the weights.
   if (!impl_->engine) return;
-  if (impl_->lora()) impl_->engine->update_adapters(impl_->trained(), impl_->engine_source());
-  else impl_->engine->update_weights(impl_->trained(), impl_->engine_source());
+  impl_->push_to_engine();
   impl_->version_base = impl_->steps - impl_->engine->weight_version();
 }
 

@@ -163,7 +163,8 @@ struct StepMetrics {
   // the reference and A/B forwards), train, and the weight sync (CUDA; the memory plan's calibration).
   double rollout_peak_gb = 0, lp_old_peak_gb = 0, train_peak_gb = 0, sync_peak_gb = 0;
   double memory_after_gb = 0;             // allocated at the step's end: what stays between steps (CUDA)
-  // Weight sync to the rollout: adapters only (LoRA) or every weight; bytes sent, seconds, and the
+  // Weight sync to the rollout: adapters only (LoRA) or every weight (none where the engine reads
+  // the trained tensors themselves: synchronous full-parameter); bytes sent, seconds, and the
   // probe check's mean |log-prob difference| between trainer and rollout (-1: not checked).
   int64_t sync_bytes = 0;
   double sync_seconds = 0, sync_check = -1;

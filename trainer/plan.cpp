@@ -25,6 +25,7 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   PlanJob j;
   j.weight_bytes = dtype == "fp32" || dtype == "float32" ? 4 : dtype == "fp64" || dtype == "float64" ? 8 : 2;
   j.lora = g.lora.enabled();
+  j.synchronous = g.async_staleness < 0;
   j.lora_rank = g.lora.rank;
   j.lora_targets = g.lora.targets;
   j.muon = g.optim.use_muon;
@@ -187,8 +188,9 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
     gpu(fmt::format("activations, {} tokens (recompute: {})", int64_t(tokens), format_bytes(recomputed)), stored);
 
   // The rollout engine's weights: its own copy of what it serves (rollout::Engine clones the model,
-  // so that training never changes a batch's weights under it). A sharded engine serves 1/ep of
-  // the experts (and the tp slice of the dense part); a replica all of them.
+  // so that an async step never changes a batch's weights under it), except where it shares them.
+  // A sharded engine serves 1/ep of the experts (and the tp slice of the dense part); a replica all
+  // of them.
   const double dense_served = p.dense_tp / tp + (p.dense - p.dense_tp);
   const double expert_served = job.rollout_sharded ? 1.0 / ep : 1.0;
   const char* where = job.rollout_sharded ? "shard" : "replica";
@@ -209,8 +211,10 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
     const double kept = kept_experts * expert_served * wb + (kept_bytes - kept_experts * wb);
     served(fmt::format("rollout {} weights ({}): codes and scales", job.rollout_quantization, where), quantized);
     served(fmt::format("rollout weights kept at their width ({}: embedding, head, norms, router)", where), kept);
-  } else if (!(job.lora && L.ep == 1 && L.dense == DenseSharding::kReplicated)) {
-    // (A LoRA replica at ep 1 serves the trainer's frozen base itself: EngineConfig::share_weights.)
+  } else if (!((job.lora || (job.synchronous && !job.rollout_split)) && L.ep == 1 &&
+                 L.dense == DenseSharding::kReplicated)) {
+    // (A replica at ep 1 serves the trainer's own tensors, EngineConfig::share_weights: LoRA's
+    // frozen base, and a synchronous full-parameter job's weights.)
     served(fmt::format("rollout weights (bf16 {})", where), (p.experts * expert_served + dense_served) * wb);
   }
 

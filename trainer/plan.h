@@ -38,6 +38,7 @@ struct Layout {
 struct PlanJob {
   int64_t weight_bytes = 2;          // per parameter: 2 for bf16, 4 for fp32
   bool lora = false;
+  bool synchronous = true;            // no grpo.async: a replica engine serves the trained tensors themselves
   int64_t lora_rank = 0;
   std::vector<std::string> lora_targets;
   bool muon = true;

@@ -1,6 +1,7 @@
 // The GRPO run loop and its logs (metrics.jsonl, TensorBoard, samples.jsonl, progress line).
 #include "trainer/run.h"
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <cerrno>
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <string>
 #include <thread>
 
 #include "core/comm.h"
@@ -148,12 +150,14 @@ RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress
     }
     if (!lead || !progress) continue;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::fprintf(progress,
-                 "\rstep %lld/%lld  reward %.3f  acc %.3f  eval %.3f  mismatch %.2e  sync %.1f MB %.1f ms (%.1f GB/s)  "
-                 "%.0f tok/s  ETA %.0f s   ",
+    // A synchronous full-parameter engine reads the trained weights themselves: nothing to send.
+    const std::string sync = m.sync_bytes > 0 ? fmt::format("sync {:.1f} MB {:.1f} ms ({:.1f} GB/s)",
+                                                            double(m.sync_bytes) / 1e6, m.sync_seconds * 1e3,
+                                                            m.sync_gbps())
+                                              : std::string("weights shared");
+    std::fprintf(progress, "\rstep %lld/%lld  reward %.3f  acc %.3f  eval %.3f  mismatch %.2e  %s  %.0f tok/s  ETA %.0f s   ",
                  (long long)s, (long long)c.steps, m.reward, m.accuracy, last.all.mean_at_k, m.mismatch.mean_abs_token,
-                 double(m.sync_bytes) / 1e6, m.sync_seconds * 1e3, m.sync_gbps(), double(tokens) / secs,
-                 secs / double(s - first + 1) * double(c.steps - s));
+                 sync.c_str(), double(tokens) / secs, secs / double(s - first + 1) * double(c.steps - s));
     std::fflush(progress);
   }
   if (lead && progress && first <= c.steps) std::fprintf(progress, "\n");

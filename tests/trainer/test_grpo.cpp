@@ -53,6 +53,11 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
     EXPECT_GE(m.routing_disagreement, 0.0);
     EXPECT_LE(m.routing_disagreement, 1.0);
     EXPECT_NE(m.to_json().find("\"mismatch_no_replay\""), std::string::npos);
+    // Synchronous full-parameter: the engine reads the trained tensors themselves (nothing is
+    // copied), and the mismatch above shows it reads them as updated.
+    EXPECT_EQ(m.sync_bytes, 0);
+    EXPECT_GE(m.sync_check, 0.0);
+    EXPECT_LT(m.sync_check, 1e-5);
   }
   EXPECT_GT(grad_seen, 0.0);
   EXPECT_FALSE(at::equal(before, policy.weights().layers[0].pooler.detach()));
