@@ -517,7 +517,7 @@ at::Tensor Group::recv_bytes_into(at::Tensor& buffer, int src, int tag, bool wat
   if (watched) KILN_MPI(MPI_Recv(&n, 1, MPI_INT64_T, src, tag, impl_->comm, MPI_STATUS_IGNORE), "MPI_Recv of a size");
   else check_mpi(MPI_Recv(&n, 1, MPI_INT64_T, src, tag, impl_->comm, MPI_STATUS_IGNORE), "MPI_Recv of a size");
   KILN_CHECK(n >= 0, "comm: recv_bytes from rank ", src, " announced ", n, " bytes");
-  if (buffer.numel() < n) buffer = at::empty({n}, buffer.options());
+  if (buffer.numel() < n) buffer = at::empty({n}, buffer.options().pinned_memory(buffer.is_pinned()));
   at::Tensor out = buffer.narrow(0, 0, n);
   auto* p = static_cast<char*>(out.data_ptr());
   for (int64_t i = 0; i < n; i += kMaxCount)

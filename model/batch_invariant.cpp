@@ -127,9 +127,15 @@ struct GroupedRowsLinear : public torch::autograd::Function<GroupedRowsLinear> {
     // good as any: no log-prob reads a gradient's bits.
     if (g.is_cuda() && g.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && w.size(1) % 8 == 0 &&
         w.size(2) % 8 == 0) {
-      const at::Tensor ends = saved[2].narrow(0, 1, w.size(0)).to(at::kInt);
-      return {want_dx ? at::_grouped_mm(g, w.contiguous(), ends) : at::Tensor(),
-              want_dw ? at::_grouped_mm(g.t(), x.contiguous(), ends) : at::Tensor(), at::Tensor()};
+      const at::Tensor& offsets = saved[2];
+      const at::Tensor ends = offsets.narrow(0, 1, w.size(0)).to(at::kInt);
+      at::Tensor dw;
+      if (want_dw) {
+        // A group without rows gets zeros, whatever the kernel leaves there (pytorch#172439).
+        const at::Tensor has_rows = (offsets.narrow(0, 1, w.size(0)) > offsets.narrow(0, 0, w.size(0))).view({-1, 1, 1});
+        dw = at::where(has_rows, at::_grouped_mm(g.t(), x.contiguous(), ends), at::zeros({}, w.options()));
+      }
+      return {want_dx ? at::_grouped_mm(g, w.contiguous(), ends) : at::Tensor(), dw, at::Tensor()};
     }
 #endif
     const at::Tensor host = saved[2].cpu();

@@ -77,9 +77,10 @@ at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::T
 // table.index_select(0, ids) for a small table (the per-expert norm weights [E, d] picked per
 // slot), whose gradient is one GEMM with the one-hot ids, not scattered adds that collide.
 at::Tensor table_rows(const at::Tensor& table, const at::Tensor& ids);
-// values' bits forward, while the gradient flows into `differentiable` (the plain form of the same
-// function at the same inputs) as if it had produced them: for forms whose backward is the plain
-// one. values must not require a gradient.
+// values' bits forward (values themselves, aliased: do not modify the result in place), while
+// the gradient flows into `differentiable` (the plain form of the same function at the same
+// inputs) as if it had produced them: for forms whose backward is the plain one. values must not
+// require a gradient.
 at::Tensor straight_through(const at::Tensor& values, const at::Tensor& differentiable);
 // log softmax(logits[t] / temperature)[targets[t]] of each row of logits [T, V] (fp32 or fp64)
 // alone: [T]. Differentiable. The engine records a sampled token's log-prob with the same call.

@@ -220,6 +220,7 @@ std::string StepMetrics::to_json() const {
   j["tokens"] = tokens;
   j["tokens_per_second"] = tokens_per_second;
   if (lp_old_from_rollout) j["lp_old_from_rollout"] = true;
+  if (weights_shared) j["weights_shared"] = true;
   if (peak_memory_gb > 0) {
     j["peak_memory_gb"] = peak_memory_gb;
     j["phase_peak_gb"] = {{"rollout", rollout_peak_gb}, {"lp_old", lp_old_peak_gb}, {"train", train_peak_gb},
@@ -321,6 +322,7 @@ struct GrpoTrainer::Impl {
                  cfg.prompts_per_step, ") divisible by the ranks (", group.size(),
                  "): every rank must run the same number of forwards, which exchange tokens or gather weights");
     layout = std::make_unique<dist::ShardedModel>(policy, cfg.parallel, group);
+    note_memory("adapters and shards");  // LoRA's adapters, an expert shard's or ZeRO-3's copies
     shard = layout->shard();
     zero3 = layout->zero3();
     dispatcher = layout->experts();
@@ -342,7 +344,7 @@ struct GrpoTrainer::Impl {
     // parallelism); with LoRA the base itself, adapters disabled (no second copy).
     if (cfg.loss.kl_coef != 0 && !lora()) reference = std::make_unique<model::Muse>(trained().clone());
     if (reference) ref_zero3 = layout->shard_like(*reference);
-    note_memory("reference");
+    if (reference) note_memory("reference");
     trained().set_requires_grad(!lora());
     const auto named = lora() ? model::lora_parameters(trained()) : trained().named_parameters();
     for (auto& [name, t] : named) t.requires_grad_(true);
@@ -353,8 +355,9 @@ struct GrpoTrainer::Impl {
     optimizers::OptimizerConfig oc = cfg.optim;
     oc.fused = cfg.fused_kernels;
     zero = std::make_unique<dist::ZeroOne>(named, is_expert, group, expert_dp, oc, zero3);
-    if (!shard && group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
     note_memory("optimizer");
+    if (!shard && group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
+    if (reducer) note_memory("gradient reducer");
   }
 
   // A split rollout rank's engine, which holds the only copy of the weights: the policy becomes
@@ -1409,6 +1412,7 @@ struct GrpoTrainer::Impl {
     // Tensor by tensor: ZeRO-3's from their owners, a replica's experts (or their adapters) from
     // every rank; a sharded engine takes its own experts.
     m.sync_bytes = push_to_engine();
+    m.weights_shared = !lora() && engine_serves_trained() && !shard;
 #if KILN_WITH_CUDA
     if (policy.device().is_cuda()) c10::cuda::device_synchronize();
 #endif

@@ -168,6 +168,7 @@ struct StepMetrics {
   // probe check's mean |log-prob difference| between trainer and rollout (-1: not checked).
   int64_t sync_bytes = 0;
   double sync_seconds = 0, sync_check = -1;
+  bool weights_shared = false;            // the engine reads the trained tensors themselves (no sync)
   double sync_gbps() const { return sync_seconds > 0 ? double(sync_bytes) / sync_seconds / 1e9 : 0.0; }
   int64_t tokens = 0;                     // prompt + response tokens trained on
   std::string to_json() const;
@@ -213,8 +214,9 @@ class GrpoTrainer {
   // half. Every call above except serve_rollouts is collective over it.
   const comm::Group& group() const;
   // Device memory allocated (GB) after each part of construction, in order: the policy as given,
-  // then the rollout engine (its weights and KV cache), the KL reference and the optimizer with
-  // its state; empty on the CPU. For the memory plan's calibration.
+  // LoRA's adapters and the layout's shards, the rollout engine (its weights and KV cache), the KL
+  // reference, the optimizer with its state and the gradient reducer (the last two where there
+  // is one); empty on the CPU. For the memory plan's calibration.
   const std::vector<std::pair<std::string, double>>& construction_memory() const;
   // grpo.async.placement split: whether this rank is one of the second half, which roll out. Such a
   // rank only calls serve_rollouts, which returns once its trainer is destroyed.

@@ -102,9 +102,11 @@ at::Tensor RolloutLink::recv_tensor(const std::string& name, const at::Tensor& l
   KILN_CHECK(got == name && dtype == int64_t(like.scalar_type()), "rollout link: rank ", peer_, " sent ", got, " ",
              at::IntArrayRef(shape), " (dtype ", dtype, ") where this rank's model has ", name, " ", like.scalar_type(),
              "; trainer and rollout ranks must build the same model from the same recipe");
-  const at::Tensor raw = world_.recv_bytes_into(staging(0, like.is_cuda()), peer_, recv_tag_);
   int64_t numel = 1;
   for (int64_t d : shape) numel *= d;
+  // Room for the values the header announced, so that the receive never has to grow the buffer.
+  const at::Tensor raw =
+      world_.recv_bytes_into(staging(numel * int64_t(like.element_size()), like.is_cuda()), peer_, recv_tag_);
   KILN_CHECK(raw.numel() == numel * int64_t(like.element_size()), "rollout link: rank ", peer_, " sent ", raw.numel(),
              " bytes for ", name, " ", at::IntArrayRef(shape), ", which takes ", numel * int64_t(like.element_size()));
   return raw.view(like.scalar_type()).view(shape);

@@ -151,7 +151,7 @@ RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress
     if (!lead || !progress) continue;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     // A synchronous full-parameter engine reads the trained weights themselves: nothing to send.
-    const std::string sync = m.sync_bytes > 0 ? fmt::format("sync {:.1f} MB {:.1f} ms ({:.1f} GB/s)",
+    const std::string sync = !m.weights_shared ? fmt::format("sync {:.1f} MB {:.1f} ms ({:.1f} GB/s)",
                                                             double(m.sync_bytes) / 1e6, m.sync_seconds * 1e3,
                                                             m.sync_gbps())
                                               : std::string("weights shared");

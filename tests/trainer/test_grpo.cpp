@@ -56,6 +56,7 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
     // Synchronous full-parameter: the engine reads the trained tensors themselves (nothing is
     // copied), and the mismatch above shows it reads them as updated.
     EXPECT_EQ(m.sync_bytes, 0);
+    EXPECT_TRUE(m.weights_shared);
     EXPECT_GE(m.sync_check, 0.0);
     EXPECT_LT(m.sync_check, 1e-5);
   }
