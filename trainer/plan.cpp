@@ -216,6 +216,8 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
     // (A replica at ep 1 serves the trainer's own tensors, EngineConfig::share_weights: LoRA's
     // frozen base, and a synchronous full-parameter job's weights.)
     served(fmt::format("rollout weights (bf16 {})", where), (p.experts * expert_served + dense_served) * wb);
+  } else if (job.lora && !job.rollout_split) {  // the engine's own copy of the adapters
+    served("rollout LoRA adapters (the engine's copy)", (lora_count(cfg, job, true) + lora_count(cfg, job, false)) * wb);
   }
 
   for (const PlanItem& i : plan.gpu) plan.gpu_used += i.bytes;
