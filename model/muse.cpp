@@ -279,8 +279,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   at::Tensor inverse = at::empty_like(l.order).scatter_(0, l.order, at::arange(n, l.order.options()));
   // Rows sorted by expert. Under batch-invariant numerics the moves' backward gathers: token t's
   // k slots lie at sorted rows inverse[t * k + j].
-  at::Tensor zs = opt.batch_invariant && k * z.size(0) == n ? gather_rows(z, l.src_token, inverse, k)
-                                                             : z.index_select(0, l.src_token);
+  at::Tensor zs = opt.batch_invariant ? gather_rows(z, l.src_token, inverse, k) : z.index_select(0, l.src_token);
   // Each expert's first sorted row, and the end, on the device (no host sync).
   auto sorted_offsets = [&] { return at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)}); };
   if (opt.batch_invariant && !s.quantized() && !opt.observe_linear_input) {

@@ -144,7 +144,7 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
              " sets grpo.async.placement split, which needs an even number of ranks, the first half to train and the ",
              "second to roll out (got ", world.size(), "); launch with mpirun -np 2, 4, ...");
   comm::set_collective_timeout(r.grpo.parallel.collective_timeout_s);
-  claim_run_dir(r.run.out, outputs, reuse, resolved_name == std::string("recipe.yaml") ? "train" : "sft");
+  claim_run_dir(r.run.out, outputs, reuse, train ? "train" : "sft");
   if (reuse == Reuse::kResume) {
     // parallel.rollout: auto keeps the placement the run chose when it started.
     // A run saved before the key existed served a replica.

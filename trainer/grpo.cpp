@@ -330,7 +330,7 @@ struct GrpoTrainer::Impl {
     expert_dp = layout->expert_dp();
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.sharded_rollout()) ec.expert_group = &ep_group;  // serves this rank's experts
-    ec.share_weights = !shard && (lora() || engine_serves_trained());
+    ec.share_weights = (lora() && !shard) || engine_serves_trained();
     // The engine's weights, fetched tensor by tensor where this rank holds a share. Under the split
     // placement only the rollout ranks have one, and nothing else: they do not train.
     if (rollout_side) {
@@ -389,9 +389,10 @@ struct GrpoTrainer::Impl {
   // LoRA's frozen base: synchronous full-parameter GRPO at the trained width. Its rollout runs
   // before the step changes the weights, and the optimizer (like a checkpoint's restore) writes
   // them in place, so the engine, its CUDA graphs included, always reads the trained weights.
-  // Async rollouts need weights frozen while the trainer steps, a quantised engine its own codes.
+  // Async rollouts need weights frozen while the trainer steps, a quantised engine its own codes,
+  // a sharded layout an engine filled from every rank's share.
   bool engine_serves_trained() const {
-    return !lora() && cfg.async_staleness < 0 && !cfg.async_split &&
+    return !lora() && !shard && cfg.async_staleness < 0 && !cfg.async_split &&
            cfg.engine.quantization == rollout::Quantization::kNone;
   }
 
@@ -1400,7 +1401,7 @@ struct GrpoTrainer::Impl {
   // reads the trained tensors themselves. Returns the bytes copied.
   int64_t push_to_engine() {
     if (lora()) return engine->update_adapters(trained(), engine_source());
-    if (engine_serves_trained() && !shard) return 0;
+    if (engine_serves_trained()) return 0;
     return engine->update_weights(trained(), engine_source());
   }
 
@@ -1412,7 +1413,7 @@ struct GrpoTrainer::Impl {
     // Tensor by tensor: ZeRO-3's from their owners, a replica's experts (or their adapters) from
     // every rank; a sharded engine takes its own experts.
     m.sync_bytes = push_to_engine();
-    m.weights_shared = !lora() && engine_serves_trained() && !shard;
+    m.weights_shared = engine_serves_trained();
 #if KILN_WITH_CUDA
     if (policy.device().is_cuda()) c10::cuda::device_synchronize();
 #endif

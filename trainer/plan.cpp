@@ -195,8 +195,7 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
   const double expert_served = job.rollout_sharded ? 1.0 / ep : 1.0;
   const char* where = job.rollout_sharded ? "shard" : "replica";
   if (job.rollout_split && job.lora)  // the frozen base the engine shares, and the engine's adapters
-    served("the frozen base and its LoRA adapters", (p.experts + p.dense + lora_count(cfg, job, true) +
-                                                     lora_count(cfg, job, false)) * wb);
+    served("the frozen base and its LoRA adapters", (p.experts + p.dense + trained_experts + trained_dense) * wb);
   if (job.rollout_quantization != "none") {
     // NVFP4 codes and scales for the quantised linears, BF16 copies of the rest (the router FP32,
     // counted at BF16 here: a million parameters per layer at most).
@@ -217,7 +216,7 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
     // frozen base, and a synchronous full-parameter job's weights.)
     served(fmt::format("rollout weights (bf16 {})", where), (p.experts * expert_served + dense_served) * wb);
   } else if (job.lora && !job.rollout_split) {  // the engine's own copy of the adapters
-    served("rollout LoRA adapters (the engine's copy)", (lora_count(cfg, job, true) + lora_count(cfg, job, false)) * wb);
+    served("rollout LoRA adapters (the engine's copy)", (trained_experts + trained_dense) * wb);
   }
 
   for (const PlanItem& i : plan.gpu) plan.gpu_used += i.bytes;

@@ -60,14 +60,15 @@ RolloutLink::Message RolloutLink::recv() const {
   return m;
 }
 
-// Each tensor is two messages: its name, dtype and shape (an empty tensor of it), then its values'
-// bytes as they lie in a contiguous CPU copy, so nothing is copied into or out of a byte buffer.
 at::Tensor& RolloutLink::staging(int64_t bytes, bool pinned) const {
   if (!staging_.defined() || staging_.numel() < bytes || staging_.is_pinned() != pinned)
     staging_ = at::empty({std::max<int64_t>(bytes, staging_.defined() ? staging_.numel() : 0)},
                          at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
   return staging_;
 }
+
+// Each tensor is two messages: its name, dtype and shape (an empty tensor of it), then its values'
+// bytes as they lie in a contiguous CPU copy (the staging buffer, or the tensor itself).
 
 int64_t RolloutLink::send_tensors(const NamedTensors& tensors) const {
   int64_t bytes = 0;
