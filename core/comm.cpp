@@ -391,10 +391,6 @@ at::Tensor Group::all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& 
                                std::vector<int64_t>* recv_rows) const {
   KILN_CHECK(int(send_rows.size()) == size_, "comm: all_to_all_v needs one row count per rank (", size_, "), got ",
              send_rows.size());
-  int64_t total = 0;
-  for (int64_t r : send_rows) total += r;
-  KILN_CHECK(t.dim() >= 1 && total == t.size(0), "comm: all_to_all_v send counts add up to ", total,
-             " rows but the tensor has ", t.dim() ? t.size(0) : 0);
   // Everyone learns how many rows it receives from each rank.
   at::Tensor sc = at::tensor(send_rows, at::kLong), rc = at::empty({size_}, at::kLong);
   if (size_ == 1)
@@ -403,6 +399,17 @@ at::Tensor Group::all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& 
     KILN_MPI(MPI_Alltoall(sc.data_ptr(), 1, MPI_INT64_T, rc.data_ptr(), 1, MPI_INT64_T, impl_->comm), "MPI_Alltoall");
   std::vector<int64_t> recv(rc.data_ptr<int64_t>(), rc.data_ptr<int64_t>() + size_);
   if (recv_rows) *recv_rows = recv;
+  return all_to_all_known(t, send_rows, recv);
+}
+
+at::Tensor Group::all_to_all_known(const at::Tensor& t, const std::vector<int64_t>& send_rows,
+                                   const std::vector<int64_t>& recv) const {
+  KILN_CHECK(int(send_rows.size()) == size_ && int(recv.size()) == size_, "comm: all_to_all_known needs one send ",
+             "and one receive row count per rank (", size_, "), got ", send_rows.size(), " and ", recv.size());
+  int64_t total = 0;
+  for (int64_t r : send_rows) total += r;
+  KILN_CHECK(t.dim() >= 1 && total == t.size(0), "comm: all_to_all send counts add up to ", total,
+             " rows but the tensor has ", t.dim() ? t.size(0) : 0);
   std::vector<int64_t> shape = t.sizes().vec();
   shape[0] = 0;
   for (int64_t r : recv) shape[0] += r;

@@ -70,6 +70,10 @@ class Group {
   // rank sent here, in rank order. recv_rows (if given) receives how many came from each rank.
   at::Tensor all_to_all_v(const at::Tensor& t, const std::vector<int64_t>& send_rows,
                           std::vector<int64_t>* recv_rows = nullptr) const;
+  // all_to_all_v with the counts agreed beforehand: recv_rows[j] rows come from rank j, which must
+  // send exactly that many. No count exchange and no host sync: over NCCL, a CUDA graph captures it.
+  at::Tensor all_to_all_known(const at::Tensor& t, const std::vector<int64_t>& send_rows,
+                              const std::vector<int64_t>& recv_rows) const;
   void barrier() const;
   // Point to point, blocking (and watched like the collectives): `bytes` (a contiguous CPU uint8
   // tensor, any size) to rank `dst` of this group under `tag` (0 to 32767); recv_bytes returns what

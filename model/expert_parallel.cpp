@@ -13,11 +13,12 @@ namespace {
 // outlives the backward (it lives in the trainer or the test).
 struct ExchangeRows : public torch::autograd::Function<ExchangeRows> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group,
-                            std::vector<int64_t> send, std::vector<int64_t> recv) {
+                            std::vector<int64_t> send, std::vector<int64_t> recv, bool known) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["send"] = send;
     ctx->saved_data["recv"] = recv;
     const auto* g = reinterpret_cast<const comm::Group*>(group);
+    if (known) return g->all_to_all_known(x.contiguous(), send, recv);
     std::vector<int64_t> got;
     at::Tensor out = g->all_to_all_v(x.contiguous(), send, &got);
     KILN_CHECK(got == recv, "exchange_rows: rank ", g->rank(), " expected ", c10::IntArrayRef(recv),
@@ -29,16 +30,17 @@ struct ExchangeRows : public torch::autograd::Function<ExchangeRows> {
     const auto* g = reinterpret_cast<const comm::Group*>(ctx->saved_data["group"].toInt());
     const std::vector<int64_t> send = ctx->saved_data["send"].toIntVector(),
                                recv = ctx->saved_data["recv"].toIntVector();
-    at::Tensor back = g->all_to_all_v(grads[0].contiguous(), recv);  // the reverse trip
-    return {back, at::Tensor(), at::Tensor(), at::Tensor()};
+    // The reverse trip, whose counts the forward settled.
+    at::Tensor back = g->all_to_all_known(grads[0].contiguous(), recv, send);
+    return {back, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor exchange_rows(const comm::Group& group, const at::Tensor& x, const std::vector<int64_t>& send,
-                         const std::vector<int64_t>& recv) {
-  return ExchangeRows::apply(x, reinterpret_cast<int64_t>(&group), send, recv);
+                         const std::vector<int64_t>& recv, bool known) {
+  return ExchangeRows::apply(x, reinterpret_cast<int64_t>(&group), send, recv, known);
 }
 
 ExpertDispatcher::Routed AllToAllDispatcher::dispatch(const at::Tensor& z, const at::Tensor& flat, int64_t k,
@@ -61,11 +63,10 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch(const at::Tensor& z, const
 ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z, const at::Tensor& flat, int64_t k,
                                                             int64_t local) const {
   const int64_t S = group_.size(), n = flat.size(0);
-  // The most slots of any rank (a host all-reduce in eager mode; a captured graph replays none of
-  // this), checked against a set capacity on every rank alike, so that all of them fail together.
-  const int64_t most = int64_t(group_.all_reduce(double(n), comm::ReduceOp::kMax));
-  const int64_t C = capacity_ > 0 ? capacity_ : most;
-  KILN_CHECK(most <= C, "expert exchange: a rank of the group has ", most, " slots, beyond the fixed capacity of ", C,
+  // Without a set capacity, the most slots of any rank (a host all-reduce). With one, no host call
+  // at all (what a captured step needs): each rank checks its own slots.
+  const int64_t C = capacity_ > 0 ? capacity_ : int64_t(group_.all_reduce(double(n), comm::ReduceOp::kMax));
+  KILN_CHECK(n <= C, "expert exchange: rank ", group_.rank(), " has ", n, " slots, beyond the fixed capacity of ", C,
              " rows per rank (set_capacity: at least the most slots of any rank)");
   Routed r;
   r.send.assign(size_t(S), C);
@@ -83,13 +84,13 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z,
   const at::Tensor padded = at::cat({z, at::zeros({1, z.size(1)}, z.options())}).index_select(0, source);
   // Padding rows go to the experts in turn, so that no expert gets all of them.
   const at::Tensor ids = (at::arange(S * C, longs) % local).scatter_(0, r.slot_rows, flat - owner * local);
-  r.ids = group_.all_to_all_v(ids, r.send);
-  r.rows = exchange_rows(group_, padded, r.send, r.recv);
+  r.ids = group_.all_to_all_known(ids, r.send, r.recv);
+  r.rows = exchange_rows(group_, padded, r.send, r.recv, /*known=*/true);
   return r;
 }
 
 at::Tensor AllToAllDispatcher::combine(const at::Tensor& y, const Routed& r) const {
-  if (r.slot_rows.defined()) return exchange_rows(group_, y, r.recv, r.send).index_select(0, r.slot_rows);
+  if (r.slot_rows.defined()) return exchange_rows(group_, y, r.recv, r.send, /*known=*/true).index_select(0, r.slot_rows);
   at::Tensor back = exchange_rows(group_, y, r.recv, r.send);  // owner order
   at::Tensor inverse = at::empty_like(r.order).scatter_(0, r.order, at::arange(r.order.size(0), r.order.options()));
   return back.index_select(0, inverse);

@@ -28,8 +28,9 @@ Muse shard_experts(const Muse& full, int rank, int size);
 // that rank first and zero rows after, so that the exchange's sizes never depend on the routing
 // and nothing is read back to the host: what a captured CUDA graph needs. The capacity is the
 // most slots any rank of the group has (no slot is ever dropped), found by a host all-reduce per
-// dispatch (which a captured graph does not replay); set_capacity() fixes it for a captured batch
-// bucket, and every rank checks it alike. The padding rows run through the experts (spread over
+// dispatch; set_capacity() fixes it for a captured batch bucket, and then a dispatch makes no host
+// call at all: each rank checks its own slots against it, and the caller sizes every rank's slots
+// (the engine's padded decode buckets). The padding rows run through the experts (spread over
 // them) and their outputs are never read.
 class AllToAllDispatcher : public ExpertDispatcher {
  public:
@@ -55,7 +56,9 @@ class AllToAllDispatcher : public ExpertDispatcher {
 // Rows [sum(send[:j]), +send[j]) of x go to rank j; returns the rows received, in rank order
 // (recv[j] from rank j). Differentiable in x: the gradient goes back by the reverse exchange.
 // Every rank of `group` must call it, and the backward runs on every rank, even with no rows.
+// `known`: the senders agreed on recv beforehand (comm::Group::all_to_all_known); else the counts
+// are exchanged and checked against recv.
 at::Tensor exchange_rows(const comm::Group& group, const at::Tensor& x, const std::vector<int64_t>& send,
-                         const std::vector<int64_t>& recv);
+                         const std::vector<int64_t>& recv, bool known = false);
 
 }  // namespace kiln::model

@@ -1,5 +1,6 @@
 // CUDA-graph decode steps: static input buffers per (padded rows, table width), one warm-up run and
 // one capture per bucket, then per step a single host-to-device copy, a replay and one copy back.
+// Without capture (any device) the same buffers and forward run eagerly each step.
 #include "rollout/decode_graph.h"
 
 #include <ATen/ATen.h>
@@ -14,6 +15,7 @@
 #include "kernels/paged_attention.h"
 #include "kernels/rope.h"
 #include "kernels/sampling.h"
+#include "model/expert_parallel.h"
 #if KILN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -21,13 +23,15 @@
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
+#if KILN_WITH_CUDA && KILN_TORCH_AT_LEAST(2, 8)
+#define KILN_GRAPH_CAPTURE 1
+#else
+#define KILN_GRAPH_CAPTURE 0
+#endif
+
 namespace kiln::rollout {
 
-#if KILN_WITH_CUDA && KILN_TORCH_AT_LEAST(2, 8)
-
-namespace {
-// Padded row counts: small batches exactly by powers of two, then steps of 16.
-int64_t bucket_rows(int64_t n) {
+int64_t decode_bucket_rows(int64_t n) {
   if (n <= 8) {
     int64_t b = 1;
     while (b < n) b *= 2;
@@ -35,6 +39,8 @@ int64_t bucket_rows(int64_t n) {
   }
   return (n + 15) / 16 * 16;
 }
+
+namespace {
 int64_t bucket_cols(int64_t n) {
   int64_t b = 4;
   while (b < n) b *= 2;
@@ -43,16 +49,19 @@ int64_t bucket_cols(int64_t n) {
 }  // namespace
 
 struct DecodeGraphs::Impl {
-  // One captured step. The input buffer packs, per row: token, position, full-pool write row,
-  // window-pool write row, temperature (fp64 bits), stream seed, then the two block tables.
+  // One step's buffers (and, captured, its graph). The input buffer packs, per row: token,
+  // position, full-pool write row, window-pool write row, temperature (fp64 bits), stream seed,
+  // then the two block tables.
   struct Bucket : model::AttentionBackend {
     Impl* owner = nullptr;
     int64_t rows = 0, cols = 0;
     at::Tensor host_in, dev_in;
     at::Tensor tokens, positions, write_full, write_win, temperature, seeds, table_full, table_ring;
-    at::Tensor ids, logprobs, routing, logits;  // graph outputs (static addresses)
+    at::Tensor ids, logprobs, routing, logits;  // the step's outputs (captured: static addresses)
     at::Tensor host_ids, host_lps, host_routing;
+#if KILN_GRAPH_CAPTURE
     std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
 
     at::Tensor attend(int64_t layer, bool full, const model::PackedBatch&, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v) override {
@@ -81,8 +90,8 @@ struct DecodeGraphs::Impl {
 
     at::Tensor paged(bool full, const at::Tensor& q, const at::Tensor& kl, const at::Tensor& vl) const {
       const KvPools& p = owner->pools;
-      return kernels::paged_decode_attention_cuda(q, kl, vl, full ? table_full : table_ring, positions, p.block_size,
-                                                  full ? 0 : p.window, full ? 0 : p.ring);
+      return kernels::paged_decode_attention(q, kl, vl, full ? table_full : table_ring, positions, p.block_size,
+                                             full ? 0 : p.window, full ? 0 : p.ring);
     }
 
     // The step itself: what is captured.
@@ -99,19 +108,41 @@ struct DecodeGraphs::Impl {
       opt.load_balance = false;
       opt.rollout = true;
       opt.positions = positions;
+      if (owner->experts) {  // every rank of the group runs this many rows now, padded alike
+        owner->experts->set_capacity(rows * m.config().top_k);
+        opt.experts = owner->experts.get();
+      }
       model::ForwardOutput out = m.forward(batch, opt);
       routing = out.routing;
       logits = m.logits(out.hidden);
-      std::tie(ids, logprobs) = kernels::sample_rows_cuda(logits, temperature, seeds);
+      if (owner->capture) std::tie(ids, logprobs) = kernels::sample_rows(logits, temperature, seeds);
     }
   };
 
   model::Muse model;
   KvPools pools;
   int64_t max_rows;
-  decltype(at::cuda::graph_pool_handle()) pool;  // one memory pool shared by every captured graph
+  bool fuse_rope_cache, capture, pinned;
+  std::unique_ptr<model::AllToAllDispatcher> experts;  // an expert shard's fixed-shape exchange
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Bucket>> buckets;
-  bool fuse_rope_cache = true;
+#if KILN_GRAPH_CAPTURE
+  decltype(at::cuda::graph_pool_handle()) pool{};  // one memory pool shared by every captured graph
+#endif
+
+  Impl(const model::Muse& m, KvPools p, int64_t max_rows, bool fuse, const comm::Group* expert_group, bool capture)
+      : model(m), pools(std::move(p)), max_rows(decode_bucket_rows(max_rows)), fuse_rope_cache(fuse),
+        capture(capture), pinned(m.device().is_cuda()) {
+    if (expert_group) experts = std::make_unique<model::AllToAllDispatcher>(*expert_group, /*fixed_shape=*/true);
+#if KILN_GRAPH_CAPTURE
+    if (capture) pool = at::cuda::graph_pool_handle();
+#else
+    KILN_CHECK(!capture, "rollout: CUDA-graph decode needs a CUDA build on torch >= 2.8");
+#endif
+  }
+
+  at::Tensor host_buffer(int64_t n, at::ScalarType t) const {
+    return at::empty({n}, at::TensorOptions().dtype(t).pinned_memory(pinned));
+  }
 
   Bucket& bucket(int64_t rows, int64_t cols) {
     auto& slot = buckets[{rows, cols}];
@@ -122,7 +153,7 @@ struct DecodeGraphs::Impl {
     b.rows = rows;
     b.cols = cols;
     const int64_t per_row = 6 + cols + pools.ring;
-    b.host_in = at::empty({rows * per_row}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    b.host_in = host_buffer(rows * per_row, at::kLong);
     b.dev_in = at::empty({rows * per_row}, at::TensorOptions().dtype(at::kLong).device(model.device()));
     auto field = [&](int64_t i) { return b.dev_in.narrow(0, i * rows, rows); };
     b.tokens = field(0);
@@ -134,12 +165,9 @@ struct DecodeGraphs::Impl {
     b.table_full = b.dev_in.narrow(0, 6 * rows, rows * cols).view({rows, cols});
     b.table_ring = b.dev_in.narrow(0, (6 + cols) * rows, rows * pools.ring).view({rows, pools.ring});
     const int64_t per_token = model.config().num_layers * model.config().top_k;
-    auto pinned = [](int64_t n, at::ScalarType t) {
-      return at::empty({n}, at::TensorOptions().dtype(t).pinned_memory(true));
-    };
-    b.host_ids = pinned(rows, at::kLong);
-    b.host_lps = pinned(rows, at::kFloat);
-    b.host_routing = pinned(rows * per_token, at::kByte);
+    b.host_ids = host_buffer(rows, at::kLong);
+    b.host_lps = host_buffer(rows, at::kFloat);
+    b.host_routing = host_buffer(rows * per_token, at::kByte);
     return b;
   }
 
@@ -176,12 +204,18 @@ struct DecodeGraphs::Impl {
     }
   }
 
-  void capture(Bucket& b) {
+#if KILN_GRAPH_CAPTURE
+  // Captures b's step after a warm-up run on a side stream, whose outputs are this step's: the
+  // step runs once, so that an expert shard's exchanges match a rank that only replays. Fills the
+  // host outputs and returns the warm-up's logits.
+  at::Tensor capture_step(Bucket& b) {
     c10::cuda::device_synchronize();
     c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    at::Tensor ids, logprobs, routing, logits;
     {
       c10::cuda::CUDAStreamGuard guard(side);
       b.forward();  // warm-up: lazy library state is created outside the capture
+      ids = b.ids, logprobs = b.logprobs, routing = b.routing, logits = b.logits;
       side.synchronize();
       b.graph = std::make_unique<at::cuda::CUDAGraph>();
       // Thread-local: a trainer thread (grpo.async) may allocate or sync while this thread captures.
@@ -190,59 +224,73 @@ struct DecodeGraphs::Impl {
       b.graph->capture_end();
     }
     c10::cuda::device_synchronize();
+    b.host_ids.copy_(ids);
+    b.host_lps.copy_(logprobs);
+    b.host_routing.copy_(routing.reshape({-1}));
+    return logits;
   }
+#endif
 
-  DecodeResult run(const DecodeStep& step) {
+  DecodeResult run(const DecodeStep& step, int64_t min_rows) {
     at::NoGradGuard no_grad;
-    const c10::cuda::CUDAGuard guard(model.device());
-    const int64_t n = int64_t(step.rows.size());
-    KILN_CHECK(n >= 1 && n <= max_rows, "rollout: a graph decode step takes 1..", max_rows, " rows (got ", n, ")");
+    const int64_t n = int64_t(step.rows.size()), want = std::max(n, min_rows);
+    KILN_CHECK(want >= 1 && want <= max_rows, "rollout: a graph decode step takes 1..", max_rows, " rows (got ", n,
+               ", at least ", min_rows, ")");
     int64_t longest = 1;
     for (const auto& r : step.rows) longest = std::max<int64_t>(longest, int64_t(r.full_blocks->size()));
-    Bucket& b = bucket(bucket_rows(n), bucket_cols(longest));
+    Bucket& b = bucket(decode_bucket_rows(want), bucket_cols(longest));
     fill(b, step);
-    b.dev_in.copy_(b.host_in, /*non_blocking=*/true);
-    if (!b.graph) capture(b);  // the warm-up computes this step; the replay below redoes it
-    b.graph->replay();
     const int64_t per_token = model.config().num_layers * model.config().top_k;
-    b.host_ids.copy_(b.ids, true);
-    b.host_lps.copy_(b.logprobs, true);
-    b.host_routing.copy_(b.routing.view({-1}), true);
-    at::cuda::getCurrentCUDAStream().synchronize();
+    const model::ModelConfig& c = model.config();
     DecodeResult r;
-    r.ids = b.host_ids.narrow(0, 0, n);
-    r.logprobs = b.host_lps.narrow(0, 0, n);
-    r.routing = b.host_routing.narrow(0, 0, n * per_token).view({n, model.config().num_layers, model.config().top_k});
-    r.logits = b.logits;
+    if (capture) {
+#if KILN_GRAPH_CAPTURE
+      const c10::cuda::CUDAGuard guard(model.device());
+      b.dev_in.copy_(b.host_in, /*non_blocking=*/true);
+      at::Tensor logits;
+      if (!b.graph) {
+        logits = capture_step(b);
+      } else {
+        b.graph->replay();
+        b.host_ids.copy_(b.ids, true);
+        b.host_lps.copy_(b.logprobs, true);
+        b.host_routing.copy_(b.routing.view({-1}), true);
+        at::cuda::getCurrentCUDAStream().synchronize();
+        logits = b.logits;
+      }
+      r.ids = b.host_ids.narrow(0, 0, n);
+      r.logprobs = b.host_lps.narrow(0, 0, n);
+      r.logits = logits;
+#endif
+    } else {
+      b.dev_in.copy_(b.host_in);
+      b.forward();
+      b.host_routing.copy_(b.routing.reshape({-1}));
+      r.logits = b.logits;
+    }
+    r.routing = b.host_routing.narrow(0, 0, n * per_token).view({n, c.num_layers, c.top_k});
     return r;
   }
 };
 
-bool DecodeGraphs::available(const model::Muse& model) {
+bool DecodeGraphs::available(const model::Muse& model, const comm::Group* expert_group) {
+#if KILN_GRAPH_CAPTURE
   const auto& c = model.config();
   return model.device().is_cuda() && model.dtype() == at::kBFloat16 &&
-         kernels::paged_decode_attention_cuda_supports(model.dtype(), c.head_dim, c.num_q_heads / c.num_kv_heads);
-}
-
-DecodeGraphs::DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, bool fuse_rope_cache)
-    : impl_(std::make_unique<Impl>(Impl{model, std::move(pools), bucket_rows(max_rows), at::cuda::graph_pool_handle(),
-                                        {}, fuse_rope_cache})) {}
-
-DecodeResult DecodeGraphs::run(const DecodeStep& step) { return impl_->run(step); }
-int64_t DecodeGraphs::num_graphs() const { return int64_t(impl_->buckets.size()); }
-
-#else  // no CUDA graphs in this build
-
-struct DecodeGraphs::Impl {};
-bool DecodeGraphs::available(const model::Muse&) { return false; }
-DecodeGraphs::DecodeGraphs(const model::Muse&, KvPools, int64_t, bool) {
-  KILN_FAIL("rollout: CUDA-graph decode needs a CUDA build on torch >= 2.8");
-}
-DecodeResult DecodeGraphs::run(const DecodeStep&) { KILN_FAIL("rollout: CUDA-graph decode is not built"); }
-int64_t DecodeGraphs::num_graphs() const { return 0; }
-
+         kernels::paged_decode_attention_cuda_supports(model.dtype(), c.head_dim, c.num_q_heads / c.num_kv_heads) &&
+         (!expert_group || KILN_WITH_NCCL);
+#else
+  (void)model, (void)expert_group;
+  return false;
 #endif
+}
 
+DecodeGraphs::DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, bool fuse_rope_cache,
+                           const comm::Group* expert_group, bool capture)
+    : impl_(std::make_unique<Impl>(model, std::move(pools), max_rows, fuse_rope_cache, expert_group, capture)) {}
 DecodeGraphs::~DecodeGraphs() = default;
+
+DecodeResult DecodeGraphs::run(const DecodeStep& step, int64_t min_rows) { return impl_->run(step, min_rows); }
+int64_t DecodeGraphs::num_graphs() const { return impl_->capture ? int64_t(impl_->buckets.size()) : 0; }
 
 }  // namespace kiln::rollout

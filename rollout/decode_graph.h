@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/comm.h"
 #include "model/muse.h"
 #include "rollout/kv_cache.h"  // KvPools
 
@@ -28,22 +29,33 @@ struct DecodeStep {
 };
 
 struct DecodeResult {
-  at::Tensor ids;        // [N] int64, CPU: the token drawn for each row (unfiltered sampling)
-  at::Tensor logprobs;   // [N] fp32, CPU
+  at::Tensor ids;        // [N] int64, CPU: the token drawn for each row (unfiltered sampling);
+  at::Tensor logprobs;   // [N] fp32, CPU; both undefined for steps run without capture
   at::Tensor routing;    // [N, L, k] uint8, CPU
   at::Tensor logits;     // [>= N, V] fp32 on the GPU; valid until the next run
 };
 
+// Padded row counts of the decode buckets: small batches exactly by powers of two, then steps of 16.
+int64_t decode_bucket_rows(int64_t n);
+
 class DecodeGraphs {
  public:
-  // Graphs need a CUDA build, a bf16 CUDA model on torch >= 2.8 (grouped GEMM: no host syncs in
-  // the MoE) and a shape the paged-attention kernel handles.
-  static bool available(const model::Muse& model);
+  // Capture needs a CUDA build, a bf16 CUDA model on torch >= 2.8 (grouped GEMM: no host syncs in
+  // the MoE), a shape the paged-attention kernel handles and, for an expert shard, NCCL.
+  static bool available(const model::Muse& model, const comm::Group* expert_group = nullptr);
   // fuse_rope_cache: RoPE and the KV-cache write as one kernel (kernels::rope_cache_write) rather
-  // than four (off: tests compare).
-  DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, bool fuse_rope_cache = true);
+  // than four (off: tests compare). expert_group: the model is an expert shard; each step's
+  // exchange has a fixed shape (every rank sends each rank bucket rows x top_k, padded: model::
+  // AllToAllDispatcher's fixed_shape), and every rank of the group must run a step of the same
+  // bucket rows at the same time (the engine agrees on it). capture false: the same steps run
+  // without a graph, on any device and dtype (the CPU tests the graph path's logic this way).
+  DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, bool fuse_rope_cache = true,
+               const comm::Group* expert_group = nullptr, bool capture = true);
   ~DecodeGraphs();
-  DecodeResult run(const DecodeStep& step);
+  // One step of the bucket for max(rows, min_rows) rows (min_rows: the group's widest; a rank of
+  // an expert group with nothing to decode runs zero rows, all padding, and gets empty results).
+  // Without capture the result has no ids and log-probs (the caller samples from the logits).
+  DecodeResult run(const DecodeStep& step, int64_t min_rows = 0);
   int64_t num_graphs() const;
 
  private:

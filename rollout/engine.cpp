@@ -92,6 +92,8 @@ struct Engine::Impl {
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
   std::unique_ptr<model::AllToAllDispatcher> dispatcher;  // an expert shard's exchange (ec.expert_group)
   std::function<void(const StepTrace&)> trace;
+  using clock = std::chrono::steady_clock;
+  clock::time_point step_start;          // when the current step's planning began
   int64_t weight_version = 0;            // weight or adapter updates so far
   int64_t update_weights(size_t count, const Item& item);   // Engine::update_weights, tensors one at a time
   int64_t update_adapters(size_t count, const Item& item);
@@ -126,8 +128,10 @@ struct Engine::Impl {
       host_sync |= nvfp4_experts && l.lora.on_experts() && !l.lora.experts_grouped();
       host_sync |= nvfp4_experts && many_rows;
     }
-    if (ec.cuda_graphs && !ec.expert_group && !ec.batch_invariant && !host_sync && DecodeGraphs::available(model)) {
-      graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, ec.fused_rope_cache);
+    const bool capture = DecodeGraphs::available(model, ec.expert_group);
+    if (ec.cuda_graphs && !ec.batch_invariant && !host_sync && (capture || ec.uncaptured_graph_steps)) {
+      graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, ec.fused_rope_cache,
+                                              ec.expert_group, capture && !ec.uncaptured_graph_steps);
     }
   }
 
@@ -285,7 +289,8 @@ struct Engine::Impl {
     return std::all_of(work.begin(), work.end(), [](const Work& w) { return w.n == 1 && w.seq->sample >= 0; });
   }
 
-  DecodeResult run_graph() {
+  // min_rows: the expert group's widest step (group_step).
+  DecodeResult run_graph(int64_t min_rows = 0) {
     DecodeStep d;
     for (const Work& w : work) {
       const Seq& s = *w.seq;
@@ -299,7 +304,7 @@ struct Engine::Impl {
       d.rows.push_back(r);
     }
     const int64_t before = graphs->num_graphs();
-    DecodeResult r = graphs->run(d);
+    DecodeResult r = graphs->run(d, min_rows);
     st.graph_steps++;
     st.graphs_captured += graphs->num_graphs() - before;
     return r;
@@ -369,25 +374,60 @@ struct Engine::Impl {
   }
 
   std::vector<RequestOutput> step() {
-    at::NoGradGuard no_grad;
-    using clock = std::chrono::steady_clock;
-    const auto t0 = clock::now();
+    plan();
+    return run();
+  }
+
+  // A step's first half: its schedule (no work: every sequence has finished).
+  void plan() {
+    step_start = clock::now();
     schedule();
     if (work.empty() && !sched.idle() && evict_sessions()) schedule();
-    const auto t1 = clock::now();
-    std::vector<RequestOutput> finished;
-    if (work.empty()) {
-      KILN_CHECK(sched.idle(), "rollout: nothing could be scheduled although ",
-                 sched.num_waiting() + int64_t(sched.running().size()),
-                 " sequences wait; the KV cache is too small for one of them");
-      return finished;
+    KILN_CHECK(!work.empty() || sched.idle(), "rollout: nothing could be scheduled although ",
+               sched.num_waiting() + int64_t(sched.running().size()),
+               " sequences wait; the KV cache is too small for one of them");
+  }
+
+  // Expert sharding: one step of the group's engines in lockstep. Each plans its own work; a host
+  // all-reduce then sets the step for all of them: none (no rank has work: returns false); a graph
+  // decode step of the group's widest bucket when every rank with work only decodes (a rank
+  // without work runs the bucket's rows all as padding); else eager forwards (a rank without work
+  // joins each exchange with one dummy token).
+  bool group_step(std::vector<RequestOutput>& finished) {
+    plan();
+    const bool busy = !work.empty();
+    at::Tensor agree = at::tensor(std::vector<double>{busy ? 1.0 : 0.0, busy && !use_graph ? 1.0 : 0.0,
+                                                      use_graph ? double(work.size()) : 0.0}, at::kDouble);
+    ec.expert_group->all_reduce(agree, comm::ReduceOp::kMax);
+    const double* a = agree.data_ptr<double>();
+    if (a[0] == 0) return false;
+    if (a[1] > 0) {
+      if (use_graph) {  // another rank prefills: this one's decode runs eagerly too
+        use_graph = false;
+        attention.plan(work);
+      }
+      if (busy) finished = run();
+      else idle_exchange();
+    } else {
+      KILN_CHECK(graphs, "rollout: the expert group's engines disagree on graph decode steps");
+      if (busy) finished = run(int64_t(a[2]));
+      else graphs->run(DecodeStep{}, int64_t(a[2]));
     }
+    return true;
+  }
+
+  // A step's second half: runs the planned work. min_rows: the expert group's widest graph step.
+  std::vector<RequestOutput> run(int64_t min_rows = 0) {
+    at::NoGradGuard no_grad;
+    const auto t0 = step_start, t1 = clock::now();  // scheduling includes a group's agreement
+    std::vector<RequestOutput> finished;
+    if (work.empty()) return finished;
     std::vector<int64_t> cu_seqlens = {0};
     for (const Work& w : work) cu_seqlens.push_back(cu_seqlens.back() + w.n);
     DecodeResult graph;
     at::Tensor routing, hidden;  // routing [T, L, k] on the CPU
     if (use_graph) {
-      graph = run_graph();
+      graph = run_graph(min_rows);
       routing = graph.routing;
     } else {
       model::PackedBatch batch;
@@ -402,7 +442,6 @@ struct Engine::Impl {
       opt.attention = &attention;
       opt.experts = dispatcher.get();
       opt.batch_invariant = ec.batch_invariant;
-    opt.batch_invariant = ec.batch_invariant;
       opt.skip_head = true;
       opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
       opt.load_balance = false;
@@ -537,7 +576,11 @@ int64_t Engine::continue_session(int64_t session, const std::vector<int64_t>& ob
 }
 void Engine::end_session(int64_t session) { impl_->end_session(session); }
 int64_t Engine::num_sessions() const { return int64_t(impl_->sessions.size()); }
-std::vector<RequestOutput> Engine::step() { return impl_->step(); }
+std::vector<RequestOutput> Engine::step() {
+  KILN_CHECK(!impl_->ec.expert_group, "rollout: an expert shard's engine steps in lockstep with its group; call ",
+             "generate(), not step()");
+  return impl_->step();
+}
 bool Engine::has_unfinished() const { return !impl_->sched.idle(); }
 const model::Muse& Engine::model() const { return impl_->model; }
 void Engine::set_trace(std::function<void(const StepTrace&)> trace) { impl_->trace = std::move(trace); }
@@ -551,17 +594,11 @@ std::vector<RequestOutput> Engine::generate(const std::vector<Request>& requests
     total += requests[i].params.n;
   }
   std::vector<RequestOutput> out(requests.size());
-  const comm::Group* group = impl_->ec.expert_group;
-  auto any_work = [&] {  // under expert sharding: while any engine of the group has work
-    const double mine = has_unfinished() ? 1.0 : 0.0;
-    return group ? group->all_reduce(mine, comm::ReduceOp::kMax) > 0 : mine > 0;
-  };
-  while (any_work()) {
-    if (!has_unfinished()) {
-      impl_->idle_exchange();
-      continue;
-    }
-    for (RequestOutput& r : step()) {
+  const bool group = impl_->ec.expert_group != nullptr;
+  for (std::vector<RequestOutput> now;; now.clear()) {
+    if (group ? !impl_->group_step(now) : !has_unfinished()) break;  // under expert sharding: in lockstep
+    if (!group) now = step();
+    for (RequestOutput& r : now) {
       done += int64_t(r.samples.size());
       auto it = slot.find(r.request_id);
       if (it != slot.end()) out[it->second] = std::move(r);

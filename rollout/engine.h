@@ -67,6 +67,9 @@ struct EngineConfig {
                                         // (false: four, as the eager path; tests compare)
   bool cuda_graphs = true;              // pure decode steps of a bf16 CUDA model replay captured
                                         // graphs (rollout/decode_graph.h); false: run eagerly
+  bool uncaptured_graph_steps = false;  // tests: pure decode steps run the graph step's code (static
+                                        // buffers, padded buckets, an expert shard's fixed-shape
+                                        // exchange) without capture, on any device and dtype
   // Weights served. NVFP4 copies the model already holds (an NVFP4 checkpoint's) are served as they
   // are; the rest are quantised from the dense weights. update_weights() re-quantises.
   Quantization quantization = Quantization::kNone;
@@ -82,9 +85,11 @@ struct EngineConfig {
   // update_adapters() works.
   bool share_weights = false;
   const comm::Group* expert_group = nullptr;  // the model is an expert shard (model/expert_parallel.h):
-                                        // generate() steps in lockstep with the group's engines, a
-                                        // rank without work joining each exchange with one dummy
-                                        // token; no CUDA graphs. Not owned
+                                        // generate() steps in lockstep with the group's engines
+                                        // (step() is refused): graph decode steps of the group's
+                                        // widest bucket with a fixed-shape exchange when every
+                                        // rank only decodes, else eager steps, a rank without work
+                                        // joining each exchange with one dummy token. Not owned
   void validate() const;
 };
 

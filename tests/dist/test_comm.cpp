@@ -106,6 +106,9 @@ TEST(Comm, AllToAllVRoutesRowsAndSplitsGroups) {
   EXPECT_TRUE(test::all_equal(out, at::cat(expect, 0)));
   EXPECT_TRUE(test::throws_with([&] { w.all_to_all_v(at::zeros({1, 2}), std::vector<int64_t>(size_t(S), 5)); },
                                 {"add up to"}));
+  // With the counts known on both sides (no count exchange), the same rows arrive.
+  EXPECT_TRUE(test::all_equal(w.all_to_all_known(at::cat(blocks, 0), send, got), out));
+  EXPECT_TRUE(test::throws_with([&] { w.all_to_all_known(at::zeros({1, 2}), send, {}); }, {"one send and one receive"}));
 
   // Rank 0 sends nothing at all but still receives whole rows from everyone else.
   std::vector<int64_t> send2(size_t(S), me == 0 ? 0 : 2);
@@ -158,6 +161,9 @@ TEST(Comm, CudaTensorsGiveTheCpuResults) {
         EXPECT_TRUE(test::all_close(r.cpu().to(at::kFloat), rc.to(at::kFloat), 1e-2, 1e-2)) << dt << " " << n;
       std::vector<int64_t> send(size_t(S), n);
       EXPECT_TRUE(test::all_equal(w.all_to_all_v(src.view({S * n, 1}).to(gpu), send).cpu(),
+                                  w.all_to_all_v(src.view({S * n, 1}), send)))
+          << dt << " " << n;
+      EXPECT_TRUE(test::all_equal(w.all_to_all_known(src.view({S * n, 1}).to(gpu), send, send).cpu(),
                                   w.all_to_all_v(src.view({S * n, 1}), send)))
           << dt << " " << n;
     }

@@ -2,7 +2,8 @@
 // dp = world / ep copies of each shard), loss, log-probs, routing and gradients equal one rank's
 // full-batch forward and backward; routing replay gives the same. A sharded load holds only the
 // rank's share of a checkpoint in memory (peak RSS, measured). The fixed-shape exchange gives the
-// same results as the variable one.
+// same results as the variable one, and sharded rollout engines in lockstep sample what one
+// rank's engine samples.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
@@ -21,6 +22,7 @@
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "model/muse.h"
+#include "rollout/engine.h"
 #include "tests/dist/next_token.h"
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
@@ -126,6 +128,80 @@ TEST(ExpertParallel, FixedShapeCapacityIsChecked) {
   EXPECT_TRUE(test::all_close(shard.forward(batch, o).hidden, expect, 1e-5, 1e-6));
   fixed.set_capacity(2);
   EXPECT_TRUE(test::throws_with([&] { shard.forward(batch, o); }, {"beyond the fixed capacity of 2 rows"}));
+}
+
+// Sharded engines step in lockstep, each serving its expert shard with requests of its own (the
+// last rank none, so that it joins every step with padding or a dummy token). Pure decode steps
+// run the graph step's code with its fixed-shape exchange (uncaptured on the CPU) or eagerly, and
+// under a tight cache some ranks preempt; every sample equals what one rank's whole-model engine
+// draws for the same request: tokens and routing exactly, log-probs to fp32 noise.
+//
+// At one rank (on the one-GPU machine) the same on CUDA in bf16 with captured graphs: no exchange,
+// but the group's agreement and the capture, bit for bit the plain engine's.
+TEST(ExpertParallel, ShardedEnginesInLockstepMatchOneRank) {
+  const Group& w = Group::world();
+  const bool gpu = w.size() == 1;
+  if (gpu && !at::hasCUDA()) GTEST_SKIP() << "one rank has no group to step with (but a GPU checks the capture)";
+  ModelConfig cfg = test::byte_vocab_config();
+  cfg.init_std = 0.5;  // varied routing
+  const Muse full = Muse::init(cfg, 21, gpu ? at::kBFloat16 : at::kFloat, gpu ? at::Device(at::kCUDA) : at::kCPU);
+  const Muse shard = shard_experts(full, w.rank(), w.size());
+  std::vector<rollout::Request> reqs;
+  const int mine = gpu ? 6 : w.rank() == w.size() - 1 ? 0 : 2 + 2 * w.rank();  // uneven loads
+  for (int i = 0; i < mine; ++i) {
+    rollout::Request r;
+    r.prompt = std::vector<int64_t>(size_t(1 + (3 * i + w.rank()) % 9), 5 + 7 * i + w.rank());
+    r.params.n = 1 + i % 2;
+    r.params.max_tokens = 6 + 5 * ((i + w.rank()) % 4);
+    r.params.seed = uint64_t(100 * w.rank() + i);
+    reqs.push_back(r);
+  }
+  rollout::EngineConfig ec;
+  ec.block_size = 4;
+  ec.max_num_seqs = 8;
+  ec.max_batch_tokens = 64;
+  ec.prefill_chunk = 8;
+  ec.kv_cache_bytes = 1 << 20;
+  rollout::Engine roomy(full, ec);
+  const auto roomy_out = roomy.generate(reqs);
+  const auto st = roomy.stats();
+  for (const bool graphs : {true, false})
+    for (const bool tight : {false, true}) {
+      rollout::EngineConfig sharded = ec;
+      sharded.cuda_graphs = graphs;
+      sharded.uncaptured_graph_steps = graphs && !gpu;
+      if (tight) sharded.kv_cache_bytes = st.window_blocks_total * st.window_block_bytes + 12 * st.full_block_bytes;
+      // On the GPU the plain engine runs the same schedule (bf16 results depend on it); on the CPU
+      // any schedule gives the same samples.
+      std::vector<rollout::RequestOutput> same;
+      if (gpu) {
+        rollout::Engine plain(full, sharded);
+        same = plain.generate(reqs);
+      }
+      const auto& expected = gpu ? same : roomy_out;
+      sharded.expert_group = &w;
+      rollout::Engine engine(shard, sharded);
+      const auto got = engine.generate(reqs);
+      const std::string what = std::string(graphs ? "graph steps" : "eager") + (tight ? ", tight cache" : "");
+      EXPECT_EQ(engine.stats().graph_steps > 0, graphs && mine > 0) << what;
+      if (gpu) EXPECT_EQ(engine.stats().graphs_captured > 0, graphs) << what;
+      if (tight && mine > 4) EXPECT_GT(engine.stats().preemptions, 0) << what;
+      ASSERT_EQ(got.size(), expected.size());
+      for (size_t r = 0; r < reqs.size(); ++r)
+        for (size_t j = 0; j < got[r].samples.size(); ++j) {
+          const rollout::Sample &a = expected[r].samples[j], &b = got[r].samples[j];
+          EXPECT_EQ(b.tokens, a.tokens) << what << ": request " << r << " sample " << j;
+          EXPECT_TRUE(test::all_equal(b.routing, a.routing)) << what << ": request " << r << " sample " << j;
+          const double tol = gpu ? 0 : 1e-5;  // one GPU: the same kernels, the same bits
+          EXPECT_TRUE(test::all_close(at::tensor(std::vector<double>(b.logprobs.begin(), b.logprobs.end())),
+                                      at::tensor(std::vector<double>(a.logprobs.begin(), a.logprobs.end())), tol, tol))
+              << what << ": request " << r << " sample " << j;
+        }
+    }
+  rollout::EngineConfig sharded = ec;
+  sharded.expert_group = &w;
+  rollout::Engine engine(shard, sharded);
+  EXPECT_TRUE(test::throws_with([&] { engine.step(); }, {"steps in lockstep with its group", "generate()"}));
 }
 
 TEST(ExpertParallel, ShardsAreTheRightSlices) {

@@ -1,7 +1,8 @@
 // The rollout engine against the full forward: greedy = repeated argmax, log-probs and routing
 // equal the forward's, bounded window-layer memory, completion under a full cache (with
-// preemption), shared prefill, chunked prefill, determinism, weight updates, bad requests, and
-// multi-turn sessions (continued without recomputing the prefix; evicted and recomputed).
+// preemption), shared prefill, chunked prefill, determinism, graph decode steps run uncaptured,
+// weight updates, bad requests, and multi-turn sessions (continued without recomputing the prefix;
+// evicted and recomputed).
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -161,6 +162,39 @@ TEST(Engine, RoutingIsTheSamplingStepsAlsoWhenARecomputeRoutesDifferently) {
   });
   EXPECT_TRUE(updated);
   EXPECT_GT(rerouted, 0);  // the recomputes did route differently
+}
+
+// The graph decode step's code (static buffers, rows padded to a bucket, block tables read by the
+// paged kernel) run without capture, as the CPU can: the samples equal the eager engine's, under
+// preemption too, and each token's recorded routing is its sampling step's.
+TEST(Engine, GraphDecodeStepsWithoutCaptureEqualTheEagerEngine) {
+  model::Muse m = model::Muse::init(engine_config(), 4, at::kFloat, at::kCPU);
+  std::vector<Request> reqs = mixed_requests();
+  for (int i = 0; i < 4; ++i) reqs.push_back(request({1 + i, 2, 3, 4 + i}, 1, 25, 1.0, 10 + i));
+  Engine eager(m, small_engine());
+  const auto expected = eager.generate(reqs);
+  EXPECT_EQ(eager.stats().graph_steps, 0);
+  const auto st = eager.stats();
+  for (const int64_t bytes : {small_engine().kv_cache_bytes,  // roomy, then tight enough to preempt
+                              st.window_blocks_total * st.window_block_bytes + 14 * st.full_block_bytes}) {
+    EngineConfig ec = small_engine(bytes);
+    ec.uncaptured_graph_steps = true;
+    Engine graphed(m, ec);
+    const auto got = graphed.generate(reqs);
+    EXPECT_GT(graphed.stats().graph_steps, 0);
+    EXPECT_EQ(graphed.stats().graphs_captured, 0);
+    if (bytes != small_engine().kv_cache_bytes) EXPECT_GT(graphed.stats().preemptions, 0);
+    for (size_t r = 0; r < reqs.size(); ++r)
+      for (size_t j = 0; j < got[r].samples.size(); ++j) {
+        const rollout::Sample &a = expected[r].samples[j], &b = got[r].samples[j];
+        EXPECT_EQ(b.tokens, a.tokens) << "request " << r << " sample " << j;
+        EXPECT_TRUE(test::all_equal(b.routing, a.routing)) << "request " << r << " sample " << j;
+        KILN_EXPECT_CLOSE(at::tensor(std::vector<double>(b.logprobs.begin(), b.logprobs.end())),
+                          at::tensor(std::vector<double>(a.logprobs.begin(), a.logprobs.end())), 1e-5, 1e-5);
+      }
+    Engine traced(m, ec);
+    test::check_routing_of_sampling_steps(traced, reqs, nullptr);
+  }
 }
 
 TEST(Engine, KvCacheBytesForHoldsWholeSequencesWithoutPreemption) {
