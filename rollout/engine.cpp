@@ -56,9 +56,6 @@ void EngineConfig::validate() const {
              "shard's engine (expert_group) fills its own");
   KILN_CHECK(quantization == Quantization::kNone || !batch_invariant, "rollout config: numerics bitwise serves the ",
              "trainer's dense weights; quantization '", quantization_name(quantization), "' cannot be bitwise");
-  KILN_CHECK(quantization == Quantization::kNone || !expert_group, "rollout config: quantization '",
-             quantization_name(quantization),
-             "' is not supported with sharded (expert-parallel) engines yet; use parallel.rollout: replica");
 }
 
 struct RequestState {

@@ -41,8 +41,7 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   j.rollout_sharded = g.parallel.sharded_rollout();
   j.rollout_auto = g.parallel.rollout == dist::RolloutPlacement::kAuto;
   // What the trainer and the engine refuse on a sharded rollout today (grpo.cpp, EngineConfig).
-  j.rollout_shard_allowed = g.async_staleness < 0 && !g.environment.enabled() &&
-                            g.engine.quantization == rollout::Quantization::kNone;
+  j.rollout_shard_allowed = g.async_staleness < 0 && !g.environment.enabled();
   j.rollout_split = g.async_split;
   j.kv_cache_bytes = double(g.engine.kv_cache_bytes);
   return j;
@@ -260,8 +259,7 @@ Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster&
   if (replica.fits() || L.ep == 1 || !job.rollout_shard_allowed) {
     replica.rollout_choice = replica.fits()  ? "auto: a replica fits"
                              : L.ep == 1     ? "auto: a replica (ep 1 has no expert shards)"
-                                             : "auto: a replica (async rollouts, environments and quantized rollouts "
-                                               "need one)";
+                                             : "auto: a replica (async rollouts and environments need one)";
     return replica;
   }
   placed.rollout_sharded = true;

@@ -52,7 +52,7 @@ struct PlanJob {
   std::string rollout_quantization = "none";  // none | nvfp4 | w4a4
   bool rollout_sharded = false;      // each rank serves its expert shard (else a full replica)
   // parallel.rollout: auto: make_plan takes the replica where it fits, else the shard where that
-  // fits and the recipe allows it (rollout_shard_allowed: no async, no environment, unquantized).
+  // fits and the recipe allows it (rollout_shard_allowed: no async, no environment).
   bool rollout_auto = false;
   bool rollout_shard_allowed = true;
   // grpo.async.placement split: the engine and its KV cache live on rollout ranks of their own (one

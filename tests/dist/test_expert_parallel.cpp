@@ -204,6 +204,62 @@ TEST(ExpertParallel, ShardedEnginesInLockstepMatchOneRank) {
   EXPECT_TRUE(test::throws_with([&] { engine.step(); }, {"steps in lockstep with its group", "generate()"}));
 }
 
+// NVFP4 and W4A4 sharded engines: each rank quantises its own experts (per-expert scales, so the
+// shard's codes are the whole model's slice) and serves them in lockstep. Under NVFP4 the samples
+// equal one rank's quantised whole-model engine, also after a weight sync that sends each rank
+// only its shard (re-quantised in place). W4A4 also rounds the activations to 4 bits, which turns
+// fp32 summation-order noise into whole code steps now and then: it must run and give finite
+// log-probs, not the same bits.
+TEST(ExpertParallel, QuantisedShardedEnginesMatchOneRank) {
+  const Group& w = Group::world();
+  if (w.size() == 1) GTEST_SKIP() << "one rank has no group to step with";
+  ModelConfig cfg = test::byte_vocab_config();
+  cfg.init_std = 0.5;
+  const Muse full = Muse::init(cfg, 23, at::kFloat, at::kCPU), next = Muse::init(cfg, 24, at::kFloat, at::kCPU);
+  std::vector<rollout::Request> reqs;
+  for (int i = 0; i < 3; ++i) {
+    rollout::Request r;
+    r.prompt = {int64_t(3 + 11 * i + w.rank()), 7, int64_t(9 + w.rank())};
+    r.params.n = 2;
+    r.params.max_tokens = 5 + 3 * i;
+    r.params.seed = uint64_t(50 * w.rank() + i);
+    reqs.push_back(r);
+  }
+  for (const rollout::Quantization q : {rollout::Quantization::kNvfp4, rollout::Quantization::kW4a4}) {
+    rollout::EngineConfig ec;
+    ec.block_size = 4;
+    ec.max_num_seqs = 4;
+    ec.kv_cache_bytes = 1 << 20;
+    ec.quantization = q;
+    rollout::Engine alone(full, ec);
+    ec.expert_group = &w;
+    ec.uncaptured_graph_steps = true;
+    rollout::Engine sharded(shard_experts(full, w.rank(), w.size()), ec);
+    for (int round = 0; round < 2; ++round) {
+      const auto expected = alone.generate(reqs), got = sharded.generate(reqs);
+      const std::string what = std::string(rollout::quantization_name(q)) + " round " + std::to_string(round);
+      EXPECT_GT(sharded.stats().graph_steps, 0) << what;
+      ASSERT_EQ(got.size(), reqs.size());
+      for (size_t r = 0; r < reqs.size(); ++r) {
+        EXPECT_EQ(got[r].samples.size(), size_t(reqs[r].params.n)) << what;
+        for (size_t j = 0; j < got[r].samples.size(); ++j) {
+          const rollout::Sample &a = expected[r].samples[j], &b = got[r].samples[j];
+          EXPECT_TRUE(at::tensor(b.logprobs).isfinite().all().item<bool>()) << what;
+          if (q == rollout::Quantization::kW4a4) continue;
+          EXPECT_EQ(b.tokens, a.tokens) << what << ": request " << r << " sample " << j;
+          EXPECT_TRUE(test::all_equal(b.routing, a.routing)) << what << ": request " << r << " sample " << j;
+          EXPECT_TRUE(test::all_close(at::tensor(std::vector<double>(b.logprobs.begin(), b.logprobs.end())),
+                                      at::tensor(std::vector<double>(a.logprobs.begin(), a.logprobs.end())), 1e-5,
+                                      1e-5))
+              << what << ": request " << r << " sample " << j;
+        }
+      }
+      alone.update_weights(next.named_parameters());
+      sharded.update_weights(shard_experts(next, w.rank(), w.size()).named_parameters());
+    }
+  }
+}
+
 TEST(ExpertParallel, ShardsAreTheRightSlices) {
   Muse full = Muse::init(test::byte_vocab_config(), 9, at::kFloat, at::kCPU);
   Muse s = shard_experts(full, 1, 2);

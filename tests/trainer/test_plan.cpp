@@ -262,12 +262,13 @@ TEST(Plan, AutoRolloutTakesAReplicaWhereOneFitsElseTheShard) {
   EXPECT_FALSE(replica.fits());
   EXPECT_FALSE(replica.rollout_sharded);
   EXPECT_NE(replica.rollout_choice.find("async rollouts"), std::string::npos) << replica.rollout_choice;
-  // What the recipe says decides that: an NVFP4 rollout (the sharded engine serves BF16 only).
+  // What the recipe says decides that: async rollouts and environments need a replica; an NVFP4
+  // rollout may be sharded.
   GrpoConfig g;
   g.parallel.rollout = dist::RolloutPlacement::kAuto;
   EXPECT_TRUE(plan_job(g, "bf16").rollout_shard_allowed);
   g.engine.quantization = rollout::Quantization::kNvfp4;
-  EXPECT_FALSE(plan_job(g, "bf16").rollout_shard_allowed);
+  EXPECT_TRUE(plan_job(g, "bf16").rollout_shard_allowed);
   g.engine.quantization = rollout::Quantization::kNone;
   g.async_staleness = 1;
   EXPECT_FALSE(plan_job(g, "bf16").rollout_shard_allowed);
