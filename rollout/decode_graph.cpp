@@ -12,9 +12,11 @@
 
 #include "core/error.h"
 #include "core/torch_version.h"
+#include "kernels/invariant.h"
 #include "kernels/paged_attention.h"
 #include "kernels/rope.h"
 #include "kernels/sampling.h"
+#include "model/batch_invariant.h"
 #include "model/expert_parallel.h"
 #if KILN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -58,6 +60,12 @@ struct DecodeGraphs::Impl {
     at::Tensor host_in, dev_in;
     at::Tensor tokens, positions, write_full, write_win, temperature, seeds, table_full, table_ring;
     at::Tensor ids, logprobs, routing, logits;  // the step's outputs (captured: static addresses)
+    // Batch-invariant numerics: each row's keys, per layer kind (full, window), in position order
+    // as cache rows: model::KeyRanges' packed form on the device, built in the step (no host
+    // read), and its host form on the CPU.
+    at::Tensor key_rows[2];
+    model::KeyRanges host_keys[2];
+    int64_t key_table_size[2] = {0, 0};
     at::Tensor host_ids, host_lps, host_routing;
 #if KILN_GRAPH_CAPTURE
     std::unique_ptr<at::cuda::CUDAGraph> graph;
@@ -90,13 +98,45 @@ struct DecodeGraphs::Impl {
 
     at::Tensor paged(bool full, const at::Tensor& q, const at::Tensor& kl, const at::Tensor& vl) const {
       const KvPools& p = owner->pools;
+      if (owner->batch_invariant) {  // the trainer's ranged attention, over the rows in the cache
+        if (q.is_cuda()) return kernels::ranged_attention_cuda(q, kl, vl, {}, {}, key_rows[full], key_table_size[full]);
+        return model::ranged_attention(q, kl, vl, {}, {}, host_keys[full]);
+      }
       return kernels::paged_decode_attention(q, kl, vl, full ? table_full : table_ring, positions, p.block_size,
                                              full ? 0 : p.window, full ? 0 : p.ring);
+    }
+
+    // Each row's keys for layers of one kind: positions [lo, position] (lo 0 for full attention,
+    // else the window's first), each at its cache row through the block table or the ring. The
+    // entries past a row's count are never read; they repeat its last key.
+    void build_key_rows(bool full) {
+      const KvPools& p = owner->pools;
+      const int64_t B = p.block_size, span = full ? cols * B : p.window;
+      const at::Tensor j = at::arange(span, positions.options());
+      const at::Tensor lo = full ? at::zeros_like(positions) : (positions - (p.window - 1)).clamp_min(0);
+      const at::Tensor count = positions - lo + 1;
+      const at::Tensor pos = at::minimum(lo.unsqueeze(1) + j.unsqueeze(0), positions.unsqueeze(1));  // [rows, span]
+      const at::Tensor block = full ? at::div(pos, B, "floor") : at::div(pos, B, "floor").remainder(p.ring);
+      const at::Tensor at_row = (full ? table_full : table_ring).gather(1, block) * B + pos.remainder(B);
+      key_rows[full] = at::cat({at::arange(rows, positions.options()) * span, count, at_row.reshape({-1})}).to(at::kInt);
+      key_table_size[full] = rows * span;
+      if (positions.is_cuda()) return;
+      const at::Tensor host = key_rows[full].to(at::kLong).contiguous();
+      const int64_t* h = host.data_ptr<int64_t>();
+      model::KeyRanges& r = host_keys[full];
+      r.begin.assign(h, h + rows);
+      r.count.assign(h + rows, h + 2 * rows);
+      r.table.assign(h + 2 * rows, h + 2 * rows + rows * span);
+      r.packed = at::Tensor();
     }
 
     // The step itself: what is captured.
     void forward() {
       const model::Muse& m = owner->model;
+      if (owner->batch_invariant) {
+        build_key_rows(true);
+        if (owner->pools.ring > 0) build_key_rows(false);
+      }
       model::PackedBatch batch;
       batch.tokens = tokens;
       batch.cu_seqlens.resize(size_t(rows + 1));
@@ -108,13 +148,14 @@ struct DecodeGraphs::Impl {
       opt.load_balance = false;
       opt.rollout = true;
       opt.positions = positions;
+      opt.batch_invariant = owner->batch_invariant;
       if (owner->experts) {  // every rank of the group runs this many rows now, padded alike
         owner->experts->set_capacity(rows * m.config().top_k);
         opt.experts = owner->experts.get();
       }
       model::ForwardOutput out = m.forward(batch, opt);
       routing = out.routing;
-      logits = m.logits(out.hidden);
+      logits = m.logits(out.hidden, owner->batch_invariant);
       if (owner->capture) std::tie(ids, logprobs) = kernels::sample_rows(logits, temperature, seeds);
     }
   };
@@ -122,16 +163,17 @@ struct DecodeGraphs::Impl {
   model::Muse model;
   KvPools pools;
   int64_t max_rows;
-  bool fuse_rope_cache, capture, pinned;
+  bool fuse_rope_cache, capture, batch_invariant, pinned;
   std::unique_ptr<model::AllToAllDispatcher> experts;  // an expert shard's fixed-shape exchange
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Bucket>> buckets;
 #if KILN_GRAPH_CAPTURE
   decltype(at::cuda::graph_pool_handle()) pool{};  // one memory pool shared by every captured graph
 #endif
 
-  Impl(const model::Muse& m, KvPools p, int64_t max_rows, bool fuse, const comm::Group* expert_group, bool capture)
+  Impl(const model::Muse& m, KvPools p, int64_t max_rows, bool fuse, const comm::Group* expert_group, bool capture,
+       bool batch_invariant)
       : model(m), pools(std::move(p)), max_rows(decode_bucket_rows(max_rows)), fuse_rope_cache(fuse),
-        capture(capture), pinned(m.device().is_cuda()) {
+        capture(capture), batch_invariant(batch_invariant), pinned(m.device().is_cuda()) {
     if (expert_group) experts = std::make_unique<model::AllToAllDispatcher>(*expert_group, /*fixed_shape=*/true);
 #if KILN_GRAPH_CAPTURE
     if (capture) pool = at::cuda::graph_pool_handle();
@@ -286,8 +328,9 @@ bool DecodeGraphs::available(const model::Muse& model, const comm::Group* expert
 }
 
 DecodeGraphs::DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, bool fuse_rope_cache,
-                           const comm::Group* expert_group, bool capture)
-    : impl_(std::make_unique<Impl>(model, std::move(pools), max_rows, fuse_rope_cache, expert_group, capture)) {}
+                           const comm::Group* expert_group, bool capture, bool batch_invariant)
+    : impl_(std::make_unique<Impl>(model, std::move(pools), max_rows, fuse_rope_cache, expert_group, capture,
+                                   batch_invariant)) {}
 DecodeGraphs::~DecodeGraphs() = default;
 
 DecodeResult DecodeGraphs::run(const DecodeStep& step, int64_t min_rows) { return impl_->run(step, min_rows); }

@@ -49,8 +49,10 @@ class DecodeGraphs {
   // AllToAllDispatcher's fixed_shape), and every rank of the group must run a step of the same
   // bucket rows at the same time (the engine agrees on it). capture false: the same steps run
   // without a graph, on any device and dtype (the CPU tests the graph path's logic this way).
+  // batch_invariant: the forward's batch-invariant numerics (rollout.numerics: bitwise), each
+  // row's attention the trainer's ranged attention over its keys' cache rows, found on the device.
   DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, bool fuse_rope_cache = true,
-               const comm::Group* expert_group = nullptr, bool capture = true);
+               const comm::Group* expert_group = nullptr, bool capture = true, bool batch_invariant = false);
   ~DecodeGraphs();
   // One step of the bucket for max(rows, min_rows) rows (min_rows: the group's widest; a rank of
   // an expert group with nothing to decode runs zero rows, all padding, and gets empty results).

@@ -126,9 +126,10 @@ struct Engine::Impl {
       host_sync |= nvfp4_experts && many_rows;
     }
     const bool capture = DecodeGraphs::available(model, ec.expert_group);
-    if (ec.cuda_graphs && !ec.batch_invariant && !host_sync && (capture || ec.uncaptured_graph_steps)) {
+    if (ec.cuda_graphs && !host_sync && (capture || ec.uncaptured_graph_steps)) {
       graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, ec.fused_rope_cache,
-                                              ec.expert_group, capture && !ec.uncaptured_graph_steps);
+                                              ec.expert_group, capture && !ec.uncaptured_graph_steps,
+                                              ec.batch_invariant);
     }
   }
 

@@ -76,7 +76,8 @@ struct EngineConfig {
   // rollout.numerics: bitwise. The forward's batch-invariant numerics (ForwardOptions::
   // batch_invariant) and each sampled token's log-prob computed as the trainer's forward computes
   // it, so that a trainer with the same numerics rescores every token to the same bits, whatever
-  // the batch, chunking or preemption. Dense weights, no CUDA graphs, no top-p or top-k; slow.
+  // the batch, chunking or preemption, or CUDA-graph replay (a graph step's attention is the same
+  // ranged attention over its keys' cache rows). Dense weights, no top-p or top-k.
   bool batch_invariant = false;
   // Serve the model's own weights instead of a copy (the same tensors), with a copy of the LoRA
   // adapters alone: for a frozen base, which nothing else writes (LoRA GRPO), or for weights that

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/muse.h"
+#include "rollout/decode_graph.h"
 #include "rollout/engine.h"
 #include "tests/model/reference.h"
 #include "tests/rollout/engine_fixtures.h"
@@ -100,11 +101,12 @@ inline void check_bitwise_gradients_bf16(at::Device device) {
 // The engine under bitwise numerics against the trainer's forward: every sampled token's log-prob
 // and every token's routing, bit for bit, through a mixed batch with chunked prefill and a cache
 // small enough to preempt.
-inline void check_engine_is_bitwise(at::ScalarType dtype, int64_t kv_bytes, at::Device device) {
+inline void check_engine_is_bitwise(at::ScalarType dtype, int64_t kv_bytes, at::Device device, bool uncaptured = false) {
   const model::Muse m = model::Muse::init(bitwise_config(), 6, dtype, device);
   rollout::EngineConfig ec = small_engine(kv_bytes);
   ec.prefill_chunk = 3;
   ec.batch_invariant = true;
+  ec.uncaptured_graph_steps = uncaptured;
   rollout::Engine engine(m, ec);
   std::vector<rollout::Request> reqs = {request({1, 2, 3}, 3, 9, 1.0, 1), request({4}, 2, 12, 0.7, 2),
                                         request({5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17}, 2, 7, 1.0, 3)};
@@ -132,6 +134,8 @@ inline void check_engine_is_bitwise(at::ScalarType dtype, int64_t kv_bytes, at::
       EXPECT_TRUE(all_equal(m.forward(model::PackedBatch::from_sequences({all}, device), o).routing.cpu(), s.routing.cpu()));
     }
   EXPECT_GT(tokens, 30);
+  // Pure decode steps take the graph step (captured where graphs are available).
+  if (uncaptured || rollout::DecodeGraphs::available(m)) EXPECT_GT(engine.stats().graph_steps, 0);
   if (kv_bytes < (1 << 20)) {
     EXPECT_GT(engine.stats().preemptions, 0) << "the small cache did not preempt";
   }

@@ -154,6 +154,10 @@ TEST(BatchInvariant, EngineLogprobsAndRoutingAreTheTrainersBitForBit) {
   check_engine_is_bitwise(at::kBFloat16, 1 << 20, at::kCPU);
   check_engine_is_bitwise(at::kFloat, 8 << 10, at::kCPU);  // preempted and recomputed
   check_engine_is_bitwise(at::kBFloat16, 4 << 10, at::kCPU);
+  // The graph decode step's code (uncaptured on the CPU): its attention finds each row's keys
+  // through the block tables on the device, and gives the same bits.
+  check_engine_is_bitwise(at::kFloat, 1 << 20, at::kCPU, /*uncaptured=*/true);
+  check_engine_is_bitwise(at::kBFloat16, 4 << 10, at::kCPU, /*uncaptured=*/true);
 }
 
 TEST(BatchInvariant, EngineRefusesWhatCannotBeBitwise) {
