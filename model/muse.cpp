@@ -817,11 +817,13 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
                "forward: positions must be int64 [", T, "] on ", device(), " (got ", opt.positions.sizes(), " ",
                opt.positions.scalar_type(), " on ", opt.positions.device(), ")");
   at::Tensor positions = opt.positions.defined() ? opt.positions : batch.positions();
-  // Batch-invariant numerics: each position's table alone (on the CPU cos and sin round by where
-  // they sit), once per distinct position, then gathered for the tokens.
+  // Batch-invariant numerics on the CPU: each position's table alone (there cos and sin round by
+  // where they sit), once per distinct position, then gathered for the tokens. On CUDA every
+  // element's cos and sin are its own wherever it sits (and a captured decode step could not read
+  // back how many distinct positions there are).
   auto table = [&](const at::Tensor& pos) { return rope_tables(pos, cfg_.head_dim, cfg_.rope_theta, dtype()); };
   at::Tensor cos, sin;
-  if (opt.batch_invariant) {
+  if (opt.batch_invariant && !positions.is_cuda()) {
     at::Tensor distinct, index;
     std::tie(distinct, index, std::ignore) = at::_unique2(positions, /*sorted=*/true, /*return_inverse=*/true);
     const at::Tensor both = rowwise_apply(distinct, [&](const at::Tensor& p) {
