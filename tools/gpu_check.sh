@@ -357,7 +357,7 @@ import sys, json
 for r in (json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l):
     print(f"{sys.argv[2]} step {r['step']}: {r['step_seconds']:.2f} s (rollout {r['rollout_seconds']:.2f}, lp_old "
           f"{r['lp_old_seconds']:.2f}, train {r['train_seconds']:.2f}); max|d| R3 on {r['mismatch']['max_abs']:.3e}, "
-          f"off {r['mismatch_no_replay']['max_abs']:.3e}")
+          f"off {r['mismatch_no_replay']['max_abs']:.3e}; lp_old from the rollout: {r.get('lp_old_from_rollout', False)}")
 PY
 done
 python3 - "$tmp/bitwise-standard/metrics.jsonl" "$tmp/bitwise-bitwise/metrics.jsonl" <<'PY' 2>&1 | tee -a "$out/bitwise.txt"
@@ -377,7 +377,7 @@ step "bitwise numerics: bench train, 512 sequences x 38 tokens, profiled"
   --profile "$tmp/bitwise-train.json" 2>&1 | tee -a "$out/bitwise.txt"
 [ -f "$tmp/bitwise-train.json" ] && python3 tools/profile_summary.py "$tmp/bitwise-train.json" --label bitwise-train --top 25 2>&1 | tee -a "$out/bitwise.txt"
 # The rollout at the GRPO step's shape (64 prompts x 8, short prompts, 16 new tokens), BF16 against
-# bitwise, and where a bitwise decode step goes (no CUDA graphs there).
+# bitwise, and where a bitwise decode step goes (graph steps since 2026-12-04 late).
 step "bitwise numerics: bench rollout, 64 prompts x 8, profiled"
 ./build-gpu/kiln bench rollout configs/muse-small.yaml --device cuda --prompts 64 --samples 8 --len 32 --gen 16 \
   --max-seqs 512 --bitwise --profile "$tmp/rollout-bw" 2>&1 | tee -a "$out/bitwise.txt"
