@@ -60,9 +60,9 @@ struct DecodeGraphs::Impl {
     at::Tensor host_in, dev_in;
     at::Tensor tokens, positions, write_full, write_win, temperature, seeds, table_full, table_ring;
     at::Tensor ids, logprobs, routing, logits;  // the step's outputs (captured: static addresses)
-    // Batch-invariant numerics: each row's keys, per layer kind (full, window), in position order
-    // as cache rows: model::KeyRanges' packed form on the device, built in the step (no host
-    // read), and its host form on the CPU.
+    // Batch-invariant numerics: each row's keys, per layer kind ([1] full attention, [0] window),
+    // in position order as cache rows: model::KeyRanges' packed form on the device, built in the
+    // step (no host read), and its host form on the CPU.
     at::Tensor key_rows[2];
     model::KeyRanges host_keys[2];
     int64_t key_table_size[2] = {0, 0};
@@ -99,7 +99,8 @@ struct DecodeGraphs::Impl {
     at::Tensor paged(bool full, const at::Tensor& q, const at::Tensor& kl, const at::Tensor& vl) const {
       const KvPools& p = owner->pools;
       if (owner->batch_invariant) {  // the trainer's ranged attention, over the rows in the cache
-        if (q.is_cuda()) return kernels::ranged_attention_cuda(q, kl, vl, {}, {}, key_rows[full], key_table_size[full]);
+        if (q.is_cuda())  // every entry is a cache row: the kernel's second key source is never read
+          return kernels::ranged_attention_cuda(q, kl, vl, kl, vl, key_rows[full], key_table_size[full]);
         return model::ranged_attention(q, kl, vl, {}, {}, host_keys[full]);
       }
       return kernels::paged_decode_attention(q, kl, vl, full ? table_full : table_ring, positions, p.block_size,
@@ -266,6 +267,7 @@ struct DecodeGraphs::Impl {
       b.graph->capture_end();
     }
     c10::cuda::device_synchronize();
+    logits.record_stream(at::cuda::getCurrentCUDAStream());  // the side stream's memory, read on this one
     b.host_ids.copy_(ids);
     b.host_lps.copy_(logprobs);
     b.host_routing.copy_(routing.reshape({-1}));
@@ -315,14 +317,20 @@ struct DecodeGraphs::Impl {
   }
 };
 
-bool DecodeGraphs::available(const model::Muse& model, const comm::Group* expert_group) {
+bool DecodeGraphs::available(const model::Muse& model, const comm::Group* expert_group, bool batch_invariant) {
 #if KILN_GRAPH_CAPTURE
   const auto& c = model.config();
-  return model.device().is_cuda() && model.dtype() == at::kBFloat16 &&
-         kernels::paged_decode_attention_cuda_supports(model.dtype(), c.head_dim, c.num_q_heads / c.num_kv_heads) &&
-         (!expert_group || KILN_WITH_NCCL);
+  // Batch-invariant steps read their keys by the ranged attention (head_dim up to 256), and their
+  // grouped expert GEMMs take the kernel (no host read of the offsets) for widths of 8k.
+  const bool attention = batch_invariant ? c.head_dim <= 256
+                                         : kernels::paged_decode_attention_cuda_supports(
+                                               model.dtype(), c.head_dim, c.num_q_heads / c.num_kv_heads);
+  const bool experts = !batch_invariant || (c.latent_size % 8 == 0 && c.expert_ffn_size % 8 == 0);
+  // A group of one exchanges nothing; a larger one needs NCCL, which a graph can capture.
+  const bool exchange = !expert_group || expert_group->size() == 1 || KILN_WITH_NCCL;
+  return model.device().is_cuda() && model.dtype() == at::kBFloat16 && attention && experts && exchange;
 #else
-  (void)model, (void)expert_group;
+  (void)model, (void)expert_group, (void)batch_invariant;
   return false;
 #endif
 }

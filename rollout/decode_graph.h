@@ -32,7 +32,7 @@ struct DecodeResult {
   at::Tensor ids;        // [N] int64, CPU: the token drawn for each row (unfiltered sampling);
   at::Tensor logprobs;   // [N] fp32, CPU; both undefined for steps run without capture
   at::Tensor routing;    // [N, L, k] uint8, CPU
-  at::Tensor logits;     // [>= N, V] fp32 on the GPU; valid until the next run
+  at::Tensor logits;     // [>= N, V] fp32 on the model's device; valid until the next run
 };
 
 // Padded row counts of the decode buckets: small batches exactly by powers of two, then steps of 16.
@@ -41,8 +41,10 @@ int64_t decode_bucket_rows(int64_t n);
 class DecodeGraphs {
  public:
   // Capture needs a CUDA build, a bf16 CUDA model on torch >= 2.8 (grouped GEMM: no host syncs in
-  // the MoE), a shape the paged-attention kernel handles and, for an expert shard, NCCL.
-  static bool available(const model::Muse& model, const comm::Group* expert_group = nullptr);
+  // the MoE), a shape the paged-attention kernel handles (batch-invariant steps: the ranged
+  // attention's, and expert widths of 8k) and, for an expert group of more than one, NCCL.
+  static bool available(const model::Muse& model, const comm::Group* expert_group = nullptr,
+                        bool batch_invariant = false);
   // fuse_rope_cache: RoPE and the KV-cache write as one kernel (kernels::rope_cache_write) rather
   // than four (off: tests compare). expert_group: the model is an expert shard; each step's
   // exchange has a fixed shape (every rank sends each rank bucket rows x top_k, padded: model::

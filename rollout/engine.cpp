@@ -84,7 +84,8 @@ struct Engine::Impl {
   int64_t next_request = 0;
   const std::vector<Work>& work;         // the current step's schedule (sched's)
   CacheAttention attention;              // the forward's attention over the cache
-  bool use_graph = false;                // the current step replays a CUDA graph (set by schedule)
+  bool use_graph = false;                // the current step is a graph step (set by schedule; group_step
+                                         // may turn it off)
   EngineStats st;
   std::unique_ptr<DecodeGraphs> graphs;  // CUDA-graph decode steps, when available
   std::unique_ptr<model::AllToAllDispatcher> dispatcher;  // an expert shard's exchange (ec.expert_group)
@@ -108,24 +109,35 @@ struct Engine::Impl {
     if (ec.quantization != Quantization::kNone) {
       // The GEMM kernels read their own sign-bit layout; the CPU reference reads ModelOpt's.
       model::quantize_model(model, /*kernel_layout=*/model.device().is_cuda(), /*drop_dense=*/true);
-      for (auto& l : model.weights().layers) l.nvfp4.w4a4 = ec.quantization == Quantization::kW4a4;
+      for (auto& l : model.weights().layers) {
+        l.nvfp4.w4a4 = ec.quantization == Quantization::kW4a4;
+        // A stack's static activation scales act as one, its largest (model::nvfp4_options): an
+        // expert shard knows only its own experts' scales, so it would round other activations.
+        KILN_CHECK(!ec.expert_group || !l.nvfp4.w4a4 || !l.nvfp4.expert_gate.input_scale.defined(),
+                   "rollout: W4A4 with static activation scales (a calibrated NVFP4 checkpoint's input_scale) ",
+                   "cannot be served by expert-sharded engines, which each hold a part of a stack's scales; use ",
+                   "dynamic scales (kiln quantize --no-calibrate) or parallel.rollout: replica");
+      }
     }
     st.full_block_bytes = kv.layout().full_block_bytes;
     st.window_block_bytes = kv.layout().window_block_bytes;
     st.window_ring_blocks = kv.layout().ring_blocks;
     st.full_blocks_total = kv.pool(true).total();
     st.window_blocks_total = kv.pool(false).total();
-    // Adapters on NVFP4 experts read the expert counts on the host unless torch's grouped GEMM
-    // takes them (Lora::experts_grouped): no graph capture then. So do NVFP4 experts when a decode step's rows (at most max_num_seqs rounded up to a bucket of
-    // 16, times top_k) can exceed 64 per expert: the grouped GEMM's prefill path reads offsets.
+    // Expert adapters read the expert counts on the host unless torch's grouped GEMM takes them
+    // (Lora::experts_grouped; under bitwise numerics the invariant grouped kernel, whose rank must
+    // be 8k too): no graph capture then. Nor for NVFP4 experts when a decode step's rows (at most
+    // max_num_seqs rounded up to a bucket of 16, times top_k) can exceed 64 per expert, the bound
+    // this rule was set for when the grouped GEMM's prefill path read offsets (kept, unmeasured:
+    // that path has no host read now, and an expert shard's rows differ).
     const bool many_rows = (ec.max_num_seqs + 15) * cfg.top_k > 64 * cfg.num_experts;
     bool host_sync = false;
     for (const auto& l : model.weights().layers) {
       const bool nvfp4_experts = !l.expert_gate.defined();
-      host_sync |= nvfp4_experts && l.lora.on_experts() && !l.lora.experts_grouped();
+      host_sync |= l.lora.on_experts() && !l.lora.experts_grouped();
       host_sync |= nvfp4_experts && many_rows;
     }
-    const bool capture = DecodeGraphs::available(model, ec.expert_group);
+    const bool capture = DecodeGraphs::available(model, ec.expert_group, ec.batch_invariant);
     if (ec.cuda_graphs && !host_sync && (capture || ec.uncaptured_graph_steps)) {
       graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, ec.fused_rope_cache,
                                               ec.expert_group, capture && !ec.uncaptured_graph_steps,

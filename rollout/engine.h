@@ -70,6 +70,7 @@ struct EngineConfig {
   bool uncaptured_graph_steps = false;  // tests: pure decode steps run the graph step's code (static
                                         // buffers, padded buckets, an expert shard's fixed-shape
                                         // exchange) without capture, on any device and dtype
+                                        // (with cuda_graphs on)
   // Weights served. NVFP4 copies the model already holds (an NVFP4 checkpoint's) are served as they
   // are; the rest are quantised from the dense weights. update_weights() re-quantises.
   Quantization quantization = Quantization::kNone;

@@ -1,6 +1,7 @@
 // rollout.numerics: bitwise on the GPU: the engine's recorded log-probs and routing are the
-// trainer's forward's bit for bit in bf16 and fp32, through a mixed batch, chunked prefill and
-// preemption (the same check as the CPU test, on CUDA), and a bf16 GRPO step's mismatch is 0.
+// trainer's forward's bit for bit in bf16 and fp32, through a mixed batch, chunked prefill,
+// preemption and captured decode steps (the same check as the CPU test, on CUDA), and a bf16
+// GRPO step's mismatch is 0.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -19,6 +20,11 @@ TEST(CudaBatchInvariant, EngineLogprobsAndRoutingAreTheTrainersBitForBit) {
   // Preempted and recomputed: a cache of a few blocks (bf16 entries take half the bytes).
   test::check_engine_is_bitwise(at::kFloat, 8 << 10, cuda);
   test::check_engine_is_bitwise(at::kBFloat16, 4 << 10, cuda);
+  // Captured decode steps (widths the graphs take): the same bits, preempted too.
+  const model::ModelConfig graphed = test::bitwise_graph_config();
+  ASSERT_TRUE(rollout::DecodeGraphs::available(model::Muse::init(graphed, 6, at::kBFloat16, cuda), nullptr, true));
+  test::check_engine_is_bitwise(at::kBFloat16, 1 << 20, cuda, false, graphed);
+  test::check_engine_is_bitwise(at::kBFloat16, 16 << 10, cuda, false, graphed);
 }
 
 // The training forward on the GPU's batch-invariant kernels backpropagates through their plain

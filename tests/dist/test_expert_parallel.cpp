@@ -22,6 +22,7 @@
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "model/muse.h"
+#include "model/nvfp4_model.h"
 #include "rollout/engine.h"
 #include "tests/dist/next_token.h"
 #include "tests/test_util.h"
@@ -209,7 +210,8 @@ TEST(ExpertParallel, ShardedEnginesInLockstepMatchOneRank) {
 // equal one rank's quantised whole-model engine, also after a weight sync that sends each rank
 // only its shard (re-quantised in place). W4A4 also rounds the activations to 4 bits, which turns
 // fp32 summation-order noise into whole code steps now and then: it must run and give finite
-// log-probs, not the same bits.
+// log-probs, not the same bits. W4A4 with static activation scales is refused on shards: a stack's
+// scales act as one, its largest, which a shard does not know.
 TEST(ExpertParallel, QuantisedShardedEnginesMatchOneRank) {
   const Group& w = Group::world();
   if (w.size() == 1) GTEST_SKIP() << "one rank has no group to step with";
@@ -258,6 +260,15 @@ TEST(ExpertParallel, QuantisedShardedEnginesMatchOneRank) {
       sharded.update_weights(shard_experts(next, w.rank(), w.size()).named_parameters());
     }
   }
+  Muse calibrated = full.clone();
+  quantize_model(calibrated, /*kernel_layout=*/false, /*drop_dense=*/false);
+  calibrate_input_scales(calibrated, PackedBatch::from_sequences({{3, 5, 7, 9}}, at::kCPU));
+  rollout::EngineConfig ec;
+  ec.kv_cache_bytes = 1 << 20;
+  ec.quantization = rollout::Quantization::kW4a4;
+  ec.expert_group = &w;
+  const Muse shard = shard_experts(calibrated, w.rank(), w.size());
+  EXPECT_TRUE(test::throws_with([&] { rollout::Engine e(shard, ec); }, {"static activation scales", "replica"}));
 }
 
 TEST(ExpertParallel, ShardsAreTheRightSlices) {

@@ -101,8 +101,19 @@ inline void check_bitwise_gradients_bf16(at::Device device) {
 // The engine under bitwise numerics against the trainer's forward: every sampled token's log-prob
 // and every token's routing, bit for bit, through a mixed batch with chunked prefill and a cache
 // small enough to preempt.
-inline void check_engine_is_bitwise(at::ScalarType dtype, int64_t kv_bytes, at::Device device, bool uncaptured = false) {
-  const model::Muse m = model::Muse::init(bitwise_config(), 6, dtype, device);
+// bitwise_config at widths CUDA graphs capture: head_dim 16, expert widths of 8k.
+inline model::ModelConfig bitwise_graph_config() {
+  model::ModelConfig c = bitwise_config();
+  c.hidden_size = 32;
+  c.latent_size = 16;
+  c.expert_ffn_size = 32;
+  c.head_dim = 16;
+  return c;
+}
+
+inline void check_engine_is_bitwise(at::ScalarType dtype, int64_t kv_bytes, at::Device device, bool uncaptured = false,
+                                    const model::ModelConfig& config = bitwise_config()) {
+  const model::Muse m = model::Muse::init(config, 6, dtype, device);
   rollout::EngineConfig ec = small_engine(kv_bytes);
   ec.prefill_chunk = 3;
   ec.batch_invariant = true;
@@ -135,7 +146,9 @@ inline void check_engine_is_bitwise(at::ScalarType dtype, int64_t kv_bytes, at::
     }
   EXPECT_GT(tokens, 30);
   // Pure decode steps take the graph step (captured where graphs are available).
-  if (uncaptured || rollout::DecodeGraphs::available(m)) EXPECT_GT(engine.stats().graph_steps, 0);
+  const bool captured = !uncaptured && rollout::DecodeGraphs::available(m, nullptr, /*batch_invariant=*/true);
+  if (uncaptured || captured) EXPECT_GT(engine.stats().graph_steps, 0);
+  if (captured) EXPECT_GT(engine.stats().graphs_captured, 0);
   if (kv_bytes < (1 << 20)) {
     EXPECT_GT(engine.stats().preemptions, 0) << "the small cache did not preempt";
   }

@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "kernels/rms_norm.h"
 #include "model/batch_invariant.h"
 #include "model/muse.h"
 #include "rollout/engine.h"
@@ -79,6 +80,29 @@ TEST(BatchInvariant, Bf16GradientsAreAsCloseToFp64AsTheStandardOnes) { test::che
 
 // The grouped linear gives each row the bits rowwise_linear gives it with its group's weight, and
 // the plain gradient; empty groups are skipped.
+// The batch-invariant norm's gradient (its own node, by RMSNorm's backward formula) is autograd's
+// through the reference norm, for a weight vector and for one weight row per row (the experts'
+// norms), in fp64 to rounding and in bf16 to a bf16 step.
+TEST(BatchInvariant, NormGradientIsTheReferenceNormsGradient) {
+  for (const at::ScalarType dtype : {at::kDouble, at::kBFloat16})
+    for (const bool per_row : {false, true}) {
+      const at::Tensor x0 = at::randn({19, 24}, at::kDouble).to(dtype), g = at::randn({19, 24}, at::kDouble).to(dtype);
+      const at::Tensor w0 = (at::randn(per_row ? std::vector<int64_t>{19, 24} : std::vector<int64_t>{24}, at::kDouble) + 1)
+                                .to(dtype);
+      auto grads = [&](bool invariant) {
+        at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+        const at::Tensor y = invariant ? model::rowwise_rms_norm(x, w, 1e-6) : kernels::rms_norm_reference(x, w, 1e-6);
+        (y * g).sum().backward();
+        return std::make_pair(x.grad(), w.grad());
+      };
+      const auto [dx, dw] = grads(true);
+      const auto [rx, rw] = grads(false);
+      const double tol = dtype == at::kDouble ? 1e-12 : 2e-2;
+      EXPECT_TRUE(test::all_close(dx.to(at::kDouble), rx.to(at::kDouble), tol, tol)) << dtype << " per_row " << per_row;
+      EXPECT_TRUE(test::all_close(dw.to(at::kDouble), rw.to(at::kDouble), tol, tol)) << dtype << " per_row " << per_row;
+    }
+}
+
 TEST(BatchInvariant, GroupedLinearIsRowwiseLinearPerGroup) {
   at::manual_seed(3);
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
@@ -158,6 +182,7 @@ TEST(BatchInvariant, EngineLogprobsAndRoutingAreTheTrainersBitForBit) {
   // through the block tables on the device, and gives the same bits.
   check_engine_is_bitwise(at::kFloat, 1 << 20, at::kCPU, /*uncaptured=*/true);
   check_engine_is_bitwise(at::kBFloat16, 4 << 10, at::kCPU, /*uncaptured=*/true);
+  check_engine_is_bitwise(at::kBFloat16, 16 << 10, at::kCPU, /*uncaptured=*/true, test::bitwise_graph_config());
 }
 
 TEST(BatchInvariant, EngineRefusesWhatCannotBeBitwise) {
