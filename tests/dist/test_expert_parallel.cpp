@@ -205,6 +205,48 @@ TEST(ExpertParallel, ShardedEnginesInLockstepMatchOneRank) {
   EXPECT_TRUE(test::throws_with([&] { engine.step(); }, {"steps in lockstep with its group", "generate()"}));
 }
 
+// Bitwise numerics on sharded engines in lockstep, graph steps (uncaptured) and eager: every row's
+// arithmetic is its own wherever its experts run, so the samples are one rank's to the bit.
+TEST(ExpertParallel, BitwiseShardedEnginesEqualOneRankExactly) {
+  const Group& w = Group::world();
+  if (w.size() == 1) GTEST_SKIP() << "one rank has no group to step with";
+  ModelConfig cfg = test::byte_vocab_config();
+  cfg.init_std = 0.5;
+  const Muse full = Muse::init(cfg, 25, at::kFloat, at::kCPU);
+  std::vector<rollout::Request> reqs;
+  for (int i = 0; i < 1 + w.rank(); ++i) {  // uneven loads
+    rollout::Request r;
+    r.prompt = {int64_t(4 + 13 * i + w.rank()), 9, 2};
+    r.params.n = 2;
+    r.params.max_tokens = 4 + 3 * i;
+    r.params.seed = uint64_t(70 * w.rank() + i);
+    reqs.push_back(r);
+  }
+  rollout::EngineConfig ec;
+  ec.block_size = 4;
+  ec.max_num_seqs = 4;
+  ec.kv_cache_bytes = 1 << 20;
+  ec.batch_invariant = true;
+  rollout::Engine alone(full, ec);
+  const auto expected = alone.generate(reqs);
+  for (const bool graphs : {true, false}) {
+    rollout::EngineConfig sharded = ec;
+    sharded.expert_group = &w;
+    sharded.cuda_graphs = graphs;
+    sharded.uncaptured_graph_steps = graphs;
+    rollout::Engine engine(shard_experts(full, w.rank(), w.size()), sharded);
+    const auto got = engine.generate(reqs);
+    EXPECT_EQ(engine.stats().graph_steps > 0, graphs);
+    for (size_t r = 0; r < reqs.size(); ++r)
+      for (size_t j = 0; j < got[r].samples.size(); ++j) {
+        const rollout::Sample &a = expected[r].samples[j], &b = got[r].samples[j];
+        EXPECT_EQ(b.tokens, a.tokens) << "graphs " << graphs << ": request " << r << " sample " << j;
+        EXPECT_EQ(b.logprobs, a.logprobs) << "graphs " << graphs << ": request " << r << " sample " << j;
+        EXPECT_TRUE(test::all_equal(b.routing, a.routing)) << "graphs " << graphs << ": request " << r;
+      }
+  }
+}
+
 // NVFP4 and W4A4 sharded engines: each rank quantises its own experts (per-expert scales, so the
 // shard's codes are the whole model's slice) and serves them in lockstep. Under NVFP4 the samples
 // equal one rank's quantised whole-model engine, also after a weight sync that sends each rank
