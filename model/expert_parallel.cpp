@@ -63,11 +63,9 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch(const at::Tensor& z, const
 ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z, const at::Tensor& flat, int64_t k,
                                                             int64_t local) const {
   const int64_t S = group_.size(), n = flat.size(0);
-  // Without a set capacity, the most slots of any rank (a host all-reduce). With one, no host call
-  // at all (what a captured step needs): each rank checks its own slots.
+  // Without a set capacity, the most slots of any rank (a host all-reduce), which no rank's slots
+  // for one rank exceed. With one, no host call at all (what a captured step needs).
   const int64_t C = capacity_ > 0 ? capacity_ : int64_t(group_.all_reduce(double(n), comm::ReduceOp::kMax));
-  KILN_CHECK(n <= C, "expert exchange: rank ", group_.rank(), " has ", n, " slots, beyond the fixed capacity of ", C,
-             " rows per rank (set_capacity: at least the most slots of any rank)");
   Routed r;
   r.send.assign(size_t(S), C);
   r.recv = r.send;
@@ -78,12 +76,23 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z,
   const at::Tensor first = per_rank.cumsum(0) - per_rank;  // each owner's first sorted slot
   const at::Tensor sorted_owner = owner.index_select(0, r.order);
   const at::Tensor place = at::arange(n, longs) - first.index_select(0, sorted_owner);
-  r.slot_rows = at::empty({n}, longs).scatter_(0, r.order, sorted_owner * C + place);
+  // Each slot's row in the send buffer; a slot beyond the capacity of its rank goes to a spare
+  // row past the buffer's end (dropped), and its output is read from row 0 (garbage: overflow()).
+  const at::Tensor fits = place < C;
+  const at::Tensor row = at::empty({n}, longs).scatter_(0, r.order, at::where(fits, sorted_owner * C + place, S * C));
+  if (capacity_ > 0) {
+    if (!overflow_.defined() || overflow_.device() != flat.device())
+      overflow_ = at::zeros({}, flat.options().dtype(at::kInt));
+    overflow_.add_((per_rank > C).any().to(at::kInt));
+  }
+  r.slot_rows = at::where(row == S * C, at::zeros_like(row), row);
   // The send buffer: slot rows from z, every other row from an appended zero row.
-  const at::Tensor source = at::full({S * C}, z.size(0), longs).scatter_(0, r.slot_rows, at::div(at::arange(n, longs), k, "floor"));
+  const at::Tensor source = at::full({S * C + 1}, z.size(0), longs)
+                                .scatter_(0, row, at::div(at::arange(n, longs), k, "floor"))
+                                .narrow(0, 0, S * C);
   const at::Tensor padded = at::cat({z, at::zeros({1, z.size(1)}, z.options())}).index_select(0, source);
   // Padding rows go to the experts in turn, so that no expert gets all of them.
-  const at::Tensor ids = (at::arange(S * C, longs) % local).scatter_(0, r.slot_rows, flat - owner * local);
+  const at::Tensor ids = (at::arange(S * C + 1, longs) % local).scatter_(0, row, flat - owner * local).narrow(0, 0, S * C);
   r.ids = group_.all_to_all_known(ids, r.send, r.recv);
   r.rows = exchange_rows(group_, padded, r.send, r.recv, /*known=*/true);
   return r;

@@ -28,9 +28,11 @@ Muse shard_experts(const Muse& full, int rank, int size);
 // that rank first and zero rows after, so that the exchange's sizes never depend on the routing
 // and nothing is read back to the host: what a captured CUDA graph needs. The capacity is the
 // most slots any rank of the group has (no slot is ever dropped), found by a host all-reduce per
-// dispatch; set_capacity() fixes it for a captured batch bucket, and then a dispatch makes no host
-// call at all: each rank checks its own slots against it, and the caller sizes every rank's slots
-// (the engine's padded decode buckets). The padding rows run through the experts (spread over
+// dispatch; set_capacity() fixes it (every rank alike) for a captured batch bucket, and then a
+// dispatch makes no host call at all. A set capacity may be below the worst case, where all of a
+// rank's slots go to one rank: slots beyond it for one rank are then not sent, their outputs are
+// garbage, and overflow() counts the dispatches where that happened, so that the caller can redo
+// the step with the variable exchange. The padding rows run through the experts (spread over
 // them) and their outputs are never read.
 class AllToAllDispatcher : public ExpertDispatcher {
  public:
@@ -42,15 +44,23 @@ class AllToAllDispatcher : public ExpertDispatcher {
   at::Tensor combine(const at::Tensor& y, const Routed& routed) const override;
   const comm::Group& group() const { return group_; }
   bool fixed_shape() const { return fixed_shape_; }
-  // Rows each rank sends each rank under fixed_shape: at least every rank's slot count (0: found
-  // by an all-reduce at each dispatch).
+  // Rows each rank sends each rank under fixed_shape (0: every rank's most slots, found by an
+  // all-reduce at each dispatch).
   void set_capacity(int64_t rows) { capacity_ = rows; }
+  // Under a set capacity: the dispatches since clear_overflow() that dropped a slot, an int32
+  // scalar on the slots' device (undefined before the first); both are device ops a captured
+  // step replays.
+  const at::Tensor& overflow() const { return overflow_; }
+  void clear_overflow() const {
+    if (overflow_.defined()) overflow_.zero_();
+  }
 
  private:
   Routed dispatch_fixed(const at::Tensor& z, const at::Tensor& flat, int64_t k, int64_t local) const;
   const comm::Group& group_;
   bool fixed_shape_ = false;
   int64_t capacity_ = 0;
+  mutable at::Tensor overflow_;
 };
 
 // Rows [sum(send[:j]), +send[j]) of x go to rank j; returns the rows received, in rank order

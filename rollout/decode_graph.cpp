@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -84,7 +85,7 @@ struct DecodeGraphs::Impl {
     at::Tensor attend_unrotated(int64_t layer, bool full, const model::PackedBatch& batch, const at::Tensor& q,
                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                                 const at::Tensor& sin) override {
-      if (!owner->fuse_rope_cache) return model::AttentionBackend::attend_unrotated(layer, full, batch, q, k, v, cos, sin);
+      if (!owner->opt.fuse_rope_cache) return model::AttentionBackend::attend_unrotated(layer, full, batch, q, k, v, cos, sin);
       auto [kl, vl] = cache(layer, full);
       at::Tensor qr = kernels::rope_cache_write(q, k, v, cos, sin, kl, vl, full ? write_full : write_win);
       return paged(full, qr, kl, vl);
@@ -98,7 +99,7 @@ struct DecodeGraphs::Impl {
 
     at::Tensor paged(bool full, const at::Tensor& q, const at::Tensor& kl, const at::Tensor& vl) const {
       const KvPools& p = owner->pools;
-      if (owner->batch_invariant) {  // the trainer's ranged attention, over the rows in the cache
+      if (owner->opt.batch_invariant) {  // the trainer's ranged attention, over the rows in the cache
         if (q.is_cuda())  // every entry is a cache row: the kernel's second key source is never read
           return kernels::ranged_attention_cuda(q, kl, vl, kl, vl, key_rows[full], key_table_size[full]);
         return model::ranged_attention(q, kl, vl, {}, {}, host_keys[full]);
@@ -134,7 +135,7 @@ struct DecodeGraphs::Impl {
     // The step itself: what is captured.
     void forward() {
       const model::Muse& m = owner->model;
-      if (owner->batch_invariant) {
+      if (owner->opt.batch_invariant) {
         build_key_rows(true);
         if (owner->pools.ring > 0) build_key_rows(false);
       }
@@ -149,38 +150,58 @@ struct DecodeGraphs::Impl {
       opt.load_balance = false;
       opt.rollout = true;
       opt.positions = positions;
-      opt.batch_invariant = owner->batch_invariant;
+      opt.batch_invariant = owner->opt.batch_invariant;
       if (owner->experts) {  // every rank of the group runs this many rows now, padded alike
-        owner->experts->set_capacity(rows * m.config().top_k);
+        owner->experts->set_capacity(owner->capacity(rows));
+        owner->experts->clear_overflow();
         opt.experts = owner->experts.get();
       }
       model::ForwardOutput out = m.forward(batch, opt);
       routing = out.routing;
-      logits = m.logits(out.hidden, owner->batch_invariant);
-      if (owner->capture) std::tie(ids, logprobs) = kernels::sample_rows(logits, temperature, seeds);
+      logits = m.logits(out.hidden, owner->opt.batch_invariant);
+      if (owner->opt.capture) std::tie(ids, logprobs) = kernels::sample_rows(logits, temperature, seeds);
     }
   };
 
   model::Muse model;
   KvPools pools;
   int64_t max_rows;
-  bool fuse_rope_cache, capture, batch_invariant, pinned;
+  DecodeGraphOptions opt;
+  bool pinned;
   std::unique_ptr<model::AllToAllDispatcher> experts;  // an expert shard's fixed-shape exchange
+  at::Tensor host_overflow;                            // its overflow count after a step
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Bucket>> buckets;
 #if KILN_GRAPH_CAPTURE
   decltype(at::cuda::graph_pool_handle()) pool{};  // one memory pool shared by every captured graph
 #endif
 
-  Impl(const model::Muse& m, KvPools p, int64_t max_rows, bool fuse, const comm::Group* expert_group, bool capture,
-       bool batch_invariant)
-      : model(m), pools(std::move(p)), max_rows(decode_bucket_rows(max_rows)), fuse_rope_cache(fuse),
-        capture(capture), batch_invariant(batch_invariant), pinned(m.device().is_cuda()) {
-    if (expert_group) experts = std::make_unique<model::AllToAllDispatcher>(*expert_group, /*fixed_shape=*/true);
+  Impl(const model::Muse& m, KvPools p, int64_t max_rows, DecodeGraphOptions o)
+      : model(m), pools(std::move(p)), max_rows(decode_bucket_rows(max_rows)), opt(o), pinned(m.device().is_cuda()) {
+    KILN_CHECK(opt.expert_capacity >= 0, "rollout: expert_capacity must be >= 0 (got ", opt.expert_capacity, ")");
+    if (opt.expert_group) {
+      experts = std::make_unique<model::AllToAllDispatcher>(*opt.expert_group, /*fixed_shape=*/true);
+      host_overflow = host_buffer(1, at::kInt);
+    }
 #if KILN_GRAPH_CAPTURE
-    if (capture) pool = at::cuda::graph_pool_handle();
+    if (opt.capture) pool = at::cuda::graph_pool_handle();
 #else
-    KILN_CHECK(!capture, "rollout: CUDA-graph decode needs a CUDA build on torch >= 2.8");
+    KILN_CHECK(!opt.capture, "rollout: CUDA-graph decode needs a CUDA build on torch >= 2.8");
 #endif
+  }
+
+  // The exchange's overflow count into host_overflow (0 where it exchanged nothing: a group of one).
+  void read_overflow(bool non_blocking) {
+    if (!experts) return;
+    if (experts->overflow().defined()) host_overflow.copy_(experts->overflow().reshape({1}), non_blocking);
+    else host_overflow.zero_();
+  }
+
+  // Rows each rank sends each rank in a step of `rows` (DecodeGraphOptions::expert_capacity).
+  int64_t capacity(int64_t rows) const {
+    const int64_t slots = rows * model.config().top_k;
+    if (opt.expert_capacity == 0) return slots;
+    const double mean = opt.expert_capacity * double(slots) / double(opt.expert_group->size());
+    return std::max<int64_t>(1, std::min<int64_t>(slots, int64_t(std::ceil(mean + 4 * std::sqrt(mean)))));
   }
 
   at::Tensor host_buffer(int64_t n, at::ScalarType t) const {
@@ -271,6 +292,7 @@ struct DecodeGraphs::Impl {
     b.host_ids.copy_(ids);
     b.host_lps.copy_(logprobs);
     b.host_routing.copy_(routing.reshape({-1}));
+    read_overflow(false);
     return logits;
   }
 #endif
@@ -287,7 +309,7 @@ struct DecodeGraphs::Impl {
     const int64_t per_token = model.config().num_layers * model.config().top_k;
     const model::ModelConfig& c = model.config();
     DecodeResult r;
-    if (capture) {
+    if (opt.capture) {
 #if KILN_GRAPH_CAPTURE
       const c10::cuda::CUDAGuard guard(model.device());
       b.dev_in.copy_(b.host_in, /*non_blocking=*/true);
@@ -299,6 +321,7 @@ struct DecodeGraphs::Impl {
         b.host_ids.copy_(b.ids, true);
         b.host_lps.copy_(b.logprobs, true);
         b.host_routing.copy_(b.routing.view({-1}), true);
+        read_overflow(true);
         at::cuda::getCurrentCUDAStream().synchronize();
         logits = b.logits;
       }
@@ -310,8 +333,10 @@ struct DecodeGraphs::Impl {
       b.dev_in.copy_(b.host_in);
       b.forward();
       b.host_routing.copy_(b.routing.reshape({-1}));
+      read_overflow(false);
       r.logits = b.logits;
     }
+    r.overflowed = experts && host_overflow.data_ptr<int32_t>()[0] > 0;
     r.routing = b.host_routing.narrow(0, 0, n * per_token).view({n, c.num_layers, c.top_k});
     return r;
   }
@@ -335,13 +360,11 @@ bool DecodeGraphs::available(const model::Muse& model, const comm::Group* expert
 #endif
 }
 
-DecodeGraphs::DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, bool fuse_rope_cache,
-                           const comm::Group* expert_group, bool capture, bool batch_invariant)
-    : impl_(std::make_unique<Impl>(model, std::move(pools), max_rows, fuse_rope_cache, expert_group, capture,
-                                   batch_invariant)) {}
+DecodeGraphs::DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, DecodeGraphOptions options)
+    : impl_(std::make_unique<Impl>(model, std::move(pools), max_rows, options)) {}
 DecodeGraphs::~DecodeGraphs() = default;
 
 DecodeResult DecodeGraphs::run(const DecodeStep& step, int64_t min_rows) { return impl_->run(step, min_rows); }
-int64_t DecodeGraphs::num_graphs() const { return impl_->capture ? int64_t(impl_->buckets.size()) : 0; }
+int64_t DecodeGraphs::num_graphs() const { return impl_->opt.capture ? int64_t(impl_->buckets.size()) : 0; }
 
 }  // namespace kiln::rollout

@@ -28,11 +28,33 @@ struct DecodeStep {
   std::vector<Row> rows;
 };
 
+// How a DecodeGraphs runs its steps.
+struct DecodeGraphOptions {
+  // RoPE and the KV-cache write as one kernel (kernels::rope_cache_write) rather than four (off:
+  // tests compare).
+  bool fuse_rope_cache = true;
+  // The model is an expert shard of this group: each step's exchange has a fixed shape, and every
+  // rank of the group must run a step of the same bucket rows at the same time (the engine
+  // agrees on it). Each rank sends each rank `capacity` rows (model::AllToAllDispatcher): for
+  // bucket rows R, top_k k and S ranks, the mean per rank is m = R k / S, and the capacity is
+  // min(R k, ceil(f m + 4 sqrt(f m))) with f = expert_capacity (0: R k, the worst case, which
+  // never overflows). A step some slot of which did not fit says so (DecodeResult::overflowed).
+  const comm::Group* expert_group = nullptr;
+  double expert_capacity = 2.0;
+  // false: the same steps run without a graph, on any device and dtype (the CPU tests the graph
+  // path's logic this way).
+  bool capture = true;
+  // The forward's batch-invariant numerics (rollout.numerics: bitwise), each row's attention the
+  // trainer's ranged attention over its keys' cache rows, found on the device.
+  bool batch_invariant = false;
+};
+
 struct DecodeResult {
   at::Tensor ids;        // [N] int64, CPU: the token drawn for each row (unfiltered sampling);
   at::Tensor logprobs;   // [N] fp32, CPU; both undefined for steps run without capture
   at::Tensor routing;    // [N, L, k] uint8, CPU
   at::Tensor logits;     // [>= N, V] fp32 on the model's device; valid until the next run
+  bool overflowed = false;  // an expert shard's exchange dropped a slot: redo the step (every rank)
 };
 
 // Padded row counts of the decode buckets: small batches exactly by powers of two, then steps of 16.
@@ -45,16 +67,7 @@ class DecodeGraphs {
   // attention's, and expert widths of 8k) and, for an expert group of more than one, NCCL.
   static bool available(const model::Muse& model, const comm::Group* expert_group = nullptr,
                         bool batch_invariant = false);
-  // fuse_rope_cache: RoPE and the KV-cache write as one kernel (kernels::rope_cache_write) rather
-  // than four (off: tests compare). expert_group: the model is an expert shard; each step's
-  // exchange has a fixed shape (every rank sends each rank bucket rows x top_k, padded: model::
-  // AllToAllDispatcher's fixed_shape), and every rank of the group must run a step of the same
-  // bucket rows at the same time (the engine agrees on it). capture false: the same steps run
-  // without a graph, on any device and dtype (the CPU tests the graph path's logic this way).
-  // batch_invariant: the forward's batch-invariant numerics (rollout.numerics: bitwise), each
-  // row's attention the trainer's ranged attention over its keys' cache rows, found on the device.
-  DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, bool fuse_rope_cache = true,
-               const comm::Group* expert_group = nullptr, bool capture = true, bool batch_invariant = false);
+  DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, DecodeGraphOptions options = {});
   ~DecodeGraphs();
   // One step of the bucket for max(rows, min_rows) rows (min_rows: the group's widest; a rank of
   // an expert group with nothing to decode runs zero rows, all padding, and gets empty results).

@@ -139,9 +139,13 @@ struct Engine::Impl {
     }
     const bool capture = DecodeGraphs::available(model, ec.expert_group, ec.batch_invariant);
     if (ec.cuda_graphs && !host_sync && (capture || ec.uncaptured_graph_steps)) {
-      graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, ec.fused_rope_cache,
-                                              ec.expert_group, capture && !ec.uncaptured_graph_steps,
-                                              ec.batch_invariant);
+      DecodeGraphOptions go;
+      go.fuse_rope_cache = ec.fused_rope_cache;
+      go.expert_group = ec.expert_group;
+      go.expert_capacity = ec.expert_capacity;
+      go.capture = capture && !ec.uncaptured_graph_steps;
+      go.batch_invariant = ec.batch_invariant;
+      graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, go);
     }
   }
 
@@ -420,11 +424,17 @@ struct Engine::Impl {
       else idle_exchange();
     } else {
       KILN_CHECK(graphs, "rollout: the expert group's engines disagree on graph decode steps");
-      if (busy) finished = run(int64_t(a[2]));
-      else graphs->run(DecodeStep{}, int64_t(a[2]));
+      if (busy) {
+        finished = run(int64_t(a[2]));
+      } else if (any_rank(graphs->run(DecodeStep{}, int64_t(a[2])).overflowed)) {
+        idle_exchange();  // another rank redoes its step eagerly (run)
+      }
     }
     return true;
   }
+
+  // Whether `mine` holds on any rank of the expert group (a host all-reduce every rank joins).
+  bool any_rank(bool mine) const { return ec.expert_group->all_reduce(mine ? 1.0 : 0.0, comm::ReduceOp::kMax) > 0; }
 
   // A step's second half: runs the planned work. min_rows: the expert group's widest graph step.
   std::vector<RequestOutput> run(int64_t min_rows = 0) {
@@ -438,8 +448,16 @@ struct Engine::Impl {
     at::Tensor routing, hidden;  // routing [T, L, k] on the CPU
     if (use_graph) {
       graph = run_graph(min_rows);
-      routing = graph.routing;
-    } else {
+      if (ec.expert_group && any_rank(graph.overflowed)) {  // a slot did not fit: every rank redoes the step
+        st.expert_overflow_steps++;
+        graph = DecodeResult();
+        use_graph = false;
+        attention.plan(work);
+      } else {
+        routing = graph.routing;
+      }
+    }
+    if (!use_graph) {
       model::PackedBatch batch;
       batch.cu_seqlens = cu_seqlens;
       std::vector<int64_t> flat;

@@ -67,6 +67,11 @@ struct EngineConfig {
                                         // (false: four, as the eager path; tests compare)
   bool cuda_graphs = true;              // pure decode steps of a bf16 CUDA model replay captured
                                         // graphs (rollout/decode_graph.h); false: run eagerly
+  // Under expert_group, the graph steps' fixed exchange sends each rank about expert_capacity
+  // times its mean share of the slots (rollout/decode_graph.h, DecodeGraphOptions); a step that
+  // overflows it is redone eagerly by every rank (EngineStats::expert_overflow_steps). 0: the worst
+  // case, every slot of a rank to one rank, which never overflows but runs ranks x the rows.
+  double expert_capacity = 2.0;
   bool uncaptured_graph_steps = false;  // tests: pure decode steps run the graph step's code (static
                                         // buffers, padded buckets, an expert shard's fixed-shape
                                         // exchange) without capture, on any device and dtype
@@ -106,6 +111,7 @@ struct EngineStats {
   int64_t preemptions = 0;
   int64_t graph_steps = 0;           // steps that replayed a CUDA graph
   int64_t graphs_captured = 0;
+  int64_t expert_overflow_steps = 0;  // graph steps an expert shard's exchange overflowed, redone eagerly
   // Host wall time by phase: scheduling and planning, the model (until its outputs reach the
   // host; graph capture included), and drawing tokens.
   double schedule_seconds = 0, model_seconds = 0, sample_seconds = 0;

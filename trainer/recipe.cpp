@@ -447,6 +447,8 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     ro.get("max_batch_tokens", g.engine.max_batch_tokens);
     ro.get("prefill_chunk", g.engine.prefill_chunk);
     ro.get("cuda_graphs", g.engine.cuda_graphs);
+    ro.get("expert_capacity", g.engine.expert_capacity);
+    if (g.engine.expert_capacity < 0) ro.fail("expert_capacity", "expected >= 0 (0: the worst case, no overflow)");
     std::string quantization = rollout::quantization_name(g.engine.quantization);
     ro.get("quantization", quantization);
     try {
@@ -640,6 +642,7 @@ std::string Recipe::to_yaml() const {
     << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key
     << "max_batch_tokens" << YAML::Value << g.engine.max_batch_tokens << YAML::Key << "prefill_chunk"
     << YAML::Value << g.engine.prefill_chunk << YAML::Key << "cuda_graphs" << YAML::Value << g.engine.cuda_graphs
+    << YAML::Key << "expert_capacity" << YAML::Value << g.engine.expert_capacity
     << YAML::Key << "quantization" << YAML::Value << rollout::quantization_name(g.engine.quantization)
     << YAML::Key << "numerics" << YAML::Value << (g.engine.batch_invariant ? "bitwise" : "standard") << YAML::Key << "sync_check_tokens"
     << YAML::Value << g.sync_check_tokens << YAML::Key << "sync_check_threshold" << YAML::Value
