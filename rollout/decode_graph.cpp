@@ -345,12 +345,12 @@ struct DecodeGraphs::Impl {
 bool DecodeGraphs::available(const model::Muse& model, const comm::Group* expert_group, bool batch_invariant) {
 #if KILN_GRAPH_CAPTURE
   const auto& c = model.config();
-  // Batch-invariant steps read their keys by the ranged attention (head_dim up to 256), and their
-  // grouped expert GEMMs take the kernel (no host read of the offsets) for widths of 8k.
+  // Batch-invariant steps read their keys by the ranged attention (head_dim up to 256). The expert
+  // GEMMs, grouped (torch's, or the invariant kernel) read no offsets on the host at widths of 8k.
   const bool attention = batch_invariant ? c.head_dim <= 256
                                          : kernels::paged_decode_attention_cuda_supports(
                                                model.dtype(), c.head_dim, c.num_q_heads / c.num_kv_heads);
-  const bool experts = !batch_invariant || (c.latent_size % 8 == 0 && c.expert_ffn_size % 8 == 0);
+  const bool experts = c.latent_size % 8 == 0 && c.expert_ffn_size % 8 == 0;
   // A group of one exchanges nothing; a larger one needs NCCL, which a graph can capture.
   const bool exchange = !expert_group || expert_group->size() == 1 || KILN_WITH_NCCL;
   return model.device().is_cuda() && model.dtype() == at::kBFloat16 && attention && experts && exchange;

@@ -62,9 +62,9 @@ int64_t decode_bucket_rows(int64_t n);
 
 class DecodeGraphs {
  public:
-  // Capture needs a CUDA build, a bf16 CUDA model on torch >= 2.8 (grouped GEMM: no host syncs in
-  // the MoE), a shape the paged-attention kernel handles (batch-invariant steps: the ranged
-  // attention's, and expert widths of 8k) and, for an expert group of more than one, NCCL.
+  // Capture needs a CUDA build, a bf16 CUDA model on torch >= 2.8 with expert widths of 8k
+  // (grouped GEMMs: no host syncs in the MoE), a shape the paged-attention kernel handles (batch-
+  // invariant steps: the ranged attention's) and, for an expert group of more than one, NCCL.
   static bool available(const model::Muse& model, const comm::Group* expert_group = nullptr,
                         bool batch_invariant = false);
   DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, DecodeGraphOptions options = {});
