@@ -439,6 +439,7 @@ struct GrpoTrainer::Impl {
     o.batch_invariant = cfg.engine.batch_invariant;  // rollout.numerics: bitwise
     o.use_fused = cfg.fused_kernels;
     o.recompute = cfg.recompute;
+    o.load_balance = false;  // the GRPO loss has no balance term: its per-layer kernels would be waste
     return o;
   }
   Scored score(const std::vector<Trajectory>& trajs, bool replay) { return score(trained(), trajs, replay); }
