@@ -70,20 +70,28 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z,
   r.send.assign(size_t(S), C);
   r.recv = r.send;
   const at::TensorOptions longs = flat.options().dtype(at::kLong);
-  const at::Tensor owner = at::div(flat, local, "floor");
+  at::Tensor owner = at::div(flat, local, "floor");
+  if (row_mask_.defined()) {  // the slots of masked-out tokens go to a spare owner S: never sent
+    KILN_CHECK(row_mask_.size(0) * k == n, "expert exchange: a row mask of ", row_mask_.size(0), " tokens for ", n,
+               " slots of top_k ", k);
+    owner = at::where(row_mask_.index_select(0, at::div(at::arange(n, longs), k, "floor")) != 0, owner, S);
+  }
   r.order = std::get<1>(at::sort(owner, /*stable=*/true, 0, /*descending=*/false));
-  const at::Tensor per_rank = at::zeros({S}, longs).index_add_(0, owner, at::ones_like(owner));
-  const at::Tensor first = per_rank.cumsum(0) - per_rank;  // each owner's first sorted slot
+  const at::Tensor per_owner = at::zeros({S + 1}, longs).index_add_(0, owner, at::ones_like(owner));
+  const at::Tensor first = per_owner.cumsum(0) - per_owner;  // each owner's first sorted slot
   const at::Tensor sorted_owner = owner.index_select(0, r.order);
   const at::Tensor place = at::arange(n, longs) - first.index_select(0, sorted_owner);
-  // Each slot's row in the send buffer; a slot beyond the capacity of its rank goes to a spare
-  // row past the buffer's end (dropped), and its output is read from row 0 (garbage: overflow()).
-  const at::Tensor fits = place < C;
+  // Each slot's row in the send buffer. A masked slot, or one beyond the capacity of its rank,
+  // goes to a spare row past the buffer's end (not sent), and its output is read from row 0: a
+  // masked token's output is never read, a dropped slot's is garbage (overflow()).
+  const at::Tensor fits = (place < C).logical_and_(sorted_owner < S);
   const at::Tensor row = at::empty({n}, longs).scatter_(0, r.order, at::where(fits, sorted_owner * C + place, S * C));
   if (capacity_ > 0) {
-    if (!overflow_.defined() || overflow_.device() != flat.device())
-      overflow_ = at::zeros({}, flat.options().dtype(at::kInt));
-    overflow_.add_((per_rank > C).any().to(at::kInt));
+    if (!overflow_.defined()) overflow_ = at::zeros({}, flat.options().dtype(at::kInt));
+    // Once allocated it stays: captured steps write to its address.
+    KILN_CHECK(overflow_.device() == flat.device(), "expert exchange: the overflow count lives on ",
+               overflow_.device(), ", the slots on ", flat.device(), "; use one dispatcher per device");
+    overflow_.add_((per_owner.narrow(0, 0, S) > C).any().to(at::kInt));
   }
   r.slot_rows = at::where(row == S * C, at::zeros_like(row), row);
   // The send buffer: slot rows from z, every other row from an appended zero row.
@@ -92,7 +100,8 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z,
                                 .narrow(0, 0, S * C);
   const at::Tensor padded = at::cat({z, at::zeros({1, z.size(1)}, z.options())}).index_select(0, source);
   // Padding rows go to the experts in turn, so that no expert gets all of them.
-  const at::Tensor ids = (at::arange(S * C + 1, longs) % local).scatter_(0, row, flat - owner * local).narrow(0, 0, S * C);
+  const at::Tensor ids =
+      (at::arange(S * C + 1, longs) % local).scatter_(0, row, flat.remainder(local)).narrow(0, 0, S * C);
   r.ids = group_.all_to_all_known(ids, r.send, r.recv);
   r.rows = exchange_rows(group_, padded, r.send, r.recv, /*known=*/true);
   return r;

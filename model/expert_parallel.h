@@ -47,6 +47,11 @@ class AllToAllDispatcher : public ExpertDispatcher {
   // Rows each rank sends each rank under fixed_shape (0: every rank's most slots, found by an
   // all-reduce at each dispatch).
   void set_capacity(int64_t rows) { capacity_ = rows; }
+  // Under fixed_shape: tokens whose entry is 0 in `mask` ([T] int64, on the slots' device, read at
+  // each dispatch, so a captured step reads its current values) send nothing and get garbage
+  // back: a decode bucket's padding rows, which would otherwise all pick the same experts and
+  // crowd a few ranks' capacity. Undefined: every token sends.
+  void set_row_mask(const at::Tensor& mask) { row_mask_ = mask; }
   // Under a set capacity: the dispatches since clear_overflow() that dropped a slot, an int32
   // scalar on the slots' device (undefined before the first); both are device ops a captured
   // step replays.
@@ -60,6 +65,7 @@ class AllToAllDispatcher : public ExpertDispatcher {
   const comm::Group& group_;
   bool fixed_shape_ = false;
   int64_t capacity_ = 0;
+  at::Tensor row_mask_;
   mutable at::Tensor overflow_;
 };
 

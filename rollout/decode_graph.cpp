@@ -54,12 +54,12 @@ int64_t bucket_cols(int64_t n) {
 struct DecodeGraphs::Impl {
   // One step's buffers (and, captured, its graph). The input buffer packs, per row: token,
   // position, full-pool write row, window-pool write row, temperature (fp64 bits), stream seed,
-  // then the two block tables.
+  // whether the row is real (1) or padding (0), then the two block tables.
   struct Bucket : model::AttentionBackend {
     Impl* owner = nullptr;
     int64_t rows = 0, cols = 0;
     at::Tensor host_in, dev_in;
-    at::Tensor tokens, positions, write_full, write_win, temperature, seeds, table_full, table_ring;
+    at::Tensor tokens, positions, write_full, write_win, temperature, seeds, valid, table_full, table_ring;
     at::Tensor ids, logprobs, routing, logits;  // the step's outputs (captured: static addresses)
     // Batch-invariant numerics: each row's keys, per layer kind ([1] full attention, [0] window),
     // in position order as cache rows: model::KeyRanges' packed form on the device, built in the
@@ -153,6 +153,7 @@ struct DecodeGraphs::Impl {
       opt.batch_invariant = owner->opt.batch_invariant;
       if (owner->experts) {  // every rank of the group runs this many rows now, padded alike
         owner->experts->set_capacity(owner->capacity(rows));
+        owner->experts->set_row_mask(valid);  // padding rows send nothing
         owner->experts->clear_overflow();
         opt.experts = owner->experts.get();
       }
@@ -201,7 +202,7 @@ struct DecodeGraphs::Impl {
     const int64_t slots = rows * model.config().top_k;
     if (opt.expert_capacity == 0) return slots;
     const double mean = opt.expert_capacity * double(slots) / double(opt.expert_group->size());
-    return std::max<int64_t>(1, std::min<int64_t>(slots, int64_t(std::ceil(mean + 4 * std::sqrt(mean)))));
+    return std::max<int64_t>(1, int64_t(std::min(double(slots), std::ceil(mean + 4 * std::sqrt(mean)))));
   }
 
   at::Tensor host_buffer(int64_t n, at::ScalarType t) const {
@@ -216,7 +217,7 @@ struct DecodeGraphs::Impl {
     b.owner = this;
     b.rows = rows;
     b.cols = cols;
-    const int64_t per_row = 6 + cols + pools.ring;
+    const int64_t per_row = 7 + cols + pools.ring;
     b.host_in = host_buffer(rows * per_row, at::kLong);
     b.dev_in = at::empty({rows * per_row}, at::TensorOptions().dtype(at::kLong).device(model.device()));
     auto field = [&](int64_t i) { return b.dev_in.narrow(0, i * rows, rows); };
@@ -226,8 +227,9 @@ struct DecodeGraphs::Impl {
     b.write_win = field(3);
     b.temperature = field(4).view(at::kDouble);
     b.seeds = field(5);
-    b.table_full = b.dev_in.narrow(0, 6 * rows, rows * cols).view({rows, cols});
-    b.table_ring = b.dev_in.narrow(0, (6 + cols) * rows, rows * pools.ring).view({rows, pools.ring});
+    b.valid = field(6);
+    b.table_full = b.dev_in.narrow(0, 7 * rows, rows * cols).view({rows, cols});
+    b.table_ring = b.dev_in.narrow(0, (7 + cols) * rows, rows * pools.ring).view({rows, pools.ring});
     const int64_t per_token = model.config().num_layers * model.config().top_k;
     b.host_ids = host_buffer(rows, at::kLong);
     b.host_lps = host_buffer(rows, at::kFloat);
@@ -239,8 +241,8 @@ struct DecodeGraphs::Impl {
     const int64_t R = b.rows, B = pools.block_size;
     int64_t* h = b.host_in.data_ptr<int64_t>();
     std::fill(h, h + b.host_in.numel(), 0);
-    int64_t* table_full = h + 6 * R;
-    int64_t* table_ring = h + (6 + b.cols) * R;
+    int64_t* table_full = h + 7 * R;
+    int64_t* table_ring = h + (7 + b.cols) * R;
     std::fill(table_full, table_full + R * b.cols, pools.scratch_full);
     std::fill(table_ring, table_ring + R * pools.ring, pools.scratch_win);
     for (int64_t i = 0; i < R; ++i) {
@@ -254,6 +256,7 @@ struct DecodeGraphs::Impl {
       const int64_t i = int64_t(r), p = row.position;
       h[i] = row.token;
       h[R + i] = p;
+      h[6 * R + i] = 1;  // a real row (padding rows stay 0)
       const auto& fb = *row.full_blocks;
       std::copy(fb.begin(), fb.end(), table_full + i * b.cols);
       h[2 * R + i] = fb[size_t(p / B)] * B + p % B;
@@ -337,6 +340,7 @@ struct DecodeGraphs::Impl {
       r.logits = b.logits;
     }
     r.overflowed = experts && host_overflow.data_ptr<int32_t>()[0] > 0;
+    r.may_overflow = experts && capacity(b.rows) < b.rows * c.top_k;
     r.routing = b.host_routing.narrow(0, 0, n * per_token).view({n, c.num_layers, c.top_k});
     return r;
   }

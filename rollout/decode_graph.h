@@ -55,6 +55,7 @@ struct DecodeResult {
   at::Tensor routing;    // [N, L, k] uint8, CPU
   at::Tensor logits;     // [>= N, V] fp32 on the model's device; valid until the next run
   bool overflowed = false;  // an expert shard's exchange dropped a slot: redo the step (every rank)
+  bool may_overflow = false;  // the step's capacity is below the worst case (the same on every rank)
 };
 
 // Padded row counts of the decode buckets: small batches exactly by powers of two, then steps of 16.

@@ -426,8 +426,9 @@ struct Engine::Impl {
       KILN_CHECK(graphs, "rollout: the expert group's engines disagree on graph decode steps");
       if (busy) {
         finished = run(int64_t(a[2]));
-      } else if (any_rank(graphs->run(DecodeStep{}, int64_t(a[2])).overflowed)) {
-        idle_exchange();  // another rank redoes its step eagerly (run)
+      } else {
+        const DecodeResult idle = graphs->run(DecodeStep{}, int64_t(a[2]));
+        if (idle.may_overflow && any_rank(idle.overflowed)) idle_exchange();  // another rank redoes its step (run)
       }
     }
     return true;
@@ -448,7 +449,8 @@ struct Engine::Impl {
     at::Tensor routing, hidden;  // routing [T, L, k] on the CPU
     if (use_graph) {
       graph = run_graph(min_rows);
-      if (ec.expert_group && any_rank(graph.overflowed)) {  // a slot did not fit: every rank redoes the step
+      // A slot did not fit on some rank: every rank redoes the step.
+      if (ec.expert_group && graph.may_overflow && any_rank(graph.overflowed)) {
         st.expert_overflow_steps++;
         graph = DecodeResult();
         use_graph = false;

@@ -187,6 +187,7 @@ std::string StepMetrics::to_json() const {
   if (mis_masked_fraction != 0) j["mis_masked_fraction"] = mis_masked_fraction;
   j["zero_variance_groups"] = zero_variance_groups;
   j["rollout_engine"] = {{"preemptions", preemptions}, {"kv_peak", kv_peak}};
+  if (expert_overflow_steps > 0) j["rollout_engine"]["expert_overflow_steps"] = expert_overflow_steps;
   if (staleness >= 0)
     j["async"] = {{"staleness", staleness}, {"wait_seconds", async_wait_seconds},
                   {"rollout_wait_seconds", rollout_wait_seconds}};
@@ -560,11 +561,12 @@ struct GrpoTrainer::Impl {
   using Produced = ProducedBatch;
 
   Produced produce(const Batch& b, int64_t round) {
-    const int64_t preempted = engine->stats().preemptions;
+    const rollout::EngineStats before = engine->stats();
     engine->reset_peaks();  // this batch's peak, not the run's (evaluation included)
     Produced p = produce_rollout(b, round);
     const rollout::EngineStats after = engine->stats();
-    p.preemptions = after.preemptions - preempted;
+    p.preemptions = after.preemptions - before.preemptions;
+    p.expert_overflow_steps = after.expert_overflow_steps - before.expert_overflow_steps;
     auto fraction = [](int64_t used, int64_t total) { return total > 0 ? double(used) / double(total) : 0.0; };
     p.kv_peak = std::max(fraction(after.peak_full_blocks, after.full_blocks_total),
                          fraction(after.peak_window_blocks, after.window_blocks_total));
@@ -1114,6 +1116,8 @@ struct GrpoTrainer::Impl {
       group.all_reduce(engine_sums);
       m.preemptions = int64_t(engine_sums.item<double>());
       m.kv_peak = group.all_reduce(p.kv_peak, comm::ReduceOp::kMax);
+      m.expert_overflow_steps =
+          int64_t(group.all_reduce(double(p.expert_overflow_steps), comm::ReduceOp::kMax));
       if (cfg.async_staleness >= 0) m.rollout_wait_seconds = group.all_reduce(p.wait_seconds, comm::ReduceOp::kMax);
     }
     if (env) {

@@ -136,6 +136,8 @@ struct StepMetrics {
   double mis_masked_fraction = 0;         // response tokens masked importance sampling dropped (loss.mis)
   double zero_variance_groups = 0;        // fraction of prompts whose samples all got one reward
   int64_t preemptions = 0;                // rollout: sequences preempted (recomputed) this step, all ranks
+  int64_t expert_overflow_steps = 0;      // rollout: graph steps a sharded engine's exchange overflowed and
+                                          // redid eagerly (the group redoes them together: the most of any rank)
   double kv_peak = 0;                     // rollout: the fullest KV-cache pool's peak use in this step's rollout
                                           // (fraction; the largest over ranks)
   int64_t staleness = -1;                 // grpo.async: updates between the batch's weights and the trained ones (-1: off)

@@ -134,6 +134,7 @@ void write_produced(ByteWriter& w, const ProducedBatch& p) {
   write_stats(w, p.worker);
   for (double v : {p.rollout_seconds, p.reward_seconds, p.wait_seconds, p.turns, p.observed}) w.put(v);
   w.put(p.preemptions);
+  w.put(p.expert_overflow_steps);
   w.put(p.kv_peak);
   w.put(p.version);
   w.put(p.data_position);
@@ -156,6 +157,7 @@ ProducedBatch read_produced(ByteReader& r) {
   for (double* v : {&p.rollout_seconds, &p.reward_seconds, &p.wait_seconds, &p.turns, &p.observed})
     *v = r.get<double>("the timings");
   p.preemptions = r.get<int64_t>("the preemptions");
+  p.expert_overflow_steps = r.get<int64_t>("the expert overflow steps");
   p.kv_peak = r.get<double>("the KV peak");
   p.version = r.get<int64_t>("the weight version");
   p.data_position = r.get<uint64_t>("the data position");

@@ -33,6 +33,7 @@ struct ProducedBatch {
   double wait_seconds = 0;            // how long the producer waited for its weights before it (async)
   double turns = 0, observed = 0;     // episodes: sums of turns and observation tokens
   int64_t preemptions = 0;            // the engine's preemptions while sampling it
+  int64_t expert_overflow_steps = 0;  // its graph steps a sharded engine redid (EngineStats)
   double kv_peak = 0;                 // the fullest KV pool's peak use while sampling it (fraction)
   int64_t version = 0;                // the engine's weight version it was sampled with
   uint64_t data_position = 0;         // the data stream's position before its prompts (async)

@@ -448,7 +448,8 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     ro.get("prefill_chunk", g.engine.prefill_chunk);
     ro.get("cuda_graphs", g.engine.cuda_graphs);
     ro.get("expert_capacity", g.engine.expert_capacity);
-    if (g.engine.expert_capacity < 0) ro.fail("expert_capacity", "expected >= 0 (0: the worst case, no overflow)");
+    if (!std::isfinite(g.engine.expert_capacity) || g.engine.expert_capacity < 0)
+      ro.fail("expert_capacity", "expected a finite number >= 0 (0: the worst case, no overflow)");
     std::string quantization = rollout::quantization_name(g.engine.quantization);
     ro.get("quantization", quantization);
     try {

@@ -71,6 +71,7 @@ inline trainer::ProducedBatch produced_fixture(int seed) {
   p.turns = 3;
   p.observed = 11;
   p.preemptions = 2;
+  p.expert_overflow_steps = 3;
   p.kv_peak = 0.625;
   p.version = 9 + seed;
   p.data_position = (uint64_t(1) << 40) + uint64_t(seed);
@@ -144,6 +145,7 @@ inline void expect_same_produced(const trainer::ProducedBatch& a, const trainer:
   EXPECT_EQ(a.turns, b.turns);
   EXPECT_EQ(a.observed, b.observed);
   EXPECT_EQ(a.preemptions, b.preemptions);
+  EXPECT_EQ(a.expert_overflow_steps, b.expert_overflow_steps);
   EXPECT_EQ(a.kv_peak, b.kv_peak);
   EXPECT_EQ(a.version, b.version);
   EXPECT_EQ(a.data_position, b.data_position);
