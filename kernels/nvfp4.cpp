@@ -324,9 +324,9 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
              "] (got ", offsets.sizes(), ")");
   at::Tensor off = offsets.cpu().to(at::kLong);
   const int64_t* o = off.data_ptr<int64_t>();
-  KILN_CHECK(o[0] == 0 && o[E] == x.size(0), "nvfp4_grouped_linear: offsets must run from 0 to the rows (",
+  KILN_CHECK(o[0] == 0 && o[E] <= x.size(0), "nvfp4_grouped_linear: offsets must run from 0 to at most the rows (",
              x.size(0), "), got ", o[0], "..", o[E]);
-  at::Tensor y = at::empty({x.size(0), w.rows()}, x.options());
+  at::Tensor y = at::zeros({x.size(0), w.rows()}, x.options());  // rows past offsets[E] belong to no expert
   // W4A4 scales the whole grouped input with one per-tensor scale, as one GEMM call would.
   auto [xin, extra] = gemm_input(x, opt);
   for (int64_t e = 0; e < E; ++e) {
@@ -381,7 +381,9 @@ at::Tensor grouped_prefill(const at::Tensor& x, const Nvfp4Tensor& w, const at::
   const at::Tensor padded = at::floor_divide(ends_in - starts_in + (kGroupAlign - 1), kGroupAlign) * kGroupAlign;
   const at::Tensor ends = padded.cumsum(0);
   const at::Tensor rows = at::arange(R, offsets.options());
-  const at::Tensor expert = at::searchsorted(ends_in, rows, /*out_int32=*/false, /*right=*/true);
+  // Rows past the last expert's (an expert exchange's padding) ride after expert E - 1's rows:
+  // inside the buffer, and their outputs are never read.
+  const at::Tensor expert = at::searchsorted(ends_in, rows, /*out_int32=*/false, /*right=*/true).clamp_max(E - 1);
   const at::Tensor dest = (ends - padded).index_select(0, expert) + rows - starts_in.index_select(0, expert);
   // Padding rows stay uninitialised: a GEMM row depends on its own input row only, and no padded
   // output row is read back.

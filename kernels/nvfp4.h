@@ -75,6 +75,7 @@ struct Nvfp4LinearOptions {
 at::Tensor nvfp4_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
 // Grouped (the MoE experts): x [R, K] holds rows sorted by expert, rows offsets[e]..offsets[e+1]
 // going to expert e of the stacked W [E, N, K]; offsets int64 [E + 1] on x's device. Returns [R, N].
+// Rows past offsets[E] belong to no expert: zero in the reference, unread elsewhere.
 at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                           const Nvfp4LinearOptions& opt = {});
 // Dispatch: the CUDA GEMMs for CUDA bf16/fp32 inputs with kernel-layout weights, else the references.

@@ -109,7 +109,7 @@ struct GroupedRowsLinear : public torch::autograd::Function<GroupedRowsLinear> {
     if (kernels::invariant_grouped_linear_serves(xc, wc)) return kernels::invariant_grouped_linear_cuda(xc, wc, offsets);
     const at::Tensor host = offsets.cpu();
     const int64_t* o = host.data_ptr<int64_t>();
-    at::Tensor y = at::empty({x.size(0), w.size(1)}, x.options());
+    at::Tensor y = at::zeros({x.size(0), w.size(1)}, x.options());  // rows past the groups stay zero
     for (int64_t e = 0; e < w.size(0); ++e)
       if (o[e + 1] > o[e]) y.narrow(0, o[e], o[e + 1] - o[e]).copy_(rowwise_linear(xc.narrow(0, o[e], o[e + 1] - o[e]), wc[e]));
     return y;

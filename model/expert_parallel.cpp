@@ -99,9 +99,9 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z,
                                 .scatter_(0, row, at::div(at::arange(n, longs), k, "floor"))
                                 .narrow(0, 0, S * C);
   const at::Tensor padded = at::cat({z, at::zeros({1, z.size(1)}, z.options())}).index_select(0, source);
-  // Padding rows go to the experts in turn, so that no expert gets all of them.
-  const at::Tensor ids =
-      (at::arange(S * C + 1, longs) % local).scatter_(0, row, flat.remainder(local)).narrow(0, 0, S * C);
+  // Padding rows carry the spare id `local`: the receiving rank's experts skip them.
+  const at::Tensor ids = at::full({S * C + 1}, local, longs).scatter_(0, row, flat.remainder(local)).narrow(0, 0, S * C);
+  r.spare = true;
   r.ids = group_.all_to_all_known(ids, r.send, r.recv);
   r.rows = exchange_rows(group_, padded, r.send, r.recv, /*known=*/true);
   return r;

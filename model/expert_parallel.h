@@ -32,8 +32,8 @@ Muse shard_experts(const Muse& full, int rank, int size);
 // dispatch makes no host call at all. A set capacity may be below the worst case, where all of a
 // rank's slots go to one rank: slots beyond it for one rank are then not sent, their outputs are
 // garbage, and overflow() counts the dispatches where that happened, so that the caller can redo
-// the step with the variable exchange. The padding rows run through the experts (spread over
-// them) and their outputs are never read.
+// the step with the variable exchange. The padding rows carry a spare expert id (Routed::spare):
+// no expert runs them, and their outputs are never read.
 class AllToAllDispatcher : public ExpertDispatcher {
  public:
   // `group` must outlive it.

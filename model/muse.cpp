@@ -119,12 +119,14 @@ struct ExpertProj {
 #endif
   }
   // NVFP4 rows sorted by expert, unpadded (offsets [E + 1] int64: the fused W4A16 kernel at decode
-  // sizes); adapters run on a padded copy through `l` (kernels::moe_layout).
-  at::Tensor sorted(const at::Tensor& xs, const at::Tensor& offsets, const kernels::MoeLayout& l) const {
+  // sizes; rows past offsets[E] belong to no expert); adapters run on a padded copy through `l`
+  // (kernels::moe_layout) and its experts' segment ends.
+  at::Tensor sorted(const at::Tensor& xs, const at::Tensor& offsets, const kernels::MoeLayout& l,
+                    const at::Tensor& ends) const {
     at::Tensor y = kernels::nvfp4_grouped_linear(xs, q, offsets, nvfp4_options(q, w4a4));
     if (!a.defined()) return y;
     at::Tensor xp = at::zeros({l.bound, xs.size(1)}, xs.options()).index_copy(0, l.dest, xs);
-    return y + grouped_lora(xp, a, b, l.offsets, scale).index_select(0, l.dest);
+    return y + grouped_lora(xp, a, b, ends, scale).index_select(0, l.dest);
   }
   // Rows sorted by expert (offsets [E + 1] int64 on the device), under batch-invariant numerics:
   // each row as one() would give it, in one launch per GEMM on CUDA.
@@ -259,13 +261,16 @@ bool grouped_mm_widths_fit(const LayerWeights& lw, const at::Tensor& z) {
 }
 
 // SwiGLU experts, W_down_e . (silu(W_gate_e . z) * (W_up_e . z)), for every slot; [T * k, d_l] in
-// slot order. ids [T * k]: the expert of each slot (kernels::moe_layout sorts them).
+// slot order. ids [T * k]: the expert of each slot (kernels::moe_layout sorts them). With `spare`,
+// an id equal to the number of experts marks a row no expert runs (ExpertDispatcher::Routed): it
+// sorts after every expert's rows, the GEMMs stop before it, and its output is zero or garbage.
 at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& z, const at::Tensor& ids, int64_t k,
-                       at::Tensor& counts, const ForwardOptions& opt) {
+                       at::Tensor& counts, const ForwardOptions& opt, bool spare = false) {
   const ExpertStack s = expert_stack(lw, layer, opt);
-  const int64_t n = ids.size(0);
-  const kernels::MoeLayout l = kernels::moe_layout(ids, s.experts(), k, kGroupAlign);
-  counts = l.counts;
+  const int64_t n = ids.size(0), E = s.experts();
+  const kernels::MoeLayout l = kernels::moe_layout(ids, spare ? E + 1 : E, k, kGroupAlign);
+  counts = spare ? l.counts.narrow(0, 0, E) : l.counts;
+  const at::Tensor ends = spare ? l.offsets.narrow(0, 0, E) : l.offsets;  // the experts' segments (int32)
   const bool grouped = opt.use_grouped_mm && (!s.lora || lw.lora.experts_grouped()) && !opt.observe_linear_input &&
                        !opt.batch_invariant && z.is_cuda() && z.scalar_type() == at::kBFloat16 &&
                        grouped_mm_widths_fit(lw, z);
@@ -273,8 +278,8 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
     // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
     at::Tensor zp = at::zeros({l.bound, z.size(1)}, z.options()).index_copy(0, l.dest, z.index_select(0, l.src_token));
-    at::Tensor act = at::silu(s.gate.padded(zp, l.offsets)) * s.up.padded(zp, l.offsets);
-    return s.down.padded(act, l.offsets).index_select(0, l.slot_row);
+    at::Tensor act = at::silu(s.gate.padded(zp, ends)) * s.up.padded(zp, ends);
+    return s.down.padded(act, ends).index_select(0, l.slot_row);
   }
   at::Tensor inverse = at::empty_like(l.order).scatter_(0, l.order, at::arange(n, l.order.options()));
   // Rows sorted by expert. Under batch-invariant numerics the moves' backward gathers: token t's
@@ -292,8 +297,8 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   if (s.quantized() && !opt.observe_linear_input && !opt.batch_invariant && (!s.lora || grouped)) {
     // NVFP4 grouped GEMMs over expert-sorted rows.
     const at::Tensor offsets = sorted_offsets();
-    at::Tensor act = at::silu(s.gate.sorted(zs, offsets, l)) * s.up.sorted(zs, offsets, l);
-    return s.down.sorted(act, offsets, l).index_select(0, inverse);
+    at::Tensor act = at::silu(s.gate.sorted(zs, offsets, l, ends)) * s.up.sorted(zs, offsets, l, ends);
+    return s.down.sorted(act, offsets, l, ends).index_select(0, inverse);
   }
   // A loop over non-empty experts, on expert-sorted rows.
   at::Tensor host_counts = counts.cpu();
@@ -315,7 +320,10 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
     parts.push_back(s.down.one(a, e));
     start += c[e];
   }
-  KILN_CHECK(start == n, "latent_moe: expert counts do not cover the rows (rows=", n, ", counted=", start, ")");
+  KILN_CHECK(start == n || spare, "latent_moe: expert counts do not cover the rows (rows=", n, ", counted=", start, ")");
+  // Spare rows: zeros, still tied to the input, so that a backward through them reaches the
+  // exchange that brought them (every rank must join it; see dispatched_experts).
+  if (start < n) parts.push_back(zs.narrow(0, start, n - start) * 0);
   at::Tensor ys = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
   return ys.index_select(0, inverse);  // back to slot order
 }
@@ -339,8 +347,10 @@ at::Tensor dispatched_experts(const ModelConfig& cfg, const LayerWeights& lw, in
     y = routed.rows * 0;  // keeps this rank's backward exchange in the graph: every rank must join it
   } else {
     at::Tensor counts;
-    y = run_experts(lw, layer, routed.rows, routed.ids, 1, counts, opt);
-    y = norm(y, lw.expert_norm.index_select(0, routed.ids), cfg.rms_norm_eps, opt);
+    y = run_experts(lw, layer, routed.rows, routed.ids, 1, counts, opt, routed.spare);
+    // A spare row's norm weight is any expert's: its output is never read.
+    const at::Tensor norm_ids = routed.spare ? routed.ids.clamp_max(local - 1) : routed.ids;
+    y = norm(y, lw.expert_norm.index_select(0, norm_ids), cfg.rms_norm_eps, opt);
   }
   return dispatcher.combine(y, routed);
 }

@@ -129,6 +129,15 @@ TEST(ExpertParallel, FixedShapeCapacityOverflowIsCounted) {
   fixed.set_capacity(5 * cfg.top_k + 3);  // every rank has 5 tokens
   o.experts = &fixed;
   EXPECT_TRUE(test::all_close(shard.forward(batch, o).hidden, expect, 1e-5, 1e-6));
+  // The padding rows (most of the S x capacity each rank receives) reach no expert: the experts
+  // of all ranks see exactly the slots, 5 tokens x top_k per rank and layer.
+  double seen = 0;
+  ForwardOptions observed = o;
+  observed.observe_linear_input = [&](int64_t, const std::string& name, const at::Tensor& x) {
+    if (name.find("experts") != std::string::npos && name.find("gate_proj") != std::string::npos) seen += double(x.size(0));
+  };
+  shard.forward(batch, observed);
+  EXPECT_EQ(w.all_reduce(seen), double(w.size() * 5 * cfg.top_k * cfg.num_layers));
   ASSERT_TRUE(fixed.overflow().defined());
   EXPECT_EQ(fixed.overflow().item<int32_t>(), 0);
   fixed.set_capacity(2);  // 10 slots over the ranks: some rank gets more than 2 of them
