@@ -14,7 +14,8 @@ bool invariant_kernels_serve(const at::Tensor& t);
 at::Tensor invariant_linear_cuda(const at::Tensor& x, const at::Tensor& w);
 
 // Rows sorted by group: x [rows, K], w [G, N, K], offsets [G + 1] int64 on x's device (0, ...,
-// rows): group e's rows [offsets[e], offsets[e + 1]) times w[e]^T -> [rows, N], each row the bits
+// at most rows; rows past offsets[G] are left unwritten): group e's rows [offsets[e],
+// offsets[e + 1]) times w[e]^T -> [rows, N], each row the bits
 // invariant_linear_cuda gives it with w[e], in one launch without a host sync. Where
 // invariant_grouped_linear_serves(x, w): bf16, K % 8 == 0, 16-byte aligned. No autograd.
 bool invariant_grouped_linear_serves(const at::Tensor& x, const at::Tensor& w);

@@ -23,7 +23,8 @@ at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w);
 // Rows sorted by group (an expert's rows together): x [rows, K], w [G, N, K], offsets [G + 1]
 // int64 on x's device; group e's rows times w[e]^T -> [rows, N], each row with the bits
 // rowwise_linear gives it with w[e] (one launch on CUDA in bf16, else a loop over the groups).
-// Differentiable in x and w, with the plain backward.
+// Rows past offsets[G] belong to no group: zero on the CPU, unwritten on CUDA (their gradient
+// too). Differentiable in x and w, with the plain backward.
 at::Tensor grouped_rowwise_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets);
 // f of each row of x alone (a [1, ...] copy of its own), stacked: for elementwise ops such as exp
 // or cos, whose vectorised and scalar paths round differently on the CPU, so that an element's

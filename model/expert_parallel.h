@@ -33,7 +33,7 @@ Muse shard_experts(const Muse& full, int rank, int size);
 // rank's slots go to one rank: slots beyond it for one rank are then not sent, their outputs are
 // garbage, and overflow() counts the dispatches where that happened, so that the caller can redo
 // the step with the variable exchange. The padding rows carry a spare expert id (Routed::spare):
-// no expert runs them, and their outputs are never read.
+// no expert runs them, their outputs are zero, and only masked or dropped slots read them.
 class AllToAllDispatcher : public ExpertDispatcher {
  public:
   // `group` must outlive it.

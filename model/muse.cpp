@@ -276,7 +276,8 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
                        grouped_mm_widths_fit(lw, z);
   if (grouped && (!s.quantized() || kernels::nvfp4_grouped_dequantizes(s.gate.q, n, z))) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
-    // to a static bound, so nothing syncs with the host. Padding rows are zero and never read back.
+    // to a static bound (with `spare`, to its own end: rows past it are left unwritten), so nothing
+    // syncs with the host. Padding rows are zero and never read back.
     at::Tensor zp = at::zeros({l.bound, z.size(1)}, z.options()).index_copy(0, l.dest, z.index_select(0, l.src_token));
     at::Tensor act = at::silu(s.gate.padded(zp, ends)) * s.up.padded(zp, ends);
     return s.down.padded(act, ends).index_select(0, l.slot_row);
@@ -348,7 +349,10 @@ at::Tensor dispatched_experts(const ModelConfig& cfg, const LayerWeights& lw, in
   } else {
     at::Tensor counts;
     y = run_experts(lw, layer, routed.rows, routed.ids, 1, counts, opt, routed.spare);
-    // A spare row's norm weight is any expert's: its output is never read.
+    // Spare rows: no expert wrote them (on CUDA their memory is whatever was there), so zero them,
+    // which also keeps any gradient off the norm weights; a zero row normalises to zero. Only the
+    // sender's masked or dropped slots read them back.
+    if (routed.spare) y = at::where((routed.ids < local).unsqueeze(1), y, at::zeros({}, y.options()));
     const at::Tensor norm_ids = routed.spare ? routed.ids.clamp_max(local - 1) : routed.ids;
     y = norm(y, lw.expert_norm.index_select(0, norm_ids), cfg.rms_norm_eps, opt);
   }

@@ -122,7 +122,7 @@ class ExpertDispatcher {
     at::Tensor rows;                     // [n, d_l]: the rows this rank's experts run
     at::Tensor ids;                      // [n] int64: the local expert of each row, or with `spare`
                                          // the number of local experts for a row that carries no slot
-                                         // (padding: it runs through no expert, its output is never read)
+                                         // (padding: it runs through no expert; its output is zero)
     bool spare = false;
     std::vector<int64_t> send, recv;     // rows per rank each way
     at::Tensor order;                    // the slots sorted by the rank that holds their expert
