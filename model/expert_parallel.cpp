@@ -70,11 +70,12 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z,
   r.send.assign(size_t(S), C);
   r.recv = r.send;
   const at::TensorOptions longs = flat.options().dtype(at::kLong);
+  const at::Tensor token = at::div(at::arange(n, longs), k, "floor");  // each slot's row of z
   at::Tensor owner = at::div(flat, local, "floor");
   if (row_mask_.defined()) {  // the slots of masked-out tokens go to a spare owner S: never sent
     KILN_CHECK(row_mask_.size(0) * k == n, "expert exchange: a row mask of ", row_mask_.size(0), " tokens for ", n,
                " slots of top_k ", k);
-    owner = at::where(row_mask_.index_select(0, at::div(at::arange(n, longs), k, "floor")) != 0, owner, S);
+    owner = at::where(row_mask_.index_select(0, token) != 0, owner, S);
   }
   r.order = std::get<1>(at::sort(owner, /*stable=*/true, 0, /*descending=*/false));
   const at::Tensor per_owner = at::zeros({S + 1}, longs).index_add_(0, owner, at::ones_like(owner));
@@ -96,7 +97,7 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z,
   r.slot_rows = at::where(row == S * C, at::zeros_like(row), row);
   // The send buffer: slot rows from z, every other row from an appended zero row.
   const at::Tensor source = at::full({S * C + 1}, z.size(0), longs)
-                                .scatter_(0, row, at::div(at::arange(n, longs), k, "floor"))
+                                .scatter_(0, row, token)
                                 .narrow(0, 0, S * C);
   const at::Tensor padded = at::cat({z, at::zeros({1, z.size(1)}, z.options())}).index_select(0, source);
   // Padding rows carry the spare id `local`: the receiving rank's experts skip them.

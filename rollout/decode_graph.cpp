@@ -66,7 +66,6 @@ struct DecodeGraphs::Impl {
     // step (no host read), and its host form on the CPU.
     at::Tensor key_rows[2];
     model::KeyRanges host_keys[2];
-    int64_t key_table_size[2] = {0, 0};
     at::Tensor host_ids, host_lps, host_routing;
 #if KILN_GRAPH_CAPTURE
     std::unique_ptr<at::cuda::CUDAGraph> graph;
@@ -101,7 +100,7 @@ struct DecodeGraphs::Impl {
       const KvPools& p = owner->pools;
       if (owner->opt.batch_invariant) {  // the trainer's ranged attention, over the rows in the cache
         if (q.is_cuda())  // every entry is a cache row: the kernel's second key source is never read
-          return kernels::ranged_attention_cuda(q, kl, vl, kl, vl, key_rows[full], key_table_size[full]);
+          return kernels::ranged_attention_cuda(q, kl, vl, kl, vl, key_rows[full], key_rows[full].size(0) - 2 * rows);
         return model::ranged_attention(q, kl, vl, {}, {}, host_keys[full]);
       }
       return kernels::paged_decode_attention(q, kl, vl, full ? table_full : table_ring, positions, p.block_size,
@@ -121,7 +120,6 @@ struct DecodeGraphs::Impl {
       const at::Tensor block = full ? at::div(pos, B, "floor") : at::div(pos, B, "floor").remainder(p.ring);
       const at::Tensor at_row = (full ? table_full : table_ring).gather(1, block) * B + pos.remainder(B);
       key_rows[full] = at::cat({at::arange(rows, positions.options()) * span, count, at_row.reshape({-1})}).to(at::kInt);
-      key_table_size[full] = rows * span;
       if (positions.is_cuda()) return;
       const at::Tensor host = key_rows[full].to(at::kLong).contiguous();
       const int64_t* h = host.data_ptr<int64_t>();
@@ -129,7 +127,6 @@ struct DecodeGraphs::Impl {
       r.begin.assign(h, h + rows);
       r.count.assign(h + rows, h + 2 * rows);
       r.table.assign(h + 2 * rows, h + 2 * rows + rows * span);
-      r.packed = at::Tensor();
     }
 
     // The step itself: what is captured.
@@ -178,7 +175,6 @@ struct DecodeGraphs::Impl {
 
   Impl(const model::Muse& m, KvPools p, int64_t max_rows, DecodeGraphOptions o)
       : model(m), pools(std::move(p)), max_rows(decode_bucket_rows(max_rows)), opt(o), pinned(m.device().is_cuda()) {
-    KILN_CHECK(opt.expert_capacity >= 0, "rollout: expert_capacity must be >= 0 (got ", opt.expert_capacity, ")");
     if (opt.expert_group) {
       experts = std::make_unique<model::AllToAllDispatcher>(*opt.expert_group, /*fixed_shape=*/true);
       host_overflow = host_buffer(1, at::kInt);
@@ -309,7 +305,6 @@ struct DecodeGraphs::Impl {
     for (const auto& r : step.rows) longest = std::max<int64_t>(longest, int64_t(r.full_blocks->size()));
     Bucket& b = bucket(decode_bucket_rows(want), bucket_cols(longest));
     fill(b, step);
-    const int64_t per_token = model.config().num_layers * model.config().top_k;
     const model::ModelConfig& c = model.config();
     DecodeResult r;
     if (opt.capture) {
@@ -341,7 +336,7 @@ struct DecodeGraphs::Impl {
     }
     r.overflowed = experts && host_overflow.data_ptr<int32_t>()[0] > 0;
     r.may_overflow = experts && capacity(b.rows) < b.rows * c.top_k;
-    r.routing = b.host_routing.narrow(0, 0, n * per_token).view({n, c.num_layers, c.top_k});
+    r.routing = b.host_routing.narrow(0, 0, n * c.num_layers * c.top_k).view({n, c.num_layers, c.top_k});
     return r;
   }
 };

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <numeric>
@@ -56,6 +57,8 @@ void EngineConfig::validate() const {
              "shard's engine (expert_group) fills its own");
   KILN_CHECK(quantization == Quantization::kNone || !batch_invariant, "rollout config: numerics bitwise serves the ",
              "trainer's dense weights; quantization '", quantization_name(quantization), "' cannot be bitwise");
+  KILN_CHECK(std::isfinite(expert_capacity) && expert_capacity >= 0, "rollout config: expert_capacity must be a ",
+             "finite number >= 0 (got ", expert_capacity, ")");
 }
 
 struct RequestState {
@@ -416,10 +419,7 @@ struct Engine::Impl {
     const double* a = agree.data_ptr<double>();
     if (a[0] == 0) return false;
     if (a[1] > 0) {
-      if (use_graph) {  // another rank prefills: this one's decode runs eagerly too
-        use_graph = false;
-        attention.plan(work);
-      }
+      if (use_graph) run_eagerly();  // another rank prefills: this one's decode runs eagerly too
       if (busy) finished = run();
       else idle_exchange();
     } else {
@@ -432,6 +432,12 @@ struct Engine::Impl {
       }
     }
     return true;
+  }
+
+  // Turns the planned graph step into an eager one: its attention is planned over the cache.
+  void run_eagerly() {
+    use_graph = false;
+    attention.plan(work);
   }
 
   // Whether `mine` holds on any rank of the expert group (a host all-reduce every rank joins).
@@ -453,8 +459,7 @@ struct Engine::Impl {
       if (ec.expert_group && graph.may_overflow && any_rank(graph.overflowed)) {
         st.expert_overflow_steps++;
         graph = DecodeResult();
-        use_graph = false;
-        attention.plan(work);
+        run_eagerly();
       } else {
         routing = graph.routing;
       }

@@ -25,6 +25,7 @@
 #include "model/nvfp4_model.h"
 #include "rollout/engine.h"
 #include "tests/dist/next_token.h"
+#include "tests/rollout/engine_fixtures.h"  // request
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
 
@@ -163,6 +164,29 @@ TEST(ExpertParallel, FixedShapeCapacityOverflowIsCounted) {
   EXPECT_TRUE(test::all_close(masked[0], first, 1e-5, 1e-6));
 }
 
+// Every sample of `got` against one rank's `expected`: tokens and routing exactly, log-probs within
+// `tol` (0: the same bits).
+void expect_same_samples(const std::vector<rollout::RequestOutput>& got,
+                         const std::vector<rollout::RequestOutput>& expected, double tol, const std::string& what) {
+  ASSERT_EQ(got.size(), expected.size()) << what;
+  for (size_t r = 0; r < got.size(); ++r) {
+    ASSERT_EQ(got[r].samples.size(), expected[r].samples.size()) << what << ": request " << r;
+    for (size_t j = 0; j < got[r].samples.size(); ++j) {
+      const rollout::Sample &a = expected[r].samples[j], &b = got[r].samples[j];
+      const std::string where = what + ": request " + std::to_string(r) + " sample " + std::to_string(j);
+      EXPECT_EQ(b.tokens, a.tokens) << where;
+      EXPECT_TRUE(test::all_equal(b.routing, a.routing)) << where;
+      if (tol == 0) {
+        EXPECT_EQ(b.logprobs, a.logprobs) << where;
+      } else {
+        EXPECT_TRUE(test::all_close(at::tensor(std::vector<double>(b.logprobs.begin(), b.logprobs.end())),
+                                    at::tensor(std::vector<double>(a.logprobs.begin(), a.logprobs.end())), tol, tol))
+            << where;
+      }
+    }
+  }
+}
+
 // Sharded engines step in lockstep, each serving its expert shard with requests of its own (the
 // last rank none, so that it joins every step with padding or a dummy token). Pure decode steps
 // run the graph step's code with its fixed-shape exchange (uncaptured on the CPU) or eagerly, and
@@ -181,14 +205,9 @@ TEST(ExpertParallel, ShardedEnginesInLockstepMatchOneRank) {
   const Muse shard = shard_experts(full, w.rank(), w.size());
   std::vector<rollout::Request> reqs;
   const int mine = gpu ? 6 : w.rank() == w.size() - 1 ? 0 : 2 + 2 * w.rank();  // uneven loads
-  for (int i = 0; i < mine; ++i) {
-    rollout::Request r;
-    r.prompt = std::vector<int64_t>(size_t(1 + (3 * i + w.rank()) % 9), 5 + 7 * i + w.rank());
-    r.params.n = 1 + i % 2;
-    r.params.max_tokens = 6 + 5 * ((i + w.rank()) % 4);
-    r.params.seed = uint64_t(100 * w.rank() + i);
-    reqs.push_back(r);
-  }
+  for (int i = 0; i < mine; ++i)
+    reqs.push_back(test::request(std::vector<int64_t>(size_t(1 + (3 * i + w.rank()) % 9), 5 + 7 * i + w.rank()),
+                                 1 + i % 2, 6 + 5 * ((i + w.rank()) % 4), 1.0, uint64_t(100 * w.rank() + i)));
   rollout::EngineConfig ec;
   ec.block_size = 4;
   ec.max_num_seqs = 8;
@@ -229,17 +248,7 @@ TEST(ExpertParallel, ShardedEnginesInLockstepMatchOneRank) {
         EXPECT_LT(w.all_reduce(double(engine.stats().expert_overflow_steps)),
                   w.all_reduce(double(engine.stats().graph_steps))) << what;
       if (!tight) EXPECT_EQ(overflows, 0) << what;
-      ASSERT_EQ(got.size(), expected.size());
-      for (size_t r = 0; r < reqs.size(); ++r)
-        for (size_t j = 0; j < got[r].samples.size(); ++j) {
-          const rollout::Sample &a = expected[r].samples[j], &b = got[r].samples[j];
-          EXPECT_EQ(b.tokens, a.tokens) << what << ": request " << r << " sample " << j;
-          EXPECT_TRUE(test::all_equal(b.routing, a.routing)) << what << ": request " << r << " sample " << j;
-          const double tol = gpu ? 0 : 1e-5;  // one GPU: the same kernels, the same bits
-          EXPECT_TRUE(test::all_close(at::tensor(std::vector<double>(b.logprobs.begin(), b.logprobs.end())),
-                                      at::tensor(std::vector<double>(a.logprobs.begin(), a.logprobs.end())), tol, tol))
-              << what << ": request " << r << " sample " << j;
-        }
+      expect_same_samples(got, expected, gpu ? 0 : 1e-5, what);  // one GPU: the same kernels, the same bits
     }
   rollout::EngineConfig sharded = ec;
   sharded.expert_group = &w;
@@ -256,14 +265,8 @@ TEST(ExpertParallel, BitwiseShardedEnginesEqualOneRankExactly) {
   cfg.init_std = 0.5;
   const Muse full = Muse::init(cfg, 25, at::kFloat, at::kCPU);
   std::vector<rollout::Request> reqs;
-  for (int i = 0; i < 1 + w.rank(); ++i) {  // uneven loads
-    rollout::Request r;
-    r.prompt = {int64_t(4 + 13 * i + w.rank()), 9, 2};
-    r.params.n = 2;
-    r.params.max_tokens = 4 + 3 * i;
-    r.params.seed = uint64_t(70 * w.rank() + i);
-    reqs.push_back(r);
-  }
+  for (int i = 0; i < 1 + w.rank(); ++i)  // uneven loads
+    reqs.push_back(test::request({int64_t(4 + 13 * i + w.rank()), 9, 2}, 2, 4 + 3 * i, 1.0, uint64_t(70 * w.rank() + i)));
   rollout::EngineConfig ec;
   ec.block_size = 4;
   ec.max_num_seqs = 4;
@@ -279,13 +282,7 @@ TEST(ExpertParallel, BitwiseShardedEnginesEqualOneRankExactly) {
     rollout::Engine engine(shard_experts(full, w.rank(), w.size()), sharded);
     const auto got = engine.generate(reqs);
     EXPECT_EQ(engine.stats().graph_steps > 0, graphs);
-    for (size_t r = 0; r < reqs.size(); ++r)
-      for (size_t j = 0; j < got[r].samples.size(); ++j) {
-        const rollout::Sample &a = expected[r].samples[j], &b = got[r].samples[j];
-        EXPECT_EQ(b.tokens, a.tokens) << "graphs " << graphs << ": request " << r << " sample " << j;
-        EXPECT_EQ(b.logprobs, a.logprobs) << "graphs " << graphs << ": request " << r << " sample " << j;
-        EXPECT_TRUE(test::all_equal(b.routing, a.routing)) << "graphs " << graphs << ": request " << r;
-      }
+    expect_same_samples(got, expected, 0, graphs ? "graph steps" : "eager");
   }
 }
 
@@ -303,14 +300,9 @@ TEST(ExpertParallel, QuantisedShardedEnginesMatchOneRank) {
   cfg.init_std = 0.5;
   const Muse full = Muse::init(cfg, 23, at::kFloat, at::kCPU), next = Muse::init(cfg, 24, at::kFloat, at::kCPU);
   std::vector<rollout::Request> reqs;
-  for (int i = 0; i < 3; ++i) {
-    rollout::Request r;
-    r.prompt = {int64_t(3 + 11 * i + w.rank()), 7, int64_t(9 + w.rank())};
-    r.params.n = 2;
-    r.params.max_tokens = 5 + 3 * i;
-    r.params.seed = uint64_t(50 * w.rank() + i);
-    reqs.push_back(r);
-  }
+  for (int i = 0; i < 3; ++i)
+    reqs.push_back(test::request({int64_t(3 + 11 * i + w.rank()), 7, int64_t(9 + w.rank())}, 2, 5 + 3 * i, 1.0,
+                                 uint64_t(50 * w.rank() + i)));
   for (const rollout::Quantization q : {rollout::Quantization::kNvfp4, rollout::Quantization::kW4a4}) {
     rollout::EngineConfig ec;
     ec.block_size = 4;
@@ -328,18 +320,10 @@ TEST(ExpertParallel, QuantisedShardedEnginesMatchOneRank) {
       ASSERT_EQ(got.size(), reqs.size());
       for (size_t r = 0; r < reqs.size(); ++r) {
         EXPECT_EQ(got[r].samples.size(), size_t(reqs[r].params.n)) << what;
-        for (size_t j = 0; j < got[r].samples.size(); ++j) {
-          const rollout::Sample &a = expected[r].samples[j], &b = got[r].samples[j];
+        for (const rollout::Sample& b : got[r].samples)
           EXPECT_TRUE(at::tensor(b.logprobs).isfinite().all().item<bool>()) << what;
-          if (q == rollout::Quantization::kW4a4) continue;
-          EXPECT_EQ(b.tokens, a.tokens) << what << ": request " << r << " sample " << j;
-          EXPECT_TRUE(test::all_equal(b.routing, a.routing)) << what << ": request " << r << " sample " << j;
-          EXPECT_TRUE(test::all_close(at::tensor(std::vector<double>(b.logprobs.begin(), b.logprobs.end())),
-                                      at::tensor(std::vector<double>(a.logprobs.begin(), a.logprobs.end())), 1e-5,
-                                      1e-5))
-              << what << ": request " << r << " sample " << j;
-        }
       }
+      if (q == rollout::Quantization::kNvfp4) expect_same_samples(got, expected, 1e-5, what);
       alone.update_weights(next.named_parameters());
       sharded.update_weights(shard_experts(next, w.rank(), w.size()).named_parameters());
     }
