@@ -16,6 +16,13 @@ namespace kiln::kernels {
 namespace {
 
 #if KILN_WITH_CUDA
+// The wgmma choice where it cannot run is an error that says why, not a failed launch.
+void check_gemm_choice(const char* op) {
+  KILN_CHECK(invariant_gemm_kernel() != kInvariantWgmma || invariant_wgmma_usable(), op,
+             ": the wgmma GEMM (KILN_INVARIANT_GEMM=wgmma) needs a compute capability 9.0 GPU and a build for ",
+             "sm_90a (CMAKE_CUDA_ARCHITECTURES 90a); unset it to use mma.sync");
+}
+
 int invariant_dtype(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return kInvariantF32;
@@ -26,6 +33,32 @@ int invariant_dtype(const at::Tensor& t) {
 #endif
 
 }  // namespace
+
+std::string invariant_gemm() {
+#if KILN_WITH_CUDA
+  return invariant_gemm_kernel() == kInvariantWgmma ? "wgmma" : "mma";
+#else
+  return "mma";
+#endif
+}
+
+bool invariant_wgmma_available() {
+#if KILN_WITH_CUDA
+  return invariant_wgmma_usable();
+#else
+  return false;
+#endif
+}
+
+std::string set_invariant_gemm(const std::string& name) {
+#if KILN_WITH_CUDA
+  KILN_CHECK(name == "mma" || name == "wgmma", "invariant GEMM: \"", name, "\" is neither mma nor wgmma");
+  return set_invariant_gemm_kernel(name == "wgmma" ? kInvariantWgmma : kInvariantMma) == kInvariantWgmma ? "wgmma" : "mma";
+#else
+  KILN_CHECK(name == "mma", "invariant GEMM: \"", name, "\" needs a CUDA build (this one has mma alone)");
+  return "mma";
+#endif
+}
 
 bool invariant_kernels_serve(const at::Tensor& t) {
 #if KILN_WITH_CUDA
@@ -54,6 +87,7 @@ at::Tensor invariant_linear_cuda(const at::Tensor& x, const at::Tensor& w) {
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t.contiguous() : t.clone(at::MemoryFormat::Contiguous);
   };
   const at::Tensor xc = own(x), wc = own(w);
+  if (x.scalar_type() == at::kBFloat16) check_gemm_choice("invariant_linear");
   check_launch(launch_invariant_gemm(invariant_dtype(x), xc.data_ptr(), wc.data_ptr(), y.data_ptr(), x.size(0),
                                      w.size(0), x.size(1), c10::cuda::getCurrentCUDAStream()),
                "invariant_linear");
@@ -78,6 +112,7 @@ at::Tensor invariant_grouped_linear_cuda(const at::Tensor& x, const at::Tensor& 
   at::Tensor y = at::empty({x.size(0), w.size(1)}, x.options());
 #if KILN_WITH_CUDA
   const c10::cuda::CUDAGuard guard(x.device());
+  check_gemm_choice("invariant_grouped_linear");
   const at::Tensor oc = offsets.contiguous();
   check_launch(launch_invariant_grouped_gemm(x.data_ptr(), w.data_ptr(), y.data_ptr(), oc.data_ptr<int64_t>(),
                                              x.size(0), w.size(0), w.size(1), w.size(2),

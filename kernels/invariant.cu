@@ -6,11 +6,14 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/cuda_convert.cuh"
 #include "kernels/cuda_memory.cuh"
 #include "kernels/cuda_mma.cuh"
+#include "kernels/cuda_wgmma.cuh"
 #include "kernels/invariant_cuda.h"
 
 namespace kiln::kernels {
@@ -123,39 +126,159 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
       }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The same GEMM on Hopper's warpgroup MMA (invariant_gemm_kernel() == kInvariantWgmma). A block of
+// TM / 64 warpgroups computes a TM x 128 tile; each warpgroup its 64 rows by one m64n128k16 per
+// 16-wide K chunk, in ascending order, into FP32 accumulators. K steps of 64 (one 128-byte
+// swizzled row per operand row, zero past K and past the matrices) are staged four deep by
+// cp.async. A row's bits do not depend on TM, M or the grid; they may differ from mma.sync's, so a
+// process uses one of the two for every invariant GEMM.
+constexpr int kWgK = 64, kWgStages = 4;
+
 template <int TM>
-__global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const __nv_bfloat16* __restrict__ x,
-                                                                 const __nv_bfloat16* __restrict__ w,
-                                                                 __nv_bfloat16* __restrict__ y, int M, int N, int K) {
+__host__ __device__ constexpr int wgmma_threads() {
+  return TM / 64 * 128;
+}
+template <int TM>
+__host__ __device__ constexpr int wgmma_stage_bytes() {
+  return (TM + kTn) * kWgK * int(sizeof(__nv_bfloat16));
+}
+template <int TM>
+__host__ __device__ constexpr int wgmma_smem_bytes() {
+  return kWgStages * wgmma_stage_bytes<TM>() + 1024;  // + room to start on 1024 bytes
+}
+
+template <int TM>
+__device__ __forceinline__ void gemm_wgmma_tile(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                                __nv_bfloat16* __restrict__ y, int64_t m0, int64_t m_end, int64_t n0,
+                                                int N, int K) {
+  constexpr int kThreads = wgmma_threads<TM>(), kStage = wgmma_stage_bytes<TM>();
+  extern __shared__ __align__(16) unsigned char wgmma_smem[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wgmma_smem));
+  const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+  unsigned char* smem = wgmma_smem + pad;  // stage s: x rows [TM x 128 B], then w rows [128 x 128 B]
+  const uint32_t base = raw + pad;
+  const int tid = threadIdx.x, wg = tid / 128;
+
+  auto load = [&](int stage, int k0) {
+    unsigned char* xs = smem + stage * kStage;
+    unsigned char* ws = xs + TM * kWgK * 2;
+#pragma unroll
+    for (int i = 0; i < TM * 8 / kThreads; ++i) {  // x: TM rows x 8 chunks of 8 values
+      const int id = tid + i * kThreads, r = id / 8, c = id % 8;
+      const bool in = m0 + r < m_end && k0 + 8 * c < K;
+      cp_async16(xs + wgmma::swizzled(r, c), in ? x + (m0 + r) * K + k0 + 8 * c : x, in);
+    }
+#pragma unroll
+    for (int i = 0; i < kTn * 8 / kThreads; ++i) {  // w: 128 rows x 8 chunks
+      const int id = tid + i * kThreads, r = id / 8, c = id % 8;
+      const bool in = n0 + r < N && k0 + 8 * c < K;
+      cp_async16(ws + wgmma::swizzled(r, c), in ? w + (n0 + r) * K + k0 + 8 * c : w, in);
+    }
+  };
+
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  // Step s's copies go into stage s % 4 two steps ahead, so while step s's products run the
+  // tensor cores may still be on step s - 1's, and the copies overwrite step s - 2's operands,
+  // which every warpgroup has finished with (wait<1> in the step before, then the barrier).
+  const int steps = (K + kWgK - 1) / kWgK;
+#pragma unroll
+  for (int s = 0; s < kWgStages - 2; ++s) {  // a group per step, empty past K, so the count is fixed
+    if (s < steps) load(s, s * kWgK);
+    cp_async_commit();
+  }
+  for (int s = 0; s < steps; ++s) {
+    cp_async_wait<kWgStages - 3>();  // this thread's copies of step s have landed
+    wgmma::fence_shared_for_async();
+    __syncthreads();  // everyone's have, and every warpgroup is done with step s - 2's products
+    const int next = s + kWgStages - 2;
+    if (next < steps) load(next % kWgStages, next * kWgK);
+    cp_async_commit();
+    const uint32_t xs = base + uint32_t((s % kWgStages) * kStage), ws = xs + uint32_t(TM * kWgK * 2);
+    wgmma::pin(acc);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgK / 16; ++kk)  // K's 16-wide chunks in ascending order
+      wgmma::mma_m64n128k16(acc, wgmma::desc_sw128(xs + uint32_t(wg * 64 * kWgK * 2 + 32 * kk)),
+                            wgmma::desc_sw128(ws + uint32_t(32 * kk)));
+    wgmma::commit();
+    wgmma::wait<1>();
+  }
+  wgmma::wait<0>();
+  wgmma::pin(acc);
+  const int lane = tid % 32;
+  const int64_t row0 = m0 + 64 * wg + 16 * ((tid % 128) / 32) + lane / 4;
+#pragma unroll
+  for (int j = 0; j < kTn / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows row0 and row0 + 8
+      const int64_t row = row0 + 8 * h, col = n0 + 8 * j + 2 * (lane % 4);
+      if (row >= m_end || col >= N) continue;
+      __nv_bfloat16* out = y + row * N + col;
+      if (N % 2 == 0) {  // col is even: the pair is one aligned 4-byte store
+        *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      } else {
+        out[0] = __float2bfloat16_rn(acc[4 * j + 2 * h]);
+        if (col + 1 < N) out[1] = __float2bfloat16_rn(acc[4 * j + 2 * h + 1]);
+      }
+    }
+}
+
+template <int TM, bool kWgmma>
+__host__ __device__ constexpr int gemm_threads() {
+  return kWgmma ? wgmma_threads<TM>() : kGemmThreads;
+}
+
+template <int TM, bool kWgmma>
+__device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                          __nv_bfloat16* __restrict__ y, int64_t m0, int64_t m_end, int64_t n0, int N,
+                                          int K) {
+  if constexpr (kWgmma) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    gemm_wgmma_tile<TM>(x, w, y, m0, m_end, n0, N, K);
+#else
+    __trap();  // built without sm_90a: the launchers never pick it (invariant_wgmma_usable)
+#endif
+  } else {
+    gemm_bf16_tile<TM>(x, w, y, m0, m_end, n0, N, K);
+  }
+}
+
+template <int TM, bool kWgmma>
+__global__ void __launch_bounds__(gemm_threads<TM, kWgmma>())
+    gemm_bf16_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                     __nv_bfloat16* __restrict__ y, int M, int N, int K) {
   const int64_t m0 = int64_t(blockIdx.x) * TM;  // row tiles on x (up to 2^31 - 1), column tiles on y
-  gemm_bf16_tile<TM>(x, w, y, m0, M, int64_t(blockIdx.y) * kTn, N, K);
+  gemm_tile<TM, kWgmma>(x, w, y, m0, M, int64_t(blockIdx.y) * kTn, N, K);
 }
 
 // Rows sorted by group: group e holds rows [offsets[e], offsets[e + 1]) and multiplies w[e]. Block
 // row b (blockIdx.x) is the b-th TM-row tile counted across the groups in order; the grid bounds
 // them from above (rows / TM + groups), so nothing is read back to the host.
-template <int TM>
-__global__ void __launch_bounds__(kGemmThreads) gemm_bf16_grouped_kernel(const __nv_bfloat16* __restrict__ x,
-                                                                         const __nv_bfloat16* __restrict__ w,
-                                                                         __nv_bfloat16* __restrict__ y,
-                                                                         const int64_t* __restrict__ offsets, int groups,
-                                                                         int N, int K) {
+template <int TM, bool kWgmma>
+__global__ void __launch_bounds__(gemm_threads<TM, kWgmma>())
+    gemm_bf16_grouped_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                             __nv_bfloat16* __restrict__ y, const int64_t* __restrict__ offsets, int groups, int N,
+                             int K) {
   int64_t tile = blockIdx.x;
   for (int e = 0; e < groups; ++e) {
     const int64_t lo = offsets[e], hi = offsets[e + 1], tiles = (hi - lo + TM - 1) / TM;
     if (tile < tiles) {
-      gemm_bf16_tile<TM>(x, w + int64_t(e) * N * K, y, lo + tile * TM, hi, int64_t(blockIdx.y) * kTn, N, K);
+      gemm_tile<TM, kWgmma>(x, w + int64_t(e) * N * K, y, lo + tile * TM, hi, int64_t(blockIdx.y) * kTn, N, K);
       return;
     }
     tile -= tiles;
   }
 }
 
-// Launches `kernel` (a TM instance) with its dynamic shared memory, raising the kernel's limit
-// past the default 48 KB the first time on each device (the attribute is per device).
-template <int TM, typename Kernel, typename... Args>
+// Launches `kernel` (the TM, kWgmma instance) with its threads and dynamic shared memory, raising
+// the kernel's limit past the default 48 KB the first time on each device (the attribute is per
+// device; each instance has its own flags).
+template <int TM, bool kWgmma, typename Kernel, typename... Args>
 cudaError_t launch_gemm(Kernel kernel, dim3 grid, cudaStream_t stream, Args... args) {
-  constexpr int bytes = gemm_smem_bytes<TM>();
+  constexpr int bytes = kWgmma ? wgmma_smem_bytes<TM>() : gemm_smem_bytes<TM>();
   if (bytes > 48 * 1024) {
     constexpr int kDevices = 64;
     static std::atomic<bool> raised[kDevices];
@@ -168,7 +291,7 @@ cudaError_t launch_gemm(Kernel kernel, dim3 grid, cudaStream_t stream, Args... a
       if (device < kDevices) raised[device].store(true, std::memory_order_release);
     }
   }
-  kernel<<<grid, kGemmThreads, bytes, stream>>>(args...);
+  kernel<<<grid, gemm_threads<TM, kWgmma>(), bytes, stream>>>(args...);
   return cudaGetLastError();
 }
 
@@ -299,7 +422,60 @@ bool with_dtype(int dtype, const F& f) {
   }
 }
 
+// The bf16 tensor-core GEMM on mma.sync or wgmma: the large tile where its blocks fill the GPU.
+template <bool kWgmma>
+cudaError_t dense_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int m, int n, int k,
+                       cudaStream_t stream) {
+  if (large_tile(blocks(m, 128), blocks(n, kTn)))
+    return launch_gemm<128, kWgmma>(gemm_bf16_kernel<128, kWgmma>, dim3(blocks(m, 128), blocks(n, kTn)), stream, x, w, y,
+                                    m, n, k);
+  return launch_gemm<64, kWgmma>(gemm_bf16_kernel<64, kWgmma>, dim3(blocks(m, 64), blocks(n, kTn)), stream, x, w, y, m,
+                                 n, k);
+}
+
+// The grouped form: the large tile where the groups average 256 rows or more (the training
+// forward's experts), so that few of its rows are a group's padding.
+template <bool kWgmma>
+cudaError_t grouped_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, const int64_t* offsets,
+                         int64_t rows, int64_t groups, int64_t N, int64_t K, cudaStream_t stream) {
+  if (rows >= 256 * groups && large_tile(rows / 128, blocks(N, kTn)))
+    return launch_gemm<128, kWgmma>(gemm_bf16_grouped_kernel<128, kWgmma>,
+                                    dim3(unsigned(rows / 128 + groups), blocks(N, kTn)), stream, x, w, y, offsets,
+                                    int(groups), int(N), int(K));
+  return launch_gemm<64, kWgmma>(gemm_bf16_grouped_kernel<64, kWgmma>, dim3(unsigned(rows / 64 + groups), blocks(N, kTn)),
+                                 stream, x, w, y, offsets, int(groups), int(N), int(K));
+}
+
+// The process's choice of instructions, from KILN_INVARIANT_GEMM at start (wgmma; else mma).
+std::atomic<int>& gemm_kind() {
+  static std::atomic<int> kind{[] {
+    const char* e = std::getenv("KILN_INVARIANT_GEMM");
+    return e && std::strcmp(e, "wgmma") == 0 ? int(kInvariantWgmma) : int(kInvariantMma);
+  }()};
+  return kind;
+}
+
 }  // namespace
+
+// wgmma runs on compute capability 9.0 alone, from code built for sm_90a (KILN_CUDA_SM90A); the
+// answer is kept per device.
+bool invariant_wgmma_usable() {
+#if KILN_CUDA_SM90A
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];  // 0 not asked, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (device < kDevices && known[device].load(std::memory_order_relaxed) != 0) return known[device] == 2;
+  int major = 0, minor = 0;
+  const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+                  major == 9 && minor == 0;
+  if (device < kDevices) known[device].store(ok ? 2 : 1, std::memory_order_relaxed);
+  return ok;
+#else
+  return false;
+#endif
+}
 
 cudaError_t launch_invariant_gemm(int dtype, const void* x, const void* w, void* y, int64_t M, int64_t N, int64_t K,
                                   cudaStream_t stream) {
@@ -311,9 +487,9 @@ cudaError_t launch_invariant_gemm(int dtype, const void* x, const void* w, void*
     const auto* xb = static_cast<const __nv_bfloat16*>(x);
     const auto* wb = static_cast<const __nv_bfloat16*>(w);
     auto* yb = static_cast<__nv_bfloat16*>(y);
-    if (large_tile(blocks(M, 128), blocks(N, kTn)))
-      return launch_gemm<128>(gemm_bf16_kernel<128>, dim3(blocks(M, 128), blocks(N, kTn)), stream, xb, wb, yb, m, n, k);
-    return launch_gemm<64>(gemm_bf16_kernel<64>, dim3(blocks(M, 64), blocks(N, kTn)), stream, xb, wb, yb, m, n, k);
+    const int kind = invariant_gemm_kernel();
+    if (kind == kInvariantWgmma) return invariant_wgmma_usable() ? dense_bf16<true>(xb, wb, yb, m, n, k, stream) : cudaErrorInvalidDevice;
+    return dense_bf16<false>(xb, wb, yb, m, n, k, stream);
   }
   const dim3 grid(blocks(M, kSimpleTile), blocks(N, kSimpleTile)), block(32, 8);
   const bool known = with_dtype(dtype, [&](auto t, auto a) {
@@ -334,13 +510,16 @@ cudaError_t launch_invariant_grouped_gemm(const void* x, const void* w, void* y,
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
   const auto* wb = static_cast<const __nv_bfloat16*>(w);
   auto* yb = static_cast<__nv_bfloat16*>(y);
-  // The large tile where the groups average 256 rows or more (the training forward's experts), so
-  // that few of its rows are a group's padding.
-  if (rows >= 256 * groups && large_tile(rows / 128, blocks(N, kTn)))
-    return launch_gemm<128>(gemm_bf16_grouped_kernel<128>, dim3(unsigned(rows / 128 + groups), blocks(N, kTn)), stream,
-                            xb, wb, yb, offsets, int(groups), int(N), int(K));
-  return launch_gemm<64>(gemm_bf16_grouped_kernel<64>, dim3(unsigned(rows / 64 + groups), blocks(N, kTn)), stream, xb,
-                         wb, yb, offsets, int(groups), int(N), int(K));
+  if (invariant_gemm_kernel() == kInvariantWgmma)
+    return invariant_wgmma_usable() ? grouped_bf16<true>(xb, wb, yb, offsets, rows, groups, N, K, stream) : cudaErrorInvalidDevice;
+  return grouped_bf16<false>(xb, wb, yb, offsets, rows, groups, N, K, stream);
+}
+
+int invariant_gemm_kernel() { return gemm_kind().load(std::memory_order_relaxed); }
+
+int set_invariant_gemm_kernel(int kind) {
+  if (kind != kInvariantMma && kind != kInvariantWgmma) return invariant_gemm_kernel();
+  return gemm_kind().exchange(kind);
 }
 
 cudaError_t launch_ranged_attention(int dtype, const void* q, const void* k, const void* v, const void* kf,

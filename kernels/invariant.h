@@ -4,7 +4,19 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 namespace kiln::kernels {
+
+// The instructions of the bf16 tensor-core GEMMs below: "mma" (mma.sync, the default) or "wgmma"
+// (Hopper's warpgroup MMA). Rows' bits do not depend on the batch under either, but may differ
+// between the two, so a process uses one throughout; KILN_INVARIANT_GEMM=wgmma picks wgmma at
+// start. The setter (tests, benchmarks) returns the previous name and refuses other names; builds
+// without CUDA have "mma" alone.
+std::string invariant_gemm();
+std::string set_invariant_gemm(const std::string& name);
+// Whether wgmma runs on the current device: compute capability 9.0 and a build for sm_90a.
+bool invariant_wgmma_available();
 
 // Whether the kernels below serve t: a CUDA build and t on CUDA in float32, bfloat16 or float64.
 bool invariant_kernels_serve(const at::Tensor& t);

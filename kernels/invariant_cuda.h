@@ -8,6 +8,18 @@ namespace kiln::kernels {
 
 enum InvariantDtype { kInvariantF32 = 0, kInvariantBf16 = 1, kInvariantF64 = 2 };
 
+// Which instructions the bf16 tensor-core GEMMs below use: mma.sync (the default) or Hopper's
+// wgmma (compute capability 9.0; elsewhere the launches fail). Each gives every row bits that do
+// not depend on the batch, but the two may give different bits, so a process uses one for all of
+// its invariant GEMMs: KILN_INVARIANT_GEMM=wgmma picks wgmma at start. The setter (for tests and
+// benchmarks) returns the previous choice; an unknown kind changes nothing.
+enum InvariantGemmKernel { kInvariantMma = 0, kInvariantWgmma = 1 };
+int invariant_gemm_kernel();
+int set_invariant_gemm_kernel(int kind);
+// Whether wgmma runs here: the current device has compute capability 9.0 and this build has code
+// for sm_90a.
+bool invariant_wgmma_usable();
+
 // y [M, N] = x [M, K] . w [N, K]^T, all contiguous; bf16 on tensor cores when x and w are 16-byte
 // aligned and K % 8 == 0, else on CUDA cores. Each row's result does not depend on M.
 cudaError_t launch_invariant_gemm(int dtype, const void* x, const void* w, void* y, int64_t M, int64_t N, int64_t K,

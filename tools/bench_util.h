@@ -43,6 +43,9 @@ struct RolloutBenchShape {
 // `profile` (optional): a path prefix for Kineto traces of a few full-batch decode steps per weights.
 void bench_rollout(at::Device device, const std::string& config, const RolloutBenchShape& shape,
                    const std::string& quantization, const std::string& profile);
+// `kiln bench invariant`: the batch-invariant GEMMs on mma.sync and wgmma against cuBLAS, at a
+// model's linears for `tokens` rows (a training step) and for a decode step of 64.
+void bench_invariant(at::Device device, const std::string& config, int64_t tokens);
 // `kiln bench attention`: paged decode attention, tensor cores against SIMT (tools/bench_attention.cpp).
 void bench_attention(at::Device device);
 // `kiln bench nvfp4`: the W4A16 GEMMs (dense, grouped) against BF16 GEMMs and the copy bandwidth.

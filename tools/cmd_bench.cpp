@@ -388,9 +388,9 @@ Run add_bench(CLI::App& app) {
     std::vector<int64_t> shape;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("case", a->name, "rmsnorm, forward, decode, rollout, train, optim, nvfp4 or attention")
+  cmd->add_option("case", a->name, "rmsnorm, forward, decode, rollout, train, optim, nvfp4, attention or invariant")
       ->required()
-      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "rollout", "train", "optim", "nvfp4", "attention"}));
+      ->check(CLI::IsMember({"rmsnorm", "forward", "decode", "rollout", "train", "optim", "nvfp4", "attention", "invariant"}));
   void add_bench_tokenize(CLI::App&); add_bench_tokenize(*cmd);  // the tokenize case: tools/bench_tokenize.cpp
   cmd->add_option("model", a->model, "Model config (the same as --config), e.g. kiln bench train configs/muse-small.yaml");
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N (default: cuda when there is one, else cpu)");
@@ -410,7 +410,7 @@ Run add_bench(CLI::App& app) {
   cmd->add_option("--quantization", a->quantization, "Rollout weights (decode): none, nvfp4 or w4a4")
       ->check(CLI::IsMember({"none", "nvfp4", "w4a4"}))
       ->capture_default_str();
-  cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train), split into --seqs sequences")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train, split into --seqs sequences; invariant: rows)")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; rollout: a path prefix, -<weights>.json added; tools/profile_summary.py)");
   cmd->add_option("--shape", a->shape, "M N K: one dense case of the table (nvfp4; for profilers)")->expected(3);
   cmd->add_flag("--bitwise", a->bitwise, "Also time the batch-invariant numerics (rollout.numerics bitwise): train, profiled last; rollout");
@@ -432,6 +432,7 @@ Run add_bench(CLI::App& app) {
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
     else if (a->name == "nvfp4") bench_nvfp4(device, a->shape);
     else if (a->name == "attention") bench_attention(device);
+    else if (a->name == "invariant") bench_invariant(device, config, a->tokens);
     else bench_forward(device, config, a->seqs, a->len);
   };
 }

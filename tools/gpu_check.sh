@@ -342,16 +342,18 @@ if want bitwise; then
 # Issue 22: what rollout.numerics: bitwise costs against the standard numerics on the same recipe:
 # muse-small in bf16, KILN_BITWISE_PROMPTS prompts (default "16 64", each in turn) x 8 samples x 16
 # tokens, mismatch with replay on and off; per step the phases and both mismatches (0 under
-# bitwise), then the ratios of the steps after the first.
+# bitwise), then the ratios of the steps after the first. bitwise-wgmma: the invariant GEMMs on
+# wgmma (KILN_INVARIANT_GEMM).
 for prompts in ${KILN_BITWISE_PROMPTS:-16 64}; do
-step "bitwise numerics: the GRPO step, standard vs bitwise, $prompts prompts x 8"
+step "bitwise numerics: the GRPO step, standard vs bitwise (mma.sync and wgmma GEMMs), $prompts prompts x 8"
 echo "$prompts prompts x 8:" >> "$out/bitwise.txt"
-for mode in standard bitwise; do
+for mode in standard bitwise bitwise-wgmma; do
+  gemm=mma; [ "$mode" = bitwise-wgmma ] && gemm=wgmma
   sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: $prompts/" \
       -e "s/^  every: .*/  every: 1000/" -e "s/^  prompts: 64/  prompts: 8/" -e "s/^  steps: .*/  steps: 4/" \
-      -e "s/^  kv_cache_mb: .*/  kv_cache_mb: 2048\n  numerics: $mode/" recipes/grpo-arith-small-gpu.yaml > "$tmp/bitwise-$mode.yaml"
+      -e "s/^  kv_cache_mb: .*/  kv_cache_mb: 2048\n  numerics: ${mode%-wgmma}/" recipes/grpo-arith-small-gpu.yaml > "$tmp/bitwise-$mode.yaml"
   rm -rf "$tmp/bitwise-$mode"
-  timeout 240 ./build-gpu/kiln train "$tmp/bitwise-$mode.yaml" --out "$tmp/bitwise-$mode" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
+  KILN_INVARIANT_GEMM=$gemm timeout 240 ./build-gpu/kiln train "$tmp/bitwise-$mode.yaml" --out "$tmp/bitwise-$mode" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
   python3 - "$tmp/bitwise-$mode/metrics.jsonl" "$mode" <<'PY' 2>&1 | tee -a "$out/bitwise.txt"
 import sys, json
 for r in (json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l):
@@ -360,16 +362,24 @@ for r in (json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l):
           f"off {r['mismatch_no_replay']['max_abs']:.3e}; lp_old from the rollout: {r.get('lp_old_from_rollout', False)}")
 PY
 done
-python3 - "$tmp/bitwise-standard/metrics.jsonl" "$tmp/bitwise-bitwise/metrics.jsonl" <<'PY' 2>&1 | tee -a "$out/bitwise.txt"
+for gemm in bitwise bitwise-wgmma; do
+python3 - "$tmp/bitwise-standard/metrics.jsonl" "$tmp/bitwise-$gemm/metrics.jsonl" "$gemm" <<'PY' 2>&1 | tee -a "$out/bitwise.txt"
 import sys, json
 def mean(path, key):  # steps after the first (warm-up)
     rows = [json.loads(l) for l in open(path) if '"step_seconds"' in l][1:]
     return sum(r[key] for r in rows) / max(1, len(rows))
 for key in ("step_seconds", "rollout_seconds", "lp_old_seconds", "train_seconds"):
     s, b = mean(sys.argv[1], key), mean(sys.argv[2], key)
-    print(f"{key[:-8]:>8}: standard {s:.3f} s, bitwise {b:.3f} s, bitwise / standard {b / s:.2f}x")
+    print(f"{key[:-8]:>8}: standard {s:.3f} s, {sys.argv[3]} {b:.3f} s, {sys.argv[3]} / standard {b / s:.2f}x")
 PY
 done
+done
+# The invariant GEMMs alone at the GRPO step's shapes and a decode step's: mma.sync, wgmma, cuBLAS.
+step "bitwise numerics: bench invariant, 19456 rows"
+./build-gpu/kiln bench invariant configs/muse-small.yaml --device cuda --tokens 19456 2>&1 | tee -a "$out/bitwise.txt"
+step "bitwise numerics: bench train, 512 sequences x 38 tokens, GEMMs on wgmma"
+KILN_INVARIANT_GEMM=wgmma ./build-gpu/kiln bench train configs/muse-small.yaml --device cuda --seqs 512 --tokens 19456 \
+  --only-fused --bitwise 2>&1 | tee -a "$out/bitwise.txt"
 # The training step alone at the GRPO step's shape (64 prompts x 8 samples of about 38 tokens):
 # the fused path against bitwise in one run, and where the bitwise step's kernel time goes.
 step "bitwise numerics: bench train, 512 sequences x 38 tokens, profiled"

@@ -1,9 +1,13 @@
 // The batch-invariant CUDA kernels (kernels/invariant.h): the GEMM and the ranged attention against
-// float64 on odd sizes in bf16, fp32 and fp64, and each row's bits the same whatever batch it runs in.
+// float64 on odd sizes in bf16, fp32 and fp64, and each row's bits the same whatever batch it runs in;
+// the GEMMs on both instruction sets (mma.sync and wgmma).
 #include <ATen/ATen.h>
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "kernels/invariant.h"
@@ -22,12 +26,46 @@ double relative_error(const at::Tensor& a, const at::Tensor& ref) {
 
 double tolerance(at::ScalarType t) { return t == at::kBFloat16 ? 1e-2 : t == at::kFloat ? 1e-5 : 1e-12; }
 
-TEST(CudaInvariant, LinearMatchesFloat64AndRowsDoNotDependOnTheBatch) {
-  at::manual_seed(7);
-  // (N, K): tensor cores (K % 8 == 0, tails in N and K), and CUDA cores (K odd). At N 1100 and 4097
-  // the whole batch takes the 128-row tile and the parts the 64-row one: the bits must not differ.
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{19, 64},  {111, 200},  {130, 520},
-                                                           {7, 19},   {4097, 24},  {1100, 520}};
+// The GEMM tests run on both instruction sets (kernels::invariant_gemm); this puts one in place
+// and the process's choice back after.
+struct GemmChoice {
+  std::string before;
+  explicit GemmChoice(const std::string& name) : before(kernels::set_invariant_gemm(name)) {}
+  ~GemmChoice() { kernels::set_invariant_gemm(before); }
+};
+const char* const kGemms[] = {"mma", "wgmma"};
+
+TEST(CudaInvariant, GemmChoiceFollowsTheEnvironmentAndTheSetter) {
+  const char* env = std::getenv("KILN_INVARIANT_GEMM");
+  const std::string start = env && std::string(env) == "wgmma" ? "wgmma" : "mma";
+  EXPECT_EQ(kernels::invariant_gemm(), start);
+  {
+    GemmChoice other(start == "mma" ? "wgmma" : "mma");
+    EXPECT_NE(kernels::invariant_gemm(), start);
+    EXPECT_THROW(kernels::set_invariant_gemm("cublas"), std::exception);
+    EXPECT_NE(kernels::invariant_gemm(), start);
+  }
+  EXPECT_EQ(kernels::invariant_gemm(), start);
+  // On a compute capability 9.0 GPU wgmma must be there, or the tests below would skip it unseen.
+  int device = 0, major = 0, minor = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (major == 9 && minor == 0) {
+    EXPECT_TRUE(kernels::invariant_wgmma_available()) << "built without sm_90a code?";
+  }
+}
+
+// Under the instructions `gemm`: each shape against float64, and rows in other batches the same bits.
+void check_linear(const char* gemm) {
+  SCOPED_TRACE(gemm);
+  if (std::string(gemm) == "wgmma" && !kernels::invariant_wgmma_available()) return;
+  GemmChoice choice(gemm);
+  // (N, K): tensor cores (K % 8 == 0, tails in N and K; wgmma's pipeline of 64-wide steps at 1 to 9
+  // steps), and CUDA cores (K odd). At N 1100 and 4097 the whole batch takes the 128-row tile and the
+  // parts the 64-row one: the bits must not differ.
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{19, 64}, {111, 200}, {130, 520}, {7, 19},
+                                                           {4097, 24}, {1100, 520}, {64, 128}, {33, 136}};
   for (at::ScalarType dt : {at::kBFloat16, at::kFloat, at::kDouble})
     for (auto [N, K] : shapes) {
       const int64_t M = 4097;
@@ -46,11 +84,18 @@ TEST(CudaInvariant, LinearMatchesFloat64AndRowsDoNotDependOnTheBatch) {
     }
 }
 
-// The grouped GEMM: each group's rows get the bits the dense GEMM gives them alone with the group's
-// weight. Groups this large take the 128-row tile, the rows alone the 64-row one; empty groups and
-// a group of one row are skipped or served like the rest.
-TEST(CudaInvariant, GroupedLinearRowsAreTheDenseGemmsOfTheirGroup) {
-  at::manual_seed(11);
+TEST(CudaInvariant, LinearMatchesFloat64AndRowsDoNotDependOnTheBatch) {
+  at::manual_seed(7);
+  for (const char* gemm : kGemms) check_linear(gemm);
+}
+
+// The grouped GEMM under `gemm`: each group's rows get the bits the dense GEMM gives them alone with
+// the group's weight. Groups this large take the 128-row tile, the rows alone the 64-row one; empty
+// groups and a group of one row are skipped or served like the rest.
+void check_grouped(const char* gemm) {
+  SCOPED_TRACE(gemm);
+  if (std::string(gemm) == "wgmma" && !kernels::invariant_wgmma_available()) return;
+  GemmChoice choice(gemm);
   const int64_t N = 1536, K = 200;
   const std::vector<int64_t> ends = {0, 1, 1501, 1501, 3201};
   const int64_t rows = ends.back(), groups = int64_t(ends.size()) - 1;
@@ -70,6 +115,11 @@ TEST(CudaInvariant, GroupedLinearRowsAreTheDenseGemmsOfTheirGroup) {
     EXPECT_TRUE(at::equal(y.narrow(0, lo + n - 1, 1), kernels::invariant_linear_cuda(x.narrow(0, lo + n - 1, 1).clone(), w[e])))
         << "group " << e << ", its last row alone";
   }
+}
+
+TEST(CudaInvariant, GroupedLinearRowsAreTheDenseGemmsOfTheirGroup) {
+  at::manual_seed(11);
+  for (const char* gemm : kGemms) check_grouped(gemm);
 }
 
 TEST(CudaInvariant, RangedAttentionMatchesFloat64AndQueriesDoNotDependOnTheBatch) {

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "kernels/flash_varlen.h"
+#include "kernels/invariant.h"
 #include "kernels/moe_layout.h"
 #include "kernels/moe_route.h"
 #include "kernels/moe_rows.h"
@@ -249,6 +250,16 @@ TEST(SwigluReference, IsSiluTimesUpAndFlashIsOffOnTheCpu) {
   KILN_EXPECT_CLOSE(kernels::swiglu(g, u), g * at::sigmoid(g) * u, 1e-12, 1e-12);
   EXPECT_FALSE(kernels::flash_varlen_available(at::Device(at::kCPU), at::kBFloat16, 64));
   EXPECT_TRUE(test::throws_with([&] { kernels::swiglu(g, u.narrow(0, 0, 18)); }, {"swiglu", "must match"}));
+}
+
+// A build without CUDA has the mma invariant GEMM alone: asking for wgmma is an error that says so,
+// and changes nothing.
+TEST(InvariantGemmChoice, CpuBuildsHaveMmaAlone) {
+  if (KILN_WITH_CUDA) GTEST_SKIP() << "a CUDA build: tests/cuda/test_cuda_invariant.cpp covers the choice";
+  EXPECT_EQ(kernels::invariant_gemm(), "mma");
+  EXPECT_EQ(kernels::set_invariant_gemm("mma"), "mma");
+  EXPECT_TRUE(test::throws_with([] { kernels::set_invariant_gemm("wgmma"); }, {"wgmma", "needs a CUDA build"}));
+  EXPECT_EQ(kernels::invariant_gemm(), "mma");
 }
 
 }  // namespace
