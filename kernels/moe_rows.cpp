@@ -117,13 +117,22 @@ at::Tensor moe_combine_reference(const at::Tensor& y, const at::Tensor& weights,
   return (rows.to(weights.scalar_type()) * weights.unsqueeze(-1)).sum(1).to(y.scalar_type());
 }
 
+bool moe_combine_on_kernel(const at::Tensor& y, const at::Tensor& weights) {
+#if KILN_WITH_CUDA
+  return weights.dim() == 2 && kernel_applies(y, weights.size(1)) && weights.scalar_type() == at::kFloat &&
+         weights.device() == y.device();
+#else
+  (void)y, (void)weights;
+  return false;
+#endif
+}
+
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& slot_row) {
   KILN_CHECK(y.dim() == 2 && weights.dim() == 2, "moe_combine: y must be [rows, C] and weights [tokens, k] (got ",
              y.sizes(), " and ", weights.sizes(), ")");
   check_slots(slot_row, weights.size(0), weights.size(1), "moe_combine");
 #if KILN_WITH_CUDA
-  if (kernel_applies(y, weights.size(1)) && weights.scalar_type() == at::kFloat && weights.device() == y.device() &&
-      slot_row.device() == y.device())
+  if (moe_combine_on_kernel(y, weights) && slot_row.device() == y.device())
     return CombineFunction::apply(y, weights, slot_row);
 #endif
   return moe_combine_reference(y, weights, slot_row);

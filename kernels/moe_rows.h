@@ -18,6 +18,9 @@ at::Tensor moe_dispatch_reference(const at::Tensor& z, const at::Tensor& slot_ro
 // y [bound, C], weights [T, k] float32: out[t] = sum_j weights[t, j] * y[slot_row[t * k + j]],
 // summed in fp32 and returned in y's dtype. Gradients reach y and the weights.
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& slot_row);
+// Whether moe_combine runs its CUDA kernel for these (a block per token adding its k rows in slot
+// order: each token's bits do not depend on the others, so batch-invariant numerics may use it).
+bool moe_combine_on_kernel(const at::Tensor& y, const at::Tensor& weights);
 at::Tensor moe_combine_reference(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& slot_row);
 
 }  // namespace kiln::kernels

@@ -480,7 +480,11 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
           opt.batch_invariant ? table_rows(lw.expert_norm, flat) : lw.expert_norm.index_select(0, flat);
       y = norm(y, norm_rows, cfg.rms_norm_eps, opt).view({T, k, -1});
     }
-    if (opt.batch_invariant) {  // the k terms added in slot order, each row alone by construction
+    if (kernels::moe_combine_on_kernel(y.view({T * k, -1}), w)) {
+      // On CUDA the fused path's combine kernel: a block per token adds its k rows in slot order in
+      // fp32, without the fp32 products in memory; each token alone, so batch-invariant too.
+      m = kernels::moe_combine(y.view({T * k, -1}), w, at::arange(T * k, flat.options()));
+    } else if (opt.batch_invariant) {  // the k terms added in slot order, each row alone by construction
       // The products in one op (each the same IEEE product as alone), then k - 1 adds in order;
       // unbind, not select: the backward is one stack and one product, not k of each.
       const std::vector<at::Tensor> terms = (y.to(w.scalar_type()) * w.unsqueeze(-1)).unbind(1);
