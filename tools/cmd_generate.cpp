@@ -22,6 +22,7 @@
 #include "core/files.h"
 #include "core/hdf5_io.h"
 #include "model/checkpoint.h"
+#include "model/lora.h"
 #include "rollout/engine.h"
 #include "tools/commands.h"
 #include "tools/gnuplot.h"
@@ -401,7 +402,8 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     uint64_t seed = 0;
     int64_t kv_cache_mb = 256, block_size = 16, max_num_seqs = 64, max_batch_tokens = 2048, prefill_chunk = 512;
     bool quiet = false;
-    std::string quantization = "none", numerics = "standard";
+    std::string quantization = "none", numerics = "standard", lora;
+    bool lora_merged = false, no_cuda_graphs = false;
     int64_t micro_batch_seqs = 64, worst = 5;
     std::string png;
     bool alone = false;
@@ -439,6 +441,13 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
                   "sampled token to the same bits (slow; dense weights, no top-p or top-k)")
       ->check(CLI::IsMember({"standard", "bitwise"}))
       ->capture_default_str();
+  cmd->add_option("--lora", a->lora,
+                  "A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) on the model, applied "
+                  "unmerged");
+  cmd->add_flag("--lora-merged", a->lora_merged,
+                "The rollout engine serves the --lora adapter folded into its own copy of the base weights"
+                + std::string(mismatch ? " (the trainer's rescoring keeps it unmerged: the gap merging makes)" : ""));
+  cmd->add_flag("--no-cuda-graphs", a->no_cuda_graphs, "Decode steps run eagerly instead of replaying CUDA graphs");
   if (mismatch) {
     cmd->add_option("--micro-batch-seqs", a->micro_batch_seqs, "Sequences per rescoring forward")
         ->check(CLI::PositiveNumber)
@@ -455,6 +464,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     KILN_CHECK(a->out.empty() || ends_with(a->out, ".h5") || ends_with(a->out, ".hdf5"),
                "generate: --out must end in .h5 or .hdf5 (out=", a->out, ")");
     KILN_CHECK(a->kv_cache_mb > 0, "generate: --kv-cache-mb must be positive (kv_cache_mb=", a->kv_cache_mb, ")");
+    KILN_CHECK(!a->lora_merged || !a->lora.empty(), what, ": --lora-merged needs the adapter, --lora DIR");
     rollout::SamplingParams defaults;
     defaults.n = a->n;
     defaults.max_tokens = a->max_tokens;
@@ -488,7 +498,12 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
 
     at::NoGradGuard no_grad;
     const at::Device device = model::parse_device(a->device, "generate: --device");
-    const model::Muse m = model::load_checkpoint(a->model, model::parse_dtype(a->dtype), device);
+    model::Muse m = model::load_checkpoint(a->model, model::parse_dtype(a->dtype), device);
+    if (!a->lora.empty()) model::load_peft_adapter(m, a->lora);
+    // What the engine serves: the model itself, or with --lora-merged a view whose adapted weights
+    // are replaced by merged copies (m keeps its base and adapters for the rescoring).
+    model::Muse served(m.config(), m.weights());
+    if (a->lora_merged) model::merge_lora(served);
     std::vector<rollout::Request> requests;
     for (const Prompt& p : prompts) {
       check_prompt(p, m.config().vocab_size);
@@ -511,8 +526,9 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     ec.max_num_seqs = a->max_num_seqs;
     ec.max_batch_tokens = a->max_batch_tokens;
     ec.prefill_chunk = a->prefill_chunk;
+    ec.cuda_graphs = !a->no_cuda_graphs;
     ec.validate();
-    rollout::Engine engine(m, ec);
+    rollout::Engine engine(served, ec);
 
     const auto start = Clock::now();
     auto last_print = start;
@@ -541,9 +557,11 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     if (mismatch) {
       const Rescored r = rescore(m, requests, outputs, defaults.temperature > 0 ? defaults.temperature : 1.0,
                                  a->micro_batch_seqs, ec.batch_invariant);
-      fmt::print("{} samples of {} prompts from {} (rollout weights {}, {} on {}, numerics {}), rescored by the "
+      const std::string lora = a->lora.empty() ? "" : fmt::format(", LoRA {} {}", a->lora, a->lora_merged ? "merged" : "unmerged");
+      fmt::print("{} samples of {} prompts from {} (rollout weights {}{}, {} on {}, numerics {}{}), rescored by the "
                  "trainer's forward\n",
-                 num_samples, outputs.size(), a->model, a->quantization, a->dtype, device.str(), a->numerics);
+                 num_samples, outputs.size(), a->model, a->quantization, lora, a->dtype, device.str(), a->numerics,
+                 a->no_cuda_graphs ? ", no CUDA graphs" : "");
       print_mismatch(r, a->worst);
       if (a->alone) rollout_alone(engine, requests, outputs);
       if (!a->out.empty())
@@ -555,6 +573,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
           w.write("lp_trainer_alone", r.lp_alone.to(at::kFloat));
           w.write("entropy_trainer", r.entropy.to(at::kFloat));
           w.attribute("quantization", a->quantization);
+          w.attribute("lora", a->lora.empty() ? std::string("none") : a->lora_merged ? "merged" : "unmerged");
         });
       if (!a->out.empty()) fmt::print("wrote {}\n", a->out);
       if (!a->png.empty()) {

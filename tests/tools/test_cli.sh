@@ -317,6 +317,26 @@ grep -q '"sync_bytes"' "$tmp/lora/metrics.jsonl" || { echo "FAIL: no sync bytes 
 grep -q '"r": 8' "$tmp/lora/adapter/adapter_config.json" || { echo "FAIL: adapter_config.json lacks r"; fails=$((fails+1)); }
 check "merge" "merged the rank-8 adapter" "$kiln" merge "$tmp/lora/sft" "$tmp/lora/adapter" "$tmp/lora/merged"
 check "generate from the merged model" "generated" "$kiln" generate --model "$tmp/lora/merged" --prompt "12+34=" --max-tokens 3
+check "generate with the adapter unmerged" "generated" "$kiln" generate --model "$tmp/lora/sft" --lora "$tmp/lora/adapter" \
+  --prompt "12+34=" --max-tokens 3 --no-cuda-graphs
+# kiln mismatch with the adapter: applied unmerged, the bitwise trainer rescores the rollout to the
+# bit; served merged (--lora-merged), the gap that merging makes is measured, and it is not 0.
+for merged in "" --lora-merged; do
+  out=$("$kiln" mismatch --model "$tmp/lora/sft" --lora "$tmp/lora/adapter" $merged --prompt "12+34=" -n 4 --max-tokens 6 \
+    --quiet --numerics bitwise 2>&1) || { echo "FAIL: mismatch --lora $merged: $out"; fails=$((fails+1)); }
+  want="LoRA $tmp/lora/adapter unmerged"; [ -n "$merged" ] && want="LoRA $tmp/lora/adapter merged"
+  [[ "$out" == *"$want"* ]] || { echo "FAIL: mismatch --lora $merged lacks '$want': $out"; fails=$((fails+1)); }
+  maxd=$(echo "$out" | grep "rollout routing (R3)" | awk '{print $6}')
+  if [ -z "$merged" ]; then
+    awk -v d="$maxd" 'BEGIN {exit !(d != "" && d + 0 == 0)}' || { echo "FAIL: bitwise LoRA mismatch $maxd is not 0"; fails=$((fails+1)); }
+  else
+    awk -v d="$maxd" 'BEGIN {exit !(d != "" && d + 0 > 0)}' || { echo "FAIL: merging made no gap ($maxd)"; fails=$((fails+1)); }
+  fi
+done
+check_fails "mismatch --lora-merged without an adapter" "--lora-merged needs the adapter" \
+  "$kiln" mismatch --model "$tmp/lora/sft" --lora-merged --prompt "1+1=" --quiet
+check_fails "mismatch with a missing adapter" "adapter_config.json" \
+  "$kiln" mismatch --model "$tmp/lora/sft" --lora "$tmp/none" --prompt "1+1=" --quiet
 check_fails "merge without an adapter" "adapter_config.json" "$kiln" merge "$tmp/lora/sft" "$tmp/none" "$tmp/x"
 check_fails "merge onto its base" "would overwrite the input" "$kiln" merge "$tmp/lora/sft" "$tmp/lora/adapter" "$tmp/lora/../lora/sft"
 check_fails "sft into a used run directory" "already holds a run (sft-recipe.yaml, sft-metrics.jsonl, sft)" \
