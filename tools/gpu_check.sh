@@ -460,6 +460,17 @@ for q in none nvfp4 w4a4; do
     --dtype bf16 --device cuda --quantization $q --kv-cache-mb 4096 --max-num-seqs 256 --quiet 2>&1 \
     | tee -a "$out/mismatch.txt"
 done
+# A rank-32 LoRA adapter from 4 GRPO steps on that SFT, bf16 rollout: applied unmerged by both
+# sides, then served merged (the gap merging makes).
+sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  steps: .*/  steps: 4/" recipes/grpo-arith-small-gpu.yaml > "$tmp/mm-lora.yaml"
+printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/mm-lora.yaml"
+./build-gpu/kiln train "$tmp/mm-lora.yaml" --init-from "$tmp/sft/sft" --out "$tmp/mm-lora" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -1
+for merged in "" --lora-merged; do
+  step "kiln mismatch, bf16 rollout, LoRA ${merged:-unmerged}" | tee -a "$out/mismatch.txt"
+  ./build-gpu/kiln mismatch --model "$tmp/sft/sft" --lora "$tmp/mm-lora/adapter" $merged --prompts "$tmp/prompts.jsonl" \
+    -n 8 --max-tokens 8 --stop 10 --dtype bf16 --device cuda --kv-cache-mb 4096 --max-num-seqs 256 --quiet 2>&1 \
+    | tee -a "$out/mismatch.txt"
+done
 fi  # mismatch
 if want bench || want optim; then
 step "bench optim (muse-small; NVMe state under /tmp)"
