@@ -20,18 +20,19 @@ namespace kiln::kernels {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// bf16 GEMM y = x . w^T on tensor cores. A block computes a TM x 128 tile of y (TM 64 or 128) over K
-// in steps of 32 (two mma k-steps each, in order), three stages deep through cp.async; rows past M
-// and columns past K are zero-filled in shared memory. Each y element is one accumulator that adds
-// the mma products of K's 16-wide chunks in ascending order, whatever TM, the pipeline depth, the
-// fragment loads (ldmatrix) or the grid: so a row's result is its own for any M, and the launch may
-// pick TM by shape (a large tile where there are rows enough to fill the GPU with it).
+// bf16 GEMM y = x . w^T on tensor cores. A block computes a TM x TN tile of y (TM 64 or 128, TN 128,
+// 64 or 32) over K in steps of 32 (two mma k-steps each, in order), three stages deep through
+// cp.async; rows past M and columns past K are zero-filled in shared memory. Each y element is one
+// accumulator that adds the mma products of K's 16-wide chunks in ascending order, whatever TM,
+// TN, the pipeline depth, the fragment loads (ldmatrix) or the grid: so a row's result is its own
+// for any M, and the launch may pick the tile by shape (a large one where there are rows enough to
+// fill the GPU with it, narrower ones where a decode step's few rows would leave SMs idle).
 constexpr int kTn = 128, kTk = 32, kGemmThreads = 256, kStages = 3;
 constexpr int kPitch = kTk + 8;  // bf16 per shared row: 80 bytes keeps the ldmatrix rows conflict-free
 
-template <int TM>
-constexpr int gemm_smem_bytes() {
-  return kStages * (TM + kTn) * kPitch * int(sizeof(__nv_bfloat16));
+template <int TM, int TN>
+__host__ __device__ constexpr int gemm_smem_bytes() {
+  return kStages * (TM + TN) * kPitch * int(sizeof(__nv_bfloat16));
 }
 
 // Four 8 x 8 bf16 matrices from shared memory: lane l gives the address of row l % 8 of matrix
@@ -44,19 +45,22 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat1
                : "r"(a));
 }
 
-// The TM x 128 tile at rows [m0, m_end) of x (at most TM), columns n0.. of w [N, K], into y [*, N].
-// Eight warps as 2 x 4, each a (TM / 2) x 32 sub-tile; shared memory is the kernel's dynamic one.
-template <int TM>
+// The TM x TN tile at rows [m0, m_end) of x (at most TM), columns n0.. of w [N, K], into y [*, N].
+// Eight warps as WM x WN, each a (TM / WM) x (TN / WN) sub-tile of 16-row and 8-column mma tiles;
+// shared memory is the kernel's dynamic one.
+template <int TM, int TN>
 __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                                                __nv_bfloat16* __restrict__ y, int64_t m0, int64_t m_end, int64_t n0,
                                                int N, int K) {
-  constexpr int MI = TM / 32;  // the warp's 16-row mma tiles
+  constexpr int WN = TN == 128 ? 4 : 2, WM = 8 / WN;
+  constexpr int MI = TM / WM / 16, NI = TN / WN / 8;  // the warp's 16-row and 8-column mma tiles
+  static_assert(MI >= 1 && NI >= 2 && NI % 2 == 0, "a warp takes whole m16 tiles and pairs of n8 tiles");
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   auto xs = reinterpret_cast<__nv_bfloat16(*)[TM][kPitch]>(gemm_smem);
-  auto ws = reinterpret_cast<__nv_bfloat16(*)[kTn][kPitch]>(gemm_smem + kStages * TM * kPitch * sizeof(__nv_bfloat16));
+  auto ws = reinterpret_cast<__nv_bfloat16(*)[TN][kPitch]>(gemm_smem + kStages * TM * kPitch * sizeof(__nv_bfloat16));
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
-  const int wm = (warp / 4) * (TM / 2), wn = (warp % 4) * 32;
+  const int wm = (warp / WN) * (TM / WM), wn = (warp % WN) * (TN / WN);
   // ldmatrix rows: for x, matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15) as a0..a3; for w, two n-tiles
   // x (k 0-7 | 8-15) as b[ni][0..1], b[ni + 1][0..1].
   const int a_row = lane % 8 + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;
@@ -70,15 +74,16 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
       cp_async16(&xs[stage][r][c], in ? x + (m0 + r) * K + k0 + c : x, in);
     }
 #pragma unroll
-    for (int i = 0; i < kTn * 4 / kGemmThreads; ++i) {  // w: 128 rows x 4 chunks
+    for (int i = 0; i < (TN * 4 + kGemmThreads - 1) / kGemmThreads; ++i) {  // w: TN rows x 4 chunks
       const int id = tid + i * kGemmThreads, r = id / 4, c = (id % 4) * 8;
+      if (id >= TN * 4) break;
       const bool in = n0 + r < N && k0 + c < K;
       cp_async16(&ws[stage][r][c], in ? w + (n0 + r) * K + k0 + c : w, in);
     }
     cp_async_commit();
   };
 
-  float acc[MI][4][4] = {};
+  float acc[MI][NI][4] = {};
   const int steps = (K + kTk - 1) / kTk;
   load(0, 0);
   if (steps > 1) load(1, kTk);
@@ -96,11 +101,11 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < kTk; kk += 16) {
-      uint32_t a[MI][4], b[4][2];
+      uint32_t a[MI][4], b[NI][2];
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], &xs[stage][wm + mi * 16 + a_row][kk + a_col]);
 #pragma unroll
-      for (int ni = 0; ni < 4; ni += 2) {
+      for (int ni = 0; ni < NI; ni += 2) {
         uint32_t r[4];
         ldmatrix_x4(r, &ws[stage][wn + ni * 8 + b_row][kk + b_col]);
         b[ni][0] = r[0], b[ni][1] = r[1], b[ni + 1][0] = r[2], b[ni + 1][1] = r[3];
@@ -108,7 +113,7 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
+        for (int ni = 0; ni < NI; ++ni)
           mma_bf16(acc[mi][ni], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b[ni][0], b[ni][1]);
     }
     __syncthreads();  // a later iteration's load overwrites the stage just read
@@ -116,7 +121,7 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
+    for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // rows g and g + 8
         const int64_t row = m0 + wm + mi * 16 + g + h * 8, col = n0 + wn + ni * 8 + 2 * t;
@@ -149,9 +154,9 @@ __host__ __device__ constexpr int wgmma_smem_bytes() {
 }
 
 template <int TM>
-__device__ __forceinline__ void gemm_wgmma_tile(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
-                                                __nv_bfloat16* __restrict__ y, int64_t m0, int64_t m_end, int64_t n0,
-                                                int N, int K) {
+__device__ __forceinline__ void gemm_wgmma_tile(const __nv_bfloat16* __restrict__ x,
+                                                const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
+                                                int64_t m0, int64_t m_end, int64_t n0, int N, int K) {
   constexpr int kThreads = wgmma_threads<TM>(), kStage = wgmma_stage_bytes<TM>();
   extern __shared__ __align__(16) unsigned char wgmma_smem[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wgmma_smem));
@@ -231,10 +236,12 @@ __host__ __device__ constexpr int gemm_threads() {
   return kWgmma ? wgmma_threads<TM>() : kGemmThreads;
 }
 
-template <int TM, bool kWgmma>
+// The tile on mma.sync (TM x TN) or on wgmma (TM x 128: TN is 128).
+template <int TM, int TN, bool kWgmma>
 __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                                           __nv_bfloat16* __restrict__ y, int64_t m0, int64_t m_end, int64_t n0, int N,
                                           int K) {
+  static_assert(!kWgmma || TN == kTn, "the wgmma tile is 128 columns wide");
   if constexpr (kWgmma) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     gemm_wgmma_tile<TM>(x, w, y, m0, m_end, n0, N, K);
@@ -242,22 +249,22 @@ __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, c
     __trap();  // built without sm_90a: the launchers never pick it (invariant_wgmma_usable)
 #endif
   } else {
-    gemm_bf16_tile<TM>(x, w, y, m0, m_end, n0, N, K);
+    gemm_bf16_tile<TM, TN>(x, w, y, m0, m_end, n0, N, K);
   }
 }
 
-template <int TM, bool kWgmma>
+template <int TM, int TN, bool kWgmma>
 __global__ void __launch_bounds__(gemm_threads<TM, kWgmma>())
     gemm_bf16_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                      __nv_bfloat16* __restrict__ y, int M, int N, int K) {
   const int64_t m0 = int64_t(blockIdx.x) * TM;  // row tiles on x (up to 2^31 - 1), column tiles on y
-  gemm_tile<TM, kWgmma>(x, w, y, m0, M, int64_t(blockIdx.y) * kTn, N, K);
+  gemm_tile<TM, TN, kWgmma>(x, w, y, m0, M, int64_t(blockIdx.y) * TN, N, K);
 }
 
 // Rows sorted by group: group e holds rows [offsets[e], offsets[e + 1]) and multiplies w[e]. Block
 // row b (blockIdx.x) is the b-th TM-row tile counted across the groups in order; the grid bounds
 // them from above (rows / TM + groups), so nothing is read back to the host.
-template <int TM, bool kWgmma>
+template <int TM, int TN, bool kWgmma>
 __global__ void __launch_bounds__(gemm_threads<TM, kWgmma>())
     gemm_bf16_grouped_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                              __nv_bfloat16* __restrict__ y, const int64_t* __restrict__ offsets, int groups, int N,
@@ -266,19 +273,19 @@ __global__ void __launch_bounds__(gemm_threads<TM, kWgmma>())
   for (int e = 0; e < groups; ++e) {
     const int64_t lo = offsets[e], hi = offsets[e + 1], tiles = (hi - lo + TM - 1) / TM;
     if (tile < tiles) {
-      gemm_tile<TM, kWgmma>(x, w + int64_t(e) * N * K, y, lo + tile * TM, hi, int64_t(blockIdx.y) * kTn, N, K);
+      gemm_tile<TM, TN, kWgmma>(x, w + int64_t(e) * N * K, y, lo + tile * TM, hi, int64_t(blockIdx.y) * TN, N, K);
       return;
     }
     tile -= tiles;
   }
 }
 
-// Launches `kernel` (the TM, kWgmma instance) with its threads and dynamic shared memory, raising
-// the kernel's limit past the default 48 KB the first time on each device (the attribute is per
-// device; each instance has its own flags).
-template <int TM, bool kWgmma, typename Kernel, typename... Args>
+// Launches `kernel` (the TM, TN, kWgmma instance) with its threads and dynamic shared memory,
+// raising the kernel's limit past the default 48 KB the first time on each device (the attribute
+// is per device; each instance has its own flags).
+template <int TM, int TN, bool kWgmma, typename Kernel, typename... Args>
 cudaError_t launch_gemm(Kernel kernel, dim3 grid, cudaStream_t stream, Args... args) {
-  constexpr int bytes = kWgmma ? wgmma_smem_bytes<TM>() : gemm_smem_bytes<TM>();
+  constexpr int bytes = kWgmma ? wgmma_smem_bytes<TM>() : gemm_smem_bytes<TM, TN>();
   if (bytes > 48 * 1024) {
     constexpr int kDevices = 64;
     static std::atomic<bool> raised[kDevices];
@@ -422,15 +429,25 @@ bool with_dtype(int dtype, const F& f) {
   }
 }
 
-// The bf16 tensor-core GEMM on mma.sync or wgmma: the large tile where its blocks fill the GPU.
+// The bf16 tensor-core GEMM on mma.sync or wgmma: the large tile where its blocks fill the GPU;
+// on mma.sync, where 64 x 128 tiles would not cover the SMs once (a decode step's few rows), 64 or
+// 32 columns per tile instead: a row's bits are the same (gemm_bf16_tile).
 template <bool kWgmma>
 cudaError_t dense_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int m, int n, int k,
                        cudaStream_t stream) {
-  if (large_tile(blocks(m, 128), blocks(n, kTn)))
-    return launch_gemm<128, kWgmma>(gemm_bf16_kernel<128, kWgmma>, dim3(blocks(m, 128), blocks(n, kTn)), stream, x, w, y,
-                                    m, n, k);
-  return launch_gemm<64, kWgmma>(gemm_bf16_kernel<64, kWgmma>, dim3(blocks(m, 64), blocks(n, kTn)), stream, x, w, y, m,
-                                 n, k);
+  const dim3 large(blocks(m, 128), blocks(n, kTn));
+  if (large_tile(large.x, large.y))
+    return launch_gemm<128, kTn, kWgmma>(gemm_bf16_kernel<128, kTn, kWgmma>, large, stream, x, w, y, m, n, k);
+  const int64_t sms = num_sms();
+  const unsigned rows = blocks(m, 64);
+  if (kWgmma || int64_t(rows) * blocks(n, kTn) >= sms)
+    return launch_gemm<64, kTn, kWgmma>(gemm_bf16_kernel<64, kTn, kWgmma>, dim3(rows, blocks(n, kTn)), stream, x, w, y,
+                                        m, n, k);
+  if (int64_t(rows) * blocks(n, 64) >= sms)
+    return launch_gemm<64, 64, false>(gemm_bf16_kernel<64, 64, false>, dim3(rows, blocks(n, 64)), stream, x, w, y, m, n,
+                                      k);
+  return launch_gemm<64, 32, false>(gemm_bf16_kernel<64, 32, false>, dim3(rows, blocks(n, 32)), stream, x, w, y, m, n,
+                                    k);
 }
 
 // The grouped form: the large tile where the groups average 256 rows or more (the training
@@ -439,11 +456,12 @@ template <bool kWgmma>
 cudaError_t grouped_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, const int64_t* offsets,
                          int64_t rows, int64_t groups, int64_t N, int64_t K, cudaStream_t stream) {
   if (rows >= 256 * groups && large_tile(rows / 128, blocks(N, kTn)))
-    return launch_gemm<128, kWgmma>(gemm_bf16_grouped_kernel<128, kWgmma>,
-                                    dim3(unsigned(rows / 128 + groups), blocks(N, kTn)), stream, x, w, y, offsets,
-                                    int(groups), int(N), int(K));
-  return launch_gemm<64, kWgmma>(gemm_bf16_grouped_kernel<64, kWgmma>, dim3(unsigned(rows / 64 + groups), blocks(N, kTn)),
-                                 stream, x, w, y, offsets, int(groups), int(N), int(K));
+    return launch_gemm<128, kTn, kWgmma>(gemm_bf16_grouped_kernel<128, kTn, kWgmma>,
+                                         dim3(unsigned(rows / 128 + groups), blocks(N, kTn)), stream, x, w, y, offsets,
+                                         int(groups), int(N), int(K));
+  return launch_gemm<64, kTn, kWgmma>(gemm_bf16_grouped_kernel<64, kTn, kWgmma>,
+                                      dim3(unsigned(rows / 64 + groups), blocks(N, kTn)), stream, x, w, y, offsets,
+                                      int(groups), int(N), int(K));
 }
 
 // The process's choice of instructions, from KILN_INVARIANT_GEMM at start (wgmma; else mma).
@@ -487,8 +505,8 @@ cudaError_t launch_invariant_gemm(int dtype, const void* x, const void* w, void*
     const auto* xb = static_cast<const __nv_bfloat16*>(x);
     const auto* wb = static_cast<const __nv_bfloat16*>(w);
     auto* yb = static_cast<__nv_bfloat16*>(y);
-    const int kind = invariant_gemm_kernel();
-    if (kind == kInvariantWgmma) return invariant_wgmma_usable() ? dense_bf16<true>(xb, wb, yb, m, n, k, stream) : cudaErrorInvalidDevice;
+    if (invariant_gemm_kernel() == kInvariantWgmma)
+      return invariant_wgmma_usable() ? dense_bf16<true>(xb, wb, yb, m, n, k, stream) : cudaErrorInvalidDevice;
     return dense_bf16<false>(xb, wb, yb, m, n, k, stream);
   }
   const dim3 grid(blocks(M, kSimpleTile), blocks(N, kSimpleTile)), block(32, 8);
@@ -511,7 +529,8 @@ cudaError_t launch_invariant_grouped_gemm(const void* x, const void* w, void* y,
   const auto* wb = static_cast<const __nv_bfloat16*>(w);
   auto* yb = static_cast<__nv_bfloat16*>(y);
   if (invariant_gemm_kernel() == kInvariantWgmma)
-    return invariant_wgmma_usable() ? grouped_bf16<true>(xb, wb, yb, offsets, rows, groups, N, K, stream) : cudaErrorInvalidDevice;
+    return invariant_wgmma_usable() ? grouped_bf16<true>(xb, wb, yb, offsets, rows, groups, N, K, stream)
+                                    : cudaErrorInvalidDevice;
   return grouped_bf16<false>(xb, wb, yb, offsets, rows, groups, N, K, stream);
 }
 

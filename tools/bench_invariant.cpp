@@ -1,6 +1,6 @@
 // `kiln bench invariant`: the batch-invariant bf16 GEMMs (rollout.numerics: bitwise) on mma.sync and
 // on wgmma, against cuBLAS (and torch's grouped GEMM for the experts) in the same run, at the shapes
-// of a model's GRPO training step and of a decode step; says whether the two give the same bits.
+// of a model's GRPO training step and of decode steps; says whether the two give the same bits.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -47,7 +47,8 @@ void bench_invariant(at::Device device, const std::string& config, int64_t token
   fmt::print("{:>22} {:>7} {:>6} {:>6} {:>8} {:>8} {:>8} {:>10} {:>11} {:>10}\n", "case", "rows", "N", "K", "cuBLAS",
              "mma", "wgmma", "wgmma/mma", "wgmma/cuBLAS", "same bits");
   std::vector<GemmCase> cases = model_cases(cfg, tokens, "train");
-  for (const GemmCase& g : model_cases(cfg, 64, "decode 64")) cases.push_back(g);
+  for (int64_t rows : {64, 512})
+    for (const GemmCase& g : model_cases(cfg, rows, "decode " + std::to_string(rows))) cases.push_back(g);
   const auto opt = at::TensorOptions().dtype(at::kBFloat16).device(device);
   double total[3] = {0, 0, 0};
   for (const GemmCase& g : cases) {

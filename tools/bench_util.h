@@ -44,7 +44,7 @@ struct RolloutBenchShape {
 void bench_rollout(at::Device device, const std::string& config, const RolloutBenchShape& shape,
                    const std::string& quantization, const std::string& profile);
 // `kiln bench invariant`: the batch-invariant GEMMs on mma.sync and wgmma against cuBLAS, at a
-// model's linears for `tokens` rows (a training step) and for a decode step of 64.
+// model's linears for `tokens` rows (a training step) and for decode steps of 64 and 512 rows.
 void bench_invariant(at::Device device, const std::string& config, int64_t tokens);
 // `kiln bench attention`: paged decode attention, tensor cores against SIMT (tools/bench_attention.cpp).
 void bench_attention(at::Device device);
