@@ -10,6 +10,7 @@
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
 # cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt);
+# mpigpus the MPI tests' CUDA ones at a rank per GPU (NCCL between GPUs: a machine with 2 or more, mpi.txt);
 # async the synchronous GRPO step against grpo.async (async.txt); split (grpo.async.placement split
 # with two CUDA ranks on the one GPU, split.txt); long (long responses, long.txt),
 # tool (the multi-turn calculator recipe on muse-small, tool.txt) and bitwise (the GRPO step under
@@ -102,6 +103,13 @@ step "mpi tests at 2 ranks"
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 300 \
   mpiexec --oversubscribe -np 2 ./build-gpu/tests/kiln_test_dist 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -80 | tee "$tmp/mpi.log" | tee -a "$out/mpi.txt"
 symbolize "$tmp/mpi.log" mpi.txt  # a crash names offsets into files (the test binary, libtorch, ...)
+fi
+if want mpigpus; then  # a rank per GPU (nvidia-h200-x2 and up): NCCL between ranks, inside captured graphs too
+gpus=$(nvidia-smi -L | wc -l)
+step "mpi tests on $gpus GPUs, a rank each: the CUDA ones"
+OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 400 mpiexec -np "$gpus" ./build-gpu/tests/kiln_test_dist \
+  --gtest_filter='*Cuda*' 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -60 | tee "$tmp/mpigpus.log" | tee -a "$out/mpi.txt"
+symbolize "$tmp/mpigpus.log" mpi.txt
 fi
 if want tests; then
 step "ctest -L cuda"

@@ -29,6 +29,10 @@
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
 
+#if KILN_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace kiln::model {
 namespace {
 
@@ -256,14 +260,14 @@ TEST(ExpertParallel, ShardedEnginesInLockstepMatchOneRank) {
   EXPECT_TRUE(test::throws_with([&] { engine.step(); }, {"steps in lockstep with its group", "generate()"}));
 }
 
-// Bitwise numerics on sharded engines in lockstep, graph steps (uncaptured) and eager: every row's
-// arithmetic is its own wherever its experts run, so the samples are one rank's to the bit.
-TEST(ExpertParallel, BitwiseShardedEnginesEqualOneRankExactly) {
+// Bitwise numerics on sharded engines in lockstep, graph steps and eager: every row's arithmetic is
+// its own wherever its experts run, so the samples are one rank's to the bit. On the CPU in fp32
+// with the graph steps uncaptured; on CUDA in bf16 with them captured, the exchange inside.
+void check_bitwise_sharded(at::Device device, at::ScalarType dtype) {
   const Group& w = Group::world();
-  if (w.size() == 1) GTEST_SKIP() << "one rank has no group to step with";
   ModelConfig cfg = test::byte_vocab_config();
   cfg.init_std = 0.5;
-  const Muse full = Muse::init(cfg, 25, at::kFloat, at::kCPU);
+  const Muse full = Muse::init(cfg, 25, dtype, device);
   std::vector<rollout::Request> reqs;
   for (int i = 0; i < 1 + w.rank(); ++i)  // uneven loads
     reqs.push_back(test::request({int64_t(4 + 13 * i + w.rank()), 9, 2}, 2, 4 + 3 * i, 1.0, uint64_t(70 * w.rank() + i)));
@@ -278,12 +282,32 @@ TEST(ExpertParallel, BitwiseShardedEnginesEqualOneRankExactly) {
     rollout::EngineConfig sharded = ec;
     sharded.expert_group = &w;
     sharded.cuda_graphs = graphs;
-    sharded.uncaptured_graph_steps = graphs;
+    sharded.uncaptured_graph_steps = graphs && !device.is_cuda();
     rollout::Engine engine(shard_experts(full, w.rank(), w.size()), sharded);
     const auto got = engine.generate(reqs);
     EXPECT_EQ(engine.stats().graph_steps > 0, graphs);
+    if (device.is_cuda()) EXPECT_EQ(engine.stats().graphs_captured > 0, graphs);
     expect_same_samples(got, expected, 0, graphs ? "graph steps" : "eager");
   }
+}
+
+TEST(ExpertParallel, BitwiseShardedEnginesEqualOneRankExactly) {
+  if (Group::world().size() == 1) GTEST_SKIP() << "one rank has no group to step with";
+  check_bitwise_sharded(at::kCPU, at::kFloat);
+}
+
+// The same on a GPU per rank: NCCL inside captured graphs. It takes two GPUs to exchange anything
+// (tools/gpu_check.sh section mpigpus, mpirun -np 2); on the one-GPU machine one rank checks the
+// capture alone (ctest kiln_mpi_np1_cuda).
+TEST(ExpertParallel, CudaBitwiseShardedEnginesInCapturedGraphsEqualOneRank) {
+#if KILN_WITH_CUDA
+  const Group& w = Group::world();
+  if (!at::hasCUDA() || c10::cuda::device_count() < w.size()) GTEST_SKIP() << "needs a GPU per rank";
+  c10::cuda::set_device(c10::DeviceIndex(w.local_rank()));
+  check_bitwise_sharded(at::Device(at::kCUDA, c10::DeviceIndex(w.local_rank())), at::kBFloat16);
+#else
+  GTEST_SKIP() << "a CPU build";
+#endif
 }
 
 // NVFP4 and W4A4 sharded engines: each rank quantises its own experts (per-expert scales, so the
