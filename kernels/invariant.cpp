@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdlib>
+
 #include "core/error.h"
 #if KILN_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -18,6 +20,8 @@ namespace {
 #if KILN_WITH_CUDA
 // The wgmma choice where it cannot run is an error that says why, not a failed launch.
 void check_gemm_choice(const char* op) {
+  KILN_CHECK(invariant_gemm_kernel() != kInvariantUnknown, op, ": KILN_INVARIANT_GEMM=",
+             std::getenv("KILN_INVARIANT_GEMM"), " is neither mma nor wgmma");
   KILN_CHECK(invariant_gemm_kernel() != kInvariantWgmma || invariant_wgmma_usable(), op,
              ": the wgmma GEMM (KILN_INVARIANT_GEMM=wgmma) needs a compute capability 9.0 GPU and a build for ",
              "sm_90a (CMAKE_CUDA_ARCHITECTURES 90a); unset it to use mma.sync");
@@ -36,7 +40,8 @@ int invariant_dtype(const at::Tensor& t) {
 
 std::string invariant_gemm() {
 #if KILN_WITH_CUDA
-  return invariant_gemm_kernel() == kInvariantWgmma ? "wgmma" : "mma";
+  const int kind = invariant_gemm_kernel();
+  return kind == kInvariantWgmma ? "wgmma" : kind == kInvariantMma ? "mma" : "unknown";
 #else
   return "mma";
 #endif
@@ -51,9 +56,11 @@ bool invariant_wgmma_available() {
 }
 
 std::string set_invariant_gemm(const std::string& name) {
-#if KILN_WITH_CUDA
   KILN_CHECK(name == "mma" || name == "wgmma", "invariant GEMM: \"", name, "\" is neither mma nor wgmma");
-  return set_invariant_gemm_kernel(name == "wgmma" ? kInvariantWgmma : kInvariantMma) == kInvariantWgmma ? "wgmma" : "mma";
+#if KILN_WITH_CUDA
+  const std::string before = invariant_gemm();
+  set_invariant_gemm_kernel(name == "wgmma" ? kInvariantWgmma : kInvariantMma);
+  return before;
 #else
   KILN_CHECK(name == "mma", "invariant GEMM: \"", name, "\" needs a CUDA build (this one has mma alone)");
   return "mma";

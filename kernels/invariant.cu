@@ -464,11 +464,14 @@ cudaError_t grouped_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bf
                                       int(groups), int(N), int(K));
 }
 
-// The process's choice of instructions, from KILN_INVARIANT_GEMM at start (wgmma; else mma).
+// The process's choice of instructions, from KILN_INVARIANT_GEMM at start: unset, empty or "mma",
+// or "wgmma"; anything else is kInvariantUnknown, which every bf16 launch refuses (a typo must not
+// quietly change which bits a job computes).
 std::atomic<int>& gemm_kind() {
   static std::atomic<int> kind{[] {
     const char* e = std::getenv("KILN_INVARIANT_GEMM");
-    return e && std::strcmp(e, "wgmma") == 0 ? int(kInvariantWgmma) : int(kInvariantMma);
+    if (!e || !*e || std::strcmp(e, "mma") == 0) return int(kInvariantMma);
+    return std::strcmp(e, "wgmma") == 0 ? int(kInvariantWgmma) : int(kInvariantUnknown);
   }()};
   return kind;
 }
@@ -505,9 +508,10 @@ cudaError_t launch_invariant_gemm(int dtype, const void* x, const void* w, void*
     const auto* xb = static_cast<const __nv_bfloat16*>(x);
     const auto* wb = static_cast<const __nv_bfloat16*>(w);
     auto* yb = static_cast<__nv_bfloat16*>(y);
-    if (invariant_gemm_kernel() == kInvariantWgmma)
+    const int kind = invariant_gemm_kernel();
+    if (kind == kInvariantWgmma)
       return invariant_wgmma_usable() ? dense_bf16<true>(xb, wb, yb, m, n, k, stream) : cudaErrorInvalidDevice;
-    return dense_bf16<false>(xb, wb, yb, m, n, k, stream);
+    return kind == kInvariantMma ? dense_bf16<false>(xb, wb, yb, m, n, k, stream) : cudaErrorInvalidValue;
   }
   const dim3 grid(blocks(M, kSimpleTile), blocks(N, kSimpleTile)), block(32, 8);
   const bool known = with_dtype(dtype, [&](auto t, auto a) {
@@ -528,10 +532,12 @@ cudaError_t launch_invariant_grouped_gemm(const void* x, const void* w, void* y,
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
   const auto* wb = static_cast<const __nv_bfloat16*>(w);
   auto* yb = static_cast<__nv_bfloat16*>(y);
-  if (invariant_gemm_kernel() == kInvariantWgmma)
+  const int kind = invariant_gemm_kernel();
+  if (kind == kInvariantWgmma)
     return invariant_wgmma_usable() ? grouped_bf16<true>(xb, wb, yb, offsets, rows, groups, N, K, stream)
                                     : cudaErrorInvalidDevice;
-  return grouped_bf16<false>(xb, wb, yb, offsets, rows, groups, N, K, stream);
+  return kind == kInvariantMma ? grouped_bf16<false>(xb, wb, yb, offsets, rows, groups, N, K, stream)
+                               : cudaErrorInvalidValue;
 }
 
 int invariant_gemm_kernel() { return gemm_kind().load(std::memory_order_relaxed); }

@@ -38,14 +38,24 @@ std::vector<GemmCase> model_cases(const model::ModelConfig& c, int64_t rows, con
 
 }  // namespace
 
+// Puts the process's GEMM choice back however the benchmark ends.
+struct RestoreGemm {
+  std::string name = kernels::invariant_gemm();
+  ~RestoreGemm() {
+    if (name == "mma" || name == "wgmma") kernels::set_invariant_gemm(name);
+  }
+};
+
 void bench_invariant(at::Device device, const std::string& config, int64_t tokens) {
   KILN_CHECK(device.is_cuda(), "bench invariant: needs --device cuda (the CUDA kernels are the subject)");
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(config);
-  const std::string start = kernels::invariant_gemm();
+  const RestoreGemm restore;
+  const bool wgmma = kernels::invariant_wgmma_available();
   fmt::print("invariant GEMMs, bf16, {}: TFLOP/s of cuBLAS (experts: torch's grouped GEMM, else one cuBLAS GEMM over "
-             "all rows), mma.sync and wgmma; process default {}\n", cfg.name, start);
-  fmt::print("{:>22} {:>7} {:>6} {:>6} {:>8} {:>8} {:>8} {:>10} {:>11} {:>10}\n", "case", "rows", "N", "K", "cuBLAS",
-             "mma", "wgmma", "wgmma/mma", "wgmma/cuBLAS", "same bits");
+             "all rows), mma.sync and wgmma{}; speed ratios (a / b: b's time over a's); process default {}\n",
+             cfg.name, wgmma ? "" : " (not on this GPU or build: n/a)", restore.name);
+  fmt::print("{:>22} {:>7} {:>6} {:>6} {:>8} {:>8} {:>8} {:>11} {:>13} {:>10} {:>10}\n", "case", "rows", "N", "K",
+             "cuBLAS", "mma", "wgmma", "mma/cuBLAS", "wgmma/cuBLAS", "wgmma/mma", "same bits");
   std::vector<GemmCase> cases = model_cases(cfg, tokens, "train");
   for (int64_t rows : {64, 512})
     for (const GemmCase& g : model_cases(cfg, rows, "decode " + std::to_string(rows))) cases.push_back(g);
@@ -67,23 +77,28 @@ void bench_invariant(at::Device device, const std::string& config, int64_t token
     at::Tensor ends32 = offsets.narrow(0, 1, g.groups).to(at::kInt);
     if (g.groups && g.k % 8 == 0 && g.n % 8 == 0) baseline = [&] { at::_grouped_mm(x, w.transpose(1, 2), ends32); };
 #endif
-    double t[3];
+    double t[3] = {0, 0, 0};
     at::Tensor y[2];
     t[0] = time_it(device, baseline);
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < (wgmma ? 2 : 1); ++i) {
       kernels::set_invariant_gemm(i == 0 ? "mma" : "wgmma");
       y[i] = invariant();
       t[i + 1] = time_it(device, [&] { invariant(); });
     }
-    kernels::set_invariant_gemm(start);
     const double flops = 2.0 * double(g.rows) * double(g.n) * double(g.k);
     for (int i = 0; i < 3; ++i) total[i] += t[i];
-    fmt::print("{:>22} {:>7} {:>6} {:>6} {:>8.1f} {:>8.1f} {:>8.1f} {:>9.2f}x {:>10.2f}x {:>10}\n", g.name, g.rows, g.n,
-               g.k, flops / t[0] / 1e12, flops / t[1] / 1e12, flops / t[2] / 1e12, t[1] / t[2], t[0] / t[2],
-               at::equal(y[0], y[1]) ? "yes" : "no");
+    auto tflops = [&](double secs) { return wgmma ? fmt::format("{:.1f}", flops / secs / 1e12) : std::string("n/a"); };
+    auto ratio = [&](double v) { return wgmma ? fmt::format("{:.2f}x", v) : std::string("n/a"); };
+    fmt::print("{:>22} {:>7} {:>6} {:>6} {:>8.1f} {:>8.1f} {:>8} {:>10.2f}x {:>13} {:>10} {:>10}\n", g.name, g.rows, g.n,
+               g.k, flops / t[0] / 1e12, flops / t[1] / 1e12, tflops(t[2]), t[0] / t[1], ratio(t[0] / t[2]),
+               ratio(t[1] / t[2]), wgmma ? (at::equal(y[0], y[1]) ? "yes" : "no") : "n/a");
   }
-  fmt::print("all cases: cuBLAS {:.2f} ms, mma {:.2f} ms, wgmma {:.2f} ms: wgmma {:.2f}x mma, {:.2f}x cuBLAS's time\n",
-             total[0] * 1e3, total[1] * 1e3, total[2] * 1e3, total[1] / total[2], total[2] / total[0]);
+  fmt::print("all cases: cuBLAS {:.2f} ms, mma {:.2f} ms ({:.2f}x cuBLAS's speed)", total[0] * 1e3, total[1] * 1e3,
+             total[0] / total[1]);
+  if (wgmma)
+    fmt::print(", wgmma {:.2f} ms ({:.2f}x cuBLAS's speed, {:.2f}x mma's)", total[2] * 1e3, total[0] / total[2],
+               total[1] / total[2]);
+  fmt::print("\n");
 }
 
 }  // namespace kiln::tools

@@ -500,10 +500,6 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     const at::Device device = model::parse_device(a->device, "generate: --device");
     model::Muse m = model::load_checkpoint(a->model, model::parse_dtype(a->dtype), device);
     if (!a->lora.empty()) model::load_peft_adapter(m, a->lora);
-    // What the engine serves: the model itself, or with --lora-merged a view whose adapted weights
-    // are replaced by merged copies (m keeps its base and adapters for the rescoring).
-    model::Muse served(m.config(), m.weights());
-    if (a->lora_merged) model::merge_lora(served);
     std::vector<rollout::Request> requests;
     for (const Prompt& p : prompts) {
       check_prompt(p, m.config().vocab_size);
@@ -528,7 +524,15 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     ec.prefill_chunk = a->prefill_chunk;
     ec.cuda_graphs = !a->no_cuda_graphs;
     ec.validate();
-    rollout::Engine engine(served, ec);
+    // The engine serves the model itself, or with --lora-merged a view whose adapted weights are
+    // merged copies (m keeps its base and adapters for the rescoring); the engine holds its own
+    // copy, so the view goes once it is built.
+    rollout::Engine engine = [&] {
+      if (!a->lora_merged) return rollout::Engine(m, ec);
+      model::Muse merged(m.config(), m.weights());
+      model::merge_lora(merged);
+      return rollout::Engine(merged, ec);
+    }();
 
     const auto start = Clock::now();
     auto last_print = start;
@@ -551,6 +555,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     const double secs = std::chrono::duration<double>(Clock::now() - start).count();
     if (printed) std::fprintf(stderr, "\n");
 
+    const std::string lora_mode = a->lora.empty() ? "none" : a->lora_merged ? "merged" : "unmerged";
     int64_t num_tokens = 0, num_samples = 0;
     for (const auto& r : outputs)
       for (const auto& s : r.samples) num_tokens += int64_t(s.tokens.size()), ++num_samples;
@@ -573,7 +578,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
           w.write("lp_trainer_alone", r.lp_alone.to(at::kFloat));
           w.write("entropy_trainer", r.entropy.to(at::kFloat));
           w.attribute("quantization", a->quantization);
-          w.attribute("lora", a->lora.empty() ? std::string("none") : a->lora_merged ? "merged" : "unmerged");
+          w.attribute("lora", lora_mode);
         });
       if (!a->out.empty()) fmt::print("wrote {}\n", a->out);
       if (!a->png.empty()) {
@@ -583,7 +588,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
       return;
     }
     if (!a->out.empty()) {
-      write_samples(a->out, requests, outputs, a->model, a->dtype);
+      write_samples(a->out, requests, outputs, a->model, a->dtype, [&](hdf5::Writer& w) { w.attribute("lora", lora_mode); });
     } else {
       std::string text;
       for (size_t r = 0; r < outputs.size(); ++r)

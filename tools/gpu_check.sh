@@ -105,9 +105,11 @@ OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 time
 symbolize "$tmp/mpi.log" mpi.txt  # a crash names offsets into files (the test binary, libtorch, ...)
 fi
 if want mpigpus; then  # a rank per GPU (nvidia-h200-x2 and up): NCCL between ranks, inside captured graphs too
-gpus=$(nvidia-smi -L | wc -l)
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+[ "$gpus" -ge 2 ] || echo "mpigpus: $gpus GPU(s) here; NCCL between ranks needs 2 or more" | tee -a "$out/mpi.txt"
 step "mpi tests on $gpus GPUs, a rank each: the CUDA ones"
-OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 400 mpiexec -np "$gpus" ./build-gpu/tests/kiln_test_dist \
+[ "$gpus" -ge 1 ] && OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 400 \
+  mpiexec -np "$gpus" ./build-gpu/tests/kiln_test_dist \
   --gtest_filter='*Cuda*' 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -60 | tee "$tmp/mpigpus.log" | tee -a "$out/mpi.txt"
 symbolize "$tmp/mpigpus.log" mpi.txt
 fi
@@ -470,7 +472,8 @@ for q in none nvfp4 w4a4; do
 done
 # A rank-32 LoRA adapter from 4 GRPO steps on that SFT, bf16 rollout: applied unmerged by both
 # sides, then served merged (the gap merging makes).
-sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  steps: .*/  steps: 4/" recipes/grpo-arith-small-gpu.yaml > "$tmp/mm-lora.yaml"
+sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  steps: .*/  steps: 4/" -e "s/^  lr: 1.0e-5/  lr: 2.0e-3/" \
+  recipes/grpo-arith-small-gpu.yaml > "$tmp/mm-lora.yaml"  # the adapters' learning rate, as the LoRA recipes
 printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/mm-lora.yaml"
 ./build-gpu/kiln train "$tmp/mm-lora.yaml" --init-from "$tmp/sft/sft" --out "$tmp/mm-lora" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -1
 for merged in "" --lora-merged; do

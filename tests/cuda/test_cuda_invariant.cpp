@@ -12,6 +12,7 @@
 
 #include "kernels/invariant.h"
 #include "model/batch_invariant.h"
+#include "tests/test_util.h"
 
 namespace kiln {
 namespace {
@@ -36,8 +37,15 @@ struct GemmChoice {
 const char* const kGemms[] = {"mma", "wgmma"};
 
 TEST(CudaInvariant, GemmChoiceFollowsTheEnvironmentAndTheSetter) {
-  const char* env = std::getenv("KILN_INVARIANT_GEMM");
-  const std::string start = env && std::string(env) == "wgmma" ? "wgmma" : "mma";
+  const std::string env = std::getenv("KILN_INVARIANT_GEMM") ? std::getenv("KILN_INVARIANT_GEMM") : "";
+  if (!env.empty() && env != "mma" && env != "wgmma") {
+    // ctest kiln_cuda_gemm_choice_unknown: an unknown name is an error at the first GEMM, by name.
+    EXPECT_EQ(kernels::invariant_gemm(), "unknown");
+    const at::Tensor x = at::ones({3, 16}, at::TensorOptions().dtype(at::kBFloat16).device(kCuda));
+    EXPECT_TRUE(test::throws_with([&] { kernels::invariant_linear_cuda(x, x); }, {"KILN_INVARIANT_GEMM=" + env}));
+    return;
+  }
+  const std::string start = env.empty() ? "mma" : env;
   EXPECT_EQ(kernels::invariant_gemm(), start);
   {
     GemmChoice other(start == "mma" ? "wgmma" : "mma");
