@@ -197,12 +197,13 @@ PY
 done
 fi  # grpostep
 if want calibrate; then
-step "kiln plan against measured peaks: muse-small GRPO (bf16; LoRA; optimizer state in CPU memory; NVFP4 rollout)"
-for v in base lora cpu nvfp4; do
+step "kiln plan against measured peaks: muse-small GRPO (bf16; LoRA; optimizer state in CPU memory, on NVMe; NVFP4 rollout)"
+for v in base lora cpu nvme nvfp4; do
   sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  every: .*/  every: 1000/" -e "s/^  steps: .*/  steps: 3/" \
       -e "s/^  mismatch_ab: .*/  mismatch_ab: false/" recipes/grpo-arith-small-gpu.yaml > "$tmp/cal-$v.yaml"
   [ "$v" = lora ] && printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/cal-$v.yaml"
   [ "$v" = cpu ] && sed -i "s/^optim:/optim:\n  state: cpu/" "$tmp/cal-$v.yaml"
+  [ "$v" = nvme ] && sed -i "s|^optim:|optim:\n  state: nvme\n  nvme_dir: $tmp/cal-nvme-state|" "$tmp/cal-$v.yaml"
   [ "$v" = nvfp4 ] && sed -i "s/^rollout:/rollout:\n  quantization: nvfp4/" "$tmp/cal-$v.yaml"  # quantised from the bf16 init
   # The trainer's own memory line (what each part allocated) goes to calibrate.txt beside the plan.
   ./build-gpu/kiln train "$tmp/cal-$v.yaml" --out "$tmp/cal-$v" 2>&1 | tr '\r' '\n' | grep -v "^step " \
