@@ -133,35 +133,36 @@ __device__ __forceinline__ void gemm_bf16_tile(const __nv_bfloat16* __restrict__
 
 // ---------------------------------------------------------------------------------------------
 // The same GEMM on Hopper's warpgroup MMA (invariant_gemm_kernel() == kInvariantWgmma). A block of
-// TM / 64 warpgroups computes a TM x 128 tile; each warpgroup its 64 rows by one m64n128k16 per
-// 16-wide K chunk, in ascending order, into FP32 accumulators. K steps of 64 (one 128-byte
-// swizzled row per operand row, zero past K and past the matrices) are staged four deep by
-// cp.async. A row's bits do not depend on TM, M or the grid; they may differ from mma.sync's, so a
-// process uses one of the two for every invariant GEMM.
+// TM / 64 warpgroups computes a TM x TN tile (TN 128, or 64 and 32 for a decode step's few rows);
+// each warpgroup its 64 rows by one m64nTNk16 per 16-wide K chunk, in ascending order, into FP32
+// accumulators. K steps of 64 (one 128-byte swizzled row per operand row, zero past K and past the
+// matrices) are staged four deep by cp.async. A row's bits do not depend on TM, M or the grid, nor
+// (the tests hold them to it) on TN; they may differ from mma.sync's, so a process uses one of
+// the two for every invariant GEMM.
 constexpr int kWgK = 64, kWgStages = 4;
 
 template <int TM>
 __host__ __device__ constexpr int wgmma_threads() {
   return TM / 64 * 128;
 }
-template <int TM>
+template <int TM, int TN>
 __host__ __device__ constexpr int wgmma_stage_bytes() {
-  return (TM + kTn) * kWgK * int(sizeof(__nv_bfloat16));
+  return (TM + TN) * kWgK * int(sizeof(__nv_bfloat16));
 }
-template <int TM>
+template <int TM, int TN>
 __host__ __device__ constexpr int wgmma_smem_bytes() {
-  return kWgStages * wgmma_stage_bytes<TM>() + 1024;  // + room to start on 1024 bytes
+  return kWgStages * wgmma_stage_bytes<TM, TN>() + 1024;  // + room to start on 1024 bytes
 }
 
-template <int TM>
+template <int TM, int TN>
 __device__ __forceinline__ void gemm_wgmma_tile(const __nv_bfloat16* __restrict__ x,
                                                 const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
                                                 int64_t m0, int64_t m_end, int64_t n0, int N, int K) {
-  constexpr int kThreads = wgmma_threads<TM>(), kStage = wgmma_stage_bytes<TM>();
+  constexpr int kThreads = wgmma_threads<TM>(), kStage = wgmma_stage_bytes<TM, TN>();
   extern __shared__ __align__(16) unsigned char wgmma_smem[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wgmma_smem));
   const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
-  unsigned char* smem = wgmma_smem + pad;  // stage s: x rows [TM x 128 B], then w rows [128 x 128 B]
+  unsigned char* smem = wgmma_smem + pad;  // stage s: x rows [TM x 128 B], then w rows [TN x 128 B]
   const uint32_t base = raw + pad;
   const int tid = threadIdx.x, wg = tid / 128;
 
@@ -175,16 +176,16 @@ __device__ __forceinline__ void gemm_wgmma_tile(const __nv_bfloat16* __restrict_
       cp_async16(xs + wgmma::swizzled(r, c), in ? x + (m0 + r) * K + k0 + 8 * c : x, in);
     }
 #pragma unroll
-    for (int i = 0; i < kTn * 8 / kThreads; ++i) {  // w: 128 rows x 8 chunks
+    for (int i = 0; i < TN * 8 / kThreads; ++i) {  // w: TN rows x 8 chunks
       const int id = tid + i * kThreads, r = id / 8, c = id % 8;
       const bool in = n0 + r < N && k0 + 8 * c < K;
       cp_async16(ws + wgmma::swizzled(r, c), in ? w + (n0 + r) * K + k0 + 8 * c : w, in);
     }
   };
 
-  float acc[64];
+  float acc[TN / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < TN / 2; ++i) acc[i] = 0.0f;
   // Step s's copies go into stage s % 4 two steps ahead, so while step s's products run the
   // tensor cores may still be on step s - 1's, and the copies overwrite step s - 2's operands,
   // which every warpgroup has finished with (wait<1> in the step before, then the barrier).
@@ -206,7 +207,7 @@ __device__ __forceinline__ void gemm_wgmma_tile(const __nv_bfloat16* __restrict_
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kWgK / 16; ++kk)  // K's 16-wide chunks in ascending order
-      wgmma::mma_m64n128k16(acc, wgmma::desc_sw128(xs + uint32_t(wg * 64 * kWgK * 2 + 32 * kk)),
+      wgmma::mma_m64k16<TN>(acc, wgmma::desc_sw128(xs + uint32_t(wg * 64 * kWgK * 2 + 32 * kk)),
                             wgmma::desc_sw128(ws + uint32_t(32 * kk)));
     wgmma::commit();
     wgmma::wait<1>();
@@ -216,7 +217,7 @@ __device__ __forceinline__ void gemm_wgmma_tile(const __nv_bfloat16* __restrict_
   const int lane = tid % 32;
   const int64_t row0 = m0 + 64 * wg + 16 * ((tid % 128) / 32) + lane / 4;
 #pragma unroll
-  for (int j = 0; j < kTn / 8; ++j)
+  for (int j = 0; j < TN / 8; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // rows row0 and row0 + 8
       const int64_t row = row0 + 8 * h, col = n0 + 8 * j + 2 * (lane % 4);
@@ -236,15 +237,14 @@ __host__ __device__ constexpr int gemm_threads() {
   return kWgmma ? wgmma_threads<TM>() : kGemmThreads;
 }
 
-// The tile on mma.sync (TM x TN) or on wgmma (TM x 128: TN is 128).
+// The TM x TN tile on mma.sync or on wgmma.
 template <int TM, int TN, bool kWgmma>
 __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                                           __nv_bfloat16* __restrict__ y, int64_t m0, int64_t m_end, int64_t n0, int N,
                                           int K) {
-  static_assert(!kWgmma || TN == kTn, "the wgmma tile is 128 columns wide");
   if constexpr (kWgmma) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    gemm_wgmma_tile<TM>(x, w, y, m0, m_end, n0, N, K);
+    gemm_wgmma_tile<TM, TN>(x, w, y, m0, m_end, n0, N, K);
 #else
     __trap();  // built without sm_90a: the launchers never pick it (invariant_wgmma_usable)
 #endif
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(gemm_threads<TM, kWgmma>())
 // is per device; each instance has its own flags).
 template <int TM, int TN, bool kWgmma, typename Kernel, typename... Args>
 cudaError_t launch_gemm(Kernel kernel, dim3 grid, cudaStream_t stream, Args... args) {
-  constexpr int bytes = kWgmma ? wgmma_smem_bytes<TM>() : gemm_smem_bytes<TM, TN>();
+  constexpr int bytes = kWgmma ? wgmma_smem_bytes<TM, TN>() : gemm_smem_bytes<TM, TN>();
   if (bytes > 48 * 1024) {
     constexpr int kDevices = 64;
     static std::atomic<bool> raised[kDevices];
@@ -430,8 +430,8 @@ bool with_dtype(int dtype, const F& f) {
 }
 
 // The bf16 tensor-core GEMM on mma.sync or wgmma: the large tile where its blocks fill the GPU;
-// on mma.sync, where 64 x 128 tiles would not cover the SMs once (a decode step's few rows), 64 or
-// 32 columns per tile instead: a row's bits are the same (gemm_bf16_tile).
+// where 64 x 128 tiles would not cover the SMs once (a decode step's few rows), 64 or 32 columns
+// per tile instead: a row's bits are the same.
 template <bool kWgmma>
 cudaError_t dense_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int m, int n, int k,
                        cudaStream_t stream) {
@@ -440,14 +440,14 @@ cudaError_t dense_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bflo
     return launch_gemm<128, kTn, kWgmma>(gemm_bf16_kernel<128, kTn, kWgmma>, large, stream, x, w, y, m, n, k);
   const int64_t sms = num_sms();
   const unsigned rows = blocks(m, 64);
-  if (kWgmma || int64_t(rows) * blocks(n, kTn) >= sms)
+  if (int64_t(rows) * blocks(n, kTn) >= sms)
     return launch_gemm<64, kTn, kWgmma>(gemm_bf16_kernel<64, kTn, kWgmma>, dim3(rows, blocks(n, kTn)), stream, x, w, y,
                                         m, n, k);
   if (int64_t(rows) * blocks(n, 64) >= sms)
-    return launch_gemm<64, 64, false>(gemm_bf16_kernel<64, 64, false>, dim3(rows, blocks(n, 64)), stream, x, w, y, m, n,
-                                      k);
-  return launch_gemm<64, 32, false>(gemm_bf16_kernel<64, 32, false>, dim3(rows, blocks(n, 32)), stream, x, w, y, m, n,
-                                    k);
+    return launch_gemm<64, 64, kWgmma>(gemm_bf16_kernel<64, 64, kWgmma>, dim3(rows, blocks(n, 64)), stream, x, w, y, m,
+                                       n, k);
+  return launch_gemm<64, 32, kWgmma>(gemm_bf16_kernel<64, 32, kWgmma>, dim3(rows, blocks(n, 32)), stream, x, w, y, m, n,
+                                     k);
 }
 
 // The grouped form: the large tile where the groups average 256 rows or more (the training

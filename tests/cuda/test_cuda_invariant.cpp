@@ -71,8 +71,8 @@ void check_linear(const char* gemm) {
   GemmChoice choice(gemm);
   // (N, K): tensor cores (K % 8 == 0, tails in N and K; wgmma's pipeline of 64-wide steps at 1 to 9
   // steps), and CUDA cores (K odd). At N 1100 and 4097 the whole batch takes the 128 x 128 tile, at
-  // N 130 (on 132 SMs) mma.sync's 64 x 64 one, and the parts 64 x 32 ones (64 x 128 on wgmma): the
-  // bits must not differ.
+  // N 130 (on 132 SMs) the 64 x 64 one, and the parts 64 x 32 ones: the bits must not differ (on
+  // wgmma the three are m64n128k16, m64n64k16 and m64n32k16).
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{19, 64}, {111, 200}, {130, 520}, {7, 19},
                                                            {4097, 24}, {1100, 520}, {64, 128}, {33, 136}};
   for (at::ScalarType dt : {at::kBFloat16, at::kFloat, at::kDouble})
