@@ -16,6 +16,7 @@
 #include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "core/error.h"
@@ -28,7 +29,9 @@
 #include "tools/gnuplot.h"
 #include "text/tokenizer.h"
 #include "tools/token_ids.h"
+#include "trainer/dataset.h"
 #include "trainer/losses.h"
+#include "trainer/recipe.h"
 #include "trainer/scoring.h"
 
 namespace kiln::tools {
@@ -402,8 +405,9 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     uint64_t seed = 0;
     int64_t kv_cache_mb = 256, block_size = 16, max_num_seqs = 64, max_batch_tokens = 2048, prefill_chunk = 512;
     bool quiet = false;
-    std::string quantization = "none", numerics = "standard", lora;
+    std::string quantization = "none", numerics = "standard", lora, recipe;
     bool lora_merged = false, no_cuda_graphs = false;
+    int64_t max_prompts = 0;
     int64_t micro_batch_seqs = 64, worst = 5;
     std::string png;
     bool alone = false;
@@ -448,6 +452,13 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
                 "The rollout engine serves the --lora adapter folded into its own copy of the base weights"
                 + std::string(mismatch ? " (the trainer's rescoring keeps it unmerged: the gap merging makes)" : ""));
   cmd->add_flag("--no-cuda-graphs", a->no_cuda_graphs, "Decode steps run eagerly instead of replaying CUDA graphs");
+  cmd->add_option("--recipe", a->recipe,
+                  "A GRPO recipe whose rollout settings (engine, samples, max tokens, temperature, top-p/k), dtype, "
+                  "device and tokenizer are the defaults; without --prompt or --prompts, its held-out prompts, "
+                  "rendered as training renders them. Flags given here win");
+  cmd->add_option("--max-prompts", a->max_prompts, "With --recipe: at most this many of its held-out prompts (0: all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   if (mismatch) {
     cmd->add_option("--micro-batch-seqs", a->micro_batch_seqs, "Sequences per rescoring forward")
         ->check(CLI::PositiveNumber)
@@ -459,7 +470,22 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
                   "batch-composition effect)");
   }
   const char* what = mismatch ? "mismatch" : "generate";
-  return [a, mismatch, what] {
+  return [a, cmd, mismatch, what] {
+    // --recipe: its settings fill every flag not given on the command line.
+    std::optional<trainer::Recipe> recipe;
+    auto given = [&](const char* flag) { return cmd->count(flag) > 0; };
+    if (!a->recipe.empty()) {
+      recipe = trainer::Recipe::from_yaml_file(a->recipe);
+      const trainer::GrpoConfig& g = recipe->grpo;
+      if (!given("--num-samples")) a->n = g.samples_per_prompt;
+      if (!given("--max-tokens")) a->max_tokens = g.max_tokens;
+      if (!given("--temperature")) a->temperature = g.temperature;
+      if (!given("--top-p")) a->top_p = g.top_p;
+      if (!given("--top-k")) a->top_k = g.top_k;
+      if (!given("--dtype")) a->dtype = recipe->dtype;
+      if (!given("--device")) a->device = recipe->device;
+      if (!given("--tokenizer")) a->tokenizer = recipe->tokenizer;
+    }
     // Everything that can be checked without the model is checked first, so a typo costs no load.
     KILN_CHECK(a->out.empty() || ends_with(a->out, ".h5") || ends_with(a->out, ".hdf5"),
                "generate: --out must end in .h5 or .hdf5 (out=", a->out, ")");
@@ -494,7 +520,17 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
       prompts.push_back(std::move(p));
     }
     if (!a->prompts_file.empty()) read_prompts_file(a->prompts_file, defaults, a->seed, *tok, prompts);
-    KILN_CHECK(!prompts.empty(), "generate: no prompts given; pass --prompts FILE.jsonl or --prompt TEXT");
+    if (recipe && prompts.empty()) {  // the recipe's held-out prompts, rendered as its training renders them
+      trainer::Dataset d = trainer::load_data(*recipe);
+      trainer::prepare_prompts(d.test, *tok, recipe->grpo.prompt);
+      for (size_t i = 0; i < d.test.size() && (a->max_prompts == 0 || int64_t(i) < a->max_prompts); ++i) {
+        Prompt p{a->recipe + " held-out " + d.test[i].origin, {d.test[i].prompt_ids, defaults}};
+        p.request.params.seed = a->seed + i;
+        prompts.push_back(std::move(p));
+      }
+      KILN_CHECK(!prompts.empty(), what, ": the recipe ", a->recipe, " has no held-out prompts to sample");
+    }
+    KILN_CHECK(!prompts.empty(), "generate: no prompts given; pass --prompts FILE.jsonl, --prompt TEXT or --recipe");
 
     at::NoGradGuard no_grad;
     const at::Device device = model::parse_device(a->device, "generate: --device");
@@ -514,16 +550,21 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
                    "; the rescoring uses one distribution: give the temperature with --temperature and leave top_p 1 "
                    "and top_k 0 (a truncated distribution is not the trainer's)");
       }
-    rollout::EngineConfig ec;
-    ec.quantization = rollout::parse_quantization(a->quantization);
-    ec.batch_invariant = a->numerics == "bitwise";
-    ec.kv_cache_bytes = a->kv_cache_mb << 20;
-    ec.block_size = a->block_size;
-    ec.max_num_seqs = a->max_num_seqs;
-    ec.max_batch_tokens = a->max_batch_tokens;
-    ec.prefill_chunk = a->prefill_chunk;
-    ec.cuda_graphs = !a->no_cuda_graphs;
+    // The engine: the recipe's, or the defaults; the flags given override either.
+    rollout::EngineConfig ec = recipe ? recipe->grpo.engine : rollout::EngineConfig();
+    auto flag = [&](const char* name) { return !recipe || given(name); };
+    if (flag("--quantization")) ec.quantization = rollout::parse_quantization(a->quantization);
+    if (flag("--numerics")) ec.batch_invariant = a->numerics == "bitwise";
+    if (flag("--kv-cache-mb")) ec.kv_cache_bytes = a->kv_cache_mb << 20;
+    if (flag("--block-size")) ec.block_size = a->block_size;
+    if (flag("--max-num-seqs")) ec.max_num_seqs = a->max_num_seqs;
+    if (flag("--max-batch-tokens")) ec.max_batch_tokens = a->max_batch_tokens;
+    if (flag("--prefill-chunk")) ec.prefill_chunk = a->prefill_chunk;
+    if (flag("--no-cuda-graphs")) ec.cuda_graphs = !a->no_cuda_graphs;
     ec.validate();
+    a->quantization = rollout::quantization_name(ec.quantization);  // what runs, for the report
+    a->numerics = ec.batch_invariant ? "bitwise" : "standard";
+    a->no_cuda_graphs = !ec.cuda_graphs;
     // The engine serves the model itself, or with --lora-merged a view whose adapted weights are
     // merged copies (m keeps its base and adapters for the rescoring); the engine holds its own
     // copy, so the view goes once it is built.

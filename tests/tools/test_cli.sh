@@ -333,6 +333,17 @@ for merged in "" --lora-merged; do
     awk -v d="$maxd" 'BEGIN {exit !(d != "" && d + 0 > 0)}' || { echo "FAIL: merging made no gap ($maxd)"; fails=$((fails+1)); }
   fi
 done
+# --recipe: the recipe's rollout settings and held-out prompts (8 samples of at most 5 tokens each
+# in grpo-arith-tiny.yaml; -n, given here, wins).
+out=$("$kiln" mismatch --model "$tmp/lora/sft" --recipe "$src/recipes/grpo-arith-tiny.yaml" --max-prompts 3 -n 2 --quiet 2>&1) \
+  || { echo "FAIL: mismatch --recipe: $out"; fails=$((fails+1)); }
+[[ "$out" == *"6 samples of 3 prompts"* ]] || { echo "FAIL: mismatch --recipe sampled other counts: $out"; fails=$((fails+1)); }
+tokens=$(echo "$out" | grep -o "mismatch over [0-9]* response tokens" | awk '{print $3}')
+awk -v t="$tokens" 'BEGIN {exit !(t != "" && t > 0 && t <= 30)}' || { echo "FAIL: mismatch --recipe: $tokens tokens, not 1..30"; fails=$((fails+1)); }
+sed -e 's/^  temperature: 1.0/  temperature: 1.0\n  top_p: 0.9/' -e "s|config: ../configs|config: $src/configs|" \
+  "$src/recipes/grpo-arith-tiny.yaml" > "$tmp/topp.yaml"
+check_fails "mismatch with a top-p recipe" "the rescoring uses one distribution" \
+  "$kiln" mismatch --model "$tmp/lora/sft" --recipe "$tmp/topp.yaml" --max-prompts 2 --quiet
 check_fails "mismatch --lora-merged without an adapter" "--lora-merged needs the adapter" \
   "$kiln" mismatch --model "$tmp/lora/sft" --lora-merged --prompt "1+1=" --quiet
 check_fails "mismatch with a missing adapter" "adapter_config.json" \
