@@ -70,11 +70,11 @@ void check_linear(const char* gemm) {
   if (std::string(gemm) == "wgmma" && !kernels::invariant_wgmma_available()) return;
   GemmChoice choice(gemm);
   // (N, K): tensor cores (K % 8 == 0, tails in N and K; wgmma's pipeline of 64-wide steps at 1 to 9
-  // steps), and CUDA cores (K odd). At N 1100 and 4097 the whole batch takes the 128 x 128 tile, at
-  // N 130 (on 132 SMs) the 64 x 64 one, and the parts 64 x 32 ones: the bits must not differ (on
-  // wgmma the three are m64n128k16, m64n64k16 and m64n32k16).
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{19, 64}, {111, 200}, {130, 520}, {7, 19},
-                                                           {4097, 24}, {1100, 520}, {64, 128}, {33, 136}};
+  // steps), and CUDA cores (K odd). On 132 SMs the whole batch takes the 128 x 128 tile at N 1100
+  // and 4097, the 64 x 128 one at N 300, the 64 x 64 one at N 130, and the parts 64 x 32 ones: the
+  // bits must not differ (on wgmma the widths are m64n128k16, m64n64k16 and m64n32k16).
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{19, 64},   {111, 200}, {130, 520}, {7, 19},  {4097, 24},
+                                                           {1100, 520}, {64, 128},  {33, 136},  {300, 72}};
   for (at::ScalarType dt : {at::kBFloat16, at::kFloat, at::kDouble})
     for (auto [N, K] : shapes) {
       const int64_t M = 4097;
