@@ -464,13 +464,15 @@ cudaError_t grouped_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bf
                                       int(groups), int(N), int(K));
 }
 
-// The process's choice of instructions, from KILN_INVARIANT_GEMM at start: unset, empty or "mma",
-// or "wgmma"; anything else is kInvariantUnknown, which every bf16 launch refuses (a typo must not
-// quietly change which bits a job computes).
+// The process's choice of instructions, from KILN_INVARIANT_GEMM at the first GEMM: "mma" or
+// "wgmma"; unset or empty, wgmma where it runs (measured faster on every shape, with the same
+// bits), else mma; anything else is kInvariantUnknown, which every bf16 launch refuses (a typo
+// must not quietly pick the instructions).
 std::atomic<int>& gemm_kind() {
   static std::atomic<int> kind{[] {
     const char* e = std::getenv("KILN_INVARIANT_GEMM");
-    if (!e || !*e || std::strcmp(e, "mma") == 0) return int(kInvariantMma);
+    if (!e || !*e) return int(invariant_wgmma_usable() ? kInvariantWgmma : kInvariantMma);
+    if (std::strcmp(e, "mma") == 0) return int(kInvariantMma);
     return std::strcmp(e, "wgmma") == 0 ? int(kInvariantWgmma) : int(kInvariantUnknown);
   }()};
   return kind;

@@ -8,12 +8,13 @@ namespace kiln::kernels {
 
 enum InvariantDtype { kInvariantF32 = 0, kInvariantBf16 = 1, kInvariantF64 = 2 };
 
-// Which instructions the bf16 tensor-core GEMMs below use: mma.sync (the default) or Hopper's
-// wgmma (compute capability 9.0; elsewhere the launches fail). Each gives every row bits that do
-// not depend on the batch, but the two may give different bits, so a process uses one for all of
-// its invariant GEMMs: KILN_INVARIANT_GEMM=wgmma picks wgmma at start (any value but mma and wgmma
-// is kInvariantUnknown, and the bf16 launches fail). The setter (for tests and benchmarks) returns
-// the previous choice; another kind changes nothing.
+// Which instructions the bf16 tensor-core GEMMs below use: mma.sync, or Hopper's wgmma (compute
+// capability 9.0 and code for sm_90a; elsewhere its launches fail). Each gives every row bits that
+// do not depend on the batch; on the H200 the two gave the same bits on every shape `kiln bench
+// invariant` tried, but nothing guarantees it, so a process uses one for all of its invariant
+// GEMMs. The default is wgmma where it runs, else mma; KILN_INVARIANT_GEMM=mma or wgmma sets it
+// (any other value is kInvariantUnknown, and the bf16 launches fail). The setter (for tests and
+// benchmarks) returns the previous choice; another kind changes nothing.
 enum InvariantGemmKernel { kInvariantUnknown = -1, kInvariantMma = 0, kInvariantWgmma = 1 };
 int invariant_gemm_kernel();
 int set_invariant_gemm_kernel(int kind);

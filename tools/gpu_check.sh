@@ -353,16 +353,17 @@ if want bitwise; then
 # Issue 22: what rollout.numerics: bitwise costs against the standard numerics on the same recipe:
 # muse-small in bf16, KILN_BITWISE_PROMPTS prompts (default "16 64", each in turn) x 8 samples x 16
 # tokens, mismatch with replay on and off; per step the phases and both mismatches (0 under
-# bitwise), then the ratios of the steps after the first. bitwise-wgmma: the invariant GEMMs on
-# wgmma (KILN_INVARIANT_GEMM).
+# bitwise), then the ratios of the steps after the first. bitwise runs the invariant GEMMs on their
+# default (wgmma on the H200), bitwise-mma on mma.sync (KILN_INVARIANT_GEMM; KILN_BITWISE_MODES
+# picks the modes).
 for prompts in ${KILN_BITWISE_PROMPTS:-16 64}; do
-step "bitwise numerics: the GRPO step, standard vs bitwise (mma.sync and wgmma GEMMs), $prompts prompts x 8"
+step "bitwise numerics: the GRPO step, standard vs bitwise, $prompts prompts x 8"
 echo "$prompts prompts x 8:" >> "$out/bitwise.txt"
-for mode in standard bitwise bitwise-wgmma; do
-  gemm=mma; [ "$mode" = bitwise-wgmma ] && gemm=wgmma
+for mode in ${KILN_BITWISE_MODES:-standard bitwise bitwise-mma}; do
+  gemm=; [ "$mode" = bitwise-mma ] && gemm=mma
   sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: $prompts/" \
       -e "s/^  every: .*/  every: 1000/" -e "s/^  prompts: 64/  prompts: 8/" -e "s/^  steps: .*/  steps: 4/" \
-      -e "s/^  kv_cache_mb: .*/  kv_cache_mb: 2048\n  numerics: ${mode%-wgmma}/" recipes/grpo-arith-small-gpu.yaml > "$tmp/bitwise-$mode.yaml"
+      -e "s/^  kv_cache_mb: .*/  kv_cache_mb: 2048\n  numerics: ${mode%-mma}/" recipes/grpo-arith-small-gpu.yaml > "$tmp/bitwise-$mode.yaml"
   rm -rf "$tmp/bitwise-$mode"
   KILN_INVARIANT_GEMM=$gemm timeout 240 ./build-gpu/kiln train "$tmp/bitwise-$mode.yaml" --out "$tmp/bitwise-$mode" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
   python3 - "$tmp/bitwise-$mode/metrics.jsonl" "$mode" <<'PY' 2>&1 | tee -a "$out/bitwise.txt"
@@ -373,7 +374,8 @@ for r in (json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l):
           f"off {r['mismatch_no_replay']['max_abs']:.3e}; lp_old from the rollout: {r.get('lp_old_from_rollout', False)}")
 PY
 done
-for gemm in bitwise bitwise-wgmma; do
+for gemm in ${KILN_BITWISE_MODES:-bitwise bitwise-mma}; do
+[ "$gemm" = standard ] || [ ! -f "$tmp/bitwise-$gemm/metrics.jsonl" ] && continue
 python3 - "$tmp/bitwise-standard/metrics.jsonl" "$tmp/bitwise-$gemm/metrics.jsonl" "$gemm" <<'PY' 2>&1 | tee -a "$out/bitwise.txt"
 import sys, json
 def mean(path, key):  # steps after the first (warm-up)
@@ -388,8 +390,8 @@ done
 # The invariant GEMMs alone at the GRPO step's shapes and a decode step's: mma.sync, wgmma, cuBLAS.
 step "bitwise numerics: bench invariant, 19456 rows"
 ./build-gpu/kiln bench invariant configs/muse-small.yaml --device cuda --tokens 19456 2>&1 | tee -a "$out/bitwise.txt"
-step "bitwise numerics: bench train, 512 sequences x 38 tokens, GEMMs on wgmma"
-KILN_INVARIANT_GEMM=wgmma ./build-gpu/kiln bench train configs/muse-small.yaml --device cuda --seqs 512 --tokens 19456 \
+step "bitwise numerics: bench train, 512 sequences x 38 tokens, GEMMs on mma.sync"
+KILN_INVARIANT_GEMM=mma ./build-gpu/kiln bench train configs/muse-small.yaml --device cuda --seqs 512 --tokens 19456 \
   --only-fused --bitwise 2>&1 | tee -a "$out/bitwise.txt"
 # The training step alone at the GRPO step's shape (64 prompts x 8 samples of about 38 tokens):
 # the fused path against bitwise in one run, and where the bitwise step's kernel time goes.

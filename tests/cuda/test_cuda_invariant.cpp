@@ -45,7 +45,7 @@ TEST(CudaInvariant, GemmChoiceFollowsTheEnvironmentAndTheSetter) {
     EXPECT_TRUE(test::throws_with([&] { kernels::invariant_linear_cuda(x, x); }, {"KILN_INVARIANT_GEMM=" + env}));
     return;
   }
-  const std::string start = env.empty() ? "mma" : env;
+  const std::string start = !env.empty() ? env : kernels::invariant_wgmma_available() ? "wgmma" : "mma";
   EXPECT_EQ(kernels::invariant_gemm(), start);
   {
     GemmChoice other(start == "mma" ? "wgmma" : "mma");
