@@ -466,12 +466,13 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   at::Tensor z = project(h, lw, detail::kPooler, layer, opt);  // [T, d_l]
   at::Tensor flat = ids.reshape(-1);        // [T * k], slot order
   at::Tensor counts;  // [E] slots per expert
-  at::Tensor m;       // [T, d_l]: the FP32 weighted sum of each token's k normed expert rows (fp32, or rounded to z's dtype)
+  at::Tensor m;       // [T, d_l]: the FP32 weighted sum of each token's k normed expert rows
   if (fused_moe_applies(lw, z, k, opt)) {
     m = fused_experts(cfg, lw, layer, z, flat, w, counts, opt);  // summed in fp32, stored in z's dtype
   } else {
+    const bool ep = opt.experts && opt.experts->ranks() > 1;
     at::Tensor y;
-    if (opt.experts && opt.experts->ranks() > 1) {
+    if (ep) {
       y = dispatched_experts(cfg, lw, layer, z, flat, k, *opt.experts, opt).view({T, k, -1});
       counts = at::zeros({E}, flat.options()).index_add_(0, flat, at::ones_like(flat));
     } else {
@@ -482,10 +483,11 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
     }
     // Bitwise numerics (engine and trainer alike, fused kernels or not) and expert parallelism with
     // fused kernels take the fused path's combine kernel on CUDA: a block per token adds its k rows
-    // in slot order in fp32, without the fp32 products in memory; each token alone, so batch-invariant.
-    const bool ep = opt.experts && opt.experts->ranks() > 1;
-    if ((opt.batch_invariant || (ep && opt.use_fused)) && kernels::moe_combine_on_kernel(y.view({T * k, -1}), w)) {
-      m = kernels::moe_combine(y.view({T * k, -1}), w, at::arange(T * k, flat.options()));
+    // in slot order in fp32 (stored in y's dtype), without the fp32 products in memory; each token
+    // alone, so batch-invariant.
+    const at::Tensor rows = y.view({T * k, -1});
+    if ((opt.batch_invariant || (ep && opt.use_fused)) && kernels::moe_combine_on_kernel(rows, w)) {
+      m = kernels::moe_combine(rows, w, at::arange(T * k, flat.options()));
     } else if (opt.batch_invariant) {  // the k terms added in slot order, each row alone by construction
       // The products in one op (each the same IEEE product as alone), then k - 1 adds in order;
       // unbind, not select: the backward is one stack and one product, not k of each.

@@ -603,7 +603,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     if (mismatch) {
       const Rescored r = rescore(m, requests, outputs, defaults.temperature > 0 ? defaults.temperature : 1.0,
                                  a->micro_batch_seqs, ec.batch_invariant);
-      const std::string lora = a->lora.empty() ? "" : fmt::format(", LoRA {} {}", a->lora, a->lora_merged ? "merged" : "unmerged");
+      const std::string lora = a->lora.empty() ? "" : fmt::format(", LoRA {} {}", a->lora, lora_mode);
       fmt::print("{} samples of {} prompts from {} (rollout weights {}{}, {} on {}, numerics {}{}), rescored by the "
                  "trainer's forward\n",
                  num_samples, outputs.size(), a->model, a->quantization, lora, a->dtype, device.str(), a->numerics,
