@@ -78,7 +78,7 @@ void run_plan(const PlanArgs& a) {
              cfg.name, a.model, a.recipe, job.micro_batch_seqs, job.seq_len, job.recompute ? " (recompute)" : "",
              job.weight_bytes == 2 ? "bf16" : "fp32",
              job.lora ? fmt::format("LoRA rank {}", job.lora_rank) : std::string("full-parameter"),
-             job.muon ? " with Muon" : " (AdamW)", job.state_placement, job.rollout_quantization,
+             job.lora ? " (AdamW on the adapters)" : job.muon ? " with Muon" : " (AdamW)", job.state_placement, job.rollout_quantization,
              job.rollout_auto ? "auto" : job.rollout_sharded ? "sharded" : "replica");
   if (a.ep > 0) {  // one layout, checked
     trainer::Layout l;

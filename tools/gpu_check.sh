@@ -198,16 +198,17 @@ done
 fi  # grpostep
 if want calibrate; then
 step "kiln plan against measured peaks: muse-small GRPO (bf16; LoRA; optimizer state in CPU memory, on NVMe; NVFP4 rollout)"
-for v in base lora cpu nvme nvfp4; do
+for v in ${KILN_CALIBRATE:-base lora cpu nvme nvfp4}; do  # a variant ending in 64: micro-batches of 64
   sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  every: .*/  every: 1000/" -e "s/^  steps: .*/  steps: 3/" \
       -e "s/^  mismatch_ab: .*/  mismatch_ab: false/" recipes/grpo-arith-small-gpu.yaml > "$tmp/cal-$v.yaml"
-  [ "$v" = lora ] && printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/cal-$v.yaml"
   [ "$v" = cpu ] && sed -i "s/^optim:/optim:\n  state: cpu/" "$tmp/cal-$v.yaml"
-  [ "$v" = nvme ] && sed -i "s|^optim:|optim:\n  state: nvme\n  nvme_dir: $tmp/cal-nvme-state|" "$tmp/cal-$v.yaml"
+  [ "$v" = nvme ] && mkdir -p "$tmp/cal-nvme-state" && sed -i "s|^optim:|optim:\n  state: nvme\n  nvme_dir: $tmp/cal-nvme-state|" "$tmp/cal-$v.yaml"
+  [[ "$v" == *64 ]] && sed -i "s/^  micro_batch_seqs: .*/  micro_batch_seqs: 64/" "$tmp/cal-$v.yaml"
+  [[ "$v" == lora* ]] && printf 'lora:\n  rank: 32\n  alpha: 64\n' >> "$tmp/cal-$v.yaml"
   [ "$v" = nvfp4 ] && sed -i "s/^rollout:/rollout:\n  quantization: nvfp4/" "$tmp/cal-$v.yaml"  # quantised from the bf16 init
   # The trainer's own memory line (what each part allocated) goes to calibrate.txt beside the plan.
   ./build-gpu/kiln train "$tmp/cal-$v.yaml" --out "$tmp/cal-$v" 2>&1 | tr '\r' '\n' | grep -v "^step " \
-    | grep -E "device memory|train: done" | sed "s/^/$v: /" | tee -a "$out/calibrate.txt" | tail -1
+    | grep -E "device memory|train: done|rror" | sed "s/^/$v: /" | tee -a "$out/calibrate.txt" | tail -1
   seq=$(python3 -c "import json,sys; r=[json.loads(l) for l in open('$tmp/cal-$v/metrics.jsonl') if '\"tokens\"' in l]; print(max(1, round(max(x['tokens'] for x in r) / 128)))")
   ./build-gpu/kiln plan configs/muse-small.yaml "$tmp/cal-$v.yaml" --gpus-per-node 1 --seq-len "$seq" > "$tmp/plan-$v.txt"
   { echo "== $v"; cat "$tmp/plan-$v.txt"; } >> "$out/calibrate.txt"  # the plan's items, to set against the phases
@@ -224,7 +225,13 @@ print(f"calibration {sys.argv[2]}: measured peak {peak:.2f} GiB, planned {plan:.
       f"planned / measured {plan / peak:.3f} (sequences of {sys.argv[3]} tokens); phases of step {top['step']}: " +
       ", ".join(f"{k} {gib(v):.2f} GiB" for k, v in top.get("phase_peak_gb", {}).items()) +
       f"; allocated after it {gib(top.get('memory_after_gb', 0)):.2f} GiB")
+tm = top.get("train_memory_gb")
+if tm:
+    print(f"  train phase of step {top['step']}: allocated at its start {gib(tm['start']):.2f} GiB, forwards and backwards "
+          f"peak {gib(tm['backward']):.2f} GiB (+{gib(tm['backward'] - tm['start']):.2f}), clipping and optimizer peak "
+          f"{gib(tm['optimizer']):.2f} GiB (+{gib(tm['optimizer'] - tm['start']):.2f})")
 PY
+  rm -rf "$tmp/cal-$v" "$tmp/cal-nvme-state"  # each run's weights (and the NVMe state, 17 GB): the disk is 64 GiB
 done
 fi  # calibrate
 if want ncu; then

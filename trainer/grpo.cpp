@@ -227,6 +227,7 @@ std::string StepMetrics::to_json() const {
     j["phase_peak_gb"] = {{"rollout", rollout_peak_gb}, {"lp_old", lp_old_peak_gb}, {"train", train_peak_gb},
                           {"sync", sync_peak_gb}};
     j["memory_after_gb"] = memory_after_gb;
+    j["train_memory_gb"] = {{"start", train_start_gb}, {"backward", backward_peak_gb}, {"optimizer", optimizer_peak_gb}};
   }
   return j.dump();
 }
@@ -484,7 +485,7 @@ struct GrpoTrainer::Impl {
     t = Clock::now();
     train(trajs, old, b, m);
     m.train_seconds = seconds_since(t);
-    m.train_peak_gb = phase_peak();
+    m.train_peak_gb = std::max({phase_peak(), m.backward_peak_gb, m.optimizer_peak_gb});  // train() reset the count
     sync_rollout(m);
     m.sync_peak_gb = phase_peak();
     m.step_seconds = seconds_since(t_step);
@@ -1311,6 +1312,7 @@ struct GrpoTrainer::Impl {
       const double local_tokens = mb < me ? pack(trajs, mb, me, at::kCPU, at::kDouble).loss_mask.sum().item<double>() : 0.0;
       const double slice_tokens = std::max(group.all_reduce(local_tokens), 1.0);
       for (at::Tensor& p : params) p.mutable_grad().reset();
+      if (ms == 0) m.train_start_gb = model::current_memory_gb(policy.device());
       bool armed = false;
       std::vector<at::Tensor> first_lp;  // the first mini-step's log-probs (o.from_rollout)
       for (size_t mb0 = mb; mb0 < me; mb0 += size_t(cfg.micro_batch_seqs)) {
@@ -1356,6 +1358,8 @@ struct GrpoTrainer::Impl {
         fo.targets = at::zeros({1}, one.tokens.options());
         (trained().forward(one, fo).logprobs.sum() * 0.0).backward();
       }
+      m.backward_peak_gb = std::max(m.backward_peak_gb, model::peak_memory_gb(policy.device()));
+      model::reset_peak_memory(policy.device());
       // Sum the ranks' gradients, then global grad-norm clipping (an infinite bound when off still
       // reports the norm); the owners step and broadcast.
       double norm = 0;
@@ -1376,6 +1380,8 @@ struct GrpoTrainer::Impl {
       } else {
         ++m.skipped_updates;
       }
+      m.optimizer_peak_gb = std::max(m.optimizer_peak_gb, model::peak_memory_gb(policy.device()));
+      model::reset_peak_memory(policy.device());
       // Once every rank's exchanges and reductions of the mini-step are done, so that the gathers line up.
       if (o.from_rollout && ms == 0)
         measure_mismatch(o, first_lp.empty() ? at::zeros({0}, at::kDouble) : at::cat(first_lp),

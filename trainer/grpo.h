@@ -164,6 +164,9 @@ struct StepMetrics {
   // ... and of each phase: the rollout (with rewards and dynamic sampling's rounds), lp_old (with
   // the reference and A/B forwards), train, and the weight sync (CUDA; the memory plan's calibration).
   double rollout_peak_gb = 0, lp_old_peak_gb = 0, train_peak_gb = 0, sync_peak_gb = 0;
+  // The train phase in parts: allocated when it starts (gradients released), the peak of the
+  // forwards and backwards, and of the clipping and optimizer steps (CUDA; the plan's calibration).
+  double train_start_gb = 0, backward_peak_gb = 0, optimizer_peak_gb = 0;
   double memory_after_gb = 0;             // allocated at the step's end: what stays between steps (CUDA)
   // Weight sync to the rollout: adapters only (LoRA) or every weight (none where the engine reads
   // the trained tensors themselves: synchronous full-parameter); bytes sent, seconds, and the

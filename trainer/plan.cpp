@@ -34,6 +34,8 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   j.state_placement = optimizers::placement_name(g.optim.placement);
   j.chunk_bytes = double(g.optim.chunk_bytes);
   j.micro_batch_seqs = g.micro_batch_seqs;
+  j.seqs_per_step = g.prompts_per_step * g.samples_per_prompt;
+  j.mini_steps = g.mini_steps;
   // A recipe without a prompt limit is planned for prompts of 256 tokens.
   j.seq_len = (g.prompt.max_prompt_tokens > 0 ? g.prompt.max_prompt_tokens : 256) + g.max_tokens;
   j.recompute = g.recompute;
@@ -50,10 +52,21 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
 namespace {
 
 // The structural count below (every tensor the fused path saves for the backward) over-counts what
-// the caching allocator's peak shows: on the H200 on 2026-12-02 `kiln bench train` measured 94.5
-// KB per token and layer on muse-small (887 KB per token, less its 131 KB of saved bf16 logits, over
-// 8 layers) against 136.7 structural (0.69), and 409 KB on the full-width layer against 563 (0.73).
-constexpr double kActivationCalibration = 0.71;
+// the caching allocator's peak shows. Calibrated on the H200 on 2026-12-05 against muse-small GRPO
+// steps with LoRA (no gradient buffers to confound the backward's peak) at micro-batches of 2816
+// and 1408 tokens: the peak grew 1.40 GiB per 1408 tokens, 1.07 MB per token. Less the saved bf16
+// logits (131 KB), the embedding (16 KB) and the head's bf16 logit gradient (131 KB per token of a
+// 2048-token chunk), that is 108 KB per token and layer against 136.7 structural (0.79), and a
+// fixed 0.63 GiB (kBackwardWorkspace) that no token count explains.
+constexpr double kActivationCalibration = 0.79;
+constexpr double kBackwardWorkspace = 0.63 * double(1ll << 30);
+constexpr int64_t kLogprobChunk = 2048;  // ForwardOptions::logprob_chunk: the head's rows per GEMM
+// The optimizer step's temporaries beyond the gradients (measured the same day): device Muon on
+// muse-small's largest stack (64 x 1024 x 1024) took 1.01 GiB, 16 bytes a parameter (the fp32
+// gradient, momentum update, normalised copy, and Newton-Schulz's iterate and products); the
+// streamed placements took 0.16 GiB with 64 MiB chunks, 2.5 chunks.
+constexpr double kMuonTempBytes = 16.0;
+constexpr double kStreamedTempChunks = 2.5;
 
 struct Parts {
   double experts = 0, dense = 0;          // parameters
@@ -146,7 +159,7 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
   if (job.lora) {
     trained_experts = lora_count(cfg, job, true);
     trained_dense = lora_count(cfg, job, false);
-    trained_muon_dense = job.muon ? trained_dense : 0;
+    trained_muon_dense = 0;  // adapters train with AdamW, as PEFT trains them (optimizers/groups.cpp)
     gpu("LoRA adapters on the experts (1/ep)", trained_experts / ep * wb);
     gpu("LoRA adapters on the dense part", trained_dense * wb);
   }
@@ -158,7 +171,7 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
   // each rank keeps 1/world of it. Masters for low-precision weights, then the moments.
   const double trained = trained_experts + trained_dense;
   const double master = job.master_weights && job.weight_bytes < 4 ? 4.0 * trained : 0.0;
-  const double muon_params = (job.muon ? trained_experts : 0.0) + trained_muon_dense;
+  const double muon_params = (job.muon && !job.lora ? trained_experts : 0.0) + trained_muon_dense;
   const double moments = double(job.moment_bytes) * (muon_params + 2.0 * (trained - muon_params));
   const double state = (master + moments) / W;
   const bool on_gpu = job.state_placement == "device";
@@ -174,17 +187,46 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
     }
   }
 
-  // Activations of one micro-batch.
-  const double tokens = double(job.micro_batch_seqs) * double(job.seq_len);
+  // The training step's peak beyond what stays: the backward's (activations, and the gradients as
+  // they fill) or the optimizer step's (the gradients and its temporaries), whichever is higher.
+  // A micro-batch holds at most this rank's share of a mini-step's sequences.
+  const int64_t per_rank = job.seqs_per_step > 0
+                               ? std::max<int64_t>(1, (job.seqs_per_step / std::max<int64_t>(1, job.mini_steps) +
+                                                       world - 1) / world)
+                               : job.micro_batch_seqs;
+  const int64_t micro_seqs = std::min(job.micro_batch_seqs, per_rank);
+  const bool accumulates = job.seqs_per_step <= 0 || per_rank > job.micro_batch_seqs;
+  const double tokens = double(micro_seqs) * double(job.seq_len);
   const double layer = layer_activation_bytes_per_token(cfg, L.tp);
-  const double head = 2.0 * double(cfg.vocab_size) / tp + 8.0 * double(cfg.hidden_size);  // bf16 logits, embedding
-  // Stored: every layer's activations. Recomputed: every layer's input and one layer's activations.
-  const double stored = tokens * (double(cfg.num_layers) * layer + head);
-  const double recomputed = tokens * (double(cfg.num_layers) * double(cfg.hidden_size) * wb + layer + head);
-  if (job.recompute)
-    gpu(fmt::format("activations, {} tokens, layers recomputed", int64_t(tokens)), recomputed);
+  const double logits = 2.0 * double(cfg.vocab_size) / tp;  // bf16, saved by kernels::token_logprobs
+  // Every layer's activations and the head's; the logit gradient of one chunk; the fixed workspace.
+  const double head = tokens * (logits + 8.0 * double(cfg.hidden_size)) +
+                      std::min(tokens, double(kLogprobChunk)) * logits + kBackwardWorkspace;
+  const double stored = tokens * double(cfg.num_layers) * layer + head;
+  // Recomputed: every layer's input and one layer's activations.
+  const double recomputed = tokens * (double(cfg.num_layers) * double(cfg.hidden_size) * wb + layer) + head;
+  const double acts = job.recompute ? recomputed : stored;
+  const double grads = (trained_experts / ep + (job.lora ? trained_dense : dense_held)) * wb;
+  // With one micro-batch the gradients fill as the layers' activations free (measured: about one
+  // layer's on top of them); with more, the later backwards run beside all of them.
+  const double backward = accumulates ? acts : std::max(acts - grads, acts / double(cfg.num_layers));
+  const double biggest_muon = std::max({double(cfg.num_experts) / ep * double(cfg.expert_ffn_size) * double(cfg.latent_size),
+                                        double(cfg.q_size()) * double(cfg.hidden_size) / tp,
+                                        double(cfg.latent_size) * double(cfg.hidden_size) / tp});
+  const double optimizer = !on_gpu ? (job.state_placement == "cpu_update" ? 0.0 : kStreamedTempChunks * job.chunk_bytes)
+                           : job.muon && !job.lora ? kMuonTempBytes * biggest_muon
+                                                   : 0.0;
+  const std::string recompute_note =
+      job.recompute ? "layers recomputed" : fmt::format("recompute: {}", format_bytes(recomputed));
+  if (backward >= optimizer)
+    gpu(fmt::format("activations at the backward's peak, micro-batches of {} tokens{} ({}; {} in all)",
+                    int64_t(tokens), accumulates ? "" : ", beside the gradients as they fill", recompute_note,
+                    format_bytes(acts)),
+        backward);
   else
-    gpu(fmt::format("activations, {} tokens (recompute: {})", int64_t(tokens), format_bytes(recomputed)), stored);
+    gpu(fmt::format("the optimizer step's temporaries (the training peak; activations {}, {})", format_bytes(backward),
+                    recompute_note),
+        optimizer);
 
   // The rollout engine's weights: its own copy of what it serves (rollout::Engine clones the model,
   // so that an async step never changes a batch's weights under it), except where it shares them.

@@ -47,6 +47,8 @@ struct PlanJob {
   std::string state_placement = "device";  // device | cpu | cpu_update | nvme
   double chunk_bytes = 64.0 * (1 << 20);
   int64_t micro_batch_seqs = 64;
+  int64_t seqs_per_step = 0;         // prompts x samples over every rank; 0: unknown (micro-batches accumulate)
+  int64_t mini_steps = 1;            // optimizer steps per GRPO step
   int64_t seq_len = 1024;            // prompt + response tokens of one sequence
   bool recompute = false;
   std::string rollout_quantization = "none";  // none | nvfp4 | w4a4
@@ -84,7 +86,7 @@ struct Plan {
 };
 
 // Activation bytes per token kept for the backward by one layer (the fused CUDA path) on one of tp
-// ranks, from the layer's shapes: calibrated on the H200 against `kiln bench train` (see plan.cpp).
+// ranks, from the layer's shapes: calibrated on the H200 against muse-small GRPO steps (see plan.cpp).
 double layer_activation_bytes_per_token(const model::ModelConfig& cfg, int64_t tp = 1);
 
 // Under job.rollout_auto the plan of the placement it picks (Plan::rollout_choice says why).
