@@ -215,6 +215,7 @@ TEST(Plan, WithinTenPercentOfTheMeasuredPeaks) {
       {"LoRA", true, optimizers::Placement::kDevice, 128, rollout::Quantization::kNone, 10.97},
       {"LoRA, micro-batches of 64", true, optimizers::Placement::kDevice, 64, rollout::Quantization::kNone, 9.54},
       {"state in CPU memory", false, optimizers::Placement::kHost, 128, rollout::Quantization::kNone, 10.19},
+      {"state on NVMe", false, optimizers::Placement::kNvme, 128, rollout::Quantization::kNone, 10.19},
       {"NVFP4 rollout", false, optimizers::Placement::kDevice, 128, rollout::Quantization::kNvfp4, 28.37},
   };
   for (const Case& k : cases) {
