@@ -77,6 +77,21 @@ std::pair<at::Tensor, at::Tensor> backward_cuda(const at::Tensor& x, const at::T
   return {dx, dw};
 }
 
+// dx and dw of the norm with one weight row per row, [rows, cols] each (undefined where not wanted).
+std::pair<at::Tensor, at::Tensor> backward_rows_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& dy,
+                                                     double eps, bool need_dx, bool need_dw) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = x.contiguous(), wc = weight.contiguous(), gc = dy.contiguous().to(x.scalar_type());
+  at::Tensor dx = need_dx ? at::empty_like(xc) : at::Tensor(), dw = need_dw ? at::empty_like(wc) : at::Tensor();
+  const cudaError_t err = launch_rms_norm_backward_rows(
+      x.scalar_type() == at::kFloat ? 0 : 1, xc.data_ptr(), wc.data_ptr(), gc.data_ptr(),
+      need_dx ? dx.data_ptr() : nullptr, need_dw ? dw.data_ptr() : nullptr, x.size(0), x.size(1), float(eps),
+      c10::cuda::getCurrentCUDAStream());
+  KILN_CHECK(err == cudaSuccess, "rms_norm backward (a weight row per row): kernel launch failed: ",
+             cudaGetErrorString(err));
+  return {dx, dw};
+}
+
 // Forward and backward through the CUDA kernels; ends empty for a shared weight row (autograd
 // functions take no undefined tensors).
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
@@ -117,6 +132,41 @@ at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, dou
   at::Tensor xf = x.to(acc);
   at::Tensor y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return y.to(x.scalar_type()) * weight;
+}
+
+std::pair<at::Tensor, at::Tensor> rms_norm_backward_reference(const at::Tensor& x, const at::Tensor& weight,
+                                                              const at::Tensor& dy, double eps, bool need_dx,
+                                                              bool need_dw) {
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor xf = x.to(acc);
+  const at::Tensor r = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  const at::Tensor xhat = xf * r;
+  at::Tensor dx, dw;
+  if (need_dx) {
+    const at::Tensor u = (dy * weight).to(acc);  // the gradient at cast(xhat), widened as the cast's backward does
+    dx = (r * (u - xhat * (u * xhat).mean(-1, /*keepdim=*/true))).to(x.scalar_type());
+  }
+  if (need_dw) {
+    dw = dy * xhat.to(x.scalar_type());
+    if (weight.dim() == 1) dw = dw.reshape({-1, weight.size(0)}).sum(0);
+  }
+  return {dx, dw};
+}
+
+std::pair<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& dy,
+                                                    double eps, bool need_dx, bool need_dw) {
+  KILN_CHECK(x.dim() == 2 && dy.sizes() == x.sizes() &&
+                 ((weight.dim() == 1 && weight.size(0) == x.size(1)) || weight.sizes() == x.sizes()),
+             "rms_norm_backward: x and dy [rows, n], weight [n] or [rows, n] (got x ", x.sizes(), ", dy ", dy.sizes(),
+             ", weight ", weight.sizes(), ")");
+#if KILN_WITH_CUDA
+  if (train_kernel_applies(x, weight) && dy.is_cuda() && (need_dx || need_dw)) {
+    if (weight.dim() == 2) return backward_rows_cuda(x, weight, dy, eps, need_dx, need_dw);
+    auto [dx, dw] = backward_cuda(x, weight, no_segments(x), dy, eps, need_dw);
+    return {need_dx ? dx : at::Tensor(), dw};
+  }
+#endif
+  return rms_norm_backward_reference(x, weight, dy, eps, need_dx, need_dw);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

@@ -4,7 +4,8 @@
 // The weight is one row shared by all rows (w_stride 0), one row per row (w_stride = cols), or one
 // row per segment of rows (ends: each segment's end row; the per-expert norm of the grouped MoE).
 // The backward (training) recomputes the statistics, writes dx, and reduces the weight gradient
-// per segment into fixed partials that the caller sums: deterministic, no atomics.
+// per segment into fixed partials that the caller sums: deterministic, no atomics. With one weight
+// row per row, a block per row writes dx and that row's weight gradient.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -55,6 +56,26 @@ __device__ inline float block_sum(float v) {
   }
   __syncthreads();
   return warp_sums[0];
+}
+
+// Two sums over the block in a fixed order (lanes by shuffles, then warps in order); every thread
+// gets both totals. `sums` is the caller's shared array of kMaxThreads / 32; the trailing barrier
+// lets the caller reduce again with it.
+__device__ inline float2 block_sum2(float a, float b, float2* sums) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, offset);
+    b += __shfl_xor_sync(0xffffffffu, b, offset);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) sums[warp] = make_float2(a, b);
+  __syncthreads();
+  float2 tot = make_float2(0.f, 0.f);
+  for (int i = 0; i < warps; ++i) {
+    tot.x += sums[i].x;
+    tot.y += sums[i].y;
+  }
+  __syncthreads();
+  return tot;
 }
 
 template <typename T>
@@ -282,19 +303,7 @@ __global__ void rms_norm_backward(const T* __restrict__ x, const T* __restrict__
         gx += gv[i][j] * wv[i][j] * xv[i][j];
       }
     }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      ss += __shfl_xor_sync(0xffffffffu, ss, offset);
-      gx += __shfl_xor_sync(0xffffffffu, gx, offset);
-    }
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    if (lane == 0) sums[warp] = make_float2(ss, gx);
-    __syncthreads();
-    float2 tot = make_float2(0.f, 0.f);
-    for (int i = 0; i < warps; ++i) {
-      tot.x += sums[i].x;
-      tot.y += sums[i].y;
-    }
-    __syncthreads();  // sums is rewritten by the next row
+    const float2 tot = block_sum2(ss, gx, sums);  // its closing barrier: sums is rewritten by the next row
     const float inv = rsqrtf(tot.x / float(cols) + eps);
     const float m = inv * tot.y / float(cols);  // mean(g * xhat)
     T* dxr = dx + r * cols;
@@ -321,6 +330,45 @@ __global__ void rms_norm_backward(const T* __restrict__ x, const T* __restrict__
     for (int j = 0; j < kVec; ++j)
       if (c0 + j < cols) part[c0 + j] = acc[i][j];
   }
+}
+
+// Backward with one weight row per row (the experts' norms gathered for every slot), a block per
+// row: dx as rms_norm_backward gives it, and each row's own weight gradient, cast(dy * cast(xhat)),
+// nothing summed (the gather's backward sums it per expert). dx or dw may be null (not wanted).
+template <typename T>
+__global__ void rms_norm_backward_rows(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
+                                       T* __restrict__ dx, T* __restrict__ dw, int64_t cols, float eps) {
+  __shared__ float2 sums[kMaxThreads / 32];
+  const int64_t base = int64_t(blockIdx.x) * cols;
+  const T* xr = x + base;
+  const T* wr = w + base;
+  const T* dyr = dy + base;
+  float ss = 0.f, gx = 0.f;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float xv = to_float(xr[c]);
+    ss += xv * xv;
+    gx += to_float(dyr[c]) * to_float(wr[c]) * xv;
+  }
+  const float2 tot = block_sum2(ss, gx, sums);
+  const float inv = rsqrtf(tot.x / float(cols) + eps);
+  const float m = inv * tot.y / float(cols);  // mean(g * xhat)
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float xhat = to_float(xr[c]) * inv, g = to_float(dyr[c]);
+    if (dx != nullptr) dx[base + c] = from_float<T>(inv * (g * to_float(wr[c]) - xhat * m));
+    if (dw != nullptr) dw[base + c] = from_float<T>(g * to_float(from_float<T>(xhat)));
+  }
+}
+
+template <typename T>
+cudaError_t launch_backward_rows(const void* x, const void* w, const void* dy, void* dx, void* dw, int64_t rows,
+                                 int64_t cols, float eps, cudaStream_t stream) {
+  if (rows > int64_t(INT32_MAX)) return cudaErrorInvalidValue;
+  // About four columns a thread, in whole warps, at most kMaxThreads.
+  const int64_t threads = std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, ((cols + 3) / 4 + 31) / 32 * 32));
+  rms_norm_backward_rows<T><<<dim3(unsigned(rows)), dim3(unsigned(threads)), 0, stream>>>(
+      static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(dy), static_cast<T*>(dx),
+      static_cast<T*>(dw), cols, eps);
+  return cudaGetLastError();
 }
 
 template <typename T, int kVec, int kChunks>
@@ -399,6 +447,13 @@ cudaError_t launch_rms_norm_backward_bf16(const void* x, const void* w, const in
   using B = __nv_bfloat16;
   return launch_backward(static_cast<const B*>(x), static_cast<const B*>(w), ends, num_segments,
                          static_cast<const B*>(dy), static_cast<B*>(dx), dw_part, rows, cols, parts, eps, stream);
+}
+
+cudaError_t launch_rms_norm_backward_rows(int dtype, const void* x, const void* w, const void* dy, void* dx,
+                                          void* dw, int64_t rows, int64_t cols, float eps, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  return dtype == 0 ? launch_backward_rows<float>(x, w, dy, dx, dw, rows, cols, eps, stream)
+                    : launch_backward_rows<__nv_bfloat16>(x, w, dy, dx, dw, rows, cols, eps, stream);
 }
 
 }  // namespace kiln::kernels

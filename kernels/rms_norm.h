@@ -33,6 +33,19 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Te
 std::pair<at::Tensor, at::Tensor> add_rms_norm_reference(const at::Tensor& a, const at::Tensor& x,
                                                          const at::Tensor& w_add, const at::Tensor& w_next, double eps);
 
+// The norm's gradient by its formula, for an autograd node whose forward is computed elsewhere (the
+// batch-invariant norms): x and dy [rows, n]; weight [n], or one row per row [rows, n] (the
+// experts' norms over every slot). With r = rsqrt(mean(x^2) + eps), xhat = x * r, u = g * w:
+// dx = r * (u - xhat * mean(u * xhat)) and dw = g * cast(xhat), summed over the rows for a shared
+// weight. Each is computed where asked (else undefined), dw in the weight's shape. On CUDA float or
+// bf16 with n <= 8192, the backward kernels (a shared row's dw summed in a fixed order:
+// deterministic); elsewhere the reference, in fp32 (fp64 for fp64) ATen ops.
+std::pair<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& dy,
+                                                    double eps, bool need_dx, bool need_dw);
+std::pair<at::Tensor, at::Tensor> rms_norm_backward_reference(const at::Tensor& x, const at::Tensor& weight,
+                                                              const at::Tensor& dy, double eps, bool need_dx,
+                                                              bool need_dw);
+
 // The training path alone (fused forward + backward kernels), for tests and benches; throws
 // where it does not apply.
 at::Tensor rms_norm_train_cuda(const at::Tensor& x, const at::Tensor& weight, double eps);

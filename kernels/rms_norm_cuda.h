@@ -38,4 +38,9 @@ cudaError_t launch_rms_norm_backward_bf16(const void* x, const void* w, const in
                                           const void* dy, void* dx, float* dw_part, int64_t rows, int64_t cols,
                                           int parts, float eps, cudaStream_t stream);
 
+// Backward with one weight row per row, w [rows, cols] (dtype 0 fp32, 1 bf16), a block per row:
+// dx, and dw [rows, cols] each row's own weight gradient; a null dx or dw is not written.
+cudaError_t launch_rms_norm_backward_rows(int dtype, const void* x, const void* w, const void* dy, void* dx,
+                                          void* dw, int64_t rows, int64_t cols, float eps, cudaStream_t stream);
+
 }  // namespace kiln::kernels

@@ -262,11 +262,10 @@ struct ValuesOf : public torch::autograd::Function<ValuesOf> {
 };
 
 // rowwise_rms_norm's node: the values come from the batch-invariant forward; the gradient is the
-// one autograd takes through kernels::rms_norm_reference at (x, weight), by its formula, so the
-// forward neither recomputes the reference nor keeps its fp32 intermediates (per-row weights are
-// the experts' norms, over every slot). y = bf16(x * r) * w with r = rsqrt(mean(x^2) + eps):
-// dw = g * bf16(x * r) (summed over rows for a [n] weight), and with u = g * w in Acc,
-// dx = r * (u - x * r * mean(u * x * r)).
+// one autograd takes through kernels::rms_norm_reference at (x, weight), by its formula
+// (kernels::rms_norm_backward: on CUDA the backward kernels, a block per row), so the forward
+// neither recomputes the reference nor keeps its fp32 intermediates (per-row weights are the
+// experts' norms, over every slot).
 struct RmsNormGradOf : public torch::autograd::Function<RmsNormGradOf> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& values, const at::Tensor& x,
                             const at::Tensor& weight, double eps) {
@@ -277,21 +276,8 @@ struct RmsNormGradOf : public torch::autograd::Function<RmsNormGradOf> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w = saved[1];
-    const double eps = ctx->saved_data["eps"].toDouble();
-    const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    const at::Tensor xf = x.to(acc), g = grads[0];
-    const at::Tensor r = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-    const at::Tensor xhat = xf * r;
-    at::Tensor dx, dw;
-    if (ctx->needs_input_grad(1)) {
-      const at::Tensor u = (g * w).to(acc);  // the gradient at bf16(x * r), widened as the cast's backward does
-      dx = (r * (u - xhat * (u * xhat).mean(-1, /*keepdim=*/true))).to(x.scalar_type());
-    }
-    if (ctx->needs_input_grad(2)) {
-      dw = g * xhat.to(x.scalar_type());
-      if (w.dim() == 1) dw = dw.reshape({-1, w.size(0)}).sum(0);
-    }
+    auto [dx, dw] = kernels::rms_norm_backward(saved[0], saved[1], grads[0], ctx->saved_data["eps"].toDouble(),
+                                               ctx->needs_input_grad(1), ctx->needs_input_grad(2));
     return {at::Tensor(), dx, dw, at::Tensor()};
   }
 };

@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <functional>
+#include <tuple>
 
 #include "core/error.h"
 #include "kernels/rms_norm.h"
@@ -110,6 +111,22 @@ void bench_rmsnorm(at::Device device) {
     const double bytes = 2.0 * double(x.numel()) * 2;
     fmt::print("{:>14} {:>11.1f} {:>11.1f} {:>11.1f} {:>9.0f} {:>9.0f} {:>9.2f}x\n", fmt::format("{}x{}", rows, cols),
                tk * 1e6, ta * 1e6, tc * 1e6, bytes / tk / 1e9, bytes / tc / 1e9, ta / tk);
+  }
+  // The batch-invariant norms' gradient (rms_norm_backward): muse-small's attention norms (a shared
+  // row, 8 x 1024 tokens) and its experts' norms over every slot (a weight row per slot).
+  fmt::print("rmsnorm backward by formula, bf16, dx and dw; bytes = read x, dy (and per-row w) + write dx (and dw)\n");
+  fmt::print("{:>24} {:>11} {:>11} {:>9} {:>10}\n", "shape", "kernel us", "aten us", "kern GB/s", "aten/kern");
+  for (auto [rows, cols, per_row] : std::vector<std::tuple<int64_t, int64_t, bool>>{
+           {8192, 2048, false}, {65536, 1024, true}, {19, 4097, true}}) {
+    auto opt = at::TensorOptions().dtype(at::kBFloat16).device(device);
+    at::Tensor x = at::randn({rows, cols}, opt), dy = at::randn({rows, cols}, opt);
+    at::Tensor w = per_row ? at::rand({rows, cols}, opt) : at::rand({cols}, opt);
+    const double tk = time_it(device, [&] { kernels::rms_norm_backward(x, w, dy, 1e-6, true, true); });
+    const double ta = time_it(device, [&] { kernels::rms_norm_backward_reference(x, w, dy, 1e-6, true, true); });
+    const double bytes = 2.0 * double(x.numel()) * (per_row ? 5 : 3);
+    fmt::print("{:>24} {:>11.1f} {:>11.1f} {:>9.0f} {:>9.2f}x\n",
+               fmt::format("{}x{} {}", rows, cols, per_row ? "per-row" : "shared"), tk * 1e6, ta * 1e6,
+               bytes / tk / 1e9, ta / tk);
   }
 }
 

@@ -1,6 +1,6 @@
 // The fused training kernels against float64 references on odd sizes, in fp32 and bf16, forward
-// and backward: RMSNorm (shared weight and per-segment), RoPE, SwiGLU, MoE dispatch and combine
-// (indices exact), varlen flash attention, and the whole model with the fused path on and off.
+// and backward: RMSNorm (shared weight, per-segment, the gradient by formula), RoPE, SwiGLU, MoE
+// dispatch and combine (indices exact), varlen flash attention, and the whole model fused and not.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/function.h>
@@ -91,6 +91,37 @@ TEST(CudaTrainRmsNorm, SegmentsMatchFloat64IncludingEmptyOnes) {
       EXPECT_LT(rel_err(wc.grad(), wr.grad()), grad_tol(dtype)) << what;
     }
   }
+}
+
+// The norm's gradient by its formula (the batch-invariant norms' node): the kernels against the
+// fp64 reference, for a shared weight row and one row per row, each gradient alone or both; the
+// same bits twice.
+TEST(CudaTrainRmsNorm, BackwardByFormulaMatchesFloat64) {
+  at::manual_seed(4);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16})
+    for (const bool per_row : {false, true})
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+               {1, 19}, {19, 1024}, {111, 111}, {4097, 1024}, {19, 4097}, {3, 8192}}) {
+        at::Tensor x = at::randn({rows, cols}) * 2, dy = at::randn({rows, cols});
+        at::Tensor w = at::rand(per_row ? std::vector<int64_t>{rows, cols} : std::vector<int64_t>{cols}) + 0.5;
+        x = x.to(dtype), dy = dy.to(dtype), w = w.to(dtype);
+        const auto [dx, dw] = kernels::rms_norm_backward(x.cuda(), w.cuda(), dy.cuda(), 1e-6, true, true);
+        const auto [rx, rw] = kernels::rms_norm_backward_reference(x.to(at::kDouble), w.to(at::kDouble),
+                                                                   dy.to(at::kDouble), 1e-6, true, true);
+        const std::string what = std::string(c10::toString(dtype)) + (per_row ? " per-row " : " shared ") +
+                                 std::to_string(rows) + "x" + std::to_string(cols);
+        ASSERT_EQ(dx.scalar_type(), dtype) << what;
+        ASSERT_EQ(dw.sizes(), w.sizes()) << what;
+        EXPECT_LT(rel_err(dx, rx), grad_tol(dtype)) << what;
+        EXPECT_LT(rel_err(dw, rw), grad_tol(dtype)) << what;
+        const auto [dx2, dw2] = kernels::rms_norm_backward(x.cuda(), w.cuda(), dy.cuda(), 1e-6, true, true);
+        EXPECT_TRUE(test::all_equal(dx2.cpu(), dx.cpu()) && test::all_equal(dw2.cpu(), dw.cpu())) << what;
+        // One gradient alone: the same values, the other undefined.
+        const auto [ox, nw] = kernels::rms_norm_backward(x.cuda(), w.cuda(), dy.cuda(), 1e-6, true, false);
+        const auto [nx, ow] = kernels::rms_norm_backward(x.cuda(), w.cuda(), dy.cuda(), 1e-6, false, true);
+        EXPECT_FALSE(nw.defined() || nx.defined()) << what;
+        EXPECT_TRUE(test::all_equal(ox.cpu(), dx.cpu()) && test::all_equal(ow.cpu(), dw.cpu())) << what;
+      }
 }
 
 TEST(CudaTrainRope, BackwardMatchesFloat64) {

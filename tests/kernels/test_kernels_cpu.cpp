@@ -216,6 +216,27 @@ TEST(SegmentRmsNormReference, EachRowUsesItsSegmentsWeight) {
                                 {"segment_rms_norm", "int32"}));
 }
 
+// The norm's gradient by its formula is autograd's through the reference norm in fp64, for a
+// shared weight row and one row per row; each gradient is computed only where asked, and bad shapes
+// are named.
+TEST(RmsNormBackwardReference, IsAutogradsGradientOfTheReferenceNorm) {
+  at::manual_seed(8);
+  for (const bool per_row : {false, true}) {
+    at::Tensor x = at::randn({19, 7}, at::kDouble).requires_grad_(true), dy = at::randn({19, 7}, at::kDouble);
+    at::Tensor w = (at::rand(per_row ? std::vector<int64_t>{19, 7} : std::vector<int64_t>{7}, at::kDouble) + 0.5)
+                       .requires_grad_(true);
+    kernels::rms_norm_reference(x, w, 1e-6).backward(dy);
+    const auto [dx, dw] = kernels::rms_norm_backward(x.detach(), w.detach(), dy, 1e-6, true, true);
+    KILN_EXPECT_CLOSE(dx, x.grad(), 1e-12, 1e-12);
+    KILN_EXPECT_CLOSE(dw, w.grad(), 1e-12, 1e-12);
+    EXPECT_FALSE(kernels::rms_norm_backward(x.detach(), w.detach(), dy, 1e-6, false, true).first.defined());
+    EXPECT_FALSE(kernels::rms_norm_backward(x.detach(), w.detach(), dy, 1e-6, true, false).second.defined());
+  }
+  EXPECT_TRUE(test::throws_with(
+      [] { kernels::rms_norm_backward(at::zeros({3, 4}), at::zeros({5}), at::zeros({3, 4}), 1e-6, true, true); },
+      {"rms_norm_backward", "weight [n] or [rows, n]", "[5]"}));
+}
+
 TEST(MoeRowsReference, DispatchAndCombineByHandAndTheirGradients) {
   // 3 tokens, k = 2, rows padded to 8: slot t*2+j goes to row slot_row[t*2+j].
   at::Tensor slot_row = at::tensor(std::vector<int64_t>{5, 0, 1, 6, 2, 7}, at::kLong);
