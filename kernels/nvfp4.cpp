@@ -434,14 +434,14 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
   if (x.is_cuda() && supported && w.kernel_layout && w.stacked()) {
     auto [xq, extra] = gemm_input(x, opt);
     at::Tensor xin = xq.to(x.scalar_type());
-    const int64_t E = w.packed.size(0);
-    if (x.size(0) <= kFusedMaxRows * E) {
+    const int64_t E = w.packed.size(0), rows = opt.live_rows > 0 ? opt.live_rows : x.size(0);
+    if (rows <= kFusedMaxRows * E) {
       const bool scalar = !extra.defined() || extra.dim() == 0;
       at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor());
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
     }
 #if KILN_TORCH_AT_LEAST(2, 8)
-    if (nvfp4_grouped_dequantizes(w, x.size(0), x)) {
+    if (nvfp4_grouped_dequantizes(w, rows, x)) {
       at::Tensor y = grouped_prefill(xin, w, offsets);
       return extra.defined() ? (y.to(at::kFloat) * extra).to(x.scalar_type()) : y;
     }
@@ -476,7 +476,7 @@ at::Tensor nvfp4_grouped_linear_aligned(const at::Tensor& xp, const Nvfp4Tensor&
              "nvfp4_grouped_linear_aligned: ends must be [E] for a stack of E experts (got ", ends.sizes(), " for ",
              w.packed.sizes(), ")");
 #if KILN_WITH_CUDA && KILN_TORCH_AT_LEAST(2, 8)
-  if (nvfp4_grouped_dequantizes(w, xp.size(0), xp)) {
+  if (nvfp4_grouped_dequantizes(w, opt.live_rows > 0 ? opt.live_rows : xp.size(0), xp)) {
     auto [xq, extra] = gemm_input(xp, opt);
     at::Tensor y = dequantized_grouped_mm(xq.to(xp.scalar_type()), w, ends.to(at::kInt));
     return extra.defined() ? (y.to(at::kFloat) * extra).to(xp.scalar_type()) : y;

@@ -68,6 +68,10 @@ struct Nvfp4LinearOptions {
   // in FP32 and is multiplied by that scale and s2.
   bool w4a4 = false;
   at::Tensor input_scale;  // float32 scalar, optional
+  // The grouped calls' rows that carry work, for their choice between the fused W4A16 kernel and
+  // the dequantised GEMM (0: every row of x). An expert exchange's fixed-shape buffer also holds
+  // spare rows that no expert runs; counting them would take the prefill path at half the load.
+  int64_t live_rows = 0;
 };
 
 // y [M, N] = x [M, K] . W^T for W in NVFP4 (W4A16): y = (sum_k x_k * e2m1(q_k) * sf) * s2 with an

@@ -103,6 +103,7 @@ ExpertDispatcher::Routed AllToAllDispatcher::dispatch_fixed(const at::Tensor& z,
   // Padding rows carry the spare id `local`: the receiving rank's experts skip them.
   const at::Tensor ids = at::full({S * C + 1}, local, longs).scatter_(0, row, flat.remainder(local)).narrow(0, 0, S * C);
   r.spare = true;
+  r.live_rows = n;
   r.ids = group_.all_to_all_known(ids, r.send, r.recv);
   r.rows = exchange_rows(group_, padded, r.send, r.recv, /*known=*/true);
   return r;

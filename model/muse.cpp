@@ -103,7 +103,13 @@ struct ExpertProj {
   double scale;
   bool w4a4;
   bool rowwise;  // batch-invariant numerics (one() only)
+  int64_t live_rows = 0;  // Nvfp4LinearOptions::live_rows
 
+  kernels::Nvfp4LinearOptions options() const {
+    kernels::Nvfp4LinearOptions o = nvfp4_options(q, w4a4);
+    o.live_rows = live_rows;
+    return o;
+  }
   // Rows in the padded layout of kernels::moe_layout (ends: its int32 segment ends, MoeLayout's
   // offsets or ends; segments: 0 then ends as int64, or undefined), on torch's grouped GEMM, or
   // NVFP4's (kernels::nvfp4_grouped_linear_aligned: W4A16 at decode sizes, the dequantised stack above).
@@ -111,7 +117,7 @@ struct ExpertProj {
 #if KILN_TORCH_AT_LEAST(2, 8)
     at::Tensor y = dense.defined()
                        ? at::_grouped_mm(xp, dense.transpose(1, 2), ends)
-                       : kernels::nvfp4_grouped_linear_aligned(xp, q, ends, nvfp4_options(q, w4a4), segments);
+                       : kernels::nvfp4_grouped_linear_aligned(xp, q, ends, options(), segments);
     return a.defined() ? y + grouped_lora(xp, a, b, ends, scale) : y;
 #else
     (void)xp, (void)ends, (void)segments;
@@ -123,7 +129,7 @@ struct ExpertProj {
   // (kernels::moe_layout) and its experts' segment ends.
   at::Tensor sorted(const at::Tensor& xs, const at::Tensor& offsets, const kernels::MoeLayout& l,
                     const at::Tensor& ends) const {
-    at::Tensor y = kernels::nvfp4_grouped_linear(xs, q, offsets, nvfp4_options(q, w4a4));
+    at::Tensor y = kernels::nvfp4_grouped_linear(xs, q, offsets, options());
     if (!a.defined()) return y;
     at::Tensor xp = at::zeros({l.bound, xs.size(1)}, xs.options()).index_copy(0, l.dest, xs);
     return y + grouped_lora(xp, a, b, ends, scale).index_select(0, l.dest);
@@ -265,8 +271,9 @@ bool grouped_mm_widths_fit(const LayerWeights& lw, const at::Tensor& z) {
 // an id equal to the number of experts marks a row no expert runs (ExpertDispatcher::Routed): it
 // sorts after every expert's rows, the GEMMs stop before it, and its output is zero or garbage.
 at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& z, const at::Tensor& ids, int64_t k,
-                       at::Tensor& counts, const ForwardOptions& opt, bool spare = false) {
-  const ExpertStack s = expert_stack(lw, layer, opt);
+                       at::Tensor& counts, const ForwardOptions& opt, bool spare = false, int64_t live_rows = 0) {
+  ExpertStack s = expert_stack(lw, layer, opt);
+  for (ExpertProj* p : {&s.gate, &s.up, &s.down}) p->live_rows = live_rows;
   const int64_t n = ids.size(0), E = s.experts();
   const kernels::MoeLayout l = kernels::moe_layout(ids, spare ? E + 1 : E, k, kGroupAlign);
   counts = spare ? l.counts.narrow(0, 0, E) : l.counts;
@@ -274,7 +281,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   const bool grouped = opt.use_grouped_mm && (!s.lora || lw.lora.experts_grouped()) && !opt.observe_linear_input &&
                        !opt.batch_invariant && z.is_cuda() && z.scalar_type() == at::kBFloat16 &&
                        grouped_mm_widths_fit(lw, z);
-  if (grouped && (!s.quantized() || kernels::nvfp4_grouped_dequantizes(s.gate.q, n, z))) {
+  if (grouped && (!s.quantized() || kernels::nvfp4_grouped_dequantizes(s.gate.q, live_rows > 0 ? live_rows : n, z))) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
     // to a static bound (with `spare`, to its own end: rows past it are left unwritten), so nothing
     // syncs with the host. Padding rows are zero and never read back.
@@ -348,7 +355,7 @@ at::Tensor dispatched_experts(const ModelConfig& cfg, const LayerWeights& lw, in
     y = routed.rows * 0;  // keeps this rank's backward exchange in the graph: every rank must join it
   } else {
     at::Tensor counts;
-    y = run_experts(lw, layer, routed.rows, routed.ids, 1, counts, opt, routed.spare);
+    y = run_experts(lw, layer, routed.rows, routed.ids, 1, counts, opt, routed.spare, routed.live_rows);
     // Spare rows: no expert wrote them (on CUDA their memory is whatever was there), so zero them,
     // which also keeps any gradient off the norm weights; a zero row normalises to zero. Only the
     // sender's masked or dropped slots read them back.

@@ -124,6 +124,9 @@ class ExpertDispatcher {
                                          // the number of local experts for a row that carries no slot
                                          // (padding: it runs through no expert; its output is zero)
     bool spare = false;
+    int64_t live_rows = 0;               // with `spare`: the rows expected to carry a slot (this rank's
+                                         // own slot count, the group's mean share), for choices that
+                                         // depend on the load; 0: every row
     std::vector<int64_t> send, recv;     // rows per rank each way
     at::Tensor order;                    // the slots sorted by the rank that holds their expert
     at::Tensor slot_rows;                // fixed-shape exchanges: each slot's row of the padded send buffer

@@ -132,6 +132,13 @@ TEST(ExpertParallel, FixedShapeCapacityOverflowIsCounted) {
   o.experts = &plain;
   const at::Tensor expect = shard.forward(batch, o).hidden;
   fixed.set_capacity(5 * cfg.top_k + 3);  // every rank has 5 tokens
+  // Each rank receives S x capacity rows; the rows expected to carry a slot (what the NVFP4 experts'
+  // path choice counts) are a rank's own slot count.
+  const auto routed = fixed.dispatch(at::randn({5, cfg.latent_size}), at::randint(cfg.num_experts, {5 * cfg.top_k}),
+                                     cfg.top_k, cfg.num_experts / w.size());
+  EXPECT_EQ(routed.rows.size(0), w.size() * (5 * cfg.top_k + 3));
+  EXPECT_TRUE(routed.spare);
+  EXPECT_EQ(routed.live_rows, 5 * cfg.top_k);
   o.experts = &fixed;
   EXPECT_TRUE(test::all_close(shard.forward(batch, o).hidden, expect, 1e-5, 1e-6));
   // The padding rows (most of the S x capacity each rank receives) reach no expert: the experts
