@@ -39,7 +39,8 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm_reference(const at::Tensor& a, co
 // dx = r * (u - xhat * mean(u * xhat)) and dw = g * cast(xhat), summed over the rows for a shared
 // weight. Each is computed where asked (else undefined), dw in the weight's shape. On CUDA float or
 // bf16 with n <= 8192, the backward kernels (a shared row's dw summed in a fixed order:
-// deterministic); elsewhere the reference, in fp32 (fp64 for fp64) ATen ops.
+// deterministic; u kept in fp32, where the reference rounds g * w to x's dtype first); elsewhere
+// the reference, in fp32 (fp64 for fp64) ATen ops.
 std::pair<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& dy,
                                                     double eps, bool need_dx, bool need_dw);
 std::pair<at::Tensor, at::Tensor> rms_norm_backward_reference(const at::Tensor& x, const at::Tensor& weight,

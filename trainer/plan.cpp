@@ -34,7 +34,8 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   j.state_placement = optimizers::placement_name(g.optim.placement);
   j.chunk_bytes = double(g.optim.chunk_bytes);
   j.micro_batch_seqs = g.micro_batch_seqs;
-  j.seqs_per_step = g.prompts_per_step * g.samples_per_prompt;
+  j.prompts_per_step = g.prompts_per_step;
+  j.samples_per_prompt = g.samples_per_prompt;
   j.mini_steps = g.mini_steps;
   // A recipe without a prompt limit is planned for prompts of 256 tokens.
   j.seq_len = (g.prompt.max_prompt_tokens > 0 ? g.prompt.max_prompt_tokens : 256) + g.max_tokens;
@@ -189,13 +190,17 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
 
   // The training step's peak beyond what stays: the backward's (activations, and the gradients as
   // they fill) or the optimizer step's (the gradients and its temporaries), whichever is higher.
-  // A micro-batch holds at most this rank's share of a mini-step's sequences.
-  const int64_t per_rank = job.seqs_per_step > 0
-                               ? std::max<int64_t>(1, (job.seqs_per_step / std::max<int64_t>(1, job.mini_steps) +
-                                                       world - 1) / world)
-                               : job.micro_batch_seqs;
+  // A micro-batch holds at most what one rank trains in one mini-step. The trainer gives each rank
+  // a contiguous block of the step's prompts and each mini-step a contiguous range of its
+  // sequences, so a rank trains at most the smaller of its block and a mini-step's range.
+  const int64_t seqs = job.prompts_per_step * job.samples_per_prompt;
+  const int64_t per_rank =
+      job.prompts_per_step > 0
+          ? std::max<int64_t>(1, std::min((job.prompts_per_step + world - 1) / world * job.samples_per_prompt,
+                                          (seqs + job.mini_steps - 1) / std::max<int64_t>(1, job.mini_steps)))
+          : job.micro_batch_seqs;
   const int64_t micro_seqs = std::min(job.micro_batch_seqs, per_rank);
-  const bool accumulates = job.seqs_per_step <= 0 || per_rank > job.micro_batch_seqs;
+  const bool accumulates = job.prompts_per_step <= 0 || per_rank > job.micro_batch_seqs;
   const double tokens = double(micro_seqs) * double(job.seq_len);
   const double layer = layer_activation_bytes_per_token(cfg, L.tp);
   const double logits = 2.0 * double(cfg.vocab_size) / tp;  // bf16, saved by kernels::token_logprobs
@@ -207,8 +212,10 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
   const double recomputed = tokens * (double(cfg.num_layers) * double(cfg.hidden_size) * wb + layer) + head;
   const double acts = job.recompute ? recomputed : stored;
   const double grads = (trained_experts / ep + (job.lora ? trained_dense : dense_held)) * wb;
-  // With one micro-batch the gradients fill as the layers' activations free (measured: about one
-  // layer's on top of them); with more, the later backwards run beside all of them.
+  // With one micro-batch the gradients fill as the layers' activations free; with more, the later
+  // backwards run beside all of them. The one-micro-batch floor, the activations over the layers,
+  // is the measured fit (planned 0.44 GiB over the gradients, measured 0.47: the fixed workspace
+  // and the head's tensors are gone by the backward's end).
   const double backward = accumulates ? acts : std::max(acts - grads, acts / double(cfg.num_layers));
   const double biggest_muon = std::max({double(cfg.num_experts) / ep * double(cfg.expert_ffn_size) * double(cfg.latent_size),
                                         double(cfg.q_size()) * double(cfg.hidden_size) / tp,

@@ -47,7 +47,8 @@ struct PlanJob {
   std::string state_placement = "device";  // device | cpu | cpu_update | nvme
   double chunk_bytes = 64.0 * (1 << 20);
   int64_t micro_batch_seqs = 64;
-  int64_t seqs_per_step = 0;         // prompts x samples over every rank; 0: unknown (micro-batches accumulate)
+  int64_t prompts_per_step = 0;      // over every rank; 0: unknown (micro-batches accumulate)
+  int64_t samples_per_prompt = 1;
   int64_t mini_steps = 1;            // optimizer steps per GRPO step
   int64_t seq_len = 1024;            // prompt + response tokens of one sequence
   bool recompute = false;

@@ -252,9 +252,10 @@ TEST(Plan, TheTrainingPeakIsTheBackwardsOrTheOptimizers) {
   PlanJob job;
   job.seq_len = 1024;
   job.micro_batch_seqs = 8;
-  job.seqs_per_step = 16;  // two micro-batches: the second backward runs beside every gradient
+  job.prompts_per_step = 2;
+  job.samples_per_prompt = 8;  // two micro-batches: the second backward runs beside every gradient
   const Plan two = make_plan(cfg, job, one_gpu(), l);
-  job.seqs_per_step = 8;  // one
+  job.prompts_per_step = 1;  // one
   const Plan one = make_plan(cfg, job, one_gpu(), l);
   const double two_acts = item(two, "activations at the backward's peak"), grads = item(one, "gradients");
   ASSERT_GT(two_acts, 0) << two.report();
@@ -269,13 +270,27 @@ TEST(Plan, TheTrainingPeakIsTheBackwardsOrTheOptimizers) {
                    16.0 * double(cfg.num_experts * cfg.expert_ffn_size * cfg.latent_size))
       << tiny.report();
   EXPECT_LT(item(tiny, "activations"), 0);
-  // A mini-step's share per rank bounds the micro-batch: 16 sequences over 4 ranks hold 4 each.
+  // What one rank trains in one mini-step bounds the micro-batch: 4 prompts x 2 samples over 4
+  // ranks are 2 sequences each.
   Cluster four = one_gpu();
   four.gpus_per_node = 4;
   job.seq_len = 1024;
-  job.seqs_per_step = 16;
+  job.prompts_per_step = 4;
+  job.samples_per_prompt = 2;
   const Plan shared = make_plan(cfg, job, four, {1, 4, 1, DenseSharding::kReplicated});
-  EXPECT_NE(item(shared, "activations at the backward's peak, micro-batches of 4096 tokens"), -1) << shared.report();
+  EXPECT_NE(item(shared, "activations at the backward's peak, micro-batches of 2048 tokens, beside"), -1)
+      << shared.report();
+  // Each rank holds a contiguous block of prompts and each mini-step a contiguous range of the
+  // step's sequences: 128 prompts x 8 over 8 ranks in 8 mini-steps give rank 0 all 128 sequences of
+  // the first mini-step, two micro-batches of 64 that accumulate (not 1024 / 8 / 8 = 16 sequences).
+  Cluster eight = one_gpu();
+  eight.gpus_per_node = 8;
+  job.prompts_per_step = 128;
+  job.samples_per_prompt = 8;
+  job.mini_steps = 8;
+  job.micro_batch_seqs = 64;
+  const Plan blocks = make_plan(cfg, job, eight, {1, 8, 1, DenseSharding::kReplicated});
+  EXPECT_NE(item(blocks, "activations at the backward's peak, micro-batches of 65536 tokens ("), -1) << blocks.report();
 }
 
 // The README's plans: 816B full-parameter GRPO first fits on 16 nodes of 8 H200s (ep 128, the
