@@ -1,9 +1,10 @@
 // Memory helpers shared by the CUDA kernels: streaming global loads that skip L1 (read-once data
-// such as weights), cp.async copies into shared memory, and the multiprocessor count that sizes
-// grids. Include from .cu files.
+// such as weights), cp.async copies into shared memory, the multiprocessor count that sizes grids,
+// and a kernel's shared-memory limit raised. Include from .cu files.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace kiln::kernels {
@@ -44,6 +45,22 @@ inline int num_sms() {
     if (n <= 0) n = 132;
   }
   return n;
+}
+
+// Raises `kernel`'s dynamic shared-memory limit to `bytes` (past the default 48 KB) the first time
+// it is launched on each device: the attribute is per device and per kernel, so `raised` holds the
+// caller's flags for that one kernel, by device.
+constexpr int kMaxDevices = 64;
+template <typename Kernel>
+cudaError_t raise_smem_limit(Kernel kernel, int bytes, std::atomic<bool> (&raised)[kMaxDevices]) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < kMaxDevices && raised[device].load(std::memory_order_acquire)) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess && device < kMaxDevices) raised[device].store(true, std::memory_order_release);
+  return err;
 }
 
 }  // namespace kiln::kernels

@@ -286,18 +286,9 @@ __global__ void __launch_bounds__(gemm_threads<TM, kWgmma>())
 template <int TM, int TN, bool kWgmma, typename Kernel, typename... Args>
 cudaError_t launch_gemm(Kernel kernel, dim3 grid, cudaStream_t stream, Args... args) {
   constexpr int bytes = kWgmma ? wgmma_smem_bytes<TM, TN>() : gemm_smem_bytes<TM, TN>();
-  if (bytes > 48 * 1024) {
-    constexpr int kDevices = 64;
-    static std::atomic<bool> raised[kDevices];
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err != cudaSuccess) return err;
-    if (device >= kDevices || !raised[device].load(std::memory_order_acquire)) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-      if (err != cudaSuccess) return err;
-      if (device < kDevices) raised[device].store(true, std::memory_order_release);
-    }
-  }
+  static std::atomic<bool> raised[kMaxDevices];
+  const cudaError_t err = raise_smem_limit(kernel, bytes, raised);
+  if (err != cudaSuccess) return err;
   kernel<<<grid, gemm_threads<TM, kWgmma>(), bytes, stream>>>(args...);
   return cudaGetLastError();
 }

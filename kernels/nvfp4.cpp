@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -351,7 +352,13 @@ constexpr int64_t kFusedMaxRows = 64;
 constexpr int64_t kStagedMaxRows = 0;
 constexpr int64_t kGroupAlign = 16;  // torch's grouped GEMM: each segment starts on a 16-row boundary
 
-enum class DensePath { kReference, kSplitK, kStaged, kDequantized };
+enum class DensePath { kReference, kSplitK, kStaged, kWgmma, kDequantized };
+
+// Above 16 rows per matrix (of `matrices`: a stack's experts) the wgmma GEMM, where it is selected
+// and usable. The environment is asked first: unset, nothing else is.
+bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_t matrices) {
+  return nvfp4_wgmma_selected() && matrices > 0 && rows > 16 * matrices && nvfp4_wgmma_usable(x, w);
+}
 
 DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -359,6 +366,7 @@ DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
     return DensePath::kReference;
   const int64_t M = x.size(0);
   if (M <= 16) return DensePath::kSplitK;
+  if (takes_wgmma(x, w, M, 1)) return DensePath::kWgmma;
   if (bf16 && M <= kStagedMaxRows) return DensePath::kStaged;
   return M <= kFusedMaxRows ? DensePath::kSplitK : DensePath::kDequantized;
 }
@@ -399,6 +407,7 @@ const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w) {
   switch (dense_path(x, w)) {
     case DensePath::kSplitK: return "splitK";
     case DensePath::kStaged: return "staged";
+    case DensePath::kWgmma: return "wgmma";
     case DensePath::kDequantized: return "deq+mm";
     default: return "reference";
   }
@@ -412,7 +421,9 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4Li
   at::Tensor xin = xq.to(x.scalar_type());
   const bool scalar = !extra.defined() || extra.dim() == 0;  // else per-row (dynamic W4A4)
   const bool fused = path != DensePath::kDequantized;
-  const Nvfp4Gemm gemm = path == DensePath::kStaged ? Nvfp4Gemm::kStaged : Nvfp4Gemm::kSplitK;
+  const Nvfp4Gemm gemm = path == DensePath::kStaged  ? Nvfp4Gemm::kStaged
+                         : path == DensePath::kWgmma ? Nvfp4Gemm::kWgmma
+                                                     : Nvfp4Gemm::kSplitK;
   at::Tensor y = fused ? nvfp4_linear_cuda(xin, w, scalar ? extra : at::Tensor(), gemm)
                        : at::linear(xin, nvfp4_dequantize_cuda(w, x.scalar_type()));
   if (!extra.defined() || (scalar && fused)) return y;
@@ -422,9 +433,20 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4Li
 #endif
 }
 
+bool nvfp4_wgmma_selected() {
+  static const bool selected = [] {
+    const char* e = std::getenv("KILN_NVFP4_GEMM");
+    if (!e || !*e || std::strcmp(e, "auto") == 0) return false;
+    KILN_CHECK(std::strcmp(e, "wgmma") == 0, "KILN_NVFP4_GEMM: expected 'auto' or 'wgmma' (got '", e, "')");
+    return true;
+  }();
+  return selected;
+}
+
 bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Tensor& x) {
   return KILN_WITH_CUDA && KILN_TORCH_AT_LEAST(2, 8) && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
-         w.packed.defined() && w.kernel_layout && w.stacked() && rows > kFusedMaxRows * w.packed.size(0);
+         w.packed.defined() && w.kernel_layout && w.stacked() && rows > kFusedMaxRows * w.packed.size(0) &&
+         !takes_wgmma(x, w, rows, w.packed.size(0));
 }
 
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
@@ -435,9 +457,11 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
     auto [xq, extra] = gemm_input(x, opt);
     at::Tensor xin = xq.to(x.scalar_type());
     const int64_t E = w.packed.size(0), rows = opt.live_rows > 0 ? opt.live_rows : x.size(0);
-    if (rows <= kFusedMaxRows * E) {
+    const bool wgmma = takes_wgmma(x, w, rows, E);
+    if (wgmma || rows <= kFusedMaxRows * E) {
       const bool scalar = !extra.defined() || extra.dim() == 0;
-      at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor());
+      at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor(), opt.live_rows,
+                                               wgmma ? Nvfp4Gemm::kWgmma : Nvfp4Gemm::kAuto);
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
     }
 #if KILN_TORCH_AT_LEAST(2, 8)

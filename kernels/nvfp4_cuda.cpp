@@ -2,12 +2,15 @@
 // outputs and launch on the current stream. Builds without CUDA throw from each entry point.
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "kernels/nvfp4.h"
 #if KILN_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "kernels/invariant_cuda.h"
 #include "kernels/nvfp4_cuda.h"
 #endif
 
@@ -44,6 +47,26 @@ void check_weights(const Nvfp4Tensor& w, const at::Tensor& x, const at::Tensor& 
 
 Nvfp4DType dtype_of(at::ScalarType t) {
   return t == at::kFloat ? Nvfp4DType::kFloat32 : t == at::kBFloat16 ? Nvfp4DType::kBFloat16 : Nvfp4DType::kFloat16;
+}
+
+// The wgmma GEMM on x [rows, K] (bf16) into y [rows, N]: x goes through a permuted scratch copy.
+at::Tensor run_wgmma(const at::Tensor& xc, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& s2,
+                     const at::Tensor& scale, const int64_t* offsets, int64_t groups, int64_t tile_rows, at::Tensor y,
+                     const char* what) {
+  const int64_t rows = xc.size(0), N = y.size(1), K = xc.size(1);
+  at::Tensor xp = at::empty_like(xc);
+  const cudaError_t err = launch_nvfp4_wgmma(xc.data_ptr(), xp.data_ptr(), offsets, rows, groups,
+                                             packed.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
+                                             s2.data_ptr<float>(), scale.defined() ? scale.data_ptr<float>() : nullptr,
+                                             y.data_ptr(), tile_rows, N, K, c10::cuda::getCurrentCUDAStream());
+  KILN_CHECK(err == cudaSuccess, what, ": wgmma kernel launch failed: ", cudaGetErrorString(err));
+  return y;
+}
+
+void check_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, const char* what) {
+  KILN_CHECK(nvfp4_wgmma_usable(x, w), what, ": the wgmma GEMM needs bfloat16 x on a compute capability 9.0 device, ",
+             "a build with sm_90a code, N a multiple of 64 and K a multiple of 256 (got x ", x.scalar_type(), ", N = ",
+             w.rows(), ", K = ", w.cols(), ")");
 }
 
 }  // namespace
@@ -123,6 +146,10 @@ at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
+  if (gemm == Nvfp4Gemm::kWgmma) {
+    check_wgmma(x, w, "nvfp4_linear_cuda");
+    return run_wgmma(xc, packed, scales, s2, scale, nullptr, 1, M, y, "nvfp4_linear_cuda");
+  }
   const cudaError_t err = launch_nvfp4_linear(xc.data_ptr(), dtype_of(x.scalar_type()), packed.data_ptr<uint8_t>(),
                                               scales.data_ptr<uint8_t>(), s2.data_ptr<float>(),
                                               scale.defined() ? scale.data_ptr<float>() : nullptr, y.data_ptr(), M, N,
@@ -135,7 +162,7 @@ at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at
 }
 
 at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
-                                     const at::Tensor& scale) {
+                                     const at::Tensor& scale, int64_t live_rows, Nvfp4Gemm gemm) {
 #if KILN_WITH_CUDA
   KILN_CHECK(x.is_cuda(), "nvfp4_grouped_linear_cuda: x must be on a CUDA device (got ", x.device(), ")");
   check_weights(w, x, scale, "nvfp4_grouped_linear_cuda");
@@ -153,14 +180,33 @@ at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, 
   at::Tensor y = at::empty({R, N}, x.options());
   if (R == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
+  const int64_t tile_rows = live_rows > 0 ? std::min(live_rows, R) : R;
+  if (gemm == Nvfp4Gemm::kWgmma) {
+    check_wgmma(x, w, "nvfp4_grouped_linear_cuda");
+    return run_wgmma(xc, packed, scales, s2, scale, off.data_ptr<int64_t>(), E, tile_rows, y,
+                     "nvfp4_grouped_linear_cuda");
+  }
   const cudaError_t err = launch_nvfp4_grouped_linear(
       xc.data_ptr(), dtype_of(x.scalar_type()), off.data_ptr<int64_t>(), packed.data_ptr<uint8_t>(),
       scales.data_ptr<uint8_t>(), s2.data_ptr<float>(), scale.defined() ? scale.data_ptr<float>() : nullptr,
-      y.data_ptr(), R, E, N, K, c10::cuda::getCurrentCUDAStream());
+      y.data_ptr(), tile_rows, E, N, K, c10::cuda::getCurrentCUDAStream());
   KILN_CHECK(err == cudaSuccess, "nvfp4_grouped_linear_cuda: kernel launch failed: ", cudaGetErrorString(err));
   return y;
 #else
   KILN_FAIL("nvfp4_grouped_linear_cuda: this build has no CUDA kernels (KILN_WITH_CUDA=0); rebuild with KILN_CUDA=ON");
+#endif
+}
+
+bool nvfp4_wgmma_usable(const at::Tensor& x, const Nvfp4Tensor& w) {
+#if KILN_WITH_CUDA
+  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || !w.packed.defined() || !w.kernel_layout ||
+      !nvfp4_wgmma_fits(w.rows(), w.cols()))
+    return false;
+  const c10::cuda::CUDAGuard guard(x.device());  // the device x is on, not the current one
+  return invariant_wgmma_usable();
+#else
+  (void)x, (void)w;
+  return false;
 #endif
 }
 

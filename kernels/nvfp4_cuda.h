@@ -39,9 +39,21 @@ cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* 
 
 // Grouped: x [R, K] sorted by expert, offsets [E + 1] int64 on the device (offsets[0] = 0,
 // offsets[E] = R); packed [E, N, K/2] kernel layout, block_scale [E, N, K/16], tensor_scale [E];
-// y [R, N]. The offsets are read on the device only.
+// y [R, N]. The offsets are read on the device only. R picks the tiles: the caller may pass the rows
+// that carry work where x also holds spare rows (the offsets, not R, bound what is computed).
 cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const int64_t* offsets, const uint8_t* packed,
                                         const uint8_t* block_scale, const float* tensor_scale, const float* scale,
                                         void* y, int64_t R, int64_t E, int64_t N, int64_t K, cudaStream_t stream);
+
+// The wgmma W4A16 GEMM (nvfp4_wgmma.cu, Nvfp4Gemm::kWgmma), dense (offsets null: one matrix of
+// `rows` tokens, groups 1) or grouped like launch_nvfp4_grouped_linear: x [rows, K] bf16, y [rows,
+// N] bf16; x_permuted: rows x K bf16 of scratch (16-byte aligned) for x in the kernel's k order.
+// tile_rows: the rows that carry work (0: all), which pick the token tile. Needs nvfp4_wgmma_fits
+// (a build with sm_90a code, N a multiple of 64, K of 256) and a compute capability 9.0 device.
+bool nvfp4_wgmma_fits(int64_t N, int64_t K);
+cudaError_t launch_nvfp4_wgmma(const void* x, void* x_permuted, const int64_t* offsets, int64_t rows, int64_t groups,
+                               const uint8_t* packed, const uint8_t* block_scale, const float* tensor_scale,
+                               const float* scale, void* y, int64_t tile_rows, int64_t N, int64_t K,
+                               cudaStream_t stream);
 
 }  // namespace kiln::kernels

@@ -124,7 +124,7 @@ __device__ __forceinline__ void block_product(const WFrag& wf, const XBlk<kF32> 
 }
 
 // Block offset (in 16-value blocks within a super-chunk) of lane t's block c.
-__device__ __forceinline__ int block_of(int c, int t) { return (c >> 1) * 8 + 2 * t + (c & 1); }
+__device__ __forceinline__ int block_of(int c, int t) { return nvfp4_layout::lane_block(c, t); }
 
 template <bool kAligned>
 __device__ __forceinline__ void load_w(WFrag& f, const uint8_t* wp, const uint8_t* sp, int64_t wstride, int64_t sstride,

@@ -14,8 +14,10 @@ namespace kiln::kernels {
 
 // Which dense W4A16 kernel runs: the launcher's choice by shape, or one forced (benchmarks, tests).
 // kSplitK: warps (and clusters) split K, activations read from global memory, up to 32 tokens a
-// pass; kStaged: bf16 activations staged in shared memory, 64 tokens a pass (nvfp4_gemm.cuh).
-enum class Nvfp4Gemm : int { kAuto = 0, kSplitK = 1, kStaged = 2 };
+// pass; kStaged: bf16 activations staged in shared memory, 64 tokens a pass (nvfp4_gemm.cuh);
+// kWgmma: Hopper's warpgroup MMA with the decoded weights as its register operand
+// (nvfp4_wgmma.cu; bf16, N a multiple of 64, K of 256, sm_90a on a 9.0 device).
+enum class Nvfp4Gemm : int { kAuto = 0, kSplitK = 1, kStaged = 2, kWgmma = 3 };
 
 }  // namespace kiln::kernels
 
@@ -115,6 +117,19 @@ KILN_HOST_DEVICE inline RowBlock<I> block_at(I place, I N, I nb) {
   const int r = in_tile / 128, half = (in_tile % 128) / 64, lane = (in_tile % 64) / 2, sub = in_tile % 2;
   return {(tile / steps) * I(kTileRows) + I(lane / 4 + 8 * r),
           (tile % steps) * I(kTileBlocks) + I(8 * half + 2 * (lane % 4) + sub)};
+}
+
+// The wgmma GEMM's activation order. A lane decodes whole 16-value blocks (lane t of a quad: blocks
+// 2t, 2t+1, 8+2t, 9+2t of a 256-wide step, as above), so the 16 k-slots of one warpgroup MMA draw
+// on four blocks: slots 2t, 2t+1 and 8+2t, 8+2t+1 of k16 step j = 4c + s hold values 4s .. 4s+3
+// of lane t's block c. Activations are staged in that order: value q (0..255) of a step of the
+// permuted row is value wgmma_source(q) of the original step, so each k16 step is 32 contiguous
+// bytes of shared memory.
+// Lane t's block c (0..3) of a 256-wide step: 2t, 2t+1, 8+2t, 9+2t.
+KILN_HOST_DEVICE constexpr int lane_block(int c, int t) { return (c >> 1) * 8 + 2 * t + (c & 1); }
+KILN_HOST_DEVICE constexpr int wgmma_source(int q) {
+  const int j = q / 16, slot = q % 16, t = (slot % 8) / 2;
+  return 16 * lane_block(j / 4, t) + 4 * (j % 4) + 2 * (slot / 8) + slot % 2;
 }
 
 }  // namespace kiln::kernels::nvfp4_layout

@@ -1,7 +1,7 @@
 // NVFP4 CUDA kernels against the CPU references: quantise and dequantise bit for bit (random blocks
-// over a wide range of scales, zero blocks and matrices, ties), the W4A16 GEMMs (dense split-K and
-// staged, grouped; bf16 and fp32 inputs, odd M and N, K with and without a tail) within stated
-// tolerances, and errors.
+// over a wide range of scales, zero blocks and matrices, ties), the W4A16 GEMMs (dense split-K,
+// staged and wgmma, grouped; bf16 and fp32 inputs, odd M and N, K with and without a tail) within
+// stated tolerances, and errors.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -243,6 +243,74 @@ TEST(CudaNvfp4, GroupedLinearMatchesReference) {
             << "N " << N << " K " << K << " R " << off.back() << " dtype " << dtype;
       }
     }
+}
+
+// The wgmma GEMM (Nvfp4Gemm::kWgmma) forced, dense and grouped, against the reference on bf16
+// inputs: token counts over every tile width (32, 64, 128 by rows per matrix) with partial tiles
+// (1, 19, 111, 4097 rows), N of one and several 64-row tiles, K of one and several 256-wide steps
+// (the weight fragments' prefetch wraps at two), experts with no rows, and spare rows past the last
+// expert. A second call is bit-identical; the epilogue's extra scale applies. Skipped where the
+// kernel cannot run (not a compute capability 9.0 device, or no sm_90a code in the build).
+TEST(CudaNvfp4, WgmmaLinearsMatchReference) {
+  at::manual_seed(13);
+  {
+    const Nvfp4Tensor probe = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(at::randn({64, 256})))
+                                  .to(at::kCUDA);
+    if (!kernels::nvfp4_wgmma_usable(at::zeros({1, 256}, at::kCUDA).to(at::kBFloat16), probe))
+      GTEST_SKIP() << "the wgmma GEMM needs sm_90a code and a compute capability 9.0 device";
+  }
+  constexpr auto kWgmma = kernels::Nvfp4Gemm::kWgmma;
+  struct Case {
+    int64_t N, K;
+    std::vector<int64_t> Ms;
+  };
+  const std::vector<Case> cases = {{64, 256, {1, 19, 33, 111}}, {128, 1024, {1, 17, 64, 65, 129}},
+                                    {192, 2048, {19, 4097}},    {1024, 512, {111}}};
+  for (const Case& c : cases) {
+    const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({c.N, c.K}) * 1e-3);
+    const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+    for (int64_t M : c.Ms) {
+      const std::string what = str_cat("dense M ", M, " N ", c.N, " K ", c.K);
+      at::Tensor x = at::randn({M, c.K}).to(at::kBFloat16);
+      at::Tensor got = kernels::nvfp4_linear_cuda(x.cuda(), kq, at::Tensor(), kWgmma);
+      EXPECT_EQ(got.scalar_type(), at::kBFloat16) << what;
+      EXPECT_TRUE(close_to_ref(got, kernels::nvfp4_linear_reference(x, q).to(at::kFloat), at::kBFloat16)) << what;
+      EXPECT_TRUE(test::all_equal(kernels::nvfp4_linear_cuda(x.cuda(), kq, at::Tensor(), kWgmma).cpu(), got.cpu()))
+          << what << ": not deterministic";
+    }
+  }
+  // Grouped: rows per expert on average 11, 35 and 700 (tiles of 32, 64, 128), four spare rows.
+  const std::vector<std::vector<int64_t>> count_sets = {{0, 1, 19, 0, 8, 40}, {0, 1, 19, 0, 8, 40, 111, 101},
+                                                        {4097, 0, 111, 1, 0}};
+  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{64, 256}, {128, 1024}})
+    for (const auto& counts : count_sets) {
+      const int64_t E = int64_t(counts.size());
+      std::vector<int64_t> off{0};
+      for (int64_t n : counts) off.push_back(off.back() + n);
+      const std::string what = str_cat("grouped N ", N, " K ", K, " E ", E, " R ", off.back());
+      at::Tensor offsets = at::tensor(off, at::kLong);
+      const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({E, N, K}) * 1e-2);
+      const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+      at::Tensor x = at::randn({off.back() + 4, K}).to(at::kBFloat16);
+      at::Tensor ref = kernels::nvfp4_grouped_linear_reference(x.narrow(0, 0, off.back()), q, offsets);
+      at::Tensor got = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), 0, kWgmma);
+      EXPECT_TRUE(close_to_ref(got.narrow(0, 0, off.back()), ref.to(at::kFloat), at::kBFloat16)) << what;
+      at::Tensor again = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), 0, kWgmma);
+      EXPECT_TRUE(test::all_equal(again.narrow(0, 0, off.back()).cpu(), got.narrow(0, 0, off.back()).cpu()))
+          << what << ": not deterministic";
+    }
+  // The extra scale, and shapes the kernel does not take refused by name.
+  const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({128, 512}));
+  const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+  at::Tensor x = at::randn({65, 512}).to(at::kBFloat16);
+  at::Tensor got = kernels::nvfp4_linear_cuda(x.cuda(), kq, at::full({}, 0.375f, at::kCUDA), kWgmma);
+  EXPECT_TRUE(close_to_ref(got, kernels::nvfp4_linear_reference(x, q).to(at::kFloat) * 0.375f, at::kBFloat16));
+  const Nvfp4Tensor odd = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(at::randn({96, 512})))
+                              .to(at::kCUDA);
+  EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(x.cuda(), odd, at::Tensor(), kWgmma); },
+                                {"N a multiple of 64", "N = 96"}));
+  EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(x.cuda().to(at::kFloat), kq, at::Tensor(), kWgmma); },
+                                {"wgmma GEMM needs bfloat16"}));
 }
 
 TEST(CudaNvfp4, ErrorsNameTheProblem) {

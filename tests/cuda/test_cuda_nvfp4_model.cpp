@@ -219,6 +219,43 @@ TEST(CudaNvfp4Serving, ModelServedFromNvfp4MatchesItsDequantisationAndTheCpuRefe
   EXPECT_TRUE(test::all_equal(r_served, r_trainer));
 }
 
+// With KILN_NVFP4_GEMM=wgmma (ctest kiln_cuda_nvfp4_wgmma) every NVFP4 linear of a model whose
+// widths fit the wgmma GEMM (multiples of 64 out, 256 in) takes it above 16 rows per matrix or
+// expert (the fused MoE path counts its padded rows): 337, 100 and 19 tokens, token tiles of 128,
+// 64 and 32. The served model must stay within bf16 noise of its dequantisation, routing mostly
+// agreeing; skipped without the variable or where wgmma cannot run.
+TEST(CudaNvfp4Serving, WgmmaServedModelMatchesItsDequantisation) {
+  model::ModelConfig cfg = test::cuda_config();
+  cfg.hidden_size = 256;
+  cfg.latent_size = 256;
+  cfg.expert_ffn_size = 256;
+  cfg.head_dim = 64;  // q 4 x 64, k and v 2 x 64
+  cfg.bf16_expert_layers = {3};
+  model::Muse base = model::Muse::init(cfg, 7, at::kFloat, at::kCPU);
+  model::Muse served = test::to_device(base, at::kCUDA, at::kBFloat16);
+  model::quantize_model(served, /*kernel_layout=*/true, /*drop_dense=*/true);
+  const kernels::Nvfp4Tensor& q = served.weights().layers[0].nvfp4.q_proj;
+  at::Tensor x = at::zeros({19, cfg.hidden_size}, at::kCUDA).to(at::kBFloat16);
+  if (!kernels::nvfp4_wgmma_selected() || !kernels::nvfp4_wgmma_usable(x, q))
+    GTEST_SKIP() << "runs with KILN_NVFP4_GEMM=wgmma where the wgmma GEMM can run";
+  EXPECT_STREQ(kernels::nvfp4_linear_path(x, q), "wgmma");
+  EXPECT_STREQ(kernels::nvfp4_linear_path(x.narrow(0, 0, 16), q), "splitK");
+  model::Muse trainer = served.clone();
+  model::dequantize_model(trainer, at::kBFloat16);
+  for (int64_t n : {337, 100, 19}) {
+    std::vector<std::vector<int64_t>> seqs(1);
+    for (int64_t i = 0; i < n; ++i) seqs[0].push_back((i * 29 + 3) % cfg.vocab_size);
+    at::Tensor r_served, r_trainer;
+    const at::Tensor a = score(served, seqs, &r_served), b = score(trainer, seqs, &r_trainer);
+    const double d = (a - b).abs().mean().item<double>();
+    const double agree = r_served.eq(r_trainer).to(at::kFloat).mean().item<double>();
+    std::printf("nvfp4 wgmma (%ld tokens): mean |dlp| vs its bf16 dequantisation %.3e; routing agreement %.4f\n",
+                long(n), d, agree);
+    EXPECT_LT(d, 5e-2) << n << " tokens";
+    EXPECT_GT(agree, 0.9) << n << " tokens";
+  }
+}
+
 TEST(CudaNvfp4Serving, EngineDecodesNvfp4InCudaGraphsAndRequantisesOnSync) {
   const model::ModelConfig cfg = nvfp4_cuda_config();
   std::vector<rollout::Request> reqs;

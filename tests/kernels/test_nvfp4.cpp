@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -281,6 +282,94 @@ TEST(Nvfp4, KernelLayoutPlacesEachWarpStepAsOneTile) {
         }
     }
   }
+}
+
+// The wgmma GEMM's data flow (kernels/nvfp4_wgmma.cu) replayed on the host over a real
+// kernel-layout matrix: each warp's loads (its half of a 32-row tile, 16 bytes at 1024 r + 16 lane
+// and 512 further, the scale words of its two rows), the blocks it decodes per stage, the A
+// fragment registers as the kernel fills them, placed by wgmma's register layout for A (PTX ISA:
+// per warp mma.m16n8k16's), and B read as 16 contiguous values of the permuted activations
+// (wgmma_source) per k16 step. The sum over every step and slot must be the reference product.
+TEST(Nvfp4, WgmmaDataFlowComputesTheProduct) {
+  namespace layout = kernels::nvfp4_layout;
+  std::vector<int> seen(256, 0);
+  for (int q = 0; q < 256; ++q) ++seen[size_t(layout::wgmma_source(q))];
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), 256) << "wgmma_source is not a permutation";
+  at::manual_seed(14);
+  const int64_t N = 128, K = 512, M = 5, num_super = K / 256;
+  const Nvfp4Tensor q = nvfp4_quantize_reference(at::randn({N, K}));
+  const Nvfp4Tensor kq = nvfp4_to_kernel_layout(q);
+  const at::Tensor x = at::randn({M, K}, at::kDouble);
+  const uint8_t* codes = kq.packed.data_ptr<uint8_t>();
+  const uint8_t* scales = kq.block_scale.view(at::kByte).data_ptr<uint8_t>();
+  auto word = [](const uint8_t* p) {
+    uint32_t w = 0;
+    for (int i = 0; i < 4; ++i) w |= uint32_t(p[i]) << (8 * i);
+    return w;
+  };
+  // Value i (0..15) of a block given as its two kernel-layout words and its scale byte.
+  auto value = [](uint32_t w0, uint32_t w1, uint8_t sf, int i) {
+    const uint32_t w = layout::to_modelopt_word(i < 8 ? w0 : w1);
+    return double(e2m1_decode(uint8_t((w >> (4 * (i % 8))) & 0xF))) * double(e4m3_decode(sf));
+  };
+  at::Tensor xp = at::empty_like(x);  // the permute kernel
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xp[m][k] = x[m][k / 256 * 256 + layout::wgmma_source(int(k % 256))];
+  const double* xpd = xp.data_ptr<double>();
+  at::Tensor y = at::zeros({M, N}, at::kDouble);
+  double* yd = y.data_ptr<double>();
+  for (int64_t row0 = 0; row0 < N; row0 += 64)  // a block's 64 rows
+    for (int warp = 0; warp < 4; ++warp)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, t = lane % 4, r0 = 2 * (warp % 2);
+        const int64_t first_tile = (row0 / 32 + warp / 2) * num_super;
+        for (int64_t sc = 0; sc < num_super; ++sc) {
+          const uint8_t* c_at = codes + (first_tile + sc) * layout::kTileUnits * 8;
+          const uint8_t* s_at = scales + (first_tile + sc) * layout::kTileUnits + 16 * lane + 4 * r0;
+          for (int c = 0; c < 4; ++c) {
+            double d[2][16];  // rows r0 and r0 + 1 (g and g + 8 of the warp's 16), block c
+            for (int h = 0; h < 2; ++h) {
+              const uint8_t* p = c_at + 1024 * (r0 + h) + 16 * lane + (c < 2 ? 0 : 512) + ((c & 1) ? 8 : 0);
+              for (int i = 0; i < 16; ++i) d[h][i] = value(word(p), word(p + 4), s_at[4 * h + c], i);
+            }
+            for (int st = 0; st < 4; ++st) {  // k16 step 4c + st of this 256-wide step
+              // The kernel's A fragment, a[r] = {d[0][2 st], d[1][2 st], d[0][2 st + 1], d[1][2 st + 1]}
+              // with d[h][i] holding values 2i, 2i+1 of row h's block, read as wgmma does: element v =
+              // 2r + half is at row 16 warp + g + 8 ((v / 2) % 2), k-slot 2t + v % 2 + 8 (v / 4).
+              const int regs[4][2] = {{0, 2 * st}, {1, 2 * st}, {0, 2 * st + 1}, {1, 2 * st + 1}};  // (h, i)
+              for (int r = 0; r < 4; ++r)
+                for (int half = 0; half < 2; ++half) {
+                  const int v = 2 * r + half, slot = 2 * t + v % 2 + 8 * (v / 4);
+                  const double a = d[regs[r][0]][2 * regs[r][1] + half];
+                  const int64_t row = row0 + 16 * warp + g + 8 * ((v / 2) % 2);
+                  const int64_t k = sc * 256 + 64 * c + 16 * st + slot;  // B: contiguous in the permuted row
+                  for (int64_t m = 0; m < M; ++m) yd[m * N + row] += a * xpd[m * K + k];
+                }
+            }
+          }
+        }
+      }
+  y *= double(kq.tensor_scale.item<float>());
+  const at::Tensor ref = nvfp4_linear_reference(x, q);
+  EXPECT_TRUE(test::all_close(y, ref, 1e-9, 1e-9)) << "max |diff| " << (y - ref).abs().max().item<double>();
+}
+
+// KILN_NVFP4_GEMM: unset or "auto" keeps the measured dispatch, "wgmma" selects the wgmma GEMM
+// (ctest kiln_nvfp4_gemm_choice_wgmma), anything else is refused by name at the first NVFP4 GEMM
+// that asks (ctest kiln_nvfp4_gemm_choice_unknown). CPU inputs never take it.
+TEST(Nvfp4, GemmChoiceFollowsTheEnvironment) {
+  const std::string env = std::getenv("KILN_NVFP4_GEMM") ? std::getenv("KILN_NVFP4_GEMM") : "";
+  if (env.empty() || env == "auto") {
+    EXPECT_FALSE(nvfp4_wgmma_selected());
+  } else if (env == "wgmma") {
+    EXPECT_TRUE(nvfp4_wgmma_selected());
+  } else {
+    EXPECT_TRUE(test::throws_with([] { nvfp4_wgmma_selected(); }, {"KILN_NVFP4_GEMM", "'" + env + "'", "'wgmma'"}));
+    return;
+  }
+  const Nvfp4Tensor q = nvfp4_to_kernel_layout(nvfp4_quantize_reference(at::randn({64, 256})));
+  EXPECT_FALSE(nvfp4_wgmma_usable(at::zeros({32, 256}).to(at::kBFloat16), q));
+  EXPECT_STREQ(nvfp4_linear_path(at::zeros({32, 256}).to(at::kBFloat16), q), "reference");
 }
 
 TEST(Nvfp4, ActivationQuantisationEqualsTheScalarEncoders) {

@@ -1,0 +1,256 @@
+// NVFP4 W4A16 GEMM on Hopper's warpgroup MMA (Nvfp4Gemm::kWgmma), dense and grouped: each warp
+// decodes its weight rows to exact bf16 in registers (nvfp4_gemm::decode_block) and feeds them to
+// wgmma as the A operand; activations, permuted to the lanes' k order, are staged by cp.async.
+#include <cuda_bf16.h>
+
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda_memory.cuh"
+#include "kernels/cuda_wgmma.cuh"
+#include "kernels/nvfp4_cuda.h"
+#include "kernels/nvfp4_gemm.cuh"
+#include "kernels/nvfp4_layout.h"
+
+namespace kiln::kernels {
+// The kernel's constants and device helpers (in a named namespace: nvcc's host pass, which drops
+// kernel bodies, would warn that helpers in an anonymous one are never referenced).
+namespace nvfp4_wgmma {
+
+using namespace nvfp4_gemm;  // decode_block, kSuper, epilogue_scale
+
+// y [tokens, N] = x . W^T with W's rows on the MMA's M side (64 per warpgroup: warp w takes rows
+// 16 w .. 16 w + 15, i.e. half a 32-row tile of the kernel layout) and TN tokens on its N side.
+// Per 256-wide K step a lane holds its two rows' four blocks (nvfp4_layout: blocks 2t, 2t+1,
+// 8+2t, 9+2t), 64 bytes of codes and 8 of scales, loaded from global memory one step ahead. Block
+// c of those is the A operand of k16 steps 4c .. 4c+3, whose activations are one 64-wide stage of
+// the permuted row (nvfp4_layout::wgmma_source): stages of TN rows x 128 bytes, 128-byte swizzled,
+// four deep. A stage's decode goes to one of two register sets, alternating, so that the wgmma of
+// the stage before may still read the other.
+constexpr int kWgThreads = 128;  // one warpgroup
+constexpr int kWgRows = 64;      // weight rows per block
+constexpr int kStageK = 64;      // K per stage: one decoded block per lane, four k16 steps
+constexpr int kStages = 4;
+
+template <int TN>
+__host__ __device__ constexpr int smem_bytes() {
+  return kStages * TN * kStageK * 2 + 1024;  // + room to start on 1024 bytes
+}
+
+// A lane's codes and scales of one K step: rows r0 = 2 (warp % 2) and r0 + 1 of the tile's four
+// (nvfp4_layout::block_place: row g + 8 r), blocks c = 0, 1 in lo and 2, 3 in hi.
+struct StepFrag {
+  uint4 lo[2], hi[2];
+  uint2 s;  // the scale words of rows r0 and r0 + 1: byte c is block c's
+
+  __device__ __forceinline__ void load(const uint8_t* codes, const uint8_t* scales, int r0, int lane) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* p = codes + 1024 * (r0 + h) + 16 * lane;
+      lo[h] = ld_stream16(p);
+      hi[h] = ld_stream16(p + 512);
+    }
+    s = ld_stream8(scales + 16 * lane + 4 * r0);
+  }
+};
+
+// Block c of both rows decoded: d[h][i] is values 2i, 2i+1 of row r0 + h's block.
+template <int C>
+__device__ __forceinline__ void decode_step_block(const StepFrag& f, uint32_t (&d)[2][8]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint4& v = C < 2 ? f.lo[h] : f.hi[h];
+    const uint32_t w0 = (C & 1) ? v.z : v.x, w1 = (C & 1) ? v.w : v.y;
+    const uint32_t sf = ((h ? f.s.y : f.s.x) >> (8 * C)) & 0xFFu;
+    decode_block(w0, w1, sf, d[h]);
+  }
+}
+
+}  // namespace nvfp4_wgmma
+
+namespace {
+
+using namespace nvfp4_wgmma;
+
+// Permutes each 256-wide K step of x [R, K] into wgmma_source order: a thread per 8 values out.
+__global__ void permute_kernel(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ xp, int64_t chunks) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= chunks) return;
+  const int64_t out = 8 * i, step0 = out / kSuper * kSuper;  // K is a multiple of 256: steps never cross rows
+  const int q0 = int(out - step0);
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(x + step0);
+  uint4 v;
+  v.x = __ldg(src + nvfp4_layout::wgmma_source(q0) / 2);
+  v.y = __ldg(src + nvfp4_layout::wgmma_source(q0 + 2) / 2);
+  v.z = __ldg(src + nvfp4_layout::wgmma_source(q0 + 4) / 2);
+  v.w = __ldg(src + nvfp4_layout::wgmma_source(q0 + 6) / 2);
+  *reinterpret_cast<uint4*>(xp + out) = v;
+}
+
+// Block (token tile, 64-row tile). With offsets (rows sorted by expert, [groups + 1]), token tile b
+// is the b-th TN-row tile counted across the experts in order (the grid bounds them from above);
+// without, one matrix of `rows` tokens.
+template <int TN>
+__global__ void __launch_bounds__(kWgThreads)
+    wgmma_kernel(const __nv_bfloat16* __restrict__ xp, const int64_t* __restrict__ offsets, int64_t rows, int groups,
+                 const uint8_t* __restrict__ packed, const uint8_t* __restrict__ sfs,
+                 const float* __restrict__ tensor_scale, const float* __restrict__ extra,
+                 __nv_bfloat16* __restrict__ y, int64_t N, int64_t K) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __trap();  // device code without sm_90a: nvfp4_wgmma_fits refuses it
+#else
+  int64_t tile = blockIdx.x, lo = 0, hi = rows;
+  int e = 0;
+  if (offsets) {
+    for (; e < groups; ++e) {
+      lo = offsets[e], hi = offsets[e + 1];
+      const int64_t tiles = (hi - lo + TN - 1) / TN;
+      if (tile < tiles) break;
+      tile -= tiles;
+    }
+    if (e == groups) return;  // past the last tile: the whole block leaves
+  }
+  const int64_t tok0 = lo + tile * TN;
+  if (tok0 >= hi) return;
+  const int64_t tok_end = hi - tok0 < TN ? hi : tok0 + TN;
+
+  extern __shared__ __align__(16) unsigned char wg_smem[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
+  const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+  unsigned char* smem = wg_smem + pad;
+  const uint32_t base = raw + pad;
+  constexpr int kStageBytes = TN * kStageK * 2;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t num_super = K / kSuper, steps = K / kStageK;
+  // This warp's half tile: layout tile row0 / 32 + warp / 2, rows r0, r0 + 1 of its four.
+  const int64_t row0 = int64_t(blockIdx.y) * kWgRows;
+  const int r0 = 2 * (warp % 2);
+  constexpr int64_t kUnits = nvfp4_layout::kTileUnits;
+  const int64_t first_tile = (row0 / kRowsPerBlock + warp / 2) * num_super;
+  const uint8_t* codes = packed + int64_t(e) * N * (K / 2) + first_tile * kUnits * 8;
+  const uint8_t* scales = sfs + int64_t(e) * N * (K / kBlock) + first_tile * kUnits;
+
+  auto stage_x = [&](int stage, int64_t step) {
+    unsigned char* xs = smem + stage * kStageBytes;
+    const int64_t k0 = step * kStageK;
+#pragma unroll
+    for (int i = 0; i < TN * 8 / kWgThreads; ++i) {  // TN rows x 8 chunks of 8 values
+      const int id = tid + i * kWgThreads, r = id / 8, c = id % 8;
+      const bool in = tok0 + r < tok_end;
+      cp_async16(xs + wgmma::swizzled(r, c), in ? xp + (tok0 + r) * K + k0 + 8 * c : xp, in);
+    }
+  };
+
+  float acc[TN / 2];
+#pragma unroll
+  for (int i = 0; i < TN / 2; ++i) acc[i] = 0.0f;
+
+  StepFrag cur, next;
+  cur.load(codes, scales, r0, lane);
+  if (num_super > 1) next.load(codes + kUnits * 8, scales + kUnits, r0, lane);
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s) {  // a group per stage, empty past K, so the count is fixed
+    if (s < steps) stage_x(s, s);
+    cp_async_commit();
+  }
+  uint32_t da[2][8], db[2][8];  // the two register sets (stages of even and odd c)
+  // One stage: wait for its activations, queue the stage two ahead, decode block C into `d`, and
+  // issue its four k16 products; wait until the stage before's have finished reading their set.
+  auto run_stage = [&](int64_t step, auto c_const, uint32_t(&d)[2][8]) {
+    constexpr int C = decltype(c_const)::value;
+    cp_async_wait<kStages - 3>();
+    wgmma::fence_shared_for_async();
+    __syncthreads();  // every thread's copies landed; every warp is done with step - 2's stage
+    const int64_t ahead = step + kStages - 2;
+    if (ahead < steps) stage_x(int(ahead % kStages), ahead);
+    cp_async_commit();
+    decode_step_block<C>(cur, d);
+    const uint32_t xs = base + uint32_t((step % kStages) * kStageBytes);
+    wgmma::pin(acc);
+    wgmma::pin(d[0]);  // the decode's writes stay before the fence (PTX: wgmma.fence orders
+    wgmma::pin(d[1]);  // register writes of A fragments before the wgmma that reads them)
+    wgmma::fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint32_t a[4] = {d[0][2 * s], d[1][2 * s], d[0][2 * s + 1], d[1][2 * s + 1]};
+      wgmma::mma_rs_m64k16<TN>(acc, a, wgmma::desc_sw128(xs + uint32_t(32 * s)));
+    }
+    wgmma::commit();
+    wgmma::wait<1>();
+  };
+  for (int64_t sc = 0; sc < num_super; ++sc) {
+    run_stage(4 * sc + 0, std::integral_constant<int, 0>{}, da);
+    run_stage(4 * sc + 1, std::integral_constant<int, 1>{}, db);
+    run_stage(4 * sc + 2, std::integral_constant<int, 2>{}, da);
+    run_stage(4 * sc + 3, std::integral_constant<int, 3>{}, db);
+    cur = next;
+    if (sc + 2 < num_super) next.load(codes + (sc + 2) * kUnits * 8, scales + (sc + 2) * kUnits, r0, lane);
+  }
+  wgmma::wait<0>();
+  wgmma::pin(acc);
+
+  // acc[4 j + 2 h + c]: weight row 16 warp + lane / 4 + 8 h, token 8 j + 2 (lane % 4) + c.
+  const float scale = epilogue_scale(tensor_scale + e, extra);
+  const int64_t row = row0 + 16 * warp + lane / 4;
+#pragma unroll
+  for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int64_t tok = tok0 + 8 * j + 2 * (lane % 4) + c;
+      if (tok >= tok_end) continue;
+      __nv_bfloat16* out = y + tok * N + row;
+      out[0] = __float2bfloat16_rn(acc[4 * j + c] * scale);
+      out[8] = __float2bfloat16_rn(acc[4 * j + 2 + c] * scale);
+    }
+#endif
+}
+
+template <int TN>
+cudaError_t launch_tn(const __nv_bfloat16* xp, const int64_t* offsets, int64_t rows, int64_t groups,
+                      const uint8_t* packed, const uint8_t* sfs, const float* ts, const float* extra,
+                      __nv_bfloat16* y, int64_t N, int64_t K, cudaStream_t stream) {
+  static std::atomic<bool> raised[kMaxDevices];
+  const cudaError_t err = raise_smem_limit(wgmma_kernel<TN>, smem_bytes<TN>(), raised);
+  if (err != cudaSuccess) return err;
+  const int64_t tiles = (rows + TN - 1) / TN + (offsets ? groups : 0);
+  const dim3 grid(unsigned(tiles), unsigned(N / kWgRows));
+  wgmma_kernel<TN><<<grid, kWgThreads, smem_bytes<TN>(), stream>>>(xp, offsets, rows, int(groups), packed, sfs, ts,
+                                                                   extra, y, N, K);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool nvfp4_wgmma_fits(int64_t N, int64_t K) {
+#if KILN_CUDA_SM90A
+  return N > 0 && N % kWgRows == 0 && N / kWgRows <= 65535 && K > 0 && K % kSuper == 0;  // grid.y: row tiles
+#else
+  (void)N, (void)K;
+  return false;
+#endif
+}
+
+cudaError_t launch_nvfp4_wgmma(const void* x, void* x_permuted, const int64_t* offsets, int64_t rows, int64_t groups,
+                               const uint8_t* packed, const uint8_t* block_scale, const float* tensor_scale,
+                               const float* scale, void* y, int64_t tile_rows, int64_t N, int64_t K,
+                               cudaStream_t stream) {
+  if (!nvfp4_wgmma_fits(N, K) || groups < 1 || groups > (int64_t(1) << 30) || rows < 0) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  auto* xp = static_cast<__nv_bfloat16*>(x_permuted);
+  const int64_t chunks = rows * K / 8;
+  permute_kernel<<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(xb, xp, chunks);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  auto* yb = static_cast<__nv_bfloat16*>(y);
+  // Token tiles of 32, 64 or 128 by the rows a group has on average (tile_rows: the caller's count
+  // of rows that carry work).
+  const int64_t per = ((tile_rows > 0 ? tile_rows : rows) + groups - 1) / groups;
+  if (per <= 32) return launch_tn<32>(xp, offsets, rows, groups, packed, block_scale, tensor_scale, scale, yb, N, K, stream);
+  if (per <= 64) return launch_tn<64>(xp, offsets, rows, groups, packed, block_scale, tensor_scale, scale, yb, N, K, stream);
+  return launch_tn<128>(xp, offsets, rows, groups, packed, block_scale, tensor_scale, scale, yb, N, K, stream);
+}
+
+}  // namespace kiln::kernels
