@@ -159,8 +159,13 @@ std::pair<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x, const a
                  ((weight.dim() == 1 && weight.size(0) == x.size(1)) || weight.sizes() == x.sizes()),
              "rms_norm_backward: x and dy [rows, n], weight [n] or [rows, n] (got x ", x.sizes(), ", dy ", dy.sizes(),
              ", weight ", weight.sizes(), ")");
+  KILN_CHECK(dy.device() == x.device() && weight.device() == x.device(), "rms_norm_backward: x, weight and dy must ",
+             "be on one device (got ", x.device(), ", ", weight.device(), ", ", dy.device(), ")");
 #if KILN_WITH_CUDA
-  if (train_kernel_applies(x, weight) && dy.is_cuda() && (need_dx || need_dw)) {
+  // A gradient of this gradient (create_graph) needs the differentiable reference.
+  const bool differentiable =
+      at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || dy.requires_grad());
+  if (train_kernel_applies(x, weight) && !differentiable && (need_dx || need_dw)) {
     if (weight.dim() == 2) return backward_rows_cuda(x, weight, dy, eps, need_dx, need_dw);
     auto [dx, dw] = backward_cuda(x, weight, no_segments(x), dy, eps, need_dw);
     return {need_dx ? dx : at::Tensor(), dw};

@@ -37,10 +37,13 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm_reference(const at::Tensor& a, co
 // batch-invariant norms): x and dy [rows, n]; weight [n], or one row per row [rows, n] (the
 // experts' norms over every slot). With r = rsqrt(mean(x^2) + eps), xhat = x * r, u = g * w:
 // dx = r * (u - xhat * mean(u * xhat)) and dw = g * cast(xhat), summed over the rows for a shared
-// weight. Each is computed where asked (else undefined), dw in the weight's shape. On CUDA float or
-// bf16 with n <= 8192, the backward kernels (a shared row's dw summed in a fixed order:
-// deterministic; u kept in fp32, where the reference rounds g * w to x's dtype first); elsewhere
-// the reference, in fp32 (fp64 for fp64) ATen ops.
+// weight. Each is returned where asked (else undefined), dw in the weight's shape. On CUDA float or
+// bf16 with n <= 8192, the backward kernels: u kept in fp32, where the reference rounds g * w to
+// x's dtype first; a shared row's dw adds the unrounded fp32 products g * cast(xhat) in per-block
+// partial sums, then sums those in a fixed order (deterministic for a GPU model and row count),
+// and that path computes dx even when only dw is asked. Elsewhere, or when this gradient must
+// itself be differentiable (grad mode on and an input requiring grad), the reference, in fp32
+// (fp64 for fp64) ATen ops.
 std::pair<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& dy,
                                                     double eps, bool need_dx, bool need_dw);
 std::pair<at::Tensor, at::Tensor> rms_norm_backward_reference(const at::Tensor& x, const at::Tensor& weight,

@@ -30,7 +30,7 @@ cudaError_t launch_add_rms_norm(int dtype, const void* a, const void* x, const v
 
 // Backward of the forward above with a shared weight row (ends == nullptr, num_segments 1) or
 // segments: dx [rows, cols], and dw_part [num_segments * parts, cols] fp32, the weight gradient of
-// each segment in `parts` partial sums (the caller sums them in order). cols <= kMaxBackwardCols.
+// each segment in `parts` partial sums (the caller adds them up in a fixed order). cols <= kMaxBackwardCols.
 cudaError_t launch_rms_norm_backward_f32(const float* x, const float* w, const int32_t* ends, int num_segments,
                                          const float* dy, float* dx, float* dw_part, int64_t rows, int64_t cols,
                                          int parts, float eps, cudaStream_t stream);

@@ -95,7 +95,8 @@ TEST(CudaTrainRmsNorm, SegmentsMatchFloat64IncludingEmptyOnes) {
 
 // The norm's gradient by its formula (the batch-invariant norms' node): the kernels against the
 // fp64 reference, for a shared weight row and one row per row, each gradient alone or both; the
-// same bits twice.
+// same bits twice; a zero row (a MoE spare row: eps alone keeps it finite) and a tiny one (eps
+// dominates) among them; each row's dx (and per-row dw) the same bits when its first rows run alone.
 TEST(CudaTrainRmsNorm, BackwardByFormulaMatchesFloat64) {
   at::manual_seed(4);
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16})
@@ -103,6 +104,8 @@ TEST(CudaTrainRmsNorm, BackwardByFormulaMatchesFloat64) {
       for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
                {1, 19}, {19, 1024}, {111, 111}, {4097, 1024}, {19, 4097}, {3, 8192}}) {
         at::Tensor x = at::randn({rows, cols}) * 2, dy = at::randn({rows, cols});
+        x[0].zero_();
+        if (rows > 1) x[rows - 1].mul_(1e-4);
         at::Tensor w = at::rand(per_row ? std::vector<int64_t>{rows, cols} : std::vector<int64_t>{cols}) + 0.5;
         x = x.to(dtype), dy = dy.to(dtype), w = w.to(dtype);
         const auto [dx, dw] = kernels::rms_norm_backward(x.cuda(), w.cuda(), dy.cuda(), 1e-6, true, true);
@@ -121,6 +124,12 @@ TEST(CudaTrainRmsNorm, BackwardByFormulaMatchesFloat64) {
         const auto [nx, ow] = kernels::rms_norm_backward(x.cuda(), w.cuda(), dy.cuda(), 1e-6, false, true);
         EXPECT_FALSE(nw.defined() || nx.defined()) << what;
         EXPECT_TRUE(test::all_equal(ox.cpu(), dx.cpu()) && test::all_equal(ow.cpu(), dw.cpu())) << what;
+        const int64_t k = std::min<int64_t>(rows, 7);
+        const at::Tensor wk = per_row ? w.narrow(0, 0, k) : w;
+        const auto [kx, kw] = kernels::rms_norm_backward(x.narrow(0, 0, k).cuda(), wk.cuda(), dy.narrow(0, 0, k).cuda(),
+                                                         1e-6, true, per_row);
+        EXPECT_TRUE(test::all_equal(kx.cpu(), dx.narrow(0, 0, k).cpu())) << what << ": dx depends on the other rows";
+        if (per_row) EXPECT_TRUE(test::all_equal(kw.cpu(), dw.narrow(0, 0, k).cpu())) << what << ": dw, likewise";
       }
 }
 
