@@ -248,9 +248,13 @@ cudaError_t launch_nvfp4_wgmma(const void* x, void* x_permuted, const int64_t* o
   // Token tiles of 32, 64 or 128 by the rows a group has on average (tile_rows: the caller's count
   // of rows that carry work).
   const int64_t per = ((tile_rows > 0 ? tile_rows : rows) + groups - 1) / groups;
-  if (per <= 32) return launch_tn<32>(xp, offsets, rows, groups, packed, block_scale, tensor_scale, scale, yb, N, K, stream);
-  if (per <= 64) return launch_tn<64>(xp, offsets, rows, groups, packed, block_scale, tensor_scale, scale, yb, N, K, stream);
-  return launch_tn<128>(xp, offsets, rows, groups, packed, block_scale, tensor_scale, scale, yb, N, K, stream);
+  auto launch = [&](auto tn) {
+    return launch_tn<decltype(tn)::value>(xp, offsets, rows, groups, packed, block_scale, tensor_scale, scale, yb, N,
+                                          K, stream);
+  };
+  if (per <= 32) return launch(std::integral_constant<int, 32>{});
+  if (per <= 64) return launch(std::integral_constant<int, 64>{});
+  return launch(std::integral_constant<int, 128>{});
 }
 
 }  // namespace kiln::kernels
