@@ -354,10 +354,17 @@ constexpr int64_t kGroupAlign = 16;  // torch's grouped GEMM: each segment start
 
 enum class DensePath { kReference, kSplitK, kStaged, kWgmma, kDequantized };
 
-// Above 16 rows per matrix (of `matrices`: a stack's experts) the wgmma GEMM, where it is selected
-// and usable. The environment is asked first: unset, nothing else is.
+// The wgmma GEMM where it is usable: above 16 rows per matrix (of `matrices`: a stack's experts)
+// when KILN_NVFP4_GEMM=wgmma selects it everywhere; otherwise where bench nvfp4 measured it faster
+// than both others (H100, 2026-12-06, docs/PERFORMANCE.md): one matrix of 8192 rows or more
+// (816B's q, o and unpooler) at 65-256 tokens, 1.4-2.2x dequantise + cuBLAS. Narrower matrices
+// (muse-small's), more tokens and the experts keep split-K or the dequantised weights, which
+// measured faster there.
 bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_t matrices) {
-  return nvfp4_wgmma_selected() && matrices > 0 && rows > 16 * matrices && nvfp4_wgmma_usable(x, w);
+  if (matrices <= 0 || rows <= 16 * matrices) return false;
+  if (nvfp4_wgmma_selected()) return nvfp4_wgmma_usable(x, w);
+  return matrices == 1 && !w.stacked() && rows > kFusedMaxRows && rows <= 256 && w.rows() >= 8192 &&
+         nvfp4_wgmma_usable(x, w);
 }
 
 DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {

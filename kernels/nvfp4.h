@@ -95,7 +95,7 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
                                 const Nvfp4LinearOptions& opt = {});
 // Whether nvfp4_grouped_linear runs `rows` rows like x (dtype, device) on the dequantised stack and
 // torch's grouped GEMM: bf16 on CUDA, torch >= 2.8, kernel layout, above 64 rows per expert, and
-// not where the dispatch takes the wgmma GEMM (nvfp4_wgmma_selected) instead.
+// not where the dispatch takes the wgmma GEMM (KILN_NVFP4_GEMM=wgmma) instead.
 bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Tensor& x);
 // The grouped GEMM on rows already in the MoE layer's padded layout (kernels::moe_layout with
 // align 16): expert e's rows end at ends[e] (int32 [E], on x's device) and start on a 16-row
@@ -122,15 +122,16 @@ at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype);  /
 at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale,
                              Nvfp4Gemm gemm = Nvfp4Gemm::kAuto);
 // live_rows: the rows that carry work, for the tile choice (0: every row; see Nvfp4LinearOptions).
-// gemm: kAuto (the split-K kernels) or kWgmma (nvfp4_wgmma_usable must hold).
+// gemm: kAuto (the split-K kernels) or one of the wgmma GEMMs (nvfp4_wgmma_usable must hold).
 at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                      const at::Tensor& scale, int64_t live_rows = 0, Nvfp4Gemm gemm = Nvfp4Gemm::kAuto);
 // Whether the wgmma GEMM (Nvfp4Gemm::kWgmma) can run x (bf16 on CUDA) against w: the kernel layout,
 // N a multiple of 64 and K of 256, a build with sm_90a code and a compute capability 9.0 device.
 bool nvfp4_wgmma_usable(const at::Tensor& x, const Nvfp4Tensor& w);
-// Whether the dispatch above 16 rows (per expert) takes the wgmma GEMM where it is usable, in place
-// of split-K and of dequantise + cuBLAS: environment KILN_NVFP4_GEMM=wgmma; unset or "auto", not
-// yet (it has not been measured against them); any other value is an error that names it.
+// Whether the dispatch above 16 rows (per expert) takes the wgmma GEMM wherever it is usable, in
+// place of split-K and of dequantise + cuBLAS: environment KILN_NVFP4_GEMM=wgmma. Unset or "auto":
+// only where it measured faster (dense, 65-256 tokens, 8192 output rows or more); any other value
+// is an error that names it.
 bool nvfp4_wgmma_selected();
 
 }  // namespace kiln::kernels

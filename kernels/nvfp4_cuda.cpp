@@ -52,21 +52,24 @@ Nvfp4DType dtype_of(at::ScalarType t) {
 // The wgmma GEMM on x [rows, K] (bf16) into y [rows, N]: x goes through a permuted scratch copy.
 at::Tensor run_wgmma(const at::Tensor& xc, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& s2,
                      const at::Tensor& scale, const int64_t* offsets, int64_t groups, int64_t tile_rows, at::Tensor y,
-                     const char* what) {
+                     Nvfp4Gemm gemm, const char* what) {
   const int64_t rows = xc.size(0), N = y.size(1), K = xc.size(1);
   at::Tensor xp = at::empty_like(xc);
   const cudaError_t err = launch_nvfp4_wgmma(xc.data_ptr(), xp.data_ptr(), offsets, rows, groups,
                                              packed.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
                                              s2.data_ptr<float>(), scale.defined() ? scale.data_ptr<float>() : nullptr,
-                                             y.data_ptr(), tile_rows, N, K, c10::cuda::getCurrentCUDAStream());
+                                             y.data_ptr(), tile_rows, N, K, c10::cuda::getCurrentCUDAStream(),
+                                             wgmma_warpgroups(gemm));
   KILN_CHECK(err == cudaSuccess, what, ": wgmma kernel launch failed: ", cudaGetErrorString(err));
   return y;
 }
 
-void check_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, const char* what) {
+void check_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, Nvfp4Gemm gemm, const char* what) {
   KILN_CHECK(nvfp4_wgmma_usable(x, w), what, ": the wgmma GEMM needs bfloat16 x on a compute capability 9.0 device, ",
              "a build with sm_90a code, N a multiple of 64 and K a multiple of 256 (got x ", x.scalar_type(), ", N = ",
              w.rows(), ", K = ", w.cols(), ")");
+  KILN_CHECK(gemm != Nvfp4Gemm::kWgmma128 || w.rows() % 128 == 0, what,
+             ": the wgmma GEMM's 128-row blocks need N a multiple of 128 (got N = ", w.rows(), ")");
 }
 
 }  // namespace
@@ -146,9 +149,9 @@ at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
-  if (gemm == Nvfp4Gemm::kWgmma) {
-    check_wgmma(x, w, "nvfp4_linear_cuda");
-    return run_wgmma(xc, packed, scales, s2, scale, nullptr, 1, M, y, "nvfp4_linear_cuda");
+  if (is_wgmma(gemm)) {
+    check_wgmma(x, w, gemm, "nvfp4_linear_cuda");
+    return run_wgmma(xc, packed, scales, s2, scale, nullptr, 1, M, y, gemm, "nvfp4_linear_cuda");
   }
   const cudaError_t err = launch_nvfp4_linear(xc.data_ptr(), dtype_of(x.scalar_type()), packed.data_ptr<uint8_t>(),
                                               scales.data_ptr<uint8_t>(), s2.data_ptr<float>(),
@@ -181,9 +184,9 @@ at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, 
   if (R == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
   const int64_t tile_rows = live_rows > 0 ? std::min(live_rows, R) : R;
-  if (gemm == Nvfp4Gemm::kWgmma) {
-    check_wgmma(x, w, "nvfp4_grouped_linear_cuda");
-    return run_wgmma(xc, packed, scales, s2, scale, off.data_ptr<int64_t>(), E, tile_rows, y,
+  if (is_wgmma(gemm)) {
+    check_wgmma(x, w, gemm, "nvfp4_grouped_linear_cuda");
+    return run_wgmma(xc, packed, scales, s2, scale, off.data_ptr<int64_t>(), E, tile_rows, y, gemm,
                      "nvfp4_grouped_linear_cuda");
   }
   const cudaError_t err = launch_nvfp4_grouped_linear(

@@ -49,9 +49,9 @@ double read_floor(at::Device device, double bytes) {
 // bf16/auto its speed-up over BF16.
 void bench_dense(at::Device device, double bw, const std::vector<int64_t>& only) {
   fmt::print("\ndense W4A16 vs cuBLAS BF16 (at::linear); bytes = packed + scales + x + y; of copy: the auto path's\n");
-  fmt::print("{:>5} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>10} {:>8} {:>10}\n", "M", "N", "K",
-             "splitK us", "staged us", "wgmma us", "deq+mm us", "bf16 us", "auto", "TB/s", "of copy", "bf16/auto",
-             "read us", "bf16/read");
+  fmt::print("{:>5} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>10} {:>8} {:>10}\n", "M", "N",
+             "K", "splitK us", "staged us", "wg64 us", "wg128 us", "deq+mm us", "bf16 us", "auto", "TB/s", "of copy",
+             "bf16/auto", "read us", "bf16/read");
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(device);
   // The large shapes of issue 7, then muse-small's attention (q/o, k/v) and latent projections.
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{8192, 4096}, {4096, 8192}, {12288, 8192}, {2048, 2048},
@@ -76,7 +76,10 @@ void bench_dense(at::Device device, double bw, const std::vector<int64_t>& only)
       const double nan = std::nan("");
       const double split = M <= 64 ? gemm(kernels::Nvfp4Gemm::kSplitK) : nan;
       const double staged = M > 16 ? gemm(kernels::Nvfp4Gemm::kStaged) : nan;
-      const double wgmma = M > 16 && kernels::nvfp4_wgmma_usable(x, qs[0]) ? gemm(kernels::Nvfp4Gemm::kWgmma) : nan;
+      // The wgmma GEMM with 64 and with 128 weight rows per block (one or two warpgroups).
+      const bool wg = M > 16 && kernels::nvfp4_wgmma_usable(x, qs[0]);
+      const double wg64 = wg ? gemm(kernels::Nvfp4Gemm::kWgmma64) : nan;
+      const double wg128 = wg && N % 128 == 0 ? gemm(kernels::Nvfp4Gemm::kWgmma128) : nan;
       const double deq = M >= 64 ? per_call(device, [&](int i) {
         at::linear(x, kernels::nvfp4_dequantize_cuda(qs[size_t(i % nq)], at::kBFloat16));
       })
@@ -85,8 +88,8 @@ void bench_dense(at::Device device, double bw, const std::vector<int64_t>& only)
       const double ta = per_call(device, [&](int i) { kernels::nvfp4_linear(x, qs[size_t(i % nq)]); });
       const char* path = kernels::nvfp4_linear_path(x, qs[0]);
       const double bytes = nvfp4_bytes(1, N, K) + 2.0 * double(M) * double(K + N);
-      fmt::print("{:>5} {:>6} {:>6} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>8} {:>8.2f} {:>7.0f}% {:>9.2f}x {:>8.1f} {:>9.2f}x\n",
-                 M, N, K, split * 1e6, staged * 1e6, wgmma * 1e6, deq * 1e6, tb * 1e6, path, bytes / ta / 1e12,
+      fmt::print("{:>5} {:>6} {:>6} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>8} {:>8.2f} {:>7.0f}% {:>9.2f}x {:>8.1f} {:>9.2f}x\n",
+                 M, N, K, split * 1e6, staged * 1e6, wg64 * 1e6, wg128 * 1e6, deq * 1e6, tb * 1e6, path, bytes / ta / 1e12,
                  100.0 * bytes / ta / bw, tb / ta, floor * 1e6, tb / floor);
     }
   }
@@ -144,14 +147,16 @@ void bench_grouped_case(at::Device device, double bw, const char* name, int64_t 
   fmt::print("{:>26} {:>4} {:>5} {:>5} {:>6} {:>5} {:>10.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x {:>8.1f} {:>9.2f}x  ({})\n",
              name, E, N, K, R, touched, tq * 1e6, tb * 1e6, bytes / tq / 1e12, 100.0 * bytes / tq / bw, tb / tq,
              floor * 1e6, tb / floor, baseline);
-  // The wgmma GEMM forced on the same rows (the dispatch takes it above 16 rows per expert with
-  // KILN_NVFP4_GEMM=wgmma).
-  if (kernels::nvfp4_wgmma_usable(x, qs[0])) {
+  // The wgmma GEMM forced on the same rows, 64 and 128 weight rows per block (the dispatch takes it
+  // above 16 rows per expert with KILN_NVFP4_GEMM=wgmma, the launcher choosing the block).
+  for (auto [g, label] : {std::pair{kernels::Nvfp4Gemm::kWgmma64, "same, wgmma 64 rows"},
+                          std::pair{kernels::Nvfp4Gemm::kWgmma128, "same, wgmma 128 rows"}}) {
+    if (!kernels::nvfp4_wgmma_usable(x, qs[0]) || (g == kernels::Nvfp4Gemm::kWgmma128 && N % 128 != 0)) continue;
     const double tw = per_call(device, [&](int i) {
-      kernels::nvfp4_grouped_linear_cuda(x, qs[size_t(i % nq)], offsets, at::Tensor(), 0, kernels::Nvfp4Gemm::kWgmma);
+      kernels::nvfp4_grouped_linear_cuda(x, qs[size_t(i % nq)], offsets, at::Tensor(), 0, g);
     });
-    fmt::print("{:>26} {:>40.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x  (wgmma forced)\n", "same, wgmma", tw * 1e6,
-               tb * 1e6, bytes / tw / 1e12, 100.0 * bytes / tw / bw, tb / tw);
+    fmt::print("{:>26} {:>40.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x  (forced)\n", label, tw * 1e6, tb * 1e6,
+               bytes / tw / 1e12, 100.0 * bytes / tw / bw, tb / tw);
   }
 #if KILN_TORCH_AT_LEAST(2, 8)
   // The MoE layer's prefill call: rows already in the grouped GEMM's padded layout (no row moves),
@@ -172,6 +177,7 @@ void bench_grouped(at::Device device, double bw) {
   bench_grouped_case(device, bw, "muse-small rollout 256x8", 64, 1024, 1024, 256, 8);
   bench_grouped_case(device, bw, "muse-small prefill 8192x8", 64, 1024, 1024, 8192, 8);
   bench_grouped_case(device, bw, "full-size decode 64x8", 256, 4096, 4096, 64, 8);
+  bench_grouped_case(device, bw, "full-size prefill 8192x8", 256, 4096, 4096, 8192, 8);
 }
 
 }  // namespace

@@ -245,8 +245,8 @@ TEST(CudaNvfp4, GroupedLinearMatchesReference) {
     }
 }
 
-// The wgmma GEMM (Nvfp4Gemm::kWgmma) forced, dense and grouped, against the reference on bf16
-// inputs: token counts over every tile width (32, 64, 128 by rows per matrix) with partial tiles
+// The wgmma GEMM forced, dense and grouped, with the launcher's block and with 64 and 128 weight
+// rows per block (kWgmma, kWgmma64, kWgmma128), against the reference on bf16 inputs: token counts over every tile width (32, 64, 128 by rows per matrix) with partial tiles
 // (1, 19, 111, 4097 rows), N of one and several 64-row tiles, K of one and several 256-wide steps
 // (the weight fragments' prefetch wraps at two), experts with no rows, and spare rows past the last
 // expert. A second call is bit-identical; the epilogue's extra scale applies. Skipped where the
@@ -260,6 +260,9 @@ TEST(CudaNvfp4, WgmmaLinearsMatchReference) {
       GTEST_SKIP() << "the wgmma GEMM needs sm_90a code and a compute capability 9.0 device";
   }
   constexpr auto kWgmma = kernels::Nvfp4Gemm::kWgmma;
+  // The launcher's choice, and 64 and 128 weight rows per block forced (128: N a multiple of 128).
+  const std::vector<kernels::Nvfp4Gemm> variants = {kWgmma, kernels::Nvfp4Gemm::kWgmma64, kernels::Nvfp4Gemm::kWgmma128};
+  auto takes = [](kernels::Nvfp4Gemm g, int64_t N) { return g != kernels::Nvfp4Gemm::kWgmma128 || N % 128 == 0; };
   struct Case {
     int64_t N, K;
     std::vector<int64_t> Ms;
@@ -269,36 +272,40 @@ TEST(CudaNvfp4, WgmmaLinearsMatchReference) {
   for (const Case& c : cases) {
     const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({c.N, c.K}) * 1e-3);
     const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
-    for (int64_t M : c.Ms) {
-      const std::string what = str_cat("dense M ", M, " N ", c.N, " K ", c.K);
-      at::Tensor x = at::randn({M, c.K}).to(at::kBFloat16);
-      at::Tensor got = kernels::nvfp4_linear_cuda(x.cuda(), kq, at::Tensor(), kWgmma);
-      EXPECT_EQ(got.scalar_type(), at::kBFloat16) << what;
-      EXPECT_TRUE(close_to_ref(got, kernels::nvfp4_linear_reference(x, q).to(at::kFloat), at::kBFloat16)) << what;
-      EXPECT_TRUE(test::all_equal(kernels::nvfp4_linear_cuda(x.cuda(), kq, at::Tensor(), kWgmma).cpu(), got.cpu()))
-          << what << ": not deterministic";
-    }
+    for (int64_t M : c.Ms)
+      for (kernels::Nvfp4Gemm g : variants) {
+        if (!takes(g, c.N)) continue;
+        const std::string what = str_cat("dense M ", M, " N ", c.N, " K ", c.K, " gemm ", int(g));
+        at::Tensor x = at::randn({M, c.K}).to(at::kBFloat16);
+        at::Tensor got = kernels::nvfp4_linear_cuda(x.cuda(), kq, at::Tensor(), g);
+        EXPECT_EQ(got.scalar_type(), at::kBFloat16) << what;
+        EXPECT_TRUE(close_to_ref(got, kernels::nvfp4_linear_reference(x, q).to(at::kFloat), at::kBFloat16)) << what;
+        EXPECT_TRUE(test::all_equal(kernels::nvfp4_linear_cuda(x.cuda(), kq, at::Tensor(), g).cpu(), got.cpu()))
+            << what << ": not deterministic";
+      }
   }
   // Grouped: rows per expert on average 11, 35 and 700 (tiles of 32, 64, 128), four spare rows.
   const std::vector<std::vector<int64_t>> count_sets = {{0, 1, 19, 0, 8, 40}, {0, 1, 19, 0, 8, 40, 111, 101},
                                                         {4097, 0, 111, 1, 0}};
-  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{64, 256}, {128, 1024}})
-    for (const auto& counts : count_sets) {
-      const int64_t E = int64_t(counts.size());
-      std::vector<int64_t> off{0};
-      for (int64_t n : counts) off.push_back(off.back() + n);
-      const std::string what = str_cat("grouped N ", N, " K ", K, " E ", E, " R ", off.back());
-      at::Tensor offsets = at::tensor(off, at::kLong);
-      const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({E, N, K}) * 1e-2);
-      const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
-      at::Tensor x = at::randn({off.back() + 4, K}).to(at::kBFloat16);
-      at::Tensor ref = kernels::nvfp4_grouped_linear_reference(x.narrow(0, 0, off.back()), q, offsets);
-      at::Tensor got = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), 0, kWgmma);
-      EXPECT_TRUE(close_to_ref(got.narrow(0, 0, off.back()), ref.to(at::kFloat), at::kBFloat16)) << what;
-      at::Tensor again = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), 0, kWgmma);
-      EXPECT_TRUE(test::all_equal(again.narrow(0, 0, off.back()).cpu(), got.narrow(0, 0, off.back()).cpu()))
-          << what << ": not deterministic";
-    }
+  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{64, 256}, {128, 1024}, {256, 512}})
+    for (const auto& counts : count_sets)
+      for (kernels::Nvfp4Gemm g : variants) {
+        if (!takes(g, N)) continue;
+        const int64_t E = int64_t(counts.size());
+        std::vector<int64_t> off{0};
+        for (int64_t n : counts) off.push_back(off.back() + n);
+        const std::string what = str_cat("grouped N ", N, " K ", K, " E ", E, " R ", off.back(), " gemm ", int(g));
+        at::Tensor offsets = at::tensor(off, at::kLong);
+        const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({E, N, K}) * 1e-2);
+        const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+        at::Tensor x = at::randn({off.back() + 4, K}).to(at::kBFloat16);
+        at::Tensor ref = kernels::nvfp4_grouped_linear_reference(x.narrow(0, 0, off.back()), q, offsets);
+        at::Tensor got = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), 0, g);
+        EXPECT_TRUE(close_to_ref(got.narrow(0, 0, off.back()), ref.to(at::kFloat), at::kBFloat16)) << what;
+        at::Tensor again = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), 0, g);
+        EXPECT_TRUE(test::all_equal(again.narrow(0, 0, off.back()).cpu(), got.narrow(0, 0, off.back()).cpu()))
+            << what << ": not deterministic";
+      }
   // The extra scale, and shapes the kernel does not take refused by name.
   const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({128, 512}));
   const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
@@ -309,6 +316,22 @@ TEST(CudaNvfp4, WgmmaLinearsMatchReference) {
                               .to(at::kCUDA);
   EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(x.cuda(), odd, at::Tensor(), kWgmma); },
                                 {"N a multiple of 64", "N = 96"}));
+  // The dispatch: on its own, wgmma for one matrix of 8192 rows or more at 65-256 tokens, where it
+  // measured faster than both others; with KILN_NVFP4_GEMM=wgmma, wherever it runs above 16 tokens.
+  const bool everywhere = kernels::nvfp4_wgmma_selected();
+  const Nvfp4Tensor wide = kernels::nvfp4_quantize_cuda(at::randn({8192, 256}, at::kCUDA) * 0.02, /*kernel_layout=*/true);
+  const std::pair<int64_t, const char*> by_rows[] = {{16, "splitK"}, {19, "splitK"}, {65, "wgmma"}, {256, "wgmma"},
+                                                     {257, "deq+mm"}};
+  for (auto [M, path] : by_rows) {
+    const at::Tensor xm = at::zeros({M, 256}, at::kCUDA).to(at::kBFloat16);
+    EXPECT_STREQ(kernels::nvfp4_linear_path(xm, wide), everywhere && M > 16 ? "wgmma" : path) << M << " rows";
+  }
+  EXPECT_STREQ(kernels::nvfp4_linear_path(x.cuda().narrow(0, 0, 65), kq), everywhere ? "wgmma" : "deq+mm");
+  const Nvfp4Tensor n192 = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(at::randn({192, 512})))
+                               .to(at::kCUDA);
+  EXPECT_TRUE(test::throws_with(
+      [&] { kernels::nvfp4_linear_cuda(x.cuda(), n192, at::Tensor(), kernels::Nvfp4Gemm::kWgmma128); },
+      {"N a multiple of 128", "N = 192"}));
   EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(x.cuda().to(at::kFloat), kq, at::Tensor(), kWgmma); },
                                 {"wgmma GEMM needs bfloat16"}));
 }

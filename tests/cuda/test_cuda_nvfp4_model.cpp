@@ -219,11 +219,13 @@ TEST(CudaNvfp4Serving, ModelServedFromNvfp4MatchesItsDequantisationAndTheCpuRefe
   EXPECT_TRUE(test::all_equal(r_served, r_trainer));
 }
 
-// With KILN_NVFP4_GEMM=wgmma (ctest kiln_cuda_nvfp4_wgmma) every NVFP4 linear of a model whose
-// widths fit the wgmma GEMM (multiples of 64 out, 256 in) takes it above 16 rows per matrix or
-// expert (the fused MoE path counts its padded rows): 337, 100 and 19 tokens, token tiles of 128,
-// 64 and 32. The served model must stay within bf16 noise of its dequantisation, routing mostly
-// agreeing; skipped without the variable or where wgmma cannot run.
+// A model whose NVFP4 widths fit the wgmma GEMM (multiples of 64 out, 256 in), served under the
+// dispatch the environment picks: ctest kiln_cuda_nvfp4 (the default: split-K, dequantise + cuBLAS)
+// and kiln_cuda_nvfp4_wgmma (KILN_NVFP4_GEMM=wgmma: every NVFP4 linear above 16 rows per matrix or
+// expert on wgmma; the MoE layer's padded rows count). 337, 100 and 19 tokens: token tiles of 128,
+// 64 and 32. First each of layer 0's NVFP4 tensors through the forced wgmma GEMM against the CPU
+// reference, on its own shape; then the served model within bf16 noise of its dequantisation,
+// routing mostly agreeing. The two ctests print the same line, so the dispatches compare.
 TEST(CudaNvfp4Serving, WgmmaServedModelMatchesItsDequantisation) {
   model::ModelConfig cfg = test::cuda_config();
   cfg.hidden_size = 256;
@@ -231,15 +233,44 @@ TEST(CudaNvfp4Serving, WgmmaServedModelMatchesItsDequantisation) {
   cfg.expert_ffn_size = 256;
   cfg.head_dim = 64;  // q 4 x 64, k and v 2 x 64
   cfg.bf16_expert_layers = {3};
+  cfg.init_std = 0.02;  // 0.1 at width 256 grows the residual stream until bf16 noise moves log-probs by 0.2
   model::Muse base = model::Muse::init(cfg, 7, at::kFloat, at::kCPU);
   model::Muse served = test::to_device(base, at::kCUDA, at::kBFloat16);
   model::quantize_model(served, /*kernel_layout=*/true, /*drop_dense=*/true);
-  const kernels::Nvfp4Tensor& q = served.weights().layers[0].nvfp4.q_proj;
-  at::Tensor x = at::zeros({19, cfg.hidden_size}, at::kCUDA).to(at::kBFloat16);
-  if (!kernels::nvfp4_wgmma_selected() || !kernels::nvfp4_wgmma_usable(x, q))
-    GTEST_SKIP() << "runs with KILN_NVFP4_GEMM=wgmma where the wgmma GEMM can run";
-  EXPECT_STREQ(kernels::nvfp4_linear_path(x, q), "wgmma");
-  EXPECT_STREQ(kernels::nvfp4_linear_path(x.narrow(0, 0, 16), q), "splitK");
+  const model::LayerWeights::Nvfp4& nv = served.weights().layers[0].nvfp4;
+  at::Tensor x19 = at::zeros({19, cfg.hidden_size}, at::kCUDA).to(at::kBFloat16);
+  const bool wgmma = kernels::nvfp4_wgmma_usable(x19, nv.q_proj);
+  if (kernels::nvfp4_wgmma_selected() && !wgmma) GTEST_SKIP() << "KILN_NVFP4_GEMM=wgmma where the wgmma GEMM cannot run";
+  EXPECT_STREQ(kernels::nvfp4_linear_path(x19, nv.q_proj), kernels::nvfp4_wgmma_selected() ? "wgmma" : "splitK");
+  EXPECT_STREQ(kernels::nvfp4_linear_path(x19.narrow(0, 0, 16), nv.q_proj), "splitK");
+  if (wgmma) {
+    at::manual_seed(3);
+    const std::pair<const char*, const Nvfp4Tensor*> tensors[] = {
+        {"q_proj", &nv.q_proj},   {"k_proj", &nv.k_proj},     {"v_proj", &nv.v_proj},
+        {"o_proj", &nv.o_proj},   {"pooler", &nv.pooler},     {"unpooler", &nv.unpooler},
+        {"expert_gate", &nv.expert_gate}, {"expert_up", &nv.expert_up}, {"expert_down", &nv.expert_down}};
+    for (const auto& [name, t] : tensors) {
+      if (!t->packed.defined() || !kernels::nvfp4_wgmma_usable(x19, *t)) continue;
+      const Nvfp4Tensor ref_w = kernels::nvfp4_to_modelopt_layout(*t).to(at::kCPU);
+      for (int64_t M : {19, 100, 337}) {
+        at::Tensor x = at::randn({M, t->cols()}).to(at::kBFloat16);
+        at::Tensor got, ref;
+        if (t->stacked()) {  // M rows over the experts, the last expert's rows past the others
+          const int64_t E = t->packed.size(0);
+          std::vector<int64_t> off{0};
+          for (int64_t e = 0; e < E; ++e) off.push_back(e + 1 == E ? M : off.back() + M / (2 * E));
+          at::Tensor offsets = at::tensor(off, at::kLong);
+          got = kernels::nvfp4_grouped_linear_cuda(x.cuda(), *t, offsets.cuda(), at::Tensor(), 0,
+                                                   kernels::Nvfp4Gemm::kWgmma);
+          ref = kernels::nvfp4_grouped_linear_reference(x, ref_w, offsets);
+        } else {
+          got = kernels::nvfp4_linear_cuda(x.cuda(), *t, at::Tensor(), kernels::Nvfp4Gemm::kWgmma);
+          ref = kernels::nvfp4_linear_reference(x, ref_w);
+        }
+        EXPECT_TRUE(near_ref(got, ref, 0x1p-7, 1e-3)) << name << " M " << M;
+      }
+    }
+  }
   model::Muse trainer = served.clone();
   model::dequantize_model(trainer, at::kBFloat16);
   for (int64_t n : {337, 100, 19}) {
@@ -249,8 +280,8 @@ TEST(CudaNvfp4Serving, WgmmaServedModelMatchesItsDequantisation) {
     const at::Tensor a = score(served, seqs, &r_served), b = score(trainer, seqs, &r_trainer);
     const double d = (a - b).abs().mean().item<double>();
     const double agree = r_served.eq(r_trainer).to(at::kFloat).mean().item<double>();
-    std::printf("nvfp4 wgmma (%ld tokens): mean |dlp| vs its bf16 dequantisation %.3e; routing agreement %.4f\n",
-                long(n), d, agree);
+    std::printf("nvfp4 %s (%ld tokens): mean |dlp| vs its bf16 dequantisation %.3e; routing agreement %.4f\n",
+                kernels::nvfp4_wgmma_selected() ? "wgmma" : "default dispatch", long(n), d, agree);
     EXPECT_LT(d, 5e-2) << n << " tokens";
     EXPECT_GT(agree, 0.9) << n << " tokens";
   }
