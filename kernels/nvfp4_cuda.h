@@ -51,7 +51,7 @@ cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const i
 // tile_rows: the rows that carry work (0: all), which pick the token tile. Needs nvfp4_wgmma_fits
 // (a build with sm_90a code, N a multiple of 64, K of 256) and a compute capability 9.0 device.
 // warpgroups: 1 (64 weight rows per block), 2 (128, sharing each activation stage; N a multiple of
-// 128) or 0 (2 with 128-token tiles where N allows, else 1).
+// 128) or 0 (nvfp4_layout.h's wgmma_block chooses).
 bool nvfp4_wgmma_fits(int64_t N, int64_t K);
 cudaError_t launch_nvfp4_wgmma(const void* x, void* x_permuted, const int64_t* offsets, int64_t rows, int64_t groups,
                                const uint8_t* packed, const uint8_t* block_scale, const float* tensor_scale,

@@ -23,6 +23,20 @@ enum class Nvfp4Gemm : int { kAuto = 0, kSplitK = 1, kStaged = 2, kWgmma = 3, kW
 inline bool is_wgmma(Nvfp4Gemm g) { return g == Nvfp4Gemm::kWgmma || g == Nvfp4Gemm::kWgmma64 || g == Nvfp4Gemm::kWgmma128; }
 inline int wgmma_warpgroups(Nvfp4Gemm g) { return g == Nvfp4Gemm::kWgmma64 ? 1 : g == Nvfp4Gemm::kWgmma128 ? 2 : 0; }
 
+// The wgmma GEMM's block: tokens per tile (32, 64 or 128, by the rows per group that carry work)
+// and warpgroups (64 weight rows each). Unforced (warpgroups 0), two with 128-token tiles where N
+// is a multiple of 128: bench nvfp4 measured them 1.0-1.4x one warpgroup there (each activation
+// stage is read once for both), and 0.75-0.85x with 32 and 64-token tiles, where decoding the
+// weights, not reading the activations, is the cost (H100, 2026-12-06).
+struct WgmmaBlock {
+  int tokens, warpgroups;
+};
+constexpr WgmmaBlock wgmma_block(int64_t work_rows, int64_t groups, int64_t N, int warpgroups) {
+  const int64_t per = (work_rows + groups - 1) / groups;
+  const int tokens = per <= 32 ? 32 : per <= 64 ? 64 : 128;
+  return {tokens, warpgroups > 0 ? warpgroups : tokens == 128 && N % 128 == 0 ? 2 : 1};
+}
+
 }  // namespace kiln::kernels
 
 namespace kiln::kernels::nvfp4_layout {

@@ -250,12 +250,8 @@ cudaError_t launch_nvfp4_wgmma(const void* x, void* x_permuted, const int64_t* o
   auto* yb = static_cast<__nv_bfloat16*>(y);
   // Token tiles of 32, 64 or 128 by the rows a group has on average (tile_rows: the caller's count
   // of rows that carry work).
-  // Two warpgroups per block (128 weight rows, each activation stage read once for both) with
-  // 128-token tiles, where N allows: bench nvfp4 measured them 1.0-1.4x one warpgroup there, even
-  // when their blocks do not cover every SM, and 0.75-0.85x at 32 and 64-token tiles.
-  const int64_t per = ((tile_rows > 0 ? tile_rows : rows) + groups - 1) / groups;
-  const int tn = per <= 32 ? 32 : per <= 64 ? 64 : 128;
-  const int wg = warpgroups > 0 ? warpgroups : tn == 128 && N % (2 * kWgRows) == 0 ? 2 : 1;
+  const WgmmaBlock block = wgmma_block(tile_rows > 0 ? tile_rows : rows, groups, N, warpgroups);
+  const int tn = block.tokens, wg = block.warpgroups;
   auto launch = [&](auto tn_const, auto wg_const) {
     return launch_tn<decltype(tn_const)::value, decltype(wg_const)::value>(
         xp, offsets, rows, groups, packed, block_scale, tensor_scale, scale, yb, N, K, stream);

@@ -372,6 +372,29 @@ TEST(Nvfp4, GemmChoiceFollowsTheEnvironment) {
   EXPECT_STREQ(nvfp4_linear_path(at::zeros({32, 256}).to(at::kBFloat16), q), "reference");
 }
 
+// The wgmma GEMM's block by the rows per group that carry work: 32, 64 or 128-token tiles; two
+// warpgroups with 128-token tiles where N is a multiple of 128, unless one count is forced.
+TEST(Nvfp4, WgmmaBlockFollowsTheRowsPerGroup) {
+  struct Case {
+    int64_t rows, groups, N;
+    int forced, tokens, warpgroups;
+  };
+  const Case cases[] = {{17, 1, 8192, 0, 32, 1},    {32, 1, 8192, 0, 32, 1},     {33, 1, 8192, 0, 64, 1},
+                        {64, 1, 8192, 0, 64, 1},    {65, 1, 8192, 0, 128, 2},    {4097, 1, 8192, 0, 128, 2},
+                        {4097, 1, 192, 0, 128, 1},  {2048, 64, 1024, 0, 32, 1},  {2049, 64, 1024, 0, 64, 1},
+                        {65536, 64, 1024, 0, 128, 2}, {65536, 64, 1024, 1, 128, 1}, {19, 1, 128, 2, 32, 2}};
+  for (const Case& c : cases) {
+    const WgmmaBlock b = wgmma_block(c.rows, c.groups, c.N, c.forced);
+    EXPECT_EQ(b.tokens, c.tokens) << c.rows << " rows, " << c.groups << " groups, N " << c.N;
+    EXPECT_EQ(b.warpgroups, c.warpgroups) << c.rows << " rows, " << c.groups << " groups, N " << c.N;
+  }
+  EXPECT_EQ(wgmma_warpgroups(Nvfp4Gemm::kWgmma), 0);
+  EXPECT_EQ(wgmma_warpgroups(Nvfp4Gemm::kWgmma64), 1);
+  EXPECT_EQ(wgmma_warpgroups(Nvfp4Gemm::kWgmma128), 2);
+  EXPECT_TRUE(is_wgmma(Nvfp4Gemm::kWgmma128));
+  EXPECT_FALSE(is_wgmma(Nvfp4Gemm::kSplitK));
+}
+
 TEST(Nvfp4, ActivationQuantisationEqualsTheScalarEncoders) {
   // Every code and tie in row 0; dynamic scales are per row (amax / (6 * 448)).
   at::manual_seed(5);
