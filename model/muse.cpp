@@ -361,7 +361,11 @@ at::Tensor dispatched_experts(const ModelConfig& cfg, const LayerWeights& lw, in
     // sender's masked or dropped slots read them back.
     if (routed.spare) y = at::where((routed.ids < local).unsqueeze(1), y, at::zeros({}, y.options()));
     const at::Tensor norm_ids = routed.spare ? routed.ids.clamp_max(local - 1) : routed.ids;
-    y = norm(y, lw.expert_norm.index_select(0, norm_ids), cfg.rms_norm_eps, opt);
+    // Under batch-invariant numerics the norm weights' gradient is one GEMM (table_rows), as on one
+    // rank: index_select's CUDA backward adds rows with atomics, in no fixed order.
+    const at::Tensor norm_w =
+        opt.batch_invariant ? table_rows(lw.expert_norm, norm_ids) : lw.expert_norm.index_select(0, norm_ids);
+    y = norm(y, norm_w, cfg.rms_norm_eps, opt);
   }
   return dispatcher.combine(y, routed);
 }

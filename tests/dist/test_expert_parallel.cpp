@@ -40,8 +40,10 @@ using comm::Group;
 using test::LossRun;
 using test::next_token_loss;
 
-// `fixed`: the fixed-shape exchange (AllToAllDispatcher's padded buffers), which must give the same.
-void check(int ep, bool fixed = false) {
+// `fixed`: the fixed-shape exchange (AllToAllDispatcher's padded buffers), which must give the same;
+// `invariant`: batch-invariant numerics on both sides (the per-expert norm weights then picked by
+// table_rows, whose gradient is a GEMM, not index_select's scattered adds).
+void check(int ep, bool fixed = false, bool invariant = false) {
   const Group& w = Group::world();
   const int W = w.size(), e = w.rank() % ep, d = w.rank() / ep;
   ASSERT_EQ(W % ep, 0);
@@ -54,14 +56,16 @@ void check(int ep, bool fixed = false) {
 
   Muse full = Muse::init(cfg, 9, at::kFloat, at::kCPU);
   full.set_requires_grad(true);
-  LossRun ref = next_token_loss(full, seqs, norm, {});
+  ForwardOptions plain;
+  plain.batch_invariant = invariant;
+  LossRun ref = next_token_loss(full, seqs, norm, plain);
 
   Muse shard = shard_experts(Muse::init(cfg, 9, at::kFloat, at::kCPU), e, ep);
   shard.set_requires_grad(true);
   const test::RankShare share = test::rank_share(seqs, w.rank(), W);
   const test::Sequences& mine = share.seqs;
   const int64_t t0 = share.first_row, tn = share.rows;  // this rank's token rows in the full batch
-  ForwardOptions o;
+  ForwardOptions o = plain;
   const model::AllToAllDispatcher dispatcher(ep_group, fixed);
   o.experts = &dispatcher;
   LossRun got = next_token_loss(shard, mine, norm, o);
@@ -84,7 +88,7 @@ void check(int ep, bool fixed = false) {
   // they take part in both exchanges, forward and backward.
   at::Tensor skewed = at::zeros_like(ref.routing);
   skewed.select(2, 1).fill_(1);
-  ForwardOptions full_skew;
+  ForwardOptions full_skew = plain;
   full_skew.replay_routing = skewed;
   LossRun ref_skew = next_token_loss(full, seqs, norm, full_skew);
   ForwardOptions skew = o;
@@ -120,6 +124,11 @@ TEST(ExpertParallel, FixedShapeExchangeMatchesOneRank) {
 // A set capacity above the worst case gives the same results and no overflow; one below what some
 // rank sends some rank drops those slots and counts the dispatches that did (overflow()); masked
 // tokens send nothing.
+TEST(ExpertParallel, BatchInvariantNumericsMatchOneRank) {
+  check(Group::world().size(), /*fixed=*/false, /*invariant=*/true);
+  check(Group::world().size(), /*fixed=*/true, /*invariant=*/true);
+}
+
 TEST(ExpertParallel, FixedShapeCapacityOverflowIsCounted) {
   const Group& w = Group::world();
   if (w.size() == 1) GTEST_SKIP() << "one rank exchanges nothing";
