@@ -346,8 +346,9 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
 namespace {
 
 // Rows (per expert) up to which the fused W4A16 kernels run; above them the weights are
-// dequantised for cuBLAS. Measured on the H200 (bench nvfp4, docs/PERFORMANCE.md), the staged
-// kernel is never the fastest of the three yet: kStagedMaxRows keeps it out of the dispatch.
+// dequantised for cuBLAS (or take the wgmma GEMM: takes_wgmma). Measured on the H200 and the H100
+// (bench nvfp4, docs/PERFORMANCE.md), the staged kernel was the fastest at one shape only (128 rows
+// of an 8192 x 4096 matrix): kStagedMaxRows keeps it out of the dispatch.
 constexpr int64_t kFusedMaxRows = 64;
 constexpr int64_t kStagedMaxRows = 0;
 constexpr int64_t kGroupAlign = 16;  // torch's grouped GEMM: each segment starts on a 16-row boundary
@@ -357,7 +358,7 @@ enum class DensePath { kReference, kSplitK, kStaged, kWgmma, kDequantized };
 // The wgmma GEMM where it is usable: above 16 rows per matrix (of `matrices`: a stack's experts)
 // when KILN_NVFP4_GEMM=wgmma selects it everywhere; otherwise where bench nvfp4 measured it faster
 // than both others (H100, 2026-12-06, docs/PERFORMANCE.md): one matrix of 8192 rows or more
-// (816B's q, o and unpooler) at 65-256 tokens, 1.4-2.2x dequantise + cuBLAS. Narrower matrices
+// (816B's q, o and unpooler) at 65-256 tokens, 1.15-2.2x dequantise + cuBLAS. Narrower matrices
 // (muse-small's), more tokens and the experts keep split-K or the dequantised weights, which
 // measured faster there.
 bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_t matrices) {

@@ -484,7 +484,7 @@ cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* 
                                 int64_t K, cudaStream_t stream, Nvfp4Gemm gemm) {
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != Nvfp4DType::kFloat32 && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
-  // kAuto is split-K: the staged kernel has not yet measured faster at any shape (nvfp4.cpp).
+  // kAuto is split-K: the staged kernel stays out of the dispatch (nvfp4.cpp, kStagedMaxRows).
   if (gemm == Nvfp4Gemm::kStaged) {
     if (dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
     const cudaError_t prepared = prepare_staged_kernels();

@@ -26,8 +26,8 @@ inline int wgmma_warpgroups(Nvfp4Gemm g) { return g == Nvfp4Gemm::kWgmma64 ? 1 :
 // The wgmma GEMM's block: tokens per tile (32, 64 or 128, by the rows per group that carry work)
 // and warpgroups (64 weight rows each). Unforced (warpgroups 0), two with 128-token tiles where N
 // is a multiple of 128: bench nvfp4 measured them 1.0-1.4x one warpgroup there (each activation
-// stage is read once for both), and 0.75-0.85x with 32 and 64-token tiles, where decoding the
-// weights, not reading the activations, is the cost (H100, 2026-12-06).
+// stage is read once for both), and mostly 0.75-0.9x with 32 and 64-token tiles, where decoding
+// the weights, not reading the activations, is the cost (H100, 2026-12-06). Host code (the launcher).
 struct WgmmaBlock {
   int tokens, warpgroups;
 };

@@ -29,7 +29,7 @@ using namespace nvfp4_gemm;  // decode_block, kSuper, epilogue_scale
 // four deep. A stage's decode goes to one of two register sets, alternating, so that the wgmma of
 // the stage before may still read the other.
 constexpr int kWgThreads = 128;  // one warpgroup
-constexpr int kWgRows = 64;      // weight rows per block
+constexpr int kWgRows = 64;      // weight rows per warpgroup
 constexpr int kStageK = 64;      // K per stage: one decoded block per lane, four k16 steps
 constexpr int kStages = 4;
 

@@ -45,7 +45,7 @@ double read_floor(at::Device device, double bytes) {
 
 // Dense: each kernel the dispatcher can pick (split-K up to 64 tokens, staged and wgmma above 16,
 // and the dequantise + cuBLAS path) against cuBLAS BF16 on the same activations; "auto" is what
-// kernels::nvfp4_linear runs for that shape (KILN_NVFP4_GEMM=wgmma puts wgmma in it), and
+// kernels::nvfp4_linear runs for that shape (wgmma where it measured faster; KILN_NVFP4_GEMM=wgmma: everywhere), and
 // bf16/auto its speed-up over BF16.
 void bench_dense(at::Device device, double bw, const std::vector<int64_t>& only) {
   fmt::print("\ndense W4A16 vs cuBLAS BF16 (at::linear); bytes = packed + scales + x + y; of copy: the auto path's\n");

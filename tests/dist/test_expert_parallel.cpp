@@ -121,13 +121,17 @@ TEST(ExpertParallel, FixedShapeExchangeMatchesOneRank) {
   if (Group::world().size() == 4) check(2, /*fixed=*/true);
 }
 
-// A set capacity above the worst case gives the same results and no overflow; one below what some
-// rank sends some rank drops those slots and counts the dispatches that did (overflow()); masked
-// tokens send nothing.
+// Batch-invariant numerics through both exchanges: the per-expert norm weights picked by
+// table_rows under expert parallelism, as on one rank. On the CPU this checks the path's values and
+// gradients; that its CUDA backward has no atomics is table_rows' own property.
 TEST(ExpertParallel, BatchInvariantNumericsMatchOneRank) {
   check(Group::world().size(), /*fixed=*/false, /*invariant=*/true);
   check(Group::world().size(), /*fixed=*/true, /*invariant=*/true);
 }
+
+// A set capacity above the worst case gives the same results and no overflow; one below what some
+// rank sends some rank drops those slots and counts the dispatches that did (overflow()); masked
+// tokens send nothing.
 
 TEST(ExpertParallel, FixedShapeCapacityOverflowIsCounted) {
   const Group& w = Group::world();
