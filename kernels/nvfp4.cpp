@@ -361,10 +361,11 @@ enum class DensePath { kReference, kSplitK, kStaged, kWgmma, kDequantized };
 // (816B's q, o and unpooler) at 65-256 tokens, 1.15-2.2x dequantise + cuBLAS. Narrower matrices
 // (muse-small's), more tokens and the experts keep split-K or the dequantised weights, which
 // measured faster there.
+constexpr int64_t kWgmmaMaxRows = 256, kWgmmaMinOut = 8192;  // the default's range, as measured
 bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_t matrices) {
   if (matrices <= 0 || rows <= 16 * matrices) return false;
   if (nvfp4_wgmma_selected()) return nvfp4_wgmma_usable(x, w);
-  return matrices == 1 && !w.stacked() && rows > kFusedMaxRows && rows <= 256 && w.rows() >= 8192 &&
+  return !w.stacked() && rows > kFusedMaxRows && rows <= kWgmmaMaxRows && w.rows() >= kWgmmaMinOut &&
          nvfp4_wgmma_usable(x, w);
 }
 

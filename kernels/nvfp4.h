@@ -86,9 +86,9 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
 // The fused kernels decode the weights once per 8-32 rows, so calls above 64 rows (per expert on
 // average, for the grouped GEMM) dequantise W (each weight rounded once to x's dtype, the tensor
 // scale folded in: no separate scale pass over the output) and run cuBLAS, except one matrix of
-// 8192 rows or more at 65-256 rows, which takes the wgmma GEMM (nvfp4_wgmma_selected). Grouped bf16 calls
-// run the whole stack through torch's grouped GEMM (torch >= 2.8) without a host sync; fp32 (and
-// older torch) read the offsets on the host and loop over the experts.
+// 8192 rows or more at 65-256 rows, which takes the wgmma GEMM (nvfp4_wgmma_selected). Grouped
+// bf16 calls run the whole stack through torch's grouped GEMM (torch >= 2.8) without a host sync;
+// fp32 (and older torch) read the offsets on the host and loop over the experts.
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
 // The path nvfp4_linear takes for these inputs: "splitK", "staged", "wgmma", "deq+mm" or "reference".
 const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w);

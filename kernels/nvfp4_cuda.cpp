@@ -68,7 +68,7 @@ void check_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, Nvfp4Gemm gemm, cons
   KILN_CHECK(nvfp4_wgmma_usable(x, w), what, ": the wgmma GEMM needs bfloat16 x on a compute capability 9.0 device, ",
              "a build with sm_90a code, N a multiple of 64 and K a multiple of 256 (got x ", x.scalar_type(), ", N = ",
              w.rows(), ", K = ", w.cols(), ")");
-  KILN_CHECK(gemm != Nvfp4Gemm::kWgmma128 || w.rows() % 128 == 0, what,
+  KILN_CHECK(wgmma_warpgroups_fit(w.rows(), wgmma_warpgroups(gemm)), what,
              ": the wgmma GEMM's 128-row blocks need N a multiple of 128 (got N = ", w.rows(), ")");
 }
 

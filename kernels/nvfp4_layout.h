@@ -22,6 +22,8 @@ enum class Nvfp4Gemm : int { kAuto = 0, kSplitK = 1, kStaged = 2, kWgmma = 3, kW
 // Whether `g` is one of the wgmma GEMMs, and the warpgroups per block it asks for (0: the launcher's choice).
 inline bool is_wgmma(Nvfp4Gemm g) { return g == Nvfp4Gemm::kWgmma || g == Nvfp4Gemm::kWgmma64 || g == Nvfp4Gemm::kWgmma128; }
 inline int wgmma_warpgroups(Nvfp4Gemm g) { return g == Nvfp4Gemm::kWgmma64 ? 1 : g == Nvfp4Gemm::kWgmma128 ? 2 : 0; }
+// Whether N output rows split into blocks of `warpgroups` x 64 rows (0 and 1: any N the GEMM takes).
+constexpr bool wgmma_warpgroups_fit(int64_t N, int warpgroups) { return warpgroups <= 1 || N % (64 * warpgroups) == 0; }
 
 // The wgmma GEMM's block: tokens per tile (32, 64 or 128, by the rows per group that carry work)
 // and warpgroups (64 weight rows each). Unforced (warpgroups 0), two with 128-token tiles where N
@@ -34,7 +36,7 @@ struct WgmmaBlock {
 constexpr WgmmaBlock wgmma_block(int64_t work_rows, int64_t groups, int64_t N, int warpgroups) {
   const int64_t per = (work_rows + groups - 1) / groups;
   const int tokens = per <= 32 ? 32 : per <= 64 ? 64 : 128;
-  return {tokens, warpgroups > 0 ? warpgroups : tokens == 128 && N % 128 == 0 ? 2 : 1};
+  return {tokens, warpgroups > 0 ? warpgroups : tokens == 128 && wgmma_warpgroups_fit(N, 2) ? 2 : 1};
 }
 
 }  // namespace kiln::kernels

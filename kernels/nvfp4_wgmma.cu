@@ -238,7 +238,7 @@ cudaError_t launch_nvfp4_wgmma(const void* x, void* x_permuted, const int64_t* o
                                const float* scale, void* y, int64_t tile_rows, int64_t N, int64_t K,
                                cudaStream_t stream, int warpgroups) {
   if (!nvfp4_wgmma_fits(N, K) || groups < 1 || groups > (int64_t(1) << 30) || rows < 0 || warpgroups < 0 ||
-      warpgroups > 2 || (warpgroups == 2 && N % (2 * kWgRows) != 0))
+      warpgroups > 2 || !wgmma_warpgroups_fit(N, warpgroups))
     return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const auto* xb = static_cast<const __nv_bfloat16*>(x);

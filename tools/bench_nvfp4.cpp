@@ -45,8 +45,8 @@ double read_floor(at::Device device, double bytes) {
 
 // Dense: each kernel the dispatcher can pick (split-K up to 64 tokens, staged and wgmma above 16,
 // and the dequantise + cuBLAS path) against cuBLAS BF16 on the same activations; "auto" is what
-// kernels::nvfp4_linear runs for that shape (wgmma where it measured faster; KILN_NVFP4_GEMM=wgmma: everywhere), and
-// bf16/auto its speed-up over BF16.
+// kernels::nvfp4_linear runs for that shape (wgmma where it measured faster; KILN_NVFP4_GEMM=wgmma:
+// everywhere), and bf16/auto its speed-up over BF16.
 void bench_dense(at::Device device, double bw, const std::vector<int64_t>& only) {
   fmt::print("\ndense W4A16 vs cuBLAS BF16 (at::linear); bytes = packed + scales + x + y; of copy: the auto path's\n");
   fmt::print("{:>5} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>10} {:>8} {:>10}\n", "M", "N",
@@ -79,7 +79,7 @@ void bench_dense(at::Device device, double bw, const std::vector<int64_t>& only)
       // The wgmma GEMM with 64 and with 128 weight rows per block (one or two warpgroups).
       const bool wg = M > 16 && kernels::nvfp4_wgmma_usable(x, qs[0]);
       const double wg64 = wg ? gemm(kernels::Nvfp4Gemm::kWgmma64) : nan;
-      const double wg128 = wg && N % 128 == 0 ? gemm(kernels::Nvfp4Gemm::kWgmma128) : nan;
+      const double wg128 = wg && kernels::wgmma_warpgroups_fit(N, 2) ? gemm(kernels::Nvfp4Gemm::kWgmma128) : nan;
       const double deq = M >= 64 ? per_call(device, [&](int i) {
         at::linear(x, kernels::nvfp4_dequantize_cuda(qs[size_t(i % nq)], at::kBFloat16));
       })
@@ -151,7 +151,8 @@ void bench_grouped_case(at::Device device, double bw, const char* name, int64_t 
   // above 16 rows per expert with KILN_NVFP4_GEMM=wgmma, the launcher choosing the block).
   for (auto [g, label] : {std::pair{kernels::Nvfp4Gemm::kWgmma64, "same, wgmma 64 rows"},
                           std::pair{kernels::Nvfp4Gemm::kWgmma128, "same, wgmma 128 rows"}}) {
-    if (!kernels::nvfp4_wgmma_usable(x, qs[0]) || (g == kernels::Nvfp4Gemm::kWgmma128 && N % 128 != 0)) continue;
+    if (!kernels::nvfp4_wgmma_usable(x, qs[0]) || !kernels::wgmma_warpgroups_fit(N, kernels::wgmma_warpgroups(g)))
+      continue;
     const double tw = per_call(device, [&](int i) {
       kernels::nvfp4_grouped_linear_cuda(x, qs[size_t(i % nq)], offsets, at::Tensor(), 0, g);
     });

@@ -262,7 +262,9 @@ TEST(CudaNvfp4, WgmmaLinearsMatchReference) {
   constexpr auto kWgmma = kernels::Nvfp4Gemm::kWgmma;
   // The launcher's choice, and 64 and 128 weight rows per block forced (128: N a multiple of 128).
   const std::vector<kernels::Nvfp4Gemm> variants = {kWgmma, kernels::Nvfp4Gemm::kWgmma64, kernels::Nvfp4Gemm::kWgmma128};
-  auto takes = [](kernels::Nvfp4Gemm g, int64_t N) { return g != kernels::Nvfp4Gemm::kWgmma128 || N % 128 == 0; };
+  auto takes = [](kernels::Nvfp4Gemm g, int64_t N) {
+    return kernels::wgmma_warpgroups_fit(N, kernels::wgmma_warpgroups(g));
+  };
   struct Case {
     int64_t N, K;
     std::vector<int64_t> Ms;

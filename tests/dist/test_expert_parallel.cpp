@@ -132,7 +132,6 @@ TEST(ExpertParallel, BatchInvariantNumericsMatchOneRank) {
 // A set capacity above the worst case gives the same results and no overflow; one below what some
 // rank sends some rank drops those slots and counts the dispatches that did (overflow()); masked
 // tokens send nothing.
-
 TEST(ExpertParallel, FixedShapeCapacityOverflowIsCounted) {
   const Group& w = Group::world();
   if (w.size() == 1) GTEST_SKIP() << "one rank exchanges nothing";

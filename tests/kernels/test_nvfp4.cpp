@@ -393,6 +393,9 @@ TEST(Nvfp4, WgmmaBlockFollowsTheRowsPerGroup) {
   EXPECT_EQ(wgmma_warpgroups(Nvfp4Gemm::kWgmma128), 2);
   EXPECT_TRUE(is_wgmma(Nvfp4Gemm::kWgmma128));
   EXPECT_FALSE(is_wgmma(Nvfp4Gemm::kSplitK));
+  EXPECT_TRUE(wgmma_warpgroups_fit(192, 1));
+  EXPECT_FALSE(wgmma_warpgroups_fit(192, 2));
+  EXPECT_TRUE(wgmma_warpgroups_fit(256, 2));
 }
 
 TEST(Nvfp4, ActivationQuantisationEqualsTheScalarEncoders) {
