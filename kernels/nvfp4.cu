@@ -172,9 +172,6 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const uint
 // ---------------------------------------------------------------------------------------------
 // W4A16 GEMM kernels and their launch choices (device code in nvfp4_gemm.cuh).
 
-// Blocks per multiprocessor the register budget is cut for: 16 warps when n-tiles are few.
-constexpr int min_blocks(int nt, int warps) { return (nt <= 2 ? 16 : 8) / warps > 1 ? (nt <= 2 ? 16 : 8) / warps : 1; }
-
 // Dense: block (token chunk, row tile, part) computes part `part` of kParts K ranges of its tile;
 // with kParts > 1 the parts form a thread-block cluster and are summed in part order (sum_parts).
 template <int NT, int kWarps, int kParts, bool kF32, bool kAligned>
@@ -195,36 +192,6 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(NT, kWarps))
   tile_partial<NT, kWarps, kF32, kAligned>(xc, m_count, packed, sfs, N, K, row0, part, kParts, acc);
   sum_warps<NT, kWarps>(acc, red);
   if (sum_parts<NT, kParts>(acc, part)) store_tile<NT, kF32>(acc, epilogue_scale(tensor_scale, extra), yc, N, row0, m_count);
-}
-
-// Grouped: block (expert, row tile) walks its expert's rows in chunks of up to 8 kMaxNT tokens,
-// each with the smallest n-tile count that covers it. Empty experts return before any load.
-template <int kMaxNT, int kWarps, bool kF32, bool kAligned>
-__global__ void __launch_bounds__(kWarps * 32, min_blocks(kMaxNT, kWarps))
-    grouped_kernel(const void* __restrict__ x, const int64_t* __restrict__ offsets, const uint8_t* __restrict__ packed,
-                   const uint8_t* __restrict__ sfs, const float* __restrict__ tensor_scale,
-                   const float* __restrict__ extra, void* __restrict__ y, int64_t N, int64_t K) {
-  using T = typename std::conditional<kF32, float, __nv_bfloat16>::type;
-  __shared__ float4 red[red_size(kMaxNT, kWarps)];
-  const int64_t e = blockIdx.x, begin = offsets[e], end = offsets[e + 1];
-  if (end <= begin) return;
-  const uint8_t* pk = packed + e * N * (K / 2);
-  const uint8_t* sf = sfs + e * N * (K / kBlock);
-  const float scale = epilogue_scale(tensor_scale + e, extra);
-  const int64_t row0 = int64_t(blockIdx.y) * kRowsPerBlock;
-  for (int64_t tok0 = begin; tok0 < end; tok0 += 8 * kMaxNT) {
-    const int m_count = int(end - tok0 < 8 * kMaxNT ? end - tok0 : 8 * kMaxNT);
-    const T* xc = static_cast<const T*>(x) + tok0 * K;
-    T* yc = static_cast<T*>(y) + tok0 * N;
-    if (m_count <= 8) {
-      gemm_tile<1, kWarps, kF32, kAligned>(xc, m_count, pk, sf, scale, yc, N, K, row0, red);
-    } else if (kMaxNT >= 2 && m_count <= 16) {
-      gemm_tile<(kMaxNT >= 2 ? 2 : 1), kWarps, kF32, kAligned>(xc, m_count, pk, sf, scale, yc, N, K, row0, red);
-    } else {
-      gemm_tile<kMaxNT, kWarps, kF32, kAligned>(xc, m_count, pk, sf, scale, yc, N, K, row0, red);
-    }
-    if (tok0 + 8 * kMaxNT < end) __syncthreads();  // warp 0 has read red before the next chunk writes it
-  }
 }
 
 // The launch of a dense GEMM grid: x over chunks of `tokens` tokens, y over tiles of `rows` weight
@@ -295,16 +262,25 @@ cudaError_t launch_linear_blocks(const void* x, const uint8_t* packed, const uin
   return launch_linear_w<8, 1, kF32>(x, packed, sfs, ts, extra, y, M, N, K, stream);
 }
 
+// Blocks per multiprocessor the grouped kernel's registers are budgeted for. 32-token chunks on 4
+// warps: 3 blocks (168 registers), not min_blocks' 2 (236): kiln_probe_nvfp4 grouped measured
+// 39.8 against 46.7 us at 32 rows per expert and 68.3 against 78.3 at 64 (muse-small's 64 experts
+// of 1024 x 1024, H200, 2026-12-06); 4 blocks (128 registers, spilling) 41.2 and 71.1.
+constexpr int grouped_min_blocks(int max_nt, int warps) { return max_nt == 4 && warps == 4 ? 3 : min_blocks(max_nt, warps); }
+
 template <int kMaxNT, int kWarps, bool kF32>
 cudaError_t launch_grouped_nt(const void* x, const int64_t* offsets, const uint8_t* packed, const uint8_t* sfs,
                               const float* ts, const float* extra, void* y, int64_t E, int64_t N, int64_t K,
                               cudaStream_t stream) {
+  constexpr int kMin = grouped_min_blocks(kMaxNT, kWarps);
   const dim3 grid(unsigned(E), unsigned((N + kRowsPerBlock - 1) / kRowsPerBlock));
   // Aligned: every expert's codes and scales start on 16 bytes (the stack's base does).
   if (K % 32 == 0 && N * (K / kBlock) % 16 == 0)
-    grouped_kernel<kMaxNT, kWarps, kF32, true><<<grid, kWarps * 32, 0, stream>>>(x, offsets, packed, sfs, ts, extra, y, N, K);
+    grouped_kernel<kMaxNT, kWarps, kF32, true, kMin>
+        <<<grid, kWarps * 32, 0, stream>>>(x, offsets, packed, sfs, ts, extra, y, N, K);
   else
-    grouped_kernel<kMaxNT, kWarps, kF32, false><<<grid, kWarps * 32, 0, stream>>>(x, offsets, packed, sfs, ts, extra, y, N, K);
+    grouped_kernel<kMaxNT, kWarps, kF32, false, kMin>
+        <<<grid, kWarps * 32, 0, stream>>>(x, offsets, packed, sfs, ts, extra, y, N, K);
   return cudaGetLastError();
 }
 

@@ -400,6 +400,40 @@ __device__ __forceinline__ float epilogue_scale(const float* tensor_scale, const
   return extra ? s2 * *extra : s2;
 }
 
+// Blocks per multiprocessor the register budget is cut for: 16 warps when n-tiles are few.
+constexpr int min_blocks(int nt, int warps) { return (nt <= 2 ? 16 : 8) / warps > 1 ? (nt <= 2 ? 16 : 8) / warps : 1; }
+
+// Grouped: block (expert, row tile) walks its expert's rows in chunks of up to 8 kMaxNT tokens,
+// each with the smallest n-tile count that covers it. Empty experts return before any load.
+// kMinBlocks: the blocks per multiprocessor the registers are budgeted for.
+template <int kMaxNT, int kWarps, bool kF32, bool kAligned, int kMinBlocks = min_blocks(kMaxNT, kWarps)>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    grouped_kernel(const void* __restrict__ x, const int64_t* __restrict__ offsets, const uint8_t* __restrict__ packed,
+                   const uint8_t* __restrict__ sfs, const float* __restrict__ tensor_scale,
+                   const float* __restrict__ extra, void* __restrict__ y, int64_t N, int64_t K) {
+  using T = typename std::conditional<kF32, float, __nv_bfloat16>::type;
+  __shared__ float4 red[red_size(kMaxNT, kWarps)];
+  const int64_t e = blockIdx.x, begin = offsets[e], end = offsets[e + 1];
+  if (end <= begin) return;
+  const uint8_t* pk = packed + e * N * (K / 2);
+  const uint8_t* sf = sfs + e * N * (K / kBlock);
+  const float scale = epilogue_scale(tensor_scale + e, extra);
+  const int64_t row0 = int64_t(blockIdx.y) * kRowsPerBlock;
+  for (int64_t tok0 = begin; tok0 < end; tok0 += 8 * kMaxNT) {
+    const int m_count = int(end - tok0 < 8 * kMaxNT ? end - tok0 : 8 * kMaxNT);
+    const T* xc = static_cast<const T*>(x) + tok0 * K;
+    T* yc = static_cast<T*>(y) + tok0 * N;
+    if (m_count <= 8) {
+      gemm_tile<1, kWarps, kF32, kAligned>(xc, m_count, pk, sf, scale, yc, N, K, row0, red);
+    } else if (kMaxNT >= 2 && m_count <= 16) {
+      gemm_tile<(kMaxNT >= 2 ? 2 : 1), kWarps, kF32, kAligned>(xc, m_count, pk, sf, scale, yc, N, K, row0, red);
+    } else {
+      gemm_tile<kMaxNT, kWarps, kF32, kAligned>(xc, m_count, pk, sf, scale, yc, N, K, row0, red);
+    }
+    if (tok0 + 8 * kMaxNT < end) __syncthreads();  // warp 0 has read red before the next chunk writes it
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Staged W4A16 GEMM (bf16 activations), for the batch sizes above decode's.
 //
@@ -475,6 +509,20 @@ __device__ __forceinline__ void stage_step(uint8_t* stage, const __nv_bfloat16* 
   }
 }
 
+// A lane's fragment of a whole tile in shared memory, stored as in global memory (kTileBytes: the
+// codes in lane-order 16-byte pieces, then the scales).
+__device__ __forceinline__ void read_tile(WFrag& f, const uint8_t* tile, int lane) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint4 a = *reinterpret_cast<const uint4*>(tile + 1024 * r + 16 * lane);
+    const uint4 b = *reinterpret_cast<const uint4*>(tile + 1024 * r + 512 + 16 * lane);
+    f.w[r][0] = a.x, f.w[r][1] = a.y, f.w[r][2] = a.z, f.w[r][3] = a.w;
+    f.w[r][4] = b.x, f.w[r][5] = b.y, f.w[r][6] = b.z, f.w[r][7] = b.w;
+  }
+  const uint4 v = *reinterpret_cast<const uint4*>(tile + 4096 + 16 * lane);
+  f.s[0] = v.x, f.s[1] = v.y, f.s[2] = v.z, f.s[3] = v.w;
+}
+
 // The warp's 32 rows x 256 K of a staged step against the chunk's NT n-tiles: each block c decoded
 // once (both m16 tiles), then every n-tile's activations of that block read from shared memory and
 // the products issued k-step by k-step, so that consecutive mma are independent (ncu: with two
@@ -482,17 +530,8 @@ __device__ __forceinline__ void stage_step(uint8_t* stage, const __nv_bfloat16* 
 template <int NT>
 __device__ __forceinline__ void staged_product(const uint8_t* stage, int warp, int lane, float (&acc)[2][NT][4]) {
   constexpr int kGroup = NT;  // all n-tiles' activations of a block at once: 8 NT registers
-  const uint8_t* wt = stage + staged_x_bytes(NT) + warp * kTileBytes;
   WFrag wf;
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const uint4 a = *reinterpret_cast<const uint4*>(wt + 1024 * r + 16 * lane);
-    const uint4 b = *reinterpret_cast<const uint4*>(wt + 1024 * r + 512 + 16 * lane);
-    wf.w[r][0] = a.x, wf.w[r][1] = a.y, wf.w[r][2] = a.z, wf.w[r][3] = a.w;
-    wf.w[r][4] = b.x, wf.w[r][5] = b.y, wf.w[r][6] = b.z, wf.w[r][7] = b.w;
-  }
-  const uint4 sv = *reinterpret_cast<const uint4*>(wt + 4096 + 16 * lane);
-  wf.s[0] = sv.x, wf.s[1] = sv.y, wf.s[2] = sv.z, wf.s[3] = sv.w;
+  read_tile(wf, stage + staged_x_bytes(NT) + warp * kTileBytes, lane);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     uint32_t d[2][2][8];  // [m-tile][rows g / g + 8][pairs]
@@ -522,5 +561,6 @@ __device__ __forceinline__ void staged_product(const uint8_t* stage, int warp, i
     }
   }
 }
+
 
 }  // namespace kiln::kernels::nvfp4_gemm

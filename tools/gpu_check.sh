@@ -9,6 +9,8 @@
 # and the peer's decode, into rollout.txt) nvfp4 (the GEMMs' cuda tests and bench nvfp4, into
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
+# grouped (the grouped W4A16 kernel: kiln_probe_nvfp4's work splits at 8-64 rows per expert and ncu
+# of the dispatch's kernel at 32, grouped.txt);
 # cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt);
 # mpigpus the MPI tests' CUDA ones at a rank per GPU (NCCL between GPUs: a machine with 2 or more, mpi.txt);
 # async the synchronous GRPO step against grpo.async (async.txt); split (grpo.async.placement split
@@ -310,6 +312,18 @@ if want nvfp4; then
 step "nvfp4: cuda tests of the GEMMs, then bench nvfp4"
 tests_then_bench 'CudaNvfp4*' nvfp4 nvfp4.txt
 fi  # nvfp4
+if want grouped; then
+# Where the grouped W4A16 kernel's time goes on the experts' decode and rollout shapes (8 to 64
+# rows per expert): the probe's other work splits and register budgets, then ncu of the
+# dispatch's kernel at 32 rows per expert (the probe at 256 tokens x 8), into grouped.txt.
+step "grouped W4A16: probe, then ncu at 32 rows per expert"
+./build-gpu/kiln_probe_nvfp4 grouped 2>&1 | tee -a "$out/grouped.txt"
+ncu --kernel-name-base demangled --kernel-name 'regex:grouped_kernel<\(int\)4, \(int\)4, \(bool\)0, \(bool\)1, \(int\)3>' --launch-count 1 \
+  --set full ./build-gpu/kiln_probe_nvfp4 grouped 256 2>&1 | grep -vE "^==PROF==" > "$tmp/ncu-grouped.txt"
+sed -n '/grouped_kernel/,$p' "$tmp/ncu-grouped.txt" | head -400 >> "$out/grouped.txt"
+grep -E "Duration|DRAM Throughput|L1/TEX Hit|L2 Hit|L2 Cache Throughput|Achieved Occupancy|Registers|Stall|Issued Warp|Warp Cycles" \
+  "$tmp/ncu-grouped.txt" | head -40
+fi  # grouped
 if want attention; then
 # Paged decode attention (issue 20): its cuda tests (every kernel against the reference on odd
 # sizes) and bench attention (tensor cores against SIMT, and both against the copy bandwidth).

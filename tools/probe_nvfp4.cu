@@ -1,6 +1,6 @@
-// Probe of the NVFP4 M = 1 dense GEMM (kiln_probe_nvfp4, CUDA builds only): times the library's
-// per-tile code (nvfp4_gemm.cuh) under other schedules and loaders, and splits it into its memory
-// and compute halves, against a read floor. Evidence for docs/PERFORMANCE.md, not a test.
+// Probe of the NVFP4 W4A16 GEMMs (kiln_probe_nvfp4, CUDA builds only): the M = 1 dense GEMM's tile
+// code (nvfp4_gemm.cuh) under other schedules and loaders, split into memory and compute halves,
+// and the grouped (experts) kernel against other work splits. Evidence for docs/PERFORMANCE.md.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "kernels/nvfp4_gemm.cuh"
@@ -184,30 +185,199 @@ __global__ void read_floor(const uint4* p, int64_t n, uint32_t* sink) {
   if (h == 0x9E3779B9u) *sink = h;  // keeps the loads
 }
 
-}  // namespace
+// Median microseconds per call of call(i), i = 0..19, captured as one CUDA graph (7 replays); call(-1)
+// runs once outside the capture first (shared-memory opt-ins, the diff's output).
+template <typename Call>
+double graph_us(cudaStream_t stream, const char* name, Call call) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "event");
+  check(cudaEventCreate(&stop), "event");
+  call(-1);
+  check(cudaStreamSynchronize(stream), name);
+  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+  for (int i = 0; i < 20; ++i) call(i);
+  check(cudaStreamEndCapture(stream, &graph), name);
+  check(cudaGraphInstantiate(&exec, graph, 0), name);
+  check(cudaGraphLaunch(exec, stream), name);
+  std::vector<float> us;
+  for (int r = 0; r < 7; ++r) {
+    cudaEventRecord(start, stream);
+    cudaGraphLaunch(exec, stream);
+    cudaEventRecord(stop, stream);
+    check(cudaEventSynchronize(stop), name);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    us.push_back(ms * 1e3f / 20);
+  }
+  std::sort(us.begin(), us.end());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return us[3];
+}
 
-int main() {
-  int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device query");
+// `copies` device copies of `bytes` random bytes: codes first, then finite E4M3 scales (below 0x60)
+// from code_bytes on. The values only matter for the diff columns.
+uint8_t* random_weights(int64_t code_bytes, int64_t bytes, int copies) {
+  std::vector<uint8_t> host(bytes);
+  uint32_t state = 1;
+  for (int64_t i = 0; i < bytes; ++i) {
+    state = state * 1664525u + 1013904223u;
+    host[i] = uint8_t(state >> 24);
+    if (i >= code_bytes) host[i] %= 0x60;
+  }
+  uint8_t* weights = nullptr;
+  check(cudaMalloc(&weights, bytes * copies), "cudaMalloc");
+  for (int c = 0; c < copies; ++c) check(cudaMemcpy(weights + c * bytes, host.data(), bytes, cudaMemcpyHostToDevice), "copy");
+  return weights;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped (experts) variants: the library's grouped_kernel (a tile's K split over a block's warps)
+// at other chunk sizes and register budgets, and grouped_rows_kernel (a row tile per warp, its
+// weight tiles kept in shared memory).
+
+// One tile (kTileBytes, whole) into shared memory by cp.async, 16 bytes per lane at a time.
+__device__ __forceinline__ void copy_tile(uint8_t* to, const uint8_t* codes, const uint8_t* scales, int lane) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) kiln::kernels::cp_async16(to + 512 * i + 16 * lane, codes + 512 * i + 16 * lane);
+  kiln::kernels::cp_async16(to + 4096 + 16 * lane, scales + 16 * lane);
+}
+
+// Grouped W4A16 GEMM with a row tile per warp (bf16 or fp32 activations), a variant the library
+// does not take: at 8-64 rows per expert it measured 0.87-1.0x grouped_kernel (2026-12-06, H200).
+// grouped_kernel splits each 32-row tile's K range over a block's warps, sums their partials in
+// shared memory at a barrier, and reads the tile's weights again for every chunk of tokens. Here
+// each warp owns a row tile over all of K and keeps its weight tiles in a ring of kRowsDepth stages
+// of shared memory, filled by cp.async a stage ahead of the product: an expert with K up to
+// 256 kRowsDepth (muse-small's 1024) loads its tiles once, all at once, and computes every token
+// chunk from shared memory; longer K streams the tiles again per chunk. No barrier spans warps.
+// Whole tiles only: N a multiple of 32 and K of 256, as the probe's shapes are.
+
+constexpr int kRowsDepth = 4;  // tiles per warp in shared memory (18 KB)
+__host__ __device__ constexpr int grouped_rows_smem(int warps) { return warps * kRowsDepth * kTileBytes; }
+
+template <int NT, bool kF32>
+__device__ __forceinline__ void rows_chunk(uint8_t* ring, bool resident, const uint8_t* tw, const uint8_t* ts,
+                                           int64_t steps, const void* x, int m_count, float scale, void* y, int64_t N,
+                                           int64_t K, int64_t row0) {
+  using T = typename std::conditional<kF32, float, __nv_bfloat16>::type;
+  constexpr int64_t kUnits = nvfp4_layout::kTileUnits;
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
+  const void* xrow[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+    xrow[n] = 8 * n + g < m_count ? static_cast<const void*>(static_cast<const T*>(x) + (8 * n + g) * K) : nullptr;
+  float acc[2][NT][4];
+  zero_acc<NT>(acc);
+  if (!resident)  // the ring's first stages; one commit group per stage, empty ones past the end
+    for (int j = 0; j < kRowsDepth; ++j) {
+      if (j < steps) copy_tile(ring + j * kTileBytes, tw + j * kUnits * 8, ts + j * kUnits, lane);
+      cp_async_commit();
+    }
+  for (int64_t sc = 0; sc < steps; ++sc) {
+    uint8_t* slot = ring + (sc % kRowsDepth) * kTileBytes;
+    WFrag wf;
+    if (!resident) {
+      cp_async_wait<kRowsDepth - 1>();  // step sc's group has landed
+      __syncwarp();
+    }
+    read_tile(wf, slot, lane);
+    if (!resident) {
+      __syncwarp();  // every lane has read the slot before it is refilled
+      if (sc + kRowsDepth < steps)
+        copy_tile(slot, tw + (sc + kRowsDepth) * kUnits * 8, ts + (sc + kRowsDepth) * kUnits, lane);
+      cp_async_commit();
+    }
+    super_product<NT, kF32>(wf, xrow, sc, t, acc);
+  }
+  store_tile<NT, kF32>(acc, scale, y, N, row0, m_count);
+}
+
+// Block (expert, kWarps row tiles); the expert's rows in chunks of up to 8 kMaxNT tokens, each with
+// the smallest n-tile count that covers it. Dynamic shared memory: grouped_rows_smem(kWarps).
+// kMinBlocks: the blocks per multiprocessor the registers are budgeted for.
+template <int kMaxNT, int kWarps, bool kF32, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    grouped_rows_kernel(const void* __restrict__ x, const int64_t* __restrict__ offsets,
+                        const uint8_t* __restrict__ packed, const uint8_t* __restrict__ sfs,
+                        const float* __restrict__ tensor_scale, const float* __restrict__ extra, void* __restrict__ y,
+                        int64_t N, int64_t K) {
+  using T = typename std::conditional<kF32, float, __nv_bfloat16>::type;
+  extern __shared__ __align__(16) uint8_t rows_smem[];
+  constexpr int64_t kUnits = nvfp4_layout::kTileUnits;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t e = blockIdx.x, begin = offsets[e], end = offsets[e + 1];
+  const int64_t row0 = (int64_t(blockIdx.y) * kWarps + warp) * kRowsPerBlock, steps = K / kSuper;
+  if (end <= begin || row0 >= N) return;  // nothing below waits on other warps
+  const uint8_t* tw = packed + e * N * (K / 2) + (row0 / kRowsPerBlock) * steps * kUnits * 8;
+  const uint8_t* ts = sfs + e * N * (K / kBlock) + (row0 / kRowsPerBlock) * steps * kUnits;
+  uint8_t* ring = rows_smem + warp * kRowsDepth * kTileBytes;
+  const bool resident = steps <= kRowsDepth;
+  if (resident) {
+    for (int64_t sc = 0; sc < steps; ++sc) copy_tile(ring + sc * kTileBytes, tw + sc * kUnits * 8, ts + sc * kUnits, lane);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+  }
+  const float scale = epilogue_scale(tensor_scale + e, extra);
+  for (int64_t tok0 = begin; tok0 < end; tok0 += 8 * kMaxNT) {
+    const int m = int(end - tok0 < 8 * kMaxNT ? end - tok0 : 8 * kMaxNT);
+    const T* xc = static_cast<const T*>(x) + tok0 * K;
+    T* yc = static_cast<T*>(y) + tok0 * N;
+    if (m <= 8) {
+      rows_chunk<1, kF32>(ring, resident, tw, ts, steps, xc, m, scale, yc, N, K, row0);
+    } else if (kMaxNT == 2 || m <= 16) {
+      rows_chunk<(kMaxNT >= 2 ? 2 : 1), kF32>(ring, resident, tw, ts, steps, xc, m, scale, yc, N, K, row0);
+    } else if (kMaxNT == 4 || m <= 32) {
+      rows_chunk<(kMaxNT >= 4 ? 4 : 1), kF32>(ring, resident, tw, ts, steps, xc, m, scale, yc, N, K, row0);
+    } else {
+      rows_chunk<kMaxNT, kF32>(ring, resident, tw, ts, steps, xc, m, scale, yc, N, K, row0);
+    }
+  }
+}
+
+
+template <int kMaxNT, int W, int kMinBlocks = 1>
+void launch_grouped_rows(const __nv_bfloat16* x, const int64_t* offsets, const uint8_t* packed, const uint8_t* sfs,
+                         const float* ts, __nv_bfloat16* y, int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
+  static const cudaError_t opt_in = cudaFuncSetAttribute(
+      grouped_rows_kernel<kMaxNT, W, false, kMinBlocks>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      grouped_rows_smem(W));
+  check(opt_in, "shared memory opt-in");
+  const dim3 grid(unsigned(E), unsigned((N + W * kRowsPerBlock - 1) / (W * kRowsPerBlock)));
+  grouped_rows_kernel<kMaxNT, W, false, kMinBlocks>
+      <<<grid, W * 32, grouped_rows_smem(W), stream>>>(x, offsets, packed, sfs, ts, nullptr, y, N, K);
+}
+
+template <int kMaxNT, int W, int kMinBlocks = min_blocks(kMaxNT, W)>
+void launch_library_grouped(const __nv_bfloat16* x, const int64_t* offsets, const uint8_t* packed, const uint8_t* sfs,
+                            const float* ts, __nv_bfloat16* y, int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
+  const dim3 grid(unsigned(E), unsigned(N / kRowsPerBlock));
+  grouped_kernel<kMaxNT, W, false, true, kMinBlocks>
+      <<<grid, W * 32, 0, stream>>>(x, offsets, packed, sfs, ts, nullptr, y, N, K);
+}
+
+template <typename Kernel>
+int registers(Kernel k) {
+  cudaFuncAttributes a{};
+  check(cudaFuncGetAttributes(&a, k), "attributes");
+  return a.numRegs;
+}
+
+void probe_dense(int sms, cudaStream_t stream) {
   std::printf("NVFP4 M = 1 dense GEMM probe: CUDA graphs of 20 calls over rotating weight copies (>= 512 MiB),\n"
               "median of 7 replays; W warps per block, S blocks (a cluster) per row tile; diff: max |y - y(W 8)|\n");
   const int64_t shapes[][2] = {{8192, 4096}, {4096, 8192}, {12288, 8192}};
   for (const auto& shape : shapes) {
     const int64_t N = shape[0], K = shape[1], code_bytes = N * K / 2, bytes = code_bytes + N * K / 16;
     const int copies = int(std::max<int64_t>(2, (int64_t(512) << 20) / bytes));
-    // Random codes and finite scales (E4M3 below 0x60): the values only matter for the diff column.
-    std::vector<uint8_t> host(bytes);
-    uint32_t state = 1;
-    for (int64_t i = 0; i < bytes; ++i) {
-      state = state * 1664525u + 1013904223u;
-      host[i] = uint8_t(state >> 24);
-      if (i >= code_bytes) host[i] %= 0x60;
-    }
-    uint8_t* weights = nullptr;
+    uint8_t* weights = random_weights(code_bytes, bytes, copies);
     __nv_bfloat16 *x = nullptr, *y = nullptr;
     uint32_t* sink = nullptr;
-    check(cudaMalloc(&weights, bytes * copies), "cudaMalloc");
-    for (int c = 0; c < copies; ++c) check(cudaMemcpy(weights + c * bytes, host.data(), bytes, cudaMemcpyHostToDevice), "copy");
     std::vector<__nv_bfloat16> hx(K);
     for (int64_t k = 0; k < K; ++k) hx[k] = __float2bfloat16(float(k * 37 % 17) / 17.0f - 0.5f);
     check(cudaMalloc(&x, K * 2), "cudaMalloc");
@@ -218,34 +388,12 @@ int main() {
     launch<8, 1, kLoad>(x, weights, weights + code_bytes, y, N, K, nullptr);
     check(cudaMemcpy(ref.data(), y, N * 2, cudaMemcpyDeviceToHost), "reference");
 
-    cudaStream_t stream;
-    cudaEvent_t start, stop;
-    check(cudaStreamCreate(&stream), "stream");
-    cudaEventCreate(&start);
-    cudaEventCreate(&stop);
     double floor_us = 0;
     auto time = [&](const char* name, bool diff, auto call) {
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      call(weights, weights + code_bytes);
-      check(cudaStreamSynchronize(stream), name);
-      check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
-      for (int i = 0; i < 20; ++i) call(weights + (i % copies) * bytes, weights + (i % copies) * bytes + code_bytes);
-      check(cudaStreamEndCapture(stream, &graph), name);
-      check(cudaGraphInstantiate(&exec, graph, 0), name);
-      check(cudaGraphLaunch(exec, stream), name);
-      std::vector<float> us;
-      for (int r = 0; r < 7; ++r) {
-        cudaEventRecord(start, stream);
-        cudaGraphLaunch(exec, stream);
-        cudaEventRecord(stop, stream);
-        check(cudaEventSynchronize(stop), name);
-        float ms = 0;
-        cudaEventElapsedTime(&ms, start, stop);
-        us.push_back(ms * 1e3f / 20);
-      }
-      std::sort(us.begin(), us.end());
-      const double t = us[3];
+      const double t = graph_us(stream, name, [&](int i) {
+        const uint8_t* w = weights + (i < 0 ? 0 : (i % copies) * bytes);
+        call(w, w + code_bytes);
+      });
       if (floor_us == 0) floor_us = t;
       std::printf("  %-34s %7.2f us  %5.2f TB/s  %5.2fx read", name, t, double(bytes) / t / 1e6, t / floor_us);
       if (diff) {
@@ -255,8 +403,6 @@ int main() {
         std::printf("  diff %.1e", d);
       }
       std::printf("\n");
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
     };
     std::printf("\n(N, K) = (%lld, %lld): %.1f MB per call\n", (long long)N, (long long)K, double(bytes) / 1e6);
     time("read floor (grid-stride)", false, [&](const uint8_t* p, const uint8_t*) {
@@ -277,11 +423,111 @@ int main() {
     PROBE(4, 1, kBulk, true);
 #undef PROBE
     check(cudaGetLastError(), "probe kernels");
-    cudaStreamDestroy(stream);
     cudaFree(weights);
     cudaFree(x);
     cudaFree(y);
     cudaFree(sink);
   }
+}
+
+// Top-k routing of `tokens` tokens over E experts (distinct experts per token, a fixed LCG), as
+// per-expert row counts.
+std::vector<int64_t> routed_counts(int64_t tokens, int top_k, int64_t E) {
+  std::vector<int64_t> counts(E, 0);
+  uint32_t state = 7;
+  for (int64_t i = 0; i < tokens; ++i) {
+    std::vector<int64_t> picked;
+    while (int(picked.size()) < top_k) {
+      state = state * 1664525u + 1013904223u;
+      const int64_t e = int64_t(state >> 8) % E;
+      if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
+    }
+    for (int64_t e : picked) ++counts[e];
+  }
+  return counts;
+}
+
+// tokens: the routed batch sizes to run (each x 8 rows).
+void probe_grouped(cudaStream_t stream, const std::vector<int64_t>& batches) {
+  std::printf("\nNVFP4 grouped (experts) W4A16 probe, muse-small's expert matrices (64 x 1024 x 1024), bf16,\n"
+              "rows routed top-8; diff: max |y - y(library)| over all rows; regs: registers per thread\n");
+  const int64_t E = 64, N = 1024, K = 1024, per = N * K / 2 + N * K / kBlock, code_bytes = E * N * K / 2;
+  const int64_t bytes = E * per;
+  const int copies = int(std::max<int64_t>(2, (int64_t(512) << 20) / bytes));
+  uint8_t* weights = random_weights(code_bytes, bytes, copies);
+  float* ts = nullptr;
+  std::vector<float> ones(E, 1.0f);
+  check(cudaMalloc(&ts, E * 4), "cudaMalloc");
+  check(cudaMemcpy(ts, ones.data(), E * 4, cudaMemcpyHostToDevice), "copy");
+  for (const int64_t tokens : batches) {
+    const std::vector<int64_t> counts = routed_counts(tokens, 8, E);
+    std::vector<int64_t> off{0};
+    for (int64_t c : counts) off.push_back(off.back() + c);
+    const int64_t R = off.back();
+    int64_t* offsets = nullptr;
+    __nv_bfloat16 *x = nullptr, *y = nullptr;
+    check(cudaMalloc(&offsets, (E + 1) * 8), "cudaMalloc");
+    check(cudaMemcpy(offsets, off.data(), (E + 1) * 8, cudaMemcpyHostToDevice), "copy");
+    std::vector<__nv_bfloat16> hx(R * K);
+    for (int64_t i = 0; i < R * K; ++i) hx[i] = __float2bfloat16(float(i * 37 % 17) / 17.0f - 0.5f);
+    check(cudaMalloc(&x, R * K * 2), "cudaMalloc");
+    check(cudaMalloc(&y, R * N * 2), "cudaMalloc");
+    check(cudaMemcpy(x, hx.data(), R * K * 2, cudaMemcpyHostToDevice), "copy");
+    std::vector<__nv_bfloat16> ref, got(R * N);
+    const double moved = double(bytes) + 2.0 * double(R) * double(K + N);
+    std::printf("\n%lld tokens x 8: %lld rows, %.1f per expert (max %lld); %.1f MB per call\n", (long long)tokens,
+                (long long)R, double(R) / double(E), (long long)*std::max_element(counts.begin(), counts.end()),
+                moved / 1e6);
+    auto time = [&](const char* name, int regs, auto launch) {
+      const double t = graph_us(stream, name, [&](int i) {
+        const uint8_t* w = weights + (i < 0 ? 0 : (i % copies) * bytes);
+        launch(x, offsets, w, w + code_bytes, ts, y, E, N, K, stream);
+      });
+      check(cudaMemcpy(got.data(), y, R * N * 2, cudaMemcpyDeviceToHost), name);
+      if (ref.empty()) ref = got;
+      float d = 0;
+      for (int64_t i = 0; i < R * N; ++i) d = std::max(d, std::fabs(__bfloat162float(got[i]) - __bfloat162float(ref[i])));
+      std::printf("  %-30s %7.2f us  %5.2f TB/s  regs %3d  diff %.1e\n", name, t, moved / t / 1e6, regs, d);
+    };
+    time("library kMaxNT 2, W 4", registers(grouped_kernel<2, 4, false, true>), launch_library_grouped<2, 4>);
+    time("library kMaxNT 4, W 4", registers(grouped_kernel<4, 4, false, true>), launch_library_grouped<4, 4>);
+    time("library kMaxNT 4, W 4, 3 blocks", registers(grouped_kernel<4, 4, false, true, 3>),
+         launch_library_grouped<4, 4, 3>);
+    time("library kMaxNT 4, W 4, 4 blocks", registers(grouped_kernel<4, 4, false, true, 4>),
+         launch_library_grouped<4, 4, 4>);
+    time("library kMaxNT 8, W 4", registers(grouped_kernel<8, 4, false, true>), launch_library_grouped<8, 4>);
+    time("rows kMaxNT 2, W 4", registers(grouped_rows_kernel<2, 4, false>), launch_grouped_rows<2, 4>);
+    time("rows kMaxNT 4, W 4", registers(grouped_rows_kernel<4, 4, false>), launch_grouped_rows<4, 4>);
+    time("rows kMaxNT 4, W 2", registers(grouped_rows_kernel<4, 2, false>), launch_grouped_rows<4, 2>);
+    time("rows kMaxNT 8, W 4", registers(grouped_rows_kernel<8, 4, false>), launch_grouped_rows<8, 4>);
+    time("rows kMaxNT 4, W 4, 3 blocks", registers(grouped_rows_kernel<4, 4, false, 3>),
+         launch_grouped_rows<4, 4, 3>);
+    time("rows kMaxNT 4, W 2, 6 blocks", registers(grouped_rows_kernel<4, 2, false, 6>),
+         launch_grouped_rows<4, 2, 6>);
+    time("rows kMaxNT 2, W 2, 8 blocks", registers(grouped_rows_kernel<2, 2, false, 8>),
+         launch_grouped_rows<2, 2, 8>);
+    check(cudaGetLastError(), "grouped probe kernels");
+    cudaFree(offsets);
+    cudaFree(x);
+    cudaFree(y);
+  }
+  cudaFree(ts);
+  cudaFree(weights);
+}
+
+}  // namespace
+
+// kiln_probe_nvfp4 [dense|grouped [tokens]]: one section, or both; grouped at one batch of
+// `tokens` tokens (for a profiler) or at 64, 256 and 512.
+int main(int argc, char** argv) {
+  const std::string only = argc > 1 ? argv[1] : "";
+  const std::vector<int64_t> batches = argc > 2 ? std::vector<int64_t>{std::atoll(argv[2])} : std::vector<int64_t>{64, 256, 512};
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device query");
+  cudaStream_t stream;
+  check(cudaStreamCreate(&stream), "stream");
+  if (only.empty() || only == "dense") probe_dense(sms, stream);
+  if (only.empty() || only == "grouped") probe_grouped(stream, batches);
+  cudaStreamDestroy(stream);
   return 0;
 }
