@@ -369,6 +369,14 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
          nvfp4_wgmma_usable(x, w);
 }
 
+// The grouped staged kernel where KILN_NVFP4_GEMM=staged selects it: bf16 experts between 16 and
+// kFusedMaxRows rows per expert on average whose stack it takes (grouped_staged_fits).
+bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
+  const int64_t E = w.stacked() ? w.packed.size(0) : 0;
+  return E > 0 && nvfp4_gemm_selected() == Nvfp4Gemm::kStaged && x.scalar_type() == at::kBFloat16 && rows > 16 * E &&
+         rows <= kFusedMaxRows * E && grouped_staged_fits(w.rows(), w.cols());
+}
+
 DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (!KILN_WITH_CUDA || !x.is_cuda() || !(bf16 || x.scalar_type() == at::kFloat) || !w.kernel_layout || w.stacked())
@@ -442,15 +450,18 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4Li
 #endif
 }
 
-bool nvfp4_wgmma_selected() {
-  static const bool selected = [] {
+Nvfp4Gemm nvfp4_gemm_selected() {
+  static const Nvfp4Gemm selected = [] {
     const char* e = std::getenv("KILN_NVFP4_GEMM");
-    if (!e || !*e || std::strcmp(e, "auto") == 0) return false;
-    KILN_CHECK(std::strcmp(e, "wgmma") == 0, "KILN_NVFP4_GEMM: expected 'auto' or 'wgmma' (got '", e, "')");
-    return true;
+    if (!e || !*e || std::strcmp(e, "auto") == 0) return Nvfp4Gemm::kAuto;
+    if (std::strcmp(e, "wgmma") == 0) return Nvfp4Gemm::kWgmma;
+    KILN_CHECK(std::strcmp(e, "staged") == 0, "KILN_NVFP4_GEMM: expected 'auto', 'wgmma' or 'staged' (got '", e, "')");
+    return Nvfp4Gemm::kStaged;
   }();
   return selected;
 }
+
+bool nvfp4_wgmma_selected() { return nvfp4_gemm_selected() == Nvfp4Gemm::kWgmma; }
 
 bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Tensor& x) {
   return KILN_WITH_CUDA && KILN_TORCH_AT_LEAST(2, 8) && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
@@ -469,8 +480,10 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
     const bool wgmma = takes_wgmma(x, w, rows, E);
     if (wgmma || rows <= kFusedMaxRows * E) {
       const bool scalar = !extra.defined() || extra.dim() == 0;
-      at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor(), opt.live_rows,
-                                               wgmma ? Nvfp4Gemm::kWgmma : Nvfp4Gemm::kAuto);
+      const Nvfp4Gemm gemm = wgmma                                 ? Nvfp4Gemm::kWgmma
+                             : takes_grouped_staged(x, w, rows) ? Nvfp4Gemm::kStaged
+                                                                : Nvfp4Gemm::kAuto;
+      at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor(), opt.live_rows, gemm);
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
     }
 #if KILN_TORCH_AT_LEAST(2, 8)

@@ -384,6 +384,23 @@ cudaError_t launch_staged(const void* x, const uint8_t* packed, const uint8_t* s
   return launch_staged_nt<8>(x, packed, sfs, ts, extra, y, M, N, K, stream);
 }
 
+// The grouped staged kernel: 16-token chunks at decode sizes (16 rows or fewer per expert on
+// average), else 32. Its shared-memory limit is raised once per process, at the first call: the
+// rollout engine's decode graphs run each step once before capturing it (rollout/decode_graph.cpp).
+template <int NT>
+cudaError_t launch_grouped_staged_nt(const void* x, const int64_t* offsets, const uint8_t* packed, const uint8_t* sfs,
+                                     const float* ts, const float* extra, void* y, int64_t E, int64_t N, int64_t K,
+                                     cudaStream_t stream) {
+  constexpr int smem = 2 * staged_stage_bytes(NT);
+  static const cudaError_t opt_in =
+      cudaFuncSetAttribute(grouped_staged_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (opt_in != cudaSuccess) return opt_in;
+  const dim3 grid(unsigned(E), unsigned((N + kStagedRows - 1) / kStagedRows));
+  grouped_staged_kernel<NT><<<grid, kStagedWarps * 32, smem, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), offsets, packed, sfs, ts, extra, static_cast<__nv_bfloat16*>(y), N, K);
+  return cudaGetLastError();
+}
+
 // Grid of a per-block kernel over E matrices of `per` blocks each: y = the matrix, x = enough blocks
 // of `threads` to cover one matrix, about 16 per multiprocessor over all (a grid-stride loop does
 // the rest). Fails when a matrix's block count needs more than 32 bits or E is over the y limit.
@@ -474,10 +491,17 @@ cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* 
 
 cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const int64_t* offsets, const uint8_t* packed,
                                         const uint8_t* block_scale, const float* tensor_scale, const float* scale,
-                                        void* y, int64_t R, int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
+                                        void* y, int64_t R, int64_t E, int64_t N, int64_t K, cudaStream_t stream,
+                                        Nvfp4Gemm gemm) {
   if (R == 0 || E == 0 || N == 0) return cudaSuccess;
   if (dtype != Nvfp4DType::kFloat32 && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
+  if (gemm != Nvfp4Gemm::kAuto && gemm != Nvfp4Gemm::kSplitK && gemm != Nvfp4Gemm::kStaged) return cudaErrorInvalidValue;
   const bool f32 = dtype == Nvfp4DType::kFloat32;
+  if (gemm == Nvfp4Gemm::kStaged) {
+    if (f32 || !grouped_staged_fits(N, K)) return cudaErrorInvalidValue;
+    if (R <= 16 * E) return launch_grouped_staged_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream);
+    return launch_grouped_staged_nt<4>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream);
+  }
   // Decode-sized batches (up to 16 rows per expert on average) keep the 1-2 n-tile bodies lean.
   if (R <= 16 * E)
     return f32 ? launch_grouped_w<2, true>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream)

@@ -123,7 +123,8 @@ at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype);  /
 at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale,
                              Nvfp4Gemm gemm = Nvfp4Gemm::kAuto);
 // live_rows: the rows that carry work, for the tile choice (0: every row; see Nvfp4LinearOptions).
-// gemm: kAuto (the split-K kernels) or one of the wgmma GEMMs (nvfp4_wgmma_usable must hold).
+// gemm: kAuto or kSplitK (the split-K kernels), kStaged (bf16 x, grouped_staged_fits) or one of the
+// wgmma GEMMs (nvfp4_wgmma_usable must hold).
 at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                      const at::Tensor& scale, int64_t live_rows = 0, Nvfp4Gemm gemm = Nvfp4Gemm::kAuto);
 // Whether the wgmma GEMM (Nvfp4Gemm::kWgmma) can run x (bf16 on CUDA) against w: the kernel layout,
@@ -131,8 +132,11 @@ at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, 
 bool nvfp4_wgmma_usable(const at::Tensor& x, const Nvfp4Tensor& w);
 // Whether the dispatch above 16 rows (per expert) takes the wgmma GEMM wherever it is usable, in
 // place of split-K and of dequantise + cuBLAS: environment KILN_NVFP4_GEMM=wgmma. Unset or "auto":
-// only where it measured faster (dense, 65-256 tokens, 8192 output rows or more); any other value
-// is an error that names it.
+// only where it measured faster (dense, 65-256 tokens, 8192 output rows or more); "staged": the
+// experts' grouped staged kernel at 17-64 rows per expert (bf16) in place of split-K, a trial of
+// the kernel before the dispatch takes it by measurement; any other value is an error that names
+// it. nvfp4_gemm_selected: kAuto, kWgmma or kStaged, read once.
+Nvfp4Gemm nvfp4_gemm_selected();
 bool nvfp4_wgmma_selected();
 
 }  // namespace kiln::kernels

@@ -189,10 +189,15 @@ at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, 
     return run_wgmma(xc, packed, scales, s2, scale, off.data_ptr<int64_t>(), E, tile_rows, y, gemm,
                      "nvfp4_grouped_linear_cuda");
   }
+  KILN_CHECK(gemm != Nvfp4Gemm::kStaged || x.scalar_type() == at::kBFloat16,
+             "nvfp4_grouped_linear_cuda: the staged kernel takes bfloat16 x (got ", x.scalar_type(), ")");
+  KILN_CHECK(gemm != Nvfp4Gemm::kStaged || grouped_staged_fits(N, K),
+             "nvfp4_grouped_linear_cuda: the staged kernel needs every expert's codes and scales on 16 bytes: K a "
+             "multiple of 32 and N * K / 16 of 16 (got N = ", N, ", K = ", K, ")");
   const cudaError_t err = launch_nvfp4_grouped_linear(
       xc.data_ptr(), dtype_of(x.scalar_type()), off.data_ptr<int64_t>(), packed.data_ptr<uint8_t>(),
       scales.data_ptr<uint8_t>(), s2.data_ptr<float>(), scale.defined() ? scale.data_ptr<float>() : nullptr,
-      y.data_ptr(), tile_rows, E, N, K, c10::cuda::getCurrentCUDAStream());
+      y.data_ptr(), tile_rows, E, N, K, c10::cuda::getCurrentCUDAStream(), gemm);
   KILN_CHECK(err == cudaSuccess, "nvfp4_grouped_linear_cuda: kernel launch failed: ", cudaGetErrorString(err));
   return y;
 #else

@@ -563,4 +563,48 @@ __device__ __forceinline__ void staged_product(const uint8_t* stage, int warp, i
 }
 
 
+
+// Grouped staged W4A16 GEMM (bf16): block (expert, kStagedRows-row slab, z) runs staged_kernel's
+// pipeline (stage_step, staged_product) over its expert's chunks of 8 NT tokens z, z + gridDim.z,
+// ... (the library launches one z; the probe tries two). The 8
+// warps' 256 weight rows share each 256-K step of a chunk's activations, copied once per block,
+// where grouped_kernel's 32-row blocks each read them from L2 (its ncu profile: latency-bound on
+// those reads, docs/PERFORMANCE.md). Needs grouped_staged_fits; dynamic shared memory
+// 2 staged_stage_bytes(NT).
+template <int NT>
+__global__ void __launch_bounds__(kStagedWarps * 32, NT <= 4 ? 2 : 1)
+    grouped_staged_kernel(const __nv_bfloat16* __restrict__ x, const int64_t* __restrict__ offsets,
+                          const uint8_t* __restrict__ packed, const uint8_t* __restrict__ sfs,
+                          const float* __restrict__ tensor_scale, const float* __restrict__ extra,
+                          __nv_bfloat16* __restrict__ y, int64_t N, int64_t K) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int kStage = staged_stage_bytes(NT);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t e = blockIdx.x, begin = offsets[e], end = offsets[e + 1];
+  const int64_t row0 = int64_t(blockIdx.y) * kStagedRows, rows = row0 + kRowsPerBlock * warp;
+  const int64_t steps = (K + kSuper - 1) / kSuper;
+  const uint8_t* pk = packed + e * N * (K / 2);
+  const uint8_t* sf = sfs + e * N * (K / kBlock);
+  const float scale = epilogue_scale(tensor_scale + e, extra);
+  // The same trip count in every thread of the block.
+  for (int64_t tok0 = begin + int64_t(blockIdx.z) * 8 * NT; tok0 < end; tok0 += int64_t(gridDim.z) * 8 * NT) {
+    const int m = int(end - tok0 < 8 * NT ? end - tok0 : 8 * NT);
+    const __nv_bfloat16* xc = x + tok0 * K;
+    float acc[2][NT][4];
+    zero_acc<NT>(acc);
+    __syncthreads();  // every warp is done with the previous chunk's stages
+    stage_step<NT>(smem, xc, m, pk, sf, N, K, row0, 0);
+    cp_async_commit();
+    for (int64_t sc = 0; sc < steps; ++sc) {
+      // As staged_kernel: step sc has landed for everyone, and step sc - 1's stage is free.
+      cp_async_wait<0>();
+      __syncthreads();
+      if (sc + 1 < steps) stage_step<NT>(smem + ((sc + 1) & 1) * kStage, xc, m, pk, sf, N, K, row0, sc + 1);
+      cp_async_commit();
+      if (rows < N) staged_product<NT>(smem + (sc & 1) * kStage, warp, lane, acc);
+    }
+    if (rows < N) store_tile<NT, false>(acc, scale, y + tok0 * N, N, rows, m);
+  }
+}
+
 }  // namespace kiln::kernels::nvfp4_gemm

@@ -291,15 +291,15 @@ done
 step "bench decode (muse-small, BF16 and NVFP4)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 \
   2>&1 | tee -a "$out/rollout.txt"
-# With KILN_ROLLOUT_WGMMA=1, the same two with the wgmma W4A16 GEMM everywhere in the NVFP4 dispatch
-# above 16 rows (KILN_NVFP4_GEMM=wgmma), in the same call. Off by default: bench nvfp4 measured it
-# slower than the dispatch's paths on every muse-small shape (docs/PERFORMANCE.md, 2026-12-06).
-if [ "${KILN_ROLLOUT_WGMMA:-0}" = 1 ]; then
-step "bench rollout and decode, NVFP4 with the wgmma W4A16 GEMM (KILN_NVFP4_GEMM=wgmma)"
-KILN_NVFP4_GEMM=wgmma ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml \
+# With KILN_ROLLOUT_GEMM=wgmma or staged, the same two again with that NVFP4 GEMM in the dispatch
+# (KILN_NVFP4_GEMM: wgmma everywhere above 16 rows, or the experts' grouped staged kernel at 17-64
+# rows per expert), in the same call. Off by default: each run costs device time.
+if [ -n "${KILN_ROLLOUT_GEMM:-}" ]; then
+step "bench rollout and decode, NVFP4 with KILN_NVFP4_GEMM=$KILN_ROLLOUT_GEMM"
+KILN_NVFP4_GEMM="$KILN_ROLLOUT_GEMM" ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml \
   --quantization nvfp4 ${KILN_ROLLOUT_ARGS:-} 2>&1 | tee -a "$out/rollout.txt"
-KILN_NVFP4_GEMM=wgmma ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 \
-  --quantization nvfp4 2>&1 | tee -a "$out/rollout.txt"
+KILN_NVFP4_GEMM="$KILN_ROLLOUT_GEMM" ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml \
+  --len 1024 --gen 32 --quantization nvfp4 2>&1 | tee -a "$out/rollout.txt"
 fi
 peer="${KILN_PEER_DIR:-.cache/peers}"
 if [ -f "$peer/torch_peer.py" ]; then

@@ -237,8 +237,9 @@ uint8_t* random_weights(int64_t code_bytes, int64_t bytes, int copies) {
 
 // ---------------------------------------------------------------------------------------------
 // Grouped (experts) variants: the library's grouped_kernel (a tile's K split over a block's warps)
-// at other chunk sizes and register budgets, and grouped_rows_kernel (a row tile per warp, its
-// weight tiles kept in shared memory).
+// at other chunk sizes and register budgets, its grouped_staged_kernel (activations staged once per
+// 256-row block) at other chunk sizes and with each expert's chunks split over two blocks, and
+// grouped_rows_kernel (a row tile per warp, its weight tiles kept in shared memory).
 
 // One tile (kTileBytes, whole) into shared memory by cp.async, 16 bytes per lane at a time.
 __device__ __forceinline__ void copy_tile(uint8_t* to, const uint8_t* codes, const uint8_t* scales, int lane) {
@@ -340,53 +341,17 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 }
 
-
-// Grouped W4A16 GEMM with the activations staged in shared memory: block (expert, 256-row slab,
-// z) runs the dense staged kernel's pipeline (stage_step, staged_product: 8 warps of 32 rows share
-// each 256-K step of a token chunk's activations, copied once per block by cp.async, two steps deep)
-// over the expert's chunks z, z + kSplit, ... of 8 NT tokens. An L2 read of the activations feeds
-// 256 weight rows, not grouped_kernel's 32.
-template <int NT, int kSplit>
-__global__ void __launch_bounds__(kStagedWarps * 32, 2)
-    grouped_staged_kernel(const __nv_bfloat16* x, const int64_t* offsets, const uint8_t* packed, const uint8_t* sfs,
-                          const float* ts, __nv_bfloat16* y, int64_t N, int64_t K) {
-  extern __shared__ __align__(16) uint8_t smem[];
-  constexpr int kStage = staged_stage_bytes(NT);
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const int64_t e = blockIdx.x, begin = offsets[e], end = offsets[e + 1];
-  const int64_t row0 = int64_t(blockIdx.y) * kStagedRows, rows = row0 + kRowsPerBlock * warp;
-  const int64_t steps = (K + kSuper - 1) / kSuper;
-  const uint8_t* pk = packed + e * N * (K / 2);
-  const uint8_t* sf = sfs + e * N * (K / kBlock);
-  const float scale = ts[e] * kEpilogueUnscale;
-  for (int64_t tok0 = begin + int64_t(blockIdx.z) * 8 * NT; tok0 < end; tok0 += int64_t(kSplit) * 8 * NT) {
-    const int m = int(end - tok0 < 8 * NT ? end - tok0 : 8 * NT);
-    const __nv_bfloat16* xc = x + tok0 * K;
-    float acc[2][NT][4];
-    zero_acc<NT>(acc);
-    __syncthreads();  // every warp is done with the previous chunk's stages
-    stage_step<NT>(smem, xc, m, pk, sf, N, K, row0, 0);
-    cp_async_commit();
-    for (int64_t sc = 0; sc < steps; ++sc) {
-      cp_async_wait<0>();
-      __syncthreads();
-      if (sc + 1 < steps) stage_step<NT>(smem + ((sc + 1) & 1) * kStage, xc, m, pk, sf, N, K, row0, sc + 1);
-      cp_async_commit();
-      if (rows < N) staged_product<NT>(smem + (sc & 1) * kStage, warp, lane, acc);
-    }
-    if (rows < N) store_tile<NT, false>(acc, scale, y + tok0 * N, N, rows, m);
-  }
-}
-
+// The library's grouped staged kernel, each expert's chunks over kSplit blocks per slab.
 template <int NT, int kSplit>
 void launch_grouped_staged(const __nv_bfloat16* x, const int64_t* offsets, const uint8_t* packed, const uint8_t* sfs,
                            const float* ts, __nv_bfloat16* y, int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
   constexpr int smem = 2 * staged_stage_bytes(NT);
   static const cudaError_t opt_in =
-      cudaFuncSetAttribute(grouped_staged_kernel<NT, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      cudaFuncSetAttribute(grouped_staged_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check(opt_in, "shared memory opt-in");
   const dim3 grid(unsigned(E), unsigned((N + kStagedRows - 1) / kStagedRows), unsigned(kSplit));
-  grouped_staged_kernel<NT, kSplit><<<grid, kStagedWarps * 32, smem, stream>>>(x, offsets, packed, sfs, ts, y, N, K);
+  grouped_staged_kernel<NT>
+      <<<grid, kStagedWarps * 32, smem, stream>>>(x, offsets, packed, sfs, ts, nullptr, y, N, K);
 }
 
 template <int kMaxNT, int W, int kMinBlocks = 1>
@@ -544,10 +509,10 @@ void probe_grouped(cudaStream_t stream, const std::vector<int64_t>& batches) {
     time("library kMaxNT 4, W 4, 4 blocks", registers(grouped_kernel<4, 4, false, true, 4>),
          launch_library_grouped<4, 4, 4>);
     time("library kMaxNT 8, W 4", registers(grouped_kernel<8, 4, false, true>), launch_library_grouped<8, 4>);
-    time("staged x, 16-token chunks", registers(grouped_staged_kernel<2, 1>), launch_grouped_staged<2, 1>);
-    time("staged x, 32-token chunks", registers(grouped_staged_kernel<4, 1>), launch_grouped_staged<4, 1>);
-    time("staged x, 32-token, 2 per expert", registers(grouped_staged_kernel<4, 2>), launch_grouped_staged<4, 2>);
-    time("staged x, 64-token chunks", registers(grouped_staged_kernel<8, 1>), launch_grouped_staged<8, 1>);
+    time("staged, 16-token chunks", registers(grouped_staged_kernel<2>), launch_grouped_staged<2, 1>);
+    time("staged, 32-token chunks", registers(grouped_staged_kernel<4>), launch_grouped_staged<4, 1>);
+    time("staged, 32-token, 2 blocks per slab", registers(grouped_staged_kernel<4>), launch_grouped_staged<4, 2>);
+    time("staged, 64-token chunks", registers(grouped_staged_kernel<8>), launch_grouped_staged<8, 1>);
     time("rows kMaxNT 2, W 4", registers(grouped_rows_kernel<2, 4, false>), launch_grouped_rows<2, 4>);
     time("rows kMaxNT 4, W 4", registers(grouped_rows_kernel<4, 4, false>), launch_grouped_rows<4, 4>);
     time("rows kMaxNT 4, W 2", registers(grouped_rows_kernel<4, 2, false>), launch_grouped_rows<4, 2>);

@@ -1,6 +1,6 @@
 // NVFP4 CUDA kernels against the CPU references: quantise and dequantise bit for bit (random blocks
 // over a wide range of scales, zero blocks and matrices, ties), the W4A16 GEMMs (dense split-K,
-// staged and wgmma, grouped; bf16 and fp32 inputs, odd M and N, K with and without a tail) within
+// staged and wgmma, grouped split-K, staged and wgmma; bf16 and fp32 inputs, odd M and N, K with and without a tail) within
 // stated tolerances, and errors.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -243,6 +243,53 @@ TEST(CudaNvfp4, GroupedLinearMatchesReference) {
             << "N " << N << " K " << K << " R " << off.back() << " dtype " << dtype;
       }
     }
+}
+
+// The grouped staged kernel forced (Nvfp4Gemm::kStaged on a stack) against the reference, bf16:
+// experts with 0, 1, 19, 111 and 4097 rows (16 and 32-token chunks, partial chunks, many chunks),
+// N of one partial row tile, of whole 256-row slabs and of a partial last slab, K of one step, of
+// several with a 32-value tail, and of eight. A second call is bit-identical; the extra scale
+// applies; fp32 x and stacks whose experts do not start on 16 bytes are refused by name.
+TEST(CudaNvfp4, GroupedStagedMatchesReference) {
+  at::manual_seed(19);
+  constexpr auto kStaged = kernels::Nvfp4Gemm::kStaged;
+  const std::vector<std::vector<int64_t>> count_sets = {{0, 1, 19, 0, 8, 40}, {0, 1, 19, 0, 8, 40, 111, 101},
+                                                        {4097, 0, 111, 1, 0}};
+  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{48, 256}, {96, 1056}, {512, 512}, {300, 2048}})
+    for (const auto& counts : count_sets) {
+      if (K >= 2048 && counts[0] == 4097) continue;  // the reference's cost; the others cover K = 2048
+      const int64_t E = int64_t(counts.size());
+      std::vector<int64_t> off{0};
+      for (int64_t n : counts) off.push_back(off.back() + n);
+      const std::string what = str_cat("N ", N, " K ", K, " E ", E, " R ", off.back());
+      ASSERT_TRUE(kernels::grouped_staged_fits(N, K)) << what;
+      at::Tensor offsets = at::tensor(off, at::kLong);
+      const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({E, N, K}) * 1e-2);
+      const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+      at::Tensor x = at::randn({off.back(), K}).to(at::kBFloat16);
+      at::Tensor ref = kernels::nvfp4_grouped_linear_reference(x, q, offsets);
+      at::Tensor got = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), 0, kStaged);
+      EXPECT_TRUE(close_to_ref(got, ref.to(at::kFloat), at::kBFloat16)) << what;
+      at::Tensor again = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), 0, kStaged);
+      EXPECT_TRUE(test::all_equal(again.cpu(), got.cpu())) << what << ": not deterministic";
+    }
+  const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({3, 64, 512}));
+  const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);
+  at::Tensor offsets = at::tensor(std::vector<int64_t>{0, 7, 7, 60}, at::kLong);
+  at::Tensor x = at::randn({60, 512}).to(at::kBFloat16);
+  at::Tensor got =
+      kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::full({}, 0.375f, at::kCUDA), 0, kStaged);
+  EXPECT_TRUE(close_to_ref(got, kernels::nvfp4_grouped_linear_reference(x, q, offsets).to(at::kFloat) * 0.375f,
+                           at::kBFloat16));
+  EXPECT_TRUE(test::throws_with(
+      [&] { kernels::nvfp4_grouped_linear_cuda(x.cuda().to(at::kFloat), kq, offsets.cuda(), at::Tensor(), 0, kStaged); },
+      {"staged kernel takes bfloat16"}));
+  const Nvfp4Tensor odd = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(at::randn({3, 19, 288})))
+                              .to(at::kCUDA);
+  at::Tensor x288 = at::randn({60, 288}, at::kCUDA).to(at::kBFloat16);
+  EXPECT_TRUE(test::throws_with(
+      [&] { kernels::nvfp4_grouped_linear_cuda(x288, odd, offsets.cuda(), at::Tensor(), 0, kStaged); },
+      {"16 bytes", "N = 19", "K = 288"}));
 }
 
 // The wgmma GEMM forced, dense and grouped, with the launcher's block and with 64 and 128 weight

@@ -280,8 +280,12 @@ TEST(CudaNvfp4Serving, WgmmaServedModelMatchesItsDequantisation) {
     const at::Tensor a = score(served, seqs, &r_served), b = score(trainer, seqs, &r_trainer);
     const double d = (a - b).abs().mean().item<double>();
     const double agree = r_served.eq(r_trainer).to(at::kFloat).mean().item<double>();
+    const kernels::Nvfp4Gemm chosen = kernels::nvfp4_gemm_selected();
     std::printf("nvfp4 %s (%ld tokens): mean |dlp| vs its bf16 dequantisation %.3e; routing agreement %.4f\n",
-                kernels::nvfp4_wgmma_selected() ? "wgmma" : "default dispatch", long(n), d, agree);
+                chosen == kernels::Nvfp4Gemm::kWgmma    ? "wgmma"
+                : chosen == kernels::Nvfp4Gemm::kStaged ? "staged experts"
+                                                        : "default dispatch",
+                long(n), d, agree);
     EXPECT_LT(d, 5e-2) << n << " tokens";
     EXPECT_GT(agree, 0.9) << n << " tokens";
   }

@@ -355,16 +355,23 @@ TEST(Nvfp4, WgmmaDataFlowComputesTheProduct) {
 }
 
 // KILN_NVFP4_GEMM: unset or "auto" keeps the measured dispatch, "wgmma" selects the wgmma GEMM
-// (ctest kiln_nvfp4_gemm_choice_wgmma), anything else is refused by name at the first NVFP4 GEMM
-// that asks (ctest kiln_nvfp4_gemm_choice_unknown). CPU inputs never take it.
+// (ctest kiln_nvfp4_gemm_choice_wgmma), "staged" the experts' grouped staged kernel (ctest
+// kiln_nvfp4_gemm_choice_staged), anything else is refused by name at the first NVFP4 GEMM that
+// asks (ctest kiln_nvfp4_gemm_choice_unknown). CPU inputs never take them.
 TEST(Nvfp4, GemmChoiceFollowsTheEnvironment) {
   const std::string env = std::getenv("KILN_NVFP4_GEMM") ? std::getenv("KILN_NVFP4_GEMM") : "";
   if (env.empty() || env == "auto") {
     EXPECT_FALSE(nvfp4_wgmma_selected());
+    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kAuto);
   } else if (env == "wgmma") {
     EXPECT_TRUE(nvfp4_wgmma_selected());
+    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kWgmma);
+  } else if (env == "staged") {
+    EXPECT_FALSE(nvfp4_wgmma_selected());
+    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kStaged);
   } else {
-    EXPECT_TRUE(test::throws_with([] { nvfp4_wgmma_selected(); }, {"KILN_NVFP4_GEMM", "'" + env + "'", "'wgmma'"}));
+    EXPECT_TRUE(test::throws_with([] { nvfp4_wgmma_selected(); },
+                                  {"KILN_NVFP4_GEMM", "'" + env + "'", "'wgmma'", "'staged'"}));
     return;
   }
   const Nvfp4Tensor q = nvfp4_to_kernel_layout(nvfp4_quantize_reference(at::randn({64, 256})));
@@ -393,6 +400,15 @@ TEST(Nvfp4, WgmmaBlockFollowsTheRowsPerGroup) {
   EXPECT_EQ(wgmma_warpgroups(Nvfp4Gemm::kWgmma128), 2);
   EXPECT_TRUE(is_wgmma(Nvfp4Gemm::kWgmma128));
   EXPECT_FALSE(is_wgmma(Nvfp4Gemm::kSplitK));
+  // The grouped staged kernel's stacks: every expert's codes (N K / 2 bytes) and scales (N K / 16)
+  // on 16 bytes.
+  EXPECT_TRUE(grouped_staged_fits(1024, 1024));
+  EXPECT_TRUE(grouped_staged_fits(96, 1056));
+  EXPECT_TRUE(grouped_staged_fits(48, 256));
+  EXPECT_TRUE(grouped_staged_fits(19, 512));    // 608 scale bytes per expert
+  EXPECT_FALSE(grouped_staged_fits(19, 288));   // 342
+  EXPECT_FALSE(grouped_staged_fits(64, 4112));  // K not a multiple of 32
+  EXPECT_TRUE(grouped_staged_fits(1, 256));     // one row: 128 code bytes, 16 scale bytes
   EXPECT_TRUE(wgmma_warpgroups_fit(192, 1));
   EXPECT_FALSE(wgmma_warpgroups_fit(192, 2));
   EXPECT_TRUE(wgmma_warpgroups_fit(256, 2));
