@@ -384,8 +384,8 @@ cudaError_t launch_staged(const void* x, const uint8_t* packed, const uint8_t* s
   return launch_staged_nt<8>(x, packed, sfs, ts, extra, y, M, N, K, stream);
 }
 
-// The grouped staged kernel: 16-token chunks at decode sizes (16 rows or fewer per expert on
-// average), else 32. Its shared-memory limit is raised once per process, at the first call: the
+// The grouped staged kernel: 16-token chunks at 16 rows or fewer per expert on average (forced
+// only: the dispatch's trial starts above 16), else 32. Its shared-memory limit is raised once per process, at the first call: the
 // rollout engine's decode graphs run each step once before capturing it (rollout/decode_graph.cpp).
 template <int NT>
 cudaError_t launch_grouped_staged_nt(const void* x, const int64_t* offsets, const uint8_t* packed, const uint8_t* sfs,

@@ -247,15 +247,16 @@ TEST(CudaNvfp4, GroupedLinearMatchesReference) {
 
 // The grouped staged kernel forced (Nvfp4Gemm::kStaged on a stack) against the reference, bf16:
 // experts with 0, 1, 19, 111 and 4097 rows (16 and 32-token chunks, partial chunks, many chunks),
-// N of one partial row tile, of whole 256-row slabs and of a partial last slab, K of one step, of
-// several with a 32-value tail, and of eight. A second call is bit-identical; the extra scale
+// N below one row tile, of a whole and a partial row tile, of whole 256-row slabs and of a partial
+// last slab, K below one step (the tail alone), of one, of several with a 32-value tail, and of eight. A second call is bit-identical; the extra scale
 // applies; fp32 x and stacks whose experts do not start on 16 bytes are refused by name.
 TEST(CudaNvfp4, GroupedStagedMatchesReference) {
   at::manual_seed(19);
   constexpr auto kStaged = kernels::Nvfp4Gemm::kStaged;
   const std::vector<std::vector<int64_t>> count_sets = {{0, 1, 19, 0, 8, 40}, {0, 1, 19, 0, 8, 40, 111, 101},
                                                         {4097, 0, 111, 1, 0}};
-  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{48, 256}, {96, 1056}, {512, 512}, {300, 2048}})
+  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{
+           {19, 512}, {64, 96}, {48, 256}, {96, 1056}, {512, 512}, {300, 2048}})
     for (const auto& counts : count_sets) {
       if (K >= 2048 && counts[0] == 4097) continue;  // the reference's cost; the others cover K = 2048
       const int64_t E = int64_t(counts.size());
