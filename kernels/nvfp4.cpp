@@ -370,11 +370,11 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
 }
 
 // The grouped staged kernel where KILN_NVFP4_GEMM=staged selects it: bf16 experts between 16 and
-// kFusedMaxRows rows per expert on average whose stack it takes (grouped_staged_fits).
+// kFusedMaxRows rows per expert on average whose stack it takes (grouped_stack_aligned).
 bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
   const int64_t E = w.stacked() ? w.packed.size(0) : 0;
   return E > 0 && nvfp4_gemm_selected() == Nvfp4Gemm::kStaged && x.scalar_type() == at::kBFloat16 && rows > 16 * E &&
-         rows <= kFusedMaxRows * E && grouped_staged_fits(w.rows(), w.cols());
+         rows <= kFusedMaxRows * E && grouped_stack_aligned(w.rows(), w.cols());
 }
 
 DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {

@@ -262,25 +262,15 @@ cudaError_t launch_linear_blocks(const void* x, const uint8_t* packed, const uin
   return launch_linear_w<8, 1, kF32>(x, packed, sfs, ts, extra, y, M, N, K, stream);
 }
 
-// Blocks per multiprocessor the grouped kernel's registers are budgeted for. 32-token chunks on 4
-// warps: 3 blocks (168 registers), not min_blocks' 2 (236): kiln_probe_nvfp4 grouped measured
-// 39.8 against 46.7 us at 32 rows per expert and 68.3 against 78.3 at 64 (muse-small's 64 experts
-// of 1024 x 1024, H200, 2026-12-06); 4 blocks (128 registers, spilling) 41.2 and 71.1.
-constexpr int grouped_min_blocks(int max_nt, int warps) { return max_nt == 4 && warps == 4 ? 3 : min_blocks(max_nt, warps); }
-
 template <int kMaxNT, int kWarps, bool kF32>
 cudaError_t launch_grouped_nt(const void* x, const int64_t* offsets, const uint8_t* packed, const uint8_t* sfs,
                               const float* ts, const float* extra, void* y, int64_t E, int64_t N, int64_t K,
                               cudaStream_t stream) {
-  constexpr int kMin = grouped_min_blocks(kMaxNT, kWarps);
   const dim3 grid(unsigned(E), unsigned((N + kRowsPerBlock - 1) / kRowsPerBlock));
-  // Aligned: every expert's codes and scales start on 16 bytes (the stack's base does).
-  if (K % 32 == 0 && N * (K / kBlock) % 16 == 0)
-    grouped_kernel<kMaxNT, kWarps, kF32, true, kMin>
-        <<<grid, kWarps * 32, 0, stream>>>(x, offsets, packed, sfs, ts, extra, y, N, K);
+  if (grouped_stack_aligned(N, K))
+    grouped_kernel<kMaxNT, kWarps, kF32, true><<<grid, kWarps * 32, 0, stream>>>(x, offsets, packed, sfs, ts, extra, y, N, K);
   else
-    grouped_kernel<kMaxNT, kWarps, kF32, false, kMin>
-        <<<grid, kWarps * 32, 0, stream>>>(x, offsets, packed, sfs, ts, extra, y, N, K);
+    grouped_kernel<kMaxNT, kWarps, kF32, false><<<grid, kWarps * 32, 0, stream>>>(x, offsets, packed, sfs, ts, extra, y, N, K);
   return cudaGetLastError();
 }
 
@@ -498,7 +488,7 @@ cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const i
   if (gemm != Nvfp4Gemm::kAuto && gemm != Nvfp4Gemm::kSplitK && gemm != Nvfp4Gemm::kStaged) return cudaErrorInvalidValue;
   const bool f32 = dtype == Nvfp4DType::kFloat32;
   if (gemm == Nvfp4Gemm::kStaged) {
-    if (f32 || !grouped_staged_fits(N, K)) return cudaErrorInvalidValue;
+    if (f32 || !grouped_stack_aligned(N, K)) return cudaErrorInvalidValue;
     if (R <= 16 * E) return launch_grouped_staged_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream);
     return launch_grouped_staged_nt<4>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream);
   }

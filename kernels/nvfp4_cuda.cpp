@@ -191,7 +191,7 @@ at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, 
   }
   KILN_CHECK(gemm != Nvfp4Gemm::kStaged || x.scalar_type() == at::kBFloat16,
              "nvfp4_grouped_linear_cuda: the staged kernel takes bfloat16 x (got ", x.scalar_type(), ")");
-  KILN_CHECK(gemm != Nvfp4Gemm::kStaged || grouped_staged_fits(N, K),
+  KILN_CHECK(gemm != Nvfp4Gemm::kStaged || grouped_stack_aligned(N, K),
              "nvfp4_grouped_linear_cuda: the staged kernel needs every expert's codes and scales on 16 bytes: K a "
              "multiple of 32 and N * K / 16 of 16 (got N = ", N, ", K = ", K, ")");
   const cudaError_t err = launch_nvfp4_grouped_linear(

@@ -400,8 +400,11 @@ __device__ __forceinline__ float epilogue_scale(const float* tensor_scale, const
   return extra ? s2 * *extra : s2;
 }
 
-// Blocks per multiprocessor the register budget is cut for: 16 warps when n-tiles are few.
-constexpr int min_blocks(int nt, int warps) { return (nt <= 2 ? 16 : 8) / warps > 1 ? (nt <= 2 ? 16 : 8) / warps : 1; }
+// Blocks per multiprocessor the register budget is cut for: 16 warps when n-tiles are few, 12 with
+// four or more (168 registers; the grouped kernel with 32-token chunks on 4 warps measured 39.8
+// against 46.7 us at 2 blocks and 41.2 at 4, spilling: kiln_probe_nvfp4 grouped, muse-small's 64
+// experts at 32 rows each, H200, 2026-12-06).
+constexpr int min_blocks(int nt, int warps) { return (nt <= 2 ? 16 : 12) / warps > 1 ? (nt <= 2 ? 16 : 12) / warps : 1; }
 
 // Grouped: block (expert, row tile) walks its expert's rows in chunks of up to 8 kMaxNT tokens,
 // each with the smallest n-tile count that covers it. Empty experts return before any load.
@@ -460,6 +463,14 @@ __host__ __device__ constexpr int staged_smem_bytes(int nt, int parts) {
              : (parts - 1) * kStagedWarps * partial_size(nt) * 16;
 }
 
+// One whole tile (kTileBytes: its codes, then its scales) into shared memory by cp.async, 16 bytes
+// per lane at a time, stored as in global memory.
+__device__ __forceinline__ void copy_tile(uint8_t* to, const uint8_t* codes, const uint8_t* scales, int lane) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) cp_async16(to + 512 * i + 16 * lane, codes + 512 * i + 16 * lane);
+  cp_async16(to + 4096 + 16 * lane, scales + 16 * lane);
+}
+
 // Issues the copies of K step sc into `stage`: the activations of the chunk's m_count tokens at x
 // (row stride K) and, per warp, the weight tile of rows row0 + 32 warp. Whole tiles go by cp.async;
 // a partial row tile or the K tail step (both row-major in the kernel layout) is gathered block by
@@ -485,11 +496,7 @@ __device__ __forceinline__ void stage_step(uint8_t* stage, const __nv_bfloat16* 
   const int64_t rows = row0 + kRowsPerBlock * warp, nb = K / kBlock, num_super = K / kSuper;
   if (rows + kRowsPerBlock <= N && sc < num_super) {
     const int64_t tile = (rows / kRowsPerBlock) * num_super + sc;
-    const uint8_t* tw = packed + tile * nvfp4_layout::kTileUnits * 8;
-    const uint8_t* ts = sfs + tile * nvfp4_layout::kTileUnits;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) cp_async16(wt + 512 * i + 16 * lane, tw + 512 * i + 16 * lane);
-    cp_async16(wt + 4096 + 16 * lane, ts + 16 * lane);
+    copy_tile(wt, packed + tile * nvfp4_layout::kTileUnits * 8, sfs + tile * nvfp4_layout::kTileUnits, lane);
     return;
   }
   if (rows >= N) return;  // no rows: the warp computes nothing
@@ -569,7 +576,7 @@ __device__ __forceinline__ void staged_product(const uint8_t* stage, int warp, i
 // ... (the library launches one z; the probe tries two). The 8
 // warps' 256 weight rows share each 256-K step of a chunk's activations, copied once per block,
 // where grouped_kernel's 32-row blocks each read them from L2 (its ncu profile: latency-bound on
-// those reads, docs/PERFORMANCE.md). Needs grouped_staged_fits; dynamic shared memory
+// those reads, docs/PERFORMANCE.md). Needs grouped_stack_aligned; dynamic shared memory
 // 2 staged_stage_bytes(NT).
 template <int NT>
 __global__ void __launch_bounds__(kStagedWarps * 32, NT <= 4 ? 2 : 1)

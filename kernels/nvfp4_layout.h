@@ -15,7 +15,7 @@ namespace kiln::kernels {
 // Which W4A16 kernel runs: the launcher's choice by shape, or one forced (benchmarks, tests).
 // kSplitK: warps (and clusters) split K, activations read from global memory, up to 32 tokens a
 // pass; kStaged: bf16 activations staged in shared memory, shared by 256 weight rows, 64 tokens a
-// pass (dense) or 16-32 (grouped: grouped_staged_fits) (nvfp4_gemm.cuh);
+// pass (dense) or 16-32 (grouped: grouped_stack_aligned) (nvfp4_gemm.cuh);
 // kWgmma: Hopper's warpgroup MMA with the decoded weights as its register operand
 // (nvfp4_wgmma.cu; bf16, N a multiple of 64, K of 256, sm_90a on a 9.0 device), its launcher
 // choosing 64 or 128 weight rows per block; kWgmma64 and kWgmma128 force one (128: N a multiple of 128).
@@ -25,9 +25,10 @@ inline bool is_wgmma(Nvfp4Gemm g) { return g == Nvfp4Gemm::kWgmma || g == Nvfp4G
 inline int wgmma_warpgroups(Nvfp4Gemm g) { return g == Nvfp4Gemm::kWgmma64 ? 1 : g == Nvfp4Gemm::kWgmma128 ? 2 : 0; }
 // Whether N output rows split into blocks of `warpgroups` x 64 rows (0 and 1: any N the GEMM takes).
 constexpr bool wgmma_warpgroups_fit(int64_t N, int warpgroups) { return warpgroups <= 1 || N % (64 * warpgroups) == 0; }
-// Whether the grouped staged kernel takes a stack of [N, K] experts: every expert's codes and scales
-// start on 16 bytes (its copies are 16-byte cp.async), as the grouped split-K kernel's aligned path.
-constexpr bool grouped_staged_fits(int64_t N, int64_t K) { return K % 32 == 0 && N * (K / 16) % 16 == 0; }
+// Whether every expert of a stack of [N, K] starts its codes and scales on 16 bytes (given a
+// 16-byte aligned stack): the grouped split-K kernel's aligned path, and what the grouped staged
+// kernel's 16-byte cp.async copies need.
+constexpr bool grouped_stack_aligned(int64_t N, int64_t K) { return K % 32 == 0 && N * (K / 16) % 16 == 0; }
 
 // The wgmma GEMM's block: tokens per tile (32, 64 or 128, by the rows per group that carry work)
 // and warpgroups (64 weight rows each). Unforced (warpgroups 0), two with 128-token tiles where N

@@ -149,7 +149,7 @@ void bench_grouped_case(at::Device device, double bw, const char* name, int64_t 
              floor * 1e6, tb / floor, baseline);
   // The grouped staged kernel forced on the same rows (KILN_NVFP4_GEMM=staged puts it in the
   // dispatch at 17-64 rows per expert).
-  if (kernels::grouped_staged_fits(N, K)) {
+  if (kernels::grouped_stack_aligned(N, K)) {
     const double ts = per_call(device, [&](int i) {
       kernels::nvfp4_grouped_linear_cuda(x, qs[size_t(i % nq)], offsets, at::Tensor(), 0, kernels::Nvfp4Gemm::kStaged);
     });

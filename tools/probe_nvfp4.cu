@@ -241,13 +241,6 @@ uint8_t* random_weights(int64_t code_bytes, int64_t bytes, int copies) {
 // 256-row block) at other chunk sizes and with each expert's chunks split over two blocks, and
 // grouped_rows_kernel (a row tile per warp, its weight tiles kept in shared memory).
 
-// One tile (kTileBytes, whole) into shared memory by cp.async, 16 bytes per lane at a time.
-__device__ __forceinline__ void copy_tile(uint8_t* to, const uint8_t* codes, const uint8_t* scales, int lane) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) kiln::kernels::cp_async16(to + 512 * i + 16 * lane, codes + 512 * i + 16 * lane);
-  kiln::kernels::cp_async16(to + 4096 + 16 * lane, scales + 16 * lane);
-}
-
 // Grouped W4A16 GEMM with a row tile per warp (bf16 or fp32 activations), a variant the library
 // does not take: at 8-64 rows per expert it measured 0.87-1.0x grouped_kernel (2026-12-06, H200).
 // grouped_kernel splits each 32-row tile's K range over a block's warps, sums their partials in
@@ -503,12 +496,13 @@ void probe_grouped(cudaStream_t stream, const std::vector<int64_t>& batches) {
       std::printf("  %-30s %7.2f us  %5.2f TB/s  regs %3d  diff %.1e\n", name, t, moved / t / 1e6, regs, d);
     };
     time("library kMaxNT 2, W 4", registers(grouped_kernel<2, 4, false, true>), launch_library_grouped<2, 4>);
-    time("library kMaxNT 4, W 4", registers(grouped_kernel<4, 4, false, true>), launch_library_grouped<4, 4>);
-    time("library kMaxNT 4, W 4, 3 blocks", registers(grouped_kernel<4, 4, false, true, 3>),
-         launch_library_grouped<4, 4, 3>);
+    time("library kMaxNT 4, W 4 (3 blocks)", registers(grouped_kernel<4, 4, false, true>), launch_library_grouped<4, 4>);
+    time("library kMaxNT 4, W 4, 2 blocks", registers(grouped_kernel<4, 4, false, true, 2>),
+         launch_library_grouped<4, 4, 2>);
     time("library kMaxNT 4, W 4, 4 blocks", registers(grouped_kernel<4, 4, false, true, 4>),
          launch_library_grouped<4, 4, 4>);
-    time("library kMaxNT 8, W 4", registers(grouped_kernel<8, 4, false, true>), launch_library_grouped<8, 4>);
+    time("library kMaxNT 8, W 4, 2 blocks", registers(grouped_kernel<8, 4, false, true, 2>),
+         launch_library_grouped<8, 4, 2>);
     time("staged, 16-token chunks", registers(grouped_staged_kernel<2>), launch_grouped_staged<2, 1>);
     time("staged, 32-token chunks", registers(grouped_staged_kernel<4>), launch_grouped_staged<4, 1>);
     time("staged, 32-token, 2 blocks per slab", registers(grouped_staged_kernel<4>), launch_grouped_staged<4, 2>);

@@ -263,7 +263,7 @@ TEST(CudaNvfp4, GroupedStagedMatchesReference) {
       std::vector<int64_t> off{0};
       for (int64_t n : counts) off.push_back(off.back() + n);
       const std::string what = str_cat("N ", N, " K ", K, " E ", E, " R ", off.back());
-      ASSERT_TRUE(kernels::grouped_staged_fits(N, K)) << what;
+      ASSERT_TRUE(kernels::grouped_stack_aligned(N, K)) << what;
       at::Tensor offsets = at::tensor(off, at::kLong);
       const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({E, N, K}) * 1e-2);
       const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(q).to(at::kCUDA);

@@ -402,13 +402,13 @@ TEST(Nvfp4, WgmmaBlockFollowsTheRowsPerGroup) {
   EXPECT_FALSE(is_wgmma(Nvfp4Gemm::kSplitK));
   // The grouped staged kernel's stacks: every expert's codes (N K / 2 bytes) and scales (N K / 16)
   // on 16 bytes.
-  EXPECT_TRUE(grouped_staged_fits(1024, 1024));
-  EXPECT_TRUE(grouped_staged_fits(96, 1056));
-  EXPECT_TRUE(grouped_staged_fits(48, 256));
-  EXPECT_TRUE(grouped_staged_fits(19, 512));    // 608 scale bytes per expert
-  EXPECT_FALSE(grouped_staged_fits(19, 288));   // 342
-  EXPECT_FALSE(grouped_staged_fits(64, 4112));  // K not a multiple of 32
-  EXPECT_TRUE(grouped_staged_fits(1, 256));     // one row: 128 code bytes, 16 scale bytes
+  EXPECT_TRUE(grouped_stack_aligned(1024, 1024));
+  EXPECT_TRUE(grouped_stack_aligned(96, 1056));
+  EXPECT_TRUE(grouped_stack_aligned(48, 256));
+  EXPECT_TRUE(grouped_stack_aligned(19, 512));    // 608 scale bytes per expert
+  EXPECT_FALSE(grouped_stack_aligned(19, 288));   // 342
+  EXPECT_FALSE(grouped_stack_aligned(64, 4112));  // K not a multiple of 32
+  EXPECT_TRUE(grouped_stack_aligned(1, 256));     // one row: 128 code bytes, 16 scale bytes
   EXPECT_TRUE(wgmma_warpgroups_fit(192, 1));
   EXPECT_FALSE(wgmma_warpgroups_fit(192, 2));
   EXPECT_TRUE(wgmma_warpgroups_fit(256, 2));
