@@ -369,11 +369,14 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
          nvfp4_wgmma_usable(x, w);
 }
 
-// The grouped staged kernel where KILN_NVFP4_GEMM=staged selects it: bf16 experts between 16 and
-// kFusedMaxRows rows per expert on average whose stack it takes (grouped_stack_aligned).
+// The grouped staged kernel at 17 to kFusedMaxRows rows per expert on average, for bf16 x and a
+// stack it takes (grouped_stack_aligned), in place of split-K unless KILN_NVFP4_GEMM=splitk keeps
+// split-K there. Measured on the H100 (2026-12-06, docs/PERFORMANCE.md): 1.07x split-K at 32 rows
+// per expert and 1.26x at 64 on muse-small's experts (kiln_probe_nvfp4), and the rollout workload
+// 1.04x with it. At 16 rows or fewer split-K's 16-token chunks stay (decode).
 bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
   const int64_t E = w.stacked() ? w.packed.size(0) : 0;
-  return E > 0 && nvfp4_gemm_selected() == Nvfp4Gemm::kStaged && x.scalar_type() == at::kBFloat16 && rows > 16 * E &&
+  return E > 0 && nvfp4_gemm_selected() == Nvfp4Gemm::kAuto && x.scalar_type() == at::kBFloat16 && rows > 16 * E &&
          rows <= kFusedMaxRows * E && grouped_stack_aligned(w.rows(), w.cols());
 }
 
@@ -386,6 +389,20 @@ DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
   if (takes_wgmma(x, w, M, 1)) return DensePath::kWgmma;
   if (bf16 && M <= kStagedMaxRows) return DensePath::kStaged;
   return M <= kFusedMaxRows ? DensePath::kSplitK : DensePath::kDequantized;
+}
+
+// The experts' paths (nvfp4_grouped_linear): the fused kernels up to kFusedMaxRows rows per expert
+// (wgmma where takes_wgmma says), then torch's grouped GEMM on the dequantised stack, or, without
+// it (fp32, torch before 2.8), a loop of cuBLAS GEMMs over the experts.
+enum class GroupedPath { kReference, kSplitK, kStaged, kWgmma, kDequantized, kLoop };
+
+GroupedPath grouped_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
+  const bool supported = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
+  if (!KILN_WITH_CUDA || !x.is_cuda() || !supported || !w.kernel_layout || !w.stacked()) return GroupedPath::kReference;
+  const int64_t E = w.packed.size(0);
+  if (takes_wgmma(x, w, rows, E)) return GroupedPath::kWgmma;
+  if (rows <= kFusedMaxRows * E) return takes_grouped_staged(x, w, rows) ? GroupedPath::kStaged : GroupedPath::kSplitK;
+  return nvfp4_grouped_dequantizes(w, rows, x) ? GroupedPath::kDequantized : GroupedPath::kLoop;
 }
 
 #if KILN_WITH_CUDA
@@ -430,6 +447,17 @@ const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w) {
   }
 }
 
+const char* nvfp4_grouped_linear_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
+  switch (grouped_path(x, w, rows)) {
+    case GroupedPath::kSplitK: return "splitK";
+    case GroupedPath::kStaged: return "staged";
+    case GroupedPath::kWgmma: return "wgmma";
+    case GroupedPath::kDequantized: return "deq+grouped_mm";
+    case GroupedPath::kLoop: return "deq+mm per expert";
+    default: return "reference";
+  }
+}
+
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt) {
   const DensePath path = dense_path(x, w);
   if (path == DensePath::kReference) return nvfp4_linear_reference(x, w, opt);
@@ -455,8 +483,8 @@ Nvfp4Gemm nvfp4_gemm_selected() {
     const char* e = std::getenv("KILN_NVFP4_GEMM");
     if (!e || !*e || std::strcmp(e, "auto") == 0) return Nvfp4Gemm::kAuto;
     if (std::strcmp(e, "wgmma") == 0) return Nvfp4Gemm::kWgmma;
-    KILN_CHECK(std::strcmp(e, "staged") == 0, "KILN_NVFP4_GEMM: expected 'auto', 'wgmma' or 'staged' (got '", e, "')");
-    return Nvfp4Gemm::kStaged;
+    KILN_CHECK(std::strcmp(e, "splitk") == 0, "KILN_NVFP4_GEMM: expected 'auto', 'wgmma' or 'splitk' (got '", e, "')");
+    return Nvfp4Gemm::kSplitK;
   }();
   return selected;
 }
@@ -471,23 +499,23 @@ bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Ten
 
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                 const Nvfp4LinearOptions& opt) {
+  const int64_t rows = opt.live_rows > 0 ? opt.live_rows : x.size(0);
+  const GroupedPath path = grouped_path(x, w, rows);
 #if KILN_WITH_CUDA
-  const bool supported = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
-  if (x.is_cuda() && supported && w.kernel_layout && w.stacked()) {
+  if (path != GroupedPath::kReference) {
     auto [xq, extra] = gemm_input(x, opt);
     at::Tensor xin = xq.to(x.scalar_type());
-    const int64_t E = w.packed.size(0), rows = opt.live_rows > 0 ? opt.live_rows : x.size(0);
-    const bool wgmma = takes_wgmma(x, w, rows, E);
-    if (wgmma || rows <= kFusedMaxRows * E) {
+    const int64_t E = w.packed.size(0);
+    if (path == GroupedPath::kSplitK || path == GroupedPath::kStaged || path == GroupedPath::kWgmma) {
       const bool scalar = !extra.defined() || extra.dim() == 0;
-      const Nvfp4Gemm gemm = wgmma                                 ? Nvfp4Gemm::kWgmma
-                             : takes_grouped_staged(x, w, rows) ? Nvfp4Gemm::kStaged
-                                                                : Nvfp4Gemm::kAuto;
+      const Nvfp4Gemm gemm = path == GroupedPath::kWgmma    ? Nvfp4Gemm::kWgmma
+                             : path == GroupedPath::kStaged ? Nvfp4Gemm::kStaged
+                                                            : Nvfp4Gemm::kAuto;
       at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor(), opt.live_rows, gemm);
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
     }
 #if KILN_TORCH_AT_LEAST(2, 8)
-    if (nvfp4_grouped_dequantizes(w, rows, x)) {
+    if (path == GroupedPath::kDequantized) {
       at::Tensor y = grouped_prefill(xin, w, offsets);
       return extra.defined() ? (y.to(at::kFloat) * extra).to(x.scalar_type()) : y;
     }
@@ -508,6 +536,7 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
     return y;
   }
 #endif
+  (void)path;  // CPU builds: always the reference
   return nvfp4_grouped_linear_reference(x, w, offsets, opt);
 }
 

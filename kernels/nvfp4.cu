@@ -375,8 +375,13 @@ cudaError_t launch_staged(const void* x, const uint8_t* packed, const uint8_t* s
 }
 
 // The grouped staged kernel: 16-token chunks at 16 rows or fewer per expert on average (forced
-// only: the dispatch's trial starts above 16), else 32. Its shared-memory limit is raised once per process, at the first call: the
-// rollout engine's decode graphs run each step once before capturing it (rollout/decode_graph.cpp).
+// only: the dispatch takes it above 16), else 32. Two blocks per expert and slab share its chunks
+// (gridDim.z = kGroupedStagedSplit): an expert with more rows than one chunk runs two at once. In
+// kiln_probe_nvfp4 (H100) that took 32 rows per expert from 42.4 to 37.0 us and 64 rows from 62.7
+// to 54.3. Its shared-memory limit is raised once per process, at the first call: the rollout
+// engine's decode graphs run each step once before capturing it (rollout/decode_graph.cpp).
+constexpr unsigned kGroupedStagedSplit = 2;
+
 template <int NT>
 cudaError_t launch_grouped_staged_nt(const void* x, const int64_t* offsets, const uint8_t* packed, const uint8_t* sfs,
                                      const float* ts, const float* extra, void* y, int64_t E, int64_t N, int64_t K,
@@ -385,7 +390,7 @@ cudaError_t launch_grouped_staged_nt(const void* x, const int64_t* offsets, cons
   static const cudaError_t opt_in =
       cudaFuncSetAttribute(grouped_staged_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (opt_in != cudaSuccess) return opt_in;
-  const dim3 grid(unsigned(E), unsigned((N + kStagedRows - 1) / kStagedRows));
+  const dim3 grid(unsigned(E), unsigned((N + kStagedRows - 1) / kStagedRows), kGroupedStagedSplit);
   grouped_staged_kernel<NT><<<grid, kStagedWarps * 32, smem, stream>>>(
       static_cast<const __nv_bfloat16*>(x), offsets, packed, sfs, ts, extra, static_cast<__nv_bfloat16*>(y), N, K);
   return cudaGetLastError();

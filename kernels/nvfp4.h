@@ -87,13 +87,18 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
 // average, for the grouped GEMM) dequantise W (each weight rounded once to x's dtype, the tensor
 // scale folded in: no separate scale pass over the output) and run cuBLAS, except one matrix of
 // 8192 rows or more at 65-256 rows, which takes the wgmma GEMM (nvfp4_wgmma_selected). Grouped
-// bf16 calls run the whole stack through torch's grouped GEMM (torch >= 2.8) without a host sync;
-// fp32 (and older torch) read the offsets on the host and loop over the experts.
+// calls take the split-K kernel up to 16 rows per expert and the grouped staged kernel at 17-64
+// (bf16, an aligned stack); above 64, bf16 runs the whole stack through torch's grouped GEMM
+// (torch >= 2.8) without a host sync, fp32 (and older torch) read the offsets on the host and loop
+// over the experts.
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
 // The path nvfp4_linear takes for these inputs: "splitK", "staged", "wgmma", "deq+mm" or "reference".
 const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w);
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                 const Nvfp4LinearOptions& opt = {});
+// The path nvfp4_grouped_linear takes for `rows` rows like x on w's stack: "splitK", "staged",
+// "wgmma", "deq+grouped_mm", "deq+mm per expert" or "reference".
+const char* nvfp4_grouped_linear_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows);
 // Whether nvfp4_grouped_linear runs `rows` rows like x (dtype, device) on the dequantised stack and
 // torch's grouped GEMM: bf16 on CUDA, torch >= 2.8, kernel layout, above 64 rows per expert, and
 // not where the dispatch takes the wgmma GEMM (KILN_NVFP4_GEMM=wgmma) instead.
@@ -130,12 +135,11 @@ at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, 
 // Whether the wgmma GEMM (Nvfp4Gemm::kWgmma) can run x (bf16 on CUDA) against w: the kernel layout,
 // N a multiple of 64 and K of 256, a build with sm_90a code and a compute capability 9.0 device.
 bool nvfp4_wgmma_usable(const at::Tensor& x, const Nvfp4Tensor& w);
-// Whether the dispatch above 16 rows (per expert) takes the wgmma GEMM wherever it is usable, in
-// place of split-K and of dequantise + cuBLAS: environment KILN_NVFP4_GEMM=wgmma. Unset or "auto":
-// only where it measured faster (dense, 65-256 tokens, 8192 output rows or more); "staged": the
-// experts' grouped staged kernel at 17-64 rows per expert (bf16) in place of split-K, a trial of
-// the kernel before the dispatch takes it by measurement; any other value is an error that names
-// it. nvfp4_gemm_selected: kAuto, kWgmma or kStaged, read once.
+// Environment KILN_NVFP4_GEMM, read once: unset or "auto", the dispatch above (each shape's path
+// as measured); "wgmma", the wgmma GEMM wherever it is usable above 16 rows (per matrix or expert),
+// in place of split-K, the grouped staged kernel and dequantise + cuBLAS; "splitk", the split-K
+// kernels where the dispatch would take the grouped staged kernel (for comparing the two). Any
+// other value is an error that names it. nvfp4_gemm_selected: kAuto, kWgmma or kSplitK.
 Nvfp4Gemm nvfp4_gemm_selected();
 bool nvfp4_wgmma_selected();
 

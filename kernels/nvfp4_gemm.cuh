@@ -573,7 +573,7 @@ __device__ __forceinline__ void staged_product(const uint8_t* stage, int warp, i
 
 // Grouped staged W4A16 GEMM (bf16): block (expert, kStagedRows-row slab, z) runs staged_kernel's
 // pipeline (stage_step, staged_product) over its expert's chunks of 8 NT tokens z, z + gridDim.z,
-// ... (the library launches one z; the probe tries two). The 8
+// ... (the library launches two, kGroupedStagedSplit in nvfp4.cu). The 8
 // warps' 256 weight rows share each 256-K step of a chunk's activations, copied once per block,
 // where grouped_kernel's 32-row blocks each read them from L2 (its ncu profile: latency-bound on
 // those reads, docs/PERFORMANCE.md). Needs grouped_stack_aligned; dynamic shared memory

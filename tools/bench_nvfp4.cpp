@@ -147,13 +147,15 @@ void bench_grouped_case(at::Device device, double bw, const char* name, int64_t 
   fmt::print("{:>26} {:>4} {:>5} {:>5} {:>6} {:>5} {:>10.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x {:>8.1f} {:>9.2f}x  ({})\n",
              name, E, N, K, R, touched, tq * 1e6, tb * 1e6, bytes / tq / 1e12, 100.0 * bytes / tq / bw, tb / tq,
              floor * 1e6, tb / floor, baseline);
-  // The grouped staged kernel forced on the same rows (KILN_NVFP4_GEMM=staged puts it in the
-  // dispatch at 17-64 rows per expert).
-  if (kernels::grouped_stack_aligned(N, K)) {
+  // The split-K and grouped staged kernels forced on the same rows (the dispatch takes split-K to
+  // 16 rows per expert and the staged kernel at 17-64).
+  for (auto [g, label] : {std::pair{kernels::Nvfp4Gemm::kSplitK, "same, split-K"},
+                          std::pair{kernels::Nvfp4Gemm::kStaged, "same, staged"}}) {
+    if (g == kernels::Nvfp4Gemm::kStaged && !kernels::grouped_stack_aligned(N, K)) continue;
     const double ts = per_call(device, [&](int i) {
-      kernels::nvfp4_grouped_linear_cuda(x, qs[size_t(i % nq)], offsets, at::Tensor(), 0, kernels::Nvfp4Gemm::kStaged);
+      kernels::nvfp4_grouped_linear_cuda(x, qs[size_t(i % nq)], offsets, at::Tensor(), 0, g);
     });
-    fmt::print("{:>26} {:>40.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x  (forced)\n", "same, staged", ts * 1e6,
+    fmt::print("{:>26} {:>40.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x  (forced)\n", label, ts * 1e6,
                tb * 1e6, bytes / ts / 1e12, 100.0 * bytes / ts / bw, tb / ts);
   }
   // The wgmma GEMM forced on the same rows, 64 and 128 weight rows per block (the dispatch takes it

@@ -10,7 +10,8 @@
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
 # grouped (the grouped W4A16 kernel: kiln_probe_nvfp4's work splits at 8-64 rows per expert and ncu
-# of the dispatch's kernel at 32, grouped.txt);
+# of the dispatch's kernel at 32, grouped.txt); pdl (kiln_probe_pdl: a kernel boundary's cost in a
+# graph, plain and with programmatic dependent launch, pdl.txt);
 # cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt);
 # mpigpus the MPI tests' CUDA ones at a rank per GPU (NCCL between GPUs: a machine with 2 or more, mpi.txt);
 # async the synchronous GRPO step against grpo.async (async.txt); split (grpo.async.placement split
@@ -291,9 +292,9 @@ done
 step "bench decode (muse-small, BF16 and NVFP4)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 \
   2>&1 | tee -a "$out/rollout.txt"
-# With KILN_ROLLOUT_GEMM=wgmma or staged, the same two again with that NVFP4 GEMM in the dispatch
-# (KILN_NVFP4_GEMM: wgmma everywhere above 16 rows, or the experts' grouped staged kernel at 17-64
-# rows per expert), in the same call. Off by default: each run costs device time.
+# With KILN_ROLLOUT_GEMM=wgmma or splitk, the same two again with that NVFP4 GEMM choice
+# (KILN_NVFP4_GEMM: wgmma everywhere above 16 rows, or split-K where the experts take the grouped
+# staged kernel, 17-64 rows per expert), in the same call. Off by default: each run costs device time.
 if [ -n "${KILN_ROLLOUT_GEMM:-}" ]; then
 step "bench rollout and decode, NVFP4 with KILN_NVFP4_GEMM=$KILN_ROLLOUT_GEMM"
 KILN_NVFP4_GEMM="$KILN_ROLLOUT_GEMM" ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml \
@@ -324,6 +325,12 @@ sed -n '/grouped_kernel/,$p' "$tmp/ncu-grouped.txt" | head -400 >> "$out/grouped
 grep -E "Duration|DRAM Throughput|L1/TEX Hit|L2 Hit|L2 Cache Throughput|Achieved Occupancy|Registers|Stall|Issued Warp|Warp Cycles" \
   "$tmp/ncu-grouped.txt" | head -40
 fi  # grouped
+if want pdl; then
+# What a kernel boundary costs inside a CUDA graph (a decode step has ~230): chains of decode-sized
+# GEMVs and tiny kernels, plain and with programmatic dependent launch, into pdl.txt.
+step "pdl: kernel chains in a graph, plain and with programmatic dependent launch"
+./build-gpu/kiln_probe_pdl 2>&1 | tee -a "$out/pdl.txt"
+fi  # pdl
 if want attention; then
 # Paged decode attention (issue 20): its cuda tests (every kernel against the reference on odd
 # sizes) and bench attention (tensor cores against SIMT, and both against the copy bandwidth).

@@ -5,9 +5,11 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "core/torch_version.h"
 #include "kernels/nvfp4.h"
 #include "tests/test_util.h"
 
@@ -291,6 +293,40 @@ TEST(CudaNvfp4, GroupedStagedMatchesReference) {
   EXPECT_TRUE(test::throws_with(
       [&] { kernels::nvfp4_grouped_linear_cuda(x288, odd, offsets.cuda(), at::Tensor(), 0, kStaged); },
       {"16 bytes", "N = 19", "K = 288"}));
+}
+
+// The experts' dispatch by rows per expert on average: split-K to 16, the grouped staged kernel at
+// 17-64 (bf16 and an aligned stack; split-K under KILN_NVFP4_GEMM=splitk, ctest
+// kiln_cuda_nvfp4_splitk), then the dequantised stack on torch's grouped GEMM (fp32: a GEMM per
+// expert). Where it says staged, nvfp4_grouped_linear's output is bitwise the staged kernel's.
+TEST(CudaNvfp4, GroupedDispatchFollowsTheRowsPerExpert) {
+  if (kernels::nvfp4_wgmma_selected()) GTEST_SKIP() << "KILN_NVFP4_GEMM=wgmma takes every grouped call above 16 rows";
+  at::manual_seed(23);
+  const bool splitk = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kSplitK;
+  const char* middle = splitk ? "splitK" : "staged";
+  const bool grouped_mm = KILN_TORCH_AT_LEAST(2, 8);
+  const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(spread_weights({4, 256, 512})))
+                             .to(at::kCUDA);
+  const std::pair<int64_t, const char*> by_rows[] = {{1, "splitK"},  {64, "splitK"}, {65, middle},
+                                                     {256, middle},  {257, grouped_mm ? "deq+grouped_mm" : "deq+mm per expert"}};
+  for (auto [R, path] : by_rows) {
+    const at::Tensor x = at::randn({R, 512}, at::kCUDA).to(at::kBFloat16);
+    EXPECT_STREQ(kernels::nvfp4_grouped_linear_path(x, kq, R), path) << R << " rows";
+    EXPECT_STREQ(kernels::nvfp4_grouped_linear_path(x.to(at::kFloat), kq, R), R > 256 ? "deq+mm per expert" : "splitK")
+        << R << " fp32 rows";
+    if (std::string(path) != "staged") continue;
+    std::vector<int64_t> off{0, R / 4, R / 2, R / 2, R};  // an expert without rows
+    const at::Tensor offsets = at::tensor(off, at::kLong).cuda();
+    at::Tensor got = kernels::nvfp4_grouped_linear(x, kq, offsets);
+    at::Tensor staged = kernels::nvfp4_grouped_linear_cuda(x, kq, offsets, at::Tensor(), 0, kernels::Nvfp4Gemm::kStaged);
+    EXPECT_TRUE(test::all_equal(got.cpu(), staged.cpu())) << R << " rows: the dispatch did not run the staged kernel";
+  }
+  // A stack the staged kernel does not take keeps split-K (19 rows x 288: experts off 16 bytes).
+  const Nvfp4Tensor odd = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(at::randn({3, 19, 288})))
+                              .to(at::kCUDA);
+  EXPECT_STREQ(kernels::nvfp4_grouped_linear_path(at::zeros({100, 288}, at::kCUDA).to(at::kBFloat16), odd, 100), "splitK");
+  EXPECT_STREQ(kernels::nvfp4_grouped_linear_path(at::zeros({100, 512}).to(at::kBFloat16), kq.to(at::kCPU), 100),
+               "reference");
 }
 
 // The wgmma GEMM forced, dense and grouped, with the launcher's block and with 64 and 128 weight

@@ -355,9 +355,9 @@ TEST(Nvfp4, WgmmaDataFlowComputesTheProduct) {
 }
 
 // KILN_NVFP4_GEMM: unset or "auto" keeps the measured dispatch, "wgmma" selects the wgmma GEMM
-// (ctest kiln_nvfp4_gemm_choice_wgmma), "staged" the experts' grouped staged kernel (ctest
-// kiln_nvfp4_gemm_choice_staged), anything else is refused by name at the first NVFP4 GEMM that
-// asks (ctest kiln_nvfp4_gemm_choice_unknown). CPU inputs never take them.
+// (ctest kiln_nvfp4_gemm_choice_wgmma), "splitk" keeps split-K where the experts would take the
+// grouped staged kernel (ctest kiln_nvfp4_gemm_choice_splitk), anything else is refused by name at
+// the first NVFP4 GEMM that asks (ctest kiln_nvfp4_gemm_choice_unknown). CPU inputs never take them.
 TEST(Nvfp4, GemmChoiceFollowsTheEnvironment) {
   const std::string env = std::getenv("KILN_NVFP4_GEMM") ? std::getenv("KILN_NVFP4_GEMM") : "";
   if (env.empty() || env == "auto") {
@@ -366,17 +366,19 @@ TEST(Nvfp4, GemmChoiceFollowsTheEnvironment) {
   } else if (env == "wgmma") {
     EXPECT_TRUE(nvfp4_wgmma_selected());
     EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kWgmma);
-  } else if (env == "staged") {
+  } else if (env == "splitk") {
     EXPECT_FALSE(nvfp4_wgmma_selected());
-    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kStaged);
+    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kSplitK);
   } else {
     EXPECT_TRUE(test::throws_with([] { nvfp4_wgmma_selected(); },
-                                  {"KILN_NVFP4_GEMM", "'" + env + "'", "'wgmma'", "'staged'"}));
+                                  {"KILN_NVFP4_GEMM", "'" + env + "'", "'wgmma'", "'splitk'"}));
     return;
   }
   const Nvfp4Tensor q = nvfp4_to_kernel_layout(nvfp4_quantize_reference(at::randn({64, 256})));
   EXPECT_FALSE(nvfp4_wgmma_usable(at::zeros({32, 256}).to(at::kBFloat16), q));
   EXPECT_STREQ(nvfp4_linear_path(at::zeros({32, 256}).to(at::kBFloat16), q), "reference");
+  const Nvfp4Tensor stack = nvfp4_to_kernel_layout(nvfp4_quantize_reference(at::randn({4, 64, 256})));
+  EXPECT_STREQ(nvfp4_grouped_linear_path(at::zeros({128, 256}).to(at::kBFloat16), stack, 128), "reference");
 }
 
 // The wgmma GEMM's block by the rows per group that carry work: 32, 64 or 128-token tiles; two
