@@ -443,55 +443,54 @@ struct Engine::Impl {
   // Whether `mine` holds on any rank of the expert group (a host all-reduce every rank joins).
   bool any_rank(bool mine) const { return ec.expert_group->all_reduce(mine ? 1.0 : 0.0, comm::ReduceOp::kMax) > 0; }
 
-  // A step's second half: runs the planned work. min_rows: the expert group's widest graph step.
-  std::vector<RequestOutput> run(int64_t min_rows = 0) {
-    at::NoGradGuard no_grad;
-    const auto t0 = step_start, t1 = clock::now();  // scheduling includes a group's agreement
-    std::vector<RequestOutput> finished;
-    if (work.empty()) return finished;
-    std::vector<int64_t> cu_seqlens = {0};
-    for (const Work& w : work) cu_seqlens.push_back(cu_seqlens.back() + w.n);
+  // The step's forward, on a graph or eagerly: routing [T, L, k] on the CPU, and the graph's
+  // result (its logits and draws) or the eager forward's hidden states. min_rows: as run's.
+  struct Forward {
     DecodeResult graph;
-    at::Tensor routing, hidden;  // routing [T, L, k] on the CPU
+    at::Tensor routing, hidden;
+  };
+  Forward forward(const std::vector<int64_t>& cu_seqlens, int64_t min_rows) {
+    Forward f;
     if (use_graph) {
-      graph = run_graph(min_rows);
+      f.graph = run_graph(min_rows);
       // A slot did not fit on some rank: every rank redoes the step.
-      if (ec.expert_group && graph.may_overflow && any_rank(graph.overflowed)) {
+      if (ec.expert_group && f.graph.may_overflow && any_rank(f.graph.overflowed)) {
         st.expert_overflow_steps++;
-        graph = DecodeResult();
+        f.graph = DecodeResult();
         run_eagerly();
       } else {
-        routing = graph.routing;
+        f.routing = f.graph.routing;
+        return f;
       }
     }
-    if (!use_graph) {
-      model::PackedBatch batch;
-      batch.cu_seqlens = cu_seqlens;
-      std::vector<int64_t> flat;
-      for (const Work& w : work) {
-        flat.insert(flat.end(), w.seq->tokens.begin() + w.start, w.seq->tokens.begin() + w.start + w.n);
-        batch.start_positions.push_back(w.start);
-      }
-      batch.tokens = at::tensor(flat, at::kLong).to(model.device());
-      model::ForwardOptions opt;
-      opt.attention = &attention;
-      opt.experts = dispatcher.get();
-      opt.batch_invariant = ec.batch_invariant;
-      opt.skip_head = true;
-      opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
-      opt.load_balance = false;
-      opt.rollout = true;
-      model::ForwardOutput out = model.forward(batch, opt);
-      routing = out.routing.cpu().contiguous();
-      hidden = out.hidden;
+    model::PackedBatch batch;
+    batch.cu_seqlens = cu_seqlens;
+    std::vector<int64_t> flat;
+    for (const Work& w : work) {
+      flat.insert(flat.end(), w.seq->tokens.begin() + w.start, w.seq->tokens.begin() + w.start + w.n);
+      batch.start_positions.push_back(w.start);
     }
-    const auto t2 = clock::now();  // the routing copy above waited for the device
-    st.steps++;
-    st.model_tokens += cu_seqlens.back();
+    batch.tokens = at::tensor(flat, at::kLong).to(model.device());
+    model::ForwardOptions opt;
+    opt.attention = &attention;
+    opt.experts = dispatcher.get();
+    opt.batch_invariant = ec.batch_invariant;
+    opt.skip_head = true;
+    opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
+    opt.load_balance = false;
+    opt.rollout = true;
+    model::ForwardOutput out = model.forward(batch, opt);
+    f.routing = out.routing.cpu().contiguous();
+    f.hidden = out.hidden;
+    return f;
+  }
+
+  // Keeps the routing of positions routed for the first time and counts the computed rows. Returns
+  // the sequences whose next token is drawn now (complete, not finalizing) with the forward row of
+  // each: its last computed row.
+  std::vector<std::pair<Seq*, int64_t>> record_routing(const at::Tensor& routing, const std::vector<int64_t>& cu_seqlens) {
     const int64_t per_token = cfg.num_layers * cfg.top_k;
-    // Rows whose next token is drawn now: the last computed row of a complete sequence.
-    std::vector<int64_t> rows;
-    std::vector<Seq*> ready;
+    std::vector<std::pair<Seq*, int64_t>> ready;
     for (size_t i = 0; i < work.size(); ++i) {
       const Work& w = work[i];
       Seq& s = *w.seq;
@@ -505,49 +504,58 @@ struct Engine::Impl {
         s.routed = to;
       }
       s.computed += w.n;
-      if (s.computed == int64_t(s.tokens.size()) && !s.finalizing) {
-        rows.push_back(cu_seqlens[i + 1] - 1);
-        ready.push_back(&s);
-      }
+      if (s.computed == int64_t(s.tokens.size()) && !s.finalizing) ready.push_back({&s, cu_seqlens[i + 1] - 1});
     }
-    at::Tensor logits;
-    std::vector<int64_t> logit_row(rows.size());
-    if (graph.logits.defined()) {
-      logits = graph.logits;
-      logit_row = rows;
-    } else if (!rows.empty()) {
-      logits = model.logits(hidden.index_select(0, at::tensor(rows, at::kLong).to(model.device())), ec.batch_invariant);
-      std::iota(logit_row.begin(), logit_row.end(), 0);
+    return ready;
+  }
+
+  // The logits of the ready rows and, per ready sequence, its row in them: the graph's own logits
+  // (indexed by forward row), else the head over the eager forward's hidden states of those rows.
+  at::Tensor ready_logits(const Forward& f, std::vector<std::pair<Seq*, int64_t>>& ready) {
+    if (f.graph.logits.defined() || ready.empty()) return f.graph.logits;
+    std::vector<int64_t> rows;
+    for (auto& [s, row] : ready) {
+      rows.push_back(row);
+      row = int64_t(rows.size()) - 1;
     }
+    return model.logits(f.hidden.index_select(0, at::tensor(rows, at::kLong).to(model.device())), ec.batch_invariant);
+  }
+
+  // What is drawn now: a decoding sample's next token from its own row; a prefilled prompt forks
+  // its n samples (sharing its blocks until they write), each drawing its first token from the
+  // prompt's row. Each draw comes with the sequence whose row it read (for the trace).
+  struct Draws {
     std::vector<std::pair<Seq*, int64_t>> draws;
-    std::vector<const Seq*> drawn_from;  // per draw: the sequence whose row it came from
-    for (size_t j = 0; j < ready.size(); ++j) {
-      Seq& s = *ready[j];
+    std::vector<const Seq*> from;
+  };
+  Draws fork_draws(const std::vector<std::pair<Seq*, int64_t>>& ready) {
+    Draws d;
+    for (const auto& [sp, row] : ready) {
+      Seq& s = *sp;
       if (s.sample >= 0) {
-        draws.push_back({&s, logit_row[j]});
-        drawn_from.push_back(&s);
+        d.draws.push_back({&s, row});
+        d.from.push_back(&s);
         continue;
       }
-      // A prefilled prompt: fork its samples, which share its blocks until they write.
       const int64_t n = params(s).n;
       for (int64_t k = 0; k < n; ++k) {
         auto child = std::make_unique<Seq>(s);
         child->sample = k;
         child->width = 1;
         kv.share(child->blocks);
-        draws.push_back({child.get(), logit_row[j]});
-        drawn_from.push_back(&s);
+        d.draws.push_back({child.get(), row});
+        d.from.push_back(&s);
         sched.start(std::move(child));
       }
-      s.finalizing = true;  // the parent's work is done; released below
+      s.finalizing = true;  // the parent's work is done; released by retire
       s.sample = -2;
     }
-    draw(draws, logits, graph.logits.defined() ? &graph : nullptr);
-    const auto t3 = clock::now();
-    if (trace) {  // outside the phases above, and timed apart so that benchmarks can take it out
-      emit_trace(routing, cu_seqlens, draws, drawn_from);
-      st.trace_seconds += std::chrono::duration<double>(clock::now() - t3).count();
-    }
+    return d;
+  }
+
+  // The step's times into the stats: scheduling t0-t1 (a group's agreement included), model t1-t2,
+  // sampling t2-t3; an all-decode step's whole time as a decode step.
+  void account(clock::time_point t0, clock::time_point t1, clock::time_point t2, clock::time_point t3) {
     st.schedule_seconds += std::chrono::duration<double>(t1 - t0).count();
     st.model_seconds += std::chrono::duration<double>(t2 - t1).count();
     st.sample_seconds += std::chrono::duration<double>(t3 - t2).count();
@@ -556,41 +564,71 @@ struct Engine::Impl {
       st.decode_rows += int64_t(work.size());
       st.decode_seconds += std::chrono::duration<double>(t3 - t0).count();
     }
-    // Retire parents that forked and samples whose last token's routing is now known.
+  }
+
+  // Retires parents that forked and samples whose last token's routing is now known: a sample's
+  // output goes to its request (finished when its last sample is), and its blocks are released or,
+  // for a request that keeps its cache, held by an idle session.
+  void retire(std::vector<RequestOutput>& finished) {
     auto& running = sched.running();
     for (auto it = running.begin(); it != running.end();) {
       Seq& s = **it;
       const bool complete = s.computed == int64_t(s.tokens.size());
-      if (s.sample == -2 || (s.finalizing && complete)) {
-        bool keep = false;
-        if (s.sample >= 0) {
-          RequestState& rs = requests.at(s.request);
-          keep = rs.request.keep_cache;
-          if (keep && s.session < 0) s.session = next_session++;
-          Sample& out_s = rs.samples[s.sample];
-          out_s.session = keep ? s.session : -1;
-          out_s.tokens.assign(s.tokens.begin() + s.turn_start, s.tokens.end());
-          out_s.logprobs = s.logprobs;
-          out_s.finish = s.finish;
-          out_s.num_preemptions = s.preemptions;
-          out_s.weight_versions = s.versions;
-          out_s.routing = at::from_blob(s.routing.data(), {int64_t(s.tokens.size()), cfg.num_layers, cfg.top_k},
-                                        at::kByte).clone();
-          if (++rs.done == int64_t(rs.samples.size())) {
-            finished.push_back({s.request, std::move(rs.samples)});
-            requests.erase(s.request);
-          }
-        }
-        if (keep) {
-          sessions[s.session] = std::move(*it);
-        } else {
-          kv.release(s.blocks);
-        }
-        it = running.erase(it);
-      } else {
+      if (s.sample != -2 && !(s.finalizing && complete)) {
         ++it;
+        continue;
       }
+      bool keep = false;
+      if (s.sample >= 0) {
+        RequestState& rs = requests.at(s.request);
+        keep = rs.request.keep_cache;
+        if (keep && s.session < 0) s.session = next_session++;
+        Sample& out_s = rs.samples[s.sample];
+        out_s.session = keep ? s.session : -1;
+        out_s.tokens.assign(s.tokens.begin() + s.turn_start, s.tokens.end());
+        out_s.logprobs = s.logprobs;
+        out_s.finish = s.finish;
+        out_s.num_preemptions = s.preemptions;
+        out_s.weight_versions = s.versions;
+        out_s.routing =
+            at::from_blob(s.routing.data(), {int64_t(s.tokens.size()), cfg.num_layers, cfg.top_k}, at::kByte).clone();
+        if (++rs.done == int64_t(rs.samples.size())) {
+          finished.push_back({s.request, std::move(rs.samples)});
+          requests.erase(s.request);
+        }
+      }
+      if (keep) {
+        sessions[s.session] = std::move(*it);
+      } else {
+        kv.release(s.blocks);
+      }
+      it = running.erase(it);
     }
+  }
+
+  // A step's second half: runs the planned work. min_rows: the expert group's widest graph step.
+  std::vector<RequestOutput> run(int64_t min_rows = 0) {
+    at::NoGradGuard no_grad;
+    const auto t0 = step_start, t1 = clock::now();  // scheduling includes a group's agreement
+    std::vector<RequestOutput> finished;
+    if (work.empty()) return finished;
+    std::vector<int64_t> cu_seqlens = {0};
+    for (const Work& w : work) cu_seqlens.push_back(cu_seqlens.back() + w.n);
+    const Forward f = forward(cu_seqlens, min_rows);
+    const auto t2 = clock::now();  // the routing copy in forward waited for the device
+    st.steps++;
+    st.model_tokens += cu_seqlens.back();
+    std::vector<std::pair<Seq*, int64_t>> ready = record_routing(f.routing, cu_seqlens);
+    const at::Tensor logits = ready_logits(f, ready);
+    const Draws d = fork_draws(ready);
+    draw(d.draws, logits, f.graph.logits.defined() ? &f.graph : nullptr);
+    const auto t3 = clock::now();
+    if (trace) {  // outside the phases above, and timed apart so that benchmarks can take it out
+      emit_trace(f.routing, cu_seqlens, d.draws, d.from);
+      st.trace_seconds += std::chrono::duration<double>(clock::now() - t3).count();
+    }
+    account(t0, t1, t2, t3);
+    retire(finished);
     return finished;
   }
 };
