@@ -308,26 +308,34 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
     ec.max_num_seqs = batch;
     ec.max_batch_tokens = std::max<int64_t>(4096, batch);
     ec.prefill_chunk = prompt_len;
-    const double kv_tokens = double(batch) * double(prompt_len + gen + 16);
-    ec.kv_cache_bytes = int64_t(model::kv_cache_bytes_per_token(cfg, prompt_len + gen, int64_t(elem)) * kv_tokens * 1.5) +
+    // Room for every sequence whole (no preemption): each window ring in full, which is more than
+    // the context when the window is longer (muse-small's 2048), and two spare blocks per sequence
+    // for the copy-on-write of a forked sample's last block. Sizing by kv_cache_bytes_per_token
+    // instead (the context's bytes) left muse-small's batch 64 room for 44 sequences: it preempted
+    // and recomputed, and its decode numbers until 2026-12-06 include that.
+    ec.kv_cache_bytes = rollout::kv_cache_bytes_for(cfg, ec, int64_t(elem), prompt_len + gen + 2 * ec.block_size) +
                         (int64_t(64) << 20);
-    // Decode time: from the step after which every sample has its first token (prefill done) to
-    // the end; prefill is excluded. Each engine runs once untimed (CUDA graphs are captured then).
-    // Prefill time: from adding the requests to every sample's first token (prompt tokens per second).
+    // Decode time: from the end of the last step that prefilled (every sample then has its first
+    // token) to the end; prefill is excluded. A step prefilled when the engine did not count it as
+    // a decode step (EngineStats::decode_steps: every row one token). Counting sampled tokens
+    // instead could end it early wherever samples decode while other sequences still prefill (a
+    // preempted sequence's recompute). Each engine runs once untimed (CUDA graphs are captured
+    // then). Prefill time: from adding the requests to that point (prompt tokens per second).
     std::string split;  // where the graph engine's time went, for the note under the table
     double prefill_tps = 0;
     auto run = [&](rollout::Engine& engine) {
       for (auto& r : reqs) r.params.max_tokens = gen;
-      const int64_t start = engine.stats().sampled_tokens;
       rollout::EngineStats s0;
+      const int64_t preempted = engine.stats().preemptions;
       sync(device);
       const auto t0 = std::chrono::steady_clock::now();
       for (const auto& r : reqs) engine.add_request(r);
       std::chrono::steady_clock::time_point a;
       int64_t first = -1;
       while (engine.has_unfinished()) {
+        const int64_t decode_steps = engine.stats().decode_steps;
         engine.step();
-        if (first < 0 && engine.stats().sampled_tokens - start >= batch) {
+        if (engine.stats().decode_steps == decode_steps) {  // this step prefilled: decode starts after it
           sync(device);
           a = std::chrono::steady_clock::now();
           first = engine.stats().sampled_tokens;
@@ -339,10 +347,11 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
       const rollout::EngineStats s1 = engine.stats();
       const double steps = double(s1.steps - s0.steps);
-      split = fmt::format("{:.0f} steps ({} graph), per step ms: schedule {:.3f}, model {:.3f}, sample {:.3f}",
+      split = fmt::format("{:.0f} steps ({} graph), per step ms: schedule {:.3f}, model {:.3f}, sample {:.3f}; "
+                          "{} preemptions in the run",
                           steps, s1.graph_steps - s0.graph_steps, 1e3 * (s1.schedule_seconds - s0.schedule_seconds) / steps,
                           1e3 * (s1.model_seconds - s0.model_seconds) / steps,
-                          1e3 * (s1.sample_seconds - s0.sample_seconds) / steps);
+                          1e3 * (s1.sample_seconds - s0.sample_seconds) / steps, s1.preemptions - preempted);
       return double(engine.stats().sampled_tokens - first) / s;
     };
     auto measure = [&](bool use_graphs, const std::string& quant) {
