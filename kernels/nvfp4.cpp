@@ -391,18 +391,20 @@ DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
   return M <= kFusedMaxRows ? DensePath::kSplitK : DensePath::kDequantized;
 }
 
-// The experts' paths (nvfp4_grouped_linear): the fused kernels up to kFusedMaxRows rows per expert
-// (wgmma where takes_wgmma says), then torch's grouped GEMM on the dequantised stack, or, without
-// it (fp32, torch before 2.8), a loop of cuBLAS GEMMs over the experts.
+// The experts' paths (nvfp4_grouped_linear), the one place their rule lives: the fused kernels up
+// to kFusedMaxRows rows per expert (wgmma where takes_wgmma says), then torch's grouped GEMM on the
+// dequantised stack (bf16, torch >= 2.8), or else a loop of cuBLAS GEMMs over the experts.
 enum class GroupedPath { kReference, kSplitK, kStaged, kWgmma, kDequantized, kLoop };
 
 GroupedPath grouped_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
-  const bool supported = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
-  if (!KILN_WITH_CUDA || !x.is_cuda() || !supported || !w.kernel_layout || !w.stacked()) return GroupedPath::kReference;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (!KILN_WITH_CUDA || !x.is_cuda() || !(bf16 || x.scalar_type() == at::kFloat) || !w.packed.defined() ||
+      !w.kernel_layout || !w.stacked())
+    return GroupedPath::kReference;
   const int64_t E = w.packed.size(0);
   if (takes_wgmma(x, w, rows, E)) return GroupedPath::kWgmma;
   if (rows <= kFusedMaxRows * E) return takes_grouped_staged(x, w, rows) ? GroupedPath::kStaged : GroupedPath::kSplitK;
-  return nvfp4_grouped_dequantizes(w, rows, x) ? GroupedPath::kDequantized : GroupedPath::kLoop;
+  return bf16 && KILN_TORCH_AT_LEAST(2, 8) ? GroupedPath::kDequantized : GroupedPath::kLoop;
 }
 
 #if KILN_WITH_CUDA
@@ -492,9 +494,7 @@ Nvfp4Gemm nvfp4_gemm_selected() {
 bool nvfp4_wgmma_selected() { return nvfp4_gemm_selected() == Nvfp4Gemm::kWgmma; }
 
 bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Tensor& x) {
-  return KILN_WITH_CUDA && KILN_TORCH_AT_LEAST(2, 8) && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
-         w.packed.defined() && w.kernel_layout && w.stacked() && rows > kFusedMaxRows * w.packed.size(0) &&
-         !takes_wgmma(x, w, rows, w.packed.size(0));
+  return grouped_path(x, w, rows) == GroupedPath::kDequantized;
 }
 
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
