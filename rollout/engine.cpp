@@ -44,13 +44,15 @@ const char* quantization_name(Quantization q) {
 
 int64_t kv_cache_bytes_for(const model::ModelConfig& cfg, const EngineConfig& ec, int64_t elem, int64_t tokens) {
   const KvLayout k = KvLayout::of(cfg, ec.block_size, elem);
-  return ec.max_num_seqs * (k.ring_blocks * k.window_block_bytes + (tokens + ec.block_size - 1) / ec.block_size * k.full_block_bytes);
+  return ec.max_num_seqs * (k.window_blocks_per_seq(ec.max_model_len) * k.window_block_bytes +
+                            (tokens + ec.block_size - 1) / ec.block_size * k.full_block_bytes);
 }
 
 void EngineConfig::validate() const {
   KILN_CHECK(kv_cache_bytes > 0, "rollout config: kv_cache_bytes must be positive (got ", kv_cache_bytes, ")");
   KILN_CHECK(block_size > 0, "rollout config: block_size must be positive (got ", block_size, ")");
   KILN_CHECK(max_num_seqs > 0, "rollout config: max_num_seqs must be positive (got ", max_num_seqs, ")");
+  KILN_CHECK(max_model_len >= 0, "rollout config: max_model_len must be >= 0 (0: any length; got ", max_model_len, ")");
   KILN_CHECK(max_batch_tokens > 0, "rollout config: max_batch_tokens must be positive (got ", max_batch_tokens, ")");
   KILN_CHECK(prefill_chunk > 0, "rollout config: prefill_chunk must be positive (got ", prefill_chunk, ")");
   KILN_CHECK(!share_weights || !expert_group, "rollout config: share_weights serves a whole frozen model; an expert ",
@@ -103,7 +105,7 @@ struct Engine::Impl {
 
   Impl(const model::Muse& m, EngineConfig config, const WeightSource& source)
       : model(config.share_weights ? shared_view(m) : m.clone()), cfg(m.config()), ec(validated(config)),
-        kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device()),
+        kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device(), ec.max_model_len),
         sched(kv, ec, cfg.sliding_window), work(sched.work()), attention(kv, cfg, ec.batch_invariant) {
     KILN_CHECK(!(ec.share_weights && source), "rollout: an engine that shares its model's weights cannot fill them "
                "from a weight source (it would write into the model's own tensors)");

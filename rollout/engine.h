@@ -61,6 +61,10 @@ struct EngineConfig {
   int64_t kv_cache_bytes = 64ll << 20;  // budget for both KV pools
   int64_t block_size = 16;              // tokens per KV block
   int64_t max_num_seqs = 64;            // running sequences at once
+  int64_t max_model_len = 0;            // longest sequence (prompt + generation, every turn) the
+                                        // window pool is sized for: max_num_seqs x its ring slots
+                                        // rather than whole rings (rollout/kv_cache.h); 0: any length.
+                                        // Longer ones still run, preempting others for blocks
   int64_t max_batch_tokens = 2048;      // tokens per engine step (decode + prefill chunks)
   int64_t prefill_chunk = 512;          // longest prefill piece of one sequence per step
   bool fused_rope_cache = true;         // graph decode: RoPE and the KV-cache write in one kernel
@@ -101,7 +105,8 @@ struct EngineConfig {
 };
 
 // The kv_cache_bytes that holds config.max_num_seqs whole sequences of `tokens` tokens each (no
-// preemption), for `elem`-byte cache values: every window ring and every full-attention block.
+// preemption), for `elem`-byte cache values: the window blocks the pool reserves (whole rings, or
+// config.max_model_len's) and every full-attention block.
 int64_t kv_cache_bytes_for(const model::ModelConfig& cfg, const EngineConfig& config, int64_t elem, int64_t tokens);
 
 struct EngineStats {

@@ -14,7 +14,11 @@ KvLayout KvLayout::of(const model::ModelConfig& cfg, int64_t block_size, int64_t
   int64_t nf = 0;
   for (int64_t i = 0; i < cfg.num_layers; ++i) nf += cfg.is_full_attention(i) ? 1 : 0;
   const int64_t block = block_size * 2 * cfg.kv_size() * elem_bytes;  // K and V of one layer's block
-  return {nf * block, (cfg.num_layers - nf) * block, (cfg.sliding_window + block_size - 1) / block_size + 1};
+  return {nf * block, (cfg.num_layers - nf) * block, (cfg.sliding_window + block_size - 1) / block_size + 1, block_size};
+}
+
+int64_t KvLayout::window_blocks_per_seq(int64_t max_model_len) const {
+  return max_model_len > 0 ? std::min(ring_blocks, (max_model_len + block_size - 1) / block_size) : ring_blocks;
 }
 
 BlockPool::BlockPool(int64_t num_blocks) : refs_(size_t(num_blocks), 0) {
@@ -34,19 +38,21 @@ void BlockPool::release(int64_t b) {
 }
 
 KvCache::KvCache(const model::ModelConfig& cfg, int64_t block_size, int64_t cache_bytes, int64_t max_seqs,
-                 at::ScalarType dtype, at::Device device)
+                 at::ScalarType dtype, at::Device device, int64_t max_model_len)
     : B_(block_size), W_(cfg.sliding_window) {
   layout_ = KvLayout::of(cfg, B_, int64_t(c10::elementSize(dtype)));
   R_ = layout_.ring_blocks;
   int64_t nf = 0, nw = 0;
   for (int64_t i = 0; i < cfg.num_layers; ++i) group_index_.push_back(cfg.is_full_attention(i) ? nf++ : nw++);
-  const int64_t win_blocks = nw > 0 ? max_seqs * R_ : 0;
+  // At least one whole ring: a single sequence of any length must always fit.
+  const int64_t win_blocks = nw > 0 ? std::max(R_, max_seqs * layout_.window_blocks_per_seq(max_model_len)) : 0;
   const int64_t left = cache_bytes - win_blocks * layout_.window_block_bytes;
   const int64_t full_blocks = left / layout_.full_block_bytes;
   KILN_CHECK(full_blocks >= 1, "rollout: kv_cache_bytes=", cache_bytes, " cannot hold the window rings (", win_blocks,
              " blocks of ", layout_.window_block_bytes, " bytes for max_num_seqs=", max_seqs,
+             max_model_len > 0 ? " of max_model_len=" + std::to_string(max_model_len) : std::string(),
              ") and one full-attention block of ", layout_.full_block_bytes,
-             " bytes; raise kv_cache_bytes or lower max_num_seqs");
+             " bytes; raise kv_cache_bytes or lower max_num_seqs", max_model_len > 0 ? " or max_model_len" : "");
   full_pool_ = BlockPool(full_blocks);
   win_pool_ = BlockPool(win_blocks);
   const auto opts = at::TensorOptions().dtype(dtype).device(device);

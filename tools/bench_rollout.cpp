@@ -160,6 +160,7 @@ void bench_rollout(at::Device device, const std::string& config, const RolloutBe
   rollout::EngineConfig ec;
   ec.block_size = 16;
   ec.max_num_seqs = shape.max_seqs;
+  ec.max_model_len = shape.len + shape.gen;  // every sequence's length is known: rings cut to it
   ec.max_batch_tokens = std::max<int64_t>(8192, shape.max_seqs);
   ec.prefill_chunk = 2048;
   const int64_t elem = int64_t(c10::elementSize(dtype)), seq = shape.len + shape.gen;

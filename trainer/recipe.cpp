@@ -444,6 +444,8 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     g.engine.kv_cache_bytes = int64_t(mb * double(1 << 20));
     ro.get("block_size", g.engine.block_size);
     ro.get("max_num_seqs", g.engine.max_num_seqs);
+    ro.get("max_model_len", g.engine.max_model_len);
+    if (g.engine.max_model_len < 0) ro.fail("max_model_len", "expected tokens >= 0 (0: sequences of any length)");
     ro.get("max_batch_tokens", g.engine.max_batch_tokens);
     ro.get("prefill_chunk", g.engine.prefill_chunk);
     ro.get("cuda_graphs", g.engine.cuda_graphs);
@@ -641,6 +643,7 @@ std::string Recipe::to_yaml() const {
   e << YAML::Key << "rollout" << YAML::Value << YAML::BeginMap << YAML::Key << "kv_cache_mb" << YAML::Value
     << double(g.engine.kv_cache_bytes) / double(1 << 20) << YAML::Key << "block_size" << YAML::Value
     << g.engine.block_size << YAML::Key << "max_num_seqs" << YAML::Value << g.engine.max_num_seqs << YAML::Key
+    << "max_model_len" << YAML::Value << g.engine.max_model_len << YAML::Key
     << "max_batch_tokens" << YAML::Value << g.engine.max_batch_tokens << YAML::Key << "prefill_chunk"
     << YAML::Value << g.engine.prefill_chunk << YAML::Key << "cuda_graphs" << YAML::Value << g.engine.cuda_graphs
     << YAML::Key << "expert_capacity" << YAML::Value << g.engine.expert_capacity

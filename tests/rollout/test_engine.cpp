@@ -214,6 +214,45 @@ TEST(Engine, KvCacheBytesForHoldsWholeSequencesWithoutPreemption) {
   EXPECT_GT(tight.stats().preemptions, 0);
 }
 
+// max_model_len sizes the window pool by the sequences' length when the window is longer: the
+// budget for whole sequences shrinks, the samples stay the same, and sequences longer than
+// max_model_len still run to the same samples (preempting others for ring blocks).
+TEST(Engine, MaxModelLenCutsTheWindowRingsWithoutChangingSamples) {
+  model::ModelConfig cfg = engine_config();
+  cfg.sliding_window = 64;  // a ring of 17 blocks of 4; a 34-token sequence touches 9 of them
+  model::Muse m = model::Muse::init(cfg, 4, at::kFloat, at::kCPU);
+  std::vector<Request> reqs;
+  for (int i = 0; i < 4; ++i) reqs.push_back(request({1 + i, 2, 3, 4 + i}, 2, 30, 1.0, 10 + i));
+  EngineConfig whole = small_engine();
+  whole.kv_cache_bytes = rollout::kv_cache_bytes_for(cfg, whole, sizeof(float), 34);
+  Engine reference(m, whole);
+  const auto expected = reference.generate(reqs);
+  EngineConfig cut = whole;
+  cut.max_model_len = 34;
+  cut.kv_cache_bytes = rollout::kv_cache_bytes_for(cfg, cut, sizeof(float), 34);
+  const auto st = reference.stats();
+  EXPECT_EQ(whole.kv_cache_bytes - cut.kv_cache_bytes, 8 * (17 - 9) * st.window_block_bytes);
+  Engine engine(m, cut);
+  auto expect_same = [](const std::vector<rollout::RequestOutput>& got,
+                        const std::vector<rollout::RequestOutput>& want) {
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t r = 0; r < got.size(); ++r)
+      for (size_t j = 0; j < got[r].samples.size(); ++j) {
+        EXPECT_EQ(got[r].samples[j].tokens, want[r].samples[j].tokens) << "request " << r << " sample " << j;
+        EXPECT_TRUE(test::all_equal(got[r].samples[j].routing, want[r].samples[j].routing));
+      }
+  };
+  expect_same(engine.generate(reqs), expected);
+  EXPECT_EQ(engine.stats().window_blocks_total, 8 * 9);
+  EXPECT_EQ(engine.stats().preemptions, 0);
+  // 60 new tokens: longer than max_model_len, so the cut pools cannot hold all eight at once.
+  std::vector<Request> longer = reqs;
+  for (auto& r : longer) r.params.max_tokens = 60;
+  const int64_t before = engine.stats().preemptions;
+  expect_same(engine.generate(longer), reference.generate(longer));
+  EXPECT_GT(engine.stats().preemptions, before);
+}
+
 TEST(Engine, SamplesShareTheirPromptPrefill) {
   model::Muse m = model::Muse::init(engine_config(), 5, at::kFloat, at::kCPU);
   Engine engine(m, small_engine());

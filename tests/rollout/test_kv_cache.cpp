@@ -63,6 +63,29 @@ TEST(KvCache, SizesItsPoolsFromTheByteBudget) {
                                 {"kv_cache_bytes=", "cannot hold the window rings", "max_num_seqs=2"}));
 }
 
+// With max_model_len the window pool holds what sequences of that length touch, not whole rings,
+// and never less than one ring: a longer sequence still wraps through all of its ring's slots.
+TEST(KvCache, MaxModelLenCutsTheReservedRingsToWhatSequencesTouch) {
+  const model::ModelConfig c = cache_config();
+  const KvLayout l = KvLayout::of(c, kBlock, sizeof(float));
+  EXPECT_EQ(l.window_blocks_per_seq(0), 3);
+  EXPECT_EQ(l.window_blocks_per_seq(4), 1);
+  EXPECT_EQ(l.window_blocks_per_seq(5), 2);
+  EXPECT_EQ(l.window_blocks_per_seq(1000), 3);
+  KvCache cut(c, kBlock, 20 * block_bytes(c), 4, at::kFloat, at::kCPU, /*max_model_len=*/6);
+  EXPECT_EQ(cut.pool(false).total(), 4 * 2);
+  EXPECT_EQ(cut.pool(true).total(), 20 - 8);  // the bytes the rings no longer take are full blocks
+  KvCache one(c, kBlock, 20 * block_bytes(c), 1, at::kFloat, at::kCPU, /*max_model_len=*/4);
+  EXPECT_EQ(one.pool(false).total(), 3);  // one whole ring, not the 1 block that 4 tokens touch
+  BlockTable t;
+  one.make_writable(t, 0, 6);  // past max_model_len: the ring wraps as without it
+  one.make_writable(t, 6, 7);
+  EXPECT_EQ(one.pool(false).used(), 3);
+  EXPECT_EQ(std::count_if(t.ring.begin(), t.ring.end(), [](int64_t b) { return b >= 0; }), 3);
+  EXPECT_TRUE(test::throws_with([&] { KvCache(c, kBlock, 8 * block_bytes(c), 4, at::kFloat, at::kCPU, 6); },
+                                {"cannot hold the window rings", "max_model_len=6", "or max_model_len"}));
+}
+
 TEST(KvCache, PositionsMapToTheirBlocksAndTheWindowRing) {
   const model::ModelConfig c = cache_config();
   KvCache kv(c, kBlock, 20 * block_bytes(c), 2, at::kFloat, at::kCPU);

@@ -302,6 +302,8 @@ sed 's/numerics: bitwise/numerics: exact/' "$tmp/bw.yaml" > "$tmp/bwbad.yaml"
 check_fails "bad numerics" "expected standard or bitwise" "$kiln" train "$tmp/bwbad.yaml" --steps 1 --out "$tmp/bwbad"
 sed "s/^  kv_cache_mb: 4/  kv_cache_mb: 4\n  expert_capacity: -1/" "$tmp/recipe.yaml" > "$tmp/capbad.yaml"
 check_fails "bad expert_capacity" "expert_capacity" "$kiln" train "$tmp/capbad.yaml" --steps 1 --out "$tmp/capbad"
+sed "s/^  kv_cache_mb: 4/  kv_cache_mb: 4\n  max_model_len: -5/" "$tmp/recipe.yaml" > "$tmp/lenbad.yaml"
+check_fails "bad max_model_len" "max_model_len" "$kiln" train "$tmp/lenbad.yaml" --steps 1 --out "$tmp/lenbad"
 # LoRA GRPO (recipes/lora-grpo-arith-tiny.yaml, shortened) from a short SFT warm start: the
 # reward and the held-out accuracy must rise; the PEFT adapter merges into a checkpoint.
 check "sft warm start for LoRA" "sft: done" "$kiln" sft "$src/recipes/grpo-arith-tiny.yaml" --steps 120 --out "$tmp/lora"
