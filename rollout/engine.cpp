@@ -131,11 +131,13 @@ struct Engine::Impl {
     st.window_blocks_total = kv.pool(false).total();
     // Expert adapters read the expert counts on the host unless torch's grouped GEMM takes them
     // (Lora::experts_grouped; under bitwise numerics the invariant grouped kernel, whose rank must
-    // be 8k too): no graph capture then. Nor for NVFP4 experts when a decode step's rows (at most
-    // max_num_seqs rounded up to a bucket of 16, times top_k) can exceed 64 per expert, the bound
-    // this rule was set for when the grouped GEMM's prefill path read offsets (kept, unmeasured:
-    // that path has no host read now, and an expert shard's rows differ).
-    const bool many_rows = (ec.max_num_seqs + 15) * cfg.top_k > 64 * cfg.num_experts;
+    // be 8k too): no graph capture then. Nor for an expert shard's NVFP4 experts when a decode
+    // step's rows (at most max_num_seqs rounded up to a bucket of 16, times top_k) can exceed 64 per
+    // expert, the bound this rule was set for when the grouped GEMM's prefill path read offsets on
+    // the host (kept for shards, whose exchanged rows differ; unmeasured). A whole model's experts
+    // above 64 rows take the dequantised stack and torch's grouped GEMM, which captures
+    // (tests/cuda/test_cuda_nvfp4_model.cpp: 80 rows per expert in graphs).
+    const bool many_rows = ec.expert_group && (ec.max_num_seqs + 15) * cfg.top_k > 64 * cfg.num_experts;
     bool host_sync = false;
     for (const auto& l : model.weights().layers) {
       const bool nvfp4_experts = !l.expert_gate.defined();
