@@ -6,8 +6,8 @@
 # phases, fused kernels on and off), optim (bench optim alone, also part of bench), ncu (kernel
 # metrics of the fused path's memory-bound kernels, into profile.txt) and calibrate (kiln plan
 # against the measured peak memory of muse-small GRPO runs), rollout (issue 20's RL workload, decode
-# and the peer's decode, into rollout.txt), rolloutwide (the workload with all 1024 samples in
-# flight, rollout.txt), nvfp4 (the GEMMs' cuda tests and bench nvfp4, into
+# and the peer's decode, into rollout.txt), rolloutwide (the workload with 512 and 1024 samples
+# in flight, rollout.txt), nvfp4 (the GEMMs' cuda tests and bench nvfp4, into
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
 # grouped (the grouped W4A16 kernel: kiln_probe_nvfp4's work splits at 8-64 rows per expert and ncu
@@ -310,11 +310,15 @@ if [ -f "$peer/torch_peer.py" ]; then
 fi
 fi  # rollout
 if want rolloutwide; then
-# The same RL workload with every sample in flight at once (1024 sequences: the engine's batch is
-# the whole rollout, as an RL job would configure it), BF16 and NVFP4, into rollout.txt.
-step "bench rollout, 1024 sequences at once (muse-small, BF16 and NVFP4)"
-./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml --quantization nvfp4 \
-  --max-seqs 1024 2>&1 | tee -a "$out/rollout.txt"
+# The same RL workload with more sequences in flight (KILN_ROLLOUT_WIDE, default 512 and 1024:
+# half and all of the 1024 samples, as an RL job would configure the engine), BF16 and NVFP4,
+# into rollout.txt. At 512, muse-small's NVFP4 experts get 64 rows each (the staged kernel); at
+# 1024, 128 (the dequantised stack).
+for seqs in ${KILN_ROLLOUT_WIDE:-512 1024}; do
+  step "bench rollout, $seqs sequences at once (muse-small, BF16 and NVFP4)"
+  ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml --quantization nvfp4 \
+    --max-seqs "$seqs" 2>&1 | tee -a "$out/rollout.txt"
+done
 fi  # rolloutwide
 if want nvfp4; then
 # The W4A16 GEMMs alone: their cuda tests and bench nvfp4 (every dense kernel against cuBLAS).
