@@ -369,7 +369,22 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
          nvfp4_wgmma_usable(x, w);
 }
 
-// The grouped staged kernel at 17 to kFusedMaxRows rows per expert on average, for bf16 x and a
+// Rows per expert on average up to which the grouped staged kernel runs: kFusedMaxRows, or
+// KILN_NVFP4_STAGED_ROWS (a trial: above 64 the choice is otherwise the dequantised stack, which
+// writes and reads the whole stack in bf16 each call).
+int64_t staged_max_rows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("KILN_NVFP4_STAGED_ROWS");
+    if (!e || !*e) return kFusedMaxRows;
+    char* end = nullptr;
+    const long long v = std::strtoll(e, &end, 10);
+    KILN_CHECK(end && *end == 0 && v >= 17, "KILN_NVFP4_STAGED_ROWS: expected rows per expert >= 17 (got '", e, "')");
+    return int64_t(v);
+  }();
+  return rows;
+}
+
+// The grouped staged kernel at 17 to staged_max_rows() rows per expert on average, for bf16 x and a
 // stack it takes (grouped_stack_aligned), in place of split-K unless KILN_NVFP4_GEMM=splitk keeps
 // split-K there. Measured on the H100 (2026-12-06, docs/PERFORMANCE.md): 1.07x split-K at 32 rows
 // per expert and 1.26x at 64 on muse-small's experts (kiln_probe_nvfp4), and the rollout workload
@@ -377,7 +392,7 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
 bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
   const int64_t E = w.stacked() ? w.packed.size(0) : 0;
   return E > 0 && nvfp4_gemm_selected() == Nvfp4Gemm::kAuto && x.scalar_type() == at::kBFloat16 && rows > 16 * E &&
-         rows <= kFusedMaxRows * E && grouped_stack_aligned(w.rows(), w.cols());
+         rows <= staged_max_rows() * E && grouped_stack_aligned(w.rows(), w.cols());
 }
 
 DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
@@ -403,7 +418,8 @@ GroupedPath grouped_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows
     return GroupedPath::kReference;
   const int64_t E = w.packed.size(0);
   if (takes_wgmma(x, w, rows, E)) return GroupedPath::kWgmma;
-  if (rows <= kFusedMaxRows * E) return takes_grouped_staged(x, w, rows) ? GroupedPath::kStaged : GroupedPath::kSplitK;
+  if (takes_grouped_staged(x, w, rows)) return GroupedPath::kStaged;
+  if (rows <= kFusedMaxRows * E) return GroupedPath::kSplitK;
   return bf16 && KILN_TORCH_AT_LEAST(2, 8) ? GroupedPath::kDequantized : GroupedPath::kLoop;
 }
 
