@@ -370,8 +370,10 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
 }
 
 // Rows per expert on average up to which the grouped staged kernel runs: kFusedMaxRows, or
-// KILN_NVFP4_STAGED_ROWS (a trial: above 64 the choice is otherwise the dequantised stack, which
-// writes and reads the whole stack in bf16 each call).
+// KILN_NVFP4_STAGED_ROWS (a trial: above it the experts take the dequantised stack, which writes and
+// reads the whole stack in bf16 every call, 70 us per muse-small stack on the H100). The MoE's
+// padded layout counts its static bound, the slots plus 15 rows per expert: 512 sequences in
+// flight on muse-small are 79 rows per expert to this rule (docs/PERFORMANCE.md, 2026-12-07).
 int64_t staged_max_rows() {
   static const int64_t rows = [] {
     const char* e = std::getenv("KILN_NVFP4_STAGED_ROWS");

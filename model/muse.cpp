@@ -273,10 +273,8 @@ bool grouped_mm_widths_fit(const LayerWeights& lw, const at::Tensor& z) {
 at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& z, const at::Tensor& ids, int64_t k,
                        at::Tensor& counts, const ForwardOptions& opt, bool spare = false, int64_t live_rows = 0) {
   ExpertStack s = expert_stack(lw, layer, opt);
+  for (ExpertProj* p : {&s.gate, &s.up, &s.down}) p->live_rows = live_rows;
   const int64_t n = ids.size(0), E = s.experts();
-  // The NVFP4 dispatch counts the rows that carry work, not the padded layout's static bound
-  // (which adds 15 rows per expert: at 64 real rows per expert it would take the dequantised stack).
-  for (ExpertProj* p : {&s.gate, &s.up, &s.down}) p->live_rows = live_rows > 0 ? live_rows : n;
   const kernels::MoeLayout l = kernels::moe_layout(ids, spare ? E + 1 : E, k, kGroupAlign);
   counts = spare ? l.counts.narrow(0, 0, E) : l.counts;
   const at::Tensor ends = spare ? l.offsets.narrow(0, 0, E) : l.offsets;  // the experts' segments (int32)
@@ -398,10 +396,8 @@ bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, c
 at::Tensor fused_experts(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& z,
                          const at::Tensor& flat, const at::Tensor& w, at::Tensor& counts, const ForwardOptions& opt) {
 #if KILN_TORCH_AT_LEAST(2, 8)
-  ExpertStack s = expert_stack(lw, layer, opt);
+  const ExpertStack s = expert_stack(lw, layer, opt);
   const int64_t k = cfg.top_k;
-  // NVFP4's dispatch counts the slots, not the padded layout's bound (run_experts says why).
-  for (ExpertProj* p : {&s.gate, &s.up, &s.down}) p->live_rows = flat.numel();
   kernels::MoeLayout l = kernels::moe_layout(flat, s.experts(), k, kGroupAlign);
   counts = l.counts;
   at::Tensor zp = kernels::moe_dispatch(z, l.slot_row, k, l.bound);

@@ -314,10 +314,17 @@ if want rolloutwide; then
 # half and all of the 1024 samples, as an RL job would configure the engine), BF16 and NVFP4,
 # into rollout.txt. At 512, muse-small's NVFP4 experts get 64 rows each (the staged kernel); at
 # 1024, 128 (the dequantised stack).
+# KILN_ROLLOUT_STAGED_ROWS=N runs each again with KILN_NVFP4_STAGED_ROWS=N (the grouped staged
+# kernel up to N rows per expert instead of the dequantised stack above 64).
 for seqs in ${KILN_ROLLOUT_WIDE:-512 1024}; do
   step "bench rollout, $seqs sequences at once (muse-small, BF16 and NVFP4)"
   ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml --quantization nvfp4 \
     --max-seqs "$seqs" 2>&1 | tee -a "$out/rollout.txt"
+  if [ -n "${KILN_ROLLOUT_STAGED_ROWS:-}" ]; then
+    step "the same with KILN_NVFP4_STAGED_ROWS=$KILN_ROLLOUT_STAGED_ROWS"
+    KILN_NVFP4_STAGED_ROWS="$KILN_ROLLOUT_STAGED_ROWS" ./build-gpu/kiln bench rollout --device cuda \
+      --config configs/muse-small.yaml --quantization nvfp4 --max-seqs "$seqs" 2>&1 | tee -a "$out/rollout.txt"
+  fi
 done
 fi  # rolloutwide
 if want nvfp4; then
