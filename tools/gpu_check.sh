@@ -10,7 +10,7 @@
 # in flight, rollout.txt), nvfp4 (the GEMMs' cuda tests and bench nvfp4, into
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
-# grouped (the grouped W4A16 kernel: kiln_probe_nvfp4's work splits at 8-64 rows per expert and ncu
+# grouped (the grouped W4A16 kernel: kiln_probe_nvfp4's work splits at 8-128 rows per expert and ncu
 # of the dispatch's kernel at 32, grouped.txt); pdl (kiln_probe_pdl: a kernel boundary's cost in a
 # graph, plain and with programmatic dependent launch, pdl.txt);
 # cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt);

@@ -529,10 +529,11 @@ void probe_grouped(cudaStream_t stream, const std::vector<int64_t>& batches) {
 }  // namespace
 
 // kiln_probe_nvfp4 [dense|grouped [tokens]]: one section, or both; grouped at one batch of
-// `tokens` tokens (for a profiler) or at 64, 256 and 512.
+// `tokens` tokens (for a profiler) or at 64, 256, 512 and 1024 (8 to 128 rows per expert: 1024 is
+// the rollout with every sample in flight, where the dispatch now dequantises the stack).
 int main(int argc, char** argv) {
   const std::string only = argc > 1 ? argv[1] : "";
-  const std::vector<int64_t> batches = argc > 2 ? std::vector<int64_t>{std::atoll(argv[2])} : std::vector<int64_t>{64, 256, 512};
+  const std::vector<int64_t> batches = argc > 2 ? std::vector<int64_t>{std::atoll(argv[2])} : std::vector<int64_t>{64, 256, 512, 1024};
   int sms = 0;
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device query");
   cudaStream_t stream;
