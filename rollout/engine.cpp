@@ -44,8 +44,8 @@ const char* quantization_name(Quantization q) {
 
 int64_t kv_cache_bytes_for(const model::ModelConfig& cfg, const EngineConfig& ec, int64_t elem, int64_t tokens) {
   const KvLayout k = KvLayout::of(cfg, ec.block_size, elem);
-  return ec.max_num_seqs * (k.window_blocks_per_seq(ec.max_model_len) * k.window_block_bytes +
-                            (tokens + ec.block_size - 1) / ec.block_size * k.full_block_bytes);
+  return k.window_pool_blocks(ec.max_num_seqs, ec.max_model_len) * k.window_block_bytes +
+         ec.max_num_seqs * ((tokens + ec.block_size - 1) / ec.block_size) * k.full_block_bytes;
 }
 
 void EngineConfig::validate() const {
@@ -136,7 +136,7 @@ struct Engine::Impl {
     // expert, the bound this rule was set for when the grouped GEMM's prefill path read offsets on
     // the host (kept for shards, whose exchanged rows differ; unmeasured). A whole model's experts
     // above 64 rows take the dequantised stack and torch's grouped GEMM, which captures
-    // (tests/cuda/test_cuda_nvfp4_model.cpp: 80 rows per expert in graphs).
+    // (tests/cuda/test_cuda_nvfp4_model.cpp: 82 rows per expert in graphs; H100, 2026-12-07).
     const bool many_rows = ec.expert_group && (ec.max_num_seqs + 15) * cfg.top_k > 64 * cfg.num_experts;
     bool host_sync = false;
     for (const auto& l : model.weights().layers) {

@@ -21,6 +21,10 @@ int64_t KvLayout::window_blocks_per_seq(int64_t max_model_len) const {
   return max_model_len > 0 ? std::min(ring_blocks, (max_model_len + block_size - 1) / block_size) : ring_blocks;
 }
 
+int64_t KvLayout::window_pool_blocks(int64_t max_seqs, int64_t max_model_len) const {
+  return window_block_bytes > 0 ? std::max(ring_blocks, max_seqs * window_blocks_per_seq(max_model_len)) : 0;
+}
+
 BlockPool::BlockPool(int64_t num_blocks) : refs_(size_t(num_blocks), 0) {
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(b);  // block 0 is handed out first
 }
@@ -44,8 +48,7 @@ KvCache::KvCache(const model::ModelConfig& cfg, int64_t block_size, int64_t cach
   R_ = layout_.ring_blocks;
   int64_t nf = 0, nw = 0;
   for (int64_t i = 0; i < cfg.num_layers; ++i) group_index_.push_back(cfg.is_full_attention(i) ? nf++ : nw++);
-  // At least one whole ring: a single sequence of any length must always fit.
-  const int64_t win_blocks = nw > 0 ? std::max(R_, max_seqs * layout_.window_blocks_per_seq(max_model_len)) : 0;
+  const int64_t win_blocks = layout_.window_pool_blocks(max_seqs, max_model_len);
   const int64_t left = cache_bytes - win_blocks * layout_.window_block_bytes;
   const int64_t full_blocks = left / layout_.full_block_bytes;
   KILN_CHECK(full_blocks >= 1, "rollout: kv_cache_bytes=", cache_bytes, " cannot hold the window rings (", win_blocks,

@@ -31,6 +31,9 @@ struct KvLayout {
   // Window blocks the pool reserves per sequence: the whole ring, or for sequences of at most
   // max_model_len tokens (> 0) the ceil(max_model_len / block_size) ring slots they can touch.
   int64_t window_blocks_per_seq(int64_t max_model_len) const;
+  // The window pool for max_seqs such sequences: never less than one whole ring, so that a single
+  // sequence of any length fits. 0 without window layers.
+  int64_t window_pool_blocks(int64_t max_seqs, int64_t max_model_len) const;
 };
 
 // Fixed-size blocks with reference counts: a block returns to the free list when its last holder

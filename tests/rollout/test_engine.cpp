@@ -251,6 +251,16 @@ TEST(Engine, MaxModelLenCutsTheWindowRingsWithoutChangingSamples) {
   const int64_t before = engine.stats().preemptions;
   expect_same(engine.generate(longer), reference.generate(longer));
   EXPECT_GT(engine.stats().preemptions, before);
+  // One sequence at a time: kv_cache_bytes_for still counts a whole ring, the pool's least.
+  EngineConfig one = cut;
+  one.max_num_seqs = 1;
+  one.kv_cache_bytes = rollout::kv_cache_bytes_for(cfg, one, sizeof(float), 64);
+  Engine single(m, one);
+  Request alone = longer[0];
+  alone.params.n = 1;
+  expect_same(single.generate({alone}), reference.generate({alone}));
+  EXPECT_EQ(single.stats().window_blocks_total, 17);
+  EXPECT_EQ(single.stats().preemptions, 0);
 }
 
 TEST(Engine, SamplesShareTheirPromptPrefill) {

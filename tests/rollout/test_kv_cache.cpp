@@ -72,6 +72,9 @@ TEST(KvCache, MaxModelLenCutsTheReservedRingsToWhatSequencesTouch) {
   EXPECT_EQ(l.window_blocks_per_seq(4), 1);
   EXPECT_EQ(l.window_blocks_per_seq(5), 2);
   EXPECT_EQ(l.window_blocks_per_seq(1000), 3);
+  EXPECT_EQ(l.window_pool_blocks(4, 6), 8);
+  EXPECT_EQ(l.window_pool_blocks(1, 4), 3);  // never less than one whole ring
+  EXPECT_EQ(KvLayout::of(test::paged_config(1), kBlock, sizeof(float)).window_pool_blocks(4, 6), 0);  // no window layers
   KvCache cut(c, kBlock, 20 * block_bytes(c), 4, at::kFloat, at::kCPU, /*max_model_len=*/6);
   EXPECT_EQ(cut.pool(false).total(), 4 * 2);
   EXPECT_EQ(cut.pool(true).total(), 20 - 8);  // the bytes the rings no longer take are full blocks
