@@ -64,7 +64,8 @@ struct EngineConfig {
   int64_t max_model_len = 0;            // longest sequence (prompt + generation, every turn) the
                                         // window pool is sized for: max_num_seqs x its ring slots
                                         // rather than whole rings (rollout/kv_cache.h); 0: any length.
-                                        // Longer ones still run, preempting others for blocks
+                                        // Longer ones still run, preempting others for blocks. A
+                                        // recipe that caps prompts and is single-turn derives it
   int64_t max_batch_tokens = 2048;      // tokens per engine step (decode + prefill chunks)
   int64_t prefill_chunk = 512;          // longest prefill piece of one sequence per step
   bool fused_rope_cache = true;         // graph decode: RoPE and the KV-cache write in one kernel

@@ -190,10 +190,13 @@ grep -q "steps: 2" "$tmp/run/recipe.yaml" || { echo "FAIL: resolved recipe lacks
 grep -q "fused_kernels: true" "$tmp/run/recipe.yaml" || { echo "FAIL: resolved recipe lacks grpo.fused_kernels"; fails=$((fails+1)); }
 # The shaping keys (issue 23): read, used, and written back into the resolved recipe.
 { sed 's/^  mismatch_ab: true/  mismatch_ab: true\n  overlong_buffer: 1\n  mask_truncated: true\n  dynamic_sampling: true/' "$tmp/recipe.yaml"
-  printf 'loss:\n  mis: true\n  mis_high: 4\n'; } > "$tmp/shaped.yaml"
+  printf 'loss:\n  mis: true\n  mis_high: 4\nprompt:\n  max_prompt_tokens: 64\n'; } > "$tmp/shaped.yaml"
 check "train with shaping" "train: done" "$kiln" train "$tmp/shaped.yaml" --steps 1 --out "$tmp/shaped"
 grep -q "overlong_buffer: 1" "$tmp/shaped/recipe.yaml" && grep -q "mask_truncated: true" "$tmp/shaped/recipe.yaml" \
   && grep -q "mis_high: 4" "$tmp/shaped/recipe.yaml" && grep -q "dynamic_sampling: true" "$tmp/shaped/recipe.yaml" || { echo "FAIL: resolved recipe lacks the shaping keys"; fails=$((fails+1)); }
+# rollout.max_model_len: 0 (any length) by default; the prompt cap plus max_tokens when prompts are capped.
+grep -q "max_model_len: 0" "$tmp/run/recipe.yaml" && grep -q "max_model_len: 67" "$tmp/shaped/recipe.yaml" \
+  || { echo "FAIL: resolved recipes lack rollout.max_model_len (0, then 64 + 3)"; fails=$((fails+1)); }
 [ -f "$tmp/run/final/config.json" ] || { echo "FAIL: no final checkpoint"; fails=$((fails+1)); }
 # Resume: 2 steps, then continue to 4; the metrics of steps 3-4 equal an uninterrupted 4-step run's.
 strip_times() { grep '"reward"' "$1" | sed -E 's/"[a-z_]*(seconds|per_second|gbps)":[^,}]*,?//g'; }
