@@ -160,10 +160,10 @@ void bench_rollout(at::Device device, const std::string& config, const RolloutBe
   rollout::EngineConfig ec;
   ec.block_size = 16;
   ec.max_num_seqs = shape.max_seqs;
-  ec.max_model_len = shape.len + shape.gen;  // every sequence's length is known: rings cut to it
   ec.max_batch_tokens = std::max<int64_t>(8192, shape.max_seqs);
   ec.prefill_chunk = 2048;
   const int64_t elem = int64_t(c10::elementSize(dtype)), seq = shape.len + shape.gen;
+  ec.max_model_len = seq;  // every sequence's length is known: the window rings are cut to it
   ec.kv_cache_bytes = shape.kv_gib > 0 ? int64_t(shape.kv_gib * double(int64_t(1) << 30))
                                        : rollout::kv_cache_bytes_for(cfg, ec, elem, seq) + (int64_t(64) << 20);
   fmt::print("rollout: {} in {} on {}, {} prompts x {} samples, prompt {} tokens, {} new tokens each (no stop), at most {} "
