@@ -181,10 +181,16 @@ void bench_grouped_case(at::Device device, double bw, const char* name, int64_t 
 #endif
 }
 
-void bench_grouped(at::Device device, double bw) {
+// tokens: muse-small's experts at these routed batches only (each x 8 rows), else the table's cases.
+void bench_grouped(at::Device device, double bw, const std::vector<int64_t>& tokens) {
   fmt::print("\ngrouped W4A16 (MoE experts) vs BF16; bytes = touched experts' packed + scales + x + y\n");
   fmt::print("{:>26} {:>4} {:>5} {:>5} {:>6} {:>5} {:>10} {:>10} {:>9} {:>8} {:>11} {:>8} {:>10}\n", "case", "E", "N", "K",
              "rows", "used", "nvfp4 us", "bf16 us", "TB/s", "of copy", "bf16/nvfp4", "read us", "bf16/read");
+  if (!tokens.empty()) {
+    for (const int64_t t : tokens)
+      bench_grouped_case(device, bw, fmt::format("muse-small {}x8", t).c_str(), 64, 1024, 1024, t, 8);
+    return;
+  }
   bench_grouped_case(device, bw, "muse-small decode 64x8", 64, 1024, 1024, 64, 8);
   bench_grouped_case(device, bw, "muse-small rollout 256x8", 64, 1024, 1024, 256, 8);
   bench_grouped_case(device, bw, "muse-small prefill 8192x8", 64, 1024, 1024, 8192, 8);
@@ -194,7 +200,7 @@ void bench_grouped(at::Device device, double bw) {
 
 }  // namespace
 
-void bench_nvfp4(at::Device device, const std::vector<int64_t>& only) {
+void bench_nvfp4(at::Device device, const std::vector<int64_t>& only, const std::vector<int64_t>& grouped) {
   KILN_CHECK(device.is_cuda(), "bench nvfp4: needs --device cuda (the CUDA kernels are the subject)");
 #if KILN_WITH_CUDA
   const c10::cuda::CUDAGuard guard(device);
@@ -205,8 +211,8 @@ void bench_nvfp4(at::Device device, const std::vector<int64_t>& only) {
              "each op timed as a CUDA graph of {} calls over rotating weight copies (>= {:.0f} MiB);\n"
              "read us: a kernel that only reads the weight bytes (kernels::xor_words_into), so bf16/read bounds any kernel\n",
              bw / 1e12, kCalls, kRotateBytes / (1 << 20));
-  bench_dense(device, bw, only);
-  if (only.empty()) bench_grouped(device, bw);
+  if (grouped.empty()) bench_dense(device, bw, only);
+  if (only.empty()) bench_grouped(device, bw, grouped);
 #endif
 }
 

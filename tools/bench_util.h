@@ -49,7 +49,8 @@ void bench_invariant(at::Device device, const std::string& config, int64_t token
 // `kiln bench attention`: paged decode attention, tensor cores against SIMT (tools/bench_attention.cpp).
 void bench_attention(at::Device device);
 // `kiln bench nvfp4`: the W4A16 GEMMs (dense, grouped) against BF16 GEMMs and the copy bandwidth.
-// only: {M, N, K} of one dense case of the table (for profilers), or empty for all.
-void bench_nvfp4(at::Device device, const std::vector<int64_t>& only = {});
+// only: {M, N, K} of one dense case of the table (for profilers), or empty for all; grouped: tokens
+// routed to muse-small's experts, the experts' table alone at those batches.
+void bench_nvfp4(at::Device device, const std::vector<int64_t>& only = {}, const std::vector<int64_t>& grouped = {});
 
 }  // namespace kiln::tools

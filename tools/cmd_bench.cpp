@@ -411,7 +411,7 @@ Run add_bench(CLI::App& app) {
     std::string profile;
     bool only_fused = false, bitwise = false;
     RolloutBenchShape rollout;
-    std::vector<int64_t> shape;
+    std::vector<int64_t> shape, grouped;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("case", a->name, "rmsnorm, forward, decode, rollout, train, optim, nvfp4, attention or invariant")
@@ -439,6 +439,8 @@ Run add_bench(CLI::App& app) {
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train, split into --seqs sequences; invariant: rows)")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; rollout: a path prefix, -<weights>.json added; tools/profile_summary.py)");
   cmd->add_option("--shape", a->shape, "M N K: one dense case of the table (nvfp4; for profilers)")->expected(3);
+  cmd->add_option("--grouped", a->grouped, "TOKENS...: only the experts' table, muse-small's stack at these routed batches (nvfp4)")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--bitwise", a->bitwise, "Also time the batch-invariant numerics (rollout.numerics bitwise): train, profiled last; rollout");
   cmd->add_flag("--only-fused", a->only_fused, "Time only the grouped + fused path (train; for ncu and quick runs)");
   return [a, cmd] {
@@ -456,7 +458,7 @@ Run add_bench(CLI::App& app) {
     }
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused, a->bitwise);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
-    else if (a->name == "nvfp4") bench_nvfp4(device, a->shape);
+    else if (a->name == "nvfp4") bench_nvfp4(device, a->shape, a->grouped);
     else if (a->name == "attention") bench_attention(device);
     else if (a->name == "invariant") bench_invariant(device, config, a->tokens);
     else bench_forward(device, config, a->seqs, a->len);
