@@ -704,30 +704,41 @@ at::Tensor padded_attention(const PaddedLayout& layout, const at::Tensor& q_src,
                             const at::Tensor& v_src, bool full, int64_t window) {
   const int64_t B = layout.num_problems, Lq = layout.max_queries, Lk = layout.max_keys;
   const int64_t Hq = q_src.size(1), hd = q_src.size(2), group = Hq / k_src.size(1);
-  at::Tensor q = q_src.index_select(0, layout.q_index).view({B, Lq, Hq, hd}).transpose(1, 2);
-  at::Tensor k = k_src.index_select(0, layout.k_index).view({B, Lk, -1, hd}).transpose(1, 2);
-  at::Tensor v = v_src.index_select(0, layout.k_index).view({B, Lk, -1, hd}).transpose(1, 2);
-  if (group > 1) {
-    k = k.repeat_interleave(group, 1);
-    v = v.repeat_interleave(group, 1);
-  }
+  const int64_t Hkv = k_src.size(1);
+  at::Tensor q = q_src.index_select(0, layout.q_index).view({B, Lq, Hq, hd});
+  at::Tensor k = k_src.index_select(0, layout.k_index).view({B, Lk, Hkv, hd}).transpose(1, 2);
+  at::Tensor v = v_src.index_select(0, layout.k_index).view({B, Lk, Hkv, hd}).transpose(1, 2);
   at::Tensor qpos = layout.q_pos.unsqueeze(2), kpos = layout.k_pos.unsqueeze(1);  // [B, Lq, 1], [B, 1, Lk]
   at::Tensor allowed = kpos.ge(0).logical_and(kpos.le(qpos));
   if (!full) allowed = allowed.logical_and(kpos.gt(qpos - window));
   // Pad queries see key column 0: finite rows, thrown away, with zero gradient (no NaN to leak).
   at::Tensor col0 = at::arange(Lk, layout.k_pos.options()).eq(0).view({1, 1, Lk});
   allowed = allowed.logical_or(qpos.lt(0).logical_and(col0)).unsqueeze(1);  // [B, 1, Lq, Lk]
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const double masked = -std::numeric_limits<double>::infinity();
+  if (Lq == 1 && !q.is_cuda()) {
+    // A decode batch on the CPU: each KV head's `group` query heads as rows against its keys,
+    // unexpanded (q head h reads KV head h / group, as repeat_interleave gives), where the
+    // expansion would copy every cached key and value `group` times (at 64 sequences of 1K
+    // tokens, half a GB per layer). Prefill and training keep the expanded form: there the
+    // queries are as many as the keys, and the gradient tests pin its numerics.
+    at::Tensor qg = q.view({B, Hkv, group, hd});
+    at::Tensor scores = at::matmul(qg, k.transpose(2, 3)).to(acc_dtype(q.scalar_type())) * scale;  // [B, Hkv, group, Lk]
+    at::Tensor p = at::softmax(scores.masked_fill(allowed.logical_not(), masked), -1).to(q.scalar_type());
+    return at::matmul(p, v).view({B, Hq, hd}).index_select(0, layout.out_index);
+  }
+  q = q.transpose(1, 2);
+  k = k.repeat_interleave(group, 1);
+  v = v.repeat_interleave(group, 1);
   at::Tensor o;
 #if KILN_TORCH_AT_LEAST(2, 0)
   if (q.is_cuda()) o = at::scaled_dot_product_attention(q, k, v, allowed);
 #endif
   if (!o.defined()) {
-    const double scale = 1.0 / std::sqrt(double(hd));
     at::Tensor scores = at::matmul(q, k.transpose(2, 3)).to(acc_dtype(q.scalar_type())) * scale;
-    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
-    o = at::matmul(at::softmax(scores, -1).to(q.scalar_type()), v);  // [B, Hq, Lq, hd]
+    o = at::matmul(at::softmax(scores.masked_fill(allowed.logical_not(), masked), -1).to(q.scalar_type()), v);
   }
-  return o.transpose(1, 2).reshape({B * Lq, Hq, hd}).index_select(0, layout.out_index);
+  return o.transpose(1, 2).reshape({B * Lq, Hq, hd}).index_select(0, layout.out_index);  // o: [B, Hq, Lq, hd]
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

@@ -114,6 +114,45 @@ TEST(Forward, WindowQuerySeesExactlyTheLastWKeys) {
   }
 }
 
+TEST(Forward, PaddedAttentionGroupsQueryHeadsAsExpandedKeysWould) {
+  // Problems of 1, 19 and 111 keys, each with its last query (decode) or all of them (prefill), four
+  // query heads per KV head: the padded batch (KV heads unexpanded) against each problem alone on
+  // keys and values expanded to every query head, in fp32 and bf16, full and windowed.
+  const int64_t Hq = 8, Hkv = 2, hd = 16, W = 7;
+  const std::vector<int64_t> lens = {1, 19, 111};
+  at::manual_seed(3);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (bool decode : {true, false}) {
+      std::vector<std::vector<int64_t>> q_rows, q_pos, k_rows, k_pos;
+      int64_t tq = 0, tk = 0;
+      for (int64_t n : lens) {
+        const int64_t first = decode ? n - 1 : 0;
+        q_rows.emplace_back(), q_pos.emplace_back(), k_rows.emplace_back(), k_pos.emplace_back();
+        for (int64_t i = first; i < n; ++i) q_rows.back().push_back(tq++), q_pos.back().push_back(i);
+        for (int64_t j = 0; j < n; ++j) k_rows.back().push_back(tk++), k_pos.back().push_back(j);
+      }
+      at::Tensor q = at::randn({tq, Hq, hd}).to(dtype), k = at::randn({tk, Hkv, hd}).to(dtype);
+      at::Tensor v = at::randn({tk, Hkv, hd}).to(dtype);
+      const model::PaddedLayout layout = model::PaddedLayout::build(q_rows, q_pos, k_rows, k_pos, at::kCPU);
+      for (bool full : {true, false}) {
+        at::Tensor got = model::padded_attention(layout, q, k, v, full, W);
+        ASSERT_EQ(got.sizes(), q.sizes());
+        int64_t qo = 0, ko = 0;  // the problem's first query and key row
+        for (size_t b = 0; b < lens.size(); ++b) {
+          const int64_t nq = int64_t(q_rows[b].size()), nk = lens[b];
+          at::Tensor kb = model::expand_kv_heads(k.narrow(0, ko, nk).transpose(0, 1), Hq / Hkv);
+          at::Tensor vb = model::expand_kv_heads(v.narrow(0, ko, nk).transpose(0, 1), Hq / Hkv);
+          at::Tensor want =
+              model::sequence_attention(q.narrow(0, qo, nq).transpose(0, 1), kb, vb, full, W, q_pos[b][0], 0);
+          const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+          KILN_EXPECT_CLOSE(got.narrow(0, qo, nq).to(at::kFloat), want.transpose(0, 1).to(at::kFloat), tol, tol);
+          qo += nq, ko += nk;
+        }
+      }
+    }
+  }
+}
+
 TEST(Forward, LogprobsEqualLogSoftmaxOfLogits) {
   Muse m = Muse::init(test::micro_config(), 4, at::kFloat, at::kCPU);
   auto seqs = random_sequences({6, 13}, 11, 3);
