@@ -373,7 +373,10 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
 // KILN_NVFP4_STAGED_ROWS (a trial: above it the experts take the dequantised stack, which writes and
 // reads the whole stack in bf16 every call, 70 us per muse-small stack on the H100). The MoE's
 // padded layout counts its static bound, the slots plus 15 rows per expert: 512 sequences in
-// flight on muse-small are 79 rows per expert to this rule (docs/PERFORMANCE.md, 2026-12-07).
+// flight on muse-small are 79 rows per expert to this rule. Raising it to 160 was measured on the
+// H200 (docs/PERFORMANCE.md, 2026-12-07): 1024 sequences in flight 0.88x -> 0.90x BF16, but a
+// 1024-token prefill 0.81x -> 0.71x (real routing is uneven, and an expert's chunks run on two
+// blocks per slab), so the default stays.
 int64_t staged_max_rows() {
   static const int64_t rows = [] {
     const char* e = std::getenv("KILN_NVFP4_STAGED_ROWS");

@@ -312,8 +312,8 @@ fi  # rollout
 if want rolloutwide; then
 # The same RL workload with more sequences in flight (KILN_ROLLOUT_WIDE, default 512 and 1024:
 # half and all of the 1024 samples, as an RL job would configure the engine), BF16 and NVFP4,
-# into rollout.txt. At 512, muse-small's NVFP4 experts get 64 rows each (the staged kernel); at
-# 1024, 128 (the dequantised stack).
+# into rollout.txt. At 512, muse-small's NVFP4 experts get 64 rows each, 79 by the MoE's padded
+# bound; at 1024, 128 and 143: both above the staged kernel's 64, so the dequantised stack.
 # KILN_ROLLOUT_STAGED_ROWS=N runs each again with KILN_NVFP4_STAGED_ROWS=N (the grouped staged
 # kernel up to N rows per expert instead of the dequantised stack above 64).
 for seqs in ${KILN_ROLLOUT_WIDE:-512 1024}; do
