@@ -396,7 +396,9 @@ int64_t staged_max_rows() {
 // 1.04x with it. At 16 rows or fewer split-K's 16-token chunks stay (decode).
 bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
   const int64_t E = w.stacked() ? w.packed.size(0) : 0;
-  return E > 0 && nvfp4_gemm_selected() == Nvfp4Gemm::kAuto && x.scalar_type() == at::kBFloat16 && rows > 16 * E &&
+  const Nvfp4Gemm selected = nvfp4_gemm_selected();
+  return E > 0 && (selected == Nvfp4Gemm::kAuto || selected == Nvfp4Gemm::kStagedTiles) &&
+         x.scalar_type() == at::kBFloat16 && rows > 16 * E &&
          rows <= staged_max_rows() * E && grouped_stack_aligned(w.rows(), w.cols());
 }
 
@@ -506,7 +508,9 @@ Nvfp4Gemm nvfp4_gemm_selected() {
     const char* e = std::getenv("KILN_NVFP4_GEMM");
     if (!e || !*e || std::strcmp(e, "auto") == 0) return Nvfp4Gemm::kAuto;
     if (std::strcmp(e, "wgmma") == 0) return Nvfp4Gemm::kWgmma;
-    KILN_CHECK(std::strcmp(e, "splitk") == 0, "KILN_NVFP4_GEMM: expected 'auto', 'wgmma' or 'splitk' (got '", e, "')");
+    if (std::strcmp(e, "stagedtiles") == 0) return Nvfp4Gemm::kStagedTiles;
+    KILN_CHECK(std::strcmp(e, "splitk") == 0, "KILN_NVFP4_GEMM: expected 'auto', 'wgmma', 'splitk' or 'stagedtiles' (got '",
+               e, "')");
     return Nvfp4Gemm::kSplitK;
   }();
   return selected;
@@ -530,7 +534,9 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
     if (path == GroupedPath::kSplitK || path == GroupedPath::kStaged || path == GroupedPath::kWgmma) {
       const bool scalar = !extra.defined() || extra.dim() == 0;
       const Nvfp4Gemm gemm = path == GroupedPath::kWgmma    ? Nvfp4Gemm::kWgmma
-                             : path == GroupedPath::kStaged ? Nvfp4Gemm::kStaged
+                             : path == GroupedPath::kStaged ? (nvfp4_gemm_selected() == Nvfp4Gemm::kStagedTiles
+                                                                   ? Nvfp4Gemm::kStagedTiles
+                                                                   : Nvfp4Gemm::kStaged)
                                                             : Nvfp4Gemm::kAuto;
       at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor(), opt.live_rows, gemm);
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());

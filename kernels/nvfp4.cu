@@ -396,6 +396,25 @@ cudaError_t launch_grouped_staged_nt(const void* x, const int64_t* offsets, cons
   return cudaGetLastError();
 }
 
+// The tiled launch (Nvfp4Gemm::kStagedTiles): a block per chunk tile and slab, as many tiles as R
+// rows can fill (sum over experts of ceil(rows / chunk) <= (R + E (chunk - 1)) / chunk); the
+// kernel's loop covers any more.
+template <int NT>
+cudaError_t launch_grouped_staged_tiles_nt(const void* x, const int64_t* offsets, const uint8_t* packed,
+                                           const uint8_t* sfs, const float* ts, const float* extra, void* y, int64_t R,
+                                           int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
+  constexpr int smem = 2 * staged_stage_bytes(NT);
+  constexpr int64_t chunk = 8 * NT;
+  static const cudaError_t opt_in =
+      cudaFuncSetAttribute(grouped_staged_tiles_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (opt_in != cudaSuccess) return opt_in;
+  const int64_t tiles = std::max<int64_t>(1, std::min<int64_t>((R + E * (chunk - 1)) / chunk, int64_t(1) << 30));
+  const dim3 grid(unsigned(tiles), unsigned((N + kStagedRows - 1) / kStagedRows));
+  grouped_staged_tiles_kernel<NT><<<grid, kStagedWarps * 32, smem, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), offsets, E, packed, sfs, ts, extra, static_cast<__nv_bfloat16*>(y), N, K);
+  return cudaGetLastError();
+}
+
 // Grid of a per-block kernel over E matrices of `per` blocks each: y = the matrix, x = enough blocks
 // of `threads` to cover one matrix, about 16 per multiprocessor over all (a grid-stride loop does
 // the rest). Fails when a matrix's block count needs more than 32 bits or E is over the y limit.
@@ -472,6 +491,7 @@ cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* 
                                 int64_t K, cudaStream_t stream, Nvfp4Gemm gemm) {
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != Nvfp4DType::kFloat32 && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
+  if (gemm == Nvfp4Gemm::kStagedTiles) return cudaErrorInvalidValue;  // grouped only
   // kAuto is split-K: the staged kernel stays out of the dispatch (nvfp4.cpp, kStagedMaxRows).
   if (gemm == Nvfp4Gemm::kStaged) {
     if (dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
@@ -490,8 +510,14 @@ cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const i
                                         Nvfp4Gemm gemm) {
   if (R == 0 || E == 0 || N == 0) return cudaSuccess;
   if (dtype != Nvfp4DType::kFloat32 && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
-  if (gemm != Nvfp4Gemm::kAuto && gemm != Nvfp4Gemm::kSplitK && gemm != Nvfp4Gemm::kStaged) return cudaErrorInvalidValue;
+  if (gemm != Nvfp4Gemm::kAuto && gemm != Nvfp4Gemm::kSplitK && !is_grouped_staged(gemm)) return cudaErrorInvalidValue;
   const bool f32 = dtype == Nvfp4DType::kFloat32;
+  if (gemm == Nvfp4Gemm::kStagedTiles) {
+    if (f32 || !grouped_stack_aligned(N, K)) return cudaErrorInvalidValue;
+    if (R <= 16 * E)
+      return launch_grouped_staged_tiles_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream);
+    return launch_grouped_staged_tiles_nt<4>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream);
+  }
   if (gemm == Nvfp4Gemm::kStaged) {
     if (f32 || !grouped_stack_aligned(N, K)) return cudaErrorInvalidValue;
     if (R <= 16 * E) return launch_grouped_staged_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream);

@@ -128,8 +128,8 @@ at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype);  /
 at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale,
                              Nvfp4Gemm gemm = Nvfp4Gemm::kAuto);
 // live_rows: the rows that carry work, for the tile choice (0: every row; see Nvfp4LinearOptions).
-// gemm: kAuto or kSplitK (the split-K kernels), kStaged (bf16 x, grouped_stack_aligned) or one of the
-// wgmma GEMMs (nvfp4_wgmma_usable must hold).
+// gemm: kAuto or kSplitK (the split-K kernels), kStaged or kStagedTiles (bf16 x, grouped_stack_aligned)
+// or one of the wgmma GEMMs (nvfp4_wgmma_usable must hold).
 at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                      const at::Tensor& scale, int64_t live_rows = 0, Nvfp4Gemm gemm = Nvfp4Gemm::kAuto);
 // Whether the wgmma GEMM (Nvfp4Gemm::kWgmma) can run x (bf16 on CUDA) against w: the kernel layout,
@@ -138,8 +138,9 @@ bool nvfp4_wgmma_usable(const at::Tensor& x, const Nvfp4Tensor& w);
 // Environment KILN_NVFP4_GEMM, read once: unset or "auto", the dispatch above (each shape's path
 // as measured); "wgmma", the wgmma GEMM wherever it is usable above 16 rows (per matrix or expert),
 // in place of split-K, the grouped staged kernel and dequantise + cuBLAS; "splitk", the split-K
-// kernels where the dispatch would take the grouped staged kernel (for comparing the two). Any
-// other value is an error that names it. nvfp4_gemm_selected: kAuto, kWgmma or kSplitK.
+// kernels where the dispatch would take the grouped staged kernel (for comparing the two);
+// "stagedtiles", the grouped staged kernel's tiled launch there (Nvfp4Gemm::kStagedTiles, a trial).
+// Any other value is an error that names it. nvfp4_gemm_selected: kAuto, kWgmma, kSplitK or kStagedTiles.
 Nvfp4Gemm nvfp4_gemm_selected();
 bool nvfp4_wgmma_selected();
 

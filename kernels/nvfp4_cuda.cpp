@@ -140,6 +140,7 @@ at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at
   check_weights(w, x, scale, "nvfp4_linear_cuda");
   KILN_CHECK(gemm != Nvfp4Gemm::kStaged || x.scalar_type() == at::kBFloat16,
              "nvfp4_linear_cuda: the staged kernel takes bfloat16 x (got ", x.scalar_type(), ")");
+  KILN_CHECK(gemm != Nvfp4Gemm::kStagedTiles, "nvfp4_linear_cuda: kStagedTiles is for expert stacks only");
   KILN_CHECK(!w.stacked(), "nvfp4_linear_cuda: weights must be one matrix [N, K/2] (got a stack ", w.packed.sizes(),
              "); use nvfp4_grouped_linear_cuda");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -189,9 +190,9 @@ at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, 
     return run_wgmma(xc, packed, scales, s2, scale, off.data_ptr<int64_t>(), E, tile_rows, y, gemm,
                      "nvfp4_grouped_linear_cuda");
   }
-  KILN_CHECK(gemm != Nvfp4Gemm::kStaged || x.scalar_type() == at::kBFloat16,
+  KILN_CHECK(!is_grouped_staged(gemm) || x.scalar_type() == at::kBFloat16,
              "nvfp4_grouped_linear_cuda: the staged kernel takes bfloat16 x (got ", x.scalar_type(), ")");
-  KILN_CHECK(gemm != Nvfp4Gemm::kStaged || grouped_stack_aligned(N, K),
+  KILN_CHECK(!is_grouped_staged(gemm) || grouped_stack_aligned(N, K),
              "nvfp4_grouped_linear_cuda: the staged kernel needs every expert's codes and scales on 16 bytes: K a "
              "multiple of 32 and N * K / 16 of 16 (got N = ", N, ", K = ", K, ")");
   const cudaError_t err = launch_nvfp4_grouped_linear(

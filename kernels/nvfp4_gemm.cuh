@@ -571,13 +571,38 @@ __device__ __forceinline__ void staged_product(const uint8_t* stage, int warp, i
 
 
 
-// Grouped staged W4A16 GEMM (bf16): block (expert, kStagedRows-row slab, z) runs staged_kernel's
-// pipeline (stage_step, staged_product) over its expert's chunks of 8 NT tokens z, z + gridDim.z,
-// ... (the library launches two, kGroupedStagedSplit in nvfp4.cu). The 8
-// warps' 256 weight rows share each 256-K step of a chunk's activations, copied once per block,
-// where grouped_kernel's 32-row blocks each read them from L2 (its ncu profile: latency-bound on
-// those reads, docs/PERFORMANCE.md). Needs grouped_stack_aligned; dynamic shared memory
-// 2 staged_stage_bytes(NT).
+// One token chunk (m <= 8 NT rows at xc, their outputs at yc) of an expert's stack (pk, sf) through
+// staged_kernel's pipeline (stage_step, staged_product), for the block's kStagedRows-row slab at
+// row0. Every thread of the block calls it.
+template <int NT>
+__device__ __forceinline__ void grouped_staged_chunk(uint8_t* smem, const __nv_bfloat16* xc, int m, const uint8_t* pk,
+                                                     const uint8_t* sf, float scale, __nv_bfloat16* yc, int64_t N,
+                                                     int64_t K, int64_t row0) {
+  constexpr int kStage = staged_stage_bytes(NT);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t rows = row0 + kRowsPerBlock * warp, steps = (K + kSuper - 1) / kSuper;
+  float acc[2][NT][4];
+  zero_acc<NT>(acc);
+  __syncthreads();  // every warp is done with the previous chunk's stages
+  stage_step<NT>(smem, xc, m, pk, sf, N, K, row0, 0);
+  cp_async_commit();
+  for (int64_t sc = 0; sc < steps; ++sc) {
+    // As staged_kernel: step sc has landed for everyone, and step sc - 1's stage is free.
+    cp_async_wait<0>();
+    __syncthreads();
+    if (sc + 1 < steps) stage_step<NT>(smem + ((sc + 1) & 1) * kStage, xc, m, pk, sf, N, K, row0, sc + 1);
+    cp_async_commit();
+    if (rows < N) staged_product<NT>(smem + (sc & 1) * kStage, warp, lane, acc);
+  }
+  if (rows < N) store_tile<NT, false>(acc, scale, yc, N, rows, m);
+}
+
+// Grouped staged W4A16 GEMM (bf16): block (expert, kStagedRows-row slab, z) runs
+// grouped_staged_chunk over its expert's chunks of 8 NT tokens z, z + gridDim.z, ... (the library
+// launches two, kGroupedStagedSplit in nvfp4.cu). The 8 warps' 256 weight rows share each 256-K
+// step of a chunk's activations, copied once per block, where grouped_kernel's 32-row blocks each
+// read them from L2 (its ncu profile: latency-bound on those reads, docs/PERFORMANCE.md). Needs
+// grouped_stack_aligned; dynamic shared memory 2 staged_stage_bytes(NT).
 template <int NT>
 __global__ void __launch_bounds__(kStagedWarps * 32, NT <= 4 ? 2 : 1)
     grouped_staged_kernel(const __nv_bfloat16* __restrict__ x, const int64_t* __restrict__ offsets,
@@ -585,32 +610,72 @@ __global__ void __launch_bounds__(kStagedWarps * 32, NT <= 4 ? 2 : 1)
                           const float* __restrict__ tensor_scale, const float* __restrict__ extra,
                           __nv_bfloat16* __restrict__ y, int64_t N, int64_t K) {
   extern __shared__ __align__(16) uint8_t smem[];
-  constexpr int kStage = staged_stage_bytes(NT);
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int64_t e = blockIdx.x, begin = offsets[e], end = offsets[e + 1];
-  const int64_t row0 = int64_t(blockIdx.y) * kStagedRows, rows = row0 + kRowsPerBlock * warp;
-  const int64_t steps = (K + kSuper - 1) / kSuper;
+  const int64_t row0 = int64_t(blockIdx.y) * kStagedRows;
   const uint8_t* pk = packed + e * N * (K / 2);
   const uint8_t* sf = sfs + e * N * (K / kBlock);
   const float scale = epilogue_scale(tensor_scale + e, extra);
   // The same trip count in every thread of the block.
   for (int64_t tok0 = begin + int64_t(blockIdx.z) * 8 * NT; tok0 < end; tok0 += int64_t(gridDim.z) * 8 * NT) {
     const int m = int(end - tok0 < 8 * NT ? end - tok0 : 8 * NT);
-    const __nv_bfloat16* xc = x + tok0 * K;
-    float acc[2][NT][4];
-    zero_acc<NT>(acc);
-    __syncthreads();  // every warp is done with the previous chunk's stages
-    stage_step<NT>(smem, xc, m, pk, sf, N, K, row0, 0);
-    cp_async_commit();
-    for (int64_t sc = 0; sc < steps; ++sc) {
-      // As staged_kernel: step sc has landed for everyone, and step sc - 1's stage is free.
-      cp_async_wait<0>();
-      __syncthreads();
-      if (sc + 1 < steps) stage_step<NT>(smem + ((sc + 1) & 1) * kStage, xc, m, pk, sf, N, K, row0, sc + 1);
-      cp_async_commit();
-      if (rows < N) staged_product<NT>(smem + (sc & 1) * kStage, warp, lane, acc);
+    grouped_staged_chunk<NT>(smem, x + tok0 * K, m, pk, sf, scale, y + tok0 * N, N, K, row0);
+  }
+}
+
+// Tile t of a stack's token chunks, numbered expert by expert (expert e has ceil(rows_e / chunk)):
+// warp 0 scans the offsets 32 experts at a time and writes the tile's expert and first row to
+// found[0], found[1]; found[0] stays -1 past the last tile. The caller syncs before and after.
+__device__ __forceinline__ void find_chunk_tile(const int64_t* offsets, int64_t E, int64_t chunk, long long t,
+                                                long long (&found)[2]) {
+  const int lane = int(threadIdx.x) % 32;
+  long long before = 0;  // tiles of the experts already scanned
+  for (int64_t base = 0; base < E && before <= t; base += 32) {
+    const int64_t e = base + lane;
+    const long long first_row = e < E ? offsets[e] : 0, n = e < E ? offsets[e + 1] - first_row : 0;
+    const long long tiles = (n + chunk - 1) / chunk;
+    long long upto = tiles;  // inclusive prefix sum over the lanes
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const long long v = __shfl_up_sync(0xffffffffu, upto, d);
+      if (lane >= d) upto += v;
     }
-    if (rows < N) store_tile<NT, false>(acc, scale, y + tok0 * N, N, rows, m);
+    const long long mine = before + upto - tiles;  // this expert's first tile
+    if (tiles > 0 && t >= mine && t < mine + tiles) {
+      found[0] = e;
+      found[1] = first_row + (t - mine) * chunk;
+    }
+    before += __shfl_sync(0xffffffffu, upto, 31);
+  }
+}
+
+// The grouped staged kernel with its chunks dealt out as tiles: block (x, slab) takes tiles x,
+// x + gridDim.x, ... of all experts' chunks (find_chunk_tile), so that an expert with many rows
+// spreads over as many blocks as it has chunks, where grouped_staged_kernel gives every expert
+// gridDim.z blocks per slab whatever its rows. Each chunk is computed as there, so the outputs are
+// bitwise the same. The grid is sized from the rows on the host (the offsets stay on the device);
+// the loop makes any grid correct. Needs grouped_stack_aligned; dynamic shared memory
+// 2 staged_stage_bytes(NT).
+template <int NT>
+__global__ void __launch_bounds__(kStagedWarps * 32, NT <= 4 ? 2 : 1)
+    grouped_staged_tiles_kernel(const __nv_bfloat16* __restrict__ x, const int64_t* __restrict__ offsets, int64_t E,
+                                const uint8_t* __restrict__ packed, const uint8_t* __restrict__ sfs,
+                                const float* __restrict__ tensor_scale, const float* __restrict__ extra,
+                                __nv_bfloat16* __restrict__ y, int64_t N, int64_t K) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ long long found[2];
+  const int64_t row0 = int64_t(blockIdx.y) * kStagedRows;
+  for (long long t = blockIdx.x;; t += gridDim.x) {
+    __syncthreads();  // everyone has read the last tile's `found`
+    if (threadIdx.x == 0) found[0] = -1;
+    __syncthreads();
+    if (threadIdx.x < 32) find_chunk_tile(offsets, E, 8 * NT, t, found);
+    __syncthreads();
+    const long long e = found[0], tok0 = found[1];
+    if (e < 0) return;  // the same in every thread: past the last tile
+    const int64_t end = offsets[e + 1];
+    const int m = int(end - tok0 < 8 * NT ? end - tok0 : 8 * NT);
+    grouped_staged_chunk<NT>(smem, x + tok0 * K, m, packed + e * N * (K / 2), sfs + e * N * (K / kBlock),
+                             epilogue_scale(tensor_scale + e, extra), y + tok0 * N, N, K, row0);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -95,17 +96,23 @@ void bench_dense(at::Device device, double bw, const std::vector<int64_t>& only)
   }
 }
 
-// Routing of `tokens` tokens to top_k distinct experts each, uniformly: rows sorted by expert.
-std::vector<int64_t> random_counts(int64_t tokens, int64_t top_k, int64_t E) {
-  at::Tensor ids = std::get<1>(at::rand({tokens, E}).topk(top_k, 1)).reshape({-1});
+// Routing of `tokens` tokens to top_k distinct experts each: rows sorted by expert. Uniform, or
+// uneven: each expert's preference drawn once from N(0, 1) and a token's top_k by preference plus
+// Gumbel noise (a router's softmax sampled), so that some experts get several times the mean.
+std::vector<int64_t> random_counts(int64_t tokens, int64_t top_k, int64_t E, bool uneven = false) {
+  at::Tensor scores = at::rand({tokens, E});
+  if (uneven) scores = at::randn({1, E}) - (-scores.clamp_min(1e-12).log()).log();
+  at::Tensor ids = std::get<1>(scores.topk(top_k, 1)).reshape({-1});
   at::Tensor counts = at::bincount(ids, {}, E).to(at::kLong);
   return std::vector<int64_t>(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + E);
 }
 
-void bench_grouped_case(at::Device device, double bw, const char* name, int64_t E, int64_t N, int64_t K,
-                        int64_t tokens, int64_t top_k) {
+void bench_grouped_case(at::Device device, double bw, const std::string& label, int64_t E, int64_t N, int64_t K,
+                        int64_t tokens, int64_t top_k, bool uneven = false) {
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(device);
-  const std::vector<int64_t> counts = random_counts(tokens, top_k, E);
+  const std::vector<int64_t> counts = random_counts(tokens, top_k, E, uneven);
+  const std::string name =
+      uneven ? fmt::format("{} uneven, max {}", label, *std::max_element(counts.begin(), counts.end())) : label;
   std::vector<int64_t> off{0}, padded_end;
   int64_t padded = 0, touched = 0;
   for (int64_t c : counts) {
@@ -148,10 +155,11 @@ void bench_grouped_case(at::Device device, double bw, const char* name, int64_t 
              name, E, N, K, R, touched, tq * 1e6, tb * 1e6, bytes / tq / 1e12, 100.0 * bytes / tq / bw, tb / tq,
              floor * 1e6, tb / floor, baseline);
   // The split-K and grouped staged kernels forced on the same rows (the dispatch takes split-K to
-  // 16 rows per expert and the staged kernel at 17-64).
+  // 16 rows per expert and the staged kernel at 17-64), and the staged kernel's tiled launch.
   for (auto [g, label] : {std::pair{kernels::Nvfp4Gemm::kSplitK, "same, split-K"},
-                          std::pair{kernels::Nvfp4Gemm::kStaged, "same, staged"}}) {
-    if (g == kernels::Nvfp4Gemm::kStaged && !kernels::grouped_stack_aligned(N, K)) continue;
+                          std::pair{kernels::Nvfp4Gemm::kStaged, "same, staged"},
+                          std::pair{kernels::Nvfp4Gemm::kStagedTiles, "same, staged tiles"}}) {
+    if (kernels::is_grouped_staged(g) && !kernels::grouped_stack_aligned(N, K)) continue;
     const double ts = per_call(device, [&](int i) {
       kernels::nvfp4_grouped_linear_cuda(x, qs[size_t(i % nq)], offsets, at::Tensor(), 0, g);
     });
@@ -188,7 +196,8 @@ void bench_grouped(at::Device device, double bw, const std::vector<int64_t>& tok
              "rows", "used", "nvfp4 us", "bf16 us", "TB/s", "of copy", "bf16/nvfp4", "read us", "bf16/read");
   if (!tokens.empty()) {
     for (const int64_t t : tokens)
-      bench_grouped_case(device, bw, fmt::format("muse-small {}x8", t).c_str(), 64, 1024, 1024, t, 8);
+      for (bool uneven : {false, true})
+        bench_grouped_case(device, bw, fmt::format("muse-small {}x8", t), 64, 1024, 1024, t, 8, uneven);
     return;
   }
   bench_grouped_case(device, bw, "muse-small decode 64x8", 64, 1024, 1024, 64, 8);

@@ -284,6 +284,7 @@ TEST(CudaNvfp4Serving, WgmmaServedModelMatchesItsDequantisation) {
     std::printf("nvfp4 %s (%ld tokens): mean |dlp| vs its bf16 dequantisation %.3e; routing agreement %.4f\n",
                 chosen == kernels::Nvfp4Gemm::kWgmma    ? "wgmma"
                 : chosen == kernels::Nvfp4Gemm::kSplitK ? "split-K experts"
+                : chosen == kernels::Nvfp4Gemm::kStagedTiles ? "staged tiles"
                                                         : "default dispatch",
                 long(n), d, agree);
     EXPECT_LT(d, 5e-2) << n << " tokens";
