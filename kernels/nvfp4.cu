@@ -512,16 +512,14 @@ cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const i
   if (dtype != Nvfp4DType::kFloat32 && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
   if (gemm != Nvfp4Gemm::kAuto && gemm != Nvfp4Gemm::kSplitK && !is_grouped_staged(gemm)) return cudaErrorInvalidValue;
   const bool f32 = dtype == Nvfp4DType::kFloat32;
-  if (gemm == Nvfp4Gemm::kStagedTiles) {
+  if (is_grouped_staged(gemm)) {
     if (f32 || !grouped_stack_aligned(N, K)) return cudaErrorInvalidValue;
-    if (R <= 16 * E)
-      return launch_grouped_staged_tiles_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream);
-    return launch_grouped_staged_tiles_nt<4>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream);
-  }
-  if (gemm == Nvfp4Gemm::kStaged) {
-    if (f32 || !grouped_stack_aligned(N, K)) return cudaErrorInvalidValue;
-    if (R <= 16 * E) return launch_grouped_staged_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream);
-    return launch_grouped_staged_nt<4>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream);
+    const bool tiles = gemm == Nvfp4Gemm::kStagedTiles, small = R <= 16 * E;
+    if (tiles)
+      return small ? launch_grouped_staged_tiles_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream)
+                   : launch_grouped_staged_tiles_nt<4>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream);
+    return small ? launch_grouped_staged_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream)
+                 : launch_grouped_staged_nt<4>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream);
   }
   // Decode-sized batches (up to 16 rows per expert on average) keep the 1-2 n-tile bodies lean.
   if (R <= 16 * E)
