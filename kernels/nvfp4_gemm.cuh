@@ -631,7 +631,7 @@ __device__ __forceinline__ void find_chunk_tile(const int64_t* offsets, int64_t 
   long long before = 0;  // tiles of the experts already scanned
   for (int64_t base = 0; base < E && before <= t; base += 32) {
     const int64_t e = base + lane;
-    const long long first_row = e < E ? offsets[e] : 0, n = e < E ? offsets[e + 1] - first_row : 0;
+    const long long first_row = e < E ? offsets[e] : 0, n = e < E ? max(offsets[e + 1] - first_row, 0ll) : 0;
     const long long tiles = (n + chunk - 1) / chunk;
     long long upto = tiles;  // inclusive prefix sum over the lanes
 #pragma unroll
