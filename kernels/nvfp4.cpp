@@ -533,11 +533,9 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
     const int64_t E = w.packed.size(0);
     if (path == GroupedPath::kSplitK || path == GroupedPath::kStaged || path == GroupedPath::kWgmma) {
       const bool scalar = !extra.defined() || extra.dim() == 0;
-      const Nvfp4Gemm gemm = path == GroupedPath::kWgmma    ? Nvfp4Gemm::kWgmma
-                             : path == GroupedPath::kStaged ? (nvfp4_gemm_selected() == Nvfp4Gemm::kStagedTiles
-                                                                   ? Nvfp4Gemm::kStagedTiles
-                                                                   : Nvfp4Gemm::kStaged)
-                                                            : Nvfp4Gemm::kAuto;
+      Nvfp4Gemm gemm = path == GroupedPath::kWgmma ? Nvfp4Gemm::kWgmma : Nvfp4Gemm::kAuto;
+      if (path == GroupedPath::kStaged)  // per expert, or the tiled launch where the environment asks
+        gemm = nvfp4_gemm_selected() == Nvfp4Gemm::kStagedTiles ? Nvfp4Gemm::kStagedTiles : Nvfp4Gemm::kStaged;
       at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor(), opt.live_rows, gemm);
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
     }

@@ -703,8 +703,7 @@ PaddedLayout PaddedLayout::build(const std::vector<std::vector<int64_t>>& q_rows
 at::Tensor padded_attention(const PaddedLayout& layout, const at::Tensor& q_src, const at::Tensor& k_src,
                             const at::Tensor& v_src, bool full, int64_t window) {
   const int64_t B = layout.num_problems, Lq = layout.max_queries, Lk = layout.max_keys;
-  const int64_t Hq = q_src.size(1), hd = q_src.size(2), group = Hq / k_src.size(1);
-  const int64_t Hkv = k_src.size(1);
+  const int64_t Hq = q_src.size(1), hd = q_src.size(2), Hkv = k_src.size(1), group = Hq / Hkv;
   at::Tensor q = q_src.index_select(0, layout.q_index).view({B, Lq, Hq, hd});
   at::Tensor k = k_src.index_select(0, layout.k_index).view({B, Lk, Hkv, hd}).transpose(1, 2);
   at::Tensor v = v_src.index_select(0, layout.k_index).view({B, Lk, Hkv, hd}).transpose(1, 2);

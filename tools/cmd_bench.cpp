@@ -438,9 +438,10 @@ Run add_bench(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--tokens", a->tokens, "Packed tokens per step (train, split into --seqs sequences; invariant: rows)")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--profile", a->profile, "Save a Chrome trace of one step here (train; rollout: a path prefix, -<weights>.json added; tools/profile_summary.py)");
-  cmd->add_option("--shape", a->shape, "M N K: one dense case of the table (nvfp4; for profilers)")->expected(3);
+  auto* shape = cmd->add_option("--shape", a->shape, "M N K: one dense case of the table (nvfp4; for profilers)")->expected(3);
   cmd->add_option("--grouped", a->grouped, "TOKENS...: only the experts' table, muse-small's stack at these routed batches (nvfp4)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::PositiveNumber)
+      ->excludes(shape);
   cmd->add_flag("--bitwise", a->bitwise, "Also time the batch-invariant numerics (rollout.numerics bitwise): train, profiled last; rollout");
   cmd->add_flag("--only-fused", a->only_fused, "Time only the grouped + fused path (train; for ncu and quick runs)");
   return [a, cmd] {
