@@ -369,18 +369,21 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
          nvfp4_wgmma_usable(x, w);
 }
 
-// Rows per expert on average up to which the grouped staged kernel runs: kFusedMaxRows, or
-// KILN_NVFP4_STAGED_ROWS (a trial: above it the experts take the dequantised stack, which writes and
-// reads the whole stack in bf16 every call, 70 us per muse-small stack on the H100). The MoE's
-// padded layout counts its static bound, the slots plus 15 rows per expert: 512 sequences in
-// flight on muse-small are 79 rows per expert to this rule. Raising it to 160 was measured on the
-// H200 (docs/PERFORMANCE.md, 2026-12-07): 1024 sequences in flight 0.88x -> 0.90x BF16, but a
-// 1024-token prefill 0.81x -> 0.71x (real routing is uneven, and an expert's chunks run on two
-// blocks per slab), so the default stays.
+// Rows per expert on average up to which the grouped staged kernel runs: kGroupedStagedMaxRows, or
+// KILN_NVFP4_STAGED_ROWS (a trial). Above it the experts take the dequantised stack, which writes and
+// reads the whole stack in bf16 every call (70 us per muse-small stack on the H100). The MoE's
+// padded layout counts its static bound, the slots plus 15 rows per expert: 1024 sequences in
+// flight on muse-small are 143 rows per expert to this rule. With the tiled launch, muse-small's
+// experts measured (bench nvfp4 --grouped, H100, 2026-12-07; docs/PERFORMANCE.md) 104 us at 128
+// rows per expert against the dequantised stack's 150, and 203 at 256 against 176: the crossover
+// lies between, and 192 takes a 1024-sequence step and a 1024-token prefill (143) to the staged
+// kernel. The per-expert launch lost the prefill there (0.81x -> 0.71x BF16, H200), which is why
+// the bound was 64 before the tiled launch.
+constexpr int64_t kGroupedStagedMaxRows = 192;
 int64_t staged_max_rows() {
   static const int64_t rows = [] {
     const char* e = std::getenv("KILN_NVFP4_STAGED_ROWS");
-    if (!e || !*e) return kFusedMaxRows;
+    if (!e || !*e) return kGroupedStagedMaxRows;
     char* end = nullptr;
     const long long v = std::strtoll(e, &end, 10);
     KILN_CHECK(end && *end == 0 && v >= 17, "KILN_NVFP4_STAGED_ROWS: expected rows per expert >= 17 (got '", e, "')");
@@ -390,14 +393,16 @@ int64_t staged_max_rows() {
 }
 
 // The grouped staged kernel at 17 to staged_max_rows() rows per expert on average, for bf16 x and a
-// stack it takes (grouped_stack_aligned), in place of split-K unless KILN_NVFP4_GEMM=splitk keeps
-// split-K there. Measured on the H100 (2026-12-06, docs/PERFORMANCE.md): 1.07x split-K at 32 rows
-// per expert and 1.26x at 64 on muse-small's experts (kiln_probe_nvfp4), and the rollout workload
-// 1.04x with it. At 16 rows or fewer split-K's 16-token chunks stay (decode).
+// stack it takes (grouped_stack_aligned), in place of split-K (to 64) and the dequantised stack
+// (above), unless KILN_NVFP4_GEMM=splitk keeps those. Measured on the H100 (2026-12-06,
+// docs/PERFORMANCE.md): 1.07x split-K at 32 rows per expert and 1.26x at 64 on muse-small's
+// experts (kiln_probe_nvfp4), and the rollout workload 1.04x with it. At 16 rows or fewer split-K's
+// 16-token chunks stay (decode). Its launch is the tiled one (kStagedTiles), or per expert
+// (kStaged) under KILN_NVFP4_GEMM=staged.
 bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
   const int64_t E = w.stacked() ? w.packed.size(0) : 0;
   const Nvfp4Gemm selected = nvfp4_gemm_selected();
-  return E > 0 && (selected == Nvfp4Gemm::kAuto || selected == Nvfp4Gemm::kStagedTiles) &&
+  return E > 0 && (selected == Nvfp4Gemm::kAuto || selected == Nvfp4Gemm::kStaged) &&
          x.scalar_type() == at::kBFloat16 && rows > 16 * E &&
          rows <= staged_max_rows() * E && grouped_stack_aligned(w.rows(), w.cols());
 }
@@ -508,8 +513,8 @@ Nvfp4Gemm nvfp4_gemm_selected() {
     const char* e = std::getenv("KILN_NVFP4_GEMM");
     if (!e || !*e || std::strcmp(e, "auto") == 0) return Nvfp4Gemm::kAuto;
     if (std::strcmp(e, "wgmma") == 0) return Nvfp4Gemm::kWgmma;
-    if (std::strcmp(e, "stagedtiles") == 0) return Nvfp4Gemm::kStagedTiles;
-    KILN_CHECK(std::strcmp(e, "splitk") == 0, "KILN_NVFP4_GEMM: expected 'auto', 'wgmma', 'splitk' or 'stagedtiles' (got '",
+    if (std::strcmp(e, "staged") == 0) return Nvfp4Gemm::kStaged;
+    KILN_CHECK(std::strcmp(e, "splitk") == 0, "KILN_NVFP4_GEMM: expected 'auto', 'wgmma', 'splitk' or 'staged' (got '",
                e, "')");
     return Nvfp4Gemm::kSplitK;
   }();
@@ -534,8 +539,8 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
     if (path == GroupedPath::kSplitK || path == GroupedPath::kStaged || path == GroupedPath::kWgmma) {
       const bool scalar = !extra.defined() || extra.dim() == 0;
       Nvfp4Gemm gemm = path == GroupedPath::kWgmma ? Nvfp4Gemm::kWgmma : Nvfp4Gemm::kAuto;
-      if (path == GroupedPath::kStaged)  // per expert, or the tiled launch where the environment asks
-        gemm = nvfp4_gemm_selected() == Nvfp4Gemm::kStagedTiles ? Nvfp4Gemm::kStagedTiles : Nvfp4Gemm::kStaged;
+      if (path == GroupedPath::kStaged)  // tiled, or per expert where the environment asks
+        gemm = nvfp4_gemm_selected() == Nvfp4Gemm::kStaged ? Nvfp4Gemm::kStaged : Nvfp4Gemm::kStagedTiles;
       at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor(), opt.live_rows, gemm);
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
     }

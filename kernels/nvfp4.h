@@ -87,8 +87,8 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
 // average, for the grouped GEMM) dequantise W (each weight rounded once to x's dtype, the tensor
 // scale folded in: no separate scale pass over the output) and run cuBLAS, except one matrix of
 // 8192 rows or more at 65-256 rows, which takes the wgmma GEMM (nvfp4_wgmma_selected). Grouped
-// calls take the split-K kernel up to 16 rows per expert and the grouped staged kernel at 17-64
-// (bf16, an aligned stack); above 64, bf16 runs the whole stack through torch's grouped GEMM
+// calls take the split-K kernel up to 16 rows per expert and the grouped staged kernel at 17-192
+// (bf16, an aligned stack; split-K to 64 otherwise); above, bf16 runs the whole stack through torch's grouped GEMM
 // (torch >= 2.8) without a host sync, fp32 (and older torch) read the offsets on the host and loop
 // over the experts.
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
@@ -139,8 +139,9 @@ bool nvfp4_wgmma_usable(const at::Tensor& x, const Nvfp4Tensor& w);
 // as measured); "wgmma", the wgmma GEMM wherever it is usable above 16 rows (per matrix or expert),
 // in place of split-K, the grouped staged kernel and dequantise + cuBLAS; "splitk", the split-K
 // kernels where the dispatch would take the grouped staged kernel (for comparing the two);
-// "stagedtiles", the grouped staged kernel's tiled launch there (Nvfp4Gemm::kStagedTiles, a trial).
-// Any other value is an error that names it. nvfp4_gemm_selected: kAuto, kWgmma, kSplitK or kStagedTiles.
+// "staged", the grouped staged kernel launched per expert (Nvfp4Gemm::kStaged) where the dispatch
+// runs its tiled launch (for comparing the two). Any other value is an error that names it.
+// nvfp4_gemm_selected: kAuto, kWgmma, kSplitK or kStaged.
 Nvfp4Gemm nvfp4_gemm_selected();
 bool nvfp4_wgmma_selected();
 

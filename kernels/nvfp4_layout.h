@@ -20,7 +20,8 @@ namespace kiln::kernels {
 // (nvfp4_wgmma.cu; bf16, N a multiple of 64, K of 256, sm_90a on a 9.0 device), its launcher
 // choosing 64 or 128 weight rows per block; kWgmma64 and kWgmma128 force one (128: N a multiple of 128).
 // kStagedTiles (grouped only): the grouped staged kernel with its token chunks dealt to blocks as
-// tiles over all experts, rather than a fixed two blocks per expert; bitwise the same output.
+// tiles over all experts, rather than a fixed two blocks per expert (kStaged); bitwise the same
+// output. The experts' dispatch runs this one.
 enum class Nvfp4Gemm : int { kAuto = 0, kSplitK = 1, kStaged = 2, kWgmma = 3, kWgmma64 = 4, kWgmma128 = 5, kStagedTiles = 6 };
 // Whether `g` runs the grouped staged kernel (bf16 x and grouped_stack_aligned stacks only).
 inline bool is_grouped_staged(Nvfp4Gemm g) { return g == Nvfp4Gemm::kStaged || g == Nvfp4Gemm::kStagedTiles; }

@@ -132,7 +132,7 @@ void bench_grouped_case(at::Device device, double bw, const std::string& label, 
     if (i < nb) ws.push_back(w);
   }
   at::Tensor x = at::randn({R, K}, bf16);
-  // The dispatcher: the fused kernel up to 64 rows per expert, torch's grouped GEMM on the
+  // The dispatcher: the fused kernels up to 192 rows per expert, torch's grouped GEMM on the
   // dequantised stack above (neither syncs with the host, so both capture).
   const double tq = per_call(device, [&](int i) { kernels::nvfp4_grouped_linear(x, qs[size_t(i % nq)], offsets); });
   double tb = 0;
@@ -155,9 +155,10 @@ void bench_grouped_case(at::Device device, double bw, const std::string& label, 
              name, E, N, K, R, touched, tq * 1e6, tb * 1e6, bytes / tq / 1e12, 100.0 * bytes / tq / bw, tb / tq,
              floor * 1e6, tb / floor, baseline);
   // The split-K and grouped staged kernels forced on the same rows (the dispatch takes split-K to
-  // 16 rows per expert and the staged kernel at 17-64), and the staged kernel's tiled launch.
+  // 16 rows per expert and the staged kernel's tiled launch at 17-192), the staged one launched
+  // per expert and tiled.
   for (auto [g, label] : {std::pair{kernels::Nvfp4Gemm::kSplitK, "same, split-K"},
-                          std::pair{kernels::Nvfp4Gemm::kStaged, "same, staged"},
+                          std::pair{kernels::Nvfp4Gemm::kStaged, "same, staged per expert"},
                           std::pair{kernels::Nvfp4Gemm::kStagedTiles, "same, staged tiles"}}) {
     if (kernels::is_grouped_staged(g) && !kernels::grouped_stack_aligned(N, K)) continue;
     const double ts = per_call(device, [&](int i) {

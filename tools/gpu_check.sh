@@ -293,10 +293,10 @@ done
 step "bench decode (muse-small, BF16 and NVFP4)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 \
   2>&1 | tee -a "$out/rollout.txt"
-# With KILN_ROLLOUT_GEMM=wgmma, splitk or stagedtiles, the same two again with that NVFP4 GEMM
+# With KILN_ROLLOUT_GEMM=wgmma, splitk or staged, the same two again with that NVFP4 GEMM
 # choice (KILN_NVFP4_GEMM: wgmma everywhere above 16 rows; split-K where the experts take the
-# grouped staged kernel, 17-64 rows per expert; or that kernel's tiled launch there), in the same
-# call. Off by default: each run costs device time.
+# grouped staged kernel, 17-192 rows per expert; or that kernel launched per expert there rather
+# than tiled), in the same call. Off by default: each run costs device time.
 if [ -n "${KILN_ROLLOUT_GEMM:-}" ]; then
 step "bench rollout and decode, NVFP4 with KILN_NVFP4_GEMM=$KILN_ROLLOUT_GEMM"
 KILN_NVFP4_GEMM="$KILN_ROLLOUT_GEMM" ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml \
@@ -314,9 +314,9 @@ if want rolloutwide; then
 # The same RL workload with more sequences in flight (KILN_ROLLOUT_WIDE, default 512 and 1024:
 # half and all of the 1024 samples, as an RL job would configure the engine), BF16 and NVFP4,
 # into rollout.txt. At 512, muse-small's NVFP4 experts get 64 rows each, 79 by the MoE's padded
-# bound; at 1024, 128 and 143: both above the staged kernel's 64, so the dequantised stack.
+# bound; at 1024, 128 and 143: both within the staged kernel's 192.
 # KILN_ROLLOUT_STAGED_ROWS=N runs each again with KILN_NVFP4_STAGED_ROWS=N (the grouped staged
-# kernel up to N rows per expert instead of the dequantised stack above 64).
+# kernel up to N rows per expert, the dequantised stack above).
 for seqs in ${KILN_ROLLOUT_WIDE:-512 1024}; do
   step "bench rollout, $seqs sequences at once (muse-small, BF16 and NVFP4)"
   ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml --quantization nvfp4 \

@@ -8,6 +8,7 @@
 
 #include <cmath>
 
+#include "core/torch_version.h"
 #include "kernels/nvfp4.h"
 #include "model/lora.h"
 #include "model/nvfp4_model.h"
@@ -284,7 +285,7 @@ TEST(CudaNvfp4Serving, WgmmaServedModelMatchesItsDequantisation) {
     std::printf("nvfp4 %s (%ld tokens): mean |dlp| vs its bf16 dequantisation %.3e; routing agreement %.4f\n",
                 chosen == kernels::Nvfp4Gemm::kWgmma    ? "wgmma"
                 : chosen == kernels::Nvfp4Gemm::kSplitK ? "split-K experts"
-                : chosen == kernels::Nvfp4Gemm::kStagedTiles ? "staged tiles"
+                : chosen == kernels::Nvfp4Gemm::kStaged ? "staged per expert"
                                                         : "default dispatch",
                 long(n), d, agree);
     EXPECT_LT(d, 5e-2) << n << " tokens";
@@ -339,36 +340,44 @@ TEST(CudaNvfp4Serving, EngineDecodesNvfp4InCudaGraphsAndRequantisesOnSync) {
   }
 }
 
-// A batch wide enough that a decode step gives each expert more than 64 rows (RL rollouts with
-// every sample in flight): the experts take the dequantised stack on torch's grouped GEMM, and the
-// engine still decodes in CUDA graphs, as close to a rescoring forward as at small batch.
+// Batches wide enough that a decode step gives each expert more than 64 rows (RL rollouts with
+// every sample in flight): at 328 sequences (82 rows per expert on average, 97 by the MoE's padded
+// bound) the experts take the grouped staged kernel's tiled launch, at 776 (194, 209) the
+// dequantised stack on torch's grouped GEMM; either way the engine decodes in CUDA graphs, as close
+// to a rescoring forward as at small batch.
 TEST(CudaNvfp4Serving, EngineDecodesInCudaGraphsAboveSixtyFourRowsPerExpert) {
   const model::ModelConfig cfg = nvfp4_cuda_config();  // 8 experts, top 2
   model::Muse m = test::to_device(model::Muse::init(cfg, 6, at::kFloat, at::kCPU), at::kCUDA, at::kBFloat16);
-  std::vector<rollout::Request> reqs;
-  for (int64_t r = 0; r < 41; ++r) {  // 328 sequences: 82 rows per expert on average
-    rollout::Request q;
-    for (int64_t i = 0; i < 3 + r % 5; ++i) q.prompt.push_back((i * 13 + r) % cfg.vocab_size);
-    q.params.n = 8;
-    q.params.max_tokens = 6;
-    q.params.seed = uint64_t(r);
-    reqs.push_back(q);
+  const bool splitk = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kSplitK;
+  const char* deq = KILN_TORCH_AT_LEAST(2, 8) ? "deq+grouped_mm" : "deq+mm per expert";
+  for (auto [prompts, path] : {std::pair{int64_t(41), splitk ? deq : "staged"}, {int64_t(97), deq}}) {
+    const int64_t seqs = 8 * prompts;
+    std::vector<rollout::Request> reqs;
+    for (int64_t r = 0; r < prompts; ++r) {
+      rollout::Request q;
+      for (int64_t i = 0; i < 3 + r % 5; ++i) q.prompt.push_back((i * 13 + r) % cfg.vocab_size);
+      q.params.n = 8;
+      q.params.max_tokens = 6;
+      q.params.seed = uint64_t(r);
+      reqs.push_back(q);
+    }
+    rollout::EngineConfig ec;
+    ec.quantization = rollout::Quantization::kNvfp4;
+    ec.max_num_seqs = seqs;
+    ec.max_batch_tokens = 4096;
+    ec.kv_cache_bytes = rollout::kv_cache_bytes_for(cfg, ec, 2, 48);  // 13 tokens and copied fork blocks
+    rollout::Engine engine(m, ec);
+    const kernels::Nvfp4Tensor& gate = engine.model().weights().layers[0].nvfp4.expert_gate;
+    const at::Tensor z = at::zeros({(seqs + 8) * cfg.top_k, cfg.latent_size}, m.weights().embed.options());
+    EXPECT_STREQ(kernels::nvfp4_grouped_linear_path(z, gate, z.size(0)), path) << seqs << " sequences";
+    const double diff = decode_vs_rescoring(engine, reqs);
+    EXPECT_GT(engine.stats().graph_steps, 0) << seqs << " sequences";
+    EXPECT_EQ(engine.stats().preemptions, 0) << seqs << " sequences";
+    std::printf("nvfp4 engine at %ld sequences (bf16, graphs, experts %s): mean |dlp| between decode and a rescoring "
+                "forward %.3e\n",
+                long(seqs), path, diff);
+    EXPECT_LT(diff, 4e-2) << seqs << " sequences";
   }
-  rollout::EngineConfig ec;
-  ec.quantization = rollout::Quantization::kNvfp4;
-  ec.max_num_seqs = 328;
-  ec.max_batch_tokens = 4096;
-  ec.kv_cache_bytes = rollout::kv_cache_bytes_for(cfg, ec, 2, 48);  // 13 tokens and copied fork blocks
-  rollout::Engine engine(m, ec);
-  const kernels::Nvfp4Tensor& gate = engine.model().weights().layers[0].nvfp4.expert_gate;
-  const at::Tensor z = at::zeros({336 * cfg.top_k, cfg.latent_size}, m.weights().embed.options());
-  EXPECT_STREQ(kernels::nvfp4_grouped_linear_path(z, gate, z.size(0)), "deq+grouped_mm");
-  const double diff = decode_vs_rescoring(engine, reqs);
-  EXPECT_GT(engine.stats().graph_steps, 0);
-  EXPECT_EQ(engine.stats().preemptions, 0);
-  std::printf("nvfp4 engine at 328 sequences (bf16, graphs): mean |dlp| between decode and a rescoring forward %.3e\n",
-              diff);
-  EXPECT_LT(diff, 4e-2);
 }
 
 TEST(CudaLora, GroupedGemmAdaptersMatchTheCpuLoopAndTrain) {
