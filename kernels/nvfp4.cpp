@@ -373,12 +373,13 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
 // KILN_NVFP4_STAGED_ROWS (a trial). Above it the experts take the dequantised stack, which writes and
 // reads the whole stack in bf16 every call (70 us per muse-small stack on the H100). The MoE's
 // padded layout counts its static bound, the slots plus 15 rows per expert: 1024 sequences in
-// flight on muse-small are 143 rows per expert to this rule. With the tiled launch, muse-small's
-// experts measured (bench nvfp4 --grouped, H100, 2026-12-07; docs/PERFORMANCE.md) 104 us at 128
-// rows per expert against the dequantised stack's 150, and 203 at 256 against 176: the crossover
-// lies between, and 192 takes a 1024-sequence step and a 1024-token prefill (143) to the staged
-// kernel. The per-expert launch lost the prefill there (0.81x -> 0.71x BF16, H200), which is why
-// the bound was 64 before the tiled launch.
+// flight on muse-small are 143 rows per expert to this rule, and so is a 1024-token prefill.
+// Above 64 rows the staged kernel runs tiled (grouped_staged_launch). Measured (H100, 2026-12-07,
+// docs/PERFORMANCE.md): muse-small's experts at 128 rows per expert take 104 us tiled against the
+// dequantised stack's 150, and 203 against 176 at 256, so the crossover lies between; 1024
+// sequences in flight went from 0.88x to 0.92x BF16 with the tiled launch to 192 rows per expert.
+// The per-expert launch had lost the 1024-token prefill there (0.81x -> 0.71x BF16, H200), which
+// kept the bound at 64 until the tiled launch.
 constexpr int64_t kGroupedStagedMaxRows = 192;
 int64_t staged_max_rows() {
   static const int64_t rows = [] {
@@ -397,15 +398,27 @@ int64_t staged_max_rows() {
 // (above), unless KILN_NVFP4_GEMM=splitk keeps those. Measured on the H100 (2026-12-06,
 // docs/PERFORMANCE.md): 1.07x split-K at 32 rows per expert and 1.26x at 64 on muse-small's
 // experts (kiln_probe_nvfp4), and the rollout workload 1.04x with it. At 16 rows or fewer split-K's
-// 16-token chunks stay (decode). Its launch is the tiled one (kStagedTiles), or per expert
-// (kStaged) under KILN_NVFP4_GEMM=staged.
+// 16-token chunks stay (decode).
 bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
   const int64_t E = w.stacked() ? w.packed.size(0) : 0;
   const Nvfp4Gemm selected = nvfp4_gemm_selected();
-  return E > 0 && (selected == Nvfp4Gemm::kAuto || selected == Nvfp4Gemm::kStaged) &&
+  return E > 0 && (selected == Nvfp4Gemm::kAuto || selected == Nvfp4Gemm::kStagedTiles) &&
          x.scalar_type() == at::kBFloat16 && rows > 16 * E &&
          rows <= staged_max_rows() * E && grouped_stack_aligned(w.rows(), w.cols());
 }
+
+// The staged kernel's launch: per expert (kStaged) to kFusedMaxRows rows per expert, tiled
+// (kStagedTiles) above, or tiled throughout under KILN_NVFP4_GEMM=stagedtiles. Measured (H100 and
+// H200, 2026-12-07, docs/PERFORMANCE.md): on uneven routing the tiled launch takes 61 us against
+// 97 at 64 rows per expert and 103 against 176 at 128, but at 32 rows (a 256-sequence rollout
+// step, uniform-looking routing) the rollout lost with it (1.07x -> 1.02x BF16), its grid
+// sized for every possible tile; a grid sized to the resident blocks lost more (0.98x).
+#if KILN_WITH_CUDA
+Nvfp4Gemm grouped_staged_launch(const Nvfp4Tensor& w, int64_t rows) {
+  if (nvfp4_gemm_selected() == Nvfp4Gemm::kStagedTiles) return Nvfp4Gemm::kStagedTiles;
+  return rows <= kFusedMaxRows * w.packed.size(0) ? Nvfp4Gemm::kStaged : Nvfp4Gemm::kStagedTiles;
+}
+#endif
 
 DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -513,8 +526,8 @@ Nvfp4Gemm nvfp4_gemm_selected() {
     const char* e = std::getenv("KILN_NVFP4_GEMM");
     if (!e || !*e || std::strcmp(e, "auto") == 0) return Nvfp4Gemm::kAuto;
     if (std::strcmp(e, "wgmma") == 0) return Nvfp4Gemm::kWgmma;
-    if (std::strcmp(e, "staged") == 0) return Nvfp4Gemm::kStaged;
-    KILN_CHECK(std::strcmp(e, "splitk") == 0, "KILN_NVFP4_GEMM: expected 'auto', 'wgmma', 'splitk' or 'staged' (got '",
+    if (std::strcmp(e, "stagedtiles") == 0) return Nvfp4Gemm::kStagedTiles;
+    KILN_CHECK(std::strcmp(e, "splitk") == 0, "KILN_NVFP4_GEMM: expected 'auto', 'wgmma', 'splitk' or 'stagedtiles' (got '",
                e, "')");
     return Nvfp4Gemm::kSplitK;
   }();
@@ -539,8 +552,7 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
     if (path == GroupedPath::kSplitK || path == GroupedPath::kStaged || path == GroupedPath::kWgmma) {
       const bool scalar = !extra.defined() || extra.dim() == 0;
       Nvfp4Gemm gemm = path == GroupedPath::kWgmma ? Nvfp4Gemm::kWgmma : Nvfp4Gemm::kAuto;
-      if (path == GroupedPath::kStaged)  // tiled, or per expert where the environment asks
-        gemm = nvfp4_gemm_selected() == Nvfp4Gemm::kStaged ? Nvfp4Gemm::kStaged : Nvfp4Gemm::kStagedTiles;
+      if (path == GroupedPath::kStaged) gemm = grouped_staged_launch(w, rows);
       at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor(), opt.live_rows, gemm);
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
     }

@@ -396,34 +396,21 @@ cudaError_t launch_grouped_staged_nt(const void* x, const int64_t* offsets, cons
   return cudaGetLastError();
 }
 
-// The tiled launch (Nvfp4Gemm::kStagedTiles): per slab, as many blocks as the multiprocessors hold
-// at once over all slabs, or fewer where the rows fill fewer tiles (sum over experts of
-// ceil(rows / chunk) <= (R + E (chunk - 1)) / chunk). The kernel's loop deals each block its share
-// of the tiles. A grid of one block per possible tile measured slower than the per-expert launch
-// at 32 rows per expert (a 256-sequence rollout step, H100, 2026-12-07): most of its blocks found
-// no tile, and each wave of them only scanned the offsets and left.
+// The tiled launch (Nvfp4Gemm::kStagedTiles): a block per chunk tile and slab, as many tiles as R
+// rows can fill (sum over experts of ceil(rows / chunk) <= (R + E (chunk - 1)) / chunk); the
+// kernel's loop covers any more.
 template <int NT>
 cudaError_t launch_grouped_staged_tiles_nt(const void* x, const int64_t* offsets, const uint8_t* packed,
                                            const uint8_t* sfs, const float* ts, const float* extra, void* y, int64_t R,
                                            int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
   constexpr int smem = 2 * staged_stage_bytes(NT);
   constexpr int64_t chunk = 8 * NT;
-  constexpr int threads = kStagedWarps * 32;
   static const cudaError_t opt_in =
       cudaFuncSetAttribute(grouped_staged_tiles_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (opt_in != cudaSuccess) return opt_in;
-  static const int per_sm = [] {
-    int n = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, grouped_staged_tiles_kernel<NT>, threads, smem) ==
-                       cudaSuccess && n > 0
-               ? n
-               : 1;
-  }();
-  const int64_t slabs = (N + kStagedRows - 1) / kStagedRows;
-  const int64_t resident = std::max<int64_t>(1, (int64_t(num_sms()) * per_sm + slabs - 1) / slabs);
-  const int64_t tiles = std::max<int64_t>(1, std::min<int64_t>((R + E * (chunk - 1)) / chunk, resident));
-  const dim3 grid{unsigned(tiles), unsigned(slabs)};
-  grouped_staged_tiles_kernel<NT><<<grid, threads, smem, stream>>>(
+  const int64_t tiles = std::max<int64_t>(1, std::min<int64_t>((R + E * (chunk - 1)) / chunk, int64_t(1) << 30));
+  const dim3 grid(unsigned(tiles), unsigned((N + kStagedRows - 1) / kStagedRows));
+  grouped_staged_tiles_kernel<NT><<<grid, kStagedWarps * 32, smem, stream>>>(
       static_cast<const __nv_bfloat16*>(x), offsets, E, packed, sfs, ts, extra, static_cast<__nv_bfloat16*>(y), N, K);
   return cudaGetLastError();
 }

@@ -139,9 +139,9 @@ bool nvfp4_wgmma_usable(const at::Tensor& x, const Nvfp4Tensor& w);
 // as measured); "wgmma", the wgmma GEMM wherever it is usable above 16 rows (per matrix or expert),
 // in place of split-K, the grouped staged kernel and dequantise + cuBLAS; "splitk", the split-K
 // kernels where the dispatch would take the grouped staged kernel (for comparing the two);
-// "staged", the grouped staged kernel launched per expert (Nvfp4Gemm::kStaged) where the dispatch
-// runs its tiled launch (for comparing the two). Any other value is an error that names it.
-// nvfp4_gemm_selected: kAuto, kWgmma, kSplitK or kStaged.
+// "stagedtiles", the grouped staged kernel's tiled launch (Nvfp4Gemm::kStagedTiles) wherever the
+// dispatch takes that kernel, also at 17-64 rows per expert, where it launches per expert. Any
+// other value is an error that names it. nvfp4_gemm_selected: kAuto, kWgmma, kSplitK or kStagedTiles.
 Nvfp4Gemm nvfp4_gemm_selected();
 bool nvfp4_wgmma_selected();
 

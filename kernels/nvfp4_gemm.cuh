@@ -622,16 +622,14 @@ __global__ void __launch_bounds__(kStagedWarps * 32, NT <= 4 ? 2 : 1)
   }
 }
 
-// Finds tile t of a stack's token chunks, numbered expert by expert (expert e has
-// ceil(rows_e / chunk)), for warp 0: the scan reads the offsets 32 experts at a time from pass
-// `base`, `before` being the tiles of the experts ahead of it, and stops at the pass that holds t,
-// leaving base and before there, so that a block's next (larger) t resumes from it. Writes the
-// tile's expert and first row to found[0], found[1]; found[0] stays -1 past the last tile. The
-// caller syncs before and after.
+// Tile t of a stack's token chunks, numbered expert by expert (expert e has ceil(rows_e / chunk)):
+// warp 0 scans the offsets 32 experts at a time and writes the tile's expert and first row to
+// found[0], found[1]; found[0] stays -1 past the last tile. The caller syncs before and after.
 __device__ __forceinline__ void find_chunk_tile(const int64_t* offsets, int64_t E, int64_t chunk, long long t,
-                                                int64_t& base, long long& before, long long (&found)[2]) {
+                                                long long (&found)[2]) {
   const int lane = int(threadIdx.x) % 32;
-  for (; base < E; base += 32) {
+  long long before = 0;  // tiles of the experts already scanned
+  for (int64_t base = 0; base < E && before <= t; base += 32) {
     const int64_t e = base + lane;
     const long long first_row = e < E ? offsets[e] : 0, n = e < E ? max(offsets[e + 1] - first_row, 0ll) : 0;
     const long long tiles = (n + chunk - 1) / chunk;
@@ -646,20 +644,17 @@ __device__ __forceinline__ void find_chunk_tile(const int64_t* offsets, int64_t 
       found[0] = e;
       found[1] = first_row + (t - mine) * chunk;
     }
-    const long long pass = __shfl_sync(0xffffffffu, upto, 31);
-    if (t < before + pass) return;  // the same in every lane: this pass holds t
-    before += pass;
+    before += __shfl_sync(0xffffffffu, upto, 31);
   }
 }
 
 // The grouped staged kernel with its chunks dealt out as tiles: block (x, slab) takes tiles x,
-// x + gridDim.x, ... of all experts' chunks (find_chunk_tile, resumed from the block's last), so
-// that an expert with many rows spreads over as many blocks as it has chunks, where
-// grouped_staged_kernel gives every expert gridDim.z blocks per slab whatever its rows. Each
-// chunk is computed as there, so the outputs are bitwise the same. The host sizes the grid to
-// what the multiprocessors hold at once (or fewer, by the rows), so that no wave of blocks only
-// scans and leaves; the loop makes any grid correct. Needs grouped_stack_aligned; dynamic shared
-// memory 2 staged_stage_bytes(NT).
+// x + gridDim.x, ... of all experts' chunks (find_chunk_tile), so that an expert with many rows
+// spreads over as many blocks as it has chunks, where grouped_staged_kernel gives every expert
+// gridDim.z blocks per slab whatever its rows. Each chunk is computed as there, so the outputs are
+// bitwise the same. The grid is sized from the rows on the host (the offsets stay on the device);
+// the loop makes any grid correct. Needs grouped_stack_aligned; dynamic shared memory
+// 2 staged_stage_bytes(NT).
 template <int NT>
 __global__ void __launch_bounds__(kStagedWarps * 32, NT <= 4 ? 2 : 1)
     grouped_staged_tiles_kernel(const __nv_bfloat16* __restrict__ x, const int64_t* __restrict__ offsets, int64_t E,
@@ -669,13 +664,11 @@ __global__ void __launch_bounds__(kStagedWarps * 32, NT <= 4 ? 2 : 1)
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ long long found[2];
   const int64_t row0 = int64_t(blockIdx.y) * kStagedRows;
-  int64_t base = 0;       // warp 0's scan position: tiles only grow, so it never goes back
-  long long before = 0;
   for (long long t = blockIdx.x;; t += gridDim.x) {
     __syncthreads();  // everyone has read the last tile's `found`
     if (threadIdx.x == 0) found[0] = -1;
     __syncthreads();
-    if (threadIdx.x < 32) find_chunk_tile(offsets, E, 8 * NT, t, base, before, found);
+    if (threadIdx.x < 32) find_chunk_tile(offsets, E, 8 * NT, t, found);
     __syncthreads();
     const long long e = found[0], tok0 = found[1];
     if (e < 0) return;  // the same in every thread: past the last tile

@@ -21,7 +21,7 @@ namespace kiln::kernels {
 // choosing 64 or 128 weight rows per block; kWgmma64 and kWgmma128 force one (128: N a multiple of 128).
 // kStagedTiles (grouped only): the grouped staged kernel with its token chunks dealt to blocks as
 // tiles over all experts, rather than a fixed two blocks per expert (kStaged); bitwise the same
-// output. The experts' dispatch runs this one.
+// output. The experts' dispatch runs it above 64 rows per expert.
 enum class Nvfp4Gemm : int { kAuto = 0, kSplitK = 1, kStaged = 2, kWgmma = 3, kWgmma64 = 4, kWgmma128 = 5, kStagedTiles = 6 };
 // Whether `g` runs the grouped staged kernel (bf16 x and grouped_stack_aligned stacks only).
 inline bool is_grouped_staged(Nvfp4Gemm g) { return g == Nvfp4Gemm::kStaged || g == Nvfp4Gemm::kStagedTiles; }

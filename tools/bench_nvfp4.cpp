@@ -155,8 +155,7 @@ void bench_grouped_case(at::Device device, double bw, const std::string& label, 
              name, E, N, K, R, touched, tq * 1e6, tb * 1e6, bytes / tq / 1e12, 100.0 * bytes / tq / bw, tb / tq,
              floor * 1e6, tb / floor, baseline);
   // The split-K and grouped staged kernels forced on the same rows (the dispatch takes split-K to
-  // 16 rows per expert and the staged kernel's tiled launch at 17-192), the staged one launched
-  // per expert and tiled.
+  // 16 rows per expert, the staged kernel launched per expert at 17-64 and tiled at 65-192).
   for (auto [g, label] : {std::pair{kernels::Nvfp4Gemm::kSplitK, "same, split-K"},
                           std::pair{kernels::Nvfp4Gemm::kStaged, "same, staged per expert"},
                           std::pair{kernels::Nvfp4Gemm::kStagedTiles, "same, staged tiles"}}) {

@@ -293,10 +293,11 @@ done
 step "bench decode (muse-small, BF16 and NVFP4)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 \
   2>&1 | tee -a "$out/rollout.txt"
-# With KILN_ROLLOUT_GEMM=wgmma, splitk or staged, the same two again with that NVFP4 GEMM
+# With KILN_ROLLOUT_GEMM=wgmma, splitk or stagedtiles, the same two again with that NVFP4 GEMM
 # choice (KILN_NVFP4_GEMM: wgmma everywhere above 16 rows; split-K where the experts take the
-# grouped staged kernel, 17-192 rows per expert; or that kernel launched per expert there rather
-# than tiled), in the same call. Off by default: each run costs device time.
+# grouped staged kernel, 17-192 rows per expert; or that kernel's tiled launch there, also at
+# 17-64 where the default launches it per expert), in the same call. Off by default: each run
+# costs device time.
 if [ -n "${KILN_ROLLOUT_GEMM:-}" ]; then
 step "bench rollout and decode, NVFP4 with KILN_NVFP4_GEMM=$KILN_ROLLOUT_GEMM"
 KILN_NVFP4_GEMM="$KILN_ROLLOUT_GEMM" ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml \

@@ -320,9 +320,9 @@ TEST(CudaNvfp4, GroupedStagedMatchesReference) {
 // The experts' dispatch by rows per expert on average: split-K to 16, the grouped staged kernel at
 // 17-192 (bf16 and an aligned stack; split-K to 64 under KILN_NVFP4_GEMM=splitk, ctest
 // kiln_cuda_nvfp4_splitk), then the dequantised stack on torch's grouped GEMM (fp32: split-K to
-// 64, then a GEMM per expert). Where it says staged, nvfp4_grouped_linear's output is bitwise the
-// staged kernel's launch that the environment selects (tiled; per expert under
-// KILN_NVFP4_GEMM=staged, ctest kiln_cuda_nvfp4_staged).
+// 64, then a GEMM per expert). Where it says staged, nvfp4_grouped_linear's output is bitwise that
+// kernel's: launched per expert to 64 rows per expert and tiled above (tiled throughout under
+// KILN_NVFP4_GEMM=stagedtiles, ctest kiln_cuda_nvfp4_stagedtiles).
 TEST(CudaNvfp4, GroupedDispatchFollowsTheRowsPerExpert) {
   if (kernels::nvfp4_wgmma_selected()) GTEST_SKIP() << "KILN_NVFP4_GEMM=wgmma takes every grouped call above 16 rows";
   at::manual_seed(23);
@@ -335,9 +335,7 @@ TEST(CudaNvfp4, GroupedDispatchFollowsTheRowsPerExpert) {
   const std::pair<int64_t, const char*> by_rows[] = {{1, "splitK"},          {64, "splitK"},  {65, middle},
                                                      {256, middle},          {257, splitk ? deq : "staged"},
                                                      {768, splitk ? deq : "staged"}, {769, deq}};
-  const kernels::Nvfp4Gemm launch = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kStaged
-                                        ? kernels::Nvfp4Gemm::kStaged
-                                        : kernels::Nvfp4Gemm::kStagedTiles;
+  const bool tiles_only = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kStagedTiles;
   for (auto [R, path] : by_rows) {
     const at::Tensor x = at::randn({R, 512}, at::kCUDA).to(at::kBFloat16);
     EXPECT_STREQ(kernels::nvfp4_grouped_linear_path(x, kq, R), path) << R << " rows";
@@ -347,6 +345,7 @@ TEST(CudaNvfp4, GroupedDispatchFollowsTheRowsPerExpert) {
     std::vector<int64_t> off{0, R / 4, R / 2, R / 2, R};  // an expert without rows
     const at::Tensor offsets = at::tensor(off, at::kLong).cuda();
     at::Tensor got = kernels::nvfp4_grouped_linear(x, kq, offsets);
+    const auto launch = tiles_only || R > 64 * 4 ? kernels::Nvfp4Gemm::kStagedTiles : kernels::Nvfp4Gemm::kStaged;
     at::Tensor staged = kernels::nvfp4_grouped_linear_cuda(x, kq, offsets, at::Tensor(), 0, launch);
     EXPECT_TRUE(test::all_equal(got.cpu(), staged.cpu())) << R << " rows: the dispatch did not run the staged kernel";
   }

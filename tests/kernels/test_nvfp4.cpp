@@ -356,8 +356,8 @@ TEST(Nvfp4, WgmmaDataFlowComputesTheProduct) {
 
 // KILN_NVFP4_GEMM: unset or "auto" keeps the measured dispatch, "wgmma" selects the wgmma GEMM
 // (ctest kiln_nvfp4_gemm_choice_wgmma), "splitk" keeps split-K where the experts would take the
-// grouped staged kernel (ctest kiln_nvfp4_gemm_choice_splitk), "staged" launches that kernel per
-// expert there (ctest kiln_nvfp4_gemm_choice_staged), anything else is refused by name at
+// grouped staged kernel (ctest kiln_nvfp4_gemm_choice_splitk), "stagedtiles" runs that kernel's tiled
+// launch there (ctest kiln_nvfp4_gemm_choice_stagedtiles), anything else is refused by name at
 // the first NVFP4 GEMM that asks (ctest kiln_nvfp4_gemm_choice_unknown). CPU inputs never take them.
 TEST(Nvfp4, GemmChoiceFollowsTheEnvironment) {
   const std::string env = std::getenv("KILN_NVFP4_GEMM") ? std::getenv("KILN_NVFP4_GEMM") : "";
@@ -370,12 +370,12 @@ TEST(Nvfp4, GemmChoiceFollowsTheEnvironment) {
   } else if (env == "splitk") {
     EXPECT_FALSE(nvfp4_wgmma_selected());
     EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kSplitK);
-  } else if (env == "staged") {
+  } else if (env == "stagedtiles") {
     EXPECT_FALSE(nvfp4_wgmma_selected());
-    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kStaged);
+    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kStagedTiles);
   } else {
     EXPECT_TRUE(test::throws_with([] { nvfp4_wgmma_selected(); },
-                                  {"KILN_NVFP4_GEMM", "'" + env + "'", "'wgmma'", "'splitk'", "'staged'"}));
+                                  {"KILN_NVFP4_GEMM", "'" + env + "'", "'wgmma'", "'splitk'", "'stagedtiles'"}));
     return;
   }
   const Nvfp4Tensor q = nvfp4_to_kernel_layout(nvfp4_quantize_reference(at::randn({64, 256})));
