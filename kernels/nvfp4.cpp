@@ -413,12 +413,10 @@ bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t row
 // 97 at 64 rows per expert and 103 against 176 at 128, but at 32 rows (a 256-sequence rollout
 // step, uniform-looking routing) the rollout lost with it (1.07x -> 1.02x BF16), its grid
 // sized for every possible tile; a grid sized to the resident blocks lost more (0.98x).
-#if KILN_WITH_CUDA
 Nvfp4Gemm grouped_staged_launch(const Nvfp4Tensor& w, int64_t rows) {
   if (nvfp4_gemm_selected() == Nvfp4Gemm::kStagedTiles) return Nvfp4Gemm::kStagedTiles;
   return rows <= kFusedMaxRows * w.packed.size(0) ? Nvfp4Gemm::kStaged : Nvfp4Gemm::kStagedTiles;
 }
-#endif
 
 DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -493,7 +491,8 @@ const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w) {
 const char* nvfp4_grouped_linear_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
   switch (grouped_path(x, w, rows)) {
     case GroupedPath::kSplitK: return "splitK";
-    case GroupedPath::kStaged: return "staged";
+    case GroupedPath::kStaged:
+      return grouped_staged_launch(w, rows) == Nvfp4Gemm::kStagedTiles ? "staged tiles" : "staged";
     case GroupedPath::kWgmma: return "wgmma";
     case GroupedPath::kDequantized: return "deq+grouped_mm";
     case GroupedPath::kLoop: return "deq+mm per expert";

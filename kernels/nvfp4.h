@@ -96,8 +96,9 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4Li
 const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w);
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                 const Nvfp4LinearOptions& opt = {});
-// The path nvfp4_grouped_linear takes for `rows` rows like x on w's stack: "splitK", "staged",
-// "wgmma", "deq+grouped_mm", "deq+mm per expert" or "reference".
+// The path nvfp4_grouped_linear takes for `rows` rows like x on w's stack: "splitK", "staged" (the
+// grouped staged kernel launched per expert), "staged tiles" (its tiled launch), "wgmma",
+// "deq+grouped_mm", "deq+mm per expert" or "reference".
 const char* nvfp4_grouped_linear_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows);
 // Whether nvfp4_grouped_linear runs `rows` rows like x (dtype, device) on the dequantised stack and
 // torch's grouped GEMM: bf16 on CUDA, torch >= 2.8, kernel layout, above 64 rows per expert, and

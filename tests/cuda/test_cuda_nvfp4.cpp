@@ -320,32 +320,33 @@ TEST(CudaNvfp4, GroupedStagedMatchesReference) {
 // The experts' dispatch by rows per expert on average: split-K to 16, the grouped staged kernel at
 // 17-192 (bf16 and an aligned stack; split-K to 64 under KILN_NVFP4_GEMM=splitk, ctest
 // kiln_cuda_nvfp4_splitk), then the dequantised stack on torch's grouped GEMM (fp32: split-K to
-// 64, then a GEMM per expert). Where it says staged, nvfp4_grouped_linear's output is bitwise that
-// kernel's: launched per expert to 64 rows per expert and tiled above (tiled throughout under
-// KILN_NVFP4_GEMM=stagedtiles, ctest kiln_cuda_nvfp4_stagedtiles).
+// 64, then a GEMM per expert). The staged kernel is launched per expert to 64 rows per expert and
+// tiled above (tiled throughout under KILN_NVFP4_GEMM=stagedtiles, ctest
+// kiln_cuda_nvfp4_stagedtiles); where the dispatch takes it, nvfp4_grouped_linear's output is
+// bitwise that launch's.
 TEST(CudaNvfp4, GroupedDispatchFollowsTheRowsPerExpert) {
   if (kernels::nvfp4_wgmma_selected()) GTEST_SKIP() << "KILN_NVFP4_GEMM=wgmma takes every grouped call above 16 rows";
   at::manual_seed(23);
   const bool splitk = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kSplitK;
-  const char* middle = splitk ? "splitK" : "staged";
+  const bool tiles_only = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kStagedTiles;
+  const char* middle = splitk ? "splitK" : tiles_only ? "staged tiles" : "staged";
   const bool grouped_mm = KILN_TORCH_AT_LEAST(2, 8);
   const Nvfp4Tensor kq = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(spread_weights({4, 256, 512})))
                              .to(at::kCUDA);
   const char* deq = grouped_mm ? "deq+grouped_mm" : "deq+mm per expert";
   const std::pair<int64_t, const char*> by_rows[] = {{1, "splitK"},          {64, "splitK"},  {65, middle},
-                                                     {256, middle},          {257, splitk ? deq : "staged"},
-                                                     {768, splitk ? deq : "staged"}, {769, deq}};
-  const bool tiles_only = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kStagedTiles;
+                                                     {256, middle},          {257, splitk ? deq : "staged tiles"},
+                                                     {768, splitk ? deq : "staged tiles"}, {769, deq}};
   for (auto [R, path] : by_rows) {
     const at::Tensor x = at::randn({R, 512}, at::kCUDA).to(at::kBFloat16);
     EXPECT_STREQ(kernels::nvfp4_grouped_linear_path(x, kq, R), path) << R << " rows";
     EXPECT_STREQ(kernels::nvfp4_grouped_linear_path(x.to(at::kFloat), kq, R), R > 256 ? "deq+mm per expert" : "splitK")
         << R << " fp32 rows";
-    if (std::string(path) != "staged") continue;
+    if (std::string(path).rfind("staged", 0) != 0) continue;
     std::vector<int64_t> off{0, R / 4, R / 2, R / 2, R};  // an expert without rows
     const at::Tensor offsets = at::tensor(off, at::kLong).cuda();
     at::Tensor got = kernels::nvfp4_grouped_linear(x, kq, offsets);
-    const auto launch = tiles_only || R > 64 * 4 ? kernels::Nvfp4Gemm::kStagedTiles : kernels::Nvfp4Gemm::kStaged;
+    const auto launch = std::string(path) == "staged" ? kernels::Nvfp4Gemm::kStaged : kernels::Nvfp4Gemm::kStagedTiles;
     at::Tensor staged = kernels::nvfp4_grouped_linear_cuda(x, kq, offsets, at::Tensor(), 0, launch);
     EXPECT_TRUE(test::all_equal(got.cpu(), staged.cpu())) << R << " rows: the dispatch did not run the staged kernel";
   }

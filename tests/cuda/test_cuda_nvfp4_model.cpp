@@ -57,10 +57,11 @@ TEST(CudaNvfp4Serving, PrefillPathsAndW4a4MatchTheReferences) {
       const at::Tensor bound = kernels::nvfp4_linear_reference(x.abs(), magnitudes(q)) * wround;
       EXPECT_TRUE(near_ref(kernels::nvfp4_linear(x.cuda(), kq), kernels::nvfp4_linear_reference(x, q), rtol, atol, bound))
           << "M " << M << " " << dtype;
-      if (M > 64)  // the prefill path multiplies by exactly the weights a dequantised trainer holds
+      if (M > 64) {  // the prefill path multiplies by exactly the weights a dequantised trainer holds
         EXPECT_TRUE(test::all_equal(kernels::nvfp4_linear(x.cuda(), kq).cpu(),
                                     at::linear(x.cuda(), kernels::nvfp4_dequantize(kq, dtype)).cpu()))
             << "M " << M << " " << dtype;
+      }
       kernels::Nvfp4LinearOptions w4;
       w4.w4a4 = true;  // dynamic activation scale, computed on the device
       const at::Tensor bound4 = kernels::nvfp4_linear_reference(x.abs(), magnitudes(q), w4) * wround;
@@ -145,7 +146,6 @@ at::Tensor score(const model::Muse& m, const std::vector<std::vector<int64_t>>& 
 // Generates `reqs` and returns the mean |log-prob difference| between the engine's decode and a
 // rescoring forward of the samples by the engine's own model.
 double decode_vs_rescoring(rollout::Engine& engine, const std::vector<rollout::Request>& reqs) {
-  const int64_t vocab = engine.model().config().vocab_size;
   auto out = engine.generate(reqs);
   // The engine's log-probs are its own model's: rescore the samples with that model's forward.
   std::vector<std::vector<int64_t>> seqs;
@@ -353,7 +353,7 @@ TEST(CudaNvfp4Serving, EngineDecodesInCudaGraphsAboveSixtyFourRowsPerExpert) {
   // widths (K = 32), so the same.
   const bool no_staged = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kSplitK || kernels::nvfp4_wgmma_selected();
   const char* deq = KILN_TORCH_AT_LEAST(2, 8) ? "deq+grouped_mm" : "deq+mm per expert";
-  for (auto [prompts, path] : {std::pair{int64_t(41), no_staged ? deq : "staged"}, {int64_t(97), deq}}) {
+  for (auto [prompts, path] : {std::pair{int64_t(41), no_staged ? deq : "staged tiles"}, {int64_t(97), deq}}) {
     const int64_t seqs = 8 * prompts;
     std::vector<rollout::Request> reqs;
     for (int64_t r = 0; r < prompts; ++r) {
