@@ -396,9 +396,9 @@ cudaError_t launch_grouped_staged_nt(const void* x, const int64_t* offsets, cons
   return cudaGetLastError();
 }
 
-// The tiled launch (Nvfp4Gemm::kStagedTiles): a block per chunk tile and slab, as many tiles as R
-// rows can fill (sum over experts of ceil(rows / chunk) <= (R + E (chunk - 1)) / chunk); the
-// kernel's loop covers any more.
+// The tiled launch (Nvfp4Gemm::kStagedTiles, and kStagedTiles64 with NT = 8): a block per chunk
+// tile and slab, as many tiles as R rows can fill (sum over experts of ceil(rows / chunk) <=
+// (R + E (chunk - 1)) / chunk); the kernel's loop covers any more.
 template <int NT>
 cudaError_t launch_grouped_staged_tiles_nt(const void* x, const int64_t* offsets, const uint8_t* packed,
                                            const uint8_t* sfs, const float* ts, const float* extra, void* y, int64_t R,
@@ -491,7 +491,7 @@ cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* 
                                 int64_t K, cudaStream_t stream, Nvfp4Gemm gemm) {
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != Nvfp4DType::kFloat32 && dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
-  if (gemm == Nvfp4Gemm::kStagedTiles) return cudaErrorInvalidValue;  // grouped only
+  if (is_staged_tiles(gemm)) return cudaErrorInvalidValue;  // grouped only
   // kAuto is split-K: the staged kernel stays out of the dispatch (nvfp4.cpp, kStagedMaxRows).
   if (gemm == Nvfp4Gemm::kStaged) {
     if (dtype != Nvfp4DType::kBFloat16) return cudaErrorInvalidValue;
@@ -515,6 +515,8 @@ cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const i
   if (is_grouped_staged(gemm)) {
     if (f32 || !grouped_stack_aligned(N, K)) return cudaErrorInvalidValue;
     const bool tiles = gemm == Nvfp4Gemm::kStagedTiles, small = R <= 16 * E;
+    if (gemm == Nvfp4Gemm::kStagedTiles64)
+      return launch_grouped_staged_tiles_nt<8>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream);
     if (tiles)
       return small ? launch_grouped_staged_tiles_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream)
                    : launch_grouped_staged_tiles_nt<4>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream);

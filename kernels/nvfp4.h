@@ -129,8 +129,8 @@ at::Tensor nvfp4_dequantize_cuda(const Nvfp4Tensor& q, at::ScalarType dtype);  /
 at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& scale,
                              Nvfp4Gemm gemm = Nvfp4Gemm::kAuto);
 // live_rows: the rows that carry work, for the tile choice (0: every row; see Nvfp4LinearOptions).
-// gemm: kAuto or kSplitK (the split-K kernels), kStaged or kStagedTiles (bf16 x, grouped_stack_aligned)
-// or one of the wgmma GEMMs (nvfp4_wgmma_usable must hold).
+// gemm: kAuto or kSplitK (the split-K kernels), kStaged, kStagedTiles or kStagedTiles64 (bf16 x,
+// grouped_stack_aligned) or one of the wgmma GEMMs (nvfp4_wgmma_usable must hold).
 at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                      const at::Tensor& scale, int64_t live_rows = 0, Nvfp4Gemm gemm = Nvfp4Gemm::kAuto);
 // Whether the wgmma GEMM (Nvfp4Gemm::kWgmma) can run x (bf16 on CUDA) against w: the kernel layout,

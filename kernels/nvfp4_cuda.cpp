@@ -140,7 +140,7 @@ at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, const at
   check_weights(w, x, scale, "nvfp4_linear_cuda");
   KILN_CHECK(gemm != Nvfp4Gemm::kStaged || x.scalar_type() == at::kBFloat16,
              "nvfp4_linear_cuda: the staged kernel takes bfloat16 x (got ", x.scalar_type(), ")");
-  KILN_CHECK(gemm != Nvfp4Gemm::kStagedTiles, "nvfp4_linear_cuda: kStagedTiles is for expert stacks only");
+  KILN_CHECK(!is_staged_tiles(gemm), "nvfp4_linear_cuda: kStagedTiles and kStagedTiles64 are for expert stacks only");
   KILN_CHECK(!w.stacked(), "nvfp4_linear_cuda: weights must be one matrix [N, K/2] (got a stack ", w.packed.sizes(),
              "); use nvfp4_grouped_linear_cuda");
   const c10::cuda::CUDAGuard guard(x.device());

@@ -41,8 +41,9 @@ cudaError_t launch_nvfp4_linear(const void* x, Nvfp4DType dtype, const uint8_t* 
 // offsets[E] = R); packed [E, N, K/2] kernel layout, block_scale [E, N, K/16], tensor_scale [E];
 // y [R, N]. The offsets are read on the device only. R picks the tiles: the caller may pass the rows
 // that carry work where x also holds spare rows (the offsets, not R, bound what is computed).
-// gemm: kAuto and kSplitK run the split-K kernel, kStaged and kStagedTiles the staged one (bf16 x
-// and grouped_stack_aligned, else cudaErrorInvalidValue); the wgmma GEMM has its own launcher below.
+// gemm: kAuto and kSplitK run the split-K kernel; kStaged, kStagedTiles and kStagedTiles64 the
+// staged one (bf16 x and grouped_stack_aligned, else cudaErrorInvalidValue); the wgmma GEMM has
+// its own launcher below.
 cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const int64_t* offsets, const uint8_t* packed,
                                         const uint8_t* block_scale, const float* tensor_scale, const float* scale,
                                         void* y, int64_t R, int64_t E, int64_t N, int64_t K, cudaStream_t stream,

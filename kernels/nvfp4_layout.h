@@ -21,10 +21,16 @@ namespace kiln::kernels {
 // choosing 64 or 128 weight rows per block; kWgmma64 and kWgmma128 force one (128: N a multiple of 128).
 // kStagedTiles (grouped only): the grouped staged kernel with its token chunks dealt to blocks as
 // tiles over all experts, rather than a fixed two blocks per expert (kStaged); bitwise the same
-// output. The experts' dispatch runs it above 64 rows per expert.
-enum class Nvfp4Gemm : int { kAuto = 0, kSplitK = 1, kStaged = 2, kWgmma = 3, kWgmma64 = 4, kWgmma128 = 5, kStagedTiles = 6 };
-// Whether `g` runs the grouped staged kernel (bf16 x and grouped_stack_aligned stacks only).
-inline bool is_grouped_staged(Nvfp4Gemm g) { return g == Nvfp4Gemm::kStaged || g == Nvfp4Gemm::kStagedTiles; }
+// output. The experts' dispatch runs it above 64 rows per expert. kStagedTiles64: the same with
+// 64-token chunks (eight n-tiles, one block per SM) instead of 16 or 32, forced only (a trial for
+// 128 rows per expert and more, where each decoded weight tile would feed twice the tokens).
+enum class Nvfp4Gemm : int {
+  kAuto = 0, kSplitK = 1, kStaged = 2, kWgmma = 3, kWgmma64 = 4, kWgmma128 = 5, kStagedTiles = 6, kStagedTiles64 = 7
+};
+// Whether `g` is a tiled launch of the grouped staged kernel, or any launch of it (bf16 x and
+// grouped_stack_aligned stacks only).
+inline bool is_staged_tiles(Nvfp4Gemm g) { return g == Nvfp4Gemm::kStagedTiles || g == Nvfp4Gemm::kStagedTiles64; }
+inline bool is_grouped_staged(Nvfp4Gemm g) { return g == Nvfp4Gemm::kStaged || is_staged_tiles(g); }
 // Whether `g` is one of the wgmma GEMMs, and the warpgroups per block it asks for (0: the launcher's choice).
 inline bool is_wgmma(Nvfp4Gemm g) { return g == Nvfp4Gemm::kWgmma || g == Nvfp4Gemm::kWgmma64 || g == Nvfp4Gemm::kWgmma128; }
 inline int wgmma_warpgroups(Nvfp4Gemm g) { return g == Nvfp4Gemm::kWgmma64 ? 1 : g == Nvfp4Gemm::kWgmma128 ? 2 : 0; }

@@ -158,7 +158,8 @@ void bench_grouped_case(at::Device device, double bw, const std::string& label, 
   // 16 rows per expert, the staged kernel launched per expert at 17-64 and tiled at 65-192).
   for (auto [g, label] : {std::pair{kernels::Nvfp4Gemm::kSplitK, "same, split-K"},
                           std::pair{kernels::Nvfp4Gemm::kStaged, "same, staged per expert"},
-                          std::pair{kernels::Nvfp4Gemm::kStagedTiles, "same, staged tiles"}}) {
+                          std::pair{kernels::Nvfp4Gemm::kStagedTiles, "same, staged tiles"},
+                          std::pair{kernels::Nvfp4Gemm::kStagedTiles64, "same, tiles of 64 tokens"}}) {
     if (kernels::is_grouped_staged(g) && !kernels::grouped_stack_aligned(N, K)) continue;
     const double ts = per_call(device, [&](int i) {
       kernels::nvfp4_grouped_linear_cuda(x, qs[size_t(i % nq)], offsets, at::Tensor(), 0, g);

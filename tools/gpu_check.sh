@@ -11,7 +11,8 @@
 # nvfp4.txt) mismatch (kiln mismatch of muse-small after a short SFT, into mismatch.txt) and
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
 # grouped (the grouped W4A16 kernel: kiln_probe_nvfp4's work splits at 8-128 rows per expert and ncu
-# of the dispatch's kernel at 32, grouped.txt); pdl (kiln_probe_pdl: a kernel boundary's cost in a
+# of the dispatch's kernel at 32, grouped.txt); experts (bench nvfp4 --grouped: every experts'
+# kernel at 32-256 rows per expert, uniform and uneven routing, experts.txt); pdl (kiln_probe_pdl: a kernel boundary's cost in a
 # graph, plain and with programmatic dependent launch, pdl.txt);
 # cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt);
 # mpigpus the MPI tests' CUDA ones at a rank per GPU (NCCL between GPUs: a machine with 2 or more, mpi.txt);
@@ -334,6 +335,12 @@ if want nvfp4; then
 step "nvfp4: cuda tests of the GEMMs, then bench nvfp4"
 tests_then_bench 'CudaNvfp4*' nvfp4 nvfp4.txt
 fi  # nvfp4
+if want experts; then
+# The experts' W4A16 kernels alone at muse-small's 64 x 1024 x 1024 stacks: 256-2048 tokens x 8
+# (32-256 rows per expert), each batch routed uniformly and unevenly, against the BF16 grouped GEMM.
+step "experts: bench nvfp4 --grouped"
+./build-gpu/kiln bench nvfp4 --device cuda --grouped ${KILN_EXPERTS_TOKENS:-256 512 1024 2048} 2>&1 | tee -a "$out/experts.txt"
+fi  # experts
 if want grouped; then
 # Where the grouped W4A16 kernel's time goes on the experts' decode and rollout shapes (8 to 64
 # rows per expert): the probe's other work splits and register budgets, then ncu of the

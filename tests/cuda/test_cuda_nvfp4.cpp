@@ -251,12 +251,14 @@ TEST(CudaNvfp4, GroupedLinearMatchesReference) {
 // experts with 0, 1, 19, 111 and 4097 rows (16 and 32-token chunks, partial chunks, many chunks),
 // N below one row tile, of a whole and a partial row tile, of whole 256-row slabs and of a partial
 // last slab, K below one step (the tail alone), of one, of several with a 32-value tail, and of
-// eight. A second call is bit-identical, and so is the tiled launch (kStagedTiles), also on a grid
-// too small for its tiles; the extra scale applies; fp32 x, stacks whose experts do not start on
-// 16 bytes and kStagedTiles on one matrix are refused by name.
+// eight. A second call is bit-identical, and so are the tiled launches (kStagedTiles, and
+// kStagedTiles64's 64-token chunks: a token's sums do not depend on its chunk), also on grids too
+// small for their tiles; the extra scale applies; fp32 x, stacks whose experts do not start on 16
+// bytes and the tiled launches on one matrix are refused by name.
 TEST(CudaNvfp4, GroupedStagedMatchesReference) {
   at::manual_seed(19);
-  constexpr auto kStaged = kernels::Nvfp4Gemm::kStaged, kStagedTiles = kernels::Nvfp4Gemm::kStagedTiles;
+  constexpr auto kStaged = kernels::Nvfp4Gemm::kStaged, kStagedTiles = kernels::Nvfp4Gemm::kStagedTiles,
+                 kStagedTiles64 = kernels::Nvfp4Gemm::kStagedTiles64;
   std::vector<int64_t> forty(40, 0);  // more experts than the tiled launch's scan takes per pass
   for (auto [e, n] : {std::pair{1, 3}, {5, 17}, {31, 40}, {32, 1}, {35, 70}, {38, 33}}) forty[size_t(e)] = n;
   const std::vector<std::vector<int64_t>> count_sets = {{0, 1, 19, 0, 8, 40}, {0, 1, 19, 0, 8, 40, 111, 101},
@@ -285,9 +287,11 @@ TEST(CudaNvfp4, GroupedStagedMatchesReference) {
       for (int64_t live : {int64_t(0), int64_t(1), 16 * E + 1}) {
         const at::Tensor per_expert =
             live == 0 ? got : kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), live, kStaged);
-        at::Tensor tiles =
-            kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), live, kStagedTiles);
-        EXPECT_TRUE(test::all_equal(tiles.cpu(), per_expert.cpu())) << what << " live_rows " << live << ": tiled launch";
+        for (auto g : {kStagedTiles, kStagedTiles64}) {
+          at::Tensor tiles = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::Tensor(), live, g);
+          EXPECT_TRUE(test::all_equal(tiles.cpu(), per_expert.cpu()))
+              << what << " live_rows " << live << ": tiled launch" << (g == kStagedTiles64 ? " of 64 tokens" : "");
+        }
       }
     }
   const Nvfp4Tensor q = kernels::nvfp4_quantize_reference(spread_weights({3, 64, 512}));
@@ -298,17 +302,19 @@ TEST(CudaNvfp4, GroupedStagedMatchesReference) {
       kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::full({}, 0.375f, at::kCUDA), 0, kStaged);
   EXPECT_TRUE(close_to_ref(got, kernels::nvfp4_grouped_linear_reference(x, q, offsets).to(at::kFloat) * 0.375f,
                            at::kBFloat16));
-  at::Tensor tiled =
-      kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::full({}, 0.375f, at::kCUDA), 0, kStagedTiles);
-  EXPECT_TRUE(test::all_equal(tiled.cpu(), got.cpu())) << "tiled launch with a scale";
-  for (auto g : {kStaged, kStagedTiles})
+  for (auto g : {kStagedTiles, kStagedTiles64}) {
+    at::Tensor tiled = kernels::nvfp4_grouped_linear_cuda(x.cuda(), kq, offsets.cuda(), at::full({}, 0.375f, at::kCUDA), 0, g);
+    EXPECT_TRUE(test::all_equal(tiled.cpu(), got.cpu())) << "tiled launch with a scale";
+  }
+  for (auto g : {kStaged, kStagedTiles, kStagedTiles64})
     EXPECT_TRUE(test::throws_with(
         [&] { kernels::nvfp4_grouped_linear_cuda(x.cuda().to(at::kFloat), kq, offsets.cuda(), at::Tensor(), 0, g); },
         {"staged kernel takes bfloat16"}));
-  EXPECT_TRUE(test::throws_with(
-      [&] { kernels::nvfp4_linear_cuda(x.cuda(), kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(
-                                                     at::randn({64, 512}))).to(at::kCUDA), at::Tensor(), kStagedTiles); },
-      {"kStagedTiles", "expert stacks only"}));
+  const Nvfp4Tensor one = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(at::randn({64, 512})))
+                              .to(at::kCUDA);
+  for (auto g : {kStagedTiles, kStagedTiles64})
+    EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(x.cuda(), one, at::Tensor(), g); },
+                                  {"kStagedTiles", "expert stacks only"}));
   const Nvfp4Tensor odd = kernels::nvfp4_to_kernel_layout(kernels::nvfp4_quantize_reference(at::randn({3, 19, 288})))
                               .to(at::kCUDA);
   at::Tensor x288 = at::randn({60, 288}, at::kCUDA).to(at::kBFloat16);
