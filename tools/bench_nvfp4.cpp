@@ -151,9 +151,10 @@ void bench_grouped_case(at::Device device, double bw, const std::string& label, 
 #endif
   const double bytes = nvfp4_bytes(touched, N, K) + 2.0 * double(R) * double(K + N);
   const double floor = read_floor(device, nvfp4_bytes(touched, N, K));
-  fmt::print("{:>26} {:>4} {:>5} {:>5} {:>6} {:>5} {:>10.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x {:>8.1f} {:>9.2f}x  ({})\n",
+  fmt::print("{:>26} {:>4} {:>5} {:>5} {:>6} {:>5} {:>10.1f} {:>10.1f} {:>9.2f} {:>7.0f}% {:>10.2f}x {:>8.1f} {:>9.2f}x  "
+             "(dispatch: {}; bf16: {})\n",
              name, E, N, K, R, touched, tq * 1e6, tb * 1e6, bytes / tq / 1e12, 100.0 * bytes / tq / bw, tb / tq,
-             floor * 1e6, tb / floor, baseline);
+             floor * 1e6, tb / floor, kernels::nvfp4_grouped_linear_path(x, qs[0], R), baseline);
   // The split-K and grouped staged kernels forced on the same rows (the dispatch takes split-K to
   // 16 rows per expert, the staged kernel launched per expert at 17-64 and tiled at 65-192).
   for (auto [g, label] : {std::pair{kernels::Nvfp4Gemm::kSplitK, "same, split-K"},
