@@ -88,9 +88,9 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
 // scale folded in: no separate scale pass over the output) and run cuBLAS, except one matrix of
 // 8192 rows or more at 65-256 rows, which takes the wgmma GEMM (nvfp4_wgmma_selected). Grouped
 // calls take the split-K kernel up to 16 rows per expert and the grouped staged kernel at 17-192
-// (bf16, an aligned stack; split-K to 64 otherwise); above, bf16 runs the whole stack through torch's grouped GEMM
-// (torch >= 2.8) without a host sync, fp32 (and older torch) read the offsets on the host and loop
-// over the experts.
+// (bf16, an aligned stack; split-K to 64 otherwise); above, bf16 runs the whole stack through
+// torch's grouped GEMM (torch >= 2.8) without a host sync, fp32 (and older torch) read the offsets
+// on the host and loop over the experts.
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
 // The path nvfp4_linear takes for these inputs: "splitK", "staged", "wgmma", "deq+mm" or "reference".
 const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w);
@@ -101,8 +101,9 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
 // "deq+grouped_mm", "deq+mm per expert" or "reference".
 const char* nvfp4_grouped_linear_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows);
 // Whether nvfp4_grouped_linear runs `rows` rows like x (dtype, device) on the dequantised stack and
-// torch's grouped GEMM: bf16 on CUDA, torch >= 2.8, kernel layout, above 64 rows per expert, and
-// not where the dispatch takes the wgmma GEMM (KILN_NVFP4_GEMM=wgmma) instead.
+// torch's grouped GEMM: bf16 on CUDA, torch >= 2.8, kernel layout, above 192 rows per expert (64
+// where the grouped staged kernel does not run), and not where the dispatch takes the wgmma GEMM
+// (KILN_NVFP4_GEMM=wgmma) instead.
 bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Tensor& x);
 // The grouped GEMM on rows already in the MoE layer's padded layout (kernels::moe_layout with
 // align 16): expert e's rows end at ends[e] (int32 [E], on x's device) and start on a 16-row
