@@ -514,10 +514,10 @@ cudaError_t launch_nvfp4_grouped_linear(const void* x, Nvfp4DType dtype, const i
   const bool f32 = dtype == Nvfp4DType::kFloat32;
   if (is_grouped_staged(gemm)) {
     if (f32 || !grouped_stack_aligned(N, K)) return cudaErrorInvalidValue;
-    const bool tiles = gemm == Nvfp4Gemm::kStagedTiles, small = R <= 16 * E;
+    const bool small = R <= 16 * E;
     if (gemm == Nvfp4Gemm::kStagedTiles64)
       return launch_grouped_staged_tiles_nt<8>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream);
-    if (tiles)
+    if (gemm == Nvfp4Gemm::kStagedTiles)
       return small ? launch_grouped_staged_tiles_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream)
                    : launch_grouped_staged_tiles_nt<4>(x, offsets, packed, block_scale, tensor_scale, scale, y, R, E, N, K, stream);
     return small ? launch_grouped_staged_nt<2>(x, offsets, packed, block_scale, tensor_scale, scale, y, E, N, K, stream)
