@@ -1,6 +1,6 @@
 // Memory helpers shared by the CUDA kernels: streaming global loads that skip L1 (read-once data
-// such as weights), cp.async copies into shared memory, the multiprocessor count that sizes grids,
-// and a kernel's shared-memory limit raised. Include from .cu files.
+// such as weights), cp.async and Hopper's mbarrier-counted bulk copies into shared memory, the
+// multiprocessor count that sizes grids, and a kernel's shared-memory limit raised. .cu files only.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -34,6 +34,44 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>  // wait until at most kPending committed groups are still in flight
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
+
+// Hopper's bulk copy (sm_90): `bytes` (a multiple of 16, both addresses 16-byte aligned) global ->
+// shared at shared address `dst`, its completion counted on the mbarrier at shared address `bar`.
+// The barrier's phase completes once its one arrival (mbar_expect) and all the bytes it was told to
+// expect have landed; mbar_wait(bar, parity) waits for the phase of that parity to complete.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// 16 bytes from shared address `addr` (16-byte aligned); volatile, so it stays after the waits.
+__device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint2 ld_shared8(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
 
 // Multiprocessors of the current device, read once (132 if the query fails).
 inline int num_sms() {

@@ -22,37 +22,43 @@ using namespace nvfp4_gemm;  // decode_block, kSuper, epilogue_scale
 
 // y [tokens, N] = x . W^T with W's rows on the MMA's M side (64 per warpgroup: warp w takes rows
 // 16 w .. 16 w + 15, i.e. half a 32-row tile of the kernel layout) and TN tokens on its N side.
-// Per 256-wide K step a lane holds its two rows' four blocks (nvfp4_layout: blocks 2t, 2t+1,
-// 8+2t, 9+2t), 64 bytes of codes and 8 of scales, loaded from global memory one step ahead. Block
-// c of those is the A operand of k16 steps 4c .. 4c+3, whose activations are one 64-wide stage of
-// the permuted row (nvfp4_layout::wgmma_source): stages of TN rows x 128 bytes, 128-byte swizzled,
-// four deep. A stage's decode goes to one of two register sets, alternating, so that the wgmma of
-// the stage before may still read the other.
+// A 256-wide K step of a 32-row tile is 4 KB of codes and 512 scale bytes, contiguous
+// (nvfp4_layout); one thread brings the block's tiles of a step into shared memory with bulk copies
+// counted on an mbarrier, kWRing - 1 steps ahead, so the weights' DRAM latency hides behind the
+// MMAs. A lane reads its two rows' four blocks there (blocks 2t, 2t+1, 8+2t, 9+2t: 16 bytes at
+// 1024 r + 16 lane and 512 further, and the rows' scale words). Block c of those is the A operand
+// of k16 steps 4c .. 4c+3, whose activations are one 64-wide stage of the permuted row
+// (nvfp4_layout::wgmma_source): stages of TN rows x 128 bytes, 128-byte swizzled, four deep,
+// staged by cp.async. A stage's decode goes to one of two register sets, alternating, so that the
+// wgmma of the stage before may still read the other.
 constexpr int kWgThreads = 128;  // one warpgroup
 constexpr int kWgRows = 64;      // weight rows per warpgroup
 constexpr int kStageK = 64;      // K per stage: one decoded block per lane, four k16 steps
 constexpr int kStages = 4;
+constexpr int kWRing = 3;  // K steps of weights in shared memory: the one in use and two ahead
+constexpr int kWTileCodes = nvfp4_layout::kTileUnits * 8, kWTileScales = nvfp4_layout::kTileUnits;
+constexpr int kWTileBytes = kWTileCodes + kWTileScales;  // one 32-row tile's K step: codes, then scales
 
+// Shared memory: the activation stages, then the weight ring (2 WG tiles per step), then its
+// mbarriers, + room to start on 1024 bytes.
 template <int TN>
+__host__ __device__ constexpr int weights_at() {
+  return kStages * TN * kStageK * 2;
+}
+template <int TN, int WG>
+__host__ __device__ constexpr int barriers_at() {
+  return weights_at<TN>() + kWRing * 2 * WG * kWTileBytes;
+}
+template <int TN, int WG>
 __host__ __device__ constexpr int smem_bytes() {
-  return kStages * TN * kStageK * 2 + 1024;  // + room to start on 1024 bytes
+  return barriers_at<TN, WG>() + 8 * kWRing + 1024;
 }
 
-// A lane's codes and scales of one K step: rows r0 = 2 (warp % 2) and r0 + 1 of the tile's four
-// (nvfp4_layout::block_place: row g + 8 r), blocks c = 0, 1 in lo and 2, 3 in hi.
+// A lane's codes of two blocks of one K step (c = 0, 1 or 2, 3: one 16-byte half) for rows r0 and
+// r0 + 1 of its tile's four (nvfp4_layout::block_place: row g + 8 r), and their scale words.
 struct StepFrag {
-  uint4 lo[2], hi[2];
+  uint4 w[2];
   uint2 s;  // the scale words of rows r0 and r0 + 1: byte c is block c's
-
-  __device__ __forceinline__ void load(const uint8_t* codes, const uint8_t* scales, int r0, int lane) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* p = codes + 1024 * (r0 + h) + 16 * lane;
-      lo[h] = ld_stream16(p);
-      hi[h] = ld_stream16(p + 512);
-    }
-    s = ld_stream8(scales + 16 * lane + 4 * r0);
-  }
 };
 
 // Block c of both rows decoded: d[h][i] is values 2i, 2i+1 of row r0 + h's block.
@@ -60,7 +66,7 @@ template <int C>
 __device__ __forceinline__ void decode_step_block(const StepFrag& f, uint32_t (&d)[2][8]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const uint4& v = C < 2 ? f.lo[h] : f.hi[h];
+    const uint4& v = f.w[h];
     const uint32_t w0 = (C & 1) ? v.z : v.x, w1 = (C & 1) ? v.w : v.y;
     const uint32_t sf = ((h ? f.s.y : f.s.x) >> (8 * C)) & 0xFFu;
     decode_block(w0, w1, sf, d[h]);
@@ -125,13 +131,33 @@ __global__ void __launch_bounds__(kWgThreads * WG)
 
   const int tid = threadIdx.x, warp = (tid % kWgThreads) / 32, lane = tid % 32;
   const int64_t num_super = K / kSuper, steps = K / kStageK;
-  // This warp's half tile: layout tile row0 / 32 + warp / 2, rows r0, r0 + 1 of its four.
+  // This warp's half tile: the block's layout tile u = 2 (warpgroup) + warp / 2 (of 2 WG, from
+  // row tile first_tile), rows r0, r0 + 1 of its four.
   const int64_t row0 = (int64_t(blockIdx.y) * WG + tid / kWgThreads) * kWgRows;
-  const int r0 = 2 * (warp % 2);
-  constexpr int64_t kUnits = nvfp4_layout::kTileUnits;
-  const int64_t first_tile = (row0 / kRowsPerBlock + warp / 2) * num_super;
-  const uint8_t* codes = packed + int64_t(e) * N * (K / 2) + first_tile * kUnits * 8;
-  const uint8_t* scales = sfs + int64_t(e) * N * (K / kBlock) + first_tile * kUnits;
+  const int r0 = 2 * (warp % 2), u = 2 * (tid / kWgThreads) + warp / 2;
+  const int64_t first_tile = int64_t(blockIdx.y) * WG * 2;
+  const uint8_t* codes = packed + int64_t(e) * N * (K / 2);
+  const uint8_t* scales = sfs + int64_t(e) * N * (K / kBlock);
+  const uint32_t ring = base + uint32_t(weights_at<TN>()), bars = base + uint32_t(barriers_at<TN, WG>());
+  constexpr uint32_t kStepBytes = 2 * WG * kWTileBytes;
+  // Thread 0: K step sc's tiles into ring slot sc % kWRing. The slot last held step sc - kWRing,
+  // which every thread has finished reading (a block barrier lies between).
+  auto fetch_weights = [&](int64_t sc) {
+    const uint32_t slot = ring + uint32_t(sc % kWRing) * kStepBytes, bar = bars + 8u * uint32_t(sc % kWRing);
+    mbar_expect(bar, kStepBytes);
+#pragma unroll
+    for (int v = 0; v < 2 * WG; ++v) {
+      const int64_t t = (first_tile + v) * num_super + sc;
+      bulk_copy(slot + v * kWTileBytes, codes + t * kWTileCodes, kWTileCodes, bar);
+      bulk_copy(slot + v * kWTileBytes + kWTileCodes, scales + t * kWTileScales, kWTileScales, bar);
+    }
+  };
+  if (tid == 0) {
+#pragma unroll
+    for (int b = 0; b < kWRing; ++b) mbar_init(bars + 8u * b, 1);
+    mbar_init_fence();
+    for (int64_t sc = 0; sc < kWRing - 1 && sc < num_super; ++sc) fetch_weights(sc);
+  }
 
   auto stage_x = [&](int stage, int64_t step) {
     unsigned char* xs = smem + stage * kStageBytes;
@@ -148,17 +174,17 @@ __global__ void __launch_bounds__(kWgThreads * WG)
 #pragma unroll
   for (int i = 0; i < TN / 2; ++i) acc[i] = 0.0f;
 
-  StepFrag cur, next;
-  cur.load(codes, scales, r0, lane);
-  if (num_super > 1) next.load(codes + kUnits * 8, scales + kUnits, r0, lane);
 #pragma unroll
   for (int s = 0; s < kStages - 2; ++s) {  // a group per stage, empty past K, so the count is fixed
     if (s < steps) stage_x(s, s);
     cp_async_commit();
   }
+  StepFrag cur;
   uint32_t da[2][8], db[2][8];  // the two register sets (stages of even and odd c)
-  // One stage: wait for its activations, queue the stage two ahead, decode block C into `d`, and
-  // issue its four k16 products; wait until the stage before's have finished reading their set.
+  // One stage: wait for its activations, queue the stage two ahead, read this lane's codes (a K
+  // step's first stage: wait for its weights and queue those kWRing - 1 steps ahead), decode block
+  // C into `d`, and issue its four k16 products; wait until the stage before's have finished
+  // reading their set.
   auto run_stage = [&](int64_t step, auto c_const, uint32_t(&d)[2][8]) {
     constexpr int C = decltype(c_const)::value;
     cp_async_wait<kStages - 3>();
@@ -167,6 +193,17 @@ __global__ void __launch_bounds__(kWgThreads * WG)
     const int64_t ahead = step + kStages - 2;
     if (ahead < steps) stage_x(int(ahead % kStages), ahead);
     cp_async_commit();
+    const int64_t sc = step / 4;
+    if constexpr (C == 0) {
+      if (tid == 0 && sc + kWRing - 1 < num_super) fetch_weights(sc + kWRing - 1);
+      mbar_wait(bars + 8u * uint32_t(sc % kWRing), uint32_t(sc / kWRing) & 1u);
+    }
+    if constexpr (C == 0 || C == 2) {
+      const uint32_t tile = ring + uint32_t(sc % kWRing) * kStepBytes + uint32_t(u * kWTileBytes);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) cur.w[h] = ld_shared16(tile + 1024u * (r0 + h) + 16u * lane + (C == 2 ? 512u : 0u));
+      if constexpr (C == 0) cur.s = ld_shared8(tile + kWTileCodes + 16u * lane + 4u * r0);
+    }
     decode_step_block<C>(cur, d);
     const uint32_t xs = base + uint32_t((step % kStages) * kStageBytes);
     wgmma::pin(acc);
@@ -186,8 +223,6 @@ __global__ void __launch_bounds__(kWgThreads * WG)
     run_stage(4 * sc + 1, std::integral_constant<int, 1>{}, db);
     run_stage(4 * sc + 2, std::integral_constant<int, 2>{}, da);
     run_stage(4 * sc + 3, std::integral_constant<int, 3>{}, db);
-    cur = next;
-    if (sc + 2 < num_super) next.load(codes + (sc + 2) * kUnits * 8, scales + (sc + 2) * kUnits, r0, lane);
   }
   wgmma::wait<0>();
   wgmma::pin(acc);
@@ -213,11 +248,11 @@ cudaError_t launch_tn(const __nv_bfloat16* xp, const int64_t* offsets, int64_t r
                       const uint8_t* packed, const uint8_t* sfs, const float* ts, const float* extra,
                       __nv_bfloat16* y, int64_t N, int64_t K, cudaStream_t stream) {
   static std::atomic<bool> raised[kMaxDevices];
-  const cudaError_t err = raise_smem_limit(wgmma_kernel<TN, WG>, smem_bytes<TN>(), raised);
+  const cudaError_t err = raise_smem_limit(wgmma_kernel<TN, WG>, smem_bytes<TN, WG>(), raised);
   if (err != cudaSuccess) return err;
   const int64_t tiles = (rows + TN - 1) / TN + (offsets ? groups : 0);
   const dim3 grid(unsigned(tiles), unsigned(N / (kWgRows * WG)));
-  wgmma_kernel<TN, WG><<<grid, kWgThreads * WG, smem_bytes<TN>(), stream>>>(xp, offsets, rows, int(groups), packed, sfs, ts,
+  wgmma_kernel<TN, WG><<<grid, kWgThreads * WG, smem_bytes<TN, WG>(), stream>>>(xp, offsets, rows, int(groups), packed, sfs, ts,
                                                                    extra, y, N, K);
   return cudaGetLastError();
 }
@@ -240,6 +275,8 @@ cudaError_t launch_nvfp4_wgmma(const void* x, void* x_permuted, const int64_t* o
   if (!nvfp4_wgmma_fits(N, K) || groups < 1 || groups > (int64_t(1) << 30) || rows < 0 || warpgroups < 0 ||
       warpgroups > 2 || !wgmma_warpgroups_fit(N, warpgroups))
     return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(packed) % 16 || reinterpret_cast<uintptr_t>(block_scale) % 16)
+    return cudaErrorMisalignedAddress;  // the bulk copies' sources
   if (rows == 0) return cudaSuccess;
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
   auto* xp = static_cast<__nv_bfloat16*>(x_permuted);

@@ -367,7 +367,7 @@ TEST(CudaNvfp4, GroupedDispatchFollowsTheRowsPerExpert) {
 // The wgmma GEMM forced, dense and grouped, with the launcher's block and with 64 and 128 weight
 // rows per block (kWgmma, kWgmma64, kWgmma128), against the reference on bf16 inputs: token counts over every tile width (32, 64, 128 by rows per matrix) with partial tiles
 // (1, 19, 111, 4097 rows), N of one and several 64-row tiles, K of one and several 256-wide steps
-// (the weight fragments' prefetch wraps at two), experts with no rows, and spare rows past the last
+// (the weights' shared-memory ring wraps at three), experts with no rows, and spare rows past the last
 // expert. A second call is bit-identical; the epilogue's extra scale applies. Skipped where the
 // kernel cannot run (not a compute capability 9.0 device, or no sm_90a code in the build).
 TEST(CudaNvfp4, WgmmaLinearsMatchReference) {
