@@ -362,9 +362,26 @@ enum class DensePath { kReference, kSplitK, kStaged, kWgmma, kDequantized };
 // (muse-small's), more tokens and the experts keep split-K or the dequantised weights, which
 // measured faster there.
 constexpr int64_t kWgmmaMaxRows = 256, kWgmmaMinOut = 8192;  // the default's range, as measured
+// The experts take it above wgmma_expert_rows() rows per expert: KILN_NVFP4_WGMMA_EXPERT_ROWS, a
+// trial (unset or 0: never).
+int64_t wgmma_expert_rows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("KILN_NVFP4_WGMMA_EXPERT_ROWS");
+    if (!e || !*e) return int64_t(0);
+    char* end = nullptr;
+    const long long v = std::strtoll(e, &end, 10);
+    KILN_CHECK(end && *end == 0 && v >= 0, "KILN_NVFP4_WGMMA_EXPERT_ROWS: expected rows per expert >= 0 (got '", e,
+               "')");
+    return int64_t(v);
+  }();
+  return rows;
+}
 bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_t matrices) {
   if (matrices <= 0 || rows <= 16 * matrices) return false;
   if (nvfp4_wgmma_selected()) return nvfp4_wgmma_usable(x, w);
+  const int64_t expert_rows = wgmma_expert_rows();
+  if (w.stacked() && expert_rows > 0 && nvfp4_gemm_selected() == Nvfp4Gemm::kAuto)
+    return rows > expert_rows * matrices && nvfp4_wgmma_usable(x, w);
   return !w.stacked() && rows > kFusedMaxRows && rows <= kWgmmaMaxRows && w.rows() >= kWgmmaMinOut &&
          nvfp4_wgmma_usable(x, w);
 }

@@ -318,7 +318,8 @@ if want rolloutwide; then
 # into rollout.txt. At 512, muse-small's NVFP4 experts get 64 rows each, 79 by the MoE's padded
 # bound; at 1024, 128 and 143: both within the staged kernel's 192.
 # KILN_ROLLOUT_STAGED_ROWS=N runs each again with KILN_NVFP4_STAGED_ROWS=N (the grouped staged
-# kernel up to N rows per expert, the dequantised stack above).
+# kernel up to N rows per expert, the dequantised stack above); KILN_ROLLOUT_WGMMA_ROWS=N with
+# KILN_NVFP4_WGMMA_EXPERT_ROWS=N (the experts on the wgmma GEMM above N rows per expert).
 for seqs in ${KILN_ROLLOUT_WIDE:-512 1024}; do
   step "bench rollout, $seqs sequences at once (muse-small, BF16 and NVFP4)"
   ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml --quantization nvfp4 \
@@ -326,6 +327,11 @@ for seqs in ${KILN_ROLLOUT_WIDE:-512 1024}; do
   if [ -n "${KILN_ROLLOUT_STAGED_ROWS:-}" ]; then
     step "the same with KILN_NVFP4_STAGED_ROWS=$KILN_ROLLOUT_STAGED_ROWS"
     KILN_NVFP4_STAGED_ROWS="$KILN_ROLLOUT_STAGED_ROWS" ./build-gpu/kiln bench rollout --device cuda \
+      --config configs/muse-small.yaml --quantization nvfp4 --max-seqs "$seqs" 2>&1 | tee -a "$out/rollout.txt"
+  fi
+  if [ -n "${KILN_ROLLOUT_WGMMA_ROWS:-}" ]; then
+    step "the same with KILN_NVFP4_WGMMA_EXPERT_ROWS=$KILN_ROLLOUT_WGMMA_ROWS"
+    KILN_NVFP4_WGMMA_EXPERT_ROWS="$KILN_ROLLOUT_WGMMA_ROWS" ./build-gpu/kiln bench rollout --device cuda \
       --config configs/muse-small.yaml --quantization nvfp4 --max-seqs "$seqs" 2>&1 | tee -a "$out/rollout.txt"
   fi
 done
