@@ -107,7 +107,11 @@ __global__ void __launch_bounds__(kWgThreads * WG)
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap();  // device code without sm_90a: nvfp4_wgmma_fits refuses it
 #else
-  int64_t tile = blockIdx.x, lo = 0, hi = rows;
+  // Block b: weight row tile b % row_tiles of token tile b / row_tiles. The row tiles of one token
+  // tile run side by side, so its activations come from DRAM once and from L2 after; the token
+  // tiles in flight at once are few, so are the experts whose weights they read.
+  const int64_t row_tiles = N / (kWgRows * WG), row_tile = int64_t(blockIdx.x) % row_tiles;
+  int64_t tile = int64_t(blockIdx.x) / row_tiles, lo = 0, hi = rows;
   int e = 0;
   if (offsets) {
     for (; e < groups; ++e) {
@@ -133,9 +137,9 @@ __global__ void __launch_bounds__(kWgThreads * WG)
   const int64_t num_super = K / kSuper, steps = K / kStageK;
   // This warp's half tile: the block's layout tile u = 2 (warpgroup) + warp / 2 (of 2 WG, from
   // row tile first_tile), rows r0, r0 + 1 of its four.
-  const int64_t row0 = (int64_t(blockIdx.y) * WG + tid / kWgThreads) * kWgRows;
+  const int64_t row0 = (row_tile * WG + tid / kWgThreads) * kWgRows;
   const int r0 = 2 * (warp % 2), u = 2 * (tid / kWgThreads) + warp / 2;
-  const int64_t first_tile = int64_t(blockIdx.y) * WG * 2;
+  const int64_t first_tile = row_tile * WG * 2;
   const uint8_t* codes = packed + int64_t(e) * N * (K / 2);
   const uint8_t* scales = sfs + int64_t(e) * N * (K / kBlock);
   const uint32_t ring = base + uint32_t(weights_at<TN>()), bars = base + uint32_t(barriers_at<TN, WG>());
@@ -251,7 +255,9 @@ cudaError_t launch_tn(const __nv_bfloat16* xp, const int64_t* offsets, int64_t r
   const cudaError_t err = raise_smem_limit(wgmma_kernel<TN, WG>, smem_bytes<TN, WG>(), raised);
   if (err != cudaSuccess) return err;
   const int64_t tiles = (rows + TN - 1) / TN + (offsets ? groups : 0);
-  const dim3 grid(unsigned(tiles), unsigned(N / (kWgRows * WG)));
+  const int64_t blocks = tiles * (N / (kWgRows * WG));
+  if (blocks > int64_t(INT32_MAX)) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(blocks));
   wgmma_kernel<TN, WG><<<grid, kWgThreads * WG, smem_bytes<TN, WG>(), stream>>>(xp, offsets, rows, int(groups), packed, sfs, ts,
                                                                    extra, y, N, K);
   return cudaGetLastError();
@@ -261,7 +267,7 @@ cudaError_t launch_tn(const __nv_bfloat16* xp, const int64_t* offsets, int64_t r
 
 bool nvfp4_wgmma_fits(int64_t N, int64_t K) {
 #if KILN_CUDA_SM90A
-  return N > 0 && N % kWgRows == 0 && N / kWgRows <= 65535 && K > 0 && K % kSuper == 0;  // grid.y: row tiles
+  return N > 0 && N % kWgRows == 0 && K > 0 && K % kSuper == 0;
 #else
   (void)N, (void)K;
   return false;
