@@ -12,7 +12,8 @@
 # attention (the paged decode kernels' cuda tests and bench attention, into attention.txt);
 # grouped (the grouped W4A16 kernel: kiln_probe_nvfp4's work splits at 8-128 rows per expert and ncu
 # of the dispatch's kernel at 32, grouped.txt); experts (bench nvfp4 --grouped: every experts'
-# kernel at 32-256 rows per expert, uniform and uneven routing, experts.txt); pdl (kiln_probe_pdl: a kernel boundary's cost in a
+# kernel at 32-256 rows per expert, uniform and uneven routing, experts.txt); wgmmancu (ncu of the
+# wgmma GEMM on the experts at 256 rows per expert, wgmma.txt); pdl (kiln_probe_pdl: a kernel boundary's cost in a
 # graph, plain and with programmatic dependent launch, pdl.txt);
 # cudatests runs the cuda tests alone; mpi the MPI tests at 2 CPU ranks with their whole output (mpi.txt);
 # mpigpus the MPI tests' CUDA ones at a rank per GPU (NCCL between GPUs: a machine with 2 or more, mpi.txt);
@@ -359,6 +360,15 @@ sed -n '/grouped_kernel/,$p' "$tmp/ncu-grouped.txt" | head -400 >> "$out/grouped
 grep -E "Duration|DRAM Throughput|L1/TEX Hit|L2 Hit|L2 Cache Throughput|Achieved Occupancy|Registers|Stall|Issued Warp|Warp Cycles" \
   "$tmp/ncu-grouped.txt" | head -40
 fi  # grouped
+if want wgmmancu; then
+# ncu of the wgmma W4A16 GEMM on muse-small's experts at 256 rows per expert (two warpgroups,
+# 128-token tiles): where a stage's ~2,000 cycles go, against ~512 for its wgmmas at peak.
+step "wgmma W4A16: ncu at 2048 x 8"
+ncu --kernel-name-base mangled --kernel-name 'regex:wgmma_kernelILi128ELi2E' --launch-count 1 --set full \
+  ./build-gpu/kiln bench nvfp4 --device cuda --grouped 2048 2>&1 | grep -vE "^==PROF==" > "$tmp/ncu-wgmma.txt"
+sed -n '/wgmma_kernel/,$p' "$tmp/ncu-wgmma.txt" | head -500 > "$out/wgmma.txt"
+grep -E "Duration|Throughput|Achieved Occupancy|Registers|Stall|Issued Warp|Warp Cycles" "$out/wgmma.txt" | head -40
+fi  # wgmmancu
 if want pdl; then
 # What a kernel boundary costs inside a CUDA graph (a decode step has ~230): chains of decode-sized
 # GEMVs and tiny kernels, plain and with programmatic dependent launch, into pdl.txt.
