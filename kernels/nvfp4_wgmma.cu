@@ -1,6 +1,6 @@
-// NVFP4 W4A16 GEMM on Hopper's warpgroup MMA (Nvfp4Gemm::kWgmma), dense and grouped: each warp
-// decodes its weight rows to exact bf16 in registers (nvfp4_gemm::decode_block) and feeds them to
-// wgmma as the A operand; activations, permuted to the lanes' k order, are staged by cp.async.
+// NVFP4 W4A16 GEMM on Hopper's warpgroup MMA (Nvfp4Gemm::kWgmma), dense and grouped: weight tiles
+// reach shared memory by bulk copies, each warp decodes its rows to exact bf16 in registers
+// (nvfp4_gemm::decode_block) as wgmma's A operand; activations, permuted to the lanes' k order, by cp.async.
 #include <cuda_bf16.h>
 
 #include <atomic>
@@ -258,8 +258,8 @@ cudaError_t launch_tn(const __nv_bfloat16* xp, const int64_t* offsets, int64_t r
   const int64_t blocks = tiles * (N / (kWgRows * WG));
   if (blocks > int64_t(INT32_MAX)) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(blocks));
-  wgmma_kernel<TN, WG><<<grid, kWgThreads * WG, smem_bytes<TN, WG>(), stream>>>(xp, offsets, rows, int(groups), packed, sfs, ts,
-                                                                   extra, y, N, K);
+  wgmma_kernel<TN, WG><<<grid, kWgThreads * WG, smem_bytes<TN, WG>(), stream>>>(xp, offsets, rows, int(groups), packed,
+                                                                                sfs, ts, extra, y, N, K);
   return cudaGetLastError();
 }
 
