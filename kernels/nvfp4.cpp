@@ -362,18 +362,21 @@ enum class DensePath { kReference, kSplitK, kStaged, kWgmma, kDequantized };
 // (muse-small's), more tokens and the experts keep split-K or the dequantised weights, which
 // measured faster there.
 constexpr int64_t kWgmmaMaxRows = 256, kWgmmaMinOut = 8192;  // the default's range, as measured
+// A rows-per-expert count from the environment variable `name`: `fallback` when unset or empty, else
+// an integer of at least `least`, refused by name otherwise.
+int64_t env_expert_rows(const char* name, int64_t fallback, int64_t least) {
+  const char* e = std::getenv(name);
+  if (!e || !*e) return fallback;
+  char* end = nullptr;
+  const long long v = std::strtoll(e, &end, 10);
+  KILN_CHECK(end && *end == 0 && v >= least, name, ": expected rows per expert >= ", least, " (got '", e, "')");
+  return int64_t(v);
+}
+
 // The experts take it above wgmma_expert_rows() rows per expert: KILN_NVFP4_WGMMA_EXPERT_ROWS, a
 // trial (unset or 0: never).
 int64_t wgmma_expert_rows() {
-  static const int64_t rows = [] {
-    const char* e = std::getenv("KILN_NVFP4_WGMMA_EXPERT_ROWS");
-    if (!e || !*e) return int64_t(0);
-    char* end = nullptr;
-    const long long v = std::strtoll(e, &end, 10);
-    KILN_CHECK(end && *end == 0 && v >= 0, "KILN_NVFP4_WGMMA_EXPERT_ROWS: expected rows per expert >= 0 (got '", e,
-               "')");
-    return int64_t(v);
-  }();
+  static const int64_t rows = env_expert_rows("KILN_NVFP4_WGMMA_EXPERT_ROWS", 0, 0);
   return rows;
 }
 bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_t matrices) {
@@ -399,14 +402,7 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
 // kept the bound at 64 until the tiled launch.
 constexpr int64_t kGroupedStagedMaxRows = 192;
 int64_t staged_max_rows() {
-  static const int64_t rows = [] {
-    const char* e = std::getenv("KILN_NVFP4_STAGED_ROWS");
-    if (!e || !*e) return kGroupedStagedMaxRows;
-    char* end = nullptr;
-    const long long v = std::strtoll(e, &end, 10);
-    KILN_CHECK(end && *end == 0 && v >= 17, "KILN_NVFP4_STAGED_ROWS: expected rows per expert >= 17 (got '", e, "')");
-    return int64_t(v);
-  }();
+  static const int64_t rows = env_expert_rows("KILN_NVFP4_STAGED_ROWS", kGroupedStagedMaxRows, 17);
   return rows;
 }
 

@@ -66,8 +66,8 @@ at::Tensor run_wgmma(const at::Tensor& xc, const at::Tensor& packed, const at::T
 
 void check_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, Nvfp4Gemm gemm, const char* what) {
   KILN_CHECK(nvfp4_wgmma_usable(x, w), what, ": the wgmma GEMM needs bfloat16 x on a compute capability 9.0 device, ",
-             "a build with sm_90a code, N a multiple of 64, K a multiple of 256 and 16-byte aligned weights (got x ", x.scalar_type(), ", N = ",
-             w.rows(), ", K = ", w.cols(), ")");
+             "a build with sm_90a code, N a multiple of 64, K a multiple of 256 and 16-byte aligned weights (got x ",
+             x.scalar_type(), ", N = ", w.rows(), ", K = ", w.cols(), ")");
   KILN_CHECK(wgmma_warpgroups_fit(w.rows(), wgmma_warpgroups(gemm)), what,
              ": the wgmma GEMM's 128-row blocks need N a multiple of 128 (got N = ", w.rows(), ")");
 }
@@ -212,7 +212,8 @@ bool nvfp4_wgmma_usable(const at::Tensor& x, const Nvfp4Tensor& w) {
       !nvfp4_wgmma_fits(w.rows(), w.cols()))
     return false;
   // The kernel's bulk copies read codes and scales from 16-byte aligned addresses.
-  if (reinterpret_cast<uintptr_t>(w.packed.data_ptr()) % 16 || reinterpret_cast<uintptr_t>(w.block_scale.data_ptr()) % 16)
+  if (reinterpret_cast<uintptr_t>(w.packed.data_ptr()) % 16 ||
+      reinterpret_cast<uintptr_t>(w.block_scale.data_ptr()) % 16)
     return false;
   const c10::cuda::CUDAGuard guard(x.device());  // the device x is on, not the current one
   return invariant_wgmma_usable();
