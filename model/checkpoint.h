@@ -28,7 +28,7 @@ void save_checkpoint(const Muse& model, const std::string& dir, uint64_t max_sha
 // directory then loads like save_checkpoint's, whole or by shard. No tensor moves between ranks.
 void save_checkpoint_part(const Muse& shard, const std::string& dir, int rank, int size, bool with_dense,
                           uint64_t max_shard_bytes = 5ull << 30);
-// Writer `writer` of `writers`' part when each writes the tensors it owns (ZeRO-3, dist/zero3.h):
+// Writer `writer` of `writers`' part when each writes the tensors it owns (ZeRO-3, parallel/zero3.h):
 // those `keep` selects by in-memory name (Muse::named_parameters), stacked experts numbered from
 // first_expert, in files stemmed model-rank<writer>-of-<writers>; config.json too when
 // with_config (exactly one writer). Merged and loaded as save_checkpoint_part's.
@@ -45,7 +45,7 @@ Muse load_checkpoint(const std::string& dir, at::ScalarType dtype, at::Device de
 // its share. NVFP4 checkpoints are still read whole, then cut.
 Muse load_checkpoint_shard(const std::string& dir, at::ScalarType dtype, at::Device device, int rank, int size);
 // The same shard holding only the tensors `keep` selects by in-memory name (a ZeRO-3 rank's
-// share, dist/zero3.h); the others are zero-element placeholders and are not read. NVFP4
+// share, parallel/zero3.h); the others are zero-element placeholders and are not read. NVFP4
 // checkpoints are read as the shard, then cut.
 Muse load_checkpoint_owned(const std::string& dir, at::ScalarType dtype, at::Device device, int rank, int size,
                            const std::function<bool(const std::string&)>& keep);

@@ -23,7 +23,7 @@ using namespace detail;
 namespace {
 
 // (out, in) of a slot's weight (one expert's), from the dense weight, its NVFP4 copy or, for a
-// placeholder (a ZeRO-3 share, dist/zero3.h), the config's shapes.
+// placeholder (a ZeRO-3 share, parallel/zero3.h), the config's shapes.
 std::pair<int64_t, int64_t> out_in(const ModelConfig& cfg, const LayerWeights& l, int64_t layer, const LinearSlot& s) {
   const at::Tensor& d = l.*s.dense;
   if (d.defined() && d.dim() >= 2) return {d.size(-2), d.size(-1)};

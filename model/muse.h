@@ -95,7 +95,7 @@ class AttentionBackend {
 };
 
 // Dense weights this rank holds only in part (ZeRO-3: each tensor whole on one owner rank,
-// dist/zero3.h). The forward asks for a layer's full weights just before it runs the layer, and
+// parallel/zero3.h). The forward asks for a layer's full weights just before it runs the layer, and
 // again when it recomputes the layer in the backward; the tensors outside the layers (embedding,
 // final norm, head) are gathered where they are read. Applied from outside the model: the model
 // only calls these.
@@ -214,7 +214,7 @@ class Muse {
   static Muse init_shard(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device, int rank,
                          int size);
   // The same shard in which only the tensors `keep` selects (by named_parameters name) are drawn;
-  // the others are zero-element placeholders (ZeRO-3's tensors owned by other ranks, dist/zero3.h).
+  // the others are zero-element placeholders (ZeRO-3's tensors owned by other ranks, parallel/zero3.h).
   // What it draws equals init_shard's, and nothing else is allocated.
   static Muse init_owned(const ModelConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device, int rank,
                          int size, const std::function<bool(const std::string&)>& keep);
@@ -233,7 +233,7 @@ class Muse {
   void set_requires_grad(bool on);
   // A deep copy: its own detached storage for every tensor (the rollout engine's weights, the
   // frozen reference policy of the KL term). With `keep`, only the named_parameters it selects are
-  // copied and the others become zero-element placeholders (a ZeRO-3 share, dist/zero3.h).
+  // copied and the others become zero-element placeholders (a ZeRO-3 share, parallel/zero3.h).
   Muse clone(const std::function<bool(const std::string&)>& keep = {}) const;
 
   ForwardOutput forward(const PackedBatch& batch, const ForwardOptions& opt = {}) const;

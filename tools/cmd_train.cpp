@@ -105,7 +105,7 @@ void check_same_recipe(const std::string& dir, const trainer::Recipe& r) {
 // this GPU. A recipe the plan says cannot fit is refused with the plan's numbers, not an OOM later.
 // parallel.rollout: auto becomes the placement the plan picks (a replica where one fits).
 void check_plan(trainer::Recipe& r, const model::ModelConfig& cfg, const comm::Group& world, at::Device device) {
-  dist::ParallelConfig par = r.grpo.parallel;
+  parallel::ParallelConfig par = r.grpo.parallel;
   // Under grpo.async.placement split the layout is the training half's; the plan puts the engine
   // on the other half.
   const int trainers = r.grpo.async_split ? world.size() / 2 : world.size();  // even (prepare)
@@ -118,8 +118,8 @@ void check_plan(trainer::Recipe& r, const model::ModelConfig& cfg, const comm::G
   c.host_bytes = c.nvme_bytes = std::numeric_limits<double>::infinity();  // not checked here
   const trainer::Plan plan = trainer::make_plan(cfg, trainer::plan_job(r.grpo, r.dtype), c,
                                                 {par.dp, par.ep, 1, par.dense});
-  if (r.grpo.parallel.rollout == dist::RolloutPlacement::kAuto) {
-    r.grpo.parallel.rollout = plan.rollout_sharded ? dist::RolloutPlacement::kSharded : dist::RolloutPlacement::kReplica;
+  if (r.grpo.parallel.rollout == parallel::RolloutPlacement::kAuto) {
+    r.grpo.parallel.rollout = plan.rollout_sharded ? parallel::RolloutPlacement::kSharded : parallel::RolloutPlacement::kReplica;
     if (world.rank() == 0 && par.ep > 1) fmt::print("train: parallel.rollout {}\n", plan.rollout_choice);
   }
   KILN_CHECK(plan.fits(), "train: by kiln's memory plan this recipe does not fit ", device, ": ",
@@ -149,11 +149,11 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
     // parallel.rollout: auto keeps the placement the run chose when it started.
     // A run saved before the key existed served a replica.
     const std::string saved_path = r.run.out + "/recipe.yaml";
-    if (r.grpo.parallel.rollout == dist::RolloutPlacement::kAuto && std::filesystem::exists(saved_path)) {
+    if (r.grpo.parallel.rollout == parallel::RolloutPlacement::kAuto && std::filesystem::exists(saved_path)) {
       const YAML::Node saved = yaml::load_file(saved_path);
       const bool named = saved["parallel"].IsMap() && saved["parallel"]["rollout"].IsScalar();
-      r.grpo.parallel.rollout = named ? dist::parse_rollout_placement(saved["parallel"]["rollout"].as<std::string>())
-                                      : dist::RolloutPlacement::kReplica;
+      r.grpo.parallel.rollout = named ? parallel::parse_rollout_placement(saved["parallel"]["rollout"].as<std::string>())
+                                      : parallel::RolloutPlacement::kReplica;
     }
     check_same_recipe(r.run.out, r);
   }
@@ -172,7 +172,7 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
                                                         : model::ModelConfig::from_json_file(r.init_from + "/config.json");
   if (train && device.is_cuda()) check_plan(r, config, world, device);
   // Off the GPU nothing is planned: auto is a replica.
-  if (r.grpo.parallel.rollout == dist::RolloutPlacement::kAuto) r.grpo.parallel.rollout = dist::RolloutPlacement::kReplica;
+  if (r.grpo.parallel.rollout == parallel::RolloutPlacement::kAuto) r.grpo.parallel.rollout = parallel::RolloutPlacement::kReplica;
   // Under expert parallelism or ZeRO-3 (GRPO and SFT alike) each rank draws or reads only its
   // share of the model (its experts, the dense tensors it owns), never the whole of it. A bad
   // layout is left for the trainers to report.
@@ -302,7 +302,7 @@ Run add_train(CLI::App& app) {
     // ranks wait until its MPI_Abort ends them); then a bad optimizer setting.
     const comm::Group& world = comm::Group::world();
     const bool lead = world.rank() == 0;
-    dist::ParallelConfig layout = r.grpo.parallel;
+    parallel::ParallelConfig layout = r.grpo.parallel;
     // Under grpo.async.placement split the second half of the ranks only roll out.
     const int trainers = r.grpo.async_split ? world.size() / 2 : world.size();
     try {

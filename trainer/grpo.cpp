@@ -32,7 +32,7 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "core/safetensors.h"
-#include "dist/zero3.h"
+#include "parallel/zero3.h"
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "text/tokenizer.h"
@@ -247,18 +247,18 @@ struct GrpoTrainer::Impl {
   // rank is the one that rolls out (it then has an engine but no optimizer).
   std::optional<RolloutLink> link;
   bool rollout_side = false;
-  // The trained model under the layout (dist/sharded_model.h), and short names for its parts:
-  std::unique_ptr<dist::ShardedModel> layout;
+  // The trained model under the layout (parallel/sharded_model.h), and short names for its parts:
+  std::unique_ptr<parallel::ShardedModel> layout;
   comm::Group ep_group;            // ep > 1: the ranks whose expert shards make up one model
   comm::Group expert_dp;           // ep > 1: the ranks holding the same expert shard
   const model::ExpertDispatcher* dispatcher = nullptr;  // ep > 1: the trained model's expert exchange
   model::Muse* shard = nullptr;    // ep > 1 or ZeRO-3: the trained model (else `policy` trains)
-  dist::Zero3* zero3 = nullptr;    // parallel.dense zero3: the sharding of `shard`
-  std::unique_ptr<dist::Zero3> ref_zero3;  // ... and of `reference`
+  parallel::Zero3* zero3 = nullptr;    // parallel.dense zero3: the sharding of `shard`
+  std::unique_ptr<parallel::Zero3> ref_zero3;  // ... and of `reference`
   std::vector<at::Tensor> params;  // all trained tensors: clipping, the gradient all-reduce, the broadcast
   std::vector<bool> is_expert;     // ep > 1: params[i] is an expert shard (not ZeRO-3's)
-  std::unique_ptr<dist::ZeroOne> zero;   // the optimizer, over the tensors this rank owns
-  std::unique_ptr<dist::OverlappedGradReducer> reducer;  // data parallel without expert shards
+  std::unique_ptr<parallel::ZeroOne> zero;   // the optimizer, over the tensors this rank owns
+  std::unique_ptr<parallel::OverlappedGradReducer> reducer;  // data parallel without expert shards
   std::unique_ptr<model::Muse> reference;  // frozen copy of the starting policy, when kl_coef != 0
   std::vector<SampleRecord> last;  // the last step's samples (this rank's), for sample dumps
   int64_t steps = 0;
@@ -277,7 +277,7 @@ struct GrpoTrainer::Impl {
     KILN_CHECK(!cfg.async_split || (cfg.parallel.ep == 1 && !cfg.parallel.zero3()), "grpo: async.placement split ",
                "sends whole weights from each trainer rank to its rollout rank, so every trainer must hold the whole ",
                "model: use parallel.ep 1 and dense replicated (got ep ", cfg.parallel.ep, ", dense ",
-               dist::dense_sharding_name(cfg.parallel.dense), ")");
+               parallel::dense_sharding_name(cfg.parallel.dense), ")");
     if (cfg.async_split) {
       const int T = g.size() / 2;
       rollout_side = g.rank() >= T;
@@ -289,7 +289,7 @@ struct GrpoTrainer::Impl {
                ") must be at least the number of ranks (", group.size(), "): a prompt's group stays on one rank");
     KILN_CHECK(!cfg.dynamic_sampling || (cfg.parallel.ep == 1 && !cfg.parallel.zero3()), "grpo: dynamic_sampling keeps ",
                "unequal numbers of groups per rank, which expert parallelism (parallel.ep=", cfg.parallel.ep,
-               ") and ZeRO-3 (parallel.dense: ", dist::dense_sharding_name(cfg.parallel.dense), ") cannot train yet; use ep 1 ",
+               ") and ZeRO-3 (parallel.dense: ", parallel::dense_sharding_name(cfg.parallel.dense), ") cannot train yet; use ep 1 ",
                "and dense replicated");
     KILN_CHECK(tok->vocab_size() <= policy.config().vocab_size, "grpo: the tokenizer ", tok->name(), " has ",
                tok->vocab_size(), " ids but the model's vocab_size is ", policy.config().vocab_size,
@@ -323,7 +323,7 @@ struct GrpoTrainer::Impl {
       KILN_CHECK(cfg.prompts_per_step % group.size() == 0, "grpo: expert parallel and ZeRO-3 need prompts_per_step (",
                  cfg.prompts_per_step, ") divisible by the ranks (", group.size(),
                  "): every rank must run the same number of forwards, which exchange tokens or gather weights");
-    layout = std::make_unique<dist::ShardedModel>(policy, cfg.parallel, group);
+    layout = std::make_unique<parallel::ShardedModel>(policy, cfg.parallel, group);
     note_memory("adapters and shards");  // LoRA's adapters, an expert shard's or ZeRO-3's copies
     shard = layout->shard();
     zero3 = layout->zero3();
@@ -356,9 +356,9 @@ struct GrpoTrainer::Impl {
     }
     optimizers::OptimizerConfig oc = cfg.optim;
     oc.fused = cfg.fused_kernels;
-    zero = std::make_unique<dist::ZeroOne>(named, is_expert, group, expert_dp, oc, zero3);
+    zero = std::make_unique<parallel::ZeroOne>(named, is_expert, group, expert_dp, oc, zero3);
     note_memory("optimizer");
-    if (!shard && group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
+    if (!shard && group.size() > 1) reducer = std::make_unique<parallel::OverlappedGradReducer>(group, params);
     if (reducer) note_memory("gradient reducer");
   }
 
@@ -430,7 +430,7 @@ struct GrpoTrainer::Impl {
     };
   }
   // The ZeRO-3 sharding of the trained model or of the KL reference; null for any other model.
-  const dist::Zero3* zero_of(const model::Muse& m) const {
+  const parallel::Zero3* zero_of(const model::Muse& m) const {
     return shard && &m == shard ? zero3 : &m == reference.get() ? ref_zero3.get() : nullptr;
   }
   bool lora() const { return cfg.lora.enabled(); }
@@ -1365,7 +1365,7 @@ struct GrpoTrainer::Impl {
       double norm = 0;
       if (shard) {
         zero->all_reduce_grads();
-        norm = dist::clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip, zero3);
+        norm = parallel::clip_grads_expert_parallel(params, is_expert, ep_group, cfg.grad_clip, zero3);
       } else {
         if (reducer) {
           if (!armed) reducer->arm();  // no trajectories here in this mini-step: still joins in
@@ -1585,7 +1585,7 @@ struct GrpoTrainer::Impl {
     for (const auto& [name, t] : trained().named_parameters()) {
       const bool expert = model::is_expert_tensor(name);
       at::Tensor part = at::zeros({expert ? E : 1}, at::kDouble);
-      const dist::Zero3::Entry* e = zero3 ? zero3->find(name) : nullptr;
+      const parallel::Zero3::Entry* e = zero3 ? zero3->find(name) : nullptr;
       if (e ? zero3->owns(*e) : first_copy) {
         const at::Tensor w = t.detach();
         if (!expert) part.fill_(w.sum(at::kDouble).item<double>());

@@ -16,8 +16,8 @@
 #include "optimizers/optimizer.h"
 #include "rollout/engine.h"
 #include "trainer/losses.h"
-#include "dist/parallel.h"
-#include "dist/sharded_model.h"
+#include "parallel/parallel.h"
+#include "parallel/sharded_model.h"
 #include "trainer/schedule.h"
 #include "trainer/dataset.h"
 #include "trainer/environment.h"
@@ -85,7 +85,7 @@ struct GrpoConfig {
                                     // (false: the ATen reference ops, for A/B runs and debugging)
   uint64_t seed = 0;
   rollout::EngineConfig engine;
-  dist::ParallelConfig parallel;    // resolved against the group's size by the trainer
+  parallel::ParallelConfig parallel;    // resolved against the group's size by the trainer
   model::LoraConfig lora;           // rank > 0: train adapters on a frozen base (model/lora.h);
                                     // the KL reference is then the base with adapters disabled
   // After every weight sync the trainer and the rollout score the same probe tokens; a mean
@@ -179,9 +179,9 @@ struct StepMetrics {
   std::string to_json() const;
 };
 
-// What a rank holds of the policy under a layout, and how to build only that (dist/sharded_model.h).
-using dist::PolicyShare;
-using dist::policy_share;
+// What a rank holds of the policy under a layout, and how to build only that (parallel/sharded_model.h).
+using parallel::PolicyShare;
+using parallel::policy_share;
 
 class GrpoTrainer {
  public:

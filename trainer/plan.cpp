@@ -42,7 +42,7 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   j.recompute = g.recompute;
   j.rollout_quantization = rollout::quantization_name(g.engine.quantization);
   j.rollout_sharded = g.parallel.sharded_rollout();
-  j.rollout_auto = g.parallel.rollout == dist::RolloutPlacement::kAuto;
+  j.rollout_auto = g.parallel.rollout == parallel::RolloutPlacement::kAuto;
   // What the trainer and the engine refuse on a sharded rollout today (grpo.cpp, EngineConfig).
   j.rollout_shard_allowed = g.async_staleness < 0 && !g.environment.enabled();
   j.rollout_split = g.async_split;

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/parallel.h"
+#include "parallel/parallel.h"
 #include "model/config.h"
 
 namespace kiln::trainer {
@@ -22,10 +22,10 @@ struct Cluster {
   int64_t world() const { return nodes * gpus_per_node; }
 };
 
-// The dense part's sharding is the parallel layout's (dist/parallel.h).
-using dist::DenseSharding;
-using dist::dense_sharding_name;
-using dist::parse_dense_sharding;
+// The dense part's sharding is the parallel layout's (parallel/parallel.h).
+using parallel::DenseSharding;
+using parallel::dense_sharding_name;
+using parallel::parse_dense_sharding;
 
 struct Layout {
   int64_t dp = 1, ep = 1, tp = 1;

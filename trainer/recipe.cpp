@@ -434,8 +434,8 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
     p.get("collective_timeout_s", g.parallel.collective_timeout_s);
     if (!std::isfinite(g.parallel.collective_timeout_s) || g.parallel.collective_timeout_s < 0)
       p.fail("collective_timeout_s", "must be a number of seconds >= 0 (0: no timeout)");
-    get_enum(p, "dense", g.parallel.dense, dist::parse_dense_sharding, dist::dense_sharding_name);
-    get_enum(p, "rollout", g.parallel.rollout, dist::parse_rollout_placement, dist::rollout_placement_name);
+    get_enum(p, "dense", g.parallel.dense, parallel::parse_dense_sharding, parallel::dense_sharding_name);
+    get_enum(p, "rollout", g.parallel.rollout, parallel::parse_rollout_placement, parallel::rollout_placement_name);
     p.finish();
   }
   {
@@ -642,8 +642,8 @@ std::string Recipe::to_yaml() const {
     << g.schedule.min_ratio << YAML::EndMap;
   e << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap << YAML::Key << "dp" << YAML::Value << g.parallel.dp
     << YAML::Key << "ep" << YAML::Value << g.parallel.ep << YAML::Key << "tp" << YAML::Value << g.parallel.tp
-    << YAML::Key << "rollout" << YAML::Value << dist::rollout_placement_name(g.parallel.rollout) << YAML::Key << "dense"
-    << YAML::Value << dist::dense_sharding_name(g.parallel.dense) << YAML::Key
+    << YAML::Key << "rollout" << YAML::Value << parallel::rollout_placement_name(g.parallel.rollout) << YAML::Key << "dense"
+    << YAML::Value << parallel::dense_sharding_name(g.parallel.dense) << YAML::Key
     << "collective_timeout_s" << YAML::Value << g.parallel.collective_timeout_s << YAML::EndMap;
   e << YAML::Key << "rollout" << YAML::Value << YAML::BeginMap << YAML::Key << "kv_cache_mb" << YAML::Value
     << double(g.engine.kv_cache_bytes) / double(1 << 20) << YAML::Key << "block_size" << YAML::Value

@@ -10,8 +10,8 @@
 #include <cmath>
 
 #include "core/error.h"
-#include "dist/parallel.h"
-#include "dist/sharded_model.h"
+#include "parallel/parallel.h"
+#include "parallel/sharded_model.h"
 #include "model/expert_parallel.h"
 #include "text/tokenizer.h"
 #include "trainer/update_guard.h"
@@ -121,17 +121,17 @@ struct SftTrainer::Impl {
   DemoReport demos;  // what the environment demonstrated (sft.demonstrations: environment)
   DataStream stream;
   comm::Group group;
-  dist::ParallelConfig parallel;
-  std::unique_ptr<dist::ShardedModel> layout;  // the trained model under the layout
+  parallel::ParallelConfig parallel;
+  std::unique_ptr<parallel::ShardedModel> layout;  // the trained model under the layout
   std::vector<at::Tensor> params;  // all trained tensors: clipping and the gradient reduction
   std::vector<bool> is_expert;     // ep > 1: params[i] is an expert shard (not ZeRO-3's)
-  std::unique_ptr<dist::ZeroOne> zero;   // the optimizer, over the tensors this rank owns
-  std::unique_ptr<dist::OverlappedGradReducer> reducer;  // replicated over more than one rank
+  std::unique_ptr<parallel::ZeroOne> zero;   // the optimizer, over the tensors this rank owns
+  std::unique_ptr<parallel::OverlappedGradReducer> reducer;  // replicated over more than one rank
   int64_t steps = 0;
   UpdateGuard guard;
 
   Impl(model::Muse& m, SftConfig c, std::shared_ptr<const text::Tokenizer> t, std::vector<Example> train,
-       const comm::Group& g, Environment* env, dist::ParallelConfig par)
+       const comm::Group& g, Environment* env, parallel::ParallelConfig par)
       : model(m), cfg(c), tok(std::move(t)), stream(prepared(std::move(train), env), c.seed), group(g),
         parallel(std::move(par)) {
     cfg.validate();
@@ -139,7 +139,7 @@ struct SftTrainer::Impl {
     KILN_CHECK(cfg.batch_size >= group.size(), "sft: batch_size (", cfg.batch_size,
                ") must be at least the ranks (", group.size(), "): every rank trains on a share of every batch");
     parallel.resolve(group.size(), model.config().num_experts);
-    layout = std::make_unique<dist::ShardedModel>(model, parallel, group);
+    layout = std::make_unique<parallel::ShardedModel>(model, parallel, group);
     model::Muse& trained = layout->trained();
     trained.set_requires_grad(true);
     const auto named = trained.named_parameters();
@@ -147,8 +147,8 @@ struct SftTrainer::Impl {
       params.push_back(p);
       is_expert.push_back(parallel.ep > 1 && model::is_expert_tensor(name));
     }
-    zero = std::make_unique<dist::ZeroOne>(named, is_expert, group, layout->expert_dp(), cfg.optim, layout->zero3());
-    if (!layout->sharded() && group.size() > 1) reducer = std::make_unique<dist::OverlappedGradReducer>(group, params);
+    zero = std::make_unique<parallel::ZeroOne>(named, is_expert, group, layout->expert_dp(), cfg.optim, layout->zero3());
+    if (!layout->sharded() && group.size() > 1) reducer = std::make_unique<parallel::OverlappedGradReducer>(group, params);
   }
 
   std::vector<Example> prepared(std::vector<Example> train, Environment* env) {
@@ -190,7 +190,7 @@ struct SftTrainer::Impl {
     double norm = 0;
     if (layout->sharded()) {  // replicated gradients over every rank, experts' over their copies
       zero->all_reduce_grads();
-      norm = dist::clip_grads_expert_parallel(params, is_expert, layout->ep_group(), cfg.grad_clip, layout->zero3());
+      norm = parallel::clip_grads_expert_parallel(params, is_expert, layout->ep_group(), cfg.grad_clip, layout->zero3());
     } else {
       if (reducer) reducer->finish();
       norm = torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
@@ -210,13 +210,13 @@ struct SftTrainer::Impl {
 
 SftTrainer::SftTrainer(model::Muse& model, SftConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
                        std::vector<Example> train, const comm::Group& group, Environment* env,
-                       dist::ParallelConfig parallel)
+                       parallel::ParallelConfig parallel)
     : impl_(std::make_unique<Impl>(model, config, std::move(tokenizer), std::move(train), group, env,
                                    std::move(parallel))) {}
 void SftTrainer::sync_policy() { impl_->layout->update_policy(); }
 
 void SftTrainer::save_model(const std::string& dir) const {
-  const dist::ShardedModel& layout = *impl_->layout;
+  const parallel::ShardedModel& layout = *impl_->layout;
   layout.check_finite(dir);
   layout.write_folder(dir, [&](const std::string& tmp) {
     layout.write(layout.trained(), layout.zero3(), tmp);

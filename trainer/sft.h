@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/comm.h"
-#include "dist/parallel.h"
+#include "parallel/parallel.h"
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
 #include "trainer/schedule.h"
@@ -76,13 +76,13 @@ class SftTrainer {
   // Data parallel over `group`: each rank takes its share of every batch, gradients are summed,
   // and each parameter's owner steps it (ZeRO-1) and broadcasts it. Under `parallel` (the
   // recipe's parallel: section) the experts are sharded over ep ranks and the dense part may be
-  // under ZeRO-3, as in GRPO (dist/sharded_model.h); `model` may then be this rank's share
-  // (dist::policy_share), trained in place, or a whole model that only sync_policy() and
+  // under ZeRO-3, as in GRPO (parallel/sharded_model.h); `model` may then be this rank's share
+  // (parallel::policy_share), trained in place, or a whole model that only sync_policy() and
   // save_model() bring up to date.
   // With sft.demonstrations: environment, `env` demonstrates every example (add_demonstrations).
   SftTrainer(model::Muse& model, SftConfig config, std::shared_ptr<const text::Tokenizer> tokenizer,
              std::vector<Example> train, const comm::Group& group = comm::Group::world(), Environment* env = nullptr,
-             dist::ParallelConfig parallel = {});
+             parallel::ParallelConfig parallel = {});
   ~SftTrainer();
   SftMetrics step();
   const DemoReport& demonstrations() const;

@@ -83,7 +83,7 @@ TEST(Plan, ItemsFollowFromTheParameterCounts) {
   const Plan z = make_plan(cfg, job, c, {2, 2, 1, DenseSharding::kZero3});
   EXPECT_DOUBLE_EQ(item(z, "dense weights"), dense / 4 * 2);
   EXPECT_DOUBLE_EQ(item(z, "gradients"), (experts / 2 + dense / 4) * 2);
-  EXPECT_TRUE(z.layout.implemented());  // ZeRO-3 trains (dist/zero3.h); dense tp does not
+  EXPECT_TRUE(z.layout.implemented());  // ZeRO-3 trains (parallel/zero3.h); dense tp does not
   EXPECT_TRUE(p.layout.implemented());
 }
 
@@ -351,7 +351,7 @@ TEST(Plan, AutoRolloutTakesAReplicaWhereOneFitsElseTheShard) {
   // What the recipe says decides that: async rollouts and environments need a replica; an NVFP4
   // rollout may be sharded.
   GrpoConfig g;
-  g.parallel.rollout = dist::RolloutPlacement::kAuto;
+  g.parallel.rollout = parallel::RolloutPlacement::kAuto;
   EXPECT_TRUE(plan_job(g, "bf16").rollout_shard_allowed);
   g.engine.quantization = rollout::Quantization::kNvfp4;
   EXPECT_TRUE(plan_job(g, "bf16").rollout_shard_allowed);

@@ -1,4 +1,4 @@
-// ZeRO-3 of the dense part (dist/zero3.h) at the world size mpirun gives: each tensor whole on one
+// ZeRO-3 of the dense part (parallel/zero3.h) at the world size mpirun gives: each tensor whole on one
 // rank, the others holding placeholders; loss, log-probs, routing and every owner's gradient equal
 // one rank's full-batch forward and backward, alone and with the experts sharded (expert
 // parallelism), with routing replay, with LoRA over a sharded frozen base, and without a gradient.
@@ -7,11 +7,11 @@
 
 #include <string>
 
-#include "dist/zero3.h"
+#include "parallel/zero3.h"
 #include "model/expert_parallel.h"
 #include "model/lora.h"
 #include "model/muse.h"
-#include "tests/dist/next_token.h"
+#include "tests/parallel/next_token.h"
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
 
@@ -19,7 +19,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
-namespace kiln::dist {
+namespace kiln::parallel {
 namespace {
 
 using comm::Group;
@@ -197,4 +197,4 @@ TEST(Zero3, GatherIntoAndTakeFromAWholeModel) {
 }
 
 }  // namespace
-}  // namespace kiln::dist
+}  // namespace kiln::parallel

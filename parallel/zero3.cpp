@@ -1,6 +1,6 @@
 // ZeRO-3 over whole tensors: placeholders on the ranks that do not own a tensor, broadcasts from
 // its owner where the forward reads it, and reductions of its gradient to the owner.
-#include "dist/zero3.h"
+#include "parallel/zero3.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
@@ -12,7 +12,7 @@
 
 #include "core/error.h"
 
-namespace kiln::dist {
+namespace kiln::parallel {
 namespace {
 
 // The per-layer tensors a layer's forward reads (its LoRA adapters and NVFP4 codes are not
@@ -31,7 +31,7 @@ struct ReduceToOwner : public torch::autograd::Node {
   const Zero3* zero = nullptr;
   const Zero3::Entry* entry = nullptr;
 
-  std::string name() const override { return "kiln::dist::ReduceToOwner"; }
+  std::string name() const override { return "kiln::parallel::ReduceToOwner"; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     const at::TensorOptions opts = entry->own.options();
@@ -181,4 +181,4 @@ void Zero3::take_from(const model::Muse& full) const {
   }
 }
 
-}  // namespace kiln::dist
+}  // namespace kiln::parallel

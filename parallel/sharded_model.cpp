@@ -1,6 +1,6 @@
 // The trained model under a parallel layout (sharded_model.h): building the rank's trained copy
 // from a whole policy or a share, fetching single tensors whole, and checkpoints by share.
-#include "dist/sharded_model.h"
+#include "parallel/sharded_model.h"
 
 #include <ATen/ATen.h>
 
@@ -14,7 +14,7 @@
 #include "model/checkpoint.h"
 #include "model/lora.h"
 
-namespace kiln::dist {
+namespace kiln::parallel {
 namespace {
 
 // What ZeRO-3 shards: the dense part, and at ep 1 the experts too.
@@ -37,11 +37,11 @@ void check_share(const model::Muse& m, const PolicyShare& share) {
   const at::Tensor& experts = m.weights().layers.front().expert_gate;
   KILN_CHECK(!experts.defined() || experts.numel() == 0 || experts.size(0) == per, "parallel: the policy holds ",
              experts.size(0), " experts per layer, neither all ", E, " nor this rank's shard of ", per,
-             " (parallel.ep=", share.expert_ranks, "); build it with dist::policy_share");
+             " (parallel.ep=", share.expert_ranks, "); build it with parallel::policy_share");
   for (const auto& [name, t] : m.named_parameters())
     KILN_CHECK(t.numel() > 0 || (share.keep && !share.keep(name)), "parallel: the policy is a share of the model but ",
                "holds no ", name, ", which this rank keeps (expert shard ", share.expert_rank, " of ",
-               share.expert_ranks, "); build it with dist::policy_share for the recipe's parallel layout");
+               share.expert_ranks, "); build it with parallel::policy_share for the recipe's parallel layout");
 }
 
 }  // namespace
@@ -195,4 +195,4 @@ void ShardedModel::restore(model::Muse& into, const std::string& dir, const std:
   }
 }
 
-}  // namespace kiln::dist
+}  // namespace kiln::parallel

@@ -14,7 +14,7 @@
 #include "core/comm.h"
 #include "optimizers/optimizer.h"
 
-namespace kiln::dist {
+namespace kiln::parallel {
 
 class Zero3;
 
@@ -41,7 +41,7 @@ struct ParallelConfig {
   int64_t tp = 1;  // reserved: must be 1
   RolloutPlacement rollout = RolloutPlacement::kAuto;  // kSharded needs ep > 1
   // The dense part (and at ep = 1 the experts too): replicated with ZeRO-1 optimizer state, or
-  // ZeRO-3 (dist/zero3.h: each tensor whole on one rank, gathered a layer at a time, the layers
+  // ZeRO-3 (parallel/zero3.h: each tensor whole on one rank, gathered a layer at a time, the layers
   // recomputed in the backward; sharded engines get the dense part from its owners after each
   // step). tp is planned (`kiln plan`) but not implemented.
   DenseSharding dense = DenseSharding::kReplicated;
@@ -137,11 +137,11 @@ class ZeroOne {
 };
 
 // The ZeRO-1 owner rank of each parameter: largest first, each to the least-loaded rank
-// (the rule ZeRO-3 shares: zero_owners over element counts, dist/zero3.h).
+// (the rule ZeRO-3 shares: zero_owners over element counts, parallel/zero3.h).
 std::vector<int> zero_owners(const std::vector<at::Tensor>& params, int ranks);
 
 // After the owners' optimizer steps: every rank gets every parameter from its owner.
 void broadcast_from_owners(const comm::Group& group, const std::vector<at::Tensor>& params,
                            const std::vector<int>& owners);
 
-}  // namespace kiln::dist
+}  // namespace kiln::parallel

@@ -10,12 +10,12 @@
 #include <string>
 
 #include "core/comm.h"
-#include "dist/parallel.h"
-#include "dist/zero3.h"
+#include "parallel/parallel.h"
+#include "parallel/zero3.h"
 #include "model/expert_parallel.h"
 #include "model/muse.h"
 
-namespace kiln::dist {
+namespace kiln::parallel {
 
 // What one rank holds of the policy under a layout (parallel.ep, parallel.dense): its expert shard
 // (expert_rank of expert_ranks) and under ZeRO-3 only the tensors `keep` selects (the dense ones
@@ -82,4 +82,4 @@ class ShardedModel {
   std::unique_ptr<Zero3> zero3_;
 };
 
-}  // namespace kiln::dist
+}  // namespace kiln::parallel

@@ -18,13 +18,13 @@
 #include <string>
 
 #include "core/files.h"
-#include "dist/zero3.h"
+#include "parallel/zero3.h"
 #include "model/checkpoint.h"
 #include "model/expert_parallel.h"
 #include "model/muse.h"
 #include "model/nvfp4_model.h"
 #include "rollout/engine.h"
-#include "tests/dist/next_token.h"
+#include "tests/parallel/next_token.h"
 #include "tests/rollout/engine_fixtures.h"  // request
 #include "tests/test_util.h"
 #include "tests/trainer/small_model.h"
@@ -477,7 +477,7 @@ TEST(ExpertParallel, ZeroThreeLoadHoldsOnlyTheOwnedTensors) {
   const int W = w.size();
   if (W == 1) GTEST_SKIP() << "the share is the whole checkpoint at one rank";
   const RssCheckpoint ck;
-  const auto owner = dist::Zero3::owners(Muse::shapes(ck.cfg, at::kFloat), W, [](const std::string&) { return true; });
+  const auto owner = parallel::Zero3::owners(Muse::shapes(ck.cfg, at::kFloat), W, [](const std::string&) { return true; });
   const auto keep = [&](const std::string& name) { return owner.at(name) == w.rank(); };
   int64_t share = 0, largest = 0;
   for (const auto& [name, b] : ck.bytes)

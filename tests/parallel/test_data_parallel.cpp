@@ -18,13 +18,13 @@
 #include "trainer/grpo.h"
 #include "trainer/sft.h"
 #include "trainer/tasks.h"
-#include "dist/parallel.h"
+#include "parallel/parallel.h"
 
 namespace kiln::trainer {
 namespace {
 
 using comm::Group;
-using namespace dist;  // the layout, reducers and ZeRO-1 under test
+using namespace parallel;  // the layout, reducers and ZeRO-1 under test
 
 std::vector<std::vector<int64_t>> sequences(int64_t count) {
   at::Generator g = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -332,7 +332,7 @@ TEST(DataParallel, Nvfp4RolloutOnShardedEnginesMatchesOneRank) {
   model::Muse m1 = init.clone(), mw = init.clone();
   GrpoTrainer one(m1, cfg, test::byte_tokenizer(), data, alone);
   cfg.parallel.ep = w.size();
-  cfg.parallel.rollout = dist::RolloutPlacement::kSharded;
+  cfg.parallel.rollout = parallel::RolloutPlacement::kSharded;
   GrpoTrainer all(mw, cfg, test::byte_tokenizer(), data, w);
   for (int s = 0; s < 3; ++s) {
     const StepMetrics a = one.step(), b = all.step();

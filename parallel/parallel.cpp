@@ -1,5 +1,5 @@
 // dp x ep validation, bucketed gradient all-reduce, ZeRO-1 owners and the broadcast back.
-#include "dist/parallel.h"
+#include "parallel/parallel.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -10,9 +10,9 @@
 #include <numeric>
 
 #include "core/error.h"
-#include "dist/zero3.h"
+#include "parallel/zero3.h"
 
-namespace kiln::dist {
+namespace kiln::parallel {
 
 const char* dense_sharding_name(DenseSharding d) {
   switch (d) {
@@ -224,7 +224,7 @@ ZeroOne::ZeroOne(const std::vector<std::pair<std::string, at::Tensor>>& named, c
 }
 
 void ZeroOne::all_reduce_grads() const {
-  for (size_t k = 0; k < 2; ++k) dist::all_reduce_grads(kinds_[k].group, kinds_[k].params);
+  for (size_t k = 0; k < 2; ++k) parallel::all_reduce_grads(kinds_[k].group, kinds_[k].params);
 }
 
 void ZeroOne::step() {
@@ -269,4 +269,4 @@ void broadcast_from_owners(const comm::Group& group, const std::vector<at::Tenso
   }
 }
 
-}  // namespace kiln::dist
+}  // namespace kiln::parallel

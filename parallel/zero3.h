@@ -13,7 +13,7 @@
 #include "core/comm.h"
 #include "model/muse.h"
 
-namespace kiln::dist {
+namespace kiln::parallel {
 
 class Zero3 : public model::WeightGather {
  public:
@@ -69,4 +69,4 @@ class Zero3 : public model::WeightGather {
 // least-loaded rank): ZeRO-1 and ZeRO-3 split whole tensors the same way.
 std::vector<int> zero_owners(const std::vector<int64_t>& numels, int ranks);
 
-}  // namespace kiln::dist
+}  // namespace kiln::parallel

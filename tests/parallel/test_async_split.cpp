@@ -276,12 +276,12 @@ TEST(AsyncSplit, MisuseIsRefusedWithAMessage) {
   EXPECT_TRUE(test::throws_with([&] { cfg.validate(); }, {"async.placement split needs async rollouts"}));
   if (w.size() % 2 != 0) return;
   cfg.async_staleness = 0;
-  cfg.parallel.dense = dist::DenseSharding::kZero3;
+  cfg.parallel.dense = parallel::DenseSharding::kZero3;
   model::Muse p = policy(4);
   EXPECT_TRUE(test::throws_with([&] { GrpoTrainer t(p, cfg, test::byte_tokenizer(), data(), w); },
                      {"async.placement split", "parallel.ep 1 and dense replicated"}));
   const Group alone = w.split(w.rank(), 0);  // one rank cannot be split in two halves
-  cfg.parallel.dense = dist::DenseSharding::kReplicated;
+  cfg.parallel.dense = parallel::DenseSharding::kReplicated;
   EXPECT_TRUE(test::throws_with([&] { GrpoTrainer t(p, cfg, test::byte_tokenizer(), data(), alone); },
                      {"needs an even number of ranks", "got 1"}));
 }
