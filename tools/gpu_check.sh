@@ -107,7 +107,7 @@ fi
 if want mpi; then  # the CPU-rank MPI tests of this build, whole output (a crash prints its backtrace)
 step "mpi tests at 2 ranks"
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 300 \
-  mpiexec --oversubscribe -np 2 ./build-gpu/tests/kiln_test_dist 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -80 | tee "$tmp/mpi.log" | tee -a "$out/mpi.txt"
+  mpiexec --oversubscribe -np 2 ./build-gpu/tests/kiln_test_parallel 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -80 | tee "$tmp/mpi.log" | tee -a "$out/mpi.txt"
 symbolize "$tmp/mpi.log" mpi.txt  # a crash names offsets into files (the test binary, libtorch, ...)
 fi
 if want mpigpus; then  # a rank per GPU (nvidia-h200-x2 and up): NCCL between ranks, inside captured graphs too
@@ -115,7 +115,7 @@ gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
 [ "$gpus" -ge 2 ] || echo "mpigpus: $gpus GPU(s) here; NCCL between ranks needs 2 or more" | tee -a "$out/mpi.txt"
 step "mpi tests on $gpus GPUs, a rank each: the CUDA ones"
 [ "$gpus" -ge 1 ] && OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 400 \
-  mpiexec -np "$gpus" ./build-gpu/tests/kiln_test_dist \
+  mpiexec -np "$gpus" ./build-gpu/tests/kiln_test_parallel \
   --gtest_filter='*Cuda*' 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -60 | tee "$tmp/mpigpus.log" | tee -a "$out/mpi.txt"
 symbolize "$tmp/mpigpus.log" mpi.txt
 fi
