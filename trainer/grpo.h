@@ -51,13 +51,8 @@ class GrpoTrainer {
   // The train/test prompts that survived the length filter, and how many were dropped.
   const PrepareReport& train_prompts() const;
   const PrepareReport& test_prompts() const;
-  // The last step's samples, for sample dumps: prompt, response, reward and its parts (this rank's).
-  struct SampleRecord {
-    std::string prompt, response, label, data_source;
-    double reward = 0;
-    std::map<std::string, double> components;
-    bool truncated = false;
-  };
+  // The last step's samples (this rank's), for sample dumps.
+  using SampleRecord = trainer::SampleRecord;
   const std::vector<SampleRecord>& last_samples() const;
   int64_t steps_done() const;
   // The ranks that train together: the group given, or under grpo.async.placement split its first

@@ -81,4 +81,12 @@ struct StepMetrics {
   std::string to_json() const;
 };
 
+// One sample of the last step, for sample dumps: prompt, response, reward and its parts.
+struct SampleRecord {
+  std::string prompt, response, label, data_source;
+  double reward = 0;
+  std::map<std::string, double> components;
+  bool truncated = false;
+};
+
 }  // namespace kiln::trainer
