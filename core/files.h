@@ -7,7 +7,7 @@ namespace kiln {
 
 // Removes `path` and everything below it, if it exists. Uses nftw rather than
 // std::filesystem::remove_all, which torch 2.11's libtorch.so interposes with a copy that crashes
-// (seen on the H200 machine, 2026-11-29).
+// (seen on a GPU machine).
 void remove_tree(const std::string& path);
 
 // Writes `text` to `path` through a temporary file beside it and a rename, so a reader sees the old

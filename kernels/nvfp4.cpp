@@ -357,7 +357,7 @@ enum class DensePath { kReference, kSplitK, kStaged, kWgmma, kDequantized };
 
 // The wgmma GEMM where it is usable: above 16 rows per matrix (of `matrices`: a stack's experts)
 // when KILN_NVFP4_GEMM=wgmma selects it everywhere; otherwise where bench nvfp4 measured it faster
-// than both others (H100, 2026-12-06, docs/PERFORMANCE.md): one matrix of 8192 rows or more
+// than both others (kiln bench nvfp4 on an H100, docs/PERFORMANCE.md): one matrix of 8192 rows or more
 // (816B's q, o and unpooler) at 65-256 tokens, 1.15-2.2x dequantise + cuBLAS. Narrower matrices
 // (muse-small's), more tokens and the experts keep split-K or the dequantised weights, which
 // measured faster there.
@@ -394,7 +394,7 @@ bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_
 // reads the whole stack in bf16 every call (70 us per muse-small stack on the H100). The MoE's
 // padded layout counts its static bound, the slots plus 15 rows per expert: 1024 sequences in
 // flight on muse-small are 143 rows per expert to this rule, and so is a 1024-token prefill.
-// Above 64 rows the staged kernel runs tiled (grouped_staged_launch). Measured (H100, 2026-12-07,
+// Above 64 rows the staged kernel runs tiled (grouped_staged_launch). Measured (kiln bench nvfp4 --grouped on an H100,
 // docs/PERFORMANCE.md): muse-small's experts at 128 rows per expert take 104 us tiled against the
 // dequantised stack's 150, and 203 against 176 at 256, so the crossover lies between; 1024
 // sequences in flight went from 0.88x to 0.92x BF16 with the tiled launch to 192 rows per expert.
@@ -408,8 +408,8 @@ int64_t staged_max_rows() {
 
 // The grouped staged kernel at 17 to staged_max_rows() rows per expert on average, for bf16 x and a
 // stack it takes (grouped_stack_aligned), in place of split-K (to 64) and the dequantised stack
-// (above), unless KILN_NVFP4_GEMM=splitk keeps those. Measured on the H100 (2026-12-06,
-// docs/PERFORMANCE.md): 1.07x split-K at 32 rows per expert and 1.26x at 64 on muse-small's
+// (above), unless KILN_NVFP4_GEMM=splitk keeps those. Measured by kiln bench nvfp4 on an H100
+// (docs/PERFORMANCE.md): 1.07x split-K at 32 rows per expert and 1.26x at 64 on muse-small's
 // experts (kiln_probe_nvfp4), and the rollout workload 1.04x with it. At 16 rows or fewer split-K's
 // 16-token chunks stay (decode).
 bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
@@ -422,7 +422,7 @@ bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t row
 
 // The staged kernel's launch: per expert (kStaged) to kFusedMaxRows rows per expert, tiled
 // (kStagedTiles) above, or tiled throughout under KILN_NVFP4_GEMM=stagedtiles. Measured (H100 and
-// H200, 2026-12-07, docs/PERFORMANCE.md): on uneven routing the tiled launch takes 61 us against
+// H200, docs/PERFORMANCE.md): on uneven routing the tiled launch takes 61 us against
 // 97 at 64 rows per expert and 103 against 176 at 128, but at 32 rows (a 256-sequence rollout
 // step, uniform-looking routing) the rollout lost with it (1.07x -> 1.02x BF16), its grid
 // sized for every possible tile; a grid sized to the resident blocks lost more (0.98x).

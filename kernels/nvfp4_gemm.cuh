@@ -403,7 +403,7 @@ __device__ __forceinline__ float epilogue_scale(const float* tensor_scale, const
 // Blocks per multiprocessor the register budget is cut for: 16 warps when n-tiles are few, 12 with
 // four or more (168 registers; the grouped kernel with 32-token chunks on 4 warps measured 39.8
 // against 46.7 us at 2 blocks and 41.2 at 4, spilling: kiln_probe_nvfp4 grouped, muse-small's 64
-// experts at 32 rows each, H200, 2026-12-06).
+// experts at 32 rows each, on an H200).
 constexpr int min_blocks(int nt, int warps) { return (nt <= 2 ? 16 : 12) / warps > 1 ? (nt <= 2 ? 16 : 12) / warps : 1; }
 
 // Grouped: block (expert, row tile) walks its expert's rows in chunks of up to 8 kMaxNT tokens,

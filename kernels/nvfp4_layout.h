@@ -45,7 +45,7 @@ constexpr bool grouped_stack_aligned(int64_t N, int64_t K) { return K % 32 == 0 
 // and warpgroups (64 weight rows each). Unforced (warpgroups 0), two with 128-token tiles where N
 // is a multiple of 128: bench nvfp4 measured them 1.0-1.4x one warpgroup there (each activation
 // stage is read once for both), and mostly 0.75-0.9x with 32 and 64-token tiles, where decoding
-// the weights, not reading the activations, is the cost (H100, 2026-12-06). Host code (the launcher).
+// the weights, not reading the activations, is the cost (kiln bench nvfp4 on an H100). Host code (the launcher).
 struct WgmmaBlock {
   int tokens, warpgroups;
 };

@@ -136,7 +136,7 @@ struct Engine::Impl {
     // expert, the bound this rule was set for when the grouped GEMM's prefill path read offsets on
     // the host (kept for shards, whose exchanged rows differ; unmeasured). A whole model's experts
     // above 64 rows take the dequantised stack and torch's grouped GEMM, which captures
-    // (tests/cuda/test_cuda_nvfp4_model.cpp: 82 rows per expert in graphs; H100, 2026-12-07).
+    // (tests/cuda/test_cuda_nvfp4_model.cpp: 82 rows per expert in graphs on an H100).
     const bool many_rows = ec.expert_group && (ec.max_num_seqs + 15) * cfg.top_k > 64 * cfg.num_experts;
     bool host_sync = false;
     for (const auto& l : model.weights().layers) {

@@ -312,7 +312,7 @@ void bench_decode(at::Device device, const std::string& config, int64_t prompt_l
     // the context when the window is longer (muse-small's 2048), and two spare blocks per sequence
     // for the copy-on-write of a forked sample's last block. Sizing by kv_cache_bytes_per_token
     // instead (the context's bytes) left muse-small's batch 64 room for 44 sequences: it preempted
-    // and recomputed, and its decode numbers until 2026-12-06 include that.
+    // and recomputed, and decode numbers measured before that change include it.
     ec.kv_cache_bytes = rollout::kv_cache_bytes_for(cfg, ec, int64_t(elem), prompt_len + gen + 2 * ec.block_size) +
                         (int64_t(64) << 20);
     // Decode time: from the end of the last step that prefilled (every sample then has its first

@@ -482,7 +482,7 @@ step "bitwise numerics: bench train, 512 sequences x 38 tokens, profiled"
   --profile "$tmp/bitwise-train.json" 2>&1 | tee -a "$out/bitwise.txt"
 [ -f "$tmp/bitwise-train.json" ] && python3 tools/profile_summary.py "$tmp/bitwise-train.json" --label bitwise-train --top 25 2>&1 | tee -a "$out/bitwise.txt"
 # The rollout at the GRPO step's shape (64 prompts x 8, short prompts, 16 new tokens), BF16 against
-# bitwise, and where a bitwise decode step goes (graph steps since 2026-12-04 late).
+# bitwise, and where a bitwise decode step goes (graph steps).
 step "bitwise numerics: bench rollout, 64 prompts x 8, profiled"
 ./build-gpu/kiln bench rollout configs/muse-small.yaml --device cuda --prompts 64 --samples 8 --len 32 --gen 16 \
   --max-seqs 512 --bitwise --profile "$tmp/rollout-bw" 2>&1 | tee -a "$out/bitwise.txt"

@@ -242,7 +242,7 @@ uint8_t* random_weights(int64_t code_bytes, int64_t bytes, int copies) {
 // grouped_rows_kernel (a row tile per warp, its weight tiles kept in shared memory).
 
 // Grouped W4A16 GEMM with a row tile per warp (bf16 or fp32 activations), a variant the library
-// does not take: at 8-64 rows per expert it measured 0.87-1.0x grouped_kernel (2026-12-06, H200).
+// does not take: at 8-64 rows per expert it measured 0.87-1.0x grouped_kernel (on an H200).
 // grouped_kernel splits each 32-row tile's K range over a block's warps, sums their partials in
 // shared memory at a barrier, and reads the tile's weights again for every chunk of tokens. Here
 // each warp owns a row tile over all of K and keeps its weight tiles in a ring of kRowsDepth stages

@@ -104,7 +104,7 @@ TEST(CudaModel, GroupedGemmEqualsExpertLoop) {
       // bf16 gradients over ~100 tokens: a few percent of the largest entry (the embedding's and
       // the router's, accumulated in bf16 by autograd, reach 5%); a wrong gradient is off by O(1).
       // The worst tensor's ratio varies from run to run (routing near ties, atomics): 0.047 to 0.12
-      // over 8 runs on the H200 (2026-12-03), for the loop and the grouped path alike.
+      // over 8 runs on an H200, for the loop and the grouped path alike.
       EXPECT_LT(e, 2e-1) << names[i].first << (g == 2 ? " (grouped + fused)" : " (bf16 loop)");
     }
   }

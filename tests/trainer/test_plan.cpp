@@ -197,7 +197,7 @@ TEST(Plan, SplitRolloutRanksHoldTheEngineAndTheKvCache) {
   }
 }
 
-// The plan against the peaks the H200 measured on 2026-12-05 (tools/gpu_check.sh calibrate;
+// The plan against the peaks an H200 measured (tools/gpu_check.sh calibrate;
 // docs/PERFORMANCE.md): muse-small GRPO steps of 16 prompts x 8 samples, sequences of 22 tokens,
 // a 2 GiB KV cache, in micro-batches of 128 or 64 sequences.
 TEST(Plan, WithinTenPercentOfTheMeasuredPeaks) {
@@ -237,7 +237,7 @@ TEST(Plan, WithinTenPercentOfTheMeasuredPeaks) {
     EXPECT_NEAR(planned / k.measured_gib, 1.0, 0.1) << k.name << ": planned " << planned << " GiB\n" << p.report();
   }
   // The layer's count also stays within 10% of `kiln bench train` on the full-width layer (409 KB
-  // per token on 2026-12-02, the head's logits subtracted).
+  // per token, the head's logits subtracted).
   model::ModelConfig full =
       model::ModelConfig::from_yaml_file(test::source_path("configs/muse-full-layer.yaml"));
   EXPECT_NEAR(layer_activation_bytes_per_token(full) / 409.3e3, 1.0, 0.1);
