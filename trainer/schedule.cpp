@@ -1,10 +1,13 @@
 // Learning-rate schedules: warmup, then constant / linear / cosine decay.
 #include "trainer/schedule.h"
 
+#include <yaml-cpp/yaml.h>
+
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
+#include "core/yaml_util.h"
 
 namespace kiln::trainer {
 
@@ -21,6 +24,18 @@ double LrSchedule::factor(int64_t step) const {
   const double p = std::clamp(double(step - warmup_steps) / double(total_steps - warmup_steps), 0.0, 1.0);
   const double shape = decay == "linear" ? 1.0 - p : 0.5 * (1.0 + std::cos(M_PI * p));
   return min_ratio + (1.0 - min_ratio) * shape;
+}
+
+void read_yaml(yaml::MapReader& m, LrSchedule& s) {
+  m.get("warmup_steps", s.warmup_steps);
+  m.get("lr_decay", s.decay);
+  m.get("min_lr_ratio", s.min_ratio);
+}
+
+void write_yaml(YAML::Emitter& e, const LrSchedule& s) {
+  e << YAML::Key << "warmup_steps" << YAML::Value << s.warmup_steps;
+  e << YAML::Key << "lr_decay" << YAML::Value << s.decay;
+  e << YAML::Key << "min_lr_ratio" << YAML::Value << s.min_ratio;
 }
 
 }  // namespace kiln::trainer

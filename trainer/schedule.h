@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/yaml_fwd.h"
+
 namespace kiln::trainer {
 
 struct LrSchedule {
@@ -16,5 +18,11 @@ struct LrSchedule {
   // The multiplier of the base lr for optimizer step `step` (1-based).
   double factor(int64_t step) const;
 };
+
+// The schedule's keys of a recipe's optim: and sft: sections (trainer/schedule.cpp, docs/CONFIG.md):
+// warmup_steps, lr_decay, min_lr_ratio. total_steps comes from the run's steps (Recipe::sync_schedules).
+// The caller finishes the section.
+void read_yaml(yaml::MapReader& m, LrSchedule& s);
+void write_yaml(YAML::Emitter& e, const LrSchedule& s);
 
 }  // namespace kiln::trainer
