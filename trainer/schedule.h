@@ -9,9 +9,14 @@
 
 namespace kiln::trainer {
 
+// How the lr falls from its peak to min_ratio * lr over the run's steps after the warmup.
+enum class LrDecay { kConstant, kLinear, kCosine };
+LrDecay parse_lr_decay(const std::string& name);  // "constant" | "linear" | "cosine"; throws otherwise
+const char* lr_decay_name(LrDecay d);
+
 struct LrSchedule {
   int64_t warmup_steps = 0;
-  std::string decay = "constant";  // constant, linear or cosine
+  LrDecay decay = LrDecay::kConstant;
   double min_ratio = 0.0;          // the decayed lr at total_steps, as a fraction of lr
   int64_t total_steps = 0;         // the decay's horizon: the run's steps (set from the recipe)
   void validate() const;
