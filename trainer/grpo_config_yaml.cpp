@@ -1,7 +1,6 @@
-// The GRPO step's settings as recipe sections: grpo: here, the others (prompt, loss, optim,
-// parallel, rollout, lora, reward, environment) through the readers beside their structs, and the
-// evaluation's keys of eval:. Read strictly (errors at file:line) and written back in the resolved
-// recipe, in the same key order.
+// The GRPO step's settings as recipe sections: grpo: here, the others through the readers beside
+// their structs, and the evaluation's keys of eval:. Read strictly (errors at file:line) and
+// written back in the resolved recipe, in the same key order.
 #include <yaml-cpp/yaml.h>
 
 #include "core/yaml_util.h"
@@ -66,7 +65,8 @@ void write_grpo(YAML::Emitter& e, const GrpoConfig& g) {
   e << YAML::Key << "mismatch_ab" << YAML::Value << g.mismatch_ab;
   e << YAML::Key << "fused_kernels" << YAML::Value << g.fused_kernels;
   e << YAML::Key << "recompute" << YAML::Value << g.recompute;
-  // Written only when on, so that resolved recipes of runs from before the key read back the same.
+  // Written only when on: `kiln train --resume` compares the run's saved resolved recipe with this
+  // one, and recipes saved without the key must still compare equal.
   if (g.score_lp_old) e << YAML::Key << "score_lp_old" << YAML::Value << true;
   if (g.async_staleness >= 0) {
     e << YAML::Key << "async" << YAML::Value << YAML::BeginMap;

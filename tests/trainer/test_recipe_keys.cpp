@@ -1,7 +1,6 @@
-// docs/CONFIG.md lists exactly the recipe keys the parser accepts. The parser's keys come from the
-// parser itself: yaml::KeyRecorder collects every key a MapReader asks for, present or not, while
-// small recipes that enter every section are parsed; the documented keys are the first cells of
-// docs/CONFIG.md's tables.
+// docs/CONFIG.md lists exactly the recipe keys the parser accepts: the parser's keys come from the
+// parser (yaml::KeyRecorder, over recipes that enter every section), the documented ones from the
+// first cells of the docs' tables.
 #include <gtest/gtest.h>
 
 #include <fstream>
