@@ -69,7 +69,8 @@ void write_model(YAML::Emitter& e, const Recipe& r) {
 
 // data: the task (arithmetic problems or JSONL files) and, for JSONL, how lines are read.
 void read_data(yaml::MapReader& d, Recipe& r) {
-  d.get("task", r.task);
+  std::string task = task_name(r.task);
+  d.get("task", task);
   d.get("path", r.data_path);
   d.get("eval_path", r.eval_path);
   d.get("difficulty", r.difficulty);
@@ -77,14 +78,14 @@ void read_data(yaml::MapReader& d, Recipe& r) {
   d.get("test_fraction", r.test_fraction);
   read_yaml(d, r.jsonl);
   d.finish();
-  if (!r.eval_path.empty() && r.task != "jsonl") d.fail("eval_path", "eval_path needs task jsonl");
-  if (r.task != "arithmetic" && r.task != "jsonl") d.fail("task", "must be arithmetic or jsonl (got " + r.task + ")");
-  if (r.task == "jsonl" && r.data_path.empty()) d.fail("path", "task jsonl needs data.path");
+  if (!r.eval_path.empty() && task != "jsonl") d.fail("eval_path", "eval_path needs task jsonl");
+  d.check("task", [&] { r.task = parse_task(task); });
+  if (r.task == Task::kJsonl && r.data_path.empty()) d.fail("path", "task jsonl needs data.path");
   if (!(r.test_fraction >= 0 && r.test_fraction < 1)) d.fail("test_fraction", "must be in [0, 1)");
 }
 
 void write_data(YAML::Emitter& e, const Recipe& r) {
-  e << YAML::Key << "task" << YAML::Value << r.task;
+  e << YAML::Key << "task" << YAML::Value << task_name(r.task);
   if (!r.data_path.empty()) e << YAML::Key << "path" << YAML::Value << r.data_path;
   if (!r.eval_path.empty()) e << YAML::Key << "eval_path" << YAML::Value << r.eval_path;
   e << YAML::Key << "difficulty" << YAML::Value << r.difficulty;
@@ -94,6 +95,14 @@ void write_data(YAML::Emitter& e, const Recipe& r) {
 }
 
 }  // namespace
+
+Task parse_task(const std::string& name) {
+  if (name == "arithmetic") return Task::kArithmetic;
+  if (name == "jsonl") return Task::kJsonl;
+  KILN_FAIL("must be arithmetic or jsonl (got ", name, ")");
+}
+
+const char* task_name(Task t) { return t == Task::kJsonl ? "jsonl" : "arithmetic"; }
 
 Recipe Recipe::from_yaml_file(const std::string& path) {
   Recipe r;
@@ -147,7 +156,7 @@ std::string Recipe::to_yaml() const {
 }
 
 Dataset load_data(const Recipe& r, LoadReport* train_report, LoadReport* eval_report) {
-  if (r.task == "arithmetic")
+  if (r.task == Task::kArithmetic)
     return split(arithmetic_problems(r.num_problems, r.difficulty, r.grpo.seed), r.test_fraction, r.grpo.seed);
   std::vector<Example> train = load_jsonl(r.data_path, r.jsonl, train_report);
   if (r.eval_path.empty()) return split(std::move(train), r.test_fraction, r.grpo.seed);
