@@ -20,7 +20,8 @@ namespace {
 
 using Keys = std::set<std::string>;
 
-// The first cell of every table row in the docs that is one `key.path` in backticks.
+// The first cell of every table row in the docs that is one `key.path` in backticks. Each such
+// row must fill its four cells: key, type, default, meaning.
 Keys documented_keys() {
   std::ifstream f(test::source_path("docs/CONFIG.md"));
   EXPECT_TRUE(f.good()) << "cannot read docs/CONFIG.md";
@@ -29,7 +30,15 @@ Keys documented_keys() {
   while (std::getline(f, line)) {
     if (line.rfind("| `", 0) != 0) continue;
     const size_t end = line.find('`', 3);
-    if (end != std::string::npos) keys.insert(line.substr(3, end - 3));
+    if (end == std::string::npos) continue;
+    keys.insert(line.substr(3, end - 3));
+    std::vector<std::string> cells;
+    std::stringstream row(line.substr(1));
+    for (std::string cell; std::getline(row, cell, '|');) cells.push_back(cell);
+    bool filled = cells.size() >= 4;
+    for (size_t i = 0; filled && i < 4; ++i) filled = cells[i].find_first_not_of(' ') != std::string::npos;
+    EXPECT_TRUE(filled) << "docs/CONFIG.md: the row of " << line.substr(3, end - 3)
+                        << " needs a type, a default and a meaning: " << line;
   }
   return keys;
 }
