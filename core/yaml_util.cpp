@@ -76,8 +76,29 @@ MapReader::MapReader(YAML::Node node, std::string file, std::string path)
   KILN_CHECK(node_.IsMap(), "config: ", where(), ": expected a mapping of keys to values");
 }
 
+namespace {
+thread_local KeyRecorder* active_recorder = nullptr;
+}  // namespace
+
+KeyRecorder::KeyRecorder() : outer_(active_recorder) { active_recorder = this; }
+KeyRecorder::~KeyRecorder() { active_recorder = outer_; }
+KeyRecorder* KeyRecorder::active() { return active_recorder; }
+
+void KeyRecorder::add(const std::string& key_path, bool list) {
+  // "reward.parts[2].weight" -> "reward.parts[].weight": every entry of a list takes the same keys.
+  std::string out;
+  for (size_t i = 0; i < key_path.size(); ++i) {
+    out += key_path[i];
+    if (key_path[i] != '[') continue;
+    while (i + 1 < key_path.size() && key_path[i + 1] != ']') ++i;
+  }
+  keys_.insert(out);
+  if (list) lists_.insert(out);
+}
+
 void MapReader::mark(const std::string& key) {
   known_.insert(key);
+  if (KeyRecorder* r = KeyRecorder::active()) r->add(key_path(key), false);
   if (std::as_const(node_)[key].IsDefined()) (*locations_)[key_path(key)] = where(key);
 }
 
@@ -90,6 +111,7 @@ MapReader MapReader::child(const std::string& key) {
 
 std::vector<MapReader> MapReader::children(const std::string& key) {
   mark(key);
+  if (KeyRecorder* r = KeyRecorder::active()) r->add(key_path(key), true);
   YAML::Node list = std::as_const(node_)[key];
   std::vector<MapReader> out;
   if (!list.IsDefined() || list.IsNull()) return out;

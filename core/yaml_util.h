@@ -56,6 +56,20 @@ class MapReader {
   [[noreturn]] void fail(const std::string& key, const std::string& msg) const;
   // Records where every key read so far lives, under its full key path.
   const Locations& locations() const { return *locations_; }
+  // An enum written by name: `parse` turns the name into the value (throwing kiln::Error naming the
+  // accepted names), `name` the value into its name; a bad name fails at this key's file and line.
+  template <typename E>
+  void get_enum(const std::string& key, E& out, E (*parse)(const std::string&), const char* (*name)(E));
+  // Runs `check` (a validate(), say) and reports a kiln::Error it throws at `key` (empty: this map),
+  // so a value out of range names the file and line it came from.
+  template <typename F>
+  void check(const std::string& key, F&& check_fn) {
+    try {
+      check_fn();
+    } catch (const Error& e) {
+      fail(key, e.what());
+    }
+  }
 
  private:
   YAML::Node node_;
@@ -66,6 +80,42 @@ class MapReader {
   void mark(const std::string& key);
   template <typename T>
   static const char* type_name();
+};
+
+template <typename E>
+void MapReader::get_enum(const std::string& key, E& out, E (*parse)(const std::string&), const char* (*name)(E)) {
+  std::string s = name(out);
+  get(key, s);
+  check(key, [&] { out = parse(s); });
+}
+
+// Writes `key:` and a mapping whose keys `body` writes: a section of a resolved config.
+template <typename F>
+void write_map(YAML::Emitter& e, const std::string& key, F&& body) {
+  e << YAML::Key << key << YAML::Value << YAML::BeginMap;
+  body();
+  e << YAML::EndMap;
+}
+
+// Collects the key path of every key a MapReader asks for (present or not) while one is alive on
+// this thread, a list's entries written "[]" ("optim.rules[].match"): the keys the parser accepts,
+// taken from the parser itself (tests/trainer/test_recipe_keys.cpp checks docs/CONFIG.md with it).
+class KeyRecorder {
+ public:
+  KeyRecorder();
+  ~KeyRecorder();
+  KeyRecorder(const KeyRecorder&) = delete;
+  KeyRecorder& operator=(const KeyRecorder&) = delete;
+  const std::set<std::string>& keys() const { return keys_; }
+  // The keys read as lists of mappings (MapReader::children), whose entries' keys need an entry to be seen.
+  const std::set<std::string>& lists() const { return lists_; }
+  // Where one is alive on this thread, the innermost; else null.
+  static KeyRecorder* active();
+  void add(const std::string& key_path, bool list);
+
+ private:
+  std::set<std::string> keys_, lists_;
+  KeyRecorder* outer_;
 };
 
 template <typename T>

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/yaml_fwd.h"
 #include "model/muse.h"
 
 namespace kiln::model {
@@ -24,6 +25,12 @@ struct LoraConfig {
   double scale() const { return alpha / double(rank); }
   void validate() const;   // rank >= 0, alpha > 0, known targets
 };
+
+// A recipe's lora: section (model/lora_yaml.cpp, docs/CONFIG.md): reads rank, alpha and targets,
+// finishes the section and validates, a bad value named at its key's file and line. (The recipe
+// turns adapters on, rank 32, when the section is there at all: that is the caller's.)
+void read_yaml(yaml::MapReader& m, LoraConfig& c);
+void write_yaml(YAML::Emitter& e, const LoraConfig& c);
 
 // Adds adapters to `m`: A [r, in] Kaiming-uniform (bound 1/sqrt(in)) from a stream seeded by
 // (seed, name), B [out, r] zeros, in the model's dtype on its device. Experts get [E, r, in] and

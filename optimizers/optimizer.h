@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/yaml_fwd.h"
 #include "optimizers/groups.h"
 #include "optimizers/updates.h"
 
@@ -41,6 +42,13 @@ struct OptimizerConfig {
   std::string state_tag = "rank0";        // distinguishes the state files of ranks sharing nvme_dir
   void validate() const;
 };
+
+// The optimizer's keys of a recipe's optim: and sft: sections (optimizers/optimizer_yaml.cpp,
+// docs/CONFIG.md), under the recipe's names (muon for use_muon, state for placement, chunk_mb,
+// moments: fp32 | bf16), then validate(), a bad value named at its key's file and line. The
+// sections also hold the trainer's own keys, so the caller reads those and finishes the section.
+void read_yaml(yaml::MapReader& m, OptimizerConfig& c);
+void write_yaml(YAML::Emitter& e, const OptimizerConfig& c);
 
 class Optimizer {
  public:

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/comm.h"
+#include "core/yaml_fwd.h"
 #include "optimizers/optimizer.h"
 
 namespace kiln::parallel {
@@ -54,6 +55,11 @@ struct ParallelConfig {
   void resolve(int64_t world, int64_t num_experts);
   std::string describe() const;
 };
+
+// A recipe's parallel: section (parallel/parallel_yaml.cpp, docs/CONFIG.md): reads and checks every
+// key, then finishes the section (an unknown key is an error at its file and line).
+void read_yaml(yaml::MapReader& m, ParallelConfig& c);
+void write_yaml(YAML::Emitter& e, const ParallelConfig& c);
 
 // Sums every gradient over `group` (undefined gradients count as zeros and become defined),
 // flattened into buckets of at most bucket_bytes per dtype. A one-rank group does nothing.

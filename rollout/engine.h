@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/comm.h"
+#include "core/yaml_fwd.h"
 #include "model/muse.h"
 #include "rollout/sampler.h"  // SamplingParams
 
@@ -104,6 +105,13 @@ struct EngineConfig {
                                         // joining each exchange with one dummy token. Not owned
   void validate() const;
 };
+
+// The engine's keys of a recipe's rollout: section (rollout/engine_yaml.cpp, docs/CONFIG.md), under
+// the recipe's names: kv_cache_mb for kv_cache_bytes, numerics (standard | bitwise) for
+// batch_invariant. The section also holds the trainer's weight-sync check, so the caller reads
+// those keys and finishes the section.
+void read_yaml(yaml::MapReader& m, EngineConfig& c);
+void write_yaml(YAML::Emitter& e, const EngineConfig& c);
 
 // The kv_cache_bytes that holds config.max_num_seqs whole sequences of `tokens` tokens each (no
 // preemption), for `elem`-byte cache values: the window blocks the pool reserves (whole rings, or

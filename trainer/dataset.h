@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "core/yaml_fwd.h"
+
 namespace kiln::text {
 class Tokenizer;
 }
@@ -45,6 +47,12 @@ struct JsonlOptions {
   std::string data_source;                // the data_source of lines that carry none
   bool require_label = true;              // a line without a label is malformed
 };
+
+// The JSONL keys of a recipe's data: section (trainer/dataset_yaml.cpp, docs/CONFIG.md):
+// data_source, bad_lines (error | skip) and the keys: mapping, which is finished here. The data:
+// section also holds the recipe's task and paths, so the caller finishes it.
+void read_yaml(yaml::MapReader& m, JsonlOptions& options);
+void write_yaml(YAML::Emitter& e, const JsonlOptions& options);
 
 struct LoadReport {
   int64_t lines = 0;                 // non-blank lines read
@@ -106,6 +114,12 @@ struct PromptFormat {
   int64_t max_prompt_tokens = 0;    // longer prompts are dropped and counted; 0 = no limit
   void validate() const;
 };
+
+// A recipe's prompt: section (trainer/dataset_yaml.cpp, docs/CONFIG.md): chat (auto | always |
+// never), system, add_generation_prompt, max_prompt_tokens and template_kwargs (a mapping of
+// template variables), finished, then validate(), a bad value named at its file and line.
+void read_yaml(yaml::MapReader& m, PromptFormat& format);
+void write_yaml(YAML::Emitter& e, const PromptFormat& format);
 
 struct PrepareReport {
   int64_t kept = 0, too_long = 0;

@@ -3,10 +3,12 @@
 #include "trainer/environment.h"
 
 #include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
 
 #include <cmath>
 
 #include "core/error.h"
+#include "core/yaml_util.h"
 
 namespace kiln::trainer {
 namespace {
@@ -182,5 +184,21 @@ std::vector<EnvDemo> Environment::demonstrate(const std::vector<EnvDemoRequest>&
 RewardStats Environment::stats() const { return pool_->stats(); }
 
 std::vector<int> Environment::worker_pids() const { return pool_->worker_pids(); }
+
+void read_yaml(yaml::MapReader& m, EnvironmentSpec& spec) {
+  read_yaml(m, spec.worker);
+  m.get("max_turns", spec.max_turns);
+  m.get("max_episode_tokens", spec.max_episode_tokens);
+  m.get("max_observation_tokens", spec.max_observation_tokens);
+  m.finish();
+  m.check("", [&] { spec.validate("environment"); });
+}
+
+void write_yaml(YAML::Emitter& e, const EnvironmentSpec& spec) {
+  write_yaml(e, spec.worker);
+  e << YAML::Key << "max_turns" << YAML::Value << spec.max_turns;
+  e << YAML::Key << "max_episode_tokens" << YAML::Value << spec.max_episode_tokens;
+  e << YAML::Key << "max_observation_tokens" << YAML::Value << spec.max_observation_tokens;
+}
 
 }  // namespace kiln::trainer

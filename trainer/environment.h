@@ -40,6 +40,11 @@ struct EnvironmentSpec {
   void validate(const std::string& path = "environment") const;
 };
 
+// A recipe's environment: section (trainer/environment.cpp, docs/CONFIG.md): the worker keys and
+// the episode limits, finished, then validate(), a bad value named at the section's file and line.
+void read_yaml(yaml::MapReader& m, EnvironmentSpec& spec);
+void write_yaml(YAML::Emitter& e, const EnvironmentSpec& spec);
+
 struct EnvTurn {
   std::string response, observation;
   std::vector<int64_t> response_ids, observation_ids;

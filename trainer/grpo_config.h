@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 
+#include "core/yaml_fwd.h"
 #include "model/lora.h"
 #include "optimizers/optimizer.h"
 #include "parallel/parallel.h"
@@ -93,5 +94,19 @@ struct EvalConfig {
   int64_t max_tokens = 0;           // 0 = grpo.max_tokens
   void validate() const;
 };
+
+// The recipe sections the GRPO step's settings come from (trainer/grpo_config_yaml.cpp,
+// docs/CONFIG.md): prompt, grpo, loss, optim, parallel, rollout, lora, reward and environment,
+// read from the recipe's top-level mapping, each finished and checked, errors at file:line. The
+// recipe's names that differ from the fields are mapped here: grpo.async.max_staleness to
+// async_staleness (-1 without grpo.async), grpo.async.placement to async_split. GrpoConfig::validate
+// and the settings derived from other sections are the caller's (Recipe::from_yaml_file).
+void read_yaml(yaml::MapReader& top, GrpoConfig& c);
+// Writes those sections as keys of the open top-level mapping, in that order.
+void write_yaml(YAML::Emitter& e, const GrpoConfig& c);
+// The evaluation's keys of a recipe's eval: section (prompts for limit, samples, temperature,
+// max_tokens); the section's `every` is RunConfig's, whose reader finishes and checks the section.
+void read_yaml(yaml::MapReader& m, EvalConfig& c);
+void write_yaml(YAML::Emitter& e, const EvalConfig& c);
 
 }  // namespace kiln::trainer

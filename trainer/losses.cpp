@@ -3,10 +3,12 @@
 #include "trainer/losses.h"
 
 #include <ATen/ATen.h>
+#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/yaml_util.h"
 
 namespace kiln::trainer {
 namespace {
@@ -39,6 +41,40 @@ Aggregation parse_aggregation(const std::string& name) {
   if (name == "token-mean") return Aggregation::kTokenMean;
   if (name == "seq-mean-token-mean") return Aggregation::kSeqMeanTokenMean;
   KILN_FAIL("policy loss: unknown aggregation '", name, "'; use token-mean or seq-mean-token-mean");
+}
+
+const char* aggregation_name(Aggregation a) {
+  return a == Aggregation::kTokenMean ? "token-mean" : "seq-mean-token-mean";
+}
+
+void read_yaml(yaml::MapReader& l, PolicyLossConfig& c) {
+  std::string agg = aggregation_name(c.aggregation);
+  l.get("eps_low", c.eps_low);
+  l.get("eps_high", c.eps_high);
+  l.get("aggregation", agg);
+  l.get("kl_coef", c.kl_coef);
+  l.get("tis", c.tis);
+  l.get("tis_cap", c.tis_cap);
+  l.get("gspo", c.gspo);
+  l.get("mis", c.mis);
+  l.get("mis_low", c.mis_low);
+  l.get("mis_high", c.mis_high);
+  l.finish();
+  l.check("aggregation", [&] { c.aggregation = parse_aggregation(agg); });
+  if (c.kl_coef < 0) l.fail("kl_coef", "must be >= 0 (0 turns the KL term off)");
+}
+
+void write_yaml(YAML::Emitter& e, const PolicyLossConfig& c) {
+  e << YAML::Key << "eps_low" << YAML::Value << c.eps_low;
+  e << YAML::Key << "eps_high" << YAML::Value << c.eps_high;
+  e << YAML::Key << "aggregation" << YAML::Value << aggregation_name(c.aggregation);
+  e << YAML::Key << "kl_coef" << YAML::Value << c.kl_coef;
+  e << YAML::Key << "tis" << YAML::Value << c.tis;
+  e << YAML::Key << "tis_cap" << YAML::Value << c.tis_cap;
+  e << YAML::Key << "gspo" << YAML::Value << c.gspo;
+  e << YAML::Key << "mis" << YAML::Value << c.mis;
+  e << YAML::Key << "mis_low" << YAML::Value << c.mis_low;
+  e << YAML::Key << "mis_high" << YAML::Value << c.mis_high;
 }
 
 PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossConfig& cfg) {

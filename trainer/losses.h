@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/yaml_fwd.h"
+
 namespace kiln::trainer {
 
 // rewards [num_groups * group_size], grouped consecutively. A_i = (r_i - mean) / (std + eps) with
@@ -17,6 +19,7 @@ at::Tensor group_advantages(const at::Tensor& rewards, int64_t group_size, bool 
 
 enum class Aggregation { kTokenMean, kSeqMeanTokenMean };
 Aggregation parse_aggregation(const std::string& name);  // "token-mean" | "seq-mean-token-mean"
+const char* aggregation_name(Aggregation a);
 
 struct PolicyLossConfig {
   double eps_low = 0.2;        // rho clipped to [1 - eps_low, 1 + eps_high] (DAPO clip-higher)
@@ -30,6 +33,11 @@ struct PolicyLossConfig {
   double mis_low = 0.5;        // lies outside [mis_low, mis_high] carry no policy term
   double mis_high = 2.0;
 };
+
+// A recipe's loss: section (trainer/losses.cpp, docs/CONFIG.md): every field under its own name,
+// finished, then checked, a bad value named at its key's file and line.
+void read_yaml(yaml::MapReader& m, PolicyLossConfig& c);
+void write_yaml(YAML::Emitter& e, const PolicyLossConfig& c);
 
 // All [T] over the packed tokens of a micro-batch; only tokens with mask 1 count.
 struct PolicyLossInputs {

@@ -16,6 +16,14 @@ struct ModelConfig;
 
 namespace kiln::trainer {
 
+// data.task: where the examples come from.
+enum class Task {
+  kArithmetic,  // generated arithmetic problems (trainer/tasks.h)
+  kJsonl,       // JSONL files (data.path, data.eval_path)
+};
+Task parse_task(const std::string& name);  // "arithmetic" | "jsonl"; throws otherwise
+const char* task_name(Task t);
+
 struct Recipe {
   // model
   std::string model_config;       // a model YAML (random init), relative to the recipe's folder or cwd
@@ -27,7 +35,7 @@ struct Recipe {
   // has them, else the byte tokenizer (ids = bytes, for muse-tiny).
   std::string tokenizer;
   // data
-  std::string task = "arithmetic"; // arithmetic | jsonl
+  Task task = Task::kArithmetic;
   std::string data_path;           // jsonl: the training file
   std::string eval_path;           // jsonl: a separate eval file; empty = test_fraction of data_path
   JsonlOptions jsonl;              // keys, bad-line policy, default data_source

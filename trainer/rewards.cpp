@@ -72,6 +72,12 @@ const char* reward_type_name(RewardType type) {
   return "unknown";
 }
 
+std::vector<std::string> reward_type_names() {
+  std::vector<std::string> out;
+  for (const TypeName& t : kTypeNames) out.push_back(t.name);
+  return out;
+}
+
 OnFailure parse_on_failure(const std::string& name) {
   if (name == "zero") return OnFailure::kZero;
   if (name == "stop") return OnFailure::kStop;

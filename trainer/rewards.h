@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/yaml_fwd.h"
+
 namespace kiln::trainer {
 
 // One sample to score.
@@ -65,6 +67,7 @@ enum class OnFailure { kZero, kStop };
 // "exact_match", "regex_format", "math", "worker", "sum"; errors list the names.
 RewardType parse_reward_type(const std::string& name);
 const char* reward_type_name(RewardType type);
+std::vector<std::string> reward_type_names();  // every type's name, in declaration order
 // "zero" or "stop".
 OnFailure parse_on_failure(const std::string& name);
 const char* on_failure_name(OnFailure policy);
@@ -122,6 +125,11 @@ struct WorkerSpec {
   void validate(const std::string& path) const;  // a command, counts and times in range
 };
 
+// The keys a reward worker and an environment share (trainer/rewards_yaml.cpp): command (required)
+// and the pool's limits. The caller reads its own keys and finishes the section.
+void read_yaml(yaml::MapReader& m, WorkerSpec& w);
+void write_yaml(YAML::Emitter& e, const WorkerSpec& w);
+
 // A reward. `type` picks which of the option blocks below applies; the others are ignored.
 struct RewardSpec {
   RewardType type = RewardType::kExactMatch;
@@ -138,6 +146,12 @@ struct RewardSpec {
   // compile, worker limits in range). Errors name the reward's path, e.g. "reward.parts[1]".
   void validate(const std::string& path = "reward") const;
 };
+
+// A recipe's reward: section (trainer/rewards_yaml.cpp, docs/CONFIG.md): the type's keys (a sum's
+// parts each a reward of their own), finished at every level, then validate(), a bad value named
+// at the file and line of its section.
+void read_yaml(yaml::MapReader& m, RewardSpec& spec);
+void write_yaml(YAML::Emitter& e, const RewardSpec& spec);
 
 // Validates `spec` and builds the reward. Workers start on the first score() call.
 std::unique_ptr<Reward> make_reward(const RewardSpec& spec);

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
 
 #include <cerrno>
 #include <chrono>
@@ -18,6 +19,7 @@
 #include "core/error.h"
 #include "core/stop_signal.h"
 #include "core/tensorboard.h"
+#include "core/yaml_util.h"
 
 namespace kiln::trainer {
 namespace {
@@ -162,6 +164,43 @@ RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress
   }
   if (lead && progress && first <= c.steps) std::fprintf(progress, "\n");
   return RunResult{last, 0, 0};
+}
+
+void read_yaml(yaml::MapReader& m, RunConfig& c, uint64_t& seed) {
+  m.get("steps", c.steps);
+  m.get("checkpoint_every", c.checkpoint_every);
+  m.get("samples_every", c.samples_every);
+  m.get("samples_per_dump", c.samples_per_dump);
+  m.get("tensorboard", c.tensorboard);
+  m.get("seed", seed);
+  m.get("out", c.out);
+  m.finish();
+  if (c.steps < 0) m.fail("steps", "must be >= 0");
+  if (c.checkpoint_every < 0) m.fail("checkpoint_every", "must be >= 0 (0: only at the end)");
+  if (c.samples_every < 0) m.fail("samples_every", "must be >= 0 (0: no sample dumps)");
+}
+
+void write_yaml(YAML::Emitter& e, const RunConfig& c, uint64_t seed) {
+  e << YAML::Key << "steps" << YAML::Value << c.steps;
+  e << YAML::Key << "checkpoint_every" << YAML::Value << c.checkpoint_every;
+  e << YAML::Key << "samples_every" << YAML::Value << c.samples_every;
+  e << YAML::Key << "samples_per_dump" << YAML::Value << c.samples_per_dump;
+  e << YAML::Key << "tensorboard" << YAML::Value << c.tensorboard;
+  e << YAML::Key << "seed" << YAML::Value << seed;
+  e << YAML::Key << "out" << YAML::Value << c.out;
+}
+
+void read_eval_yaml(yaml::MapReader& m, RunConfig& c) {
+  m.get("every", c.eval_every);
+  read_yaml(m, c.eval);
+  m.finish();
+  if (c.eval_every < 0) m.fail("every", "must be >= 0 (0: only at the start and the end)");
+  m.check("", [&] { c.eval.validate(); });
+}
+
+void write_eval_yaml(YAML::Emitter& e, const RunConfig& c) {
+  e << YAML::Key << "every" << YAML::Value << c.eval_every;
+  write_yaml(e, c.eval);
 }
 
 }  // namespace kiln::trainer

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "core/yaml_fwd.h"
 #include "trainer/grpo.h"
 
 namespace kiln::tensorboard {
@@ -48,6 +49,16 @@ struct RunConfig {
   EvalConfig eval;
   std::string out;                // the run directory
 };
+
+// A recipe's run: section (trainer/run.cpp, docs/CONFIG.md), finished and checked, a bad value
+// named at its key's file and line. It also holds the run's seed, which the trainers keep
+// (GrpoConfig::seed, SftConfig::seed).
+void read_yaml(yaml::MapReader& m, RunConfig& c, uint64_t& seed);
+void write_yaml(YAML::Emitter& e, const RunConfig& c, uint64_t seed);
+// A recipe's eval: section: every (eval_every) and the evaluation's settings (c.eval), finished
+// and checked.
+void read_eval_yaml(yaml::MapReader& m, RunConfig& c);
+void write_eval_yaml(YAML::Emitter& e, const RunConfig& c);
 
 struct RunResult {
   EvalMetrics last;          // the last evaluation

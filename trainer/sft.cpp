@@ -6,10 +6,12 @@
 #include <torch/nn/utils/clip_grad.h>
 
 #include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
 
 #include <cmath>
 
 #include "core/error.h"
+#include "core/yaml_util.h"
 #include "parallel/parallel.h"
 #include "parallel/sharded_model.h"
 #include "model/expert_parallel.h"
@@ -38,6 +40,30 @@ Demonstrations parse_demonstrations(const std::string& name) {
 
 const char* demonstrations_name(Demonstrations d) {
   return d == Demonstrations::kEnvironment ? "environment" : "label";
+}
+
+void read_yaml(yaml::MapReader& s, SftConfig& c, bool environment) {
+  s.get("steps", c.steps);
+  s.get("batch_size", c.batch_size);
+  read_yaml(s, c.optim);
+  s.get("grad_clip", c.grad_clip);
+  s.get("stop_after_nonfinite", c.stop_after_nonfinite);
+  read_yaml(s, c.schedule);
+  s.get_enum("demonstrations", c.demonstrations, parse_demonstrations, demonstrations_name);
+  if (c.demonstrations == Demonstrations::kEnvironment && !environment)
+    s.fail("demonstrations", "environment needs the recipe's environment: section (its workers demonstrate)");
+  s.finish();
+  s.check("", [&] { c.validate(); });
+}
+
+void write_yaml(YAML::Emitter& e, const SftConfig& c) {
+  e << YAML::Key << "steps" << YAML::Value << c.steps;
+  e << YAML::Key << "batch_size" << YAML::Value << c.batch_size;
+  write_yaml(e, c.optim);
+  e << YAML::Key << "grad_clip" << YAML::Value << c.grad_clip;
+  e << YAML::Key << "stop_after_nonfinite" << YAML::Value << c.stop_after_nonfinite;
+  write_yaml(e, c.schedule);
+  e << YAML::Key << "demonstrations" << YAML::Value << demonstrations_name(c.demonstrations);
 }
 
 std::pair<std::vector<int64_t>, std::vector<int64_t>> sft_sequence(const Example& ex, const text::Tokenizer& tok) {

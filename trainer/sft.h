@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/comm.h"
+#include "core/yaml_fwd.h"
 #include "parallel/parallel.h"
 #include "model/muse.h"
 #include "optimizers/optimizer.h"
@@ -46,6 +47,13 @@ struct SftConfig {
     return o;
   }
 };
+
+// A recipe's sft: section (trainer/sft.cpp, docs/CONFIG.md): steps, batch_size, the optimizer's
+// and the schedule's keys, grad_clip, stop_after_nonfinite and demonstrations, finished, then
+// validate(). `environment`: whether the recipe has an environment: section (demonstrations:
+// environment needs one). A bad value is named at its key's file and line.
+void read_yaml(yaml::MapReader& m, SftConfig& c, bool environment);
+void write_yaml(YAML::Emitter& e, const SftConfig& c);
 
 struct SftMetrics {
   int64_t step = 0;

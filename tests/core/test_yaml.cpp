@@ -38,6 +38,34 @@ TEST(Yaml, ReadsKnownKeysAndNestedMaps) {
   EXPECT_EQ(missing, "keep");
 }
 
+// The recorder sees every key asked for, present or not, under its path, a list's entries as "[]",
+// and only while it is alive.
+TEST(Yaml, KeyRecorderCollectsEveryKeyAskedFor) {
+  test::TempDir dir;
+  std::string path = write(dir, "a: 3\nrules:\n  - m: x\n  - m: y\n    n: 2\n");
+  std::set<std::string> keys, lists;
+  {
+    yaml::KeyRecorder recorder;
+    yaml::MapReader r(yaml::load_file(path), path, "top");
+    int64_t a = 0, absent = 0;
+    r.get("a", a);
+    r.get("absent", absent);
+    auto sub = r.child("sub");
+    sub.get("deep", absent);
+    for (yaml::MapReader& e : r.children("rules")) {
+      std::string m;
+      e.get("m", m);
+      e.get("n", absent);
+    }
+    keys = recorder.keys();
+    lists = recorder.lists();
+  }
+  EXPECT_EQ(keys, (std::set<std::string>{"top.a", "top.absent", "top.sub", "top.sub.deep", "top.rules",
+                                         "top.rules[].m", "top.rules[].n"}));
+  EXPECT_EQ(lists, (std::set<std::string>{"top.rules"}));
+  EXPECT_EQ(yaml::KeyRecorder::active(), nullptr);
+}
+
 TEST(Yaml, UnknownKeyNamesPathAndLine) {
   test::TempDir dir;
   std::string path = write(dir, "a: 3\nb:\n  c: 2.5\n  typo: 1\n");

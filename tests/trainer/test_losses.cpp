@@ -236,16 +236,16 @@ TEST(LrSchedule, WarmupThenConstantLinearOrCosineDecay) {
   EXPECT_DOUBLE_EQ(s.factor(5), 0.5);
   EXPECT_DOUBLE_EQ(s.factor(10), 1.0);
   EXPECT_DOUBLE_EQ(s.factor(60), 1.0);  // constant
-  s.decay = "linear";
+  s.decay = LrDecay::kLinear;
   s.min_ratio = 0.1;
   EXPECT_DOUBLE_EQ(s.factor(60), 0.1 + 0.9 * 0.5);
   EXPECT_DOUBLE_EQ(s.factor(110), 0.1);
   EXPECT_DOUBLE_EQ(s.factor(500), 0.1);  // past the horizon it stays at the floor
-  s.decay = "cosine";
+  s.decay = LrDecay::kCosine;
   EXPECT_NEAR(s.factor(60), 0.1 + 0.9 * 0.5, 1e-12);
   EXPECT_NEAR(s.factor(35), 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * 0.25)), 1e-12);
-  s.decay = "step";
-  EXPECT_TRUE(test::throws_with([&] { s.validate(); }, {"unknown lr_decay 'step'", "constant, linear or cosine"}));
+  EXPECT_TRUE(test::throws_with([] { parse_lr_decay("step"); }, {"unknown lr_decay 'step'", "constant, linear or cosine"}));
+  EXPECT_EQ(parse_lr_decay(lr_decay_name(LrDecay::kCosine)), LrDecay::kCosine);
 }
 
 }  // namespace
