@@ -12,15 +12,15 @@ MAX_FUNCTION_LINES = 120  # from the line that names the function to its closing
 
 # Files allowed above MAX_FILE_LINES, each with the reason. A function in them still counts.
 FILE_EXEMPT = {
-    # The Jinja built-ins are one table of filters, tests and methods that mirrors Jinja's own list;
-    # split by letter it would only be harder to find one.
-    "text/jinja_builtins.cpp": "the Jinja built-ins table",
+    # The Jinja built-ins: every filter, test and str/list/dict method jinja2 has, in one place to
+    # compare with jinja2's own list (issue 51 exempts them from the file limit, not its functions).
+    "text/jinja_builtins.cpp": "the Jinja built-ins",
 }
 
 # Functions allowed above MAX_FUNCTION_LINES, as (file, name): the reason.
 FUNCTION_EXEMPT = {
-    # CUDA kernels: this machine's build has no CUDA (KILN_WITH_CUDA 0) and no GPU, so a split could
-    # be neither compiled into the tests nor run; changing them needs a GPU run of tests/cuda.
+    # CUDA kernels: the CPU build neither compiles nor runs them, so a split of one is proven only by
+    # a GPU run of the cuda tests (tools/gpu_check.sh); they stay whole until a change gets one.
     ("kernels/nvfp4_wgmma.cu", "wgmma_kernel"): "CUDA kernel, needs a GPU run to change",
     ("kernels/paged_attention.cu", "paged_decode_mma_kernel"): "CUDA kernel, needs a GPU run to change",
 }
@@ -333,11 +333,42 @@ def check(root, strict):
     return violations, notes
 
 
+def self_test():
+    """The checker on a small tree with one violation of each kind: each must be reported."""
+    import tempfile
+    long_fn = "void f() {\n" + "  g();\n" * (MAX_FUNCTION_LINES - 1) + "}\n"
+    tree = {
+        "core/a.h": '// x\n#include "kernels/b.h"\n',        # upward, and a cycle with kernels/b.h
+        "kernels/b.h": '// x\n#include "core/a.h"\n',
+        "text/t.cpp": '// x\n#include <torch/torch.h>\n',   # torch in a pure C++ library
+        "trainer/rewards.cpp": '// x\n#include "model/muse.h"\n',  # kiln_rewards above core/
+        "model/long.cpp": "// x\n" + "// pad\n" * MAX_FILE_LINES,
+        "rollout/fn.cpp": "// x\n" + long_fn + "void ok() {\n  // } in a comment\n  h(\"}\");\n}\n",
+        "rollout/fit.cpp": "// x\n" + long_fn.replace("  g();\n", "", 1),  # exactly at the limit
+    }
+    expected = ['core/a.h:2: includes "kernels/b.h"', "text/t.cpp:2: includes <torch/torch.h>",
+                'trainer/rewards.cpp:2: includes "model/muse.h"', "model/long.cpp:1: 1001 lines",
+                "rollout/fn.cpp:2: function f is 121 lines", "core/a.h:2: core/ -> kernels/ is part of an include cycle"]
+    with tempfile.TemporaryDirectory() as root:
+        for rel, text in tree.items():
+            os.makedirs(os.path.join(root, os.path.dirname(rel)), exist_ok=True)
+            with open(os.path.join(root, rel), "w") as f: f.write(text)
+        violations, _ = check(root, strict=True)
+    missed = [e for e in expected if not any(v.startswith(e) for v in violations)]
+    extra = [v for v in violations if not any(v.startswith(e) for e in expected) and "kernels/b.h:2" not in v]
+    for m in missed: print("self-test: not reported:", m)
+    for x in extra: print("self-test: reported but not expected:", x)
+    print(f"check_layout self-test: {'passed' if not missed and not extra else 'FAILED'}")
+    return 1 if missed or extra else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--strict", action="store_true", help="no allowance for the files being split")
+    ap.add_argument("--self-test", action="store_true", help="check that each kind of violation is reported")
     args = ap.parse_args()
+    if args.self_test: return self_test()
     violations, notes = check(args.root, args.strict)
     for v in violations: print(v)
     for n in notes: print("note:", n)
