@@ -59,7 +59,7 @@ TORCH_INCLUDE = re.compile(r"^(torch|ATen|c10)/")
 IDENT = re.compile(r"[A-Za-z_]\w*")
 CONTROL = {"if", "for", "while", "switch", "catch", "constexpr", "return", "sizeof", "alignof", "decltype",
            "noexcept", "throw", "alignas", "static_assert", "__launch_bounds__", "requires", "typeid",
-           "defined", "__attribute__", "__declspec"}
+           "defined", "__attribute__", "__declspec", "new"}
 TAIL_WORDS = {"const", "volatile", "noexcept", "override", "final", "mutable", "try", "throw"}
 
 
@@ -195,9 +195,11 @@ def function_name(tokens, close_paren):
         if k < 0: return None
         t = tokens[k][0]
     if not IDENT.fullmatch(t) or t in CONTROL: return None
-    # A constructor's member initializers, x_(a), y_{b}: step back to the constructor itself.
-    if k >= 2 and tokens[k - 1][0] in (",", ":") and tokens[k - 2][0] in (")", "}"):
-        return initializer_owner(tokens, k - 2)
+    # A constructor's member initializers, x_(a), y_{b}: step back to the constructor itself (after
+    # `public:` the name is the function's own).
+    if k >= 2 and tokens[k - 1][0] in (",", ":"):
+        owner = initializer_owner(tokens, k - 2)
+        if owner: return owner
     name, j = t, k
     while j >= 2 and tokens[j - 1][0] == "::" and (IDENT.fullmatch(tokens[j - 2][0]) or tokens[j - 2][0] == ">"):
         if tokens[j - 2][0] == ">":
@@ -212,10 +214,11 @@ def function_name(tokens, close_paren):
 
 def initializer_owner(tokens, j):
     """The constructor whose member initializer list holds the ')' or '}' at j, or None."""
-    if tokens[j][0] == ")": return function_name(tokens, j)
+    if tokens[j][0] != "}":
+        close = skip_tail(tokens, j)  # over a noexcept between the parameters and the ':'
+        return function_name(tokens, close) if close >= 0 else None
     b = match_backward(tokens, j, "{", "}")
-    if b >= 3 and IDENT.fullmatch(tokens[b - 1][0]) and tokens[b - 2][0] in (",", ":") \
-            and tokens[b - 3][0] in (")", "}"):
+    if b >= 3 and IDENT.fullmatch(tokens[b - 1][0]) and tokens[b - 2][0] in (",", ":"):
         return initializer_owner(tokens, b - 3)
     return None
 
@@ -231,7 +234,7 @@ def functions(code):
             if i > 0:
                 close = skip_tail(tokens, i - 1)
                 if close >= 0: fn = function_name(tokens, close)
-                elif tokens[i - 1][0] == "}": fn = initializer_owner(tokens, i - 1)
+                elif tokens[i - 1][0] == "}": fn = initializer_owner(tokens, i - 1)  # ... y_{b} {
             stack.append((i, fn))
         elif t == "}" and stack:
             _, fn = stack.pop()
