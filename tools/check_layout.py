@@ -351,7 +351,8 @@ def self_test():
     }
     expected = ['core/a.h:2: includes "kernels/b.h"', "text/t.cpp:2: includes <torch/torch.h>",
                 'trainer/rewards.cpp:2: includes "model/muse.h"', "model/long.cpp:1: 1001 lines",
-                "rollout/fn.cpp:2: function f is 121 lines", "core/a.h:2: core/ -> kernels/ is part of an include cycle"]
+                "rollout/fn.cpp:2: function f is 121 lines",
+                "core/a.h:2: core/ -> kernels/ is part of an include cycle"]
     with tempfile.TemporaryDirectory() as root:
         for rel, text in tree.items():
             os.makedirs(os.path.join(root, os.path.dirname(rel)), exist_ok=True)
@@ -375,7 +376,8 @@ def main():
     violations, notes = check(args.root, args.strict)
     for v in violations: print(v)
     for n in notes: print("note:", n)
-    print(f"check_layout: {len(violations)} violation(s)" + (f", {len(notes)} allowed while being split" if notes else ""))
+    allowed = f", {len(notes)} allowed while being split" if notes else ""
+    print(f"check_layout: {len(violations)} violation(s){allowed}")
     return 1 if violations else 0
 
 
