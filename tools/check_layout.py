@@ -60,7 +60,6 @@ IDENT = re.compile(r"[A-Za-z_]\w*")
 CONTROL = {"if", "for", "while", "switch", "catch", "constexpr", "return", "sizeof", "alignof", "decltype",
            "noexcept", "throw", "alignas", "static_assert", "__launch_bounds__", "requires", "typeid",
            "defined", "__attribute__", "__declspec", "new"}
-TAIL_WORDS = {"const", "volatile", "noexcept", "override", "final", "mutable", "try", "throw"}
 
 
 def clean(text):
