@@ -247,6 +247,110 @@ int64_t TensorInfo::numel() const {
 // ---------------------------------------------------------------------------------------------
 // File
 
+namespace {
+
+// The header's JSON, parsed from the header_size bytes at text, with duplicate top-level keys refused.
+json parse_header(const std::string& path, const char* text, uint64_t header_size) {
+  // nlohmann keeps the last of duplicate keys; the callback notices top-level duplicates first.
+  std::set<std::string> seen;
+  std::string duplicate;
+  json::parser_callback_t on_event = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::key && depth == 1 && parsed.is_string()) {
+      const std::string& key = parsed.get_ref<const std::string&>();
+      if (!seen.insert(key).second && duplicate.empty()) duplicate = key;
+    }
+    return true;
+  };
+  json header;
+  try {
+    header = json::parse(text, text + header_size, on_event);
+  } catch (const json::exception& e) {
+    KILN_FAIL("safetensors: header is not valid JSON (file=", path, ", header_size=", header_size,
+              ", parser=", e.what(), "); the file is corrupt or not safetensors");
+  }
+  KILN_CHECK(duplicate.empty(), "safetensors: duplicate tensor name in the header (",
+             at_tensor(path, duplicate), "); the writer is broken, rewrite the file");
+  return header;
+}
+
+// One tensor's header entry, {dtype, shape, data_offsets}, checked against itself and the data section.
+TensorInfo parse_entry(const std::string& name, const json& entry, const std::string& where, uint64_t data_size) {
+  KILN_CHECK(entry.is_object(), "safetensors: header entry is not an object (", where, ", type=",
+             entry.type_name(), "); expected {dtype, shape, data_offsets}");
+  for (const char* key : {"dtype", "shape", "data_offsets"}) {
+    KILN_CHECK(entry.contains(key), "safetensors: header entry lacks '", key, "' (", where,
+               "); expected {dtype, shape, data_offsets}");
+  }
+  const json& jdtype = entry["dtype"];
+  KILN_CHECK(jdtype.is_string(), "safetensors: dtype is not a string (", where, ", type=",
+             jdtype.type_name(), "); expected one of ", kAllDTypes);
+  TensorInfo info;
+  info.name = name;
+  info.dtype = dtype_from_name(jdtype.get<std::string>(), where);
+
+  const json& jshape = entry["shape"];
+  KILN_CHECK(jshape.is_array(), "safetensors: shape is not an array (", where, ", shape=",
+             jshape.dump(), "); expected a list of non-negative integers");
+  uint64_t numel = 1;
+  bool overflow = false;
+  for (const json& d : jshape) {
+    KILN_CHECK(d.is_number_integer(), "safetensors: shape has a non-integer dimension (", where,
+               ", shape=", jshape.dump(), "); expected a list of non-negative integers");
+    KILN_CHECK(d.is_number_unsigned(), "safetensors: shape has a negative dimension (", where,
+               ", shape=", jshape.dump(), "); the file is corrupt");
+    uint64_t dim = d.get<uint64_t>();
+    KILN_CHECK(dim <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
+               "safetensors: shape dimension too large (", where, ", shape=", jshape.dump(),
+               "); the file is corrupt");
+    info.shape.push_back(static_cast<int64_t>(dim));
+    overflow |= __builtin_mul_overflow(numel, dim, &numel);
+  }
+  uint64_t nbytes = 0;
+  overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(info.dtype)), &nbytes);
+  KILN_CHECK(!overflow, "safetensors: shape too large (", where, ", shape=", jshape.dump(),
+             "); the file is corrupt");
+
+  const json& joff = entry["data_offsets"];
+  KILN_CHECK(joff.is_array() && joff.size() == 2 && joff[0].is_number_unsigned() &&
+                 joff[1].is_number_unsigned(),
+             "safetensors: data_offsets is not two non-negative integers (", where,
+             ", data_offsets=", joff.dump(), "); the file is corrupt");
+  info.begin = joff[0].get<uint64_t>();
+  info.end = joff[1].get<uint64_t>();
+  KILN_CHECK(info.begin <= info.end, "safetensors: data_offsets begin after end (", where,
+             ", begin=", info.begin, ", end=", info.end, "); the file is corrupt");
+  KILN_CHECK(info.end - info.begin == nbytes, "safetensors: shape/byte mismatch (", where,
+             ", dtype=", dtype_name(info.dtype), ", shape=", shape_str(info.shape),
+             ", expected_bytes=", nbytes, ", data_offsets=[", info.begin, ",", info.end,
+             "], bytes=", info.end - info.begin, "); the file is corrupt");
+  KILN_CHECK(info.end <= data_size, "safetensors: tensor data out of range, past the end ",
+             "of the file (", where, ", data_offsets=[", info.begin, ",", info.end,
+             "], data_size=", data_size, "); the file is truncated or corrupt");
+  return info;
+}
+
+// The tensors, sorted by offset, are contiguous, with no holes, and cover the data section.
+void check_contiguous(const std::string& path, const std::vector<TensorInfo>& tensors, uint64_t data_size) {
+  uint64_t expected = 0;
+  const TensorInfo* prev = nullptr;
+  for (const TensorInfo& t : tensors) {
+    KILN_CHECK(t.begin >= expected, "safetensors: overlapping data_offsets (", at_tensor(path, t.name),
+               ", begin=", t.begin, ", overlaps_tensor=", prev ? prev->name : std::string(),
+               ", its_end=", expected, "); the file is corrupt");
+    KILN_CHECK(t.begin == expected, "safetensors: hole in the data section before a tensor (",
+               at_tensor(path, t.name), ", begin=", t.begin, ", previous_tensor=",
+               prev ? prev->name : std::string("(none)"), ", previous_end=", expected,
+               "); tensors must be contiguous, the file is corrupt");
+    expected = t.end;
+    prev = &t;
+  }
+  KILN_CHECK(expected == data_size, "safetensors: data section has bytes no tensor covers (",
+             at_tensor(path, prev ? prev->name : std::string("(none)")), ", last_end=", expected,
+             ", data_size=", data_size, "); the file is corrupt");
+}
+
+}  // namespace
+
 File::~File() = default;
 
 std::shared_ptr<File> File::open(const std::string& path) {
@@ -289,26 +393,7 @@ std::shared_ptr<File> File::open(const std::string& path) {
   file->data_ = base + 8 + header_size;
   file->data_size_ = file_size - 8 - header_size;
 
-  // nlohmann keeps the last of duplicate keys; the callback notices top-level duplicates first.
-  std::set<std::string> seen;
-  std::string duplicate;
-  json::parser_callback_t on_event = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::key && depth == 1 && parsed.is_string()) {
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (!seen.insert(key).second && duplicate.empty()) duplicate = key;
-    }
-    return true;
-  };
-  json header;
-  try {
-    const char* text = reinterpret_cast<const char*>(base + 8);
-    header = json::parse(text, text + header_size, on_event);
-  } catch (const json::exception& e) {
-    KILN_FAIL("safetensors: header is not valid JSON (file=", path, ", header_size=", header_size,
-              ", parser=", e.what(), "); the file is corrupt or not safetensors");
-  }
-  KILN_CHECK(duplicate.empty(), "safetensors: duplicate tensor name in the header (",
-             at_tensor(path, duplicate), "); the writer is broken, rewrite the file");
+  json header = parse_header(path, reinterpret_cast<const char*>(base + 8), header_size);
   KILN_CHECK(header.is_object(), "safetensors: header is not a JSON object (file=", path,
              ", type=", header.type_name(), "); the file is corrupt or not safetensors");
 
@@ -324,81 +409,14 @@ std::shared_ptr<File> File::open(const std::string& path) {
       continue;
     }
     const std::string where = at_tensor(path, name);
-    KILN_CHECK(entry.is_object(), "safetensors: header entry is not an object (", where, ", type=",
-               entry.type_name(), "); expected {dtype, shape, data_offsets}");
-    for (const char* key : {"dtype", "shape", "data_offsets"}) {
-      KILN_CHECK(entry.contains(key), "safetensors: header entry lacks '", key, "' (", where,
-                 "); expected {dtype, shape, data_offsets}");
-    }
-    const json& jdtype = entry["dtype"];
-    KILN_CHECK(jdtype.is_string(), "safetensors: dtype is not a string (", where, ", type=",
-               jdtype.type_name(), "); expected one of ", kAllDTypes);
-    TensorInfo info;
-    info.name = name;
-    info.dtype = dtype_from_name(jdtype.get<std::string>(), where);
-
-    const json& jshape = entry["shape"];
-    KILN_CHECK(jshape.is_array(), "safetensors: shape is not an array (", where, ", shape=",
-               jshape.dump(), "); expected a list of non-negative integers");
-    uint64_t numel = 1;
-    bool overflow = false;
-    for (const json& d : jshape) {
-      KILN_CHECK(d.is_number_integer(), "safetensors: shape has a non-integer dimension (", where,
-                 ", shape=", jshape.dump(), "); expected a list of non-negative integers");
-      KILN_CHECK(d.is_number_unsigned(), "safetensors: shape has a negative dimension (", where,
-                 ", shape=", jshape.dump(), "); the file is corrupt");
-      uint64_t dim = d.get<uint64_t>();
-      KILN_CHECK(dim <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
-                 "safetensors: shape dimension too large (", where, ", shape=", jshape.dump(),
-                 "); the file is corrupt");
-      info.shape.push_back(static_cast<int64_t>(dim));
-      overflow |= __builtin_mul_overflow(numel, dim, &numel);
-    }
-    uint64_t nbytes = 0;
-    overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(info.dtype)), &nbytes);
-    KILN_CHECK(!overflow, "safetensors: shape too large (", where, ", shape=", jshape.dump(),
-               "); the file is corrupt");
-
-    const json& joff = entry["data_offsets"];
-    KILN_CHECK(joff.is_array() && joff.size() == 2 && joff[0].is_number_unsigned() &&
-                   joff[1].is_number_unsigned(),
-               "safetensors: data_offsets is not two non-negative integers (", where,
-               ", data_offsets=", joff.dump(), "); the file is corrupt");
-    info.begin = joff[0].get<uint64_t>();
-    info.end = joff[1].get<uint64_t>();
-    KILN_CHECK(info.begin <= info.end, "safetensors: data_offsets begin after end (", where,
-               ", begin=", info.begin, ", end=", info.end, "); the file is corrupt");
-    KILN_CHECK(info.end - info.begin == nbytes, "safetensors: shape/byte mismatch (", where,
-               ", dtype=", dtype_name(info.dtype), ", shape=", shape_str(info.shape),
-               ", expected_bytes=", nbytes, ", data_offsets=[", info.begin, ",", info.end,
-               "], bytes=", info.end - info.begin, "); the file is corrupt");
-    KILN_CHECK(info.end <= file->data_size_, "safetensors: tensor data out of range, past the end ",
-               "of the file (", where, ", data_offsets=[", info.begin, ",", info.end,
-               "], data_size=", file->data_size_, "); the file is truncated or corrupt");
-    file->tensors_.push_back(std::move(info));
+    file->tensors_.push_back(parse_entry(name, entry, where, file->data_size_));
   }
 
   auto& tensors = file->tensors_;
   std::sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
-  // Contiguous, no holes, covering the buffer.
-  uint64_t expected = 0;
-  const TensorInfo* prev = nullptr;
-  for (const TensorInfo& t : tensors) {
-    KILN_CHECK(t.begin >= expected, "safetensors: overlapping data_offsets (", at_tensor(path, t.name),
-               ", begin=", t.begin, ", overlaps_tensor=", prev ? prev->name : std::string(),
-               ", its_end=", expected, "); the file is corrupt");
-    KILN_CHECK(t.begin == expected, "safetensors: hole in the data section before a tensor (",
-               at_tensor(path, t.name), ", begin=", t.begin, ", previous_tensor=",
-               prev ? prev->name : std::string("(none)"), ", previous_end=", expected,
-               "); tensors must be contiguous, the file is corrupt");
-    expected = t.end;
-    prev = &t;
-  }
-  KILN_CHECK(expected == file->data_size_, "safetensors: data section has bytes no tensor covers (",
-             at_tensor(path, prev ? prev->name : std::string("(none)")), ", last_end=", expected,
-             ", data_size=", file->data_size_, "); the file is corrupt");
+  check_contiguous(path, tensors, file->data_size_);
   for (size_t i = 0; i < tensors.size(); ++i) file->index_[tensors[i].name] = i;
   return file;
 }

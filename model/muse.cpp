@@ -819,8 +819,12 @@ at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, con
   return standard_attention(q, k, v, cu_seqlens, window, flash, padded);
 }
 
-ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt) const {
-  const int64_t T = batch.num_tokens(), L = cfg_.num_layers, k = cfg_.top_k;
+namespace {
+
+// The batch and the options checked against each other and the model, so that a bad input fails
+// with its name before any work.
+void check_forward_inputs(const ModelConfig& cfg, const PackedBatch& batch, const ForwardOptions& opt) {
+  const int64_t T = batch.num_tokens(), L = cfg.num_layers, k = cfg.top_k;
   KILN_CHECK(T > 0, "forward: the batch holds no tokens; give at least one sequence with tokens");
   KILN_CHECK(batch.tokens.dim() == 1 && batch.tokens.size(0) == T && batch.tokens.scalar_type() == at::kLong,
              "forward: tokens must be int64 [", T, "] to match cu_seqlens (got ", batch.tokens.sizes(), " ",
@@ -829,8 +833,8 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
     KILN_CHECK(batch.cu_seqlens[s + 1] >= batch.cu_seqlens[s], "forward: cu_seqlens must not decrease (at ", s, ")");
     const int64_t end = (batch.start_positions.empty() ? 0 : batch.start_positions[size_t(s)]) +
                         batch.cu_seqlens[s + 1] - batch.cu_seqlens[s];
-    KILN_CHECK(end <= cfg_.max_position_embeddings, "forward: sequence ", s, " reaches position ", end,
-               ", beyond the model's max_position_embeddings (", cfg_.max_position_embeddings, ")");
+    KILN_CHECK(end <= cfg.max_position_embeddings, "forward: sequence ", s, " reaches position ", end,
+               ", beyond the model's max_position_embeddings (", cfg.max_position_embeddings, ")");
   }
   KILN_CHECK(batch.start_positions.empty() || int64_t(batch.start_positions.size()) == batch.num_sequences(),
              "forward: start_positions must have one entry per sequence (got ", batch.start_positions.size(),
@@ -840,8 +844,8 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
                batch.start_position(s), " but no AttentionBackend holds the positions before it");
   if (opt.check_inputs) {
     const int64_t lo = batch.tokens.min().item<int64_t>(), hi = batch.tokens.max().item<int64_t>();
-    KILN_CHECK(lo >= 0 && hi < cfg_.vocab_size, "forward: token ids must lie in [0, vocab_size) (min=", lo,
-               ", max=", hi, ", vocab_size=", cfg_.vocab_size, ")");
+    KILN_CHECK(lo >= 0 && hi < cfg.vocab_size, "forward: token ids must lie in [0, vocab_size) (min=", lo,
+               ", max=", hi, ", vocab_size=", cfg.vocab_size, ")");
   }
   if (opt.replay_routing.defined()) {
     const auto& r = opt.replay_routing;
@@ -849,24 +853,21 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
                "forward: replay_routing must be uint8 [tokens=", T, ", layers=", L, ", k=", k, "] (got ",
                r.sizes(), " ", r.scalar_type(), ")");
     const int64_t max_id = r.max().item<int64_t>();
-    KILN_CHECK(max_id < cfg_.num_experts, "forward: replay_routing holds expert id ", max_id,
-               " but num_experts=", cfg_.num_experts);
+    KILN_CHECK(max_id < cfg.num_experts, "forward: replay_routing holds expert id ", max_id,
+               " but num_experts=", cfg.num_experts);
   }
-  at::Tensor replay = opt.replay_routing.defined() ? opt.replay_routing.to(device(), at::kLong) : at::Tensor();
+}
 
-  if (opt.positions.defined())
-    KILN_CHECK(opt.positions.dim() == 1 && opt.positions.size(0) == T && opt.positions.scalar_type() == at::kLong &&
-                   opt.positions.device() == device(),
-               "forward: positions must be int64 [", T, "] on ", device(), " (got ", opt.positions.sizes(), " ",
-               opt.positions.scalar_type(), " on ", opt.positions.device(), ")");
-  at::Tensor positions = opt.positions.defined() ? opt.positions : batch.positions();
+// RoPE's cos and sin for the tokens' positions.
+std::pair<at::Tensor, at::Tensor> rope_for(const ModelConfig& cfg, const at::Tensor& positions, at::ScalarType dtype,
+                                           bool batch_invariant) {
   // Batch-invariant numerics on the CPU: each position's table alone (there cos and sin round by
   // where they sit), once per distinct position, then gathered for the tokens. On CUDA every
   // element's cos and sin are its own wherever it sits (and a captured decode step could not read
   // back how many distinct positions there are).
-  auto table = [&](const at::Tensor& pos) { return rope_tables(pos, cfg_.head_dim, cfg_.rope_theta, dtype()); };
+  auto table = [&](const at::Tensor& pos) { return rope_tables(pos, cfg.head_dim, cfg.rope_theta, dtype); };
   at::Tensor cos, sin;
-  if (opt.batch_invariant && !positions.is_cuda()) {
+  if (batch_invariant && !positions.is_cuda()) {
     at::Tensor distinct, index;
     std::tie(distinct, index, std::ignore) = at::_unique2(positions, /*sorted=*/true, /*return_inverse=*/true);
     const at::Tensor both = rowwise_apply(distinct, [&](const at::Tensor& p) {
@@ -879,6 +880,64 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   } else {
     std::tie(cos, sin) = table(positions);
   }
+  return {cos, sin};
+}
+
+// The targets' log-probs under the head (0 where a target is ignore_index), from the logits when
+// they were made (logits_all), else from the hidden states a chunk at a time.
+at::Tensor target_logprobs(const ForwardOptions& opt, const at::Tensor& xn, const at::Tensor& head,
+                           const at::Tensor& logits_all, int64_t T, int64_t vocab_size, at::Device device) {
+  KILN_CHECK(opt.temperature > 0, "forward: temperature must be positive (got ", opt.temperature, ")");
+  KILN_CHECK(opt.targets.dim() == 1 && opt.targets.size(0) == T, "forward: targets must be [", T,
+             "] (got ", opt.targets.sizes(), ")");
+  at::Tensor targets = opt.targets.to(device, at::kLong);
+  at::Tensor ignored = targets.eq(opt.ignore_index);
+  at::Tensor safe = targets.masked_fill(ignored, 0);
+  const int64_t tmax = safe.max().item<int64_t>(), tmin = safe.min().item<int64_t>();
+  KILN_CHECK(tmin >= 0 && tmax < vocab_size, "forward: targets must lie in [0, vocab_size) or equal ",
+             "ignore_index (min=", tmin, ", max=", tmax, ")");
+  std::vector<at::Tensor> lps;
+  const int64_t chunk = std::max<int64_t>(1, opt.logprob_chunk);
+  for (int64_t a = 0; a < T; a += chunk) {
+    const int64_t n = std::min(chunk, T - a);
+    // Only the chosen logit and the logsumexp are kept: no [T, V] log-softmax is built (and on
+    // CUDA no fp32 copy of the logits: kernels::token_logprobs).
+    at::Tensor target = safe.narrow(0, a, n);
+    if (opt.batch_invariant) {  // as the engine records a sampled token's: each row alone
+      at::Tensor logits = logits_all.defined() ? logits_all.narrow(0, a, n) : head_logits(xn.narrow(0, a, n), head, true);
+      lps.push_back(rowwise_token_logprobs(logits, target, opt.temperature));
+      continue;
+    }
+    if (!logits_all.defined()) {
+      lps.push_back(opt.use_fused ? kernels::token_logprobs(xn.narrow(0, a, n), head, target, opt.temperature)
+                                  : kernels::token_logprobs_reference(xn.narrow(0, a, n), head, target,
+                                                                      opt.temperature));
+      continue;
+    }
+    at::Tensor logits = logits_all.narrow(0, a, n);
+    if (opt.temperature != 1.0) logits = logits / opt.temperature;
+    at::Tensor picked = logits.gather(1, target.unsqueeze(1)).squeeze(1);
+    lps.push_back(picked - at::logsumexp(logits, {-1}));
+  }
+  at::Tensor lp = lps.size() == 1 ? lps[0] : at::cat(lps, 0);
+  return lp.masked_fill(ignored, 0.0);
+}
+
+}  // namespace
+
+ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt) const {
+  const int64_t T = batch.num_tokens(), L = cfg_.num_layers;
+  check_forward_inputs(cfg_, batch, opt);
+  at::Tensor replay = opt.replay_routing.defined() ? opt.replay_routing.to(device(), at::kLong) : at::Tensor();
+
+  if (opt.positions.defined())
+    KILN_CHECK(opt.positions.dim() == 1 && opt.positions.size(0) == T && opt.positions.scalar_type() == at::kLong &&
+                   opt.positions.device() == device(),
+               "forward: positions must be int64 [", T, "] on ", device(), " (got ", opt.positions.sizes(), " ",
+               opt.positions.scalar_type(), " on ", opt.positions.device(), ")");
+  at::Tensor positions = opt.positions.defined() ? opt.positions : batch.positions();
+  at::Tensor cos, sin;
+  std::tie(cos, sin) = rope_for(cfg_, positions, dtype(), opt.batch_invariant);
   // Varlen flash attention where libtorch has it (CUDA bf16); otherwise, for many sequences, one
   // padded attention per layer instead of a loop over sequences.
   FlashPlan flash;
@@ -928,40 +987,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
   }
   if (opt.return_logits) out.logits = head_logits(xn, head, opt.batch_invariant);
   if (opt.targets.defined()) {
-    KILN_CHECK(opt.temperature > 0, "forward: temperature must be positive (got ", opt.temperature, ")");
-    KILN_CHECK(opt.targets.dim() == 1 && opt.targets.size(0) == T, "forward: targets must be [", T,
-               "] (got ", opt.targets.sizes(), ")");
-    at::Tensor targets = opt.targets.to(device(), at::kLong);
-    at::Tensor ignored = targets.eq(opt.ignore_index);
-    at::Tensor safe = targets.masked_fill(ignored, 0);
-    const int64_t tmax = safe.max().item<int64_t>(), tmin = safe.min().item<int64_t>();
-    KILN_CHECK(tmin >= 0 && tmax < cfg_.vocab_size, "forward: targets must lie in [0, vocab_size) or equal ",
-               "ignore_index (min=", tmin, ", max=", tmax, ")");
-    std::vector<at::Tensor> lps;
-    const int64_t chunk = std::max<int64_t>(1, opt.logprob_chunk);
-    for (int64_t a = 0; a < T; a += chunk) {
-      const int64_t n = std::min(chunk, T - a);
-      // Only the chosen logit and the logsumexp are kept: no [T, V] log-softmax is built (and on
-      // CUDA no fp32 copy of the logits: kernels::token_logprobs).
-      at::Tensor target = safe.narrow(0, a, n);
-      if (opt.batch_invariant) {  // as the engine records a sampled token's: each row alone
-        at::Tensor logits = out.logits.defined() ? out.logits.narrow(0, a, n) : head_logits(xn.narrow(0, a, n), head, true);
-        lps.push_back(rowwise_token_logprobs(logits, target, opt.temperature));
-        continue;
-      }
-      if (!out.logits.defined()) {
-        lps.push_back(opt.use_fused ? kernels::token_logprobs(xn.narrow(0, a, n), head, target, opt.temperature)
-                                    : kernels::token_logprobs_reference(xn.narrow(0, a, n), head, target,
-                                                                        opt.temperature));
-        continue;
-      }
-      at::Tensor logits = out.logits.narrow(0, a, n);
-      if (opt.temperature != 1.0) logits = logits / opt.temperature;
-      at::Tensor picked = logits.gather(1, target.unsqueeze(1)).squeeze(1);
-      lps.push_back(picked - at::logsumexp(logits, {-1}));
-    }
-    at::Tensor lp = lps.size() == 1 ? lps[0] : at::cat(lps, 0);
-    out.logprobs = lp.masked_fill(ignored, 0.0);
+    out.logprobs = target_logprobs(opt, xn, head, out.logits, T, cfg_.vocab_size, device());
   }
   return out;
 }

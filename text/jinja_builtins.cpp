@@ -549,20 +549,9 @@ Value unsafe(const std::string& name, const Value& obj) {
   return Value::undefined("access to attribute '" + name + "' of '" + type_name(obj) + "' object is unsafe.");
 }
 
-Value call_str_method(const std::string& s, const std::string& name, const CallArgs& call) {
-  const std::string what = "str." + name + "()";
-  if (name == "strip" || name == "lstrip" || name == "rstrip") {
-    Args a(call, what, {"chars"});
-    return Value::string(py_strip(s, a.get(0), name != "rstrip", name != "lstrip"));
-  }
-  if (name == "split" || name == "rsplit") {
-    Args a(call, what, {"sep", "maxsplit"});
-    return Value::list(py_split(s, a.get(0), int_arg(a.get(1, Value::integer(-1)), "maxsplit"), name == "rsplit"));
-  }
-  if (name == "splitlines") {
-    Args a(call, what, {"keepends"});
-    return Value::list(py_splitlines(s, truthy(a.get(0))));
-  }
+// str methods that search the string or test its characters.
+std::optional<Value> str_search_method(const std::string& s, const std::string& name, const CallArgs& call,
+                                       const std::string& what) {
   if (name == "startswith" || name == "endswith") {
     Args a(call, what, {"prefix", "start", "end"});
     int64_t offset;
@@ -576,18 +565,6 @@ Value call_str_method(const std::string& s, const std::string& name, const CallA
       if (hit && t.size() >= p.size()) return Value::boolean(true);
     }
     return Value::boolean(false);
-  }
-  if (name == "replace") {
-    Args a(call, what, {"old", "new", "count"});
-    return Value::string(py_replace(s, str_arg(a.required(0), what + " old"), str_arg(a.required(1), what + " new"),
-                                    int_arg(a.get(2, Value::integer(-1)), "count")));
-  }
-  if (name == "upper" || name == "lower" || name == "casefold" || name == "title" || name == "capitalize") {
-    Args a(call, what, {});
-    if (name == "upper") return Value::string(unicode::upper(s));
-    if (name == "title") return Value::string(unicode::title(s));
-    if (name == "capitalize") return Value::string(unicode::capitalize(s));
-    return Value::string(unicode::lower(s));
   }
   if (name == "find" || name == "rfind" || name == "index" || name == "rindex") {
     Args a(call, what, {"sub", "start", "end"});
@@ -612,19 +589,6 @@ Value call_str_method(const std::string& s, const std::string& name, const CallA
     for (size_t p = t.find(sub); p != std::string::npos; p = t.find(sub, p + sub.size())) ++n;
     return Value::integer(n);
   }
-  if (name == "join") {
-    Args a(call, what, {"iterable"});
-    std::string out;
-    bool first = true;
-    for (const Value& item : iterate(a.required(0))) {
-      if (!item.is_string()) fail("sequence item: expected str instance, " + type_name(item) + " found");
-      if (!first) out += s;
-      first = false;
-      out += item.as_string();
-    }
-    return Value::string(out);
-  }
-  if (name == "format") return Value::string(brace_format(s, call));
   if (name == "isdigit" || name == "isalpha" || name == "isalnum" || name == "isspace") {
     Args a(call, what, {});
     std::vector<char32_t> cps = unicode::code_points(s);
@@ -647,6 +611,49 @@ Value call_str_method(const std::string& s, const std::string& name, const CallA
     }
     return Value::boolean(cased && ok);
   }
+  return std::nullopt;
+}
+
+// str methods that return a changed copy of the string, or its parts.
+std::optional<Value> str_edit_method(const std::string& s, const std::string& name, const CallArgs& call,
+                                     const std::string& what) {
+  if (name == "strip" || name == "lstrip" || name == "rstrip") {
+    Args a(call, what, {"chars"});
+    return Value::string(py_strip(s, a.get(0), name != "rstrip", name != "lstrip"));
+  }
+  if (name == "split" || name == "rsplit") {
+    Args a(call, what, {"sep", "maxsplit"});
+    return Value::list(py_split(s, a.get(0), int_arg(a.get(1, Value::integer(-1)), "maxsplit"), name == "rsplit"));
+  }
+  if (name == "splitlines") {
+    Args a(call, what, {"keepends"});
+    return Value::list(py_splitlines(s, truthy(a.get(0))));
+  }
+  if (name == "replace") {
+    Args a(call, what, {"old", "new", "count"});
+    return Value::string(py_replace(s, str_arg(a.required(0), what + " old"), str_arg(a.required(1), what + " new"),
+                                    int_arg(a.get(2, Value::integer(-1)), "count")));
+  }
+  if (name == "upper" || name == "lower" || name == "casefold" || name == "title" || name == "capitalize") {
+    Args a(call, what, {});
+    if (name == "upper") return Value::string(unicode::upper(s));
+    if (name == "title") return Value::string(unicode::title(s));
+    if (name == "capitalize") return Value::string(unicode::capitalize(s));
+    return Value::string(unicode::lower(s));
+  }
+  if (name == "join") {
+    Args a(call, what, {"iterable"});
+    std::string out;
+    bool first = true;
+    for (const Value& item : iterate(a.required(0))) {
+      if (!item.is_string()) fail("sequence item: expected str instance, " + type_name(item) + " found");
+      if (!first) out += s;
+      first = false;
+      out += item.as_string();
+    }
+    return Value::string(out);
+  }
+  if (name == "format") return Value::string(brace_format(s, call));
   if (name == "removeprefix" || name == "removesuffix") {
     Args a(call, what, {"affix"});
     const std::string& p = str_arg(a.required(0), what + " argument");
@@ -689,6 +696,13 @@ Value call_str_method(const std::string& s, const std::string& name, const CallA
     for (int64_t k = left; k < margin; ++k) out += fill;
     return Value::string(out);
   }
+  return std::nullopt;
+}
+
+Value call_str_method(const std::string& s, const std::string& name, const CallArgs& call) {
+  const std::string what = "str." + name + "()";
+  if (std::optional<Value> out = str_search_method(s, name, call, what)) return *out;
+  if (std::optional<Value> out = str_edit_method(s, name, call, what)) return *out;
   fail("unsupported construct: str method '" + name + "'");
 }
 
@@ -1234,8 +1248,11 @@ Value call_value(const Value& fn, const CallArgs& args) {
 bool is_filter(const std::string& name) { return filter_names().count(name) > 0; }
 bool is_test(const std::string& name) { return test_names().count(name) > 0; }
 
-Value apply_filter(const std::string& name, const Value& v, const CallArgs& call) {
-  const std::string what = "filter '" + name + "'";
+namespace {
+
+// Filters on text: escaping, JSON, case, trimming, replacing, joining, formatting, layout.
+std::optional<Value> text_filter(const std::string& name, const Value& v, const CallArgs& call,
+                                 const std::string& what) {
   if (name == "safe") {
     Args a(call, what, {});
     return v.is_markup() ? v : Value::markup(to_str(v));
@@ -1258,15 +1275,6 @@ Value apply_filter(const std::string& name, const Value& v, const CallArgs& call
     }
     o.sort_keys = truthy(a.get(3));
     return Value::string(to_json(v, o));
-  }
-  if (name == "default" || name == "d") {
-    Args a(call, what, {"default_value", "boolean"});
-    bool use_default = v.is_undefined() || (truthy(a.get(1)) && !truthy(v));
-    return use_default ? a.get(0, Value::string("")) : v;
-  }
-  if (name == "length" || name == "count") {
-    Args a(call, what, {});
-    return Value::integer(length_of(v));
   }
   if (name == "trim") {
     Args a(call, what, {"chars"});
@@ -1304,6 +1312,48 @@ Value apply_filter(const std::string& name, const Value& v, const CallArgs& call
     }
     return Value::string(out);
   }
+  if (name == "indent") {
+    Args a(call, what, {"width", "first", "blank"});
+    return Value::string(jinja_indent(v, a.get(0, Value::integer(4)), truthy(a.get(1)), truthy(a.get(2))));
+  }
+  if (name == "center") {
+    Args a(call, what, {"width"});
+    CallArgs inner{{a.get(0, Value::integer(80))}, {}};
+    return call_str_method(to_str(v), "center", inner);
+  }
+  if (name == "escape" || name == "e" || name == "forceescape") {
+    Args a(call, what, {});
+    if (v.is_markup() && name != "forceescape") return v;
+    return Value::markup(html_escape(to_str(v)));
+  }
+  if (name == "format") {
+    if (!call.positional.empty() && !call.keyword.empty())
+      fail("can't handle positional and keyword arguments at the same time");
+    if (!call.keyword.empty()) {
+      Dict d;
+      for (const auto& [k, val] : call.keyword) d.set(k, val);
+      return Value::string(percent_format(to_str(v), Value::dict(std::move(d))));
+    }
+    return Value::string(percent_format(to_str(v), Value::tuple(call.positional)));
+  }
+  if (name == "wordcount") {
+    Args a(call, what, {});
+    int64_t words = 0;
+    bool in_word = false;
+    for (char32_t c : unicode::code_points(to_str(v))) {
+      bool word = unicode::is_alpha(c) || unicode::is_digit(c) || c == '_' ||
+                  (c >= 0x80 && !unicode::is_space(c) && unicode::is_printable(c));
+      if (word && !in_word) ++words;
+      in_word = word;
+    }
+    return Value::integer(words);
+  }
+  return std::nullopt;
+}
+
+// Filters that walk a sequence: its ends, its reverse, a dict's items, mapping, selecting, batching.
+std::optional<Value> sequence_filter(const std::string& name, const Value& v, const CallArgs& call,
+                                     const std::string& what) {
   if (name == "first") {
     Args a(call, what, {});
     ValueList items = iterate(v);
@@ -1347,6 +1397,53 @@ Value apply_filter(const std::string& name, const Value& v, const CallArgs& call
     for (const auto& [k, val] : v.as_dict().items()) out.push_back(Value::tuple({k, val}));
     return generator("do_items", std::move(out));
   }
+  if (name == "map") {
+    bool by_attribute = call.positional.empty();
+    ValueList out;
+    if (!truthy(v)) {  // as select: a false value maps to nothing
+      if (by_attribute) Args(call, what, {"attribute", "default"});
+    } else if (by_attribute) {
+      Args a(call, what, {"attribute", "default"});
+      Value attribute = a.required(0);
+      for (const Value& item : iterate(v)) {
+        Value x = attr_path(item, attribute);
+        out.push_back(x.is_undefined() && a.has(1) ? a.get(1) : x);
+      }
+    } else {
+      std::string filter = str_arg(call.positional[0], "map filter name");
+      if (!is_filter(filter)) fail("unsupported filter '" + filter + "'");
+      CallArgs inner{ValueList(call.positional.begin() + 1, call.positional.end()), call.keyword};
+      for (const Value& item : iterate(v)) out.push_back(apply_filter(filter, item, inner));
+    }
+    return generator("sync_do_map", std::move(out));
+  }
+  if (name == "select" || name == "reject") return select_items(v, call, false, name == "select", what);
+  if (name == "selectattr" || name == "rejectattr") return select_items(v, call, true, name == "selectattr", what);
+  if (name == "batch") {
+    Args a(call, what, {"linecount", "fill_with"});
+    int64_t n = int_arg(a.required(0), "linecount");
+    if (n <= 0) fail("batch size must be positive");
+    ValueList out, current;
+    for (const Value& item : iterate(v)) {
+      current.push_back(item);
+      if (static_cast<int64_t>(current.size()) == n) {
+        out.push_back(Value::list(std::move(current)));
+        current.clear();
+      }
+    }
+    if (!current.empty()) {
+      if (a.has(1) && !a.get(1).is_none())
+        while (static_cast<int64_t>(current.size()) < n) current.push_back(a.get(1));
+      out.push_back(Value::list(std::move(current)));
+    }
+    return generator("do_batch", std::move(out));
+  }
+  return std::nullopt;
+}
+
+// Filters that order or compare the items of a sequence: sorting, dedup, min/max, sum.
+std::optional<Value> ordering_filter(const std::string& name, const Value& v, const CallArgs& call,
+                                     const std::string& what) {
   if (name == "dictsort") {
     Args a(call, what, {"case_sensitive", "by", "reverse"});
     if (!v.is(Kind::kDict)) fail("dictsort needs a mapping, not " + type_name(v));
@@ -1413,28 +1510,21 @@ Value apply_filter(const std::string& name, const Value& v, const CallArgs& call
       total = binary_op("+", total, a.has(0) && !a.get(0).is_none() ? attr_path(item, a.get(0)) : item);
     return total;
   }
-  if (name == "map") {
-    bool by_attribute = call.positional.empty();
-    ValueList out;
-    if (!truthy(v)) {  // as select: a false value maps to nothing
-      if (by_attribute) Args(call, what, {"attribute", "default"});
-    } else if (by_attribute) {
-      Args a(call, what, {"attribute", "default"});
-      Value attribute = a.required(0);
-      for (const Value& item : iterate(v)) {
-        Value x = attr_path(item, attribute);
-        out.push_back(x.is_undefined() && a.has(1) ? a.get(1) : x);
-      }
-    } else {
-      std::string filter = str_arg(call.positional[0], "map filter name");
-      if (!is_filter(filter)) fail("unsupported filter '" + filter + "'");
-      CallArgs inner{ValueList(call.positional.begin() + 1, call.positional.end()), call.keyword};
-      for (const Value& item : iterate(v)) out.push_back(apply_filter(filter, item, inner));
-    }
-    return generator("sync_do_map", std::move(out));
+  return std::nullopt;
+}
+
+// Filters on one value: a default, a length, numbers, an attribute.
+std::optional<Value> value_filter(const std::string& name, const Value& v, const CallArgs& call,
+                                  const std::string& what) {
+  if (name == "default" || name == "d") {
+    Args a(call, what, {"default_value", "boolean"});
+    bool use_default = v.is_undefined() || (truthy(a.get(1)) && !truthy(v));
+    return use_default ? a.get(0, Value::string("")) : v;
   }
-  if (name == "select" || name == "reject") return select_items(v, call, false, name == "select", what);
-  if (name == "selectattr" || name == "rejectattr") return select_items(v, call, true, name == "selectattr", what);
+  if (name == "length" || name == "count") {
+    Args a(call, what, {});
+    return Value::integer(length_of(v));
+  }
   if (name == "int") {
     Args a(call, what, {"default", "base"});
     Value fallback = a.get(0, Value::integer(0));
@@ -1478,49 +1568,6 @@ Value apply_filter(const std::string& name, const Value& v, const CallArgs& call
     return py_round(v, int_arg(a.get(0, Value::integer(0)), "precision"),
                     a.has(1) ? str_arg(a.get(1), "method") : "common");
   }
-  if (name == "indent") {
-    Args a(call, what, {"width", "first", "blank"});
-    return Value::string(jinja_indent(v, a.get(0, Value::integer(4)), truthy(a.get(1)), truthy(a.get(2))));
-  }
-  if (name == "center") {
-    Args a(call, what, {"width"});
-    CallArgs inner{{a.get(0, Value::integer(80))}, {}};
-    return call_str_method(to_str(v), "center", inner);
-  }
-  if (name == "batch") {
-    Args a(call, what, {"linecount", "fill_with"});
-    int64_t n = int_arg(a.required(0), "linecount");
-    if (n <= 0) fail("batch size must be positive");
-    ValueList out, current;
-    for (const Value& item : iterate(v)) {
-      current.push_back(item);
-      if (static_cast<int64_t>(current.size()) == n) {
-        out.push_back(Value::list(std::move(current)));
-        current.clear();
-      }
-    }
-    if (!current.empty()) {
-      if (a.has(1) && !a.get(1).is_none())
-        while (static_cast<int64_t>(current.size()) < n) current.push_back(a.get(1));
-      out.push_back(Value::list(std::move(current)));
-    }
-    return generator("do_batch", std::move(out));
-  }
-  if (name == "escape" || name == "e" || name == "forceescape") {
-    Args a(call, what, {});
-    if (v.is_markup() && name != "forceescape") return v;
-    return Value::markup(html_escape(to_str(v)));
-  }
-  if (name == "format") {
-    if (!call.positional.empty() && !call.keyword.empty())
-      fail("can't handle positional and keyword arguments at the same time");
-    if (!call.keyword.empty()) {
-      Dict d;
-      for (const auto& [k, val] : call.keyword) d.set(k, val);
-      return Value::string(percent_format(to_str(v), Value::dict(std::move(d))));
-    }
-    return Value::string(percent_format(to_str(v), Value::tuple(call.positional)));
-  }
   if (name == "attr") {
     Args a(call, what, {"name"});
     check_defined(v);
@@ -1528,18 +1575,17 @@ Value apply_filter(const std::string& name, const Value& v, const CallArgs& call
     std::optional<Value> found = python_attr(v, attr);
     return found ? *found : Value::undefined(object_name(v) + " has no attribute '" + attr + "'");
   }
-  if (name == "wordcount") {
-    Args a(call, what, {});
-    int64_t words = 0;
-    bool in_word = false;
-    for (char32_t c : unicode::code_points(to_str(v))) {
-      bool word = unicode::is_alpha(c) || unicode::is_digit(c) || c == '_' ||
-                  (c >= 0x80 && !unicode::is_space(c) && unicode::is_printable(c));
-      if (word && !in_word) ++words;
-      in_word = word;
-    }
-    return Value::integer(words);
-  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+Value apply_filter(const std::string& name, const Value& v, const CallArgs& call) {
+  const std::string what = "filter '" + name + "'";
+  if (std::optional<Value> out = text_filter(name, v, call, what)) return *out;
+  if (std::optional<Value> out = sequence_filter(name, v, call, what)) return *out;
+  if (std::optional<Value> out = ordering_filter(name, v, call, what)) return *out;
+  if (std::optional<Value> out = value_filter(name, v, call, what)) return *out;
   fail("unsupported filter '" + name + "'");
 }
 

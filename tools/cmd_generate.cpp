@@ -1,7 +1,6 @@
-// `kiln generate --model <dir>`: samples completions of prompts (a JSONL file or --prompt) with the
-// rollout engine, then prints them or saves tokens, log-probs and routing as HDF5. `kiln mismatch`
-// samples the same way, then rescores every sampled token with the trainer's forward (the
-// rollout's routing replayed, and the model's own) and reports the train-vs-rollout gap.
+// `kiln generate`: completions of prompts sampled by the rollout engine, printed or saved as HDF5
+// (tokens, log-probs, routing). `kiln mismatch`: the same sampling, each token then rescored by the
+// trainer's forward (rollout routing replayed, and its own) and the train-vs-rollout gap reported.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -382,6 +381,249 @@ void plot_mismatch(const Rescored& r, const std::string& png) {
   run_gnuplot(script, {dat}, "mismatch");
 }
 
+
+// The flags of `generate` and `mismatch`; a --recipe fills those not given.
+struct SamplingArgs {
+  std::string model, tokenizer, prompts_file, out, dtype = "fp32", device = "cpu";
+  std::vector<std::string> prompts, stop;
+  int64_t n = 1, max_tokens = 64, top_k = 0;
+  double temperature = 1.0, top_p = 1.0;
+  uint64_t seed = 0;
+  int64_t kv_cache_mb = 256, block_size = 16, max_num_seqs = 64, max_batch_tokens = 2048, prefill_chunk = 512;
+  bool quiet = false;
+  std::string quantization = "none", numerics = "standard", lora, recipe;
+  bool lora_merged = false, no_cuda_graphs = false;
+  int64_t max_prompts = 0;
+  int64_t micro_batch_seqs = 64, worst = 5;
+  std::string png;
+  bool alone = false;
+};
+
+// Whether the command line gave the flag, so that a recipe's value does not replace it.
+bool given(CLI::App* cmd, const char* flag) { return cmd->count(flag) > 0; }
+
+// The flags both commands take, and with `mismatch` the rescoring's own.
+void add_sampling_options(CLI::App* cmd, SamplingArgs& a, bool mismatch) {
+  cmd->add_option("--model", a.model, "Checkpoint directory (config.json + safetensors)")->required();
+  cmd->add_option("--tokenizer", a.tokenizer,
+                  "Tokenizer (a folder or tokenizer.json / *.tiktoken); default: the checkpoint's files, else bytes");
+  cmd->add_option("--prompts", a.prompts_file, "JSONL file of prompts (see above)");
+  cmd->add_option("--prompt", a.prompts, "A prompt: text, or \"ids:1,2,3\" for token ids; repeat for more");
+  cmd->add_option("-n,--num-samples", a.n, "Samples per prompt")->capture_default_str();
+  cmd->add_option("--max-tokens", a.max_tokens, "Generated tokens per sample, stop token included")
+      ->capture_default_str();
+  cmd->add_option("--temperature", a.temperature, "Sampling temperature; 0 = greedy")->capture_default_str();
+  cmd->add_option("--top-p", a.top_p, "Nucleus mass kept, (0, 1]")->capture_default_str();
+  cmd->add_option("--top-k", a.top_k, "Keep the k most likely tokens; 0 = all")->capture_default_str();
+  cmd->add_option("--seed", a.seed, "Base seed; prompt i uses seed + i unless its line sets \"seed\"")->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--stop", a.stop, "Stop token ids (repeat or comma list, e.g. \"2,7\")");
+  cmd->add_option("--out", a.out, "Save samples, log-probs and routing to this .h5/.hdf5 file");
+  cmd->add_option("--dtype", a.dtype, "Compute dtype: fp32, bf16 or fp64")->capture_default_str();
+  cmd->add_option("--device", a.device, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--kv-cache-mb", a.kv_cache_mb, "KV-cache budget in MiB")->capture_default_str();
+  cmd->add_option("--block-size", a.block_size, "Tokens per KV block")->capture_default_str();
+  cmd->add_option("--max-num-seqs", a.max_num_seqs, "Running sequences at once")->capture_default_str();
+  cmd->add_option("--max-batch-tokens", a.max_batch_tokens, "Tokens per engine step")->capture_default_str();
+  cmd->add_option("--prefill-chunk", a.prefill_chunk, "Longest prefill piece per sequence per step")
+      ->capture_default_str();
+  cmd->add_flag("--quiet", a.quiet, "No progress line on stderr");
+  cmd->add_option("--quantization", a.quantization, "Rollout weights: none, nvfp4 (W4A16) or w4a4")
+      ->check(CLI::IsMember({"none", "nvfp4", "w4a4"}))
+      ->capture_default_str();
+  cmd->add_option("--numerics", a.numerics,
+                  "standard, or bitwise: batch-invariant numerics, under which the trainer's forward rescores every "
+                  "sampled token to the same bits (slow; dense weights, no top-p or top-k)")
+      ->check(CLI::IsMember({"standard", "bitwise"}))
+      ->capture_default_str();
+  cmd->add_option("--lora", a.lora,
+                  "A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) on the model, applied "
+                  "unmerged");
+  cmd->add_flag("--lora-merged", a.lora_merged,
+                "The rollout engine serves the --lora adapter folded into its own copy of the base weights"
+                + std::string(mismatch ? " (the trainer's rescoring keeps it unmerged: the gap merging makes)" : ""));
+  cmd->add_flag("--no-cuda-graphs", a.no_cuda_graphs, "Decode steps run eagerly instead of replaying CUDA graphs");
+  cmd->add_option("--recipe", a.recipe,
+                  "A GRPO recipe whose rollout settings (engine, samples, max tokens, temperature, top-p/k), dtype, "
+                  "device and tokenizer are the defaults; without --prompt or --prompts, its held-out prompts, "
+                  "rendered as training renders them. Flags given here win");
+  cmd->add_option("--max-prompts", a.max_prompts, "With --recipe: at most this many of its held-out prompts (0: all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  if (mismatch) {
+    cmd->add_option("--micro-batch-seqs", a.micro_batch_seqs, "Sequences per rescoring forward")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
+    cmd->add_option("--worst", a.worst, "Tokens with the largest gap to list")->check(CLI::NonNegativeNumber)->capture_default_str();
+    cmd->add_option("--png", a.png, "Also draw the gap's histograms and |d| against entropy here (needs gnuplot)");
+    cmd->add_flag("--alone", a.alone,
+                  "Also generate every prompt again on its own and compare with the batched rollout (the engine's "
+                  "batch-composition effect)");
+  }
+}
+
+// --recipe: its settings fill every flag not given on the command line.
+std::optional<trainer::Recipe> apply_recipe(SamplingArgs& a, CLI::App* cmd) {
+  std::optional<trainer::Recipe> recipe;
+  if (!a.recipe.empty()) {
+    recipe = trainer::Recipe::from_yaml_file(a.recipe);
+    const trainer::GrpoConfig& g = recipe->grpo;
+    if (!given(cmd, "--num-samples")) a.n = g.samples_per_prompt;
+    if (!given(cmd, "--max-tokens")) a.max_tokens = g.max_tokens;
+    if (!given(cmd, "--temperature")) a.temperature = g.temperature;
+    if (!given(cmd, "--top-p")) a.top_p = g.top_p;
+    if (!given(cmd, "--top-k")) a.top_k = g.top_k;
+    if (!given(cmd, "--dtype")) a.dtype = recipe->dtype;
+    if (!given(cmd, "--device")) a.device = recipe->device;
+    if (!given(cmd, "--tokenizer")) a.tokenizer = recipe->tokenizer;
+  }
+  return recipe;
+}
+
+// The sampling defaults the flags give. Everything that can be checked without the model is checked
+// here, before the load, so a typo costs no load.
+rollout::SamplingParams checked_defaults(const SamplingArgs& a, const char* what) {
+  KILN_CHECK(a.out.empty() || ends_with(a.out, ".h5") || ends_with(a.out, ".hdf5"),
+             "generate: --out must end in .h5 or .hdf5 (out=", a.out, ")");
+  KILN_CHECK(a.kv_cache_mb > 0, "generate: --kv-cache-mb must be positive (kv_cache_mb=", a.kv_cache_mb, ")");
+  KILN_CHECK(!a.lora_merged || !a.lora.empty(), what, ": --lora-merged needs the adapter, --lora DIR");
+  rollout::SamplingParams defaults;
+  defaults.n = a.n;
+  defaults.max_tokens = a.max_tokens;
+  defaults.temperature = a.temperature;
+  defaults.top_p = a.top_p;
+  defaults.top_k = a.top_k;
+  for (const auto& s : a.stop) {
+    auto ids = parse_ids(s, "generate", "--stop");
+    defaults.stop_token_ids.insert(defaults.stop_token_ids.end(), ids.begin(), ids.end());
+  }
+  // The flags' own values are checked once here so their errors name the flag, not a prompt.
+  check_prompt(Prompt{"command-line flags", {{0}, defaults}}, std::numeric_limits<int64_t>::max());
+  return defaults;
+}
+
+// The prompts: the --prompt flags, then the --prompts file, else the recipe's held-out prompts.
+std::vector<Prompt> gather_prompts(const SamplingArgs& a, const std::optional<trainer::Recipe>& recipe,
+                                   const rollout::SamplingParams& defaults, const text::Tokenizer& tok,
+                                   const char* what) {
+  std::vector<Prompt> prompts;
+  for (size_t i = 0; i < a.prompts.size(); ++i) {
+    const std::string& text = a.prompts[i];
+    const std::string where = "--prompt #" + std::to_string(i + 1);
+    Prompt p{where, {{}, defaults}};
+    p.request.params.seed = a.seed + i;  // so that equal prompts still differ
+    p.request.prompt = text.rfind("ids:", 0) == 0 ? parse_ids(text.substr(4), "generate", where) : encode_text(tok, text);
+    prompts.push_back(std::move(p));
+  }
+  if (!a.prompts_file.empty()) read_prompts_file(a.prompts_file, defaults, a.seed, tok, prompts);
+  if (recipe && prompts.empty()) {  // the recipe's held-out prompts, rendered as its training renders them
+    trainer::Dataset d = trainer::load_data(*recipe);
+    trainer::prepare_prompts(d.test, tok, recipe->grpo.prompt);
+    for (size_t i = 0; i < d.test.size() && (a.max_prompts == 0 || int64_t(i) < a.max_prompts); ++i) {
+      Prompt p{a.recipe + " held-out " + d.test[i].origin, {d.test[i].prompt_ids, defaults}};
+      p.request.params.seed = a.seed + i;
+      prompts.push_back(std::move(p));
+    }
+    KILN_CHECK(!prompts.empty(), what, ": the recipe ", a.recipe, " has no held-out prompts to sample");
+  }
+  KILN_CHECK(!prompts.empty(), "generate: no prompts given; pass --prompts FILE.jsonl, --prompt TEXT or --recipe");
+  return prompts;
+}
+
+// The engine's settings; what runs is written back into the flags, for the report.
+rollout::EngineConfig engine_config(SamplingArgs& a, const std::optional<trainer::Recipe>& recipe, CLI::App* cmd) {
+  // The engine: the recipe's, or the defaults; the flags given override either.
+  rollout::EngineConfig ec = recipe ? recipe->grpo.engine : rollout::EngineConfig();
+  auto flag = [&](const char* name) { return !recipe || given(cmd, name); };
+  if (flag("--quantization")) ec.quantization = rollout::parse_quantization(a.quantization);
+  if (flag("--numerics")) ec.batch_invariant = a.numerics == "bitwise";
+  if (flag("--kv-cache-mb")) ec.kv_cache_bytes = a.kv_cache_mb << 20;
+  if (flag("--block-size")) ec.block_size = a.block_size;
+  if (flag("--max-num-seqs")) ec.max_num_seqs = a.max_num_seqs;
+  if (flag("--max-batch-tokens")) ec.max_batch_tokens = a.max_batch_tokens;
+  if (flag("--prefill-chunk")) ec.prefill_chunk = a.prefill_chunk;
+  if (flag("--no-cuda-graphs")) ec.cuda_graphs = !a.no_cuda_graphs;
+  ec.validate();
+  a.quantization = rollout::quantization_name(ec.quantization);  // what runs, for the report
+  a.numerics = ec.batch_invariant ? "bitwise" : "standard";
+  a.no_cuda_graphs = !ec.cuda_graphs;
+  return ec;
+}
+
+// The engine's samples of the requests, with a progress line on stderr unless quiet; *elapsed: the
+// seconds taken.
+std::vector<rollout::RequestOutput> generate_all(rollout::Engine& engine, const std::vector<rollout::Request>& requests,
+                                                bool quiet, double* elapsed) {
+  const auto start = Clock::now();
+  auto last_print = start;
+  bool printed = false;
+  auto progress = [&](int64_t done, int64_t total) {
+    if (quiet) return;
+    const auto now = Clock::now();
+    if (done < total && now - last_print < std::chrono::milliseconds(500)) return;
+    last_print = now;
+    const double secs = std::chrono::duration<double>(now - start).count();
+    // Samples count as done only when their whole request is, so tokens show progress within one.
+    const int64_t tokens = engine.stats().sampled_tokens;
+    const double rate = secs > 0 ? double(tokens) / secs : 0.0;
+    std::fprintf(stderr, "\r generate: %lld/%lld samples, %lld tokens, %.1f tok/s   ", (long long)done,
+                 (long long)total, (long long)tokens, rate);
+    std::fflush(stderr);
+    printed = true;
+  };
+  std::vector<rollout::RequestOutput> outputs = engine.generate(requests, progress);
+  *elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  if (printed) std::fprintf(stderr, "\n");
+  return outputs;
+}
+
+// `mismatch`: every sampled token rescored by the trainer's forward and the gap reported; saved and drawn
+// when asked.
+void report_mismatch(const SamplingArgs& a, const model::Muse& m, rollout::Engine& engine,
+                     const std::vector<rollout::Request>& requests, const std::vector<rollout::RequestOutput>& outputs,
+                     double temperature, bool batch_invariant, const std::string& lora_mode, int64_t num_samples,
+                     const at::Device& device) {
+  const Rescored r = rescore(m, requests, outputs, temperature, a.micro_batch_seqs, batch_invariant);
+  const std::string lora = a.lora.empty() ? "" : fmt::format(", LoRA {} {}", a.lora, lora_mode);
+  fmt::print("{} samples of {} prompts from {} (rollout weights {}{}, {} on {}, numerics {}{}), rescored by the "
+             "trainer's forward\n",
+             num_samples, outputs.size(), a.model, a.quantization, lora, a.dtype, device.str(), a.numerics,
+             a.no_cuda_graphs ? ", no CUDA graphs" : "");
+  print_mismatch(r, a.worst);
+  if (a.alone) rollout_alone(engine, requests, outputs);
+  if (!a.out.empty())
+    write_samples(a.out, requests, outputs, a.model, a.dtype, [&](hdf5::Writer& w) {
+      // Per response token, in the order of "tokens": the trainer's log-probs and its own routing.
+      w.write("lp_trainer_replay", r.lp_replay.to(at::kFloat));
+      w.write("lp_trainer_own", r.lp_own.to(at::kFloat));
+      w.write("routing_trainer_own", r.own_routing);
+      w.write("lp_trainer_alone", r.lp_alone.to(at::kFloat));
+      w.write("entropy_trainer", r.entropy.to(at::kFloat));
+      w.attribute("quantization", a.quantization);
+      w.attribute("lora", lora_mode);
+    });
+  if (!a.out.empty()) fmt::print("wrote {}\n", a.out);
+  if (!a.png.empty()) {
+    plot_mismatch(r, a.png);
+    fmt::print("wrote {}\n", a.png);
+  }
+}
+
+// `generate` without --out: each sample's ids, finish reason and log-prob sum, and its text.
+void print_samples(const std::vector<rollout::RequestOutput>& outputs, const text::Tokenizer& tok, bool bytes) {
+  std::string text;
+  for (size_t r = 0; r < outputs.size(); ++r)
+    for (size_t s = 0; s < outputs[r].samples.size(); ++s) {
+      const rollout::Sample& x = outputs[r].samples[s];
+      double sum = 0;
+      for (float lp : x.logprobs) sum += lp;
+      fmt::print("request {} sample {} finish={} logprob_sum={:.4f}\n  ids: {}\n", r, s,
+                 rollout::finish_reason_name(x.finish), sum, fmt::join(x.tokens, ","));
+      if (!bytes) fmt::print("  text: {}\n", nlohmann::json(tok.decode(x.tokens)).dump());
+      else if (printable_text(x.tokens, text)) fmt::print("  text: \"{}\"\n", text);
+    }
+}
+
 }  // namespace
 
 // `generate`, or with `mismatch` set `kiln mismatch`: the same sampling, then the rescoring.
@@ -397,112 +639,12 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
                               "No weight changes.\n")
                 : std::string("Sample completions of prompts with the rollout engine; print them or save them as HDF5.\n")) +
           prompts_help);
-  struct Args {
-    std::string model, tokenizer, prompts_file, out, dtype = "fp32", device = "cpu";
-    std::vector<std::string> prompts, stop;
-    int64_t n = 1, max_tokens = 64, top_k = 0;
-    double temperature = 1.0, top_p = 1.0;
-    uint64_t seed = 0;
-    int64_t kv_cache_mb = 256, block_size = 16, max_num_seqs = 64, max_batch_tokens = 2048, prefill_chunk = 512;
-    bool quiet = false;
-    std::string quantization = "none", numerics = "standard", lora, recipe;
-    bool lora_merged = false, no_cuda_graphs = false;
-    int64_t max_prompts = 0;
-    int64_t micro_batch_seqs = 64, worst = 5;
-    std::string png;
-    bool alone = false;
-  };
-  auto a = std::make_shared<Args>();
-  cmd->add_option("--model", a->model, "Checkpoint directory (config.json + safetensors)")->required();
-  cmd->add_option("--tokenizer", a->tokenizer,
-                  "Tokenizer (a folder or tokenizer.json / *.tiktoken); default: the checkpoint's files, else bytes");
-  cmd->add_option("--prompts", a->prompts_file, "JSONL file of prompts (see above)");
-  cmd->add_option("--prompt", a->prompts, "A prompt: text, or \"ids:1,2,3\" for token ids; repeat for more");
-  cmd->add_option("-n,--num-samples", a->n, "Samples per prompt")->capture_default_str();
-  cmd->add_option("--max-tokens", a->max_tokens, "Generated tokens per sample, stop token included")
-      ->capture_default_str();
-  cmd->add_option("--temperature", a->temperature, "Sampling temperature; 0 = greedy")->capture_default_str();
-  cmd->add_option("--top-p", a->top_p, "Nucleus mass kept, (0, 1]")->capture_default_str();
-  cmd->add_option("--top-k", a->top_k, "Keep the k most likely tokens; 0 = all")->capture_default_str();
-  cmd->add_option("--seed", a->seed, "Base seed; prompt i uses seed + i unless its line sets \"seed\"")->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  cmd->add_option("--stop", a->stop, "Stop token ids (repeat or comma list, e.g. \"2,7\")");
-  cmd->add_option("--out", a->out, "Save samples, log-probs and routing to this .h5/.hdf5 file");
-  cmd->add_option("--dtype", a->dtype, "Compute dtype: fp32, bf16 or fp64")->capture_default_str();
-  cmd->add_option("--device", a->device, "cpu or cuda")->capture_default_str();
-  cmd->add_option("--kv-cache-mb", a->kv_cache_mb, "KV-cache budget in MiB")->capture_default_str();
-  cmd->add_option("--block-size", a->block_size, "Tokens per KV block")->capture_default_str();
-  cmd->add_option("--max-num-seqs", a->max_num_seqs, "Running sequences at once")->capture_default_str();
-  cmd->add_option("--max-batch-tokens", a->max_batch_tokens, "Tokens per engine step")->capture_default_str();
-  cmd->add_option("--prefill-chunk", a->prefill_chunk, "Longest prefill piece per sequence per step")
-      ->capture_default_str();
-  cmd->add_flag("--quiet", a->quiet, "No progress line on stderr");
-  cmd->add_option("--quantization", a->quantization, "Rollout weights: none, nvfp4 (W4A16) or w4a4")
-      ->check(CLI::IsMember({"none", "nvfp4", "w4a4"}))
-      ->capture_default_str();
-  cmd->add_option("--numerics", a->numerics,
-                  "standard, or bitwise: batch-invariant numerics, under which the trainer's forward rescores every "
-                  "sampled token to the same bits (slow; dense weights, no top-p or top-k)")
-      ->check(CLI::IsMember({"standard", "bitwise"}))
-      ->capture_default_str();
-  cmd->add_option("--lora", a->lora,
-                  "A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) on the model, applied "
-                  "unmerged");
-  cmd->add_flag("--lora-merged", a->lora_merged,
-                "The rollout engine serves the --lora adapter folded into its own copy of the base weights"
-                + std::string(mismatch ? " (the trainer's rescoring keeps it unmerged: the gap merging makes)" : ""));
-  cmd->add_flag("--no-cuda-graphs", a->no_cuda_graphs, "Decode steps run eagerly instead of replaying CUDA graphs");
-  cmd->add_option("--recipe", a->recipe,
-                  "A GRPO recipe whose rollout settings (engine, samples, max tokens, temperature, top-p/k), dtype, "
-                  "device and tokenizer are the defaults; without --prompt or --prompts, its held-out prompts, "
-                  "rendered as training renders them. Flags given here win");
-  cmd->add_option("--max-prompts", a->max_prompts, "With --recipe: at most this many of its held-out prompts (0: all)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  if (mismatch) {
-    cmd->add_option("--micro-batch-seqs", a->micro_batch_seqs, "Sequences per rescoring forward")
-        ->check(CLI::PositiveNumber)
-        ->capture_default_str();
-    cmd->add_option("--worst", a->worst, "Tokens with the largest gap to list")->check(CLI::NonNegativeNumber)->capture_default_str();
-    cmd->add_option("--png", a->png, "Also draw the gap's histograms and |d| against entropy here (needs gnuplot)");
-    cmd->add_flag("--alone", a->alone,
-                  "Also generate every prompt again on its own and compare with the batched rollout (the engine's "
-                  "batch-composition effect)");
-  }
+  auto a = std::make_shared<SamplingArgs>();
+  add_sampling_options(cmd, *a, mismatch);
   const char* what = mismatch ? "mismatch" : "generate";
   return [a, cmd, mismatch, what] {
-    // --recipe: its settings fill every flag not given on the command line.
-    std::optional<trainer::Recipe> recipe;
-    auto given = [&](const char* flag) { return cmd->count(flag) > 0; };
-    if (!a->recipe.empty()) {
-      recipe = trainer::Recipe::from_yaml_file(a->recipe);
-      const trainer::GrpoConfig& g = recipe->grpo;
-      if (!given("--num-samples")) a->n = g.samples_per_prompt;
-      if (!given("--max-tokens")) a->max_tokens = g.max_tokens;
-      if (!given("--temperature")) a->temperature = g.temperature;
-      if (!given("--top-p")) a->top_p = g.top_p;
-      if (!given("--top-k")) a->top_k = g.top_k;
-      if (!given("--dtype")) a->dtype = recipe->dtype;
-      if (!given("--device")) a->device = recipe->device;
-      if (!given("--tokenizer")) a->tokenizer = recipe->tokenizer;
-    }
-    // Everything that can be checked without the model is checked first, so a typo costs no load.
-    KILN_CHECK(a->out.empty() || ends_with(a->out, ".h5") || ends_with(a->out, ".hdf5"),
-               "generate: --out must end in .h5 or .hdf5 (out=", a->out, ")");
-    KILN_CHECK(a->kv_cache_mb > 0, "generate: --kv-cache-mb must be positive (kv_cache_mb=", a->kv_cache_mb, ")");
-    KILN_CHECK(!a->lora_merged || !a->lora.empty(), what, ": --lora-merged needs the adapter, --lora DIR");
-    rollout::SamplingParams defaults;
-    defaults.n = a->n;
-    defaults.max_tokens = a->max_tokens;
-    defaults.temperature = a->temperature;
-    defaults.top_p = a->top_p;
-    defaults.top_k = a->top_k;
-    for (const auto& s : a->stop) {
-      auto ids = parse_ids(s, "generate", "--stop");
-      defaults.stop_token_ids.insert(defaults.stop_token_ids.end(), ids.begin(), ids.end());
-    }
-    // The flags' own values are checked once here so their errors name the flag, not a prompt.
-    check_prompt(Prompt{"command-line flags", {{0}, defaults}}, std::numeric_limits<int64_t>::max());
+    std::optional<trainer::Recipe> recipe = apply_recipe(*a, cmd);
+    rollout::SamplingParams defaults = checked_defaults(*a, what);
     // A tokenizer with files: its stop ids end samples unless --stop says otherwise.
     std::shared_ptr<const text::Tokenizer> tok;
     if (!a->tokenizer.empty()) tok = text::load_tokenizer(a->tokenizer);
@@ -510,27 +652,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
     const bool bytes = !tok;
     if (bytes) tok = text::make_byte_tokenizer(256);
     if (!bytes && a->stop.empty()) defaults.stop_token_ids = tok->stop_ids();
-    std::vector<Prompt> prompts;
-    for (size_t i = 0; i < a->prompts.size(); ++i) {
-      const std::string& text = a->prompts[i];
-      const std::string where = "--prompt #" + std::to_string(i + 1);
-      Prompt p{where, {{}, defaults}};
-      p.request.params.seed = a->seed + i;  // so that equal prompts still differ
-      p.request.prompt = text.rfind("ids:", 0) == 0 ? parse_ids(text.substr(4), "generate", where) : encode_text(*tok, text);
-      prompts.push_back(std::move(p));
-    }
-    if (!a->prompts_file.empty()) read_prompts_file(a->prompts_file, defaults, a->seed, *tok, prompts);
-    if (recipe && prompts.empty()) {  // the recipe's held-out prompts, rendered as its training renders them
-      trainer::Dataset d = trainer::load_data(*recipe);
-      trainer::prepare_prompts(d.test, *tok, recipe->grpo.prompt);
-      for (size_t i = 0; i < d.test.size() && (a->max_prompts == 0 || int64_t(i) < a->max_prompts); ++i) {
-        Prompt p{a->recipe + " held-out " + d.test[i].origin, {d.test[i].prompt_ids, defaults}};
-        p.request.params.seed = a->seed + i;
-        prompts.push_back(std::move(p));
-      }
-      KILN_CHECK(!prompts.empty(), what, ": the recipe ", a->recipe, " has no held-out prompts to sample");
-    }
-    KILN_CHECK(!prompts.empty(), "generate: no prompts given; pass --prompts FILE.jsonl, --prompt TEXT or --recipe");
+    std::vector<Prompt> prompts = gather_prompts(*a, recipe, defaults, *tok, what);
 
     at::NoGradGuard no_grad;
     const at::Device device = model::parse_device(a->device, "generate: --device");
@@ -550,21 +672,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
                    "; the rescoring uses one distribution: give the temperature with --temperature and leave top_p 1 "
                    "and top_k 0 (a truncated distribution is not the trainer's)");
       }
-    // The engine: the recipe's, or the defaults; the flags given override either.
-    rollout::EngineConfig ec = recipe ? recipe->grpo.engine : rollout::EngineConfig();
-    auto flag = [&](const char* name) { return !recipe || given(name); };
-    if (flag("--quantization")) ec.quantization = rollout::parse_quantization(a->quantization);
-    if (flag("--numerics")) ec.batch_invariant = a->numerics == "bitwise";
-    if (flag("--kv-cache-mb")) ec.kv_cache_bytes = a->kv_cache_mb << 20;
-    if (flag("--block-size")) ec.block_size = a->block_size;
-    if (flag("--max-num-seqs")) ec.max_num_seqs = a->max_num_seqs;
-    if (flag("--max-batch-tokens")) ec.max_batch_tokens = a->max_batch_tokens;
-    if (flag("--prefill-chunk")) ec.prefill_chunk = a->prefill_chunk;
-    if (flag("--no-cuda-graphs")) ec.cuda_graphs = !a->no_cuda_graphs;
-    ec.validate();
-    a->quantization = rollout::quantization_name(ec.quantization);  // what runs, for the report
-    a->numerics = ec.batch_invariant ? "bitwise" : "standard";
-    a->no_cuda_graphs = !ec.cuda_graphs;
+    const rollout::EngineConfig ec = engine_config(*a, recipe, cmd);
     // The engine serves the model itself, or with --lora-merged a view whose adapted weights are
     // merged copies (m keeps its base and adapters for the rescoring); the engine holds its own
     // copy, so the view goes once it is built.
@@ -575,73 +683,22 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
       return rollout::Engine(merged, ec);
     }();
 
-    const auto start = Clock::now();
-    auto last_print = start;
-    bool printed = false;
-    auto progress = [&](int64_t done, int64_t total) {
-      if (a->quiet) return;
-      const auto now = Clock::now();
-      if (done < total && now - last_print < std::chrono::milliseconds(500)) return;
-      last_print = now;
-      const double secs = std::chrono::duration<double>(now - start).count();
-      // Samples count as done only when their whole request is, so tokens show progress within one.
-      const int64_t tokens = engine.stats().sampled_tokens;
-      const double rate = secs > 0 ? double(tokens) / secs : 0.0;
-      std::fprintf(stderr, "\r generate: %lld/%lld samples, %lld tokens, %.1f tok/s   ", (long long)done,
-                   (long long)total, (long long)tokens, rate);
-      std::fflush(stderr);
-      printed = true;
-    };
-    const std::vector<rollout::RequestOutput> outputs = engine.generate(requests, progress);
-    const double secs = std::chrono::duration<double>(Clock::now() - start).count();
-    if (printed) std::fprintf(stderr, "\n");
+    double secs = 0;
+    const std::vector<rollout::RequestOutput> outputs = generate_all(engine, requests, a->quiet, &secs);
 
     const std::string lora_mode = a->lora.empty() ? "none" : a->lora_merged ? "merged" : "unmerged";
     int64_t num_tokens = 0, num_samples = 0;
     for (const auto& r : outputs)
       for (const auto& s : r.samples) num_tokens += int64_t(s.tokens.size()), ++num_samples;
     if (mismatch) {
-      const Rescored r = rescore(m, requests, outputs, defaults.temperature > 0 ? defaults.temperature : 1.0,
-                                 a->micro_batch_seqs, ec.batch_invariant);
-      const std::string lora = a->lora.empty() ? "" : fmt::format(", LoRA {} {}", a->lora, lora_mode);
-      fmt::print("{} samples of {} prompts from {} (rollout weights {}{}, {} on {}, numerics {}{}), rescored by the "
-                 "trainer's forward\n",
-                 num_samples, outputs.size(), a->model, a->quantization, lora, a->dtype, device.str(), a->numerics,
-                 a->no_cuda_graphs ? ", no CUDA graphs" : "");
-      print_mismatch(r, a->worst);
-      if (a->alone) rollout_alone(engine, requests, outputs);
-      if (!a->out.empty())
-        write_samples(a->out, requests, outputs, a->model, a->dtype, [&](hdf5::Writer& w) {
-          // Per response token, in the order of "tokens": the trainer's log-probs and its own routing.
-          w.write("lp_trainer_replay", r.lp_replay.to(at::kFloat));
-          w.write("lp_trainer_own", r.lp_own.to(at::kFloat));
-          w.write("routing_trainer_own", r.own_routing);
-          w.write("lp_trainer_alone", r.lp_alone.to(at::kFloat));
-          w.write("entropy_trainer", r.entropy.to(at::kFloat));
-          w.attribute("quantization", a->quantization);
-          w.attribute("lora", lora_mode);
-        });
-      if (!a->out.empty()) fmt::print("wrote {}\n", a->out);
-      if (!a->png.empty()) {
-        plot_mismatch(r, a->png);
-        fmt::print("wrote {}\n", a->png);
-      }
+      report_mismatch(*a, m, engine, requests, outputs, defaults.temperature > 0 ? defaults.temperature : 1.0,
+                      ec.batch_invariant, lora_mode, num_samples, device);
       return;
     }
     if (!a->out.empty()) {
       write_samples(a->out, requests, outputs, a->model, a->dtype, [&](hdf5::Writer& w) { w.attribute("lora", lora_mode); });
     } else {
-      std::string text;
-      for (size_t r = 0; r < outputs.size(); ++r)
-        for (size_t s = 0; s < outputs[r].samples.size(); ++s) {
-          const rollout::Sample& x = outputs[r].samples[s];
-          double sum = 0;
-          for (float lp : x.logprobs) sum += lp;
-          fmt::print("request {} sample {} finish={} logprob_sum={:.4f}\n  ids: {}\n", r, s,
-                     rollout::finish_reason_name(x.finish), sum, fmt::join(x.tokens, ","));
-          if (!bytes) fmt::print("  text: {}\n", nlohmann::json(tok->decode(x.tokens)).dump());
-          else if (printable_text(x.tokens, text)) fmt::print("  text: \"{}\"\n", text);
-        }
+      print_samples(outputs, *tok, bytes);
     }
     fmt::print("generated {} tokens in {} samples ({} prompts) in {:.2f} s, {:.1f} tok/s{}\n", num_tokens, num_samples,
                outputs.size(), secs, secs > 0 ? double(num_tokens) / secs : 0.0,

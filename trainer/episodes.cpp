@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "core/error.h"
@@ -24,6 +25,77 @@ struct Live {
   size_t request = 0, sample = 0;
   int64_t session = -1;
 };
+
+// Appends a turn just drawn to its episode, and the request that asks the environment about it.
+EnvRequest record_turn(Episode& e, const Example& ex, const rollout::Sample& s, int64_t turn, int64_t id,
+                       const text::Tokenizer& tok) {
+  e.response.insert(e.response.end(), s.tokens.begin(), s.tokens.end());
+  e.sampled.insert(e.sampled.end(), s.tokens.size(), 1);
+  e.logprobs.insert(e.logprobs.end(), s.logprobs.begin(), s.logprobs.end());
+  e.sampled_tokens += int64_t(s.tokens.size());
+  e.routing = s.routing;
+  EnvRequest q;
+  q.id = id;
+  q.turn = turn;
+  q.prompt = ex.prompt_text;
+  q.label = ex.label;
+  q.data_source = ex.data_source;
+  q.metadata = ex.metadata;
+  q.history = e.turns;
+  q.response = response_text(tok, s.tokens, s.finish);
+  q.response_ids = s.tokens;
+  q.truncated = s.finish == rollout::FinishReason::kLength;
+  e.turns.push_back({q.response, "", s.tokens, {}});
+  return q;
+}
+
+// Takes the environment's answer to an episode's turn: the observation that continues the episode, or
+// nothing when it ends here (done, a limit reached, or an observation the model cannot take).
+std::optional<std::vector<int64_t>> take_answer(Episode& e, const EnvStep& answer, rollout::FinishReason finish,
+                                                int64_t turn, const std::string& origin, const EnvironmentSpec& spec,
+                                                const text::Tokenizer& tok, int64_t vocab) {
+  e.last = answer;
+  bool go_on = !e.last.done;
+  // An observation the model cannot take (ids outside its vocabulary, text the tokenizer
+  // rejects) is the environment's failure: under on_failure: stop the run ends, naming it.
+  auto reject = [&](const std::string& what) {
+    const std::string why = str_cat("environment: ", what, " (turn ", turn, " of ", origin, ")");
+    KILN_CHECK(spec.worker.on_failure == OnFailure::kZero, why, "; fix the environment, or set on_failure: zero");
+    e.last = EnvStep();
+    e.last.done = e.last.failed = e.bad_observation = true;
+    e.last.error = why;
+    go_on = false;
+  };
+  std::vector<int64_t> obs;
+  if (go_on && e.last.has_ids) {
+    const auto bad = std::find_if(e.last.observation_ids.begin(), e.last.observation_ids.end(),
+                                  [&](int64_t id) { return id >= vocab; });
+    if (bad != e.last.observation_ids.end())
+      reject(str_cat("observation_ids holds ", *bad, ", outside the vocabulary (", vocab, " ids)"));
+    else
+      obs = e.last.observation_ids;
+  } else if (go_on) {
+    try {
+      obs = tok.encode(e.last.observation);
+    } catch (const Error& err) {
+      reject(str_cat("the tokenizer rejects the observation: ", err.what()));
+    }
+  }
+  const int64_t left = spec.max_episode_tokens - int64_t(e.response.size()) - int64_t(obs.size());
+  if (go_on && (turn + 1 >= spec.max_turns || obs.empty() || int64_t(obs.size()) > spec.max_observation_tokens ||
+                left < 1)) {
+    go_on = false;
+    e.truncated = true;
+  }
+  if (!go_on) {
+    // A last turn cut by max_tokens is truncated too, unless the environment ended the episode.
+    if (!e.last.done && finish == rollout::FinishReason::kLength) e.truncated = true;
+    return std::nullopt;
+  }
+  e.turns.back().observation = e.last.has_ids ? tok.decode(obs) : e.last.observation;
+  e.turns.back().observation_ids = obs;
+  return obs;
+}
 
 }  // namespace
 
@@ -76,26 +148,8 @@ std::vector<std::vector<Episode>> run_episodes(rollout::Engine& engine, Environm
     // Append each turn just drawn and ask the environment about it.
     std::vector<EnvRequest> asks;
     for (auto& [live, s] : drawn) {
-      Episode& e = eps[live.request][live.sample];
-      const Example& ex = *examples[live.request];
-      e.response.insert(e.response.end(), s.tokens.begin(), s.tokens.end());
-      e.sampled.insert(e.sampled.end(), s.tokens.size(), 1);
-      e.logprobs.insert(e.logprobs.end(), s.logprobs.begin(), s.logprobs.end());
-      e.sampled_tokens += int64_t(s.tokens.size());
-      e.routing = s.routing;
-      EnvRequest q;
-      q.id = int64_t(asks.size());
-      q.turn = turn;
-      q.prompt = ex.prompt_text;
-      q.label = ex.label;
-      q.data_source = ex.data_source;
-      q.metadata = ex.metadata;
-      q.history = e.turns;
-      q.response = response_text(tok, s.tokens, s.finish);
-      q.response_ids = s.tokens;
-      q.truncated = s.finish == rollout::FinishReason::kLength;
-      e.turns.push_back({q.response, "", s.tokens, {}});
-      asks.push_back(std::move(q));
+      asks.push_back(record_turn(eps[live.request][live.sample], *examples[live.request], s, turn,
+                                 int64_t(asks.size()), tok));
     }
     const std::vector<EnvStep> answers = env.step(asks);
     // Each episode ends here or gets its observation and a next turn.
@@ -103,49 +157,14 @@ std::vector<std::vector<Episode>> run_episodes(rollout::Engine& engine, Environm
     for (size_t a = 0; a < answers.size(); ++a) {
       const Live live = drawn[a].first;
       Episode& e = eps[live.request][live.sample];
-      e.last = answers[a];
-      bool go_on = !e.last.done;
-      // An observation the model cannot take (ids outside its vocabulary, text the tokenizer
-      // rejects) is the environment's failure: under on_failure: stop the run ends, naming it.
-      auto reject = [&](const std::string& what) {
-        const std::string why = str_cat("environment: ", what, " (turn ", turn, " of ", examples[live.request]->origin, ")");
-        KILN_CHECK(spec.worker.on_failure == OnFailure::kZero, why, "; fix the environment, or set on_failure: zero");
-        e.last = EnvStep();
-        e.last.done = e.last.failed = e.bad_observation = true;
-        e.last.error = why;
-        go_on = false;
-      };
-      std::vector<int64_t> obs;
-      if (go_on && e.last.has_ids) {
-        const auto bad = std::find_if(e.last.observation_ids.begin(), e.last.observation_ids.end(),
-                                      [&](int64_t id) { return id >= vocab; });
-        if (bad != e.last.observation_ids.end())
-          reject(str_cat("observation_ids holds ", *bad, ", outside the vocabulary (", vocab, " ids)"));
-        else
-          obs = e.last.observation_ids;
-      } else if (go_on) {
-        try {
-          obs = tok.encode(e.last.observation);
-        } catch (const Error& err) {
-          reject(str_cat("the tokenizer rejects the observation: ", err.what()));
-        }
-      }
-      const int64_t left = spec.max_episode_tokens - int64_t(e.response.size()) - int64_t(obs.size());
-      if (go_on && (turn + 1 >= spec.max_turns || obs.empty() || int64_t(obs.size()) > spec.max_observation_tokens ||
-                    left < 1)) {
-        go_on = false;
-        e.truncated = true;
-      }
-      if (!go_on) {
-        // A last turn cut by max_tokens is truncated too, unless the environment ended the episode.
-        if (!e.last.done && drawn[a].second.finish == rollout::FinishReason::kLength) e.truncated = true;
+      std::optional<std::vector<int64_t>> obs = take_answer(e, answers[a], drawn[a].second.finish, turn,
+                                                            examples[live.request]->origin, spec, tok, vocab);
+      if (!obs) {
         engine.end_session(live.session);
         held.erase(live.session);
         continue;
       }
-      e.turns.back().observation = e.last.has_ids ? tok.decode(obs) : e.last.observation;
-      e.turns.back().observation_ids = obs;
-      next.push_back({live, std::move(obs)});
+      next.push_back({live, std::move(*obs)});
     }
     drawn.clear();
     running.clear();

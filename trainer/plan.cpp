@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <utility>
 
 #include "core/error.h"
 #include "model/lora.h"
@@ -53,16 +54,17 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
 namespace {
 
 // The structural count below (every tensor the fused path saves for the backward) over-counts what
-// the caching allocator's peak shows. Calibrated on the H200 on 2026-12-05 against muse-small GRPO
-// steps with LoRA (no gradient buffers to confound the backward's peak) at micro-batches of 2816
-// and 1408 tokens: the peak grew 1.40 GiB per 1408 tokens, 1.07 MB per token. Less the saved bf16
-// logits (131 KB), the embedding (16 KB) and the head's bf16 logit gradient (131 KB per token of a
-// 2048-token chunk), that is 108 KB per token and layer against 136.7 structural (0.79), and a
-// fixed 0.63 GiB (kBackwardWorkspace) that no token count explains.
+// the caching allocator's peak shows. Calibrated against the peaks of muse-small GRPO steps on an
+// H200 (tools/gpu_check.sh, section calibrate) with LoRA (no gradient buffers to confound the
+// backward's peak) at micro-batches of 2816 and 1408 tokens: the peak grew 1.40 GiB per 1408
+// tokens, 1.07 MB per token. Less the saved bf16 logits (131 KB), the embedding (16 KB) and the
+// head's bf16 logit gradient (131 KB per token of a 2048-token chunk), that is 108 KB per token and
+// layer against 136.7 structural (0.79), and a fixed 0.63 GiB (kBackwardWorkspace) that no token
+// count explains.
 constexpr double kActivationCalibration = 0.79;
 constexpr double kBackwardWorkspace = 0.63 * double(1ll << 30);
 constexpr int64_t kLogprobChunk = 2048;  // ForwardOptions::logprob_chunk: the head's rows per GEMM
-// The optimizer step's temporaries beyond the gradients (measured the same day): device Muon on
+// The optimizer step's temporaries beyond the gradients (the same calibration runs): device Muon on
 // muse-small's largest stack (64 x 1024 x 1024) took 1.01 GiB, 16 bytes a parameter (the fp32
 // gradient, momentum update, normalised copy, and Newton-Schulz's iterate and products); the
 // streamed placements took 0.16 GiB with 64 MiB chunks, 2.5 chunks.
@@ -113,24 +115,55 @@ double layer_activation_bytes_per_token(const model::ModelConfig& c, int64_t tp)
 
 namespace {
 
-// The plan with the rollout placed as job.rollout_sharded says.
-Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& L) {
+// One plan being built by plan_placed: the job, the layout and the sizes the stages share, and the
+// stages, each adding one part of the job's memory to the plan.
+struct PlanBuilder {
+  PlanBuilder(const model::ModelConfig& model, const PlanJob& the_job, const Cluster& the_cluster,
+              const Layout& layout)
+      : cfg(model), job(the_job), cluster(the_cluster), L(layout), world(the_cluster.world()),
+        wb(double(the_job.weight_bytes)) {
+    plan.rollout_sharded = job.rollout_sharded;
+    plan.layout = L;
+    plan.cluster = cluster;
+  }
+
+  const model::ModelConfig& cfg;
+  const PlanJob& job;
+  const Cluster& cluster;
+  const Layout& L;
+  const int64_t world;
+  const double wb;  // bytes per weight
   Plan plan;
-  plan.rollout_sharded = job.rollout_sharded;
-  plan.layout = L;
-  plan.cluster = cluster;
-  const int64_t world = cluster.world();
-  const double wb = double(job.weight_bytes);
-  auto gpu = [&](const std::string& what, double b) {
+  // Set by sizes(), once the layout is known to fit.
+  Parts p;
+  double ep = 0, tp = 0, W = 0;
+  double dense_held = 0;
+  // Set by weights(): what trains, the whole model or with LoRA the adapters.
+  double trained_experts = 0, trained_dense = 0, trained_muon_dense = 0;
+  bool on_gpu = false;  // the optimizer state, set by optimizer_state()
+
+  void gpu(const std::string& what, double b) {
     if (b > 0) plan.gpu.push_back({what, b});
-  };
-  auto host = [&](const std::string& what, double b) {
+  }
+  void host(const std::string& what, double b) {
     if (b > 0) plan.host.push_back({what, b});
-  };
+  }
   // What the rollout engine holds: on the training GPU, or on a rollout rank of its own.
-  auto served = [&](const std::string& what, double b) {
+  void served(const std::string& what, double b) {
     if (b > 0) (job.rollout_split ? plan.rollout_gpu : plan.gpu).push_back({what, b});
-  };
+  }
+
+  void check_layout();
+  void sizes();
+  void weights();
+  void optimizer_state();
+  void training_peak();
+  void rollout_weights();
+  void totals();
+};
+
+// The layout against the cluster and the model: its GPU count, and the experts and heads it splits.
+void PlanBuilder::check_layout() {
   if (L.dp * L.ep * L.tp != world)
     plan.problems.push_back(fmt::format("the layout's dp x ep x tp = {} is not the cluster's {} GPUs",
                                         L.dp * L.ep * L.tp, world));
@@ -141,22 +174,29 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
                                         L.tp, cfg.num_q_heads, cfg.num_kv_heads, cluster.gpus_per_node));
   if ((L.tp > 1) != (L.dense == DenseSharding::kTensor))
     plan.problems.push_back("tp > 1 goes with dense sharding tp, and tp 1 with replicated or zero3");
-  if (!plan.problems.empty()) return plan;
+}
 
-  const Parts p = parts_of(cfg, job.muon);
-  const double ep = double(L.ep), tp = double(L.tp), W = double(world);
+void PlanBuilder::sizes() {
+  p = parts_of(cfg, job.muon);
+  ep = double(L.ep);
+  tp = double(L.tp);
+  W = double(world);
   // The share of the dense part one rank holds: whole, its tp slice (the router and norms stay
   // whole), or 1/world under ZeRO-3.
-  const double dense_held = L.dense == DenseSharding::kZero3  ? p.dense / W
-                            : L.dense == DenseSharding::kTensor ? p.dense_tp / tp + (p.dense - p.dense_tp)
-                                                                : p.dense;
+  dense_held = L.dense == DenseSharding::kZero3  ? p.dense / W
+               : L.dense == DenseSharding::kTensor ? p.dense_tp / tp + (p.dense - p.dense_tp)
+                                                   : p.dense;
+}
 
+void PlanBuilder::weights() {
   // Trained model: weights, gradients.
   gpu("expert weights (1/ep of every layer's experts)", p.experts / ep * wb);
   gpu(fmt::format("dense weights ({})", dense_sharding_name(L.dense)), dense_held * wb);
   if (L.dense == DenseSharding::kZero3)
     gpu("two layers' dense weights gathered (ZeRO-3 prefetch)", 2 * p.dense / double(cfg.num_layers) * wb);
-  double trained_experts = p.experts, trained_dense = p.dense, trained_muon_dense = p.muon_dense;
+  trained_experts = p.experts;
+  trained_dense = p.dense;
+  trained_muon_dense = p.muon_dense;
   if (job.lora) {
     trained_experts = lora_count(cfg, job, true);
     trained_dense = lora_count(cfg, job, false);
@@ -167,7 +207,9 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
   // Gradients are sharded like the weights they belong to.
   gpu(job.lora ? "gradients (adapters)" : "gradients",
       (trained_experts / ep + (job.lora ? trained_dense : dense_held)) * wb);
+}
 
+void PlanBuilder::optimizer_state() {
   // Optimizer state: ZeRO-1 splits every tensor's state over the ranks holding a copy of it, so
   // each rank keeps 1/world of it. Masters for low-precision weights, then the moments.
   const double trained = trained_experts + trained_dense;
@@ -175,7 +217,7 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
   const double muon_params = (job.muon && !job.lora ? trained_experts : 0.0) + trained_muon_dense;
   const double moments = double(job.moment_bytes) * (muon_params + 2.0 * (trained - muon_params));
   const double state = (master + moments) / W;
-  const bool on_gpu = job.state_placement == "device";
+  on_gpu = job.state_placement == "device";
   if (on_gpu) {
     gpu("optimizer state (ZeRO-1: masters and moments, 1/world)", state);
   } else {
@@ -187,7 +229,9 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
       host("optimizer state of the node's ranks (pinned)", state * double(cluster.gpus_per_node));
     }
   }
+}
 
+void PlanBuilder::training_peak() {
   // The training step's peak beyond what stays: the backward's (activations, and the gradients as
   // they fill) or the optimizer step's (the gradients and its temporaries), whichever is higher.
   // A micro-batch holds at most what one rank trains in one mini-step. The trainer gives each rank
@@ -234,7 +278,9 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
     gpu(fmt::format("the optimizer step's temporaries (the training peak; activations {}, {})", format_bytes(backward),
                     recompute_note),
         optimizer);
+}
 
+void PlanBuilder::rollout_weights() {
   // The rollout engine's weights: its own copy of what it serves (rollout::Engine clones the model,
   // so that an async step never changes a batch's weights under it), except where it shares them.
   // A sharded engine serves 1/ep of the experts (and the tp slice of the dense part); a replica all
@@ -266,7 +312,10 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
   } else if (job.lora && !job.rollout_split) {  // the engine's own copy of the adapters
     served("rollout LoRA adapters (the engine's copy)", (trained_experts + trained_dense) * wb);
   }
+}
 
+// The totals, and the checks against the cluster: the training GPU, the KV cache, host memory, NVMe.
+void PlanBuilder::totals() {
   for (const PlanItem& i : plan.gpu) plan.gpu_used += i.bytes;
   for (const PlanItem& i : plan.host) plan.host_used += i.bytes;
   for (const PlanItem& i : plan.nvme) plan.nvme_used += i.bytes;
@@ -295,7 +344,20 @@ Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluste
     plan.problems.push_back(fmt::format("NVMe: needs {} per node, has {} (short by {})", format_bytes(plan.nvme_used),
                                         format_bytes(cluster.nvme_bytes),
                                         format_bytes(plan.nvme_used - cluster.nvme_bytes)));
-  return plan;
+}
+
+// The plan with the rollout placed as job.rollout_sharded says.
+Plan plan_placed(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& L) {
+  PlanBuilder b(cfg, job, cluster, L);
+  b.check_layout();
+  if (!b.plan.problems.empty()) return std::move(b.plan);
+  b.sizes();
+  b.weights();
+  b.optimizer_state();
+  b.training_peak();
+  b.rollout_weights();
+  b.totals();
+  return std::move(b.plan);
 }
 
 }  // namespace
