@@ -25,10 +25,6 @@ FUNCTION_EXEMPT = {
     ("kernels/paged_attention.cu", "paged_decode_mma_kernel"): "CUDA kernel, needs a GPU run to change",
 }
 
-# Being split in another branch (the GRPO trainer's coordinator and the recipe's per-section parsers);
-# these entries go when that work merges. --strict ignores them.
-BEING_SPLIT = {"trainer/grpo.cpp", "trainer/recipe.cpp"}
-
 # Which folders each folder may include from (its own always), as its README says.
 # core <- kernels <- model <- optimizers <- rollout <- trainer <- tools; text/ beside kernels/;
 # parallel/ between optimizers/ and trainer/.
@@ -293,23 +289,20 @@ def source_files(root):
                     yield os.path.relpath(path, root).replace(os.sep, "/"), path
 
 
-def check(root, strict):
-    violations, edges, edge_at, notes = [], {}, {}, []
-    being_split = set() if strict else BEING_SPLIT
+def check(root):
+    violations, edges, edge_at = [], {}, {}
     for rel, path in source_files(root):
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
         n_lines = text.count("\n") + (0 if text.endswith("\n") or not text else 1)
         if n_lines > MAX_FILE_LINES and rel not in FILE_EXEMPT:
-            if rel in being_split: notes.append(f"{rel}: {n_lines} lines (being split)")
-            else: violations.append(f"{rel}:1: {n_lines} lines, above {MAX_FILE_LINES}")
+            violations.append(f"{rel}:1: {n_lines} lines, above {MAX_FILE_LINES}")
         code, includes = clean(text)
         for name, first, last in functions(code):
             length = last - first + 1
             if length <= MAX_FUNCTION_LINES or (rel, name.split("::")[-1]) in FUNCTION_EXEMPT:
                 continue
-            if rel in being_split: notes.append(f"{rel}:{first}: {name} {length} lines (being split)")
-            else: violations.append(f"{rel}:{first}: function {name} is {length} lines, above {MAX_FUNCTION_LINES}")
+            violations.append(f"{rel}:{first}: function {name} is {length} lines, above {MAX_FUNCTION_LINES}")
         unit = unit_of(rel)
         for line, target in includes:
             if TORCH_INCLUDE.match(target) or "/" not in target: continue
@@ -332,7 +325,7 @@ def check(root, strict):
             if a in comp and b in comp:
                 violations.append(f"{at}: {a}/ -> {b}/ is part of an include cycle between "
                                   f"{', '.join(c + '/' for c in comp)}")
-    return violations, notes
+    return violations
 
 
 def self_test():
@@ -356,7 +349,7 @@ def self_test():
         for rel, text in tree.items():
             os.makedirs(os.path.join(root, os.path.dirname(rel)), exist_ok=True)
             with open(os.path.join(root, rel), "w") as f: f.write(text)
-        violations, _ = check(root, strict=True)
+        violations = check(root)
     missed = [e for e in expected if not any(v.startswith(e) for v in violations)]
     extra = [v for v in violations if not any(v.startswith(e) for e in expected) and "kernels/b.h:2" not in v]
     for m in missed: print("self-test: not reported:", m)
@@ -368,15 +361,12 @@ def self_test():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ap.add_argument("--strict", action="store_true", help="no allowance for the files being split")
     ap.add_argument("--self-test", action="store_true", help="check that each kind of violation is reported")
     args = ap.parse_args()
     if args.self_test: return self_test()
-    violations, notes = check(args.root, args.strict)
+    violations = check(args.root)
     for v in violations: print(v)
-    for n in notes: print("note:", n)
-    allowed = f", {len(notes)} allowed while being split" if notes else ""
-    print(f"check_layout: {len(violations)} violation(s){allowed}")
+    print(f"check_layout: {len(violations)} violation(s)")
     return 1 if violations else 0
 
 
