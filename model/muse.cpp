@@ -52,7 +52,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool rowwise) {
 
 // RMSNorm as the forward applies it: each row alone under batch-invariant numerics.
 at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps, const ForwardOptions& opt) {
-  return opt.batch_invariant ? rowwise_rms_norm(x, w, eps) : rms_norm(x, w, eps);
+  return opt.bitwise() ? rowwise_rms_norm(x, w, eps) : rms_norm(x, w, eps);
 }
 
 // x [T, K] . W^T from the dense weight, or from its NVFP4 copy when the dense one was released,
@@ -63,7 +63,7 @@ at::Tensor project(const at::Tensor& x, const LayerWeights& lw, detail::LinearIn
   if (opt.observe_linear_input) opt.observe_linear_input(layer, r.module, x);
   const at::Tensor& dense = lw.*r.dense;
   const kernels::Nvfp4Tensor& q = lw.nvfp4.*r.q;
-  const bool rowwise = opt.batch_invariant;
+  const bool rowwise = opt.bitwise();
   at::Tensor y;
   if (dense.defined()) {
     y = linear(x, dense, rowwise);
@@ -172,7 +172,7 @@ ExpertStack expert_stack(const LayerWeights& lw, int64_t layer, const ForwardOpt
              " experts have neither dense nor NVFP4 weights");
   auto proj = [&](const at::Tensor& dense, const kernels::Nvfp4Tensor& q, const at::Tensor& a,
                   const at::Tensor& b) -> ExpertProj {
-    return {dense, q, lora ? a : kNone, lora ? b : kNone, lo.scale, nv.w4a4, opt.batch_invariant};
+    return {dense, q, lora ? a : kNone, lora ? b : kNone, lo.scale, nv.w4a4, opt.bitwise()};
   };
   return {proj(lw.expert_gate, nv.expert_gate, lo.gate_a, lo.gate_b),
           proj(lw.expert_up, nv.expert_up, lo.up_a, lo.up_b),
@@ -249,7 +249,7 @@ at::Tensor attention(const ModelConfig& cfg, const LayerWeights& lw, int64_t lay
   }
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
-  if (opt.batch_invariant) {  // each query alone over exactly its keys, as the engine's cache attention
+  if (opt.bitwise()) {  // each query alone over exactly its keys, as the engine's cache attention
     o = causal_query_attention(q, k, v, batch.cu_seqlens, full ? 0 : cfg.sliding_window, flash.invariant[full ? 0 : 1]);
   } else {
     o = standard_attention(q, k, v, batch.cu_seqlens, full ? 0 : cfg.sliding_window, flash, padded);
@@ -279,7 +279,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   counts = spare ? l.counts.narrow(0, 0, E) : l.counts;
   const at::Tensor ends = spare ? l.offsets.narrow(0, 0, E) : l.offsets;  // the experts' segments (int32)
   const bool grouped = opt.use_grouped_mm && (!s.lora || lw.lora.experts_grouped()) && !opt.observe_linear_input &&
-                       !opt.batch_invariant && z.is_cuda() && z.scalar_type() == at::kBFloat16 &&
+                       !opt.bitwise() && z.is_cuda() && z.scalar_type() == at::kBFloat16 &&
                        grouped_mm_widths_fit(lw, z);
   if (grouped && (!s.quantized() || kernels::nvfp4_grouped_dequantizes(s.gate.q, live_rows > 0 ? live_rows : n, z))) {
     // torch's grouped GEMM over segments that each start on a kGroupAlign boundary; the last runs
@@ -292,17 +292,17 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   at::Tensor inverse = at::empty_like(l.order).scatter_(0, l.order, at::arange(n, l.order.options()));
   // Rows sorted by expert. Under batch-invariant numerics the moves' backward gathers: token t's
   // k slots lie at sorted rows inverse[t * k + j].
-  at::Tensor zs = opt.batch_invariant ? gather_rows(z, l.src_token, inverse, k) : z.index_select(0, l.src_token);
+  at::Tensor zs = opt.bitwise() ? gather_rows(z, l.src_token, inverse, k) : z.index_select(0, l.src_token);
   // Each expert's first sorted row, and the end, on the device (no host sync).
   auto sorted_offsets = [&] { return at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)}); };
-  if (opt.batch_invariant && !s.quantized() && !opt.observe_linear_input) {
+  if (opt.bitwise() && !s.quantized() && !opt.observe_linear_input) {
     // Batch-invariant experts: grouped GEMMs whose rows do not depend on the batch (one launch
     // each on CUDA).
     const at::Tensor offsets = sorted_offsets();
     at::Tensor act = rowwise_silu(s.gate.invariant(zs, offsets)) * s.up.invariant(zs, offsets);
     return gather_rows(s.down.invariant(act, offsets), inverse, l.order, 1);  // sorted row i is slot order[i]
   }
-  if (s.quantized() && !opt.observe_linear_input && !opt.batch_invariant && (!s.lora || grouped)) {
+  if (s.quantized() && !opt.observe_linear_input && !opt.bitwise() && (!s.lora || grouped)) {
     // NVFP4 grouped GEMMs over expert-sorted rows.
     const at::Tensor offsets = sorted_offsets();
     at::Tensor act = at::silu(s.gate.sorted(zs, offsets, l, ends)) * s.up.sorted(zs, offsets, l, ends);
@@ -322,7 +322,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
       opt.observe_linear_input(layer, prefix + "up_proj", seg);
     }
     at::Tensor g = s.gate.one(seg, e);
-    at::Tensor a = (opt.batch_invariant ? rowwise_silu(g) : at::silu(g)) *
+    at::Tensor a = (opt.bitwise() ? rowwise_silu(g) : at::silu(g)) *
                    s.up.one(seg, e);
     if (opt.observe_linear_input) opt.observe_linear_input(layer, prefix + "down_proj", a);
     parts.push_back(s.down.one(a, e));
@@ -364,7 +364,7 @@ at::Tensor dispatched_experts(const ModelConfig& cfg, const LayerWeights& lw, in
     // Under batch-invariant numerics the norm weights' gradient is one GEMM (table_rows), as on one
     // rank: index_select's CUDA backward adds rows with atomics, in no fixed order.
     const at::Tensor norm_w =
-        opt.batch_invariant ? table_rows(lw.expert_norm, norm_ids) : lw.expert_norm.index_select(0, norm_ids);
+        opt.bitwise() ? table_rows(lw.expert_norm, norm_ids) : lw.expert_norm.index_select(0, norm_ids);
     y = norm(y, norm_w, cfg.rms_norm_eps, opt);
   }
   return dispatcher.combine(y, routed);
@@ -379,7 +379,7 @@ bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, c
   // NVFP4 experts join at every size: the W4A16 grouped kernel (decode) or torch's grouped GEMM on
   // the dequantised stack (prefill) runs on the same padded layout, so no row moves of their own.
   const bool weights = lw.expert_gate.defined() || kernels::nvfp4_grouped_on_device(lw.nvfp4.expert_gate, z);
-  return opt.use_fused && opt.use_grouped_mm && !opt.batch_invariant && !expert_parallel && weights && z.is_cuda() &&
+  return opt.use_fused && opt.use_grouped_mm && !opt.bitwise() && !expert_parallel && weights && z.is_cuda() &&
          z.scalar_type() == at::kBFloat16 && !opt.observe_linear_input && (!lora || lw.lora.experts_grouped()) &&
          k <= 16 && grouped_mm_widths_fit(lw, z);
 #else
@@ -464,13 +464,13 @@ struct MoeOut {
 MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer, const at::Tensor& h,
                   const at::Tensor& replay, const ForwardOptions& opt) {
   const int64_t T = h.size(0), k = cfg.top_k, E = cfg.num_experts;
-  at::Tensor logits = linear(h.to(lw.router.scalar_type()), lw.router, opt.batch_invariant);  // [T, E] fp32
+  at::Tensor logits = linear(h.to(lw.router.scalar_type()), lw.router, opt.bitwise());  // [T, E] fp32
   const bool sigmoid = cfg.router_score == RouterScore::kSigmoid;
   // Without a gradient or the balance loss (the rollout), one kernel on CUDA; else the ATen ops
   // (each token alone under batch-invariant numerics).
-  const bool plain = opt.rollout && opt.use_fused && !opt.load_balance && !logits.requires_grad() && !opt.batch_invariant;
+  const bool plain = opt.rollout && opt.use_fused && !opt.load_balance && !logits.requires_grad() && !opt.bitwise();
   const kernels::MoeRoute route = plain                  ? kernels::moe_route(logits, k, sigmoid, lw.router_bias, replay)
-                                  : opt.batch_invariant ? rowwise_route(logits, k, sigmoid, lw.router_bias, replay, opt.load_balance)
+                                  : opt.bitwise() ? rowwise_route(logits, k, sigmoid, lw.router_bias, replay, opt.load_balance)
                                                         : kernels::moe_route_reference(logits, k, sigmoid, lw.router_bias, replay);
   const at::Tensor &ids = route.ids, &w = route.weights;
 
@@ -489,7 +489,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
     } else {
       y = run_experts(lw, layer, z, flat, k, counts, opt);
       const at::Tensor norm_rows =
-          opt.batch_invariant ? table_rows(lw.expert_norm, flat) : lw.expert_norm.index_select(0, flat);
+          opt.bitwise() ? table_rows(lw.expert_norm, flat) : lw.expert_norm.index_select(0, flat);
       y = norm(y, norm_rows, cfg.rms_norm_eps, opt).view({T, k, -1});
     }
     // Bitwise numerics (engine and trainer alike, fused kernels or not) and expert parallelism with
@@ -497,9 +497,9 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
     // in slot order in fp32 (stored in y's dtype), without the fp32 products in memory; each token
     // alone, so batch-invariant.
     const at::Tensor rows = y.view({T * k, -1});
-    if ((opt.batch_invariant || (ep && opt.use_fused)) && kernels::moe_combine_on_kernel(rows, w)) {
+    if ((opt.bitwise() || (ep && opt.use_fused)) && kernels::moe_combine_on_kernel(rows, w)) {
       m = kernels::moe_combine(rows, w, at::arange(T * k, flat.options()));
-    } else if (opt.batch_invariant) {  // the k terms added in slot order, each row alone by construction
+    } else if (opt.bitwise()) {  // the k terms added in slot order, each row alone by construction
       // The products in one op (each the same IEEE product as alone), then k - 1 adds in order;
       // unbind, not select: the backward is one stack and one product, not k of each.
       const std::vector<at::Tensor> terms = (y.to(w.scalar_type()) * w.unsqueeze(-1)).unbind(1);
@@ -555,7 +555,7 @@ struct LayerOut {
 LayerOut run_layer(const LayerContext& c, const LayerWeights& lw, int64_t i, const at::Tensor& x,
                    const at::Tensor& replay, const at::Tensor& xn = {}, const at::Tensor& next_norm = {}) {
   const double eps = c.cfg.rms_norm_eps;
-  const bool fuse = c.opt.rollout && !c.opt.batch_invariant;
+  const bool fuse = c.opt.rollout && !c.opt.bitwise();
   at::Tensor a = attention(c.cfg, lw, i, xn.defined() ? xn : norm(x, lw.input_norm, eps, c.opt), c.batch, c.cos, c.sin,
                            c.opt.attention, c.padded, c.flash, c.opt);
   at::Tensor h, hn;
@@ -804,8 +804,16 @@ at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& lm_head, bool
 }
 }  // namespace
 
-at::Tensor Muse::logits(const at::Tensor& hidden, bool batch_invariant) const {
-  return head_logits(hidden, w_.lm_head, batch_invariant);
+Numerics parse_numerics(const std::string& name) {
+  if (name == "standard") return Numerics::kStandard;
+  KILN_CHECK(name == "bitwise", "numerics: expected standard or bitwise (got '", name, "')");
+  return Numerics::kBitwise;
+}
+
+const char* numerics_name(Numerics n) { return n == Numerics::kBitwise ? "bitwise" : "standard"; }
+
+at::Tensor Muse::logits(const at::Tensor& hidden, Numerics numerics) const {
+  return head_logits(hidden, w_.lm_head, numerics == Numerics::kBitwise);
 }
 
 at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -903,7 +911,7 @@ at::Tensor target_logprobs(const ForwardOptions& opt, const at::Tensor& xn, cons
     // Only the chosen logit and the logsumexp are kept: no [T, V] log-softmax is built (and on
     // CUDA no fp32 copy of the logits: kernels::token_logprobs).
     at::Tensor target = safe.narrow(0, a, n);
-    if (opt.batch_invariant) {  // as the engine records a sampled token's: each row alone
+    if (opt.bitwise()) {  // as the engine records a sampled token's: each row alone
       at::Tensor logits = logits_all.defined() ? logits_all.narrow(0, a, n) : head_logits(xn.narrow(0, a, n), head, true);
       lps.push_back(rowwise_token_logprobs(logits, target, opt.temperature));
       continue;
@@ -937,11 +945,11 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
                opt.positions.scalar_type(), " on ", opt.positions.device(), ")");
   at::Tensor positions = opt.positions.defined() ? opt.positions : batch.positions();
   at::Tensor cos, sin;
-  std::tie(cos, sin) = rope_for(cfg_, positions, dtype(), opt.batch_invariant);
+  std::tie(cos, sin) = rope_for(cfg_, positions, dtype(), opt.bitwise());
   // Varlen flash attention where libtorch has it (CUDA bf16); otherwise, for many sequences, one
   // padded attention per layer instead of a loop over sequences.
   FlashPlan flash;
-  if (!opt.attention && opt.batch_invariant) {
+  if (!opt.attention && opt.bitwise()) {
     for (int w = 0; w < 2; ++w) {
       flash.invariant[w] = causal_key_ranges(batch.cu_seqlens, w == 0 ? 0 : cfg_.sliding_window);
       if (device().is_cuda()) flash.invariant[w].upload(device());
@@ -951,7 +959,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
     flash = flash_plan(batch.cu_seqlens, device());
   }
   PaddedLayout padded;
-  if (!opt.attention && !opt.batch_invariant && !flash.cu_seqlens.defined() && batch.num_sequences() > 1)
+  if (!opt.attention && !opt.bitwise() && !flash.cu_seqlens.defined() && batch.num_sequences() > 1)
     padded = causal_layout(batch.cu_seqlens, device());
   const WeightGather* gather = opt.gather;  // sharded dense weights: gathered where they are read
   at::Tensor x = at::embedding(gather ? gather->gather(w_.embed) : w_.embed, batch.tokens);  // [T, d]
@@ -985,7 +993,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
     out.hidden = xn;
     return out;
   }
-  if (opt.return_logits) out.logits = head_logits(xn, head, opt.batch_invariant);
+  if (opt.return_logits) out.logits = head_logits(xn, head, opt.bitwise());
   if (opt.targets.defined()) {
     out.logprobs = target_logprobs(opt, xn, head, out.logits, T, cfg_.vocab_size, device());
   }

@@ -140,6 +140,15 @@ class ExpertDispatcher {
   virtual at::Tensor combine(const at::Tensor& y, const Routed& routed) const = 0;
 };
 
+// How the forward orders its arithmetic (the recipe's rollout.numerics). kBitwise is batch-invariant
+// (model/batch_invariant.h): every linear, norm, routing decision, attention query and log-prob is
+// computed row by row by calls whose shapes do not depend on the batch (kernels/invariant.h on the
+// GPU), so that the trainer and the rollout engine give the same bits for the same tokens. Dense
+// weights only; the fused and grouped paths are off.
+enum class Numerics { kStandard, kBitwise };
+Numerics parse_numerics(const std::string& name);  // "standard" or "bitwise"; else an error naming it
+const char* numerics_name(Numerics n);
+
 struct ForwardOptions {
   bool return_logits = false;   // [T, V] fp32 logits (large: avoid for big vocabularies)
   at::Tensor targets;           // [T] int64: when defined, return log p(targets[t] | tokens[<=t]);
@@ -157,12 +166,8 @@ struct ForwardOptions {
                                 // from the rows it needs)
   bool check_inputs = true;     // range-check token and routing ids (costs device syncs)
   bool load_balance = true;     // compute load_balance_loss (the rollout engine skips it: fewer kernels)
-  // Batch-invariant numerics (model/batch_invariant.h; rollout.numerics: bitwise): every linear,
-  // norm, routing decision, attention query and log-prob computed row by row by calls whose shapes
-  // do not depend on the batch, so that the trainer and the rollout engine give the same bits for
-  // the same tokens. Dense weights only; the fused and grouped paths are off. Slow: a test and
-  // reference mode until batch-invariant kernels exist.
-  bool batch_invariant = false;
+  Numerics numerics = Numerics::kStandard;  // rollout.numerics (see Numerics)
+  bool bitwise() const { return numerics == Numerics::kBitwise; }
   bool rollout = false;         // the rollout engine's forward (no gradient): on CUDA the router's
                                 // softmax, top-k and weights in one kernel (kernels/moe_route.h) and
                                 // expert GEMMs that stop at the last real row. The trainer's scoring
@@ -238,7 +243,7 @@ class Muse {
 
   ForwardOutput forward(const PackedBatch& batch, const ForwardOptions& opt = {}) const;
   // fp32 logits [rows, V] of final-normed hidden states (fp64 in fp64 runs).
-  at::Tensor logits(const at::Tensor& hidden, bool batch_invariant = false) const;
+  at::Tensor logits(const at::Tensor& hidden, Numerics numerics = Numerics::kStandard) const;
 
  private:
   ModelConfig cfg_;

@@ -11,8 +11,8 @@
 
 namespace kiln::rollout {
 
-CacheAttention::CacheAttention(KvCache& kv, const model::ModelConfig& cfg, bool batch_invariant)
-    : kv_(kv), W_(cfg.sliding_window), group_(cfg.num_q_heads / cfg.num_kv_heads), batch_invariant_(batch_invariant) {}
+CacheAttention::CacheAttention(KvCache& kv, const model::ModelConfig& cfg, model::Numerics numerics)
+    : kv_(kv), W_(cfg.sliding_window), group_(cfg.num_q_heads / cfg.num_kv_heads), batch_invariant_(numerics == model::Numerics::kBitwise) {}
 
 void CacheAttention::plan(const std::vector<Work>& step) {
   work_ = &step;

@@ -17,9 +17,9 @@ namespace kiln::rollout {
 
 class CacheAttention : public model::AttentionBackend {
  public:
-  // batch_invariant: each new query attends alone over exactly its keys (model::ranged_attention),
+  // Bitwise numerics: each new query attends alone over exactly its keys (model::ranged_attention),
   // as the trainer's batch-invariant forward does.
-  CacheAttention(KvCache& kv, const model::ModelConfig& cfg, bool batch_invariant = false);
+  CacheAttention(KvCache& kv, const model::ModelConfig& cfg, model::Numerics numerics = model::Numerics::kStandard);
   // Routes the step's reads and writes: every cache row in few host-to-device copies, the decode
   // items (one new token each) as one padded batch, prefill pieces one by one. `work` gives each
   // item's rows in the packed batch; its sequences' blocks are writable for the new positions.

@@ -98,7 +98,7 @@ struct DecodeGraphs::Impl {
 
     at::Tensor paged(bool full, const at::Tensor& q, const at::Tensor& kl, const at::Tensor& vl) const {
       const KvPools& p = owner->pools;
-      if (owner->opt.batch_invariant) {  // the trainer's ranged attention, over the rows in the cache
+      if (owner->opt.bitwise()) {  // the trainer's ranged attention, over the rows in the cache
         if (q.is_cuda())  // every entry is a cache row: the kernel's second key source is never read
           return kernels::ranged_attention_cuda(q, kl, vl, kl, vl, key_rows[full], key_rows[full].size(0) - 2 * rows);
         return model::ranged_attention(q, kl, vl, {}, {}, host_keys[full]);
@@ -132,7 +132,7 @@ struct DecodeGraphs::Impl {
     // The step itself: what is captured.
     void forward() {
       const model::Muse& m = owner->model;
-      if (owner->opt.batch_invariant) {
+      if (owner->opt.bitwise()) {
         build_key_rows(true);
         if (owner->pools.ring > 0) build_key_rows(false);
       }
@@ -147,7 +147,7 @@ struct DecodeGraphs::Impl {
       opt.load_balance = false;
       opt.rollout = true;
       opt.positions = positions;
-      opt.batch_invariant = owner->opt.batch_invariant;
+      opt.numerics = owner->opt.numerics;
       if (owner->experts) {  // every rank of the group runs this many rows now, padded alike
         owner->experts->set_capacity(owner->capacity(rows));
         owner->experts->set_row_mask(valid);  // padding rows send nothing
@@ -156,7 +156,7 @@ struct DecodeGraphs::Impl {
       }
       model::ForwardOutput out = m.forward(batch, opt);
       routing = out.routing;
-      logits = m.logits(out.hidden, owner->opt.batch_invariant);
+      logits = m.logits(out.hidden, owner->opt.numerics);
       if (owner->opt.capture) std::tie(ids, logprobs) = kernels::sample_rows(logits, temperature, seeds);
     }
   };
@@ -341,12 +341,12 @@ struct DecodeGraphs::Impl {
   }
 };
 
-bool DecodeGraphs::available(const model::Muse& model, const comm::Group* expert_group, bool batch_invariant) {
+bool DecodeGraphs::available(const model::Muse& model, const comm::Group* expert_group, model::Numerics numerics) {
 #if KILN_GRAPH_CAPTURE
   const auto& c = model.config();
   // Batch-invariant steps read their keys by the ranged attention (head_dim up to 256). The expert
   // GEMMs, grouped (torch's, or the invariant kernel) read no offsets on the host at widths of 8k.
-  const bool attention = batch_invariant ? c.head_dim <= 256
+  const bool attention = numerics == model::Numerics::kBitwise ? c.head_dim <= 256
                                          : kernels::paged_decode_attention_cuda_supports(
                                                model.dtype(), c.head_dim, c.num_q_heads / c.num_kv_heads);
   const bool experts = c.latent_size % 8 == 0 && c.expert_ffn_size % 8 == 0;
@@ -354,7 +354,7 @@ bool DecodeGraphs::available(const model::Muse& model, const comm::Group* expert
   const bool exchange = !expert_group || expert_group->size() == 1 || KILN_WITH_NCCL;
   return model.device().is_cuda() && model.dtype() == at::kBFloat16 && attention && experts && exchange;
 #else
-  (void)model, (void)expert_group, (void)batch_invariant;
+  (void)model, (void)expert_group, (void)numerics;
   return false;
 #endif
 }

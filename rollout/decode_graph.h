@@ -44,9 +44,10 @@ struct DecodeGraphOptions {
   // false: the same steps run without a graph, on any device and dtype (the CPU tests the graph
   // path's logic this way).
   bool capture = true;
-  // The forward's batch-invariant numerics (rollout.numerics: bitwise), each row's attention the
+  // rollout.numerics: bitwise: the forward's batch-invariant numerics, each row's attention the
   // trainer's ranged attention over its keys' cache rows, found on the device.
-  bool batch_invariant = false;
+  model::Numerics numerics = model::Numerics::kStandard;
+  bool bitwise() const { return numerics == model::Numerics::kBitwise; }
 };
 
 struct DecodeResult {
@@ -67,7 +68,7 @@ class DecodeGraphs {
   // (grouped GEMMs: no host syncs in the MoE), a shape the paged-attention kernel handles (batch-
   // invariant steps: the ranged attention's) and, for an expert group of more than one, NCCL.
   static bool available(const model::Muse& model, const comm::Group* expert_group = nullptr,
-                        bool batch_invariant = false);
+                        model::Numerics numerics = model::Numerics::kStandard);
   DecodeGraphs(const model::Muse& model, KvPools pools, int64_t max_rows, DecodeGraphOptions options = {});
   ~DecodeGraphs();
   // One step of the bucket for max(rows, min_rows) rows (min_rows: the group's widest; a rank of

@@ -57,7 +57,7 @@ void EngineConfig::validate() const {
   KILN_CHECK(prefill_chunk > 0, "rollout config: prefill_chunk must be positive (got ", prefill_chunk, ")");
   KILN_CHECK(!share_weights || !expert_group, "rollout config: share_weights serves a whole frozen model; an expert ",
              "shard's engine (expert_group) fills its own");
-  KILN_CHECK(quantization == Quantization::kNone || !batch_invariant, "rollout config: numerics bitwise serves the ",
+  KILN_CHECK(quantization == Quantization::kNone || !bitwise(), "rollout config: numerics bitwise serves the ",
              "trainer's dense weights; quantization '", quantization_name(quantization), "' cannot be bitwise");
   KILN_CHECK(std::isfinite(expert_capacity) && expert_capacity >= 0, "rollout config: expert_capacity must be a ",
              "finite number >= 0 (got ", expert_capacity, ")");
@@ -106,7 +106,7 @@ struct Engine::Impl {
   Impl(const model::Muse& m, EngineConfig config, const WeightSource& source)
       : model(config.share_weights ? shared_view(m) : m.clone()), cfg(m.config()), ec(validated(config)),
         kv(cfg, ec.block_size, ec.kv_cache_bytes, ec.max_num_seqs, model.dtype(), model.device(), ec.max_model_len),
-        sched(kv, ec, cfg.sliding_window), work(sched.work()), attention(kv, cfg, ec.batch_invariant) {
+        sched(kv, ec, cfg.sliding_window), work(sched.work()), attention(kv, cfg, ec.numerics) {
     KILN_CHECK(!(ec.share_weights && source), "rollout: an engine that shares its model's weights cannot fill them "
                "from a weight source (it would write into the model's own tensors)");
     if (ec.expert_group) dispatcher = std::make_unique<model::AllToAllDispatcher>(*ec.expert_group);
@@ -144,14 +144,14 @@ struct Engine::Impl {
       host_sync |= l.lora.on_experts() && !l.lora.experts_grouped();
       host_sync |= nvfp4_experts && many_rows;
     }
-    const bool capture = DecodeGraphs::available(model, ec.expert_group, ec.batch_invariant);
+    const bool capture = DecodeGraphs::available(model, ec.expert_group, ec.numerics);
     if (ec.cuda_graphs && !host_sync && (capture || ec.uncaptured_graph_steps)) {
       DecodeGraphOptions go;
       go.fuse_rope_cache = ec.fused_rope_cache;
       go.expert_group = ec.expert_group;
       go.expert_capacity = ec.expert_capacity;
       go.capture = capture && !ec.uncaptured_graph_steps;
-      go.batch_invariant = ec.batch_invariant;
+      go.numerics = ec.numerics;
       graphs = std::make_unique<DecodeGraphs>(model, kv.graph_pools(), ec.max_num_seqs, go);
     }
   }
@@ -208,7 +208,7 @@ struct Engine::Impl {
     KILN_CHECK(p.temperature >= 0, "rollout: temperature must be >= 0 (got ", p.temperature, ")");
     KILN_CHECK(p.top_p > 0 && p.top_p <= 1, "rollout: top_p must be in (0, 1] (got ", p.top_p, ")");
     KILN_CHECK(p.top_k >= 0, "rollout: top_k must be >= 0 (got ", p.top_k, ")");
-    KILN_CHECK(!ec.batch_invariant || (p.top_p >= 1 && p.top_k == 0), "rollout: numerics bitwise records the ",
+    KILN_CHECK(!ec.bitwise() || (p.top_p >= 1 && p.top_k == 0), "rollout: numerics bitwise records the ",
                "log-prob of the whole softmax, which the trainer rescores; top_p (", p.top_p, ") and top_k (", p.top_k,
                ") would sample from another distribution: leave them at 1 and 0");
     for (int64_t t : p.stop_token_ids)
@@ -360,7 +360,7 @@ struct Engine::Impl {
     std::vector<Draw> d;
     for (const auto& [s, row] : draws) d.push_back({row, &params(*s), stream_seed(*s)});
     auto picked = graph ? draw_tokens(d, logits, graph->ids, graph->logprobs) : draw_tokens(d, logits);
-    if (ec.batch_invariant) record_trainer_logprobs(draws, logits, picked);
+    if (ec.bitwise()) record_trainer_logprobs(draws, logits, picked);
     for (size_t i = 0; i < draws.size(); ++i) append(*draws[i].first, picked[i].first, picked[i].second);
   }
 
@@ -370,7 +370,7 @@ struct Engine::Impl {
     at::NoGradGuard no_grad;
     model::ForwardOptions opt;
     opt.experts = dispatcher.get();
-    opt.batch_invariant = ec.batch_invariant;
+    opt.numerics = ec.numerics;
     opt.skip_head = true;
     opt.load_balance = false;
     model.forward(model::PackedBatch::from_sequences({{0}}, model.device()), opt);
@@ -478,7 +478,7 @@ struct Engine::Impl {
     model::ForwardOptions opt;
     opt.attention = &attention;
     opt.experts = dispatcher.get();
-    opt.batch_invariant = ec.batch_invariant;
+    opt.numerics = ec.numerics;
     opt.skip_head = true;
     opt.check_inputs = false;  // ids were checked when the requests came in; skips device syncs
     opt.load_balance = false;
@@ -522,7 +522,7 @@ struct Engine::Impl {
       rows.push_back(row);
       row = int64_t(rows.size()) - 1;
     }
-    return model.logits(f.hidden.index_select(0, at::tensor(rows, at::kLong).to(model.device())), ec.batch_invariant);
+    return model.logits(f.hidden.index_select(0, at::tensor(rows, at::kLong).to(model.device())), ec.numerics);
   }
 
   // What is drawn now: a decoding sample's next token from its own row; a prefilled prompt forks

@@ -85,12 +85,12 @@ struct EngineConfig {
   // Weights served. NVFP4 copies the model already holds (an NVFP4 checkpoint's) are served as they
   // are; the rest are quantised from the dense weights. update_weights() re-quantises.
   Quantization quantization = Quantization::kNone;
-  // rollout.numerics: bitwise. The forward's batch-invariant numerics (ForwardOptions::
-  // batch_invariant) and each sampled token's log-prob computed as the trainer's forward computes
+  // rollout.numerics: bitwise. The forward's batch-invariant numerics (model::Numerics) and each sampled token's log-prob computed as the trainer's forward computes
   // it, so that a trainer with the same numerics rescores every token to the same bits, whatever
   // the batch, chunking or preemption, or CUDA-graph replay (a graph step's attention is the same
   // ranged attention over its keys' cache rows). Dense weights, no top-p or top-k.
-  bool batch_invariant = false;
+  model::Numerics numerics = model::Numerics::kStandard;
+  bool bitwise() const { return numerics == model::Numerics::kBitwise; }
   // Serve the model's own weights instead of a copy (the same tensors), with a copy of the LoRA
   // adapters alone: for a frozen base, which nothing else writes (LoRA GRPO), or for weights that
   // change only between generate() calls and in place (synchronous full-parameter GRPO), it saves

@@ -28,11 +28,11 @@ void read_yaml(yaml::MapReader& m, EngineConfig& c) {
   if (!std::isfinite(c.expert_capacity) || c.expert_capacity < 0)
     m.fail("expert_capacity", "expected a finite number >= 0 (0: the worst case, no overflow)");
   m.get_enum("quantization", c.quantization, parse_quantization, quantization_name);
-  std::string numerics = c.batch_invariant ? "bitwise" : "standard";
+  std::string numerics = model::numerics_name(c.numerics);
   m.get("numerics", numerics);
   if (numerics != "standard" && numerics != "bitwise")
     m.fail("numerics", "expected standard or bitwise (got '" + numerics + "')");
-  c.batch_invariant = numerics == "bitwise";
+  c.numerics = model::parse_numerics(numerics);
 }
 
 void write_yaml(YAML::Emitter& e, const EngineConfig& c) {
@@ -45,7 +45,7 @@ void write_yaml(YAML::Emitter& e, const EngineConfig& c) {
   e << YAML::Key << "cuda_graphs" << YAML::Value << c.cuda_graphs;
   e << YAML::Key << "expert_capacity" << YAML::Value << c.expert_capacity;
   e << YAML::Key << "quantization" << YAML::Value << quantization_name(c.quantization);
-  e << YAML::Key << "numerics" << YAML::Value << (c.batch_invariant ? "bitwise" : "standard");
+  e << YAML::Key << "numerics" << YAML::Value << model::numerics_name(c.numerics);
 }
 
 }  // namespace kiln::rollout

@@ -178,8 +178,8 @@ void bench_rollout(at::Device device, const std::string& config, const RolloutBe
   if (shape.bitwise) quants.push_back("bitwise");  // BF16 weights, batch-invariant numerics
   double base = 0;
   for (const std::string& q : quants) {
-    ec.batch_invariant = q == "bitwise";
-    ec.quantization = rollout::parse_quantization(ec.batch_invariant ? "none" : q);
+    ec.numerics = q == "bitwise" ? model::Numerics::kBitwise : model::Numerics::kStandard;
+    ec.quantization = rollout::parse_quantization(ec.bitwise() ? "none" : q);
     const RunResult r = run_workload(m, ec, reqs, device);
     const rollout::EngineStats& s = r.stats;
     const double dsec = std::max(s.decode_seconds, 1e-12);

@@ -232,7 +232,7 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
     opt.use_grouped_mm = p.grouped;
     opt.use_fused = p.fused;
     opt.recompute = p.recompute;
-    opt.batch_invariant = p.bitwise;
+    opt.numerics = p.bitwise ? model::Numerics::kBitwise : model::Numerics::kStandard;
     model::reset_peak_memory(device);
     t.push_back(time_it(device, step, 2, 7));
     peak.push_back(model::peak_memory_gb(device));

@@ -247,7 +247,7 @@ Rescored rescore(const model::Muse& m, const std::vector<rollout::Request>& requ
   KILN_CHECK(!trajs.empty(), "mismatch: no sample has a generated token; raise --max-tokens");
   const trainer::Packed whole = trainer::pack(trajs, 0, trajs.size(), at::kCPU, at::kDouble);
   model::ForwardOptions base;
-  base.batch_invariant = bitwise;  // --numerics bitwise: the trainer's forward as the engine's
+  base.numerics = bitwise ? model::Numerics::kBitwise : model::Numerics::kStandard;  // --numerics bitwise: the trainer's forward as the engine's
   const trainer::Scored replay = trainer::score_trajectories(m, trajs, true, micro_batch, temperature, base);
   const trainer::Scored own = trainer::score_trajectories(m, trajs, false, micro_batch, temperature, base);
   // The batch-composition effect: each sequence scored alone against inside its micro-batch.
@@ -536,7 +536,7 @@ rollout::EngineConfig engine_config(SamplingArgs& a, const std::optional<trainer
   rollout::EngineConfig ec = recipe ? recipe->grpo.engine : rollout::EngineConfig();
   auto flag = [&](const char* name) { return !recipe || given(cmd, name); };
   if (flag("--quantization")) ec.quantization = rollout::parse_quantization(a.quantization);
-  if (flag("--numerics")) ec.batch_invariant = a.numerics == "bitwise";
+  if (flag("--numerics")) ec.numerics = model::parse_numerics(a.numerics);
   if (flag("--kv-cache-mb")) ec.kv_cache_bytes = a.kv_cache_mb << 20;
   if (flag("--block-size")) ec.block_size = a.block_size;
   if (flag("--max-num-seqs")) ec.max_num_seqs = a.max_num_seqs;
@@ -545,7 +545,7 @@ rollout::EngineConfig engine_config(SamplingArgs& a, const std::optional<trainer
   if (flag("--no-cuda-graphs")) ec.cuda_graphs = !a.no_cuda_graphs;
   ec.validate();
   a.quantization = rollout::quantization_name(ec.quantization);  // what runs, for the report
-  a.numerics = ec.batch_invariant ? "bitwise" : "standard";
+  a.numerics = model::numerics_name(ec.numerics);
   a.no_cuda_graphs = !ec.cuda_graphs;
   return ec;
 }
@@ -692,7 +692,7 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
       for (const auto& s : r.samples) num_tokens += int64_t(s.tokens.size()), ++num_samples;
     if (mismatch) {
       report_mismatch(*a, m, engine, requests, outputs, defaults.temperature > 0 ? defaults.temperature : 1.0,
-                      ec.batch_invariant, lora_mode, num_samples, device);
+                      ec.bitwise(), lora_mode, num_samples, device);
       return;
     }
     if (!a->out.empty()) {

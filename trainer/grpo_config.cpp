@@ -16,7 +16,7 @@ void GrpoConfig::validate() const {
              "grpo: temperature must be positive and finite for RL sampling (got ", temperature, ")");
   KILN_CHECK(std::isfinite(top_p) && top_p > 0 && top_p <= 1, "grpo: top_p must be in (0, 1] (got ", top_p, ")");
   KILN_CHECK(top_k >= 0, "grpo: top_k must be >= 0 (got ", top_k, "); 0 is off");
-  KILN_CHECK(!engine.batch_invariant || (top_p >= 1 && top_k == 0), "grpo: rollout.numerics bitwise rescores the ",
+  KILN_CHECK(!engine.bitwise() || (top_p >= 1 && top_k == 0), "grpo: rollout.numerics bitwise rescores the ",
              "whole softmax; top_p (", top_p, ") and top_k (", top_k, ") must stay at 1 and 0");
   KILN_CHECK(async_staleness >= -1, "grpo: async.max_staleness must be >= 0 (got ", async_staleness,
              "); leave async out for the synchronous step");

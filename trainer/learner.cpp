@@ -68,7 +68,7 @@ const parallel::Zero3* Learner::zero_of(const model::Muse& m) const {
 model::ForwardOptions Learner::forward_options() const {
   model::ForwardOptions o;
   layout_->apply(o);  // the expert exchange, ZeRO-3's gathers
-  o.batch_invariant = cfg_.engine.batch_invariant;  // rollout.numerics: bitwise
+  o.numerics = cfg_.engine.numerics;  // rollout.numerics: bitwise
   o.use_fused = cfg_.fused_kernels;
   o.recompute = cfg_.recompute;
   o.load_balance = false;  // the GRPO loss has no balance term: its per-layer kernels would be waste
@@ -92,7 +92,7 @@ Scored Learner::score(const model::Muse& model, const std::vector<Trajectory>& t
 // with mismatch_ab and replay off (the A/B needs lp_old's own routing), nor under score_lp_old,
 // nor for an fp64 policy (the rollout keeps its log-probs in fp32, the trainer's are fp64).
 bool Learner::lp_old_from_rollout(const StepMetrics& m) const {
-  return cfg_.engine.batch_invariant && m.staleness <= 0 && !(cfg_.mismatch_ab && !cfg_.routing_replay) &&
+  return cfg_.engine.bitwise() && m.staleness <= 0 && !(cfg_.mismatch_ab && !cfg_.routing_replay) &&
          !cfg_.score_lp_old && policy_.dtype() != at::kDouble;
 }
 
@@ -308,7 +308,7 @@ std::vector<std::pair<std::string, at::Tensor>> Learner::synced_tensors() const 
 }
 
 at::Tensor Learner::own_probe_logprobs(const std::vector<int64_t>& probe, int64_t step) const {
-  const at::Tensor mine = probe_logprobs(trained(), probe, dispatcher(), zero_of(trained()), cfg_.engine.batch_invariant);
+  const at::Tensor mine = probe_logprobs(trained(), probe, dispatcher(), zero_of(trained()), cfg_.engine.numerics);
   KILN_CHECK(at::isfinite(mine).all().item<bool>(), "grpo: after step ", step,
              " the policy's own log-probs are not finite: the weights hold NaN or inf (the run diverged); lower "
              "the lr and resume from the last checkpoint");

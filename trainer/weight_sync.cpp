@@ -18,14 +18,14 @@ namespace kiln::trainer {
 
 at::Tensor probe_logprobs(const model::Muse& m, const std::vector<int64_t>& probe,
                           const model::ExpertDispatcher* experts, const model::WeightGather* gather,
-                          bool batch_invariant) {
+                          model::Numerics numerics) {
   at::NoGradGuard g;
   model::PackedBatch b = model::PackedBatch::from_sequences({probe}, m.device());
   model::ForwardOptions o;
   o.load_balance = false;
   o.experts = experts;
   o.gather = gather;
-  o.batch_invariant = batch_invariant;
+  o.numerics = numerics;
   o.targets = at::cat({b.tokens.narrow(0, 1, b.num_tokens() - 1), at::full({1}, -100L, b.tokens.options())});
   return m.forward(b, o).logprobs.narrow(0, 0, b.num_tokens() - 1).to(at::kDouble).cpu();
 }
@@ -34,7 +34,7 @@ ProbeCheck::ProbeCheck(const GrpoConfig& cfg, const Dataset& data, const text::T
     : threshold_(cfg.sync_check_threshold >= 0                               ? cfg.sync_check_threshold
                  : cfg.engine.quantization == rollout::Quantization::kNone ? 1e-3
                                                                            : 1.0),
-      batch_invariant_(cfg.engine.batch_invariant) {
+      numerics_(cfg.engine.numerics) {
   if (cfg.sync_check_tokens == 0 || data.train.empty()) return;
   std::vector<int64_t> probe = data.train[0].prompt_ids;
   if (!data.train[0].label.empty()) {
@@ -54,7 +54,7 @@ double ProbeCheck::compare(const at::Tensor& mine, const at::Tensor& theirs, int
 }
 
 at::Tensor ProbeCheck::engine_logprobs(const rollout::Engine& engine, const model::ExpertDispatcher* experts) const {
-  return probe_logprobs(engine.model(), tokens_, experts, nullptr, batch_invariant_);
+  return probe_logprobs(engine.model(), tokens_, experts, nullptr, numerics_);
 }
 
 void sync_engine(const Learner& learner, rollout::Engine& engine, const ProbeCheck& probe, bool sharded_rollout,

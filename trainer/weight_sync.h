@@ -25,7 +25,7 @@ class Learner;
 // exchange of a sharded model (null for a whole one); `gather`: ZeRO-3's (null for none).
 at::Tensor probe_logprobs(const model::Muse& m, const std::vector<int64_t>& probe,
                           const model::ExpertDispatcher* experts, const model::WeightGather* gather,
-                          bool batch_invariant);
+                          model::Numerics numerics);
 
 class ProbeCheck {
  public:
@@ -43,7 +43,7 @@ class ProbeCheck {
  private:
   std::vector<int64_t> tokens_;
   double threshold_ = 0;
-  bool batch_invariant_ = false;
+  model::Numerics numerics_ = model::Numerics::kStandard;
 };
 
 // The trained weights into an engine on this rank after update `step`: timed (the device idle

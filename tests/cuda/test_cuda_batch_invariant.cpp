@@ -46,7 +46,7 @@ TEST(CudaBatchInvariant, GrpoMismatchIsExactlyZero) {
   trainer::GrpoConfig cfg = test::small_grpo(4, 4, 4);
   cfg.micro_batch_seqs = 5;
   cfg.mismatch_ab = true;
-  cfg.engine.batch_invariant = true;
+  cfg.engine.numerics = model::Numerics::kBitwise;
   cfg.engine.prefill_chunk = 3;
   trainer::GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
   for (int s = 0; s < 2; ++s) {

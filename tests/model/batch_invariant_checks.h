@@ -31,7 +31,7 @@ inline model::ModelConfig bitwise_config() {
 inline at::Tensor bitwise_check_loss(const model::Muse& m, bool bitwise, const at::Tensor& routing) {
   const std::vector<std::vector<int64_t>> seqs = {{3, 1, 4, 1, 5, 9, 2, 6}, {5, 3, 5}};
   model::ForwardOptions o;
-  o.batch_invariant = bitwise;
+  o.numerics = bitwise ? model::Numerics::kBitwise : model::Numerics::kStandard;
   o.targets = at::tensor(std::vector<int64_t>{1, 4, 1, 5, 9, 2, 6, -100, 3, 5, -100}, at::kLong);
   o.replay_routing = routing.defined() ? routing.to(m.device())
                                        : m.forward(model::PackedBatch::from_sequences(seqs, m.device()), {}).routing;
@@ -116,7 +116,7 @@ inline void check_engine_is_bitwise(at::ScalarType dtype, int64_t kv_bytes, at::
   const model::Muse m = model::Muse::init(config, 6, dtype, device);
   rollout::EngineConfig ec = small_engine(kv_bytes);
   ec.prefill_chunk = 3;
-  ec.batch_invariant = true;
+  ec.numerics = model::Numerics::kBitwise;
   ec.uncaptured_graph_steps = uncaptured;
   rollout::Engine engine(m, ec);
   std::vector<rollout::Request> reqs = {request({1, 2, 3}, 3, 9, 1.0, 1), request({4}, 2, 12, 0.7, 2),
@@ -130,7 +130,7 @@ inline void check_engine_is_bitwise(at::ScalarType dtype, int64_t kv_bytes, at::
       std::vector<int64_t> targets(all.begin() + 1, all.end());
       targets.push_back(-100);
       model::ForwardOptions o;
-      o.batch_invariant = true;
+      o.numerics = model::Numerics::kBitwise;
       o.temperature = reqs[r].params.temperature;
       o.targets = at::tensor(targets, at::kLong);
       o.replay_routing = s.routing.to(device);
@@ -146,7 +146,7 @@ inline void check_engine_is_bitwise(at::ScalarType dtype, int64_t kv_bytes, at::
     }
   EXPECT_GT(tokens, 30);
   // Pure decode steps take the graph step (captured where graphs are available).
-  const bool captured = !uncaptured && rollout::DecodeGraphs::available(m, nullptr, /*batch_invariant=*/true);
+  const bool captured = !uncaptured && rollout::DecodeGraphs::available(m, nullptr, model::Numerics::kBitwise);
   if (uncaptured || captured) EXPECT_GT(engine.stats().graph_steps, 0);
   if (captured) EXPECT_GT(engine.stats().graphs_captured, 0);
   if (kv_bytes < (1 << 20)) {

@@ -38,7 +38,7 @@ std::pair<at::Tensor, at::Tensor> scored(const model::Muse& m, const std::vector
     targets.push_back(-100);
   }
   model::ForwardOptions o;
-  o.batch_invariant = bitwise;
+  o.numerics = bitwise ? model::Numerics::kBitwise : model::Numerics::kStandard;
   o.targets = at::tensor(targets, at::kLong);
   const model::ForwardOutput out = m.forward(model::PackedBatch::from_sequences(all, at::kCPU), o);
   const int64_t n = int64_t(seq.size());
@@ -188,7 +188,7 @@ TEST(BatchInvariant, EngineLogprobsAndRoutingAreTheTrainersBitForBit) {
 TEST(BatchInvariant, EngineRefusesWhatCannotBeBitwise) {
   const model::Muse m = model::Muse::init(bitwise_config(), 6, at::kFloat, at::kCPU);
   rollout::EngineConfig ec = test::small_engine();
-  ec.batch_invariant = true;
+  ec.numerics = model::Numerics::kBitwise;
   rollout::Engine engine(m, ec);
   rollout::Request r = test::request({1, 2}, 1, 3, 1.0, 1);
   r.params.top_p = 0.9;

@@ -297,7 +297,7 @@ TEST(DataParallel, BitwiseGrpoTakesLpOldFromTheRolloutOnEveryRank) {
   Dataset data = test::self_consistent_problems(init, 200);
   for (int64_t ep : {int64_t(1), int64_t(w.size())}) {
     GrpoConfig cfg = dp_grpo();
-    cfg.engine.batch_invariant = true;
+    cfg.engine.numerics = model::Numerics::kBitwise;
     cfg.mini_steps = 3;
     model::Muse m1 = init.clone(), mw = init.clone();
     GrpoTrainer one(m1, cfg, test::byte_tokenizer(), data, alone);

@@ -57,7 +57,7 @@ void check(int ep, bool fixed = false, bool invariant = false) {
   Muse full = Muse::init(cfg, 9, at::kFloat, at::kCPU);
   full.set_requires_grad(true);
   ForwardOptions plain;
-  plain.batch_invariant = invariant;
+  plain.numerics = invariant ? model::Numerics::kBitwise : model::Numerics::kStandard;
   LossRun ref = next_token_loss(full, seqs, norm, plain);
 
   Muse shard = shard_experts(Muse::init(cfg, 9, at::kFloat, at::kCPU), e, ep);
@@ -294,7 +294,7 @@ void check_bitwise_sharded(at::Device device, at::ScalarType dtype) {
   ec.block_size = 4;
   ec.max_num_seqs = 4;
   ec.kv_cache_bytes = 1 << 20;
-  ec.batch_invariant = true;
+  ec.numerics = model::Numerics::kBitwise;
   rollout::Engine alone(full, ec);
   const auto expected = alone.generate(reqs);
   for (const bool graphs : {true, false}) {

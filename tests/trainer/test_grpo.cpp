@@ -162,7 +162,7 @@ TEST(Grpo, BitwiseNumericsGiveExactlyZeroMismatch) {
   Dataset data = test::self_consistent_problems(policy, 200);
   GrpoConfig cfg = small_grpo();
   cfg.mismatch_ab = true;
-  cfg.engine.batch_invariant = true;
+  cfg.engine.numerics = model::Numerics::kBitwise;
   cfg.engine.prefill_chunk = 3;
   GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
   for (int s = 1; s <= 2; ++s) {
@@ -194,7 +194,7 @@ TEST(Grpo, BitwiseLpOldFromTheRolloutEqualsTheScoredOne) {
   const model::Muse init = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
   Dataset data = test::self_consistent_problems(init, 200);
   GrpoConfig cfg = small_grpo();
-  cfg.engine.batch_invariant = true;
+  cfg.engine.numerics = model::Numerics::kBitwise;
   cfg.mini_steps = 2;
   cfg.loss.tis = true;
   cfg.reward.type = RewardType::kRegexFormat;  // a digit anywhere: rewards vary within groups
