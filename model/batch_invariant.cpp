@@ -566,4 +566,12 @@ at::Tensor rowwise_token_logprobs(const at::Tensor& logits, const at::Tensor& ta
   return RowwiseTokenLogprobs::apply(logits, targets, temperature);
 }
 
+Numerics parse_numerics(const std::string& name) {
+  if (name == "standard") return Numerics::kStandard;
+  KILN_CHECK(name == "bitwise", "numerics: expected standard or bitwise (got '", name, "')");
+  return Numerics::kBitwise;
+}
+
+const char* numerics_name(Numerics n) { return n == Numerics::kBitwise ? "bitwise" : "standard"; }
+
 }  // namespace kiln::model

@@ -804,14 +804,6 @@ at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& lm_head, bool
 }
 }  // namespace
 
-Numerics parse_numerics(const std::string& name) {
-  if (name == "standard") return Numerics::kStandard;
-  KILN_CHECK(name == "bitwise", "numerics: expected standard or bitwise (got '", name, "')");
-  return Numerics::kBitwise;
-}
-
-const char* numerics_name(Numerics n) { return n == Numerics::kBitwise ? "bitwise" : "standard"; }
-
 at::Tensor Muse::logits(const at::Tensor& hidden, Numerics numerics) const {
   return head_logits(hidden, w_.lm_head, numerics == Numerics::kBitwise);
 }
