@@ -22,7 +22,8 @@ TEST(CudaBatchInvariant, EngineLogprobsAndRoutingAreTheTrainersBitForBit) {
   test::check_engine_is_bitwise(at::kBFloat16, 4 << 10, cuda);
   // Captured decode steps (widths the graphs take): the same bits, preempted too.
   const model::ModelConfig graphed = test::bitwise_graph_config();
-  ASSERT_TRUE(rollout::DecodeGraphs::available(model::Muse::init(graphed, 6, at::kBFloat16, cuda), nullptr, true));
+  ASSERT_TRUE(rollout::DecodeGraphs::available(model::Muse::init(graphed, 6, at::kBFloat16, cuda), nullptr,
+                                                model::Numerics::kBitwise));
   test::check_engine_is_bitwise(at::kBFloat16, 1 << 20, cuda, false, graphed);
   test::check_engine_is_bitwise(at::kBFloat16, 16 << 10, cuda, false, graphed);
 }
