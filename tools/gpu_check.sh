@@ -408,6 +408,7 @@ print("  staleness per step:", [r.get("async", {}).get("staleness", "-") for r i
 print("  reward per step:   ", [round(r["reward"], 3) for r in rows])
 PY
 done
+rm -rf "$tmp"/async-*  # each run's checkpoints (weights and fp32 optimizer state) fill the disk otherwise
 fi  # async
 if want split; then
 # Issue 23: grpo.async.placement split on CUDA ranks. Two ranks share the one GPU: rank 0 trains and
@@ -419,7 +420,9 @@ sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .
     -e "s/^  every: .*/  every: 1000/" -e "s/^  prompts: 64/  prompts: 8/" -e "s/^  steps: .*/  steps: 8/" \
     -e "s/^  aggregation: token-mean/  aggregation: token-mean\n  tis: true/" recipes/grpo-arith-small-gpu.yaml > "$tmp/split.yaml"
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=4 timeout 400 \
-  mpiexec --oversubscribe -np 2 ./build-gpu/kiln train "$tmp/split.yaml" --out "$tmp/split" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -40 | tee "$tmp/split.log" | tee -a "$out/split.txt"
+  mpiexec --oversubscribe -np 2 ./build-gpu/kiln train "$tmp/split.yaml" --out "$tmp/split" 2>&1 | tr '\r' '\n' \
+  | sed 's/^step [0-9]*\/[0-9]* .*\(kiln: error\)/\1/' | grep -v "^step [0-9]*/" | tail -40 | tee "$tmp/split.log" | tee -a "$out/split.txt"
+df -h "$tmp" | tail -1 | tee -a "$out/split.txt"
 symbolize "$tmp/split.log" split.txt  # a crash names offsets into files
 python3 - "$tmp/split/metrics.jsonl" <<'PY' 2>&1 | tee -a "$out/split.txt"
 import sys, json
