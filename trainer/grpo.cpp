@@ -8,9 +8,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <chrono>
 #include <iterator>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "model/checkpoint.h"
 #include "text/tokenizer.h"
@@ -23,9 +23,6 @@
 
 namespace kiln::trainer {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Under grpo.async.placement split, the half of `g` this rank is in (trainers first); else `g`.
 comm::Group role_group(const comm::Group& g, const GrpoConfig& c) {

@@ -2,17 +2,14 @@
 #include "trainer/producer.h"
 
 #include <algorithm>
-#include <chrono>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "text/tokenizer.h"
 #include "trainer/batch_rewards.h"
 
 namespace kiln::trainer {
 namespace {
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
 std::vector<RewardResult> episode_results(const std::vector<std::vector<Episode>>& eps) {
   std::vector<RewardResult> out;
   for (const auto& request : eps)

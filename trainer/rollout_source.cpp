@@ -9,8 +9,9 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-#include <chrono>
 #include <optional>
+
+#include "core/clock.h"
 
 namespace kiln::trainer {
 
@@ -133,7 +134,7 @@ void ThreadedRollout::produce_batches() {
 #endif
   for (;;) {
     int64_t i = 0;
-    const auto waiting = std::chrono::steady_clock::now();
+    const auto waiting = Clock::now();
     {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] {
@@ -144,7 +145,7 @@ void ThreadedRollout::produce_batches() {
       if (stopping_) return;
       producing_ = true;
     }
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting).count();
+    const double waited = seconds_since(waiting);
     ProducedBatch p = producer_.produce_next(i);
     p.wait_seconds = waited;
     {

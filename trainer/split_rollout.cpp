@@ -5,19 +5,13 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include <chrono>
 #include <cstdio>
 #include <string>
 
+#include "core/clock.h"
 #include "core/error.h"
 
 namespace kiln::trainer {
-namespace {
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-}  // namespace
-
 // ---- the trainer's end ----
 
 RankRollout::RankRollout(const GrpoConfig& cfg, const comm::Group& world, int peer, const Learner& learner,
@@ -113,7 +107,7 @@ ProducedBatch RankRollout::take(int64_t step, StepMetrics& m) {
 void RankRollout::sync_weights(int64_t step, StepMetrics& m) {
   if (!started_) return;  // the next session starts from these weights
   drain();
-  const auto t = std::chrono::steady_clock::now();
+  const auto t = Clock::now();
   m.sync_bytes = send_weights(LinkKind::kWeights, {step}, step);
   m.sync_seconds = seconds_since(t);
   sent_version_ = step;
@@ -219,7 +213,7 @@ bool RolloutServer::serve_session() {
       link_.send(LinkKind::kBatch, w);
       continue;
     }
-    const auto t = std::chrono::steady_clock::now();
+    const auto t = Clock::now();
     const RolloutLink::Message msg = link_.recv();
     waited += seconds_since(t);
     ByteReader r = msg.body(str_cat("the ", link_kind_name(msg.kind), " message from rank ", link_.peer()));

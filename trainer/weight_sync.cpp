@@ -7,9 +7,9 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
-#include <chrono>
 #include <cmath>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "text/tokenizer.h"
 #include "trainer/learner.h"
@@ -63,7 +63,7 @@ void sync_engine(const Learner& learner, rollout::Engine& engine, const ProbeChe
 #if KILN_WITH_CUDA
   if (cuda) c10::cuda::device_synchronize();  // the optimizer's kernels are not the sync's
 #endif
-  const auto t = std::chrono::steady_clock::now();
+  const auto t = Clock::now();
   // Tensor by tensor: ZeRO-3's from their owners, a replica's experts (or their adapters) from
   // every rank; a sharded engine takes its own experts.
   m.sync_bytes = learner.push_to(engine);
@@ -72,7 +72,7 @@ void sync_engine(const Learner& learner, rollout::Engine& engine, const ProbeChe
   if (cuda) c10::cuda::device_synchronize();
 #endif
   (void)cuda;
-  m.sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  m.sync_seconds = seconds_since(t);
   m.sync_check = -1;
   // Under expert parallelism both forwards exchange tokens, so every rank of the group runs them together.
   if (!probe.enabled()) return;
