@@ -94,6 +94,61 @@ __global__ void permute_kernel(const __nv_bfloat16* __restrict__ x, __nv_bfloat1
   *reinterpret_cast<uint4*>(xp + out) = v;
 }
 
+// Token tile `tile` of the call: with offsets (rows sorted by group, [groups + 1]) the tile-th
+// TN-row tile counted across the groups in order; without, of one matrix of `rows` tokens. Past
+// the last tile: begin >= end.
+struct TokenTile {
+  int group;
+  int64_t begin, end;
+};
+template <int TN>
+__device__ __forceinline__ TokenTile token_tile(int64_t tile, const int64_t* __restrict__ offsets, int64_t rows,
+                                                int groups) {
+  int64_t lo = 0, hi = rows;
+  int e = 0;
+  if (offsets) {
+    for (; e < groups; ++e) {
+      lo = offsets[e], hi = offsets[e + 1];
+      const int64_t tiles = (hi - lo + TN - 1) / TN;
+      if (tile < tiles) break;
+      tile -= tiles;
+    }
+    if (e == groups) return {e, 0, 0};
+  }
+  const int64_t begin = lo + tile * TN;
+  return {e, begin, hi - begin < TN ? hi : begin + TN};
+}
+
+// The epilogue: acc[4 j + 2 h + c] is weight row `row` + 8 h, token `tok` + 8 j + c (row: 16 warp
+// + lane / 4 of the tile; tok: its first token + 2 (lane % 4)), scaled and rounded to bf16; tokens
+// from tok_end on are not written.
+template <int TN>
+__device__ __forceinline__ void store_tile(const float (&acc)[TN / 2], float scale, __nv_bfloat16* __restrict__ y,
+                                           int64_t N, int64_t row, int64_t tok, int64_t tok_end) {
+#pragma unroll
+  for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if (tok + 8 * j + c >= tok_end) continue;
+      __nv_bfloat16* out = y + (tok + 8 * j + c) * N + row;
+      out[0] = __float2bfloat16_rn(acc[4 * j + c] * scale);
+      out[8] = __float2bfloat16_rn(acc[4 * j + 2 + c] * scale);
+    }
+}
+
+// Queues the copy of a K stage of the token tile's activations (x: the stage's first column of
+// row 0) into `xs`, swizzled for wgmma's 128-byte operand layout; rows from tok_end on read as zeros.
+template <int TN, int WG>
+__device__ __forceinline__ void stage_activations(unsigned char* xs, const __nv_bfloat16* __restrict__ x, int64_t tok0,
+                                                  int64_t tok_end, int64_t K, int tid) {
+#pragma unroll
+  for (int i = 0; i < TN * 8 / (kWgThreads * WG); ++i) {  // TN rows x 8 chunks of 8 values
+    const int id = tid + i * kWgThreads * WG, r = id / 8, c = id % 8;
+    const bool in = tok0 + r < tok_end;
+    cp_async16(xs + wgmma::swizzled(r, c), in ? x + (tok0 + r) * K + 8 * c : x, in);
+  }
+}
+
 // Block (token tile, WG x 64-row tile): WG warpgroups, each on its own 64 weight rows, share each
 // activation stage (WG = 2 halves the activations read from L2 per weight row). With offsets (rows
 // sorted by expert, [groups + 1]), token tile b is the b-th TN-row tile counted across the experts
@@ -111,20 +166,10 @@ __global__ void __launch_bounds__(kWgThreads * WG)
   // tile run side by side, so its activations come from DRAM once and from L2 after; the token
   // tiles in flight at once are few, so are the experts whose weights they read.
   const int64_t row_tiles = N / (kWgRows * WG), row_tile = int64_t(blockIdx.x) % row_tiles;
-  int64_t tile = int64_t(blockIdx.x) / row_tiles, lo = 0, hi = rows;
-  int e = 0;
-  if (offsets) {
-    for (; e < groups; ++e) {
-      lo = offsets[e], hi = offsets[e + 1];
-      const int64_t tiles = (hi - lo + TN - 1) / TN;
-      if (tile < tiles) break;
-      tile -= tiles;
-    }
-    if (e == groups) return;  // past the last tile: the whole block leaves
-  }
-  const int64_t tok0 = lo + tile * TN;
-  if (tok0 >= hi) return;
-  const int64_t tok_end = hi - tok0 < TN ? hi : tok0 + TN;
+  const TokenTile tt = token_tile<TN>(int64_t(blockIdx.x) / row_tiles, offsets, rows, groups);
+  if (tt.begin >= tt.end) return;  // past the last tile: the whole block leaves
+  const int e = tt.group;
+  const int64_t tok0 = tt.begin, tok_end = tt.end;
 
   extern __shared__ __align__(16) unsigned char wg_smem[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
@@ -164,14 +209,7 @@ __global__ void __launch_bounds__(kWgThreads * WG)
   }
 
   auto stage_x = [&](int stage, int64_t step) {
-    unsigned char* xs = smem + stage * kStageBytes;
-    const int64_t k0 = step * kStageK;
-#pragma unroll
-    for (int i = 0; i < TN * 8 / (kWgThreads * WG); ++i) {  // TN rows x 8 chunks of 8 values
-      const int id = tid + i * kWgThreads * WG, r = id / 8, c = id % 8;
-      const bool in = tok0 + r < tok_end;
-      cp_async16(xs + wgmma::swizzled(r, c), in ? xp + (tok0 + r) * K + k0 + 8 * c : xp, in);
-    }
+    stage_activations<TN, WG>(smem + stage * kStageBytes, xp + step * kStageK, tok0, tok_end, K, tid);
   };
 
   float acc[TN / 2];
@@ -231,19 +269,8 @@ __global__ void __launch_bounds__(kWgThreads * WG)
   wgmma::wait<0>();
   wgmma::pin(acc);
 
-  // acc[4 j + 2 h + c]: weight row 16 warp + lane / 4 + 8 h, token 8 j + 2 (lane % 4) + c.
-  const float scale = epilogue_scale(tensor_scale + e, extra);
-  const int64_t row = row0 + 16 * warp + lane / 4;
-#pragma unroll
-  for (int j = 0; j < TN / 8; ++j)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int64_t tok = tok0 + 8 * j + 2 * (lane % 4) + c;
-      if (tok >= tok_end) continue;
-      __nv_bfloat16* out = y + tok * N + row;
-      out[0] = __float2bfloat16_rn(acc[4 * j + c] * scale);
-      out[8] = __float2bfloat16_rn(acc[4 * j + 2 + c] * scale);
-    }
+  store_tile<TN>(acc, epilogue_scale(tensor_scale + e, extra), y, N, row0 + 16 * warp + lane / 4, tok0 + 2 * (lane % 4),
+                 tok_end);
 #endif
 }
 

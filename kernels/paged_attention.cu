@@ -165,6 +165,57 @@ constexpr int kMmaWarps = kThreads / 32;
 constexpr int kMmaTile = 16;  // keys per warp step
 constexpr float kLn2 = 0.69314718055994531f;
 
+// Scores of the 16-key tile at `base` for lane (g, t): keys base + 8 i + (column) for i = 0, 1,
+// lane g supplying key base + 8 i + g as B's column g (zeros from `end` on), against Q's rows.
+template <int HD>
+__device__ __forceinline__ void tile_scores(const PagedDecodeArgs& a, const __nv_bfloat16* kc,
+                                            const uint32_t (&qa)[HD / 16][4], int64_t n, int h, int64_t base,
+                                            int64_t end, int g, int t, float (&sc)[2][4]) {
+  constexpr int KS = HD / 32;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t j = base + 8 * i + g;
+    uint4 kv[KS];
+    if (j < end) {
+      const __nv_bfloat16* kp = kc + (cache_row(a, n, j) * a.hkv + h) * HD + 8 * t;
+#pragma unroll
+      for (int s = 0; s < KS; ++s) kv[s] = *reinterpret_cast<const uint4*>(kp + 32 * s);
+    } else {
+#pragma unroll
+      for (int s = 0; s < KS; ++s) kv[s] = make_uint4(0, 0, 0, 0);
+    }
+    sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      mma_bf16(sc[i], qa[2 * s][0], qa[2 * s][1], qa[2 * s][2], qa[2 * s][3], kv[s].x, kv[s].y);
+      mma_bf16(sc[i], qa[2 * s + 1][0], qa[2 * s + 1][1], qa[2 * s + 1][2], qa[2 * s + 1][3], kv[s].z, kv[s].w);
+    }
+  }
+}
+
+// V rows of keys base + 2t, 2t + 1, 2t + 8, 2t + 9 (the P . V A operand's k slots), lane g's HD/8
+// dims each; zeros from `end` on.
+template <int HD>
+__device__ __forceinline__ void load_v_tile(const PagedDecodeArgs& a, const __nv_bfloat16* vc, int64_t n, int h,
+                                            int64_t base, int64_t end, int g, int t, uint32_t (&vw)[4][HD / 16]) {
+  constexpr int NT = HD / 8;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int64_t j = base + 2 * t + (kk & 1) + 8 * (kk >> 1);
+    if (j < end) {
+      const __nv_bfloat16* vp = vc + (cache_row(a, n, j) * a.hkv + h) * HD + NT * g;
+#pragma unroll
+      for (int w = 0; w < NT / 8; ++w) {
+        const uint4 v = *reinterpret_cast<const uint4*>(vp + 8 * w);
+        vw[kk][4 * w] = v.x, vw[kk][4 * w + 1] = v.y, vw[kk][4 * w + 2] = v.z, vw[kk][4 * w + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int w = 0; w < NT / 2; ++w) vw[kk][w] = 0u;
+    }
+  }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(PagedDecodeArgs a, int group, float scale_log2) {
   static_assert(HD == 64 || HD == 128, "tensor-core decode: head dim 64 or 128");
@@ -200,27 +251,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(PagedDecodeA
   for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
   for (int64_t base = begin + int64_t(warp) * kMmaTile; base < end; base += kMmaWarps * kMmaTile) {
-    // Scores of keys base + 8 i + (column): lane g supplies key base + 8 i + g as B's column g.
     float sc[2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t j = base + 8 * i + g;
-      uint4 kv[KS];
-      if (j < end) {
-        const __nv_bfloat16* kp = kc + (cache_row(a, n, j) * a.hkv + h) * HD + 8 * t;
-#pragma unroll
-        for (int s = 0; s < KS; ++s) kv[s] = *reinterpret_cast<const uint4*>(kp + 32 * s);
-      } else {
-#pragma unroll
-        for (int s = 0; s < KS; ++s) kv[s] = make_uint4(0, 0, 0, 0);
-      }
-      sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
-#pragma unroll
-      for (int s = 0; s < KS; ++s) {
-        mma_bf16(sc[i], qa[2 * s][0], qa[2 * s][1], qa[2 * s][2], qa[2 * s][3], kv[s].x, kv[s].y);
-        mma_bf16(sc[i], qa[2 * s + 1][0], qa[2 * s + 1][1], qa[2 * s + 1][2], qa[2 * s + 1][3], kv[s].z, kv[s].w);
-      }
-    }
+    tile_scores<HD>(a, kc, qa, n, h, base, end, g, t, sc);
     // Online softmax over the tile; key base is valid, so every row's tile maximum is finite.
     float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -251,23 +283,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(PagedDecodeA
     for (int j = 0; j < NT; ++j) o[j][0] *= corr[0], o[j][1] *= corr[0], o[j][2] *= corr[1], o[j][3] *= corr[1];
     const uint32_t pa0 = pack_bf16x2(p[0][0], p[0][1]), pa1 = pack_bf16x2(p[0][2], p[0][3]);
     const uint32_t pa2 = pack_bf16x2(p[1][0], p[1][1]), pa3 = pack_bf16x2(p[1][2], p[1][3]);
-    // V rows of keys base + 2t, 2t + 1, 2t + 8, 2t + 9 (the A operand's k slots), lane g's dims.
     uint32_t vw[4][NT / 2];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const int64_t j = base + 2 * t + (kk & 1) + 8 * (kk >> 1);
-      if (j < end) {
-        const __nv_bfloat16* vp = vc + (cache_row(a, n, j) * a.hkv + h) * HD + NT * g;
-#pragma unroll
-        for (int w = 0; w < NT / 8; ++w) {
-          const uint4 v = *reinterpret_cast<const uint4*>(vp + 8 * w);
-          vw[kk][4 * w] = v.x, vw[kk][4 * w + 1] = v.y, vw[kk][4 * w + 2] = v.z, vw[kk][4 * w + 3] = v.w;
-        }
-      } else {
-#pragma unroll
-        for (int w = 0; w < NT / 2; ++w) vw[kk][w] = 0u;
-      }
-    }
+    load_v_tile<HD>(a, vc, n, h, base, end, g, t, vw);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const uint32_t sel = (j & 1) ? 0x7632u : 0x5410u;  // the high or low bf16 of each word

@@ -18,12 +18,7 @@ FILE_EXEMPT = {
 }
 
 # Functions allowed above MAX_FUNCTION_LINES, as (file, name): the reason.
-FUNCTION_EXEMPT = {
-    # CUDA kernels: the CPU build neither compiles nor runs them, so a split of one is proven only by
-    # a GPU run of the cuda tests (tools/gpu_check.sh); they stay whole until a change gets one.
-    ("kernels/nvfp4_wgmma.cu", "wgmma_kernel"): "CUDA kernel, needs a GPU run to change",
-    ("kernels/paged_attention.cu", "paged_decode_mma_kernel"): "CUDA kernel, needs a GPU run to change",
-}
+FUNCTION_EXEMPT = {}
 
 # Which folders each folder may include from (its own always), as its README says.
 # core <- kernels <- model <- optimizers <- rollout <- trainer <- tools; text/ beside kernels/;
