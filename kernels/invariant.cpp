@@ -3,7 +3,7 @@
 
 #include <ATen/ATen.h>
 
-#include <cstdlib>
+#include <utility>
 
 #include "core/error.h"
 #if KILN_WITH_CUDA
@@ -20,11 +20,9 @@ namespace {
 #if KILN_WITH_CUDA
 // The wgmma choice where it cannot run is an error that says why, not a failed launch.
 void check_gemm_choice(const char* op) {
-  KILN_CHECK(invariant_gemm_kernel() != kInvariantUnknown, op, ": KILN_INVARIANT_GEMM=",
-             std::getenv("KILN_INVARIANT_GEMM"), " is neither mma nor wgmma");
   KILN_CHECK(invariant_gemm_kernel() != kInvariantWgmma || invariant_wgmma_usable(), op,
-             ": the wgmma GEMM (KILN_INVARIANT_GEMM=wgmma) needs a compute capability 9.0 GPU and a build for ",
-             "sm_90a (CMAKE_CUDA_ARCHITECTURES 90a); unset it to use mma.sync");
+             ": bitwise_gemm wgmma (recipe kernels.bitwise_gemm or --bitwise-gemm) needs a compute capability 9.0 ",
+             "GPU and a build for sm_90a (CMAKE_CUDA_ARCHITECTURES 90a); choose auto or mma");
 }
 
 int invariant_dtype(const at::Tensor& t) {
@@ -40,8 +38,7 @@ int invariant_dtype(const at::Tensor& t) {
 
 std::string invariant_gemm() {
 #if KILN_WITH_CUDA
-  const int kind = invariant_gemm_kernel();
-  return kind == kInvariantWgmma ? "wgmma" : kind == kInvariantMma ? "mma" : "unknown";
+  return invariant_gemm_kernel() == kInvariantWgmma ? "wgmma" : "mma";
 #else
   return "mma";
 #endif
@@ -56,14 +53,17 @@ bool invariant_wgmma_available() {
 }
 
 std::string set_invariant_gemm(const std::string& name) {
-  KILN_CHECK(name == "mma" || name == "wgmma", "invariant GEMM: \"", name, "\" is neither mma nor wgmma");
+  KILN_CHECK(name == "auto" || name == "mma" || name == "wgmma", "bitwise_gemm: must be auto, mma or wgmma (got '",
+             name, "')");
 #if KILN_WITH_CUDA
-  const std::string before = invariant_gemm();
-  set_invariant_gemm_kernel(name == "wgmma" ? kInvariantWgmma : kInvariantMma);
-  return before;
+  const int before = set_invariant_gemm_kernel(name == "wgmma" ? kInvariantWgmma
+                                               : name == "mma" ? kInvariantMma
+                                                               : kInvariantAuto);
+  return before == kInvariantWgmma ? "wgmma" : before == kInvariantMma ? "mma" : "auto";
 #else
-  KILN_CHECK(name == "mma", "invariant GEMM: \"", name, "\" needs a CUDA build (this one has mma alone)");
-  return "mma";
+  KILN_CHECK(name != "wgmma", "bitwise_gemm: wgmma needs a CUDA build (this one has mma alone)");
+  static std::string setting = "auto";  // kept so that a test's restore gets back what it set
+  return std::exchange(setting, name);
 #endif
 }
 

@@ -455,17 +455,9 @@ cudaError_t grouped_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bf
                                       int(groups), int(N), int(K));
 }
 
-// The process's choice of instructions, from KILN_INVARIANT_GEMM at the first GEMM: "mma" or
-// "wgmma"; unset or empty, wgmma where it runs (measured faster on every shape, with the same
-// bits), else mma; anything else is kInvariantUnknown, which every bf16 launch refuses (a typo
-// must not quietly pick the instructions).
+// The process's setting: kInvariantAuto until set_invariant_gemm_kernel.
 std::atomic<int>& gemm_kind() {
-  static std::atomic<int> kind{[] {
-    const char* e = std::getenv("KILN_INVARIANT_GEMM");
-    if (!e || !*e) return int(invariant_wgmma_usable() ? kInvariantWgmma : kInvariantMma);
-    if (std::strcmp(e, "mma") == 0) return int(kInvariantMma);
-    return std::strcmp(e, "wgmma") == 0 ? int(kInvariantWgmma) : int(kInvariantUnknown);
-  }()};
+  static std::atomic<int> kind{int(kInvariantAuto)};
   return kind;
 }
 
@@ -533,10 +525,15 @@ cudaError_t launch_invariant_grouped_gemm(const void* x, const void* w, void* y,
                                : cudaErrorInvalidValue;
 }
 
-int invariant_gemm_kernel() { return gemm_kind().load(std::memory_order_relaxed); }
+int invariant_gemm_kernel() {
+  const int kind = gemm_kind().load(std::memory_order_relaxed);
+  if (kind != kInvariantAuto) return kind;
+  return invariant_wgmma_usable() ? kInvariantWgmma : kInvariantMma;  // wgmma measured faster on every shape, same bits
+}
 
 int set_invariant_gemm_kernel(int kind) {
-  if (kind != kInvariantMma && kind != kInvariantWgmma) return invariant_gemm_kernel();
+  if (kind != kInvariantAuto && kind != kInvariantMma && kind != kInvariantWgmma)
+    return gemm_kind().load(std::memory_order_relaxed);
   return gemm_kind().exchange(kind);
 }
 

@@ -10,9 +10,10 @@ namespace kiln::kernels {
 
 // The instructions of the bf16 tensor-core GEMMs below: "wgmma" (Hopper's warpgroup MMA, the
 // default where it runs) or "mma" (mma.sync). Rows' bits do not depend on the batch under either;
-// the two gave the same bits on the H200, but a process uses one throughout.
-// KILN_INVARIANT_GEMM=mma or wgmma sets it at the first GEMM. The setter (tests, benchmarks)
-// returns the previous name and refuses other names; builds without CUDA have "mma" alone.
+// the two gave the same bits on the H200, but a process uses one throughout. invariant_gemm: the
+// instructions the next GEMM uses. set_invariant_gemm ("auto", "mma" or "wgmma"; the recipe's
+// kernels.bitwise_gemm, the flag --bitwise-gemm) returns the previous setting and refuses other
+// names; builds without CUDA have mma alone.
 std::string invariant_gemm();
 std::string set_invariant_gemm(const std::string& name);
 // Whether wgmma runs on the current device: compute capability 9.0 and a build for sm_90a.

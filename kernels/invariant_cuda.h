@@ -12,10 +12,10 @@ enum InvariantDtype { kInvariantF32 = 0, kInvariantBf16 = 1, kInvariantF64 = 2 }
 // capability 9.0 and code for sm_90a; elsewhere its launches fail). Each gives every row bits that
 // do not depend on the batch; on the H200 the two gave the same bits on every shape `kiln bench
 // invariant` tried, but nothing guarantees it, so a process uses one for all of its invariant
-// GEMMs. The default is wgmma where it runs, else mma; KILN_INVARIANT_GEMM=mma or wgmma sets it
-// (any other value is kInvariantUnknown, and the bf16 launches fail). The setter (for tests and
-// benchmarks) returns the previous choice; another kind changes nothing.
-enum InvariantGemmKernel { kInvariantUnknown = -1, kInvariantMma = 0, kInvariantWgmma = 1 };
+// GEMMs. kInvariantAuto (the default) is wgmma where it runs, else mma. invariant_gemm_kernel gives
+// the instructions the next launch uses (never auto); the setter (recipe kernels.bitwise_gemm,
+// flag --bitwise-gemm, tests, benchmarks) returns the previous setting; another kind changes nothing.
+enum InvariantGemmKernel { kInvariantAuto = -1, kInvariantMma = 0, kInvariantWgmma = 1 };
 int invariant_gemm_kernel();
 int set_invariant_gemm_kernel(int kind);
 // Whether wgmma runs here: the current device has compute capability 9.0 and this build has code

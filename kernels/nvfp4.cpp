@@ -6,12 +6,12 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
+#include <algorithm>
 #include <vector>
 
 #include "core/error.h"
 #include "core/torch_version.h"
+#include "kernels/nvfp4_dispatch.h"
 #include "kernels/nvfp4_layout.h"
 
 namespace kiln::kernels {
@@ -345,118 +345,31 @@ at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor
 
 namespace {
 
-// Rows (per expert) up to which the fused W4A16 kernels run; above them the weights are
-// dequantised for cuBLAS (or take the wgmma GEMM: takes_wgmma). Measured on the H200 and the H100
-// (bench nvfp4, docs/PERFORMANCE.md), the staged kernel was the fastest at one shape only (128 rows
-// of an 8192 x 4096 matrix): kStagedMaxRows keeps it out of the dispatch.
-constexpr int64_t kFusedMaxRows = 64;
-constexpr int64_t kStagedMaxRows = 0;
 constexpr int64_t kGroupAlign = 16;  // torch's grouped GEMM: each segment starts on a 16-row boundary
 
-enum class DensePath { kReference, kSplitK, kStaged, kWgmma, kDequantized };
-
-// The wgmma GEMM where it is usable: above 16 rows per matrix (of `matrices`: a stack's experts)
-// when KILN_NVFP4_GEMM=wgmma selects it everywhere; otherwise where bench nvfp4 measured it faster
-// than both others (kiln bench nvfp4 on an H100, docs/PERFORMANCE.md): one matrix of 8192 rows or more
-// (816B's q, o and unpooler) at 65-256 tokens, 1.15-2.2x dequantise + cuBLAS. Narrower matrices
-// (muse-small's), more tokens and the experts keep split-K or the dequantised weights, which
-// measured faster there.
-constexpr int64_t kWgmmaMaxRows = 256, kWgmmaMinOut = 8192;  // the default's range, as measured
-// A rows-per-expert count from the environment variable `name`: `fallback` when unset or empty, else
-// an integer of at least `least`, refused by name otherwise.
-int64_t env_expert_rows(const char* name, int64_t fallback, int64_t least) {
-  const char* e = std::getenv(name);
-  if (!e || !*e) return fallback;
-  char* end = nullptr;
-  const long long v = std::strtoll(e, &end, 10);
-  KILN_CHECK(end && *end == 0 && v >= least, name, ": expected rows per expert >= ", least, " (got '", e, "')");
-  return int64_t(v);
+// The call as the dispatch table (nvfp4_dispatch.cpp) sees it. wgmma's usability is asked only
+// above 16 rows per matrix or expert, the only calls it can take.
+Nvfp4Call describe(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
+  Nvfp4Call c;
+  c.bf16 = x.scalar_type() == at::kBFloat16;
+  c.served = KILN_WITH_CUDA && x.is_cuda() && (c.bf16 || x.scalar_type() == at::kFloat) && w.packed.defined() &&
+             w.kernel_layout;
+  if (!c.served) return c;
+  c.rows = rows;
+  c.experts = w.stacked() ? w.packed.size(0) : 0;
+  c.out = w.rows();
+  c.wgmma_usable = rows > 16 * std::max<int64_t>(1, c.experts) && nvfp4_wgmma_usable(x, w);
+  c.staged_aligned = c.experts > 0 && grouped_stack_aligned(w.rows(), w.cols());
+  c.grouped_mm = KILN_TORCH_AT_LEAST(2, 8);
+  return c;
 }
 
-// The experts take it above wgmma_expert_rows() rows per expert: KILN_NVFP4_WGMMA_EXPERT_ROWS, a
-// trial (unset or 0: never).
-int64_t wgmma_expert_rows() {
-  static const int64_t rows = env_expert_rows("KILN_NVFP4_WGMMA_EXPERT_ROWS", 0, 0);
-  return rows;
-}
-bool takes_wgmma(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, int64_t matrices) {
-  if (matrices <= 0 || rows <= 16 * matrices) return false;
-  if (nvfp4_wgmma_selected()) return nvfp4_wgmma_usable(x, w);
-  const int64_t expert_rows = wgmma_expert_rows();
-  if (w.stacked() && expert_rows > 0 && nvfp4_gemm_selected() == Nvfp4Gemm::kAuto)
-    return rows > expert_rows * matrices && nvfp4_wgmma_usable(x, w);
-  return !w.stacked() && rows > kFusedMaxRows && rows <= kWgmmaMaxRows && w.rows() >= kWgmmaMinOut &&
-         nvfp4_wgmma_usable(x, w);
+Nvfp4Kernel dense_kernel(const at::Tensor& x, const Nvfp4Tensor& w) {
+  return w.stacked() ? Nvfp4Kernel::kReference : nvfp4_kernel(describe(x, w, x.size(0)), nvfp4_gemm_selected());
 }
 
-// Rows per expert on average up to which the grouped staged kernel runs: kGroupedStagedMaxRows, or
-// KILN_NVFP4_STAGED_ROWS (a trial). Above it the experts take the dequantised stack, which writes and
-// reads the whole stack in bf16 every call (70 us per muse-small stack on the H100). The MoE's
-// padded layout counts its static bound, the slots plus 15 rows per expert: 1024 sequences in
-// flight on muse-small are 143 rows per expert to this rule, and so is a 1024-token prefill.
-// Above 64 rows the staged kernel runs tiled (grouped_staged_launch). Measured (kiln bench nvfp4 --grouped on an H100,
-// docs/PERFORMANCE.md): muse-small's experts at 128 rows per expert take 104 us tiled against the
-// dequantised stack's 150, and 203 against 176 at 256, so the crossover lies between; 1024
-// sequences in flight went from 0.88x to 0.92x BF16 with the tiled launch to 192 rows per expert.
-// The per-expert launch had lost the 1024-token prefill there (0.81x -> 0.71x BF16, H200), which
-// kept the bound at 64 until the tiled launch.
-constexpr int64_t kGroupedStagedMaxRows = 192;
-int64_t staged_max_rows() {
-  static const int64_t rows = env_expert_rows("KILN_NVFP4_STAGED_ROWS", kGroupedStagedMaxRows, 17);
-  return rows;
-}
-
-// The grouped staged kernel at 17 to staged_max_rows() rows per expert on average, for bf16 x and a
-// stack it takes (grouped_stack_aligned), in place of split-K (to 64) and the dequantised stack
-// (above), unless KILN_NVFP4_GEMM=splitk keeps those. Measured by kiln bench nvfp4 on an H100
-// (docs/PERFORMANCE.md): 1.07x split-K at 32 rows per expert and 1.26x at 64 on muse-small's
-// experts (kiln_probe_nvfp4), and the rollout workload 1.04x with it. At 16 rows or fewer split-K's
-// 16-token chunks stay (decode).
-bool takes_grouped_staged(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
-  const int64_t E = w.stacked() ? w.packed.size(0) : 0;
-  const Nvfp4Gemm selected = nvfp4_gemm_selected();
-  return E > 0 && (selected == Nvfp4Gemm::kAuto || selected == Nvfp4Gemm::kStagedTiles) &&
-         x.scalar_type() == at::kBFloat16 && rows > 16 * E &&
-         rows <= staged_max_rows() * E && grouped_stack_aligned(w.rows(), w.cols());
-}
-
-// The staged kernel's launch: per expert (kStaged) to kFusedMaxRows rows per expert, tiled
-// (kStagedTiles) above, or tiled throughout under KILN_NVFP4_GEMM=stagedtiles. Measured (H100 and
-// H200, docs/PERFORMANCE.md): on uneven routing the tiled launch takes 61 us against
-// 97 at 64 rows per expert and 103 against 176 at 128, but at 32 rows (a 256-sequence rollout
-// step, uniform-looking routing) the rollout lost with it (1.07x -> 1.02x BF16), its grid
-// sized for every possible tile; a grid sized to the resident blocks lost more (0.98x).
-Nvfp4Gemm grouped_staged_launch(const Nvfp4Tensor& w, int64_t rows) {
-  if (nvfp4_gemm_selected() == Nvfp4Gemm::kStagedTiles) return Nvfp4Gemm::kStagedTiles;
-  return rows <= kFusedMaxRows * w.packed.size(0) ? Nvfp4Gemm::kStaged : Nvfp4Gemm::kStagedTiles;
-}
-
-DensePath dense_path(const at::Tensor& x, const Nvfp4Tensor& w) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (!KILN_WITH_CUDA || !x.is_cuda() || !(bf16 || x.scalar_type() == at::kFloat) || !w.kernel_layout || w.stacked())
-    return DensePath::kReference;
-  const int64_t M = x.size(0);
-  if (M <= 16) return DensePath::kSplitK;
-  if (takes_wgmma(x, w, M, 1)) return DensePath::kWgmma;
-  if (bf16 && M <= kStagedMaxRows) return DensePath::kStaged;
-  return M <= kFusedMaxRows ? DensePath::kSplitK : DensePath::kDequantized;
-}
-
-// The experts' paths (nvfp4_grouped_linear), the one place their rule lives: the fused kernels up
-// to kFusedMaxRows rows per expert (wgmma where takes_wgmma says), then torch's grouped GEMM on the
-// dequantised stack (bf16, torch >= 2.8), or else a loop of cuBLAS GEMMs over the experts.
-enum class GroupedPath { kReference, kSplitK, kStaged, kWgmma, kDequantized, kLoop };
-
-GroupedPath grouped_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (!KILN_WITH_CUDA || !x.is_cuda() || !(bf16 || x.scalar_type() == at::kFloat) || !w.packed.defined() ||
-      !w.kernel_layout || !w.stacked())
-    return GroupedPath::kReference;
-  const int64_t E = w.packed.size(0);
-  if (takes_wgmma(x, w, rows, E)) return GroupedPath::kWgmma;
-  if (takes_grouped_staged(x, w, rows)) return GroupedPath::kStaged;
-  if (rows <= kFusedMaxRows * E) return GroupedPath::kSplitK;
-  return bf16 && KILN_TORCH_AT_LEAST(2, 8) ? GroupedPath::kDequantized : GroupedPath::kLoop;
+Nvfp4Kernel grouped_kernel(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
+  return !w.stacked() ? Nvfp4Kernel::kReference : nvfp4_kernel(describe(x, w, rows), nvfp4_gemm_selected());
 }
 
 #if KILN_WITH_CUDA
@@ -492,38 +405,22 @@ at::Tensor grouped_prefill(const at::Tensor& x, const Nvfp4Tensor& w, const at::
 }  // namespace
 
 const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w) {
-  switch (dense_path(x, w)) {
-    case DensePath::kSplitK: return "splitK";
-    case DensePath::kStaged: return "staged";
-    case DensePath::kWgmma: return "wgmma";
-    case DensePath::kDequantized: return "deq+mm";
-    default: return "reference";
-  }
+  return nvfp4_kernel_name(dense_kernel(x, w));
 }
 
 const char* nvfp4_grouped_linear_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
-  switch (grouped_path(x, w, rows)) {
-    case GroupedPath::kSplitK: return "splitK";
-    case GroupedPath::kStaged:
-      return grouped_staged_launch(w, rows) == Nvfp4Gemm::kStagedTiles ? "staged tiles" : "staged";
-    case GroupedPath::kWgmma: return "wgmma";
-    case GroupedPath::kDequantized: return "deq+grouped_mm";
-    case GroupedPath::kLoop: return "deq+mm per expert";
-    default: return "reference";
-  }
+  return nvfp4_kernel_name(grouped_kernel(x, w, rows));
 }
 
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt) {
-  const DensePath path = dense_path(x, w);
-  if (path == DensePath::kReference) return nvfp4_linear_reference(x, w, opt);
+  const Nvfp4Kernel path = dense_kernel(x, w);
+  if (path == Nvfp4Kernel::kReference) return nvfp4_linear_reference(x, w, opt);
 #if KILN_WITH_CUDA
   auto [xq, extra] = gemm_input(x, opt);
   at::Tensor xin = xq.to(x.scalar_type());
   const bool scalar = !extra.defined() || extra.dim() == 0;  // else per-row (dynamic W4A4)
-  const bool fused = path != DensePath::kDequantized;
-  const Nvfp4Gemm gemm = path == DensePath::kStaged  ? Nvfp4Gemm::kStaged
-                         : path == DensePath::kWgmma ? Nvfp4Gemm::kWgmma
-                                                     : Nvfp4Gemm::kSplitK;
+  const bool fused = path != Nvfp4Kernel::kDequantized;
+  const Nvfp4Gemm gemm = path == Nvfp4Kernel::kWgmma ? Nvfp4Gemm::kWgmma : Nvfp4Gemm::kSplitK;
   at::Tensor y = fused ? nvfp4_linear_cuda(xin, w, scalar ? extra : at::Tensor(), gemm)
                        : at::linear(xin, nvfp4_dequantize_cuda(w, x.scalar_type()));
   if (!extra.defined() || (scalar && fused)) return y;
@@ -533,43 +430,31 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4Li
 #endif
 }
 
-Nvfp4Gemm nvfp4_gemm_selected() {
-  static const Nvfp4Gemm selected = [] {
-    const char* e = std::getenv("KILN_NVFP4_GEMM");
-    if (!e || !*e || std::strcmp(e, "auto") == 0) return Nvfp4Gemm::kAuto;
-    if (std::strcmp(e, "wgmma") == 0) return Nvfp4Gemm::kWgmma;
-    if (std::strcmp(e, "stagedtiles") == 0) return Nvfp4Gemm::kStagedTiles;
-    KILN_CHECK(std::strcmp(e, "splitk") == 0, "KILN_NVFP4_GEMM: expected 'auto', 'wgmma', 'splitk' or 'stagedtiles' (got '",
-               e, "')");
-    return Nvfp4Gemm::kSplitK;
-  }();
-  return selected;
-}
-
-bool nvfp4_wgmma_selected() { return nvfp4_gemm_selected() == Nvfp4Gemm::kWgmma; }
-
 bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Tensor& x) {
-  return grouped_path(x, w, rows) == GroupedPath::kDequantized;
+  return grouped_kernel(x, w, rows) == Nvfp4Kernel::kDequantizedGrouped;
 }
 
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                 const Nvfp4LinearOptions& opt) {
   const int64_t rows = opt.live_rows > 0 ? opt.live_rows : x.size(0);
-  const GroupedPath path = grouped_path(x, w, rows);
+  const Nvfp4Kernel path = grouped_kernel(x, w, rows);
 #if KILN_WITH_CUDA
-  if (path != GroupedPath::kReference) {
+  if (path != Nvfp4Kernel::kReference) {
     auto [xq, extra] = gemm_input(x, opt);
     at::Tensor xin = xq.to(x.scalar_type());
     const int64_t E = w.packed.size(0);
-    if (path == GroupedPath::kSplitK || path == GroupedPath::kStaged || path == GroupedPath::kWgmma) {
+    if (path == Nvfp4Kernel::kSplitK || path == Nvfp4Kernel::kStaged || path == Nvfp4Kernel::kStagedTiles ||
+        path == Nvfp4Kernel::kWgmma) {
       const bool scalar = !extra.defined() || extra.dim() == 0;
-      Nvfp4Gemm gemm = path == GroupedPath::kWgmma ? Nvfp4Gemm::kWgmma : Nvfp4Gemm::kAuto;
-      if (path == GroupedPath::kStaged) gemm = grouped_staged_launch(w, rows);
+      const Nvfp4Gemm gemm = path == Nvfp4Kernel::kWgmma         ? Nvfp4Gemm::kWgmma
+                             : path == Nvfp4Kernel::kStaged      ? Nvfp4Gemm::kStaged
+                             : path == Nvfp4Kernel::kStagedTiles ? Nvfp4Gemm::kStagedTiles
+                                                                 : Nvfp4Gemm::kAuto;
       at::Tensor y = nvfp4_grouped_linear_cuda(xin, w, offsets, scalar ? extra : at::Tensor(), opt.live_rows, gemm);
       return scalar ? y : (y.to(at::kFloat) * extra).to(x.scalar_type());
     }
 #if KILN_TORCH_AT_LEAST(2, 8)
-    if (path == GroupedPath::kDequantized) {
+    if (path == Nvfp4Kernel::kDequantizedGrouped) {
       at::Tensor y = grouped_prefill(xin, w, offsets);
       return extra.defined() ? (y.to(at::kFloat) * extra).to(x.scalar_type()) : y;
     }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/nvfp4_dispatch.h"  // the dispatch table, the process's GEMM choice
 #include "kernels/nvfp4_layout.h"  // Nvfp4Gemm
 
 namespace kiln::kernels {
@@ -82,17 +83,14 @@ at::Tensor nvfp4_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, con
 // Rows past offsets[E] belong to no expert: zero in the reference, unread elsewhere.
 at::Tensor nvfp4_grouped_linear_reference(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                           const Nvfp4LinearOptions& opt = {});
-// Dispatch: the CUDA GEMMs for CUDA bf16/fp32 inputs with kernel-layout weights, else the references.
-// The fused kernels decode the weights once per 8-32 rows, so calls above 64 rows (per expert on
-// average, for the grouped GEMM) dequantise W (each weight rounded once to x's dtype, the tensor
-// scale folded in: no separate scale pass over the output) and run cuBLAS, except one matrix of
-// 8192 rows or more at 65-256 rows, which takes the wgmma GEMM (nvfp4_wgmma_selected). Grouped
-// calls take the split-K kernel up to 16 rows per expert and the grouped staged kernel at 17-192
-// (bf16, an aligned stack; split-K to 64 otherwise); above, bf16 runs the whole stack through
-// torch's grouped GEMM (torch >= 2.8) without a host sync, fp32 (and older torch) read the offsets
-// on the host and loop over the experts.
+// Dispatch: the CUDA GEMMs for CUDA bf16/fp32 inputs with kernel-layout weights, else the references;
+// which kernel runs which shape is the table in nvfp4_dispatch.cpp (nvfp4_kernel), under the
+// process's choice (nvfp4_gemm_selected). Dequantising W rounds each weight once to x's dtype, the
+// tensor scale folded in (no separate scale pass over the output). Above the fused kernels' rows,
+// bf16 stacks run through torch's grouped GEMM (torch >= 2.8) without a host sync; fp32 (and older
+// torch) read the offsets on the host and loop over the experts.
 at::Tensor nvfp4_linear(const at::Tensor& x, const Nvfp4Tensor& w, const Nvfp4LinearOptions& opt = {});
-// The path nvfp4_linear takes for these inputs: "splitK", "staged", "wgmma", "deq+mm" or "reference".
+// The path nvfp4_linear takes for these inputs (nvfp4_kernel_name): "splitK", "wgmma", "deq+mm" or "reference".
 const char* nvfp4_linear_path(const at::Tensor& x, const Nvfp4Tensor& w);
 at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const at::Tensor& offsets,
                                 const Nvfp4LinearOptions& opt = {});
@@ -101,9 +99,7 @@ at::Tensor nvfp4_grouped_linear(const at::Tensor& x, const Nvfp4Tensor& w, const
 // "deq+grouped_mm", "deq+mm per expert" or "reference".
 const char* nvfp4_grouped_linear_path(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows);
 // Whether nvfp4_grouped_linear runs `rows` rows like x (dtype, device) on the dequantised stack and
-// torch's grouped GEMM: bf16 on CUDA, torch >= 2.8, kernel layout, above 192 rows per expert (64
-// where the grouped staged kernel does not run), and not where the dispatch takes the wgmma GEMM
-// (KILN_NVFP4_GEMM=wgmma) instead.
+// torch's grouped GEMM (Nvfp4Kernel::kDequantizedGrouped in the table).
 bool nvfp4_grouped_dequantizes(const Nvfp4Tensor& w, int64_t rows, const at::Tensor& x);
 // The grouped GEMM on rows already in the MoE layer's padded layout (kernels::moe_layout with
 // align 16): expert e's rows end at ends[e] (int32 [E], on x's device) and start on a 16-row
@@ -137,14 +133,5 @@ at::Tensor nvfp4_grouped_linear_cuda(const at::Tensor& x, const Nvfp4Tensor& w, 
 // Whether the wgmma GEMM (Nvfp4Gemm::kWgmma) can run x (bf16 on CUDA) against w: the kernel layout,
 // N a multiple of 64 and K of 256, a build with sm_90a code and a compute capability 9.0 device.
 bool nvfp4_wgmma_usable(const at::Tensor& x, const Nvfp4Tensor& w);
-// Environment KILN_NVFP4_GEMM, read once: unset or "auto", the dispatch above (each shape's path
-// as measured); "wgmma", the wgmma GEMM wherever it is usable above 16 rows (per matrix or expert),
-// in place of split-K, the grouped staged kernel and dequantise + cuBLAS; "splitk", the split-K
-// kernels where the dispatch would take the grouped staged kernel (for comparing the two);
-// "stagedtiles", the grouped staged kernel's tiled launch (Nvfp4Gemm::kStagedTiles) wherever the
-// dispatch takes that kernel, also at 17-64 rows per expert, where it launches per expert. Any
-// other value is an error that names it. nvfp4_gemm_selected: kAuto, kWgmma, kSplitK or kStagedTiles.
-Nvfp4Gemm nvfp4_gemm_selected();
-bool nvfp4_wgmma_selected();
 
 }  // namespace kiln::kernels

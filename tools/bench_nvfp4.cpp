@@ -46,7 +46,7 @@ double read_floor(at::Device device, double bytes) {
 
 // Dense: each kernel the dispatcher can pick (split-K up to 64 tokens, staged and wgmma above 16,
 // and the dequantise + cuBLAS path) against cuBLAS BF16 on the same activations; "auto" is what
-// kernels::nvfp4_linear runs for that shape (wgmma where it measured faster; KILN_NVFP4_GEMM=wgmma:
+// kernels::nvfp4_linear runs for that shape (wgmma where it measured faster; --nvfp4-gemm wgmma:
 // everywhere), and bf16/auto its speed-up over BF16.
 void bench_dense(at::Device device, double bw, const std::vector<int64_t>& only) {
   fmt::print("\ndense W4A16 vs cuBLAS BF16 (at::linear); bytes = packed + scales + x + y; of copy: the auto path's\n");
@@ -169,7 +169,7 @@ void bench_grouped_case(at::Device device, double bw, const std::string& label, 
                tb * 1e6, bytes / ts / 1e12, 100.0 * bytes / ts / bw, tb / ts);
   }
   // The wgmma GEMM forced on the same rows, 64 and 128 weight rows per block (the dispatch takes it
-  // above 16 rows per expert with KILN_NVFP4_GEMM=wgmma, the launcher choosing the block).
+  // above 16 rows per expert with --nvfp4-gemm wgmma, the launcher choosing the block).
   for (auto [g, label] : {std::pair{kernels::Nvfp4Gemm::kWgmma64, "same, wgmma 64 rows"},
                           std::pair{kernels::Nvfp4Gemm::kWgmma128, "same, wgmma 128 rows"}}) {
     if (!kernels::nvfp4_wgmma_usable(x, qs[0]) || !kernels::wgmma_warpgroups_fit(N, kernels::wgmma_warpgroups(g)))

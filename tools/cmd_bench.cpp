@@ -29,6 +29,7 @@
 #include "rollout/engine.h"
 #include "tools/bench_util.h"
 #include "tools/commands.h"
+#include "tools/kernel_flags.h"
 
 namespace kiln::tools {
 
@@ -412,6 +413,7 @@ Run add_bench(CLI::App& app) {
     bool only_fused = false, bitwise = false;
     RolloutBenchShape rollout;
     std::vector<int64_t> shape, grouped;
+    KernelFlags kernels;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("case", a->name, "rmsnorm, forward, decode, rollout, train, optim, nvfp4, attention or invariant")
@@ -444,7 +446,9 @@ Run add_bench(CLI::App& app) {
       ->excludes(shape);
   cmd->add_flag("--bitwise", a->bitwise, "Also time the batch-invariant numerics (rollout.numerics bitwise): train, profiled last; rollout");
   cmd->add_flag("--only-fused", a->only_fused, "Time only the grouped + fused path (train; for ncu and quick runs)");
+  add_kernel_flags(cmd, a->kernels);
   return [a, cmd] {
+    select_kernels(a->kernels);
     const std::string name = a->device.empty() ? (at::hasCUDA() ? "cuda" : "cpu") : a->device;
     const at::Device device = model::parse_device(name, "bench: --device");
     const std::string config = a->model.empty() ? a->config : a->model;

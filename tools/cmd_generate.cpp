@@ -21,11 +21,13 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "core/hdf5_io.h"
+#include "kernels/kernel_choice.h"
 #include "model/checkpoint.h"
 #include "model/lora.h"
 #include "rollout/engine.h"
 #include "tools/commands.h"
 #include "tools/gnuplot.h"
+#include "tools/kernel_flags.h"
 #include "text/tokenizer.h"
 #include "tools/token_ids.h"
 #include "trainer/dataset.h"
@@ -397,6 +399,7 @@ struct SamplingArgs {
   int64_t micro_batch_seqs = 64, worst = 5;
   std::string png;
   bool alone = false;
+  KernelFlags kernels;
 };
 
 // Whether the command line gave the flag, so that a recipe's value does not replace it.
@@ -404,6 +407,7 @@ bool given(CLI::App* cmd, const char* flag) { return cmd->count(flag) > 0; }
 
 // The flags both commands take, and with `mismatch` the rescoring's own.
 void add_sampling_options(CLI::App* cmd, SamplingArgs& a, bool mismatch) {
+  add_kernel_flags(cmd, a.kernels);
   cmd->add_option("--model", a.model, "Checkpoint directory (config.json + safetensors)")->required();
   cmd->add_option("--tokenizer", a.tokenizer,
                   "Tokenizer (a folder or tokenizer.json / *.tiktoken); default: the checkpoint's files, else bytes");
@@ -644,6 +648,8 @@ Run add_sampling_command(CLI::App& app, bool mismatch) {
   const char* what = mismatch ? "mismatch" : "generate";
   return [a, cmd, mismatch, what] {
     std::optional<trainer::Recipe> recipe = apply_recipe(*a, cmd);
+    kernels::KernelChoice kernel_choice = recipe ? recipe->kernels : kernels::KernelChoice{};
+    select_kernels(a->kernels, kernel_choice);
     rollout::SamplingParams defaults = checked_defaults(*a, what);
     // A tokenizer with files: its stop ids end samples unless --stop says otherwise.
     std::shared_ptr<const text::Tokenizer> tok;

@@ -27,6 +27,7 @@
 #include "model/checkpoint.h"
 #include "model/lora.h"
 #include "tools/commands.h"
+#include "tools/kernel_flags.h"
 #include "text/tokenizer.h"
 #include "trainer/grpo.h"
 #include "trainer/plan.h"
@@ -88,9 +89,10 @@ void check_same_recipe(const std::string& dir, const trainer::Recipe& r) {
       if ((*n)["run"].IsMap()) (*n)["run"].remove(key);
     for (const char* key : {"config", "init_from"})
       if ((*n)["model"].IsMap()) (*n)["model"].remove(key);
-    // How long a collective may wait is the job's, not the run's (and runs started before the key
-    // existed have none).
+    // How long a collective may wait and which GEMM kernels run are the job's, not the run's (and
+    // runs started before those keys existed have none).
     if ((*n)["parallel"].IsMap()) (*n)["parallel"].remove("collective_timeout_s");
+    n->remove("kernels");
   }
   // Runs started before grpo.async.placement existed ran the producer beside the trainer.
   YAML::Node async_before = before["grpo"].IsMap() ? before["grpo"]["async"] : YAML::Node();
@@ -131,11 +133,12 @@ void check_plan(trainer::Recipe& r, const model::ModelConfig& cfg, const comm::G
 // Reads the recipe, applies the flags, writes the resolved recipe and builds model, tokenizer and data.
 Setup prepare(const std::string& path, const std::string& out, const std::string& init_from,
               const char* resolved_name, const std::vector<std::string>& outputs, Reuse reuse,
-              const std::function<void(trainer::Recipe&)>& overrides) {
+              const KernelFlags& kernel_flags, const std::function<void(trainer::Recipe&)>& overrides) {
   Setup s{trainer::Recipe::from_yaml_file(path), nullptr, nullptr, {}, {}, {}};
   trainer::Recipe& r = s.recipe;
   overrides(r);
   r.sync_schedules();
+  select_kernels(kernel_flags, r.kernels);
   if (!out.empty()) r.run.out = out;
   if (!init_from.empty()) r.init_from = init_from, r.model_config.clear();
   const comm::Group& world = comm::Group::world();
@@ -214,15 +217,17 @@ Run add_sft(CLI::App& app) {
     std::string recipe, out;
     int64_t steps = -1;
     bool overwrite = false;
+    KernelFlags kernels;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("recipe", a->recipe, "Recipe (YAML)")->required();
   cmd->add_option("--out", a->out, "Run directory (overrides run.out); weights go to <out>/sft");
   cmd->add_option("--steps", a->steps, "SFT steps (overrides sft.steps)")->check(step_count());
   cmd->add_flag("--overwrite", a->overwrite, "Replace the sft outputs already in the run directory");
+  add_kernel_flags(cmd, a->kernels);
   return [a] {
     Setup s = prepare(a->recipe, a->out, "", "sft-recipe.yaml", kSftOutputs,
-                      a->overwrite ? Reuse::kOverwrite : Reuse::kRefuse, [&](trainer::Recipe& r) {
+                      a->overwrite ? Reuse::kOverwrite : Reuse::kRefuse, a->kernels, [&](trainer::Recipe& r) {
                         if (a->steps >= 0) r.sft.steps = a->steps;
                       });
     trainer::Recipe& r = s.recipe;
@@ -281,6 +286,7 @@ Run add_train(CLI::App& app) {
     std::string recipe, out, init_from, resume;
     int64_t steps = -1;
     bool overwrite = false;
+    KernelFlags kernels;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("recipe", a->recipe, "Recipe (YAML), e.g. recipes/grpo-arith-tiny.yaml")->required();
@@ -289,11 +295,12 @@ Run add_train(CLI::App& app) {
   cmd->add_option("--init-from", a->init_from, "Start from this checkpoint (overrides model.*), e.g. <out>/sft");
   cmd->add_option("--resume", a->resume, "Continue the run in this directory from its newest complete checkpoint");
   cmd->add_flag("--overwrite", a->overwrite, "Replace the run already in the run directory (its metrics and checkpoints)");
+  add_kernel_flags(cmd, a->kernels);
   return [a] {
     KILN_CHECK(a->resume.empty() || !a->overwrite, "train: --resume and --overwrite exclude each other");
     const Reuse reuse = !a->resume.empty() ? Reuse::kResume : a->overwrite ? Reuse::kOverwrite : Reuse::kRefuse;
     Setup s = prepare(a->recipe, a->resume.empty() ? a->out : a->resume, a->init_from, "recipe.yaml", kTrainOutputs,
-                      reuse, [&](trainer::Recipe& r) {
+                      reuse, a->kernels, [&](trainer::Recipe& r) {
                         if (a->steps >= 0) r.run.steps = a->steps;
                       });
     trainer::Recipe& r = s.recipe;

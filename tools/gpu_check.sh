@@ -296,15 +296,15 @@ step "bench decode (muse-small, BF16 and NVFP4)"
 ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --len 1024 --gen 32 --quantization nvfp4 \
   2>&1 | tee -a "$out/rollout.txt"
 # With KILN_ROLLOUT_GEMM=wgmma, splitk or stagedtiles, the same two again with that NVFP4 GEMM
-# choice (KILN_NVFP4_GEMM: wgmma everywhere above 16 rows; split-K where the experts take the
+# choice (--nvfp4-gemm: wgmma everywhere above 16 rows; split-K where the experts take the
 # grouped staged kernel, 17-192 rows per expert; or that kernel's tiled launch there, also at
 # 17-64 where the default launches it per expert), in the same call. Off by default: each run
 # costs device time.
 if [ -n "${KILN_ROLLOUT_GEMM:-}" ]; then
-step "bench rollout and decode, NVFP4 with KILN_NVFP4_GEMM=$KILN_ROLLOUT_GEMM"
-KILN_NVFP4_GEMM="$KILN_ROLLOUT_GEMM" ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml \
+step "bench rollout and decode, NVFP4 with --nvfp4-gemm $KILN_ROLLOUT_GEMM"
+./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml --nvfp4-gemm "$KILN_ROLLOUT_GEMM" \
   --quantization nvfp4 ${KILN_ROLLOUT_ARGS:-} 2>&1 | tee -a "$out/rollout.txt"
-KILN_NVFP4_GEMM="$KILN_ROLLOUT_GEMM" ./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml \
+./build-gpu/kiln bench decode --device cuda --config configs/muse-small.yaml --nvfp4-gemm "$KILN_ROLLOUT_GEMM" \
   --len 1024 --gen 32 --quantization nvfp4 2>&1 | tee -a "$out/rollout.txt"
 fi
 peer="${KILN_PEER_DIR:-.cache/peers}"
@@ -318,23 +318,10 @@ if want rolloutwide; then
 # half and all of the 1024 samples, as an RL job would configure the engine), BF16 and NVFP4,
 # into rollout.txt. At 512, muse-small's NVFP4 experts get 64 rows each, 79 by the MoE's padded
 # bound; at 1024, 128 and 143: both within the staged kernel's 192.
-# KILN_ROLLOUT_STAGED_ROWS=N runs each again with KILN_NVFP4_STAGED_ROWS=N (the grouped staged
-# kernel up to N rows per expert, the dequantised stack above); KILN_ROLLOUT_WGMMA_ROWS=N with
-# KILN_NVFP4_WGMMA_EXPERT_ROWS=N (the experts on the wgmma GEMM above N rows per expert).
 for seqs in ${KILN_ROLLOUT_WIDE:-512 1024}; do
   step "bench rollout, $seqs sequences at once (muse-small, BF16 and NVFP4)"
   ./build-gpu/kiln bench rollout --device cuda --config configs/muse-small.yaml --quantization nvfp4 \
     --max-seqs "$seqs" 2>&1 | tee -a "$out/rollout.txt"
-  if [ -n "${KILN_ROLLOUT_STAGED_ROWS:-}" ]; then
-    step "the same with KILN_NVFP4_STAGED_ROWS=$KILN_ROLLOUT_STAGED_ROWS"
-    KILN_NVFP4_STAGED_ROWS="$KILN_ROLLOUT_STAGED_ROWS" ./build-gpu/kiln bench rollout --device cuda \
-      --config configs/muse-small.yaml --quantization nvfp4 --max-seqs "$seqs" 2>&1 | tee -a "$out/rollout.txt"
-  fi
-  if [ -n "${KILN_ROLLOUT_WGMMA_ROWS:-}" ]; then
-    step "the same with KILN_NVFP4_WGMMA_EXPERT_ROWS=$KILN_ROLLOUT_WGMMA_ROWS"
-    KILN_NVFP4_WGMMA_EXPERT_ROWS="$KILN_ROLLOUT_WGMMA_ROWS" ./build-gpu/kiln bench rollout --device cuda \
-      --config configs/muse-small.yaml --quantization nvfp4 --max-seqs "$seqs" 2>&1 | tee -a "$out/rollout.txt"
-  fi
 done
 fi  # rolloutwide
 if want nvfp4; then
@@ -439,18 +426,18 @@ if want bitwise; then
 # muse-small in bf16, KILN_BITWISE_PROMPTS prompts (default "16 64", each in turn) x 8 samples x 16
 # tokens, mismatch with replay on and off; per step the phases and both mismatches (0 under
 # bitwise), then the ratios of the steps after the first. bitwise runs the invariant GEMMs on their
-# default (wgmma on the H200), bitwise-mma on mma.sync (KILN_INVARIANT_GEMM; KILN_BITWISE_MODES
+# default (wgmma on the H200), bitwise-mma on mma.sync (--bitwise-gemm mma; KILN_BITWISE_MODES
 # picks the modes).
 for prompts in ${KILN_BITWISE_PROMPTS:-16 64}; do
 step "bitwise numerics: the GRPO step, standard vs bitwise, $prompts prompts x 8"
 echo "$prompts prompts x 8:" >> "$out/bitwise.txt"
 for mode in ${KILN_BITWISE_MODES:-standard bitwise bitwise-mma}; do
-  gemm=; [ "$mode" = bitwise-mma ] && gemm=mma
+  gemm=auto; [ "$mode" = bitwise-mma ] && gemm=mma
   sed -e "s|config: ../configs|config: $PWD/configs|" -e "s/^  prompts_per_step: .*/  prompts_per_step: $prompts/" \
       -e "s/^  every: .*/  every: 1000/" -e "s/^  prompts: 64/  prompts: 8/" -e "s/^  steps: .*/  steps: 4/" \
       -e "s/^  kv_cache_mb: .*/  kv_cache_mb: 2048\n  numerics: ${mode%-mma}/" recipes/grpo-arith-small-gpu.yaml > "$tmp/bitwise-$mode.yaml"
   rm -rf "$tmp/bitwise-$mode"
-  KILN_INVARIANT_GEMM=$gemm timeout 240 ./build-gpu/kiln train "$tmp/bitwise-$mode.yaml" --out "$tmp/bitwise-$mode" 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
+  timeout 240 ./build-gpu/kiln train "$tmp/bitwise-$mode.yaml" --out "$tmp/bitwise-$mode" --bitwise-gemm $gemm 2>&1 | tr '\r' '\n' | grep -v "^step " | tail -2
   python3 - "$tmp/bitwise-$mode/metrics.jsonl" "$mode" <<'PY' 2>&1 | tee -a "$out/bitwise.txt"
 import sys, json
 for r in (json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l):
@@ -476,8 +463,8 @@ done
 step "bitwise numerics: bench invariant, 19456 rows"
 ./build-gpu/kiln bench invariant configs/muse-small.yaml --device cuda --tokens 19456 2>&1 | tee -a "$out/bitwise.txt"
 step "bitwise numerics: bench train, 512 sequences x 38 tokens, GEMMs on mma.sync"
-KILN_INVARIANT_GEMM=mma ./build-gpu/kiln bench train configs/muse-small.yaml --device cuda --seqs 512 --tokens 19456 \
-  --only-fused --bitwise 2>&1 | tee -a "$out/bitwise.txt"
+./build-gpu/kiln bench train configs/muse-small.yaml --device cuda --seqs 512 --tokens 19456 \
+  --only-fused --bitwise --bitwise-gemm mma 2>&1 | tee -a "$out/bitwise.txt"
 # The training step alone at the GRPO step's shape (64 prompts x 8 samples of about 38 tokens):
 # the fused path against bitwise in one run, and where the bitwise step's kernel time goes.
 step "bitwise numerics: bench train, 512 sequences x 38 tokens, profiled"

@@ -120,6 +120,8 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
   read_yaml(run, r.run, g.seed);
   auto eval = top.child("eval");
   read_eval_yaml(eval, r.run);
+  auto kernels = top.child("kernels");
+  read_yaml(kernels, r.kernels);
   top.finish();
   r.sft.seed = g.seed;
   r.sync_schedules();
@@ -151,6 +153,7 @@ std::string Recipe::to_yaml() const {
   yaml::write_map(e, "sft", [&] { write_yaml(e, sft); });
   yaml::write_map(e, "eval", [&] { write_eval_yaml(e, run); });
   yaml::write_map(e, "run", [&] { write_yaml(e, run, grpo.seed); });
+  yaml::write_map(e, "kernels", [&] { write_yaml(e, kernels); });
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";
 }

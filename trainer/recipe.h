@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "kernels/kernel_choice.h"
 #include "trainer/grpo.h"
 #include "trainer/run.h"
 #include "trainer/sft.h"
@@ -46,6 +47,7 @@ struct Recipe {
   RunConfig run;
   GrpoConfig grpo;
   SftConfig sft;                   // the warm start run by `kiln sft`
+  kernels::KernelChoice kernels;   // GEMM kernels where more than one could run (kernels/kernel_choice.h)
 
   static Recipe from_yaml_file(const std::string& path);
   std::string to_yaml() const;     // the resolved recipe, written next to every run

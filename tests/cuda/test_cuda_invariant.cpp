@@ -36,16 +36,13 @@ struct GemmChoice {
 };
 const char* const kGemms[] = {"mma", "wgmma"};
 
-TEST(CudaInvariant, GemmChoiceFollowsTheEnvironmentAndTheSetter) {
-  const std::string env = std::getenv("KILN_INVARIANT_GEMM") ? std::getenv("KILN_INVARIANT_GEMM") : "";
-  if (!env.empty() && env != "mma" && env != "wgmma") {
-    // ctest kiln_cuda_gemm_choice_unknown: an unknown name is an error at the first GEMM, by name.
-    EXPECT_EQ(kernels::invariant_gemm(), "unknown");
-    const at::Tensor x = at::ones({3, 16}, at::TensorOptions().dtype(at::kBFloat16).device(kCuda));
-    EXPECT_TRUE(test::throws_with([&] { kernels::invariant_linear_cuda(x, x); }, {"KILN_INVARIANT_GEMM=" + env}));
-    return;
-  }
-  const std::string start = !env.empty() ? env : kernels::invariant_wgmma_available() ? "wgmma" : "mma";
+// The process's choice: auto (wgmma where it runs, else mma) unless kiln_test_cuda was given
+// --bitwise-gemm (ctest kiln_cuda_bitwise_mma); the setter changes it and puts it back, and refuses
+// other names without changing it.
+TEST(CudaInvariant, GemmChoiceFollowsTheSettingAndTheSetter) {
+  const std::string setting = kernels::set_invariant_gemm("auto");
+  kernels::set_invariant_gemm(setting);
+  const std::string start = setting != "auto" ? setting : kernels::invariant_wgmma_available() ? "wgmma" : "mma";
   EXPECT_EQ(kernels::invariant_gemm(), start);
   {
     GemmChoice other(start == "mma" ? "wgmma" : "mma");

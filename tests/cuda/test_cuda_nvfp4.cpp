@@ -324,14 +324,14 @@ TEST(CudaNvfp4, GroupedStagedMatchesReference) {
 }
 
 // The experts' dispatch by rows per expert on average: split-K to 16, the grouped staged kernel at
-// 17-192 (bf16 and an aligned stack; split-K to 64 under KILN_NVFP4_GEMM=splitk, ctest
+// 17-192 (bf16 and an aligned stack; split-K to 64 under --nvfp4-gemm=splitk, ctest
 // kiln_cuda_nvfp4_splitk), then the dequantised stack on torch's grouped GEMM (fp32: split-K to
 // 64, then a GEMM per expert). The staged kernel is launched per expert to 64 rows per expert and
-// tiled above (tiled throughout under KILN_NVFP4_GEMM=stagedtiles, ctest
+// tiled above (tiled throughout under --nvfp4-gemm=stagedtiles, ctest
 // kiln_cuda_nvfp4_stagedtiles); where the dispatch takes it, nvfp4_grouped_linear's output is
 // bitwise that launch's.
 TEST(CudaNvfp4, GroupedDispatchFollowsTheRowsPerExpert) {
-  if (kernels::nvfp4_wgmma_selected()) GTEST_SKIP() << "KILN_NVFP4_GEMM=wgmma takes every grouped call above 16 rows";
+  if (kernels::nvfp4_wgmma_selected()) GTEST_SKIP() << "--nvfp4-gemm=wgmma takes every grouped call above 16 rows";
   at::manual_seed(23);
   const bool splitk = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kSplitK;
   const bool tiles_only = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kStagedTiles;
@@ -438,7 +438,7 @@ TEST(CudaNvfp4, WgmmaLinearsMatchReference) {
   EXPECT_TRUE(test::throws_with([&] { kernels::nvfp4_linear_cuda(x.cuda(), odd, at::Tensor(), kWgmma); },
                                 {"N a multiple of 64", "N = 96"}));
   // The dispatch: on its own, wgmma for one matrix of 8192 rows or more at 65-256 tokens, where it
-  // measured faster than both others; with KILN_NVFP4_GEMM=wgmma, wherever it runs above 16 tokens.
+  // measured faster than both others; with --nvfp4-gemm=wgmma, wherever it runs above 16 tokens.
   const bool everywhere = kernels::nvfp4_wgmma_selected();
   const Nvfp4Tensor wide = kernels::nvfp4_quantize_cuda(at::randn({8192, 256}, at::kCUDA) * 0.02, /*kernel_layout=*/true);
   const std::pair<int64_t, const char*> by_rows[] = {{16, "splitK"}, {19, "splitK"}, {65, "wgmma"}, {256, "wgmma"},

@@ -222,8 +222,8 @@ TEST(CudaNvfp4Serving, ModelServedFromNvfp4MatchesItsDequantisationAndTheCpuRefe
 }
 
 // A model whose NVFP4 widths fit the wgmma GEMM (multiples of 64 out, 256 in), served under the
-// dispatch the environment picks: ctest kiln_cuda_nvfp4 (the default: split-K, dequantise + cuBLAS)
-// and kiln_cuda_nvfp4_wgmma (KILN_NVFP4_GEMM=wgmma: every NVFP4 linear above 16 rows per matrix or
+// dispatch kiln_test_cuda was told to use: the default run (: split-K, dequantise + cuBLAS)
+// and kiln_cuda_nvfp4_wgmma (--nvfp4-gemm=wgmma: every NVFP4 linear above 16 rows per matrix or
 // expert on wgmma; the MoE layer's padded rows count). 337, 100 and 19 tokens: token tiles of 128,
 // 64 and 32. First each of layer 0's NVFP4 tensors through the forced wgmma GEMM against the CPU
 // reference, on its own shape; then the served model within bf16 noise of its dequantisation,
@@ -242,7 +242,7 @@ TEST(CudaNvfp4Serving, WgmmaServedModelMatchesItsDequantisation) {
   const model::LayerWeights::Nvfp4& nv = served.weights().layers[0].nvfp4;
   at::Tensor x19 = at::zeros({19, cfg.hidden_size}, at::kCUDA).to(at::kBFloat16);
   const bool wgmma = kernels::nvfp4_wgmma_usable(x19, nv.q_proj);
-  if (kernels::nvfp4_wgmma_selected() && !wgmma) GTEST_SKIP() << "KILN_NVFP4_GEMM=wgmma where the wgmma GEMM cannot run";
+  if (kernels::nvfp4_wgmma_selected() && !wgmma) GTEST_SKIP() << "--nvfp4-gemm=wgmma where the wgmma GEMM cannot run";
   EXPECT_STREQ(kernels::nvfp4_linear_path(x19, nv.q_proj), kernels::nvfp4_wgmma_selected() ? "wgmma" : "splitK");
   EXPECT_STREQ(kernels::nvfp4_linear_path(x19.narrow(0, 0, 16), nv.q_proj), "splitK");
   if (wgmma) {
@@ -349,7 +349,7 @@ TEST(CudaNvfp4Serving, EngineDecodesNvfp4InCudaGraphsAndRequantisesOnSync) {
 TEST(CudaNvfp4Serving, EngineDecodesInCudaGraphsAboveSixtyFourRowsPerExpert) {
   const model::ModelConfig cfg = nvfp4_cuda_config();  // 8 experts, top 2
   model::Muse m = test::to_device(model::Muse::init(cfg, 6, at::kFloat, at::kCPU), at::kCUDA, at::kBFloat16);
-  // KILN_NVFP4_GEMM=splitk keeps the dequantised stack above 64 rows; =wgmma takes none of these
+  // --nvfp4-gemm=splitk keeps the dequantised stack above 64 rows; =wgmma takes none of these
   // widths (K = 32), so the same.
   const bool no_staged = kernels::nvfp4_gemm_selected() == kernels::Nvfp4Gemm::kSplitK || kernels::nvfp4_wgmma_selected();
   const char* deq = KILN_TORCH_AT_LEAST(2, 8) ? "deq+grouped_mm" : "deq+mm per expert";

@@ -274,13 +274,16 @@ TEST(SwigluReference, IsSiluTimesUpAndFlashIsOffOnTheCpu) {
 }
 
 // A build without CUDA has the mma invariant GEMM alone: asking for wgmma is an error that says so,
-// and changes nothing.
+// and changes nothing; the setter returns the previous setting (auto at first); other names are
+// refused naming the three.
 TEST(InvariantGemmChoice, CpuBuildsHaveMmaAlone) {
   if (KILN_WITH_CUDA) GTEST_SKIP() << "a CUDA build: tests/cuda/test_cuda_invariant.cpp covers the choice";
   EXPECT_EQ(kernels::invariant_gemm(), "mma");
-  EXPECT_EQ(kernels::set_invariant_gemm("mma"), "mma");
+  EXPECT_EQ(kernels::set_invariant_gemm("mma"), "auto");
   EXPECT_TRUE(test::throws_with([] { kernels::set_invariant_gemm("wgmma"); }, {"wgmma", "needs a CUDA build"}));
+  EXPECT_TRUE(test::throws_with([] { kernels::set_invariant_gemm("wmma"); }, {"'wmma'", "auto, mma or wgmma"}));
   EXPECT_EQ(kernels::invariant_gemm(), "mma");
+  EXPECT_EQ(kernels::set_invariant_gemm("auto"), "mma");
 }
 
 }  // namespace

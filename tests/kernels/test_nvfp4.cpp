@@ -354,35 +354,24 @@ TEST(Nvfp4, WgmmaDataFlowComputesTheProduct) {
   EXPECT_TRUE(test::all_close(y, ref, 1e-9, 1e-9)) << "max |diff| " << (y - ref).abs().max().item<double>();
 }
 
-// KILN_NVFP4_GEMM: unset or "auto" keeps the measured dispatch, "wgmma" selects the wgmma GEMM
-// (ctest kiln_nvfp4_gemm_choice_wgmma), "splitk" keeps split-K where the experts would take the
-// grouped staged kernel (ctest kiln_nvfp4_gemm_choice_splitk), "stagedtiles" runs that kernel's tiled
-// launch there (ctest kiln_nvfp4_gemm_choice_stagedtiles), anything else is refused by name at
-// the first NVFP4 GEMM that asks (ctest kiln_nvfp4_gemm_choice_unknown). CPU inputs never take them.
-TEST(Nvfp4, GemmChoiceFollowsTheEnvironment) {
-  const std::string env = std::getenv("KILN_NVFP4_GEMM") ? std::getenv("KILN_NVFP4_GEMM") : "";
-  if (env.empty() || env == "auto") {
-    EXPECT_FALSE(nvfp4_wgmma_selected());
-    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kAuto);
-  } else if (env == "wgmma") {
-    EXPECT_TRUE(nvfp4_wgmma_selected());
-    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kWgmma);
-  } else if (env == "splitk") {
-    EXPECT_FALSE(nvfp4_wgmma_selected());
-    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kSplitK);
-  } else if (env == "stagedtiles") {
-    EXPECT_FALSE(nvfp4_wgmma_selected());
-    EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kStagedTiles);
-  } else {
-    EXPECT_TRUE(test::throws_with([] { nvfp4_wgmma_selected(); },
-                                  {"KILN_NVFP4_GEMM", "'" + env + "'", "'wgmma'", "'splitk'", "'stagedtiles'"}));
-    return;
-  }
+// The process's NVFP4 GEMM choice (recipe kernels.nvfp4_gemm, flag --nvfp4-gemm): auto until set,
+// set and restored by select_nvfp4_gemm, the four names and nothing else. CPU inputs never take a
+// CUDA kernel whatever the choice.
+TEST(Nvfp4, GemmChoiceIsSetByNameAndCpuInputsKeepTheReference) {
+  EXPECT_EQ(nvfp4_gemm_selected(), Nvfp4Gemm::kAuto);
+  for (const char* name : {"auto", "splitk", "wgmma", "stagedtiles"})
+    EXPECT_STREQ(nvfp4_gemm_name(parse_nvfp4_gemm(name)), name);
+  EXPECT_TRUE(test::throws_with([] { parse_nvfp4_gemm("wmma"); },
+                                {"'wmma'", "auto", "splitk", "wgmma", "stagedtiles"}));
+  EXPECT_THROW(select_nvfp4_gemm(Nvfp4Gemm::kWgmma64), std::exception);  // a block shape, not a choice
+  EXPECT_EQ(select_nvfp4_gemm(Nvfp4Gemm::kWgmma), Nvfp4Gemm::kAuto);
+  EXPECT_TRUE(nvfp4_wgmma_selected());
   const Nvfp4Tensor q = nvfp4_to_kernel_layout(nvfp4_quantize_reference(at::randn({64, 256})));
   EXPECT_FALSE(nvfp4_wgmma_usable(at::zeros({32, 256}).to(at::kBFloat16), q));
   EXPECT_STREQ(nvfp4_linear_path(at::zeros({32, 256}).to(at::kBFloat16), q), "reference");
   const Nvfp4Tensor stack = nvfp4_to_kernel_layout(nvfp4_quantize_reference(at::randn({4, 64, 256})));
   EXPECT_STREQ(nvfp4_grouped_linear_path(at::zeros({128, 256}).to(at::kBFloat16), stack, 128), "reference");
+  EXPECT_EQ(select_nvfp4_gemm(Nvfp4Gemm::kAuto), Nvfp4Gemm::kWgmma);
 }
 
 // The wgmma GEMM's block by the rows per group that carry work: 32, 64 or 128-token tiles; two

@@ -290,6 +290,17 @@ sed "s|config: $tmp/micro128.yaml|config: $tmp/micronv.yaml|; s/^  kv_cache_mb: 
   "$tmp/recipe.yaml" > "$tmp/nv.yaml"
 check "train with an NVFP4 rollout" "train: done" "$kiln" train "$tmp/nv.yaml" --steps 2 --out "$tmp/nvrun" --init-from "$tmp/nvfp4"
 grep -q "quantization: nvfp4" "$tmp/nvrun/recipe.yaml" || { echo "FAIL: resolved recipe lacks quantization"; fails=$((fails+1)); }
+# The GEMM choice: a recipe's kernels: section and the flags, each written to the resolved recipe;
+# a bad name is refused naming the key or the flag. A resume may change it.
+{ cat "$tmp/nv.yaml"; printf 'kernels:\n  nvfp4_gemm: splitk\n'; } > "$tmp/nvk.yaml"
+check "train with a forced NVFP4 GEMM" "train: done" "$kiln" train "$tmp/nvk.yaml" --steps 1 --out "$tmp/nvk" --init-from "$tmp/nvfp4" --bitwise-gemm mma
+grep -q "nvfp4_gemm: splitk" "$tmp/nvk/recipe.yaml" && grep -q "bitwise_gemm: mma" "$tmp/nvk/recipe.yaml" \
+  || { echo "FAIL: the resolved recipe lacks the kernel choice"; fails=$((fails+1)); }
+check "resume with another GEMM choice" "train: done" "$kiln" train "$tmp/nv.yaml" --steps 2 --resume "$tmp/nvk" --nvfp4-gemm auto
+sed 's/nvfp4_gemm: splitk/nvfp4_gemm: staged/' "$tmp/nvk.yaml" > "$tmp/nvkbad.yaml"
+check_fails "bad kernels.nvfp4_gemm" "kernels.nvfp4_gemm: must be auto, splitk, wgmma or stagedtiles (got 'staged')" \
+  "$kiln" train "$tmp/nvkbad.yaml" --steps 1 --out "$tmp/nvkbad"
+check_fails "bad --bitwise-gemm" "--bitwise-gemm" "$kiln" generate --model "$tmp/ckpt" --prompt "ids:1" --bitwise-gemm wmma
 sed 's/quantization: nvfp4/quantization: int4/' "$tmp/nv.yaml" > "$tmp/nvbad.yaml"
 check_fails "bad quantization" "quantization must be none, nvfp4 or w4a4" "$kiln" train "$tmp/nvbad.yaml" --steps 1 --out "$tmp/nvbad"
 # rollout.numerics: bitwise trains with every mismatch exactly 0; a bad value names the key.
