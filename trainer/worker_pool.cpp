@@ -1,15 +1,9 @@
-// Worker pools: WorkerProcess (posix_spawn with pipes, its own process group, stderr tail, kill
-// and reap) and WorkerPool (dispatch, poll() over every pipe, answers matched by id, timeouts,
-// restarts, retries, the failure policy). One thread; nothing global or static.
+// Worker pools: dispatch, poll() over every worker's pipes (worker_process.h runs each process),
+// answers matched by id, timeouts, restarts, retries, the failure policy. One thread; nothing
+// global or static.
 #include "trainer/worker_pool.h"
 
-#include <fcntl.h>
 #include <poll.h>
-#include <pthread.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -22,25 +16,16 @@
 #include <optional>
 #include <unordered_map>
 
+#include "core/clock.h"
 #include "core/error.h"
-
-extern char** environ;
+#include "trainer/worker_process.h"
 
 namespace kiln::trainer {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;
 
-constexpr size_t kStderrMaxLines = 50;
-constexpr size_t kStderrMaxBytes = 16 * 1024;
-constexpr size_t kMaxLineBytes = size_t(64) << 20;  // a longer stdout line without '\n' is garbage
-constexpr size_t kQuoteBytes = 200;                // how much of a bad line an error quotes
-constexpr double kExitWaitS = 0.2;   // how long a worker that closed stdout gets to report its exit status
-constexpr double kDrainWaitS = 0.2;  // how long stderr is drained after a kill (a traceback may be on its way)
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
+constexpr size_t kQuoteBytes = 200;  // how much of a bad line an error quotes
 
 std::string command_text(const std::vector<std::string>& argv) {
   std::string out;
@@ -49,269 +34,6 @@ std::string command_text(const std::vector<std::string>& argv) {
     out += a.find_first_of(" \t'\"") == std::string::npos && !a.empty() ? a : "'" + a + "'";
   }
   return out;
-}
-
-void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
-
-void close_fd(int& fd) {
-  if (fd >= 0) close(fd);
-  fd = -1;
-}
-
-// The last lines a worker wrote to stderr, bounded in lines and bytes.
-class StderrTail {
- public:
-  void append(const char* data, size_t n) {
-    for (size_t i = 0; i < n; ++i) {
-      if (data[i] == '\n' || partial_.size() >= kStderrMaxBytes) {
-        push(std::move(partial_));
-        partial_.clear();
-        if (data[i] == '\n') continue;
-      }
-      partial_ += data[i];
-    }
-  }
-  std::string text() const {
-    std::string out;
-    for (const std::string& line : lines_) out += line + "\n";
-    return out + partial_;
-  }
-  std::string last_line() const {
-    if (!partial_.empty()) return partial_;
-    return lines_.empty() ? std::string() : lines_.back();
-  }
-
- private:
-  void push(std::string line) {
-    bytes_ += line.size();
-    lines_.push_back(std::move(line));
-    while (lines_.size() > kStderrMaxLines || bytes_ > kStderrMaxBytes) {
-      bytes_ -= lines_.front().size();
-      lines_.pop_front();
-    }
-  }
-
-  std::deque<std::string> lines_;
-  size_t bytes_ = 0;
-  std::string partial_;
-};
-
-// Writing to a worker that has died raises SIGPIPE, which would kill kiln. While a call runs,
-// SIGPIPE is blocked in this thread (a thread-directed signal then stays pending on it), and one our
-// write raised is taken off with sigtimedwait before the old mask comes back. Nothing process-wide.
-class SigpipeBlock {
- public:
-  SigpipeBlock() {
-    sigemptyset(&pipe_);
-    sigaddset(&pipe_, SIGPIPE);
-    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
-    sigset_t pending;
-    sigpending(&pending);
-    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
-  }
-  ~SigpipeBlock() { pthread_sigmask(SIG_SETMASK, &old_, nullptr); }
-  SigpipeBlock(const SigpipeBlock&) = delete;
-  SigpipeBlock& operator=(const SigpipeBlock&) = delete;
-
-  void consume() {
-    if (was_pending_) return;  // someone else's; leave it
-    const timespec zero{0, 0};
-    while (sigtimedwait(&pipe_, nullptr, &zero) == SIGPIPE) {
-    }
-  }
-
- private:
-  sigset_t pipe_, old_;
-  bool was_pending_ = false;
-};
-
-// One worker process. Our ends of its pipes are non-blocking; it runs in its own process group so
-// that a kill also reaches what it started (a `sh -c` wrapper's child).
-class WorkerProcess {
- public:
-  // Starts argv; nullptr with *error set when it cannot (no such command, no permission, no fds).
-  static std::unique_ptr<WorkerProcess> start(const std::vector<std::string>& argv, std::string* error);
-  ~WorkerProcess() { stop(false); }
-  WorkerProcess(const WorkerProcess&) = delete;
-  WorkerProcess& operator=(const WorkerProcess&) = delete;
-
-  int pid() const { return pid_; }
-  int stdin_fd() const { return in_; }
-  int stdout_fd() const { return out_; }
-  int stderr_fd() const { return err_; }
-  bool wants_write() const { return in_ >= 0 && written_ < outbox_.size(); }
-
-  void queue(const std::string& line) { outbox_ += line; }
-
-  // Writes what the pipe takes; false when the worker cannot be written to (it closed stdin or died).
-  bool flush(SigpipeBlock& sigpipe) {
-    while (wants_write()) {
-      const ssize_t n = write(in_, outbox_.data() + written_, outbox_.size() - written_);
-      if (n > 0) {
-        written_ += size_t(n);
-      } else if (n < 0 && errno == EINTR) {
-        continue;
-      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        break;
-      } else {
-        if (errno == EPIPE) sigpipe.consume();
-        return false;
-      }
-    }
-    if (written_ == outbox_.size()) outbox_.clear(), written_ = 0;
-    return true;
-  }
-
-  // Reads what stdout holds and appends its complete lines. False at EOF or on a line past
-  // kMaxLineBytes (*too_long set): either way the worker is done for.
-  bool read_stdout(std::vector<std::string>* lines, bool* too_long) {
-    char buf[65536];
-    for (;;) {
-      const ssize_t n = read(out_, buf, sizeof buf);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-      if (n <= 0) return false;
-      size_t begin = 0;
-      for (size_t i = 0; i < size_t(n); ++i) {
-        if (buf[i] != '\n') continue;
-        inbox_.append(buf + begin, i - begin);
-        lines->push_back(std::move(inbox_));
-        inbox_.clear();
-        begin = i + 1;
-      }
-      inbox_.append(buf + begin, size_t(n) - begin);
-      if (inbox_.size() > kMaxLineBytes) {
-        *too_long = true;
-        return false;
-      }
-    }
-  }
-
-  // Reads what stderr holds into the tail; closes it at EOF (a worker may close stderr and go on).
-  void read_stderr() {
-    char buf[65536];
-    while (err_ >= 0) {
-      const ssize_t n = read(err_, buf, sizeof buf);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      if (n <= 0) {
-        close_fd(err_);
-        return;
-      }
-      tail_.append(buf, size_t(n));
-    }
-  }
-
-  void close_stdin() { close_fd(in_); }
-
-  // How it ended, when it has, without reaping it: until it is reaped its pid stays ours, so a
-  // kill of its process group cannot reach anyone else's.
-  std::optional<std::string> exit_status() const {
-    siginfo_t info{};
-    if (reaped_ || waitid(P_PID, pid_t(pid_), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0)
-      return std::nullopt;
-    if (info.si_code == CLD_EXITED) return str_cat("exited with status ", info.si_status);
-    return str_cat("was killed by signal ", info.si_status, " (", strsignal(info.si_status), ")");
-  }
-
-  // Ends it: when `expect_exit` (it closed stdout), waits briefly for it to exit by itself; then
-  // SIGKILLs its process group, drains stderr, reaps it and closes the pipes. Returns how it ended
-  // by itself ("" when kiln killed it).
-  std::string stop(bool expect_exit) {
-    if (reaped_) return "";
-    close_stdin();
-    std::optional<std::string> status = exit_status();
-    for (const Clock::time_point t0 = Clock::now(); expect_exit && !status && seconds_since(t0) < kExitWaitS;) {
-      wait_readable(err_, 0.005);
-      read_stderr();
-      status = exit_status();
-    }
-    kill(-pid_, SIGKILL);
-    for (const Clock::time_point t0 = Clock::now(); err_ >= 0 && seconds_since(t0) < kDrainWaitS;) {
-      wait_readable(err_, kDrainWaitS - seconds_since(t0));
-      read_stderr();
-    }
-    int st = 0;
-    while (waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
-    }
-    reaped_ = true;
-    close_fd(out_);
-    close_fd(err_);
-    return status.value_or("");
-  }
-
-  const StderrTail& stderr_tail() const { return tail_; }
-
- private:
-  WorkerProcess() = default;
-
-  static void wait_readable(int fd, double seconds) {
-    if (fd < 0) return;
-    pollfd p{fd, POLLIN, 0};
-    poll(&p, 1, std::max(0, int(std::ceil(seconds * 1000))));
-  }
-
-  int pid_ = -1;
-  int in_ = -1, out_ = -1, err_ = -1;
-  bool reaped_ = true;
-  std::string outbox_;  // bytes queued for stdin; written_ of them are out
-  size_t written_ = 0;
-  std::string inbox_;  // a partial stdout line
-  StderrTail tail_;
-};
-
-std::unique_ptr<WorkerProcess> WorkerProcess::start(const std::vector<std::string>& argv, std::string* error) {
-  int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1};
-  // O_CLOEXEC: the worker gets only the three ends dup2'ed onto 0, 1 and 2.
-  if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
-    *error = str_cat("cannot make pipes: ", std::strerror(errno));
-    for (int* p : {in, out, err}) close_fd(p[0]), close_fd(p[1]);
-    return nullptr;
-  }
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, in[0], 0);
-  posix_spawn_file_actions_adddup2(&actions, out[1], 1);
-  posix_spawn_file_actions_adddup2(&actions, err[1], 2);
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
-  posix_spawn_file_actions_addclosefrom_np(&actions, 3);  // fds others opened without O_CLOEXEC (MPI, ...)
-#endif
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none, defaults;
-  sigemptyset(&none);
-  posix_spawnattr_setsigmask(&attr, &none);  // not our blocked SIGPIPE
-  sigemptyset(&defaults);
-  for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD, SIGUSR1, SIGUSR2, SIGALRM})
-    sigaddset(&defaults, sig);
-  posix_spawnattr_setsigdefault(&attr, &defaults);  // not an ignore kiln or MPI set
-  posix_spawnattr_setpgroup(&attr, 0);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawnp(&pid, args[0], &actions, &attr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
-  close_fd(in[0]);
-  close_fd(out[1]);
-  close_fd(err[1]);
-  if (rc != 0) {
-    *error = std::strerror(rc);
-    close_fd(in[1]);
-    close_fd(out[0]);
-    close_fd(err[0]);
-    return nullptr;
-  }
-  std::unique_ptr<WorkerProcess> w(new WorkerProcess());
-  w->pid_ = pid;
-  w->reaped_ = false;
-  w->in_ = in[1];
-  w->out_ = out[0];
-  w->err_ = err[0];
-  for (int fd : {w->in_, w->out_, w->err_}) set_nonblocking(fd);
-  return w;
 }
 
 // `"id": <integer>` at the top level of a line that is not valid JSON (Python writes NaN and
@@ -600,7 +322,7 @@ void WorkerPool::Impl::poll_once(SigpipeBlock& sigpipe) {
       }
       if (!s.proc) continue;
       if (too_long)
-        kill_slot(s, Death::kGarbage, str_cat("worker wrote a stdout line longer than ", kMaxLineBytes, " bytes"), {});
+        kill_slot(s, Death::kGarbage, str_cat("worker wrote a stdout line longer than ", WorkerProcess::kMaxLineBytes, " bytes"), {});
       else if (!open)
         kill_slot(s, Death::kCrash, "worker closed its stdout", {});
     }
