@@ -96,7 +96,8 @@ void reduce_reward_sums(const RewardSums& s, const ProducedBatch& p, const GrpoC
                                 std::accumulate(lengths.begin(), lengths.end(), 0.0), double(s.solved_prompts),
                                 s.truncated, double(s.flat_groups), double(s.failures), double(worker.num_answered),
                                 double(worker.num_timeouts), double(worker.num_restarts), double(worker.num_retries),
-                                double(worker.num_garbage_lines), worker.total_seconds, s.overlong}, at::kDouble);
+                                double(worker.num_garbage_lines), worker.total_seconds, s.overlong,
+                                double(worker.num_protocol_violations)}, at::kDouble);
   group.all_reduce(sums);
   auto sum = [&](int64_t i) { return sums[i].item<double>(); };
   const double prompts = double(p.batch.total);
@@ -117,6 +118,7 @@ void reduce_reward_sums(const RewardSums& s, const ProducedBatch& p, const GrpoC
   m.reward_stats.num_garbage_lines = int64_t(sum(11));
   m.reward_stats.total_seconds = sum(12);
   m.overlong_penalty = sum(13) / count;
+  m.reward_stats.num_protocol_violations = int64_t(sum(14));
   // -min and max, so that one max-reduction gives both; a rank without samples adds nothing.
   at::Tensor mm = at::tensor({lengths.empty() ? -INFINITY : -*std::min_element(lengths.begin(), lengths.end()),
                               lengths.empty() ? -INFINITY : *std::max_element(lengths.begin(), lengths.end())},

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <optional>
@@ -26,6 +27,8 @@ namespace {
 using Json = nlohmann::json;
 
 constexpr size_t kQuoteBytes = 200;  // how much of a bad line an error quotes
+constexpr int kWarningsPerCall = 3;  // protocol warnings printed per call; the rest are counted
+constexpr double kStartPollS = 0.02;  // how often the start check looks for a worker that exited
 
 std::string command_text(const std::vector<std::string>& argv) {
   std::string out;
@@ -128,6 +131,7 @@ struct WorkerPool::Impl {
   std::string command;
   std::vector<Slot> slots;
   RewardStats stats;
+  bool started = false;  // start_all() has passed: every worker stayed up for start_check_s
 
   // The call in progress.
   const std::vector<int64_t>* ids = nullptr;
@@ -135,6 +139,7 @@ struct WorkerPool::Impl {
   const Accept* accept = nullptr;
   std::vector<std::string> lines;
   std::vector<int> attempts;  // per request: attempts that ended in a dead or hung worker
+  std::vector<uint8_t> settled;  // per request: answered or failed (a later answer is a second one)
   std::unordered_map<int64_t, size_t> index_of;
   std::deque<size_t> fresh, retries;
   size_t num_done = 0;
@@ -143,7 +148,11 @@ struct WorkerPool::Impl {
   std::string start_error;  // set when the command could not be started: nothing more is tried this call
   std::string last_death;   // the last worker failure, for requests left when the restarts run out
   std::string last_stderr;
+  int warnings_left = 0;        // protocol warnings this call may still print
+  int64_t warnings_held = 0;    // ... and those it counted instead
 
+  void start_all();
+  void check_started(Slot& slot, bool stdout_closed);
   void begin_call(const std::vector<int64_t>& request_ids, const std::vector<std::string>& request_lines,
                   std::vector<WorkerOutcome>* out);
   void end_call();
@@ -154,12 +163,61 @@ struct WorkerPool::Impl {
   void poll_once(SigpipeBlock& sigpipe);
   void handle_line(Slot& slot, const std::string& line);
   void garbage(Slot& slot, const std::string& why, const std::string& line);
+  void stray_answer(Slot& slot, int64_t id, const std::string& line);
+  void violation(const std::string& why, const std::string& line);
+  void drain_idle(Slot& slot);
   void answered(Slot& slot, int64_t id, size_t* index);
   void kill_slot(Slot& slot, Death death, const std::string& reason, const std::vector<int64_t>& culprits);
   void fail(size_t index, const std::string& why, const std::string& stderr_text);
   void finish(size_t index);
   void shutdown();
 };
+
+// Starts every worker that is not running and watches them for start_check_s. posix_spawnp itself
+// reports a command that cannot be executed (not found, not executable: its errno); a worker that
+// exits or closes its stdout within the window, before any request, is a command that runs but
+// cannot serve (a missing script or module, a bad argument). Either stops the run whatever
+// on_failure says: retrying cannot help, and scoring every sample 0 would train on nothing. A
+// worker that fails later than the window is the restart limit's and the step's failure budget's.
+void WorkerPool::Impl::start_all() {
+  for (Slot& s : slots) {
+    if (s.proc) continue;
+    std::string error;
+    s.proc = WorkerProcess::start(spec.command, &error);
+    KILN_CHECK(s.proc, what, ": cannot start the command (command=", command, ", error=", error, ")");
+    s.ever_started = true;
+  }
+  const Clock::time_point t0 = Clock::now();
+  while (spec.start_check_s > 0) {
+    // stdout is watched for its hang-up only (no POLLIN): what a worker says before any request
+    // stays in the pipe for the first call to read.
+    std::vector<pollfd> fds;
+    for (const Slot& s : slots) {
+      fds.push_back({s.proc->stdout_fd(), 0, 0});
+      fds.push_back({s.proc->stderr_fd(), POLLIN, 0});  // -1 once closed: poll skips it
+    }
+    const double left = spec.start_check_s - seconds_since(t0);
+    poll(fds.data(), nfds_t(fds.size()), std::max(0, int(std::ceil(std::min(left, kStartPollS) * 1000))));
+    for (size_t k = 0; k < slots.size(); ++k) {
+      if (fds[2 * k + 1].revents != 0) slots[k].proc->read_stderr();
+      check_started(slots[k], (fds[2 * k].revents & (POLLHUP | POLLERR)) != 0);
+    }
+    if (left <= 0) break;
+  }
+  started = true;
+}
+
+// Throws when the worker has exited or closed its stdout (during the start check).
+void WorkerPool::Impl::check_started(Slot& slot, bool stdout_closed) {
+  if (!stdout_closed && !slot.proc->exit_status()) return;
+  const std::string status = slot.proc->stop(true);
+  const std::string tail = slot.proc->stderr_tail().text();
+  slot.proc.reset();
+  KILN_FAIL(what, ": the worker ", status.empty() ? "closed its stdout" : status,
+            " right after it started, before any request (command=", command, ", start_check_s=", spec.start_check_s,
+            "); check the command, its arguments and what it loads (a script's path, its modules)",
+            tail.empty() ? "; it wrote nothing to stderr" : "; its stderr ends:\n" + tail);
+}
 
 void WorkerPool::Impl::begin_call(const std::vector<int64_t>& request_ids, const std::vector<std::string>& request_lines,
                                   std::vector<WorkerOutcome>* out) {
@@ -177,15 +235,19 @@ void WorkerPool::Impl::begin_call(const std::vector<int64_t>& request_ids, const
     lines.push_back(request_lines[i] + "\n");
   }
   attempts.assign(n, 0);
+  settled.assign(n, 0);
   fresh.clear();
   retries.clear();
   for (size_t i = 0; i < n; ++i) fresh.push_back(i);
   num_done = 0;
   restarts_left = spec.max_restarts;
   start_error.clear();
+  warnings_left = kWarningsPerCall;
+  warnings_held = 0;
   for (Slot& s : slots) {
     s.num_garbage = 0;
     s.isolated = false;
+    if (s.proc) drain_idle(s);
     // A worker that died while idle is replaced now rather than found dead with requests on it.
     if (s.proc && s.proc->exit_status()) {
       last_death = "worker " + s.proc->stop(true) + " while idle";
@@ -196,9 +258,35 @@ void WorkerPool::Impl::begin_call(const std::vector<int64_t>& request_ids, const
   stats.num_requests += int64_t(n);
 }
 
+// What a worker wrote while it had no request (a repeat of an answer, an answer to a request it
+// was never sent) is read before this call's requests go out, so that it cannot pass for the
+// answer to one of them with the same id: a protocol violation when it names an id, else garbage.
+void WorkerPool::Impl::drain_idle(Slot& slot) {
+  std::vector<std::string> got;
+  bool too_long = false;
+  const bool open = slot.proc->read_stdout(&got, &too_long);
+  for (const std::string& line : got) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const Json j = Json::parse(line, nullptr, false);
+    const std::optional<int64_t> id = j.is_discarded() ? scan_id(line) : json_id(j);
+    if (id) violation(str_cat("an answer to id ", *id, " written while the worker had no request (a repeat?)"), line);
+    else ++stats.num_garbage_lines;
+  }
+  if (open) return;
+  const std::string status = slot.proc->stop(true);
+  last_death = str_cat(too_long ? "worker wrote an over-long stdout line" : "worker closed its stdout", " while idle",
+                       status.empty() ? "" : " (worker " + status + ")");
+  last_stderr = slot.proc->stderr_tail().text();
+  slot.proc.reset();
+}
+
 // Leaves no request on any worker: after an error a late answer could otherwise meet a later call's
 // request of the same id.
 void WorkerPool::Impl::end_call() {
+  if (warnings_held > 0)
+    std::fprintf(stderr, "kiln: warning: %s: %lld more protocol violations in this call (command=%s)\n", what.c_str(),
+                 (long long)warnings_held, command.c_str());
+  warnings_held = 0;
   for (Slot& s : slots) {
     if (!s.in_flight.empty() && s.proc) s.proc->stop(false);
     if (!s.in_flight.empty()) s.proc.reset();
@@ -356,16 +444,14 @@ void WorkerPool::Impl::handle_line(Slot& slot, const std::string& line) {
   size_t index = 0;
   if (j.is_discarded()) {
     const std::optional<int64_t> id = scan_id(line);
-    if (!id || !slot.in_flight.count(*id)) return garbage(slot, "not JSON", line);
+    if (!id) return garbage(slot, "not JSON", line);
+    if (!slot.in_flight.count(*id)) return stray_answer(slot, *id, line);
     answered(slot, *id, &index);
     return fail(index, str_cat("answer is not valid JSON (line=", quote_for_error(line), ")"), slot.proc->stderr_tail().text());
   }
   const std::optional<int64_t> id = json_id(j);
   if (!id) return garbage(slot, "no integer \"id\"", line);
-  if (!slot.in_flight.count(*id)) {
-    const bool known = index_of.count(*id) != 0;
-    return garbage(slot, known ? "id of a request not in flight on this worker (a repeat?)" : "unknown id", line);
-  }
+  if (!slot.in_flight.count(*id)) return stray_answer(slot, *id, line);
   answered(slot, *id, &index);
   const std::string stderr_text = slot.proc->stderr_tail().text();
   if (const auto e = j.find("error"); e != j.end())
@@ -384,6 +470,32 @@ void WorkerPool::Impl::garbage(Slot& slot, const std::string& why, const std::st
               str_cat("worker wrote ", slot.num_garbage, " stdout lines that name no request in flight ",
                       "(max_garbage_lines=", spec.max_garbage_lines, "; the last: ", slot.last_garbage, ")"),
               {});
+}
+
+// An answer to an id not in flight on this worker breaks the protocol: each request is answered
+// once, by the worker it was sent to. Counted, warned about and garbage; an error under
+// on_failure: stop.
+void WorkerPool::Impl::stray_answer(Slot& slot, int64_t id, const std::string& line) {
+  const auto it = index_of.find(id);
+  const std::string why = it == index_of.end()  ? str_cat("an answer to id ", id, ", which no request of this call has")
+                          : settled[it->second] ? str_cat("a second answer to request id ", id)
+                                                : str_cat("an answer to request id ", id, ", not sent to this worker");
+  violation(why, line);
+  garbage(slot, why, line);
+}
+
+void WorkerPool::Impl::violation(const std::string& why, const std::string& line) {
+  ++stats.num_protocol_violations;
+  const std::string text =
+      str_cat(what, ": protocol violation: ", why, " (command=", command, ", line=", quote_for_error(line), ")");
+  KILN_CHECK(spec.on_failure != OnFailure::kStop, text, "; a worker answers each request it was sent exactly once, ",
+             "with its id: fix the worker, or set on_failure: zero to count such answers and go on");
+  if (warnings_left <= 0) {
+    ++warnings_held;
+    return;
+  }
+  --warnings_left;
+  std::fprintf(stderr, "kiln: warning: %s\n", text.c_str());
 }
 
 void WorkerPool::Impl::kill_slot(Slot& slot, Death death, const std::string& reason,
@@ -439,11 +551,13 @@ void WorkerPool::Impl::fail(size_t index, const std::string& why, const std::str
   }
   r.error = last.empty() ? why : str_cat(why, "; stderr: ", quote_for_error(last));
   (*results)[index] = std::move(r);
+  settled[index] = 1;
   ++num_done;
 }
 
 void WorkerPool::Impl::finish(size_t index) {
   (*results)[index] = WorkerOutcome();
+  settled[index] = 1;
   ++num_done;
 }
 
@@ -490,9 +604,14 @@ std::vector<WorkerOutcome> WorkerPool::call(const std::vector<int64_t>& ids, con
     ~EndCall() { impl->end_call(); }
   } end_call{impl_.get()};
   impl_->begin_call(ids, lines, &results);
+  if (!impl_->started) impl_->start_all();
   impl_->accept = &accept;
   impl_->run(sigpipe);
   return results;
+}
+
+void WorkerPool::start() {
+  if (!impl_->started) impl_->start_all();
 }
 
 RewardStats WorkerPool::stats() const { return impl_->stats; }

@@ -40,6 +40,18 @@ void wait_readable(int fd, double seconds) {
   poll(&p, 1, std::max(0, int(std::ceil(seconds * 1000))));
 }
 
+// What to do about a command posix_spawnp could not execute (its errno).
+std::string spawn_hint(int error) {
+  switch (error) {
+    case ENOENT:
+      return "; check the path (a name without '/' is looked up on PATH; a script's #! line must name an "
+             "interpreter that exists)";
+    case EACCES: return "; make it executable (chmod +x) or name its interpreter first, e.g. [python3, worker.py]";
+    case ENOEXEC: return "; it is neither a program nor a script with a #! line: name its interpreter first";
+    default: return "";
+  }
+}
+
 }  // namespace
 
 void StderrTail::append(const char* data, size_t n) {
@@ -217,7 +229,7 @@ std::unique_ptr<WorkerProcess> WorkerProcess::start(const std::vector<std::strin
   close_fd(out[1]);
   close_fd(err[1]);
   if (rc != 0) {
-    *error = std::strerror(rc);
+    *error = str_cat(std::strerror(rc), " (errno ", rc, ")", spawn_hint(rc));
     close_fd(in[1]);
     close_fd(out[0]);
     close_fd(err[0]);

@@ -49,7 +49,8 @@ class WorkerProcess {
  public:
   static constexpr size_t kMaxLineBytes = size_t(64) << 20;  // a longer stdout line without '\n' is garbage
 
-  // Starts argv; nullptr with *error set when it cannot (no such command, no permission, no fds).
+  // Starts argv; nullptr with *error set when it cannot (no such command, no permission, no fds):
+  // posix_spawnp reports the exec's errno itself, which *error gives with what to do about it.
   static std::unique_ptr<WorkerProcess> start(const std::vector<std::string>& argv, std::string* error);
   ~WorkerProcess() { stop(false); }
   WorkerProcess(const WorkerProcess&) = delete;
