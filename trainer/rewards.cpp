@@ -468,9 +468,27 @@ void WorkerSpec::validate(const std::string& path) const {
   KILN_CHECK(std::isfinite(start_check_s) && start_check_s >= 0 && start_check_s <= 600, path,
              ".start_check_s: outside [0, 600] (start_check_s=", start_check_s,
              "); give the seconds a new worker must stay up, e.g. 1");
+  KILN_CHECK(max_failure_fraction >= 0 && max_failure_fraction <= 1, path,
+             ".max_failure_fraction: outside [0, 1] (max_failure_fraction=", max_failure_fraction,
+             "); give the fraction of a step's samples that may fail, e.g. 0.5 (1: never stop)");
 }
 
 std::string RewardSpec::display_name() const { return name.empty() ? reward_type_name(type) : name; }
+
+namespace {
+// The smallest max_failure_fraction among the workers of `spec` (itself or its parts), if any.
+std::optional<double> least_worker_fraction(const RewardSpec& spec) {
+  if (spec.type == RewardType::kWorker) return spec.worker.max_failure_fraction;
+  std::optional<double> least;
+  for (const RewardSpec& p : spec.parts)
+    if (const std::optional<double> f = least_worker_fraction(p); f && (!least || *f < *least)) least = f;
+  return least;
+}
+}  // namespace
+
+double RewardSpec::max_failure_fraction() const {
+  return least_worker_fraction(*this).value_or(WorkerSpec().max_failure_fraction);
+}
 
 void RewardSpec::validate(const std::string& path) const {
   KILN_CHECK(name.find('/') == std::string::npos, path, ".name: holds '/' (name=", name,

@@ -128,6 +128,9 @@ struct WorkerSpec {
   OnFailure on_failure = OnFailure::kStop;  // zero: score 0, count it, go on; stop: throw kiln::Error
   double shutdown_grace_s = 2;       // after stdin is closed, how long workers get to exit before SIGKILL
   double start_check_s = 1;          // a new pool's workers must stay up this long, or the run stops (0: no wait)
+  // A GRPO step in which more than this fraction of the samples fail stops the run, whatever
+  // on_failure says (batch_rewards.cpp): 0 stops at the first failure, 1 never.
+  double max_failure_fraction = 0.5;
   void validate(const std::string& path) const;  // a command, counts and times in range
 };
 
@@ -148,6 +151,10 @@ struct RewardSpec {
   std::vector<RewardSpec> parts;  // type sum: reward = sum of part.weight * part's reward, in order
 
   std::string display_name() const;  // name, or the type's name when name is ""
+  // The failure budget of a step scored by this reward: the worker's max_failure_fraction; for a
+  // sum, the smallest of its workers' (a sample fails when any part does); without a worker, the
+  // default (built-ins do not fail; a Reward given in code may).
+  double max_failure_fraction() const;
   // Checks this spec and its parts (names unique within a sum, finite weights, patterns that
   // compile, worker limits in range). Errors name the reward's path, e.g. "reward.parts[1]".
   void validate(const std::string& path = "reward") const;

@@ -86,6 +86,7 @@ void read_yaml(yaml::MapReader& m, WorkerSpec& w) {
   m.get("shutdown_grace_s", w.shutdown_grace_s);
   m.get("start_check_s", w.start_check_s);
   m.get_enum("on_failure", w.on_failure, parse_on_failure, on_failure_name);
+  m.get("max_failure_fraction", w.max_failure_fraction);
 }
 
 void write_yaml(YAML::Emitter& e, const WorkerSpec& w) {
@@ -99,6 +100,7 @@ void write_yaml(YAML::Emitter& e, const WorkerSpec& w) {
   e << YAML::Key << "shutdown_grace_s" << YAML::Value << w.shutdown_grace_s;
   e << YAML::Key << "start_check_s" << YAML::Value << w.start_check_s;
   e << YAML::Key << "on_failure" << YAML::Value << on_failure_name(w.on_failure);
+  e << YAML::Key << "max_failure_fraction" << YAML::Value << w.max_failure_fraction;
 }
 
 void read_yaml(yaml::MapReader& m, RewardSpec& spec) {

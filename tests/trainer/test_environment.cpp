@@ -168,6 +168,9 @@ TEST(EnvironmentTest, SpecIsChecked) {
   spec.worker.command.clear();
   EXPECT_TRUE(throws_with([&] { Environment e(spec); }, {"environment.command: missing"}));
   spec = test_env();
+  spec.worker.max_failure_fraction = 1.5;
+  EXPECT_TRUE(throws_with([&] { Environment e(spec); }, {"environment.max_failure_fraction: outside [0, 1]", "1.5"}));
+  spec = test_env();
   spec.worker.start_check_s = -1;
   EXPECT_TRUE(throws_with([&] { Environment e(spec); }, {"environment.start_check_s: outside [0, 600]"}));
 }
