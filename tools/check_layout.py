@@ -40,7 +40,8 @@ MAY_USE = {
 # Libraries that live inside a folder with a narrower rule: name -> (files, folders they may use).
 # kiln_rewards (trainer/README.md) builds and tests without the model.
 SUBLIBRARIES = {
-    "trainer/kiln_rewards": ({"trainer/" + f for b in ("rewards", "worker_pool", "reward_worker", "environment")
+    "trainer/kiln_rewards": ({"trainer/" + f
+                              for b in ("rewards", "worker_process", "worker_pool", "reward_worker", "environment")
                               for f in (b + ".h", b + ".cpp")}, ["core"]),
 }
 # Folders (or sublibraries) that are pure C++: no torch, ATen or c10 headers.

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "core/error.h"
 #include "trainer/losses.h"
 
 namespace kiln::trainer {
@@ -96,7 +97,8 @@ void reduce_reward_sums(const RewardSums& s, const ProducedBatch& p, const GrpoC
                                 std::accumulate(lengths.begin(), lengths.end(), 0.0), double(s.solved_prompts),
                                 s.truncated, double(s.flat_groups), double(s.failures), double(worker.num_answered),
                                 double(worker.num_timeouts), double(worker.num_restarts), double(worker.num_retries),
-                                double(worker.num_garbage_lines), worker.total_seconds, s.overlong}, at::kDouble);
+                                double(worker.num_garbage_lines), worker.total_seconds, s.overlong,
+                                double(worker.num_protocol_violations)}, at::kDouble);
   group.all_reduce(sums);
   auto sum = [&](int64_t i) { return sums[i].item<double>(); };
   const double prompts = double(p.batch.total);
@@ -117,6 +119,7 @@ void reduce_reward_sums(const RewardSums& s, const ProducedBatch& p, const GrpoC
   m.reward_stats.num_garbage_lines = int64_t(sum(11));
   m.reward_stats.total_seconds = sum(12);
   m.overlong_penalty = sum(13) / count;
+  m.reward_stats.num_protocol_violations = int64_t(sum(14));
   // -min and max, so that one max-reduction gives both; a rank without samples adds nothing.
   at::Tensor mm = at::tensor({lengths.empty() ? -INFINITY : -*std::min_element(lengths.begin(), lengths.end()),
                               lengths.empty() ? -INFINITY : *std::max_element(lengths.begin(), lengths.end())},
@@ -126,6 +129,33 @@ void reduce_reward_sums(const RewardSums& s, const ProducedBatch& p, const GrpoC
   m.response_length_max = mm[1].item<double>();
   for (const auto& [name, sc] : all_reduce_keyed(group, s.parts))
     m.reward_components[name] = sc[0] / std::max(sc[1], 1.0);
+}
+
+// More failed samples in the batch than the recipe's max_failure_fraction allows stops the run,
+// whatever on_failure says: a run that scores (nearly) every sample 0 trains on nothing. The counts
+// are every rank's, so every rank raises the same error, with the first failure of the lowest rank
+// that has one; none waits in a collective for another.
+void check_failure_budget(const ProducedBatch& p, const GrpoConfig& cfg, const comm::Group& group,
+                          int64_t failures) {
+  const bool env = cfg.environment.enabled();
+  const double limit = env ? cfg.environment.worker.max_failure_fraction : cfg.reward.max_failure_fraction();
+  const int64_t samples = p.batch.total * cfg.samples_per_prompt;
+  if (double(failures) <= limit * double(samples)) return;
+  std::string mine;
+  for (const RewardResult& r : p.results)
+    if (r.failed) {
+      mine = r.error.empty() ? "(no reason given)" : r.error;
+      break;
+    }
+  const std::vector<std::string> all = gather_strings(group, mine);
+  const auto first = std::find_if(all.begin(), all.end(), [](const std::string& e) { return !e.empty(); });
+  const std::string where = first == all.end() ? "" : str_cat(" (rank ", first - all.begin(), ")");
+  const char* key = env ? "environment.max_failure_fraction" : "reward.max_failure_fraction";
+  KILN_FAIL("grpo: ", failures, " of the ", samples, env ? " episodes" : " samples", " of step ", p.batch.step,
+            " failed (", env ? "environment" : "reward", " errors), more than ", key, "=", limit,
+            " allows, whatever on_failure says; the first failure", where, ": ",
+            first == all.end() ? "(none reported)" : *first, "; fix the ",
+            env ? "environment" : "reward worker", ", or raise ", key, " (1: never stop)");
 }
 
 }  // namespace
@@ -164,6 +194,7 @@ std::vector<Trajectory> finish_rewards(ProducedBatch p, const GrpoConfig& cfg, c
     p.trajs[i].advantage = adv[int64_t(i)].item<double>();
   }
   reduce_reward_sums(s, p, cfg, group, m);
+  check_failure_budget(p, cfg, group, m.reward_failures);
   return std::move(p.trajs);
 }
 

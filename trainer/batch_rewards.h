@@ -22,7 +22,8 @@ KeyedSums all_reduce_keyed(const comm::Group& g, const KeyedSums& mine);
 
 // The trajectories of `p` with their shaped rewards and advantages; fills the reward, length,
 // worker and rollout-engine metrics of `m` over every rank (collective) and `samples` with this
-// rank's samples for the dump.
+// rank's samples for the dump. Throws on every rank alike when more of the batch's samples (all
+// ranks) failed than the reward's or environment's max_failure_fraction allows.
 std::vector<Trajectory> finish_rewards(ProducedBatch p, const GrpoConfig& cfg, const comm::Group& group,
                                        StepMetrics& m, std::vector<SampleRecord>& samples);
 

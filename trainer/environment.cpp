@@ -181,6 +181,8 @@ std::vector<EnvDemo> Environment::demonstrate(const std::vector<EnvDemoRequest>&
                       [](const std::string& error) { return EnvDemo{{}, true, error}; });
 }
 
+void Environment::start() { pool_->start(); }
+
 RewardStats Environment::stats() const { return pool_->stats(); }
 
 std::vector<int> Environment::worker_pids() const { return pool_->worker_pids(); }

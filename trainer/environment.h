@@ -96,6 +96,9 @@ struct EnvDemo {
 class Environment {
  public:
   explicit Environment(EnvironmentSpec spec);  // validates; starts nothing yet
+  // Starts the workers and checks they stay up (worker_pool.h): a command that cannot run is an
+  // error before the first step; step() and demonstrate() start what is not running.
+  void start();
   // One answer per request, same order.
   std::vector<EnvStep> step(const std::vector<EnvRequest>& requests);
   std::vector<EnvDemo> demonstrate(const std::vector<EnvDemoRequest>& requests);

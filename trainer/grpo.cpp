@@ -79,6 +79,10 @@ struct GrpoTrainer::Impl {
     check_placement();
     if (!reward) reward = make_reward(cfg.reward);
     if (cfg.environment.enabled()) env = std::make_unique<Environment>(cfg.environment);
+    if (!cfg.async_split || rollout_side) {  // the ranks that score: a worker that cannot run fails now
+      reward->start();
+      if (env) env->start();
+    }
     const auto note = [this](const char* what) {
       if (policy.device().is_cuda()) built_memory.emplace_back(what, model::current_memory_gb(policy.device()));
     };

@@ -51,11 +51,11 @@ std::string StepMetrics::to_json() const {
   if (episode_turns > 0) j["episodes"] = {{"turns", episode_turns}, {"observation_tokens", observation_tokens}};
   if (!reward_components.empty()) j["reward_components"] = reward_components;
   j["reward_failures"] = reward_failures;
-  if (reward_stats.num_answered > 0 || reward_stats.num_restarts > 0) {
+  if (reward_stats.num_answered > 0 || reward_stats.num_restarts > 0 || reward_stats.num_protocol_violations > 0) {
     const RewardStats& w = reward_stats;
     j["reward_worker"] = {{"answered", w.num_answered}, {"timeouts", w.num_timeouts}, {"restarts", w.num_restarts},
                           {"retries", w.num_retries}, {"garbage_lines", w.num_garbage_lines},
-                          {"mean_seconds", w.mean_seconds()}};
+                          {"protocol_violations", w.num_protocol_violations}, {"mean_seconds", w.mean_seconds()}};
   }
   auto put = [](const MismatchMetrics& m) {
     return nlohmann::ordered_json{{"mean_abs_seq", m.mean_abs_seq}, {"mean_abs_token", m.mean_abs_token},

@@ -90,7 +90,7 @@ RewardResult read_result(ByteReader& r) {
 
 void write_stats(ByteWriter& w, const RewardStats& s) {
   for (int64_t v : {s.num_requests, s.num_failures, s.num_timeouts, s.num_restarts, s.num_retries,
-                    s.num_garbage_lines, s.num_answered})
+                    s.num_garbage_lines, s.num_protocol_violations, s.num_answered})
     w.put(v);
   w.put(s.total_seconds);
 }
@@ -98,7 +98,7 @@ void write_stats(ByteWriter& w, const RewardStats& s) {
 RewardStats read_stats(ByteReader& r) {
   RewardStats s;
   for (int64_t* v : {&s.num_requests, &s.num_failures, &s.num_timeouts, &s.num_restarts, &s.num_retries,
-                     &s.num_garbage_lines, &s.num_answered})
+                     &s.num_garbage_lines, &s.num_protocol_violations, &s.num_answered})
     *v = r.get<int64_t>("the reward's counters");
   s.total_seconds = r.get<double>("the reward's seconds");
   return s;

@@ -38,6 +38,8 @@ WorkerReward::WorkerReward(WorkerSpec spec) {
 
 WorkerReward::~WorkerReward() = default;
 
+void WorkerReward::start() { pool_->start(); }
+
 std::vector<RewardResult> WorkerReward::score(const std::vector<RewardRequest>& requests) {
   std::vector<int64_t> ids;
   std::vector<std::string> lines;

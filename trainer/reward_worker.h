@@ -27,6 +27,7 @@ class WorkerReward final : public Reward {
   WorkerReward(const WorkerReward&) = delete;
   WorkerReward& operator=(const WorkerReward&) = delete;
 
+  void start() override;  // starts the pool and checks its workers stay up (worker_pool.h)
   std::vector<RewardResult> score(const std::vector<RewardRequest>& requests) override;
   RewardStats stats() const override;
 

@@ -26,6 +26,7 @@ RewardStats& RewardStats::operator+=(const RewardStats& o) {
   num_restarts += o.num_restarts;
   num_retries += o.num_retries;
   num_garbage_lines += o.num_garbage_lines;
+  num_protocol_violations += o.num_protocol_violations;
   num_answered += o.num_answered;
   total_seconds += o.total_seconds;
   return *this;
@@ -39,6 +40,7 @@ RewardStats RewardStats::operator-(const RewardStats& b) const {
   d.num_restarts -= b.num_restarts;
   d.num_retries -= b.num_retries;
   d.num_garbage_lines -= b.num_garbage_lines;
+  d.num_protocol_violations -= b.num_protocol_violations;
   d.num_answered -= b.num_answered;
   d.total_seconds -= b.total_seconds;
   return d;
@@ -463,9 +465,30 @@ void WorkerSpec::validate(const std::string& path) const {
              "); use 0 or more");
   KILN_CHECK(std::isfinite(shutdown_grace_s) && shutdown_grace_s >= 0, path,
              ".shutdown_grace_s: not a number >= 0 (shutdown_grace_s=", shutdown_grace_s, "); give seconds, e.g. 2");
+  KILN_CHECK(std::isfinite(start_check_s) && start_check_s >= 0 && start_check_s <= 600, path,
+             ".start_check_s: outside [0, 600] (start_check_s=", start_check_s,
+             "); give the seconds a new worker must stay up, e.g. 1");
+  KILN_CHECK(max_failure_fraction >= 0 && max_failure_fraction <= 1, path,
+             ".max_failure_fraction: outside [0, 1] (max_failure_fraction=", max_failure_fraction,
+             "); give the fraction of a step's samples that may fail, e.g. 0.5 (1: never stop)");
 }
 
 std::string RewardSpec::display_name() const { return name.empty() ? reward_type_name(type) : name; }
+
+namespace {
+// The smallest max_failure_fraction among the workers of `spec` (itself or its parts), if any.
+std::optional<double> least_worker_fraction(const RewardSpec& spec) {
+  if (spec.type == RewardType::kWorker) return spec.worker.max_failure_fraction;
+  std::optional<double> least;
+  for (const RewardSpec& p : spec.parts)
+    if (const std::optional<double> f = least_worker_fraction(p); f && (!least || *f < *least)) least = f;
+  return least;
+}
+}  // namespace
+
+double RewardSpec::max_failure_fraction() const {
+  return least_worker_fraction(*this).value_or(WorkerSpec().max_failure_fraction);
+}
 
 void RewardSpec::validate(const std::string& path) const {
   KILN_CHECK(name.find('/') == std::string::npos, path, ".name: holds '/' (name=", name,
@@ -631,6 +654,10 @@ class SumReward final : public Reward {
     }
     stats_.num_requests += int64_t(requests.size());
     return out;
+  }
+
+  void start() override {
+    for (Part& p : parts_) p.reward->start();
   }
 
   RewardStats stats() const override {

@@ -43,6 +43,7 @@ struct RewardStats {
   int64_t num_restarts = 0;       // worker processes started to replace one that died, hung or misbehaved
   int64_t num_retries = 0;        // requests sent again after their worker died or hung
   int64_t num_garbage_lines = 0;  // worker stdout lines that named no request in flight on it
+  int64_t num_protocol_violations = 0;  // answers to an id never sent to that worker, or a second answer
   int64_t num_answered = 0;       // worker answers received (with a reward or an error)
   double total_seconds = 0;       // sum over answered worker requests of (answer time - send time)
 
@@ -56,6 +57,10 @@ class Reward {
   virtual ~Reward() = default;
   // Scores a batch (one result per request, same order). Thread-compatible; called from one thread.
   virtual std::vector<RewardResult> score(const std::vector<RewardRequest>& requests) = 0;
+  // Starts what scoring runs (worker processes) and checks that it stays up: throws kiln::Error
+  // naming the command when it cannot start. The trainer calls it before the first step, so that a
+  // mistyped command is an error then and not a run of zero rewards; score() starts what is not running.
+  virtual void start() {}
   // Counters since construction; rewards that keep none report zeros.
   virtual RewardStats stats() const { return {}; }
 };
@@ -122,6 +127,10 @@ struct WorkerSpec {
   int max_garbage_lines = 3;         // stdout lines naming no request in flight a worker may write per call
   OnFailure on_failure = OnFailure::kStop;  // zero: score 0, count it, go on; stop: throw kiln::Error
   double shutdown_grace_s = 2;       // after stdin is closed, how long workers get to exit before SIGKILL
+  double start_check_s = 1;          // a new pool's workers must stay up this long, or the run stops (0: no wait)
+  // A GRPO step in which more than this fraction of the samples fail stops the run, whatever
+  // on_failure says (batch_rewards.cpp): 0 stops at the first failure, 1 never.
+  double max_failure_fraction = 0.5;
   void validate(const std::string& path) const;  // a command, counts and times in range
 };
 
@@ -142,6 +151,10 @@ struct RewardSpec {
   std::vector<RewardSpec> parts;  // type sum: reward = sum of part.weight * part's reward, in order
 
   std::string display_name() const;  // name, or the type's name when name is ""
+  // The failure budget of a step scored by this reward: the worker's max_failure_fraction; for a
+  // sum, the smallest of its workers' (a sample fails when any part does); without a worker, the
+  // default (built-ins do not fail; a Reward given in code may).
+  double max_failure_fraction() const;
   // Checks this spec and its parts (names unique within a sum, finite weights, patterns that
   // compile, worker limits in range). Errors name the reward's path, e.g. "reward.parts[1]".
   void validate(const std::string& path = "reward") const;

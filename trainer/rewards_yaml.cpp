@@ -84,7 +84,9 @@ void read_yaml(yaml::MapReader& m, WorkerSpec& w) {
   m.get("max_restarts", w.max_restarts);
   m.get("max_garbage_lines", w.max_garbage_lines);
   m.get("shutdown_grace_s", w.shutdown_grace_s);
+  m.get("start_check_s", w.start_check_s);
   m.get_enum("on_failure", w.on_failure, parse_on_failure, on_failure_name);
+  m.get("max_failure_fraction", w.max_failure_fraction);
 }
 
 void write_yaml(YAML::Emitter& e, const WorkerSpec& w) {
@@ -96,7 +98,9 @@ void write_yaml(YAML::Emitter& e, const WorkerSpec& w) {
   e << YAML::Key << "max_restarts" << YAML::Value << w.max_restarts;
   e << YAML::Key << "max_garbage_lines" << YAML::Value << w.max_garbage_lines;
   e << YAML::Key << "shutdown_grace_s" << YAML::Value << w.shutdown_grace_s;
+  e << YAML::Key << "start_check_s" << YAML::Value << w.start_check_s;
   e << YAML::Key << "on_failure" << YAML::Value << on_failure_name(w.on_failure);
+  e << YAML::Key << "max_failure_fraction" << YAML::Value << w.max_failure_fraction;
 }
 
 void read_yaml(yaml::MapReader& m, RewardSpec& spec) {

@@ -157,9 +157,12 @@ RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress
                                                             double(m.sync_bytes) / 1e6, m.sync_seconds * 1e3,
                                                             m.sync_gbps())
                                               : std::string("weights shared");
-    std::fprintf(progress, "\rstep %lld/%lld  reward %.3f  acc %.3f  eval %.3f  mismatch %.2e  %s  %.0f tok/s  ETA %.0f s   ",
-                 (long long)s, (long long)c.steps, m.reward, m.accuracy, last.all.mean_at_k, m.mismatch.mean_abs_token,
-                 sync.c_str(), double(tokens) / secs, secs / double(s - first + 1) * double(c.steps - s));
+    // The step's samples the reward or environment could not score: a run that scores them 0 must show it.
+    std::fprintf(progress, "\rstep %lld/%lld  reward %.3f  acc %.3f  fail %lld/%lld  eval %.3f  mismatch %.2e  %s  "
+                 "%.0f tok/s  ETA %.0f s   ", (long long)s, (long long)c.steps, m.reward, m.accuracy,
+                 (long long)m.reward_failures, (long long)m.reward_stats.num_requests, last.all.mean_at_k,
+                 m.mismatch.mean_abs_token, sync.c_str(), double(tokens) / secs,
+                 secs / double(s - first + 1) * double(c.steps - s));
     std::fflush(progress);
   }
   if (lead && progress && first <= c.steps) std::fprintf(progress, "\n");

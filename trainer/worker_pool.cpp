@@ -1,15 +1,9 @@
-// Worker pools: WorkerProcess (posix_spawn with pipes, its own process group, stderr tail, kill
-// and reap) and WorkerPool (dispatch, poll() over every pipe, answers matched by id, timeouts,
-// restarts, retries, the failure policy). One thread; nothing global or static.
+// Worker pools: dispatch, poll() over every worker's pipes (worker_process.h runs each process),
+// answers matched by id, timeouts, restarts, retries, the failure policy. One thread; nothing
+// global or static.
 #include "trainer/worker_pool.h"
 
-#include <fcntl.h>
 #include <poll.h>
-#include <pthread.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -17,30 +11,24 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <optional>
 #include <unordered_map>
 
+#include "core/clock.h"
 #include "core/error.h"
-
-extern char** environ;
+#include "trainer/worker_process.h"
 
 namespace kiln::trainer {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;
 
-constexpr size_t kStderrMaxLines = 50;
-constexpr size_t kStderrMaxBytes = 16 * 1024;
-constexpr size_t kMaxLineBytes = size_t(64) << 20;  // a longer stdout line without '\n' is garbage
-constexpr size_t kQuoteBytes = 200;                // how much of a bad line an error quotes
-constexpr double kExitWaitS = 0.2;   // how long a worker that closed stdout gets to report its exit status
-constexpr double kDrainWaitS = 0.2;  // how long stderr is drained after a kill (a traceback may be on its way)
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
+constexpr size_t kQuoteBytes = 200;  // how much of a bad line an error quotes
+constexpr int kWarningsPerCall = 3;  // protocol warnings printed per call; the rest are counted
+constexpr double kStartPollS = 0.02;  // how often the start check looks for a worker that exited
 
 std::string command_text(const std::vector<std::string>& argv) {
   std::string out;
@@ -49,269 +37,6 @@ std::string command_text(const std::vector<std::string>& argv) {
     out += a.find_first_of(" \t'\"") == std::string::npos && !a.empty() ? a : "'" + a + "'";
   }
   return out;
-}
-
-void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
-
-void close_fd(int& fd) {
-  if (fd >= 0) close(fd);
-  fd = -1;
-}
-
-// The last lines a worker wrote to stderr, bounded in lines and bytes.
-class StderrTail {
- public:
-  void append(const char* data, size_t n) {
-    for (size_t i = 0; i < n; ++i) {
-      if (data[i] == '\n' || partial_.size() >= kStderrMaxBytes) {
-        push(std::move(partial_));
-        partial_.clear();
-        if (data[i] == '\n') continue;
-      }
-      partial_ += data[i];
-    }
-  }
-  std::string text() const {
-    std::string out;
-    for (const std::string& line : lines_) out += line + "\n";
-    return out + partial_;
-  }
-  std::string last_line() const {
-    if (!partial_.empty()) return partial_;
-    return lines_.empty() ? std::string() : lines_.back();
-  }
-
- private:
-  void push(std::string line) {
-    bytes_ += line.size();
-    lines_.push_back(std::move(line));
-    while (lines_.size() > kStderrMaxLines || bytes_ > kStderrMaxBytes) {
-      bytes_ -= lines_.front().size();
-      lines_.pop_front();
-    }
-  }
-
-  std::deque<std::string> lines_;
-  size_t bytes_ = 0;
-  std::string partial_;
-};
-
-// Writing to a worker that has died raises SIGPIPE, which would kill kiln. While a call runs,
-// SIGPIPE is blocked in this thread (a thread-directed signal then stays pending on it), and one our
-// write raised is taken off with sigtimedwait before the old mask comes back. Nothing process-wide.
-class SigpipeBlock {
- public:
-  SigpipeBlock() {
-    sigemptyset(&pipe_);
-    sigaddset(&pipe_, SIGPIPE);
-    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
-    sigset_t pending;
-    sigpending(&pending);
-    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
-  }
-  ~SigpipeBlock() { pthread_sigmask(SIG_SETMASK, &old_, nullptr); }
-  SigpipeBlock(const SigpipeBlock&) = delete;
-  SigpipeBlock& operator=(const SigpipeBlock&) = delete;
-
-  void consume() {
-    if (was_pending_) return;  // someone else's; leave it
-    const timespec zero{0, 0};
-    while (sigtimedwait(&pipe_, nullptr, &zero) == SIGPIPE) {
-    }
-  }
-
- private:
-  sigset_t pipe_, old_;
-  bool was_pending_ = false;
-};
-
-// One worker process. Our ends of its pipes are non-blocking; it runs in its own process group so
-// that a kill also reaches what it started (a `sh -c` wrapper's child).
-class WorkerProcess {
- public:
-  // Starts argv; nullptr with *error set when it cannot (no such command, no permission, no fds).
-  static std::unique_ptr<WorkerProcess> start(const std::vector<std::string>& argv, std::string* error);
-  ~WorkerProcess() { stop(false); }
-  WorkerProcess(const WorkerProcess&) = delete;
-  WorkerProcess& operator=(const WorkerProcess&) = delete;
-
-  int pid() const { return pid_; }
-  int stdin_fd() const { return in_; }
-  int stdout_fd() const { return out_; }
-  int stderr_fd() const { return err_; }
-  bool wants_write() const { return in_ >= 0 && written_ < outbox_.size(); }
-
-  void queue(const std::string& line) { outbox_ += line; }
-
-  // Writes what the pipe takes; false when the worker cannot be written to (it closed stdin or died).
-  bool flush(SigpipeBlock& sigpipe) {
-    while (wants_write()) {
-      const ssize_t n = write(in_, outbox_.data() + written_, outbox_.size() - written_);
-      if (n > 0) {
-        written_ += size_t(n);
-      } else if (n < 0 && errno == EINTR) {
-        continue;
-      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        break;
-      } else {
-        if (errno == EPIPE) sigpipe.consume();
-        return false;
-      }
-    }
-    if (written_ == outbox_.size()) outbox_.clear(), written_ = 0;
-    return true;
-  }
-
-  // Reads what stdout holds and appends its complete lines. False at EOF or on a line past
-  // kMaxLineBytes (*too_long set): either way the worker is done for.
-  bool read_stdout(std::vector<std::string>* lines, bool* too_long) {
-    char buf[65536];
-    for (;;) {
-      const ssize_t n = read(out_, buf, sizeof buf);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-      if (n <= 0) return false;
-      size_t begin = 0;
-      for (size_t i = 0; i < size_t(n); ++i) {
-        if (buf[i] != '\n') continue;
-        inbox_.append(buf + begin, i - begin);
-        lines->push_back(std::move(inbox_));
-        inbox_.clear();
-        begin = i + 1;
-      }
-      inbox_.append(buf + begin, size_t(n) - begin);
-      if (inbox_.size() > kMaxLineBytes) {
-        *too_long = true;
-        return false;
-      }
-    }
-  }
-
-  // Reads what stderr holds into the tail; closes it at EOF (a worker may close stderr and go on).
-  void read_stderr() {
-    char buf[65536];
-    while (err_ >= 0) {
-      const ssize_t n = read(err_, buf, sizeof buf);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      if (n <= 0) {
-        close_fd(err_);
-        return;
-      }
-      tail_.append(buf, size_t(n));
-    }
-  }
-
-  void close_stdin() { close_fd(in_); }
-
-  // How it ended, when it has, without reaping it: until it is reaped its pid stays ours, so a
-  // kill of its process group cannot reach anyone else's.
-  std::optional<std::string> exit_status() const {
-    siginfo_t info{};
-    if (reaped_ || waitid(P_PID, pid_t(pid_), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0)
-      return std::nullopt;
-    if (info.si_code == CLD_EXITED) return str_cat("exited with status ", info.si_status);
-    return str_cat("was killed by signal ", info.si_status, " (", strsignal(info.si_status), ")");
-  }
-
-  // Ends it: when `expect_exit` (it closed stdout), waits briefly for it to exit by itself; then
-  // SIGKILLs its process group, drains stderr, reaps it and closes the pipes. Returns how it ended
-  // by itself ("" when kiln killed it).
-  std::string stop(bool expect_exit) {
-    if (reaped_) return "";
-    close_stdin();
-    std::optional<std::string> status = exit_status();
-    for (const Clock::time_point t0 = Clock::now(); expect_exit && !status && seconds_since(t0) < kExitWaitS;) {
-      wait_readable(err_, 0.005);
-      read_stderr();
-      status = exit_status();
-    }
-    kill(-pid_, SIGKILL);
-    for (const Clock::time_point t0 = Clock::now(); err_ >= 0 && seconds_since(t0) < kDrainWaitS;) {
-      wait_readable(err_, kDrainWaitS - seconds_since(t0));
-      read_stderr();
-    }
-    int st = 0;
-    while (waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
-    }
-    reaped_ = true;
-    close_fd(out_);
-    close_fd(err_);
-    return status.value_or("");
-  }
-
-  const StderrTail& stderr_tail() const { return tail_; }
-
- private:
-  WorkerProcess() = default;
-
-  static void wait_readable(int fd, double seconds) {
-    if (fd < 0) return;
-    pollfd p{fd, POLLIN, 0};
-    poll(&p, 1, std::max(0, int(std::ceil(seconds * 1000))));
-  }
-
-  int pid_ = -1;
-  int in_ = -1, out_ = -1, err_ = -1;
-  bool reaped_ = true;
-  std::string outbox_;  // bytes queued for stdin; written_ of them are out
-  size_t written_ = 0;
-  std::string inbox_;  // a partial stdout line
-  StderrTail tail_;
-};
-
-std::unique_ptr<WorkerProcess> WorkerProcess::start(const std::vector<std::string>& argv, std::string* error) {
-  int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1};
-  // O_CLOEXEC: the worker gets only the three ends dup2'ed onto 0, 1 and 2.
-  if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
-    *error = str_cat("cannot make pipes: ", std::strerror(errno));
-    for (int* p : {in, out, err}) close_fd(p[0]), close_fd(p[1]);
-    return nullptr;
-  }
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, in[0], 0);
-  posix_spawn_file_actions_adddup2(&actions, out[1], 1);
-  posix_spawn_file_actions_adddup2(&actions, err[1], 2);
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
-  posix_spawn_file_actions_addclosefrom_np(&actions, 3);  // fds others opened without O_CLOEXEC (MPI, ...)
-#endif
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none, defaults;
-  sigemptyset(&none);
-  posix_spawnattr_setsigmask(&attr, &none);  // not our blocked SIGPIPE
-  sigemptyset(&defaults);
-  for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD, SIGUSR1, SIGUSR2, SIGALRM})
-    sigaddset(&defaults, sig);
-  posix_spawnattr_setsigdefault(&attr, &defaults);  // not an ignore kiln or MPI set
-  posix_spawnattr_setpgroup(&attr, 0);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawnp(&pid, args[0], &actions, &attr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
-  close_fd(in[0]);
-  close_fd(out[1]);
-  close_fd(err[1]);
-  if (rc != 0) {
-    *error = std::strerror(rc);
-    close_fd(in[1]);
-    close_fd(out[0]);
-    close_fd(err[0]);
-    return nullptr;
-  }
-  std::unique_ptr<WorkerProcess> w(new WorkerProcess());
-  w->pid_ = pid;
-  w->reaped_ = false;
-  w->in_ = in[1];
-  w->out_ = out[0];
-  w->err_ = err[0];
-  for (int fd : {w->in_, w->out_, w->err_}) set_nonblocking(fd);
-  return w;
 }
 
 // `"id": <integer>` at the top level of a line that is not valid JSON (Python writes NaN and
@@ -406,6 +131,7 @@ struct WorkerPool::Impl {
   std::string command;
   std::vector<Slot> slots;
   RewardStats stats;
+  bool started = false;  // start_all() has passed: every worker stayed up for start_check_s
 
   // The call in progress.
   const std::vector<int64_t>* ids = nullptr;
@@ -413,6 +139,7 @@ struct WorkerPool::Impl {
   const Accept* accept = nullptr;
   std::vector<std::string> lines;
   std::vector<int> attempts;  // per request: attempts that ended in a dead or hung worker
+  std::vector<uint8_t> settled;  // per request: answered or failed (a later answer is a second one)
   std::unordered_map<int64_t, size_t> index_of;
   std::deque<size_t> fresh, retries;
   size_t num_done = 0;
@@ -421,7 +148,11 @@ struct WorkerPool::Impl {
   std::string start_error;  // set when the command could not be started: nothing more is tried this call
   std::string last_death;   // the last worker failure, for requests left when the restarts run out
   std::string last_stderr;
+  int warnings_left = 0;        // protocol warnings this call may still print
+  int64_t warnings_held = 0;    // ... and those it counted instead
 
+  void start_all();
+  void check_started(Slot& slot, bool stdout_closed);
   void begin_call(const std::vector<int64_t>& request_ids, const std::vector<std::string>& request_lines,
                   std::vector<WorkerOutcome>* out);
   void end_call();
@@ -432,12 +163,61 @@ struct WorkerPool::Impl {
   void poll_once(SigpipeBlock& sigpipe);
   void handle_line(Slot& slot, const std::string& line);
   void garbage(Slot& slot, const std::string& why, const std::string& line);
+  void stray_answer(Slot& slot, int64_t id, const std::string& line);
+  void violation(const std::string& why, const std::string& line);
+  void drain_idle(Slot& slot);
   void answered(Slot& slot, int64_t id, size_t* index);
   void kill_slot(Slot& slot, Death death, const std::string& reason, const std::vector<int64_t>& culprits);
   void fail(size_t index, const std::string& why, const std::string& stderr_text);
   void finish(size_t index);
   void shutdown();
 };
+
+// Starts every worker that is not running and watches them for start_check_s. posix_spawnp itself
+// reports a command that cannot be executed (not found, not executable: its errno); a worker that
+// exits or closes its stdout within the window, before any request, is a command that runs but
+// cannot serve (a missing script or module, a bad argument). Either stops the run whatever
+// on_failure says: retrying cannot help, and scoring every sample 0 would train on nothing. A
+// worker that fails later than the window is the restart limit's and the step's failure budget's.
+void WorkerPool::Impl::start_all() {
+  for (Slot& s : slots) {
+    if (s.proc) continue;
+    std::string error;
+    s.proc = WorkerProcess::start(spec.command, &error);
+    KILN_CHECK(s.proc, what, ": cannot start the command (command=", command, ", error=", error, ")");
+    s.ever_started = true;
+  }
+  const Clock::time_point t0 = Clock::now();
+  while (spec.start_check_s > 0) {
+    // stdout is watched for its hang-up only (no POLLIN): what a worker says before any request
+    // stays in the pipe for the first call to read.
+    std::vector<pollfd> fds;
+    for (const Slot& s : slots) {
+      fds.push_back({s.proc->stdout_fd(), 0, 0});
+      fds.push_back({s.proc->stderr_fd(), POLLIN, 0});  // -1 once closed: poll skips it
+    }
+    const double left = spec.start_check_s - seconds_since(t0);
+    poll(fds.data(), nfds_t(fds.size()), std::max(0, int(std::ceil(std::min(left, kStartPollS) * 1000))));
+    for (size_t k = 0; k < slots.size(); ++k) {
+      if (fds[2 * k + 1].revents != 0) slots[k].proc->read_stderr();
+      check_started(slots[k], (fds[2 * k].revents & (POLLHUP | POLLERR)) != 0);
+    }
+    if (left <= 0) break;
+  }
+  started = true;
+}
+
+// Throws when the worker has exited or closed its stdout (during the start check).
+void WorkerPool::Impl::check_started(Slot& slot, bool stdout_closed) {
+  if (!stdout_closed && !slot.proc->exit_status()) return;
+  const std::string status = slot.proc->stop(true);
+  const std::string tail = slot.proc->stderr_tail().text();
+  slot.proc.reset();
+  KILN_FAIL(what, ": the worker ", status.empty() ? "closed its stdout" : status,
+            " right after it started, before any request (command=", command, ", start_check_s=", spec.start_check_s,
+            "); check the command, its arguments and what it loads (a script's path, its modules)",
+            tail.empty() ? "; it wrote nothing to stderr" : "; its stderr ends:\n" + tail);
+}
 
 void WorkerPool::Impl::begin_call(const std::vector<int64_t>& request_ids, const std::vector<std::string>& request_lines,
                                   std::vector<WorkerOutcome>* out) {
@@ -455,15 +235,19 @@ void WorkerPool::Impl::begin_call(const std::vector<int64_t>& request_ids, const
     lines.push_back(request_lines[i] + "\n");
   }
   attempts.assign(n, 0);
+  settled.assign(n, 0);
   fresh.clear();
   retries.clear();
   for (size_t i = 0; i < n; ++i) fresh.push_back(i);
   num_done = 0;
   restarts_left = spec.max_restarts;
   start_error.clear();
+  warnings_left = kWarningsPerCall;
+  warnings_held = 0;
   for (Slot& s : slots) {
     s.num_garbage = 0;
     s.isolated = false;
+    if (s.proc) drain_idle(s);
     // A worker that died while idle is replaced now rather than found dead with requests on it.
     if (s.proc && s.proc->exit_status()) {
       last_death = "worker " + s.proc->stop(true) + " while idle";
@@ -474,9 +258,35 @@ void WorkerPool::Impl::begin_call(const std::vector<int64_t>& request_ids, const
   stats.num_requests += int64_t(n);
 }
 
+// What a worker wrote while it had no request (a repeat of an answer, an answer to a request it
+// was never sent) is read before this call's requests go out, so that it cannot pass for the
+// answer to one of them with the same id: a protocol violation when it names an id, else garbage.
+void WorkerPool::Impl::drain_idle(Slot& slot) {
+  std::vector<std::string> got;
+  bool too_long = false;
+  const bool open = slot.proc->read_stdout(&got, &too_long);
+  for (const std::string& line : got) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const Json j = Json::parse(line, nullptr, false);
+    const std::optional<int64_t> id = j.is_discarded() ? scan_id(line) : json_id(j);
+    if (id) violation(str_cat("an answer to id ", *id, " written while the worker had no request (a repeat?)"), line);
+    else ++stats.num_garbage_lines;
+  }
+  if (open) return;
+  const std::string status = slot.proc->stop(true);
+  last_death = str_cat(too_long ? "worker wrote an over-long stdout line" : "worker closed its stdout", " while idle",
+                       status.empty() ? "" : " (worker " + status + ")");
+  last_stderr = slot.proc->stderr_tail().text();
+  slot.proc.reset();
+}
+
 // Leaves no request on any worker: after an error a late answer could otherwise meet a later call's
 // request of the same id.
 void WorkerPool::Impl::end_call() {
+  if (warnings_held > 0)
+    std::fprintf(stderr, "kiln: warning: %s: %lld more protocol violations in this call (command=%s)\n", what.c_str(),
+                 (long long)warnings_held, command.c_str());
+  warnings_held = 0;
   for (Slot& s : slots) {
     if (!s.in_flight.empty() && s.proc) s.proc->stop(false);
     if (!s.in_flight.empty()) s.proc.reset();
@@ -600,7 +410,7 @@ void WorkerPool::Impl::poll_once(SigpipeBlock& sigpipe) {
       }
       if (!s.proc) continue;
       if (too_long)
-        kill_slot(s, Death::kGarbage, str_cat("worker wrote a stdout line longer than ", kMaxLineBytes, " bytes"), {});
+        kill_slot(s, Death::kGarbage, str_cat("worker wrote a stdout line longer than ", WorkerProcess::kMaxLineBytes, " bytes"), {});
       else if (!open)
         kill_slot(s, Death::kCrash, "worker closed its stdout", {});
     }
@@ -634,16 +444,14 @@ void WorkerPool::Impl::handle_line(Slot& slot, const std::string& line) {
   size_t index = 0;
   if (j.is_discarded()) {
     const std::optional<int64_t> id = scan_id(line);
-    if (!id || !slot.in_flight.count(*id)) return garbage(slot, "not JSON", line);
+    if (!id) return garbage(slot, "not JSON", line);
+    if (!slot.in_flight.count(*id)) return stray_answer(slot, *id, line);
     answered(slot, *id, &index);
     return fail(index, str_cat("answer is not valid JSON (line=", quote_for_error(line), ")"), slot.proc->stderr_tail().text());
   }
   const std::optional<int64_t> id = json_id(j);
   if (!id) return garbage(slot, "no integer \"id\"", line);
-  if (!slot.in_flight.count(*id)) {
-    const bool known = index_of.count(*id) != 0;
-    return garbage(slot, known ? "id of a request not in flight on this worker (a repeat?)" : "unknown id", line);
-  }
+  if (!slot.in_flight.count(*id)) return stray_answer(slot, *id, line);
   answered(slot, *id, &index);
   const std::string stderr_text = slot.proc->stderr_tail().text();
   if (const auto e = j.find("error"); e != j.end())
@@ -662,6 +470,32 @@ void WorkerPool::Impl::garbage(Slot& slot, const std::string& why, const std::st
               str_cat("worker wrote ", slot.num_garbage, " stdout lines that name no request in flight ",
                       "(max_garbage_lines=", spec.max_garbage_lines, "; the last: ", slot.last_garbage, ")"),
               {});
+}
+
+// An answer to an id not in flight on this worker breaks the protocol: each request is answered
+// once, by the worker it was sent to. Counted, warned about and garbage; an error under
+// on_failure: stop.
+void WorkerPool::Impl::stray_answer(Slot& slot, int64_t id, const std::string& line) {
+  const auto it = index_of.find(id);
+  const std::string why = it == index_of.end()  ? str_cat("an answer to id ", id, ", which no request of this call has")
+                          : settled[it->second] ? str_cat("a second answer to request id ", id)
+                                                : str_cat("an answer to request id ", id, ", not sent to this worker");
+  violation(why, line);
+  garbage(slot, why, line);
+}
+
+void WorkerPool::Impl::violation(const std::string& why, const std::string& line) {
+  ++stats.num_protocol_violations;
+  const std::string text =
+      str_cat(what, ": protocol violation: ", why, " (command=", command, ", line=", quote_for_error(line), ")");
+  KILN_CHECK(spec.on_failure != OnFailure::kStop, text, "; a worker answers each request it was sent exactly once, ",
+             "with its id: fix the worker, or set on_failure: zero to count such answers and go on");
+  if (warnings_left <= 0) {
+    ++warnings_held;
+    return;
+  }
+  --warnings_left;
+  std::fprintf(stderr, "kiln: warning: %s\n", text.c_str());
 }
 
 void WorkerPool::Impl::kill_slot(Slot& slot, Death death, const std::string& reason,
@@ -717,11 +551,13 @@ void WorkerPool::Impl::fail(size_t index, const std::string& why, const std::str
   }
   r.error = last.empty() ? why : str_cat(why, "; stderr: ", quote_for_error(last));
   (*results)[index] = std::move(r);
+  settled[index] = 1;
   ++num_done;
 }
 
 void WorkerPool::Impl::finish(size_t index) {
   (*results)[index] = WorkerOutcome();
+  settled[index] = 1;
   ++num_done;
 }
 
@@ -768,9 +604,14 @@ std::vector<WorkerOutcome> WorkerPool::call(const std::vector<int64_t>& ids, con
     ~EndCall() { impl->end_call(); }
   } end_call{impl_.get()};
   impl_->begin_call(ids, lines, &results);
+  if (!impl_->started) impl_->start_all();
   impl_->accept = &accept;
   impl_->run(sigpipe);
   return results;
+}
+
+void WorkerPool::start() {
+  if (!impl_->started) impl_->start_all();
 }
 
 RewardStats WorkerPool::stats() const { return impl_->stats; }

@@ -28,6 +28,11 @@ struct WorkerOutcome {
 // for error messages. A worker should read until EOF on stdin and then exit. Up to max_in_flight
 // requests are written to a worker before its answers arrive, so it may batch them.
 //
+// Starting. start() (else the first call) starts every worker and watches them for start_check_s:
+// a command that cannot be executed (posix_spawnp's errno) or a worker that exits or closes its
+// stdout in that time, before any request, throws kiln::Error naming the pool, the command, the
+// errno or exit status and the worker's stderr, whatever on_failure says.
+//
 // Failures. A worker that exits, closes stdout or holds a request past timeout_s is killed
 // (SIGKILL to its process group) and reaped. Its in-flight requests are sent again, each alone to
 // a fresh worker so that a request that kills workers is found out; one charged more than
@@ -37,8 +42,13 @@ struct WorkerOutcome {
 // max_in_flight - 1 requests written before it. An answer naming a request in flight but with an
 // error, one the protocol rejects, or unreadable JSON fails that request at once. A line that names
 // no request in flight on that worker (not JSON, no id, unknown or repeated id) counts as garbage;
-// past max_garbage_lines in one call the worker is restarted as if it had crashed. Past
-// max_restarts in one call the requests left fail. A failure is reported (on_failure: zero) or
+// past max_garbage_lines in one call the worker is restarted as if it had crashed. One with an id
+// (an id no request has, a second answer, an answer to a request sent elsewhere, or anything a
+// worker wrote between calls) is also a protocol violation: counted, printed as a warning on
+// stderr naming the pool, the command and the id (3 a call; the rest counted), and under
+// on_failure: stop an error (a repeat that reaches kiln only after the next call's requests went out
+// passes for an answer when ids recur between calls). Past max_restarts in one call the requests
+// left fail. A failure is reported (on_failure: zero) or
 // throws kiln::Error naming the pool, the command, the request id, what went wrong and the worker's
 // recent stderr (on_failure: stop). Under MPI each rank makes its own pool; nothing is shared.
 // Text for an error message: at most 200 bytes of it, control characters as spaces.
@@ -61,6 +71,8 @@ class WorkerPool {
   // Accepts an answer without "error" to request `index`: "" when it is usable (the callback keeps
   // what it needs), else why not (the request fails with that reason).
   using Accept = std::function<std::string(size_t index, const nlohmann::json& answer)>;
+  // Starts the workers not running now and checks them (above); a pool that has passed does nothing.
+  void start();
   // Sends lines[i] (a JSON object without '\n' whose "id" is ids[i]) and waits for every answer.
   std::vector<WorkerOutcome> call(const std::vector<int64_t>& ids, const std::vector<std::string>& lines,
                                   const Accept& accept);

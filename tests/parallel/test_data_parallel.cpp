@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "core/files.h"
 #include "model/checkpoint.h"
@@ -456,6 +457,33 @@ TEST(DataParallel, DynamicSamplingRunsOnEveryRank) {
     model::Muse m2 = model::Muse::init(mc, 3, at::kFloat, at::kCPU);
     EXPECT_TRUE(test::throws_with([&] { GrpoTrainer t(m2, cfg, test::byte_tokenizer(), data, w); }, {"dynamic_sampling"}));
   }
+}
+
+// A step whose failed samples, over all ranks, pass the reward's max_failure_fraction stops on every
+// rank alike, ranks without a failure included, with the same message (the first failure of the
+// lowest rank that has one): none is left waiting in a collective. The odd ranks' workers fail every
+// request, so half the samples fail.
+TEST(DataParallel, AFailureBudgetPassedOnSomeRanksStopsEveryRank) {
+  const Group& w = Group::world();
+  if (w.size() == 1) GTEST_SKIP() << "needs a rank whose worker fails and one whose does not";
+  test::TempDir dir;
+  const std::string script = dir / "worker.py";
+  std::ofstream(script) << "import json, sys\nfail = " << (w.rank() % 2 == 1 ? "True" : "False")
+                        << "\nfor line in sys.stdin:\n    i = json.loads(line)['id']\n"
+                           "    print(json.dumps({'id': i, 'error': 'judge down'} if fail else {'id': i, 'reward': 1.0}),"
+                           " flush=True)\n";
+  model::Muse m = model::Muse::init(test::byte_vocab_config(), 3, at::kFloat, at::kCPU);
+  GrpoConfig cfg = dp_grpo();
+  cfg.reward.type = RewardType::kWorker;
+  cfg.reward.worker.command = {access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3", script};
+  cfg.reward.worker.on_failure = OnFailure::kZero;
+  cfg.reward.worker.start_check_s = 0.2;
+  cfg.reward.worker.max_failure_fraction = 0.25;
+  GrpoTrainer trainer(m, cfg, test::byte_tokenizer(), split(arithmetic_problems(64, 1, 6), 0.25, 1), w);
+  const std::string error = test::error_of([&] { trainer.step(); });
+  EXPECT_NE(error.find("grpo: 16 of the 32 samples of step 1 failed (reward errors)"), std::string::npos) << error;
+  EXPECT_NE(error.find("the first failure (rank 1): worker error: judge down"), std::string::npos) << error;
+  w.barrier();  // every rank got here: none waits for another
 }
 
 TEST(DataParallel, LayoutErrorsNameEveryValue) {

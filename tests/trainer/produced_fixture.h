@@ -63,6 +63,7 @@ inline trainer::ProducedBatch produced_fixture(int seed) {
   p.worker.num_restarts = 4;
   p.worker.num_retries = 5;
   p.worker.num_garbage_lines = 6;
+  p.worker.num_protocol_violations = 8;
   p.worker.num_answered = 7;
   p.worker.total_seconds = 0.75;
   p.rollout_seconds = 1.5;
@@ -137,6 +138,7 @@ inline void expect_same_produced(const trainer::ProducedBatch& a, const trainer:
   EXPECT_EQ(a.worker.num_restarts, b.worker.num_restarts);
   EXPECT_EQ(a.worker.num_retries, b.worker.num_retries);
   EXPECT_EQ(a.worker.num_garbage_lines, b.worker.num_garbage_lines);
+  EXPECT_EQ(a.worker.num_protocol_violations, b.worker.num_protocol_violations);
   EXPECT_EQ(a.worker.num_answered, b.worker.num_answered);
   EXPECT_EQ(a.worker.total_seconds, b.worker.total_seconds);
   EXPECT_EQ(a.rollout_seconds, b.rollout_seconds);

@@ -1,5 +1,6 @@
 // Environment workers with real processes: the request line, observations as text and as ids,
-// rewards and done, answers the protocol rejects, and a crash and a hang through the pool.
+// rewards and done, answers the protocol rejects, a crash and a hang through the pool, and
+// commands that cannot run stopped at the start.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@ EnvironmentSpec test_env() {
   spec.worker.timeout_s = 3;
   spec.worker.shutdown_grace_s = 1;
   spec.worker.on_failure = OnFailure::kZero;
+  spec.worker.start_check_s = 0;  // the start check has a test of its own
   return spec;
 }
 
@@ -136,6 +138,28 @@ TEST(EnvironmentTest, CrashAndHangEndOnlyTheirEpisodes) {
   EXPECT_GE(env.stats().num_restarts, 2);
 }
 
+// An environment whose command cannot run is an error at start(), before any episode, whatever
+// on_failure says; so is one that exits at once (its status and stderr named).
+TEST(EnvironmentTest, CommandThatCannotRunStopsAtTheStart) {
+  EnvironmentSpec spec = test_env();
+  spec.worker.command = {"/nonexistent/kiln-env"};
+  Environment missing(spec);
+  EXPECT_TRUE(throws_with([&] { missing.start(); },
+                          {"environment: cannot start the command", "/nonexistent/kiln-env", "(errno 2)"}));
+  EXPECT_TRUE(throws_with([&] { missing.step({turn(0, "text:a")}); }, {"environment: cannot start the command"}));
+  spec.worker.command = {"sh", "-c", "echo env: no such task file >&2; exit 4"};
+  spec.worker.start_check_s = 30;
+  Environment exits(spec);
+  EXPECT_TRUE(throws_with([&] { exits.start(); }, {"environment: the worker exited with status 4 right after it started",
+                                                   "env: no such task file"}));
+  spec = test_env();
+  spec.worker.start_check_s = 0.2;
+  Environment fine(spec);
+  fine.start();
+  EXPECT_EQ(fine.worker_pids().size(), 1u);
+  EXPECT_FALSE(fine.step({turn(0, "text:a")})[0].failed);
+}
+
 TEST(EnvironmentTest, SpecIsChecked) {
   EnvironmentSpec spec = test_env();
   spec.max_turns = 0;
@@ -143,6 +167,12 @@ TEST(EnvironmentTest, SpecIsChecked) {
   spec = test_env();
   spec.worker.command.clear();
   EXPECT_TRUE(throws_with([&] { Environment e(spec); }, {"environment.command: missing"}));
+  spec = test_env();
+  spec.worker.max_failure_fraction = 1.5;
+  EXPECT_TRUE(throws_with([&] { Environment e(spec); }, {"environment.max_failure_fraction: outside [0, 1]", "1.5"}));
+  spec = test_env();
+  spec.worker.start_check_s = -1;
+  EXPECT_TRUE(throws_with([&] { Environment e(spec); }, {"environment.start_check_s: outside [0, 600]"}));
 }
 
 }  // namespace

@@ -1,9 +1,11 @@
 // Reward workers end to end with real processes: the shipped example worker, crashes, hangs,
-// garbage, out-of-order answers, workers that cannot start, stderr floods, a closed stdin (SIGPIPE),
-// a pool of 3 under 100 requests, and no zombie or stray process left behind.
+// garbage, out-of-order answers, workers that cannot start (the start check), protocol violations,
+// stderr floods, a closed stdin (SIGPIPE), a pool of 3 under 100 requests, and no zombie or stray
+// process left behind.
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -37,7 +39,16 @@ WorkerSpec test_worker(const std::vector<std::string>& flags = {}) {
   spec.timeout_s = 5;
   spec.shutdown_grace_s = 1;
   spec.on_failure = OnFailure::kZero;
+  spec.start_check_s = 0;  // the start check has its own tests; these reach the pool's later failures
   return spec;
+}
+
+// A file the test writes (a worker script), executable or not.
+std::string write_file(const test::TempDir& dir, const std::string& name, const std::string& text, bool executable) {
+  const std::string path = dir / name;
+  std::ofstream(path) << text;
+  chmod(path.c_str(), executable ? 0755 : 0644);
+  return path;
 }
 
 RewardRequest request(int64_t id, const std::string& response, const std::string& label = "") {
@@ -363,6 +374,7 @@ TEST(WorkerRewardTest, GarbageIsCountedAndBadAnswersFailTheirRequest) {
   EXPECT_NE(out[4].error.find("worker error: cannot parse the response"), std::string::npos) << out[4].error;
   const RewardStats s = reward.stats();
   EXPECT_EQ(s.num_garbage_lines, 4);
+  EXPECT_EQ(s.num_protocol_violations, 2);  // the unknown id 987654321 and the repeat
   EXPECT_EQ(s.num_failures, 3);
   EXPECT_EQ(s.num_restarts, 1);  // the fourth junk line passed max_garbage_lines
   expect_only_workers(reward);
@@ -395,20 +407,117 @@ TEST(WorkerRewardTest, WorkerPastTheGarbageLimitIsRestarted) {
   expect_only_workers(reward);
 }
 
-// ---- workers that cannot run ----
+// ---- workers that cannot run: the start check ----
 
-TEST(WorkerRewardTest, WorkerThatExitsAtStartStopsWithItsStderr) {
+// Not found, not executable, a #! line naming no interpreter: posix_spawnp's errno, named with
+// the command, whatever on_failure says; the same from score() on a pool that has not started.
+TEST(WorkerStartTest, CommandThatCannotBeExecutedStopsWhateverOnFailureSays) {
+  test::TempDir dir;
+  const std::string plain = write_file(dir, "judge.py", "print('hi')\n", false);
+  const std::string no_interpreter = write_file(dir, "judge2.py", "#!/nonexistent/python9\nprint('hi')\n", true);
+  const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
+      {{"/nonexistent/kiln-reward-worker", "--flag"},
+       {"/nonexistent/kiln-reward-worker --flag", "No such file or directory (errno 2)", "check the path"}},
+      {{plain}, {plain, "Permission denied (errno 13)", "chmod +x"}},
+      {{no_interpreter}, {no_interpreter, "(errno 2)", "#! line"}},
+  };
+  for (OnFailure policy : {OnFailure::kStop, OnFailure::kZero})
+    for (const auto& [command, parts] : cases) {
+      WorkerSpec spec;
+      spec.command = command;
+      spec.on_failure = policy;
+      WorkerReward reward(spec);
+      std::vector<std::string> expected = parts;
+      expected.push_back("reward worker: cannot start the command");
+      EXPECT_TRUE(throws_with([&] { reward.start(); }, expected));
+      EXPECT_TRUE(throws_with([&] { reward.score(plain_requests(0, 5)); }, expected));
+      EXPECT_EQ(reward.stats().num_failures, 0);
+    }
+  expect_all_gone();
+}
+
+// A worker that starts and exits at once (its script missing a module, say): the exit status and
+// its stderr, as soon as it exits rather than after the whole check.
+TEST(WorkerStartTest, WorkerThatExitsAtOnceStopsWithItsStatusAndStderr) {
+  test::TempDir dir;
+  const std::string script = write_file(dir, "fail.sh", "echo \"judge: no module named 'vllm'\" >&2\nexit 7\n", false);
+  for (OnFailure policy : {OnFailure::kStop, OnFailure::kZero}) {
+    WorkerSpec spec;
+    spec.command = {"sh", script};
+    spec.num_workers = 2;
+    spec.on_failure = policy;
+    spec.start_check_s = 30;
+    WorkerReward reward(spec);
+    const Clock::time_point t0 = Clock::now();
+    EXPECT_TRUE(throws_with([&] { reward.start(); },
+                            {"reward worker: the worker exited with status 7 right after it started, before any request",
+                             "sh " + script, "start_check_s=30", "judge: no module named 'vllm'"}));
+    EXPECT_LT(seconds_since(t0), 10.0);
+    EXPECT_TRUE(throws_with([&] { reward.score(plain_requests(0, 3)); }, {"exited with status 7", "vllm"}));
+    EXPECT_EQ(reward.stats().num_failures, 0);
+  }
+  // The test worker's own way to fail at start: its stderr line is in the error.
   WorkerSpec spec = test_worker({"--exit-at-start"});
-  spec.on_failure = OnFailure::kStop;
+  spec.start_check_s = 30;
   WorkerReward reward(spec);
   EXPECT_TRUE(throws_with([&] { reward.score(plain_requests(0, 3)); },
-                          {"reward worker: request failed", "test_worker.py --exit-at-start",
-                           "exited with status 1", "cannot load the scoring model"}));
+                          {"test_worker.py --exit-at-start", "exited with status 1", "cannot load the scoring model"}));
+  EXPECT_TRUE(throws_with([&] { reward.start(); }, {"exited with status 1"}));  // checked again, not passed
   expect_only_workers(reward);
 }
 
+TEST(WorkerStartTest, WorkerThatClosesItsStdoutAtOnceStopsAndIsKilled) {
+  WorkerSpec spec;
+  spec.command = {"sh", "-c", "exec 1>&-; echo closing stdout >&2; exec sleep 30"};
+  spec.start_check_s = 30;
+  WorkerReward reward(spec);
+  const Clock::time_point t0 = Clock::now();
+  EXPECT_TRUE(throws_with([&] { reward.start(); }, {"the worker closed its stdout right after it started",
+                                                    "exec sleep 30", "closing stdout"}));
+  EXPECT_LT(seconds_since(t0), 10.0);
+  expect_all_gone();  // the sleep went with it
+}
+
+TEST(WorkerStartTest, HealthyWorkersPassOnceAndServe) {
+  WorkerSpec spec = test_worker();
+  spec.num_workers = 2;
+  spec.start_check_s = 0.3;
+  WorkerReward reward(spec);
+  EXPECT_TRUE(reward.worker_pids().empty());
+  Clock::time_point t0 = Clock::now();
+  reward.start();
+  EXPECT_GE(seconds_since(t0), 0.3);  // every worker watched for the whole check
+  const std::vector<int> pids = reward.worker_pids();
+  EXPECT_EQ(pids.size(), 2u);
+  expect_only_workers(reward);
+  t0 = Clock::now();
+  reward.start();  // passed: nothing to do
+  EXPECT_LT(seconds_since(t0), 0.2);
+  const std::vector<RewardRequest> reqs = plain_requests(0, 8);
+  const std::vector<RewardResult> out = reward.score(reqs);
+  for (size_t i = 0; i < reqs.size(); ++i) expect_plain(reqs[i], out[i]);
+  EXPECT_EQ(reward.worker_pids(), pids);
+  EXPECT_EQ(reward.stats().num_restarts, 0);
+}
+
+TEST(WorkerStartTest, SumStartsItsWorkerParts) {
+  RewardSpec judge;
+  judge.type = RewardType::kWorker;
+  judge.name = "judge";
+  judge.worker.command = {"/nonexistent/judge"};
+  RewardSpec exact;
+  exact.type = RewardType::kExactMatch;
+  RewardSpec sum;
+  sum.type = RewardType::kSum;
+  sum.parts = {exact, judge};
+  auto reward = make_reward(sum);
+  EXPECT_TRUE(throws_with([&] { reward->start(); }, {"reward worker: cannot start the command", "/nonexistent/judge"}));
+}
+
+// A worker that passes the start check and then dies at every start is the restart limit's: each
+// call's requests fail (score 0 under on_failure: zero) without looping forever.
 TEST(WorkerRewardTest, WorkerThatExitsAtStartScoresZeroWithoutLoopingForever) {
-  WorkerSpec spec = test_worker({"--exit-at-start"});
+  WorkerSpec spec = test_worker({"--exit-at-start"});  // start_check_s 0: no watch
   spec.num_workers = 2;
   spec.max_restarts = 3;
   WorkerReward reward(spec);
@@ -428,23 +537,104 @@ TEST(WorkerRewardTest, WorkerThatExitsAtStartScoresZeroWithoutLoopingForever) {
   EXPECT_EQ(reward.stats().num_restarts, 6);
 }
 
-TEST(WorkerRewardTest, MissingCommandIsNamedInTheError) {
-  WorkerSpec spec;
-  spec.command = {"/nonexistent/kiln-reward-worker", "--flag"};
-  spec.on_failure = OnFailure::kStop;
-  WorkerReward strict(spec);
-  EXPECT_TRUE(throws_with([&] { strict.score(plain_requests(0, 2)); },
-                          {"/nonexistent/kiln-reward-worker --flag", "cannot start the command",
-                           "No such file or directory"}));
-  spec.on_failure = OnFailure::kZero;
-  WorkerReward lenient(spec);
-  const std::vector<RewardResult> out = lenient.score(plain_requests(0, 5));
-  for (const RewardResult& r : out) EXPECT_TRUE(r.failed && r.reward == 0.0);
-  EXPECT_EQ(lenient.stats().num_failures, 5);
-  EXPECT_EQ(lenient.stats().num_restarts, 0);
-  expect_all_gone();
+// ---- protocol violations ----
+
+// Answers every request, and breaks the protocol as argv[1] says: "next" first answers the next id
+// (a request not sent to it, or none of the call's), "dup" answers twice, "late" repeats its answer
+// 0.3 s later, when kiln has moved on. Each line pair is one write, so kiln reads it at once.
+constexpr const char* kLiar = R"(import json, os, sys, time
+mode = sys.argv[1]
+for line in sys.stdin:
+    rid = json.loads(line)["id"]
+    ans = json.dumps({"id": rid, "reward": 1.0}) + "\n"
+    if mode == "next":
+        ans = json.dumps({"id": rid + 1, "reward": 0.5}) + "\n" + ans
+    if mode == "dup":
+        ans = ans + ans
+    os.write(1, ans.encode())
+    if mode == "late":
+        time.sleep(0.3)
+        os.write(1, ans.encode())
+)";
+
+WorkerSpec liar(const test::TempDir& dir, const std::string& mode) {
+  WorkerSpec spec = test_worker();
+  spec.command = {python(), write_file(dir, "liar.py", kLiar, false), mode};
+  spec.max_in_flight = 1;       // one request at a time: the next waits in kiln
+  spec.max_garbage_lines = 100;  // violations are garbage too; keep the worker
+  return spec;
 }
 
+void expect_all_scored(const std::vector<RewardResult>& out) {
+  for (const RewardResult& r : out) {
+    EXPECT_FALSE(r.failed) << r.error;
+    EXPECT_EQ(r.reward, 1.0);
+  }
+}
+
+TEST(WorkerProtocolTest, AnswersToIdsNotSentAreCountedAndWarnedAbout) {
+  test::TempDir dir;
+  WorkerReward reward(liar(dir, "next"));
+  testing::internal::CaptureStderr();
+  const std::vector<RewardResult> out = reward.score(plain_requests(0, 3));
+  const std::string warned = testing::internal::GetCapturedStderr();
+  expect_all_scored(out);
+  EXPECT_EQ(reward.stats().num_protocol_violations, 3);
+  EXPECT_EQ(reward.stats().num_garbage_lines, 3);
+  for (const std::string& part :
+       {"kiln: warning: reward worker: protocol violation: an answer to request id 1, not sent to this worker",
+        "an answer to request id 2, not sent to this worker", "an answer to id 3, which no request of this call has",
+        "liar.py next", "line={\"id\": 3, \"reward\": 0.5}"})
+    EXPECT_NE(warned.find(part), std::string::npos) << part << "\nin:\n" << warned;
+}
+
+TEST(WorkerProtocolTest, SecondAnswersAreCountedAndTheWarningsBounded) {
+  test::TempDir dir;
+  WorkerReward reward(liar(dir, "dup"));
+  testing::internal::CaptureStderr();
+  const std::vector<RewardResult> out = reward.score(plain_requests(0, 7));
+  const std::string warned = testing::internal::GetCapturedStderr();
+  expect_all_scored(out);
+  EXPECT_EQ(reward.stats().num_protocol_violations, 7);
+  EXPECT_NE(warned.find("a second answer to request id 0 (command="), std::string::npos) << warned;
+  EXPECT_NE(warned.find("a second answer to request id 2"), std::string::npos) << warned;
+  EXPECT_EQ(warned.find("a second answer to request id 3"), std::string::npos) << warned;  // 3 a call
+  EXPECT_NE(warned.find("reward worker: 4 more protocol violations in this call (command="), std::string::npos)
+      << warned;
+}
+
+TEST(WorkerProtocolTest, ARepeatWrittenBetweenCallsIsNotTakenForAnAnswer) {
+  test::TempDir dir;
+  WorkerReward reward(liar(dir, "late"));
+  expect_all_scored(reward.score(plain_requests(0, 1)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // the repeat is waiting in the pipe
+  testing::internal::CaptureStderr();
+  expect_all_scored(reward.score(plain_requests(0, 1)));  // the same id again
+  const std::string warned = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(reward.stats().num_protocol_violations, 1);
+  EXPECT_NE(warned.find("an answer to id 0 written while the worker had no request"), std::string::npos) << warned;
+}
+
+TEST(WorkerProtocolTest, ViolationsStopTheRunUnderOnFailureStop) {
+  test::TempDir dir;
+  for (const std::string mode : {"dup", "next"}) {
+    WorkerSpec spec = liar(dir, mode);
+    spec.on_failure = OnFailure::kStop;
+    WorkerReward reward(spec);
+    EXPECT_TRUE(throws_with([&] { reward.score(plain_requests(0, 3)); },
+                            {"reward worker: protocol violation:", mode == "dup" ? "a second answer to request id 0"
+                                                                                 : "an answer to request id 1",
+                             "liar.py " + mode, "on_failure: zero"}));
+    EXPECT_EQ(reward.stats().num_protocol_violations, 1);
+  }
+  WorkerSpec spec = liar(dir, "late");
+  spec.on_failure = OnFailure::kStop;
+  WorkerReward reward(spec);
+  expect_all_scored(reward.score(plain_requests(0, 1)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  EXPECT_TRUE(throws_with([&] { reward.score(plain_requests(0, 1)); },
+                          {"protocol violation: an answer to id 0 written while the worker had no request"}));
+}
 // ---- pipes ----
 
 TEST(WorkerRewardTest, FloodOfStderrDoesNotDeadlock) {

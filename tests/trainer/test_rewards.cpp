@@ -359,6 +359,10 @@ TEST(RewardSpecTest, ParsesNamesAndRejectsBadSpecs) {
       {[](WorkerSpec& w) { w.max_restarts = -1; }, "reward.max_restarts: negative"},
       {[](WorkerSpec& w) { w.max_garbage_lines = -1; }, "reward.max_garbage_lines: negative"},
       {[](WorkerSpec& w) { w.shutdown_grace_s = -1; }, "reward.shutdown_grace_s: not a number >= 0"},
+      {[](WorkerSpec& w) { w.start_check_s = 601; }, "reward.start_check_s: outside [0, 600]"},
+      {[](WorkerSpec& w) { w.start_check_s = NAN; }, "reward.start_check_s: outside [0, 600]"},
+      {[](WorkerSpec& w) { w.max_failure_fraction = -0.1; }, "reward.max_failure_fraction: outside [0, 1]"},
+      {[](WorkerSpec& w) { w.max_failure_fraction = NAN; }, "reward.max_failure_fraction: outside [0, 1]"},
   };
   for (const auto& [breaks, message] : bad) {
     RewardSpec w = worker;
