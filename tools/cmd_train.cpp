@@ -29,6 +29,7 @@
 #include "tools/commands.h"
 #include "tools/kernel_flags.h"
 #include "text/tokenizer.h"
+#include "trainer/dry_run.h"
 #include "trainer/grpo.h"
 #include "trainer/plan.h"
 #include "trainer/recipe.h"
@@ -209,6 +210,60 @@ void report_data(const Setup& s) {
   }
 }
 
+// --dry-run and the launch it plans for.
+struct DryArgs {
+  bool on = false;
+  int64_t nodes = 0, gpus_per_node = 8;
+  std::string gpu_mem;
+};
+
+void add_dry_run_flags(CLI::App* cmd, DryArgs& d) {
+  cmd->add_flag("--dry-run", d.on,
+                "Check the recipe and exit: model config and checkpoint index, tokenizer and chat template, a "
+                "sample of the data, every worker with one probe request, the memory plan; one line per check");
+  cmd->add_option("--nodes", d.nodes, "With --dry-run: plan for this many nodes (default: this launch's ranks)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--gpus-per-node", d.gpus_per_node, "With --dry-run --nodes: GPUs per node")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  cmd->add_option("--gpu-mem", d.gpu_mem,
+                  "With --dry-run: memory per GPU, e.g. 80GiB (default: 140GiB with --nodes, else this rank's GPU)");
+}
+
+// Reads the recipe as the command would (flags applied), runs the checks on rank 0 and prints one
+// line per check; every rank fails alike when one check failed.
+void run_dry_run(const std::string& path, const DryArgs& d, bool sft, const KernelFlags& kernel_flags,
+                 const std::function<void(trainer::Recipe&)>& overrides) {
+  const comm::Group& world = comm::Group::world();
+  trainer::Recipe r = trainer::Recipe::from_yaml_file(path);
+  overrides(r);
+  r.sync_schedules();
+  select_kernels(kernel_flags, r.kernels);
+  trainer::DryRunOptions o;
+  o.sft = sft;
+  o.ranks = world.size();
+  o.nodes = d.nodes;
+  o.gpus_per_node = d.gpus_per_node;
+  // The GPU to plan for: --gpu-mem, else kiln plan's default for a cluster named by --nodes (a
+  // login node without GPUs checks a cluster's job), else this rank's GPU when the recipe runs on one.
+  if (!d.gpu_mem.empty()) o.gpu_bytes = trainer::parse_bytes(d.gpu_mem, "--gpu-mem");
+  else if (d.nodes > 0) o.gpu_bytes = trainer::Cluster().gpu_bytes;
+  else if (const at::Device device = model::parse_device(r.device, "recipe model.device"); device.is_cuda())
+    o.gpu_bytes = model::device_memory_bytes(device);
+  int64_t failed = 0;
+  if (world.rank() == 0) {
+    const std::vector<trainer::DryRunCheck> checks = trainer::dry_run(r, o);
+    for (const trainer::DryRunCheck& c : checks) {
+      fmt::print("{:<12} {}  {}\n", c.name, c.skipped ? "skip" : c.ok ? "ok  " : "FAIL", c.detail);
+      failed += c.ok || c.skipped ? 0 : 1;
+    }
+    std::fflush(stdout);
+  }
+  failed = int64_t(world.all_reduce(double(failed), comm::ReduceOp::kMax));
+  KILN_CHECK(failed == 0, sft ? "sft" : "train", " --dry-run: ", failed, " check(s) failed for ", path);
+  if (world.rank() == 0) fmt::print("{} --dry-run: every check passed for {}\n", sft ? "sft" : "train", path);
+}
+
 }  // namespace
 
 Run add_sft(CLI::App& app) {
@@ -218,6 +273,7 @@ Run add_sft(CLI::App& app) {
     int64_t steps = -1;
     bool overwrite = false;
     KernelFlags kernels;
+    DryArgs dry;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("recipe", a->recipe, "Recipe (YAML)")->required();
@@ -225,7 +281,12 @@ Run add_sft(CLI::App& app) {
   cmd->add_option("--steps", a->steps, "SFT steps (overrides sft.steps)")->check(step_count());
   cmd->add_flag("--overwrite", a->overwrite, "Replace the sft outputs already in the run directory");
   add_kernel_flags(cmd, a->kernels);
+  add_dry_run_flags(cmd, a->dry);
   return [a] {
+    if (a->dry.on)
+      return run_dry_run(a->recipe, a->dry, /*sft=*/true, a->kernels, [&](trainer::Recipe& r) {
+        if (a->steps >= 0) r.sft.steps = a->steps;
+      });
     Setup s = prepare(a->recipe, a->out, "", "sft-recipe.yaml", kSftOutputs,
                       a->overwrite ? Reuse::kOverwrite : Reuse::kRefuse, a->kernels, [&](trainer::Recipe& r) {
                         if (a->steps >= 0) r.sft.steps = a->steps;
@@ -287,6 +348,7 @@ Run add_train(CLI::App& app) {
     int64_t steps = -1;
     bool overwrite = false;
     KernelFlags kernels;
+    DryArgs dry;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("recipe", a->recipe, "Recipe (YAML), e.g. recipes/grpo-arith-tiny.yaml")->required();
@@ -296,7 +358,13 @@ Run add_train(CLI::App& app) {
   cmd->add_option("--resume", a->resume, "Continue the run in this directory from its newest complete checkpoint");
   cmd->add_flag("--overwrite", a->overwrite, "Replace the run already in the run directory (its metrics and checkpoints)");
   add_kernel_flags(cmd, a->kernels);
+  add_dry_run_flags(cmd, a->dry);
   return [a] {
+    if (a->dry.on)
+      return run_dry_run(a->recipe, a->dry, /*sft=*/false, a->kernels, [&](trainer::Recipe& r) {
+        if (a->steps >= 0) r.run.steps = a->steps;
+        if (!a->init_from.empty()) r.init_from = a->init_from, r.model_config.clear();
+      });
     KILN_CHECK(a->resume.empty() || !a->overwrite, "train: --resume and --overwrite exclude each other");
     const Reuse reuse = !a->resume.empty() ? Reuse::kResume : a->overwrite ? Reuse::kOverwrite : Reuse::kRefuse;
     Setup s = prepare(a->recipe, a->resume.empty() ? a->out : a->resume, a->init_from, "recipe.yaml", kTrainOutputs,

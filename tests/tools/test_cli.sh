@@ -290,6 +290,18 @@ sed "s|config: $tmp/micro128.yaml|config: $tmp/micronv.yaml|; s/^  kv_cache_mb: 
   "$tmp/recipe.yaml" > "$tmp/nv.yaml"
 check "train with an NVFP4 rollout" "train: done" "$kiln" train "$tmp/nv.yaml" --steps 2 --out "$tmp/nvrun" --init-from "$tmp/nvfp4"
 grep -q "quantization: nvfp4" "$tmp/nvrun/recipe.yaml" || { echo "FAIL: resolved recipe lacks quantization"; fails=$((fails+1)); }
+# --dry-run: every check on one line each and exit 0; a worker command that cannot start fails its
+# check, the exit status and the last line say so, and nothing is written to the run directory.
+check "dry run" "train --dry-run: every check passed" "$kiln" train "$tmp/recipe.yaml" --dry-run --nodes 2 --gpus-per-node 4
+out=$("$kiln" train "$tmp/recipe.yaml" --dry-run 2>&1)
+for want in "model        ok" "tokenizer    ok" "data         ok" "reward       ok" "plan         ok"; do
+  [[ "$out" == *"$want"* ]] || { echo "FAIL: dry run lacks '$want': $out"; fails=$((fails+1)); }
+done
+{ cat "$tmp/recipe.yaml"; printf 'reward:\n  type: worker\n  command: [%s/no-such-scorer]\n' "$tmp"; } > "$tmp/recipe-badworker.yaml"
+out=$("$kiln" train "$tmp/recipe-badworker.yaml" --dry-run --out "$tmp/dry" 2>&1) && { echo "FAIL: a dry run with a missing worker exited 0"; fails=$((fails+1)); }
+[[ "$out" == *"reward       FAIL"*"no-such-scorer"* ]] || { echo "FAIL: the dry run's reward line: $out"; fails=$((fails+1)); }
+[[ "$out" == *"train --dry-run: 1 check(s) failed"* ]] || { echo "FAIL: the dry run's verdict: $out"; fails=$((fails+1)); }
+[ ! -e "$tmp/dry" ] || { echo "FAIL: the dry run wrote its run directory"; fails=$((fails+1)); }
 # The GEMM choice: a recipe's kernels: section and the flags, each written to the resolved recipe;
 # a bad name is refused naming the key or the flag. A resume may change it.
 { cat "$tmp/nv.yaml"; printf 'kernels:\n  nvfp4_gemm: splitk\n'; } > "$tmp/nvk.yaml"
