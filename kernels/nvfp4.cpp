@@ -347,9 +347,9 @@ namespace {
 
 constexpr int64_t kGroupAlign = 16;  // torch's grouped GEMM: each segment starts on a 16-row boundary
 
-// The call as the dispatch table (nvfp4_dispatch.cpp) sees it. wgmma's usability is asked only
-// above 16 rows per matrix or expert, the only calls it can take.
-Nvfp4Call describe(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
+// The call as the dispatch table (nvfp4_dispatch.cpp) sees it. wgmma's usability (a device guard
+// and a lookup) is asked only where the table would take wgmma if it were usable.
+Nvfp4Call describe(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows, Nvfp4Gemm gemm) {
   Nvfp4Call c;
   c.bf16 = x.scalar_type() == at::kBFloat16;
   c.served = KILN_WITH_CUDA && x.is_cuda() && (c.bf16 || x.scalar_type() == at::kFloat) && w.packed.defined() &&
@@ -358,18 +358,21 @@ Nvfp4Call describe(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
   c.rows = rows;
   c.experts = w.stacked() ? w.packed.size(0) : 0;
   c.out = w.rows();
-  c.wgmma_usable = rows > 16 * std::max<int64_t>(1, c.experts) && nvfp4_wgmma_usable(x, w);
   c.staged_aligned = c.experts > 0 && grouped_stack_aligned(w.rows(), w.cols());
   c.grouped_mm = KILN_TORCH_AT_LEAST(2, 8);
+  c.wgmma_usable = true;  // first: would the table take wgmma if it could run here?
+  c.wgmma_usable = nvfp4_kernel(c, gemm) == Nvfp4Kernel::kWgmma && nvfp4_wgmma_usable(x, w);
   return c;
 }
 
 Nvfp4Kernel dense_kernel(const at::Tensor& x, const Nvfp4Tensor& w) {
-  return w.stacked() ? Nvfp4Kernel::kReference : nvfp4_kernel(describe(x, w, x.size(0)), nvfp4_gemm_selected());
+  const Nvfp4Gemm gemm = nvfp4_gemm_selected();
+  return w.stacked() ? Nvfp4Kernel::kReference : nvfp4_kernel(describe(x, w, x.size(0), gemm), gemm);
 }
 
 Nvfp4Kernel grouped_kernel(const at::Tensor& x, const Nvfp4Tensor& w, int64_t rows) {
-  return !w.stacked() ? Nvfp4Kernel::kReference : nvfp4_kernel(describe(x, w, rows), nvfp4_gemm_selected());
+  const Nvfp4Gemm gemm = nvfp4_gemm_selected();
+  return !w.stacked() ? Nvfp4Kernel::kReference : nvfp4_kernel(describe(x, w, rows, gemm), gemm);
 }
 
 #if KILN_WITH_CUDA
