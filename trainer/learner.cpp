@@ -293,7 +293,7 @@ rollout::WeightSource Learner::engine_source() const {
 // included, always reads the trained weights. Async rollouts need weights frozen while the trainer
 // steps, a quantised engine its own codes, a sharded layout an engine filled from every rank's share.
 bool Learner::engine_reads_trained() const {
-  return !lora() && !layout_->sharded() && cfg_.async_staleness < 0 && !cfg_.async_split &&
+  return !lora() && !layout_->sharded() && !cfg_.async &&
          cfg_.engine.quantization == rollout::Quantization::kNone;
 }
 

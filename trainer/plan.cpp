@@ -26,7 +26,7 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   PlanJob j;
   j.weight_bytes = dtype == "fp32" || dtype == "float32" ? 4 : dtype == "fp64" || dtype == "float64" ? 8 : 2;
   j.lora = g.lora.enabled();
-  j.synchronous = g.async_staleness < 0;
+  j.synchronous = !g.async;
   j.lora_rank = g.lora.rank;
   j.lora_targets = g.lora.targets;
   j.muon = g.optim.use_muon;
@@ -45,8 +45,8 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   j.rollout_sharded = g.parallel.sharded_rollout();
   j.rollout_auto = g.parallel.rollout == parallel::RolloutPlacement::kAuto;
   // What the trainer and the engine refuse on a sharded rollout today (grpo.cpp, EngineConfig).
-  j.rollout_shard_allowed = g.async_staleness < 0 && !g.environment.enabled();
-  j.rollout_split = g.async_split;
+  j.rollout_shard_allowed = !g.async && !g.environment.enabled();
+  j.rollout_split = g.split_placement();
   j.kv_cache_bytes = double(g.engine.kv_cache_bytes);
   return j;
 }

@@ -212,7 +212,8 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
     EXPECT_LT(b.sync_check, 1e-5) << "step " << s;
     EXPECT_NEAR(b.routing_disagreement, a.routing_disagreement, 1e-12) << "step " << s;
   }
-  EXPECT_NEAR(all.evaluate(test::eval_limit(20)).all.mean_at_k, one.evaluate(test::eval_limit(20)).all.mean_at_k, 1e-12);
+  EXPECT_NEAR(all.evaluate(test::eval_prompts(20)).all.mean_at_k, one.evaluate(test::eval_prompts(20)).all.mean_at_k,
+              1e-12);
   all.sync_policy();  // a share is current already
   auto p1 = m1.named_parameters(), pw = mw.named_parameters();
   if (lora_rank > 0) {  // the base is frozen; the adapters (the experts' gathered back) are what trained

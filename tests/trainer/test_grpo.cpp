@@ -63,7 +63,7 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
   EXPECT_GT(grad_seen, 0.0);
   EXPECT_FALSE(at::equal(before, policy.weights().layers[0].pooler.detach()));
   EXPECT_EQ(trainer.stream().position(), 12u);
-  const double acc = trainer.evaluate(test::eval_limit(8)).all.mean_at_k;
+  const double acc = trainer.evaluate(test::eval_prompts(8)).all.mean_at_k;
   EXPECT_GE(acc, 0.0);
   EXPECT_LE(acc, 1.0);
 }
@@ -237,7 +237,7 @@ TEST(Grpo, BitwiseLpOldFromTheRolloutEqualsTheScoredOne) {
     EXPECT_EQ(m.mismatch.max_abs, 0.0);
   }
   GrpoConfig stale = cfg;
-  stale.async_staleness = 1;
+  stale.async = AsyncConfig{1};
   const Run async_run = run(stale);
   EXPECT_TRUE(async_run.steps[0].lp_old_from_rollout);  // the first batch is on-policy
   EXPECT_EQ(async_run.steps[1].staleness, 1);
@@ -276,7 +276,7 @@ TEST(Grpo, SyncCheckStopsTheRunWhenTheRolloutDisagrees) {
   EXPECT_TRUE(test::throws_with([&] { trainer.step(); },
                                 {"weight sync check failed after step", "threshold 0.001", "not the trainer's"}));
   // The default threshold for an NVFP4 rollout (1.0) lets the same run go on.
-  cfg.sync_check_threshold = -1;
+  cfg.sync_check_threshold.reset();
   GrpoTrainer lenient(policy, cfg, test::byte_tokenizer(), data);
   StepMetrics m = lenient.step();
   EXPECT_GT(m.sync_check, 1e-3) << m.to_json();

@@ -356,7 +356,7 @@ TEST(Plan, AutoRolloutTakesAReplicaWhereOneFitsElseTheShard) {
   g.engine.quantization = rollout::Quantization::kNvfp4;
   EXPECT_TRUE(plan_job(g, "bf16").rollout_shard_allowed);
   g.engine.quantization = rollout::Quantization::kNone;
-  g.async_staleness = 1;
+  g.async = AsyncConfig{1};
   EXPECT_FALSE(plan_job(g, "bf16").rollout_shard_allowed);
 }
 
