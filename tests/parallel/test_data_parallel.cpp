@@ -467,9 +467,10 @@ TEST(DataParallel, LayoutErrorsNameEveryValue) {
   q.ep = 3;
   EXPECT_TRUE(test::throws_with([&] { q.resolve(4, 8); }, {"divide num_experts", "ep=3", "num_experts 8"}));
   ParallelConfig r;
-  r.dp = 0;
+  r.dp.reset();
   r.resolve(4, 8);
-  EXPECT_EQ(r.dp, 4);
+  ASSERT_TRUE(r.dp.has_value());
+  EXPECT_EQ(*r.dp, 4);
   ParallelConfig sharded_alone;
   sharded_alone.rollout = RolloutPlacement::kSharded;
   EXPECT_TRUE(test::throws_with([&] { sharded_alone.resolve(4, 8); }, {"rollout sharded needs ep > 1", "ep=1"}));
