@@ -125,8 +125,8 @@ struct GrpoTrainer::Impl {
       KILN_CHECK(!cfg.parallel.sharded_rollout(), "grpo: multi-turn episodes (environment) need a rollout that ",
                  "serves the whole model on each rank, not the expert-sharded one (its ranks step in lockstep, ",
                  "episodes do not); set parallel.rollout: replica");
-      const int64_t longest = cfg.prompt.max_prompt_tokens + cfg.environment.max_episode_tokens;
-      KILN_CHECK(cfg.prompt.max_prompt_tokens <= 0 || longest <= policy.config().max_position_embeddings,
+      const int64_t longest = cfg.prompt.max_prompt_tokens.value_or(0) + cfg.environment.max_episode_tokens;
+      KILN_CHECK(!cfg.prompt.max_prompt_tokens || longest <= policy.config().max_position_embeddings,
                  "grpo: an episode may reach prompt.max_prompt_tokens + environment.max_episode_tokens = ", longest,
                  " tokens, beyond the model's max_position_embeddings (", policy.config().max_position_embeddings,
                  "); lower either");
@@ -179,7 +179,7 @@ struct GrpoTrainer::Impl {
     train_report = prepare_prompts(d.train, *tok, cfg.prompt);
     test_report = prepare_prompts(d.test, *tok, cfg.prompt);
     KILN_CHECK(!d.train.empty(), "grpo: no training prompt is left after the length filter (", train_report.too_long,
-               " longer than prompt.max_prompt_tokens=", cfg.prompt.max_prompt_tokens, "); raise the limit");
+               " longer than prompt.max_prompt_tokens=", cfg.prompt.max_prompt_tokens.value_or(0), "); raise the limit");
     return d;
   }
 

@@ -39,7 +39,7 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   j.samples_per_prompt = g.samples_per_prompt;
   j.mini_steps = g.mini_steps;
   // A recipe without a prompt limit is planned for prompts of 256 tokens.
-  j.seq_len = (g.prompt.max_prompt_tokens > 0 ? g.prompt.max_prompt_tokens : 256) + g.max_tokens;
+  j.seq_len = g.prompt.max_prompt_tokens.value_or(256) + g.max_tokens;
   j.recompute = g.recompute;
   j.rollout_quantization = rollout::quantization_name(g.engine.quantization);
   j.rollout_sharded = g.parallel.sharded_rollout();
