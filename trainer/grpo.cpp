@@ -142,7 +142,7 @@ struct GrpoTrainer::Impl {
   void build_engine() {
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.sharded_rollout()) ec.expert_group = &learner->layout().ep_group();  // this rank's experts
-    ec.share_weights = (cfg.lora.enabled() && !learner->layout().sharded()) || learner->engine_reads_trained();
+    ec.share_weights = (cfg.lora && !learner->layout().sharded()) || learner->engine_reads_trained();
     if (rollout_side) build_rollout_engine(ec);
     else if (!cfg.split_placement()) engine = std::make_unique<rollout::Engine>(learner->trained(), ec, learner->engine_source());
   }
@@ -152,7 +152,7 @@ struct GrpoTrainer::Impl {
   // them, takes each weight from the old policy, which lets it go at once. So no more than one
   // copy and one tensor are ever held. LoRA's engine shares the frozen base instead.
   void build_rollout_engine(const rollout::EngineConfig& ec) {
-    if (cfg.lora.enabled()) {
+    if (cfg.lora) {
       engine = std::make_unique<rollout::Engine>(policy, ec);
       return;
     }

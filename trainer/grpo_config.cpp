@@ -48,7 +48,7 @@ void GrpoConfig::validate() const {
   prompt.validate();
   engine.validate();
   schedule.validate();
-  lora.validate();
+  if (lora) lora->validate();
   KILN_CHECK(sync_check_tokens >= 0, "grpo: sync_check_tokens must be >= 0 (got ", sync_check_tokens, ")");
   KILN_CHECK(!sync_check_threshold || *sync_check_threshold >= 0, "grpo: sync_check_threshold must be >= 0 when ",
              "set (got ", sync_check_threshold.value_or(0), "); leave it unset for the default by quantisation");

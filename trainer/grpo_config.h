@@ -82,8 +82,8 @@ struct GrpoConfig {
   uint64_t seed = 0;
   rollout::EngineConfig engine;
   parallel::ParallelConfig parallel;    // resolved against the group's size by the trainer
-  model::LoraConfig lora;           // rank > 0: train adapters on a frozen base (model/lora.h);
-                                    // the KL reference is then the base with adapters disabled
+  std::optional<model::LoraConfig> lora;  // set: train adapters on a frozen base (model/lora.h);
+                                          // the KL reference is then the base with adapters disabled
   // After every weight sync the trainer and the rollout score the same probe tokens; a mean
   // |log-prob difference| above the threshold stops the run. Threshold unset (the recipe's
   // rollout.sync_check_threshold below 0): 1e-3 for an unquantised rollout, 1.0 for NVFP4 (which

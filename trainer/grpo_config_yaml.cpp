@@ -134,9 +134,10 @@ void read_yaml(yaml::MapReader& top, GrpoConfig& g) {
   read_yaml(parallel, g.parallel);
   auto rollout = top.child("rollout");
   read_rollout(rollout, g);
-  if (top.has("lora")) g.lora.rank = 32;  // a lora: section turns adapters on: rank 32, alpha 64
-  auto lora = top.child("lora");
-  read_yaml(lora, g.lora);
+  if (top.has("lora")) {  // a lora: section turns adapters on: rank 32, alpha 64 unless it says otherwise
+    auto lora = top.child("lora");
+    read_yaml(lora, g.lora);
+  }
   if (top.has("reward")) {
     auto reward = top.child("reward");
     read_yaml(reward, g.reward);

@@ -27,7 +27,7 @@ Learner::Learner(model::Muse& policy, const GrpoConfig& cfg, const comm::Group& 
     const parallel::PolicyShare share = parallel::policy_share(policy.config(), policy.dtype(), cfg.parallel, group);
     const at::Tensor& experts = policy.weights().layers.front().expert_gate;
     const bool expert_shard = experts.defined() && experts.dim() == 3 && experts.size(0) < policy.config().num_experts;
-    model::add_lora(policy, cfg.lora, cfg.seed,
+    model::add_lora(policy, *cfg.lora, cfg.seed,
                     expert_shard ? share.expert_rank * (policy.config().num_experts / share.expert_ranks) : 0);
   }
   layout_ = std::make_unique<parallel::ShardedModel>(policy, cfg.parallel, group);

@@ -25,10 +25,12 @@ std::string Layout::describe() const {
 PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   PlanJob j;
   j.weight_bytes = dtype == "fp32" || dtype == "float32" ? 4 : dtype == "fp64" || dtype == "float64" ? 8 : 2;
-  j.lora = g.lora.enabled();
+  j.lora = g.lora.has_value();
   j.synchronous = !g.async;
-  j.lora_rank = g.lora.rank;
-  j.lora_targets = g.lora.targets;
+  if (g.lora) {
+    j.lora_rank = g.lora->rank;
+    j.lora_targets = g.lora->targets;
+  }
   j.muon = g.optim.use_muon;
   j.master_weights = g.optim.master_weights;
   j.moment_bytes = g.optim.moment_dtype == at::kBFloat16 ? 2 : 4;

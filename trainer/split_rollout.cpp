@@ -257,7 +257,7 @@ void RolloutServer::receive_weights(ByteReader& r, int64_t version) {
     return link_.recv_tensor(name, own);
   };
   rollout::Engine& engine = producer_.engine();
-  if (cfg_.lora.enabled()) engine.update_adapters(model_, next);
+  if (cfg_.lora) engine.update_adapters(model_, next);
   else engine.update_weights(model_, next);
   producer_.rebase(version);
   last_sync_check_ = -1;

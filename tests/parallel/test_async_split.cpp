@@ -85,7 +85,7 @@ SplitRun run(const GrpoConfig& cfg, const Group& g, const std::string& dir) {
       r.weights = weights_of(p);
     }
   }
-  model::Muse p = policy(cfg.lora.enabled() ? 4 : 5);  // LoRA resumes on its base alone (checked)
+  model::Muse p = policy(cfg.lora ? 4 : 5);  // LoRA resumes on its base alone (checked)
   GrpoTrainer t(p, cfg, test::byte_tokenizer(), data(), g);
   if (t.serves_rollouts()) {
     t.serve_rollouts();
@@ -175,8 +175,7 @@ TEST(AsyncSplit, LoraAndNvfp4RolloutsEqualTheColocatedRun) {
   for (const std::string variant : {"lora", "nvfp4"}) {
     GrpoConfig cfg = split_grpo(1);
     if (variant == "lora") {
-      cfg.lora.rank = 4;
-      cfg.lora.alpha = 8;
+      cfg.lora = model::LoraConfig{4, 8};
     } else {
       cfg.engine.quantization = rollout::Quantization::kNvfp4;
     }

@@ -168,8 +168,7 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
   cfg.loss.kl_coef = kl_coef;
   cfg.mismatch_ab = true;
   cfg.optim.adamw.lr = cfg.optim.muon.lr = 1e-2;
-  cfg.lora.rank = lora_rank;
-  cfg.lora.alpha = 2.0 * double(lora_rank);
+  if (lora_rank > 0) cfg.lora = model::LoraConfig{lora_rank, 2.0 * double(lora_rank)};
   GrpoTrainer one(m1, cfg, test::byte_tokenizer(), data, alone);
   cfg.parallel.ep = ep;
   cfg.parallel.rollout = parse_rollout_placement(rollout);

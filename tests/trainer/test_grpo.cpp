@@ -90,8 +90,7 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   cfg.loss.kl_coef = kl_coef;
   cfg.optim.placement = state;
   cfg.optim.nvme_dir = nvme.path();
-  cfg.lora.rank = lora_rank;
-  cfg.lora.alpha = 2.0 * double(lora_rank);
+  if (lora_rank > 0) cfg.lora = model::LoraConfig{lora_rank, 2.0 * double(lora_rank)};
   cfg.dynamic_sampling = dynamic_sampling;
   std::vector<std::string> straight;
   {
@@ -347,8 +346,7 @@ TEST(Grpo, LoraSyncsAdaptersOnlyAndChecksTheSync) {
   Dataset data = test::self_consistent_problems(policy, 200);
   GrpoConfig cfg = small_grpo();
   cfg.max_tokens = 1;
-  cfg.lora.rank = 4;
-  cfg.lora.alpha = 8;
+  cfg.lora = model::LoraConfig{4, 8};
   cfg.loss.kl_coef = 0.05;
   GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
   int64_t adapter_bytes = 0;
@@ -371,7 +369,7 @@ TEST(Grpo, LoraSyncsAdaptersOnlyAndChecksTheSync) {
     if (n.find("lora_B") != std::string::npos) moved += t.abs().sum().item<double>();
   EXPECT_GT(moved, 0.0);
   GrpoConfig bad = cfg;
-  bad.lora.targets = {"embed_tokens"};
+  bad.lora->targets = {"embed_tokens"};
   EXPECT_TRUE(test::throws_with([&] { GrpoTrainer t(policy, bad, test::byte_tokenizer(), data); }, {"unknown target"}));
 }
 

@@ -226,10 +226,7 @@ TEST(Plan, WithinTenPercentOfTheMeasuredPeaks) {
     g.optim.placement = k.placement;
     g.engine.quantization = k.quantization;
     g.engine.kv_cache_bytes = 2ll << 30;
-    if (k.lora) {
-      g.lora.rank = 32;
-      g.lora.alpha = 64;
-    }
+    if (k.lora) g.lora = model::LoraConfig{32, 64};
     PlanJob job = plan_job(g, "bf16");
     job.seq_len = 22;
     const Plan p = make_plan(small(), job, one_gpu(), {1, 1, 1, DenseSharding::kReplicated});
