@@ -33,8 +33,8 @@ PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   }
   j.muon = g.optim.use_muon;
   j.master_weights = g.optim.master_weights;
-  j.moment_bytes = g.optim.moment_dtype == at::kBFloat16 ? 2 : 4;
-  j.state_placement = optimizers::placement_name(g.optim.placement);
+  j.moment_bytes = g.optim.moments == at::kBFloat16 ? 2 : 4;
+  j.state_placement = optimizers::placement_name(g.optim.state);
   j.chunk_bytes = double(g.optim.chunk_bytes);
   j.micro_batch_seqs = g.micro_batch_seqs;
   j.prompts_per_step = g.prompts_per_step;

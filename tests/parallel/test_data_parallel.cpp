@@ -88,7 +88,7 @@ void check_zero_one(optimizers::Placement placement) {
   optimizers::OptimizerConfig oc;
   oc.adamw.lr = oc.muon.lr = 1e-2;
   optimizers::Optimizer whole(a.named_parameters(), oc);
-  oc.placement = placement;
+  oc.state = placement;
   oc.nvme_dir = dir.path();
   oc.state_tag = "rank" + std::to_string(w.rank());
   const std::vector<int> owners = zero_owners(pb, w.size());

@@ -223,7 +223,7 @@ TEST(Plan, WithinTenPercentOfTheMeasuredPeaks) {
     g.prompts_per_step = 16;
     g.samples_per_prompt = 8;
     g.micro_batch_seqs = k.micro;
-    g.optim.placement = k.placement;
+    g.optim.state = k.placement;
     g.engine.quantization = k.quantization;
     g.engine.kv_cache_bytes = 2ll << 30;
     if (k.lora) g.lora = model::LoraConfig{32, 64};
