@@ -69,7 +69,7 @@ model::ForwardOptions Learner::forward_options() const {
   model::ForwardOptions o;
   layout_->apply(o);  // the expert exchange, ZeRO-3's gathers
   o.numerics = cfg_.engine.numerics;  // rollout.numerics: bitwise
-  o.use_fused = cfg_.fused_kernels;
+  o.kernel_path = cfg_.fused_kernels ? model::KernelPath::kFused : model::KernelPath::kGroupedMm;
   o.recompute = cfg_.recompute;
   o.load_balance = false;  // the GRPO loss has no balance term: its per-layer kernels would be waste
   return o;
