@@ -55,8 +55,7 @@ int64_t lora_parameter_count(const ModelConfig& model, const LoraConfig& cfg) {
 }
 
 void LoraConfig::validate() const {
-  KILN_CHECK(rank >= 0, "lora: rank must be >= 0 (got ", rank, ")");
-  if (rank == 0) return;
+  KILN_CHECK(rank >= 1, "lora: rank must be at least 1 (got ", rank, "); without adapters there is no LoraConfig");
   KILN_CHECK(alpha > 0, "lora: alpha must be positive (got ", alpha, ")");
   KILN_CHECK(!targets.empty(), "lora: targets must name at least one module kind");
   for (const std::string& t : targets) {
@@ -69,7 +68,6 @@ void LoraConfig::validate() const {
 
 void add_lora(Muse& m, const LoraConfig& cfg, uint64_t seed, int64_t first_expert) {
   cfg.validate();
-  KILN_CHECK(cfg.enabled(), "lora: add_lora needs rank > 0");
   at::NoGradGuard g;
   const int64_t r = cfg.rank;
   auto opts = at::TensorOptions().dtype(m.dtype()).device(m.device());

@@ -5,6 +5,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,23 +15,25 @@
 
 namespace kiln::model {
 
+// Adapters of rank r. A job without adapters has none (std::optional<LoraConfig> unset).
 struct LoraConfig {
-  int64_t rank = 0;        // 0: no adapters (a recipe's lora: section defaults to 32)
+  int64_t rank = 32;       // r >= 1
   double alpha = 64;
   // Module kinds that get adapters: q_proj k_proj v_proj o_proj pooler unpooler gate_proj up_proj
   // down_proj (the last three: every routed expert).
   std::vector<std::string> targets = {"q_proj", "k_proj", "v_proj", "o_proj", "pooler",
                                       "unpooler", "gate_proj", "up_proj", "down_proj"};
-  bool enabled() const { return rank > 0; }
   double scale() const { return alpha / double(rank); }
-  void validate() const;   // rank >= 0, alpha > 0, known targets
+  void validate() const;   // rank >= 1, alpha > 0, known targets
 };
 
-// A recipe's lora: section (model/lora_yaml.cpp, docs/CONFIG.md): reads rank, alpha and targets,
-// finishes the section and validates, a bad value named at its key's file and line. (The recipe
-// turns adapters on, rank 32, when the section is there at all: that is the caller's.)
-void read_yaml(yaml::MapReader& m, LoraConfig& c);
-void write_yaml(YAML::Emitter& e, const LoraConfig& c);
+// A recipe's lora: section (model/lora_yaml.cpp, docs/CONFIG.md), which turns adapters on: reads
+// rank, alpha and targets over `c` (unset: LoraConfig's defaults, rank 32), finishes the section
+// and validates, a bad value named at its key's file and line. rank 0 turns them off again (`c`
+// unset). Calling it only when the section is there is the caller's.
+void read_yaml(yaml::MapReader& m, std::optional<LoraConfig>& c);
+// Writes the section; without adapters rank 0 and LoraConfig's other defaults.
+void write_yaml(YAML::Emitter& e, const std::optional<LoraConfig>& c);
 
 // Adds adapters to `m`: A [r, in] Kaiming-uniform (bound 1/sqrt(in)) from a stream seeded by
 // (seed, name), B [out, r] zeros, in the model's dtype on its device. Experts get [E, r, in] and

@@ -7,13 +7,19 @@
 
 namespace kiln::model {
 
-void read_yaml(yaml::MapReader& m, LoraConfig& c) {
-  m.get("rank", c.rank);
-  m.get("alpha", c.alpha);
-  m.get("targets", c.targets);
+void read_yaml(yaml::MapReader& m, std::optional<LoraConfig>& c) {
+  LoraConfig l = c.value_or(LoraConfig{});
+  m.get("rank", l.rank);
+  m.get("alpha", l.alpha);
+  m.get("targets", l.targets);
   m.finish();
+  m.check("rank", [&] { KILN_CHECK(l.rank >= 0, "lora: rank must be >= 0 (got ", l.rank, ")"); });
+  if (l.rank == 0) {  // no adapters; alpha and targets are not checked
+    c.reset();
+    return;
+  }
   try {
-    c.validate();
+    l.validate();
   } catch (const Error& e) {  // named at the key the check is about
     const std::string what = e.what();
     m.fail(what.find("target") != std::string::npos  ? "targets"
@@ -21,12 +27,14 @@ void read_yaml(yaml::MapReader& m, LoraConfig& c) {
                                                      : "rank",
            what);
   }
+  c = l;
 }
 
-void write_yaml(YAML::Emitter& e, const LoraConfig& c) {
-  e << YAML::Key << "rank" << YAML::Value << c.rank;
-  e << YAML::Key << "alpha" << YAML::Value << c.alpha;
-  e << YAML::Key << "targets" << YAML::Value << YAML::Flow << c.targets;
+void write_yaml(YAML::Emitter& e, const std::optional<LoraConfig>& c) {
+  const LoraConfig l = c.value_or(LoraConfig{});
+  e << YAML::Key << "rank" << YAML::Value << (c ? l.rank : 0);
+  e << YAML::Key << "alpha" << YAML::Value << l.alpha;
+  e << YAML::Key << "targets" << YAML::Value << YAML::Flow << l.targets;
 }
 
 }  // namespace kiln::model

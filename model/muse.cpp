@@ -278,7 +278,7 @@ at::Tensor run_experts(const LayerWeights& lw, int64_t layer, const at::Tensor& 
   const kernels::MoeLayout l = kernels::moe_layout(ids, spare ? E + 1 : E, k, kGroupAlign);
   counts = spare ? l.counts.narrow(0, 0, E) : l.counts;
   const at::Tensor ends = spare ? l.offsets.narrow(0, 0, E) : l.offsets;  // the experts' segments (int32)
-  const bool grouped = opt.use_grouped_mm && (!s.lora || lw.lora.experts_grouped()) && !opt.observe_linear_input &&
+  const bool grouped = opt.grouped_mm() && (!s.lora || lw.lora.experts_grouped()) && !opt.observe_linear_input &&
                        !opt.bitwise() && z.is_cuda() && z.scalar_type() == at::kBFloat16 &&
                        grouped_mm_widths_fit(lw, z);
   if (grouped && (!s.quantized() || kernels::nvfp4_grouped_dequantizes(s.gate.q, live_rows > 0 ? live_rows : n, z))) {
@@ -379,7 +379,7 @@ bool fused_moe_applies(const LayerWeights& lw, const at::Tensor& z, int64_t k, c
   // NVFP4 experts join at every size: the W4A16 grouped kernel (decode) or torch's grouped GEMM on
   // the dequantised stack (prefill) runs on the same padded layout, so no row moves of their own.
   const bool weights = lw.expert_gate.defined() || kernels::nvfp4_grouped_on_device(lw.nvfp4.expert_gate, z);
-  return opt.use_fused && opt.use_grouped_mm && !opt.bitwise() && !expert_parallel && weights && z.is_cuda() &&
+  return opt.kernel_path == KernelPath::kFused && !opt.bitwise() && !expert_parallel && weights && z.is_cuda() &&
          z.scalar_type() == at::kBFloat16 && !opt.observe_linear_input && (!lora || lw.lora.experts_grouped()) &&
          k <= 16 && grouped_mm_widths_fit(lw, z);
 #else
@@ -468,7 +468,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   const bool sigmoid = cfg.router_score == RouterScore::kSigmoid;
   // Without a gradient or the balance loss (the rollout), one kernel on CUDA; else the ATen ops
   // (each token alone under batch-invariant numerics).
-  const bool plain = opt.rollout && opt.use_fused && !opt.load_balance && !logits.requires_grad() && !opt.bitwise();
+  const bool plain = opt.rollout && opt.fused_kernels() && !opt.load_balance && !logits.requires_grad() && !opt.bitwise();
   const kernels::MoeRoute route = plain                  ? kernels::moe_route(logits, k, sigmoid, lw.router_bias, replay)
                                   : opt.bitwise() ? rowwise_route(logits, k, sigmoid, lw.router_bias, replay, opt.load_balance)
                                                         : kernels::moe_route_reference(logits, k, sigmoid, lw.router_bias, replay);
@@ -497,7 +497,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
     // in slot order in fp32 (stored in y's dtype), without the fp32 products in memory; each token
     // alone, so batch-invariant.
     const at::Tensor rows = y.view({T * k, -1});
-    if ((opt.bitwise() || (ep && opt.use_fused)) && kernels::moe_combine_on_kernel(rows, w)) {
+    if ((opt.bitwise() || (ep && opt.fused_kernels())) && kernels::moe_combine_on_kernel(rows, w)) {
       m = kernels::moe_combine(rows, w, at::arange(T * k, flat.options()));
     } else if (opt.bitwise()) {  // the k terms added in slot order, each row alone by construction
       // The products in one op (each the same IEEE product as alone), then k - 1 adds in order;
@@ -909,7 +909,7 @@ at::Tensor target_logprobs(const ForwardOptions& opt, const at::Tensor& xn, cons
       continue;
     }
     if (!logits_all.defined()) {
-      lps.push_back(opt.use_fused ? kernels::token_logprobs(xn.narrow(0, a, n), head, target, opt.temperature)
+      lps.push_back(opt.fused_kernels() ? kernels::token_logprobs(xn.narrow(0, a, n), head, target, opt.temperature)
                                   : kernels::token_logprobs_reference(xn.narrow(0, a, n), head, target,
                                                                       opt.temperature));
       continue;
@@ -946,7 +946,7 @@ ForwardOutput Muse::forward(const PackedBatch& batch, const ForwardOptions& opt)
       flash.invariant[w] = causal_key_ranges(batch.cu_seqlens, w == 0 ? 0 : cfg_.sliding_window);
       if (device().is_cuda()) flash.invariant[w].upload(device());
     }
-  } else if (!opt.attention && opt.use_fused &&
+  } else if (!opt.attention && opt.fused_kernels() &&
              kernels::flash_varlen_available(device(), dtype(), cfg_.head_dim)) {
     flash = flash_plan(batch.cu_seqlens, device());
   }

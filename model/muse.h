@@ -149,6 +149,20 @@ enum class Numerics { kStandard, kBitwise };
 Numerics parse_numerics(const std::string& name);  // "standard" or "bitwise"; else an error naming it
 const char* numerics_name(Numerics n);
 
+// Which kernels the forward runs where they apply: CUDA in bf16, outside bitwise numerics (and the
+// fused MoE not under expert parallelism or an observer: muse.cpp's fused_moe_applies). Elsewhere
+// each path runs the ATen ops. Tests and benches compare the paths; the trainer picks kFused or,
+// with grpo.fused_kernels off, kGroupedMm.
+enum class KernelPath {
+  kFused,      // varlen flash attention, the fused MoE (dispatch, grouped GEMMs with SwiGLU,
+               // per-expert norm, combine), and the router and log-prob kernels: the default
+  kGroupedMm,  // torch's grouped GEMM for the experts; attention, MoE and loss as the ATen
+               // composition the fused kernels replace
+  kLoop,       // a GEMM per expert (NVFP4 experts: grouped over sorted rows), with kFused's
+               // attention, router and log-prob kernels: the grouped GEMM's reference
+  kComposed,   // a GEMM per expert (NVFP4 experts as under kLoop) and ATen ops throughout
+};
+
 struct ForwardOptions {
   bool return_logits = false;   // [T, V] fp32 logits (large: avoid for big vocabularies)
   at::Tensor targets;           // [T] int64: when defined, return log p(targets[t] | tokens[<=t]);
@@ -157,10 +171,11 @@ struct ForwardOptions {
   double temperature = 1.0;     // log-probs of targets under softmax(logits / temperature)
   at::Tensor replay_routing;    // [T, L, k] uint8: use these expert sets instead of own top-k
   int64_t logprob_chunk = 2048; // tokens per lm_head chunk when computing log-probs
-  bool use_grouped_mm = true;   // torch's grouped GEMM for experts where available (CUDA, bf16)
-  bool use_fused = true;        // CUDA bf16 with the grouped GEMM: varlen flash attention and the
-                                // fused MoE kernels (dispatch, SwiGLU, per-expert norm, combine);
-                                // off: the ATen composition they replace (tests and benches compare)
+  KernelPath kernel_path = KernelPath::kFused;
+  // The experts through torch's grouped GEMM (kFused, kGroupedMm).
+  bool grouped_mm() const { return kernel_path == KernelPath::kFused || kernel_path == KernelPath::kGroupedMm; }
+  // Flash attention and the router, combine and log-prob kernels (kFused, kLoop).
+  bool fused_kernels() const { return kernel_path == KernelPath::kFused || kernel_path == KernelPath::kLoop; }
   AttentionBackend* attention = nullptr;  // not owned; nullptr = self-attention within the batch
   bool skip_head = false;       // stop after the final norm: return `hidden` only (rollout samples
                                 // from the rows it needs)

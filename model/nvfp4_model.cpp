@@ -218,7 +218,7 @@ void calibrate_input_scales(Muse& m, const PackedBatch& batch) {
   const ModelConfig& cfg = m.config();
   std::vector<std::map<std::string, float>> amax(size_t(cfg.num_layers));
   ForwardOptions opt;
-  opt.use_grouped_mm = false;
+  opt.kernel_path = KernelPath::kLoop;  // the observer runs the per-expert loop anyway
   opt.load_balance = false;
   opt.skip_head = true;
   opt.observe_linear_input = [&](int64_t layer, const std::string& name, const at::Tensor& x) {

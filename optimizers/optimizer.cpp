@@ -45,9 +45,9 @@ void OptimizerConfig::validate() const {
   adamw.validate();
   muon.validate();
   KILN_CHECK(chunk_bytes > 0, "optimizer: chunk_bytes must be positive (got ", chunk_bytes, ")");
-  KILN_CHECK(moment_dtype == at::kFloat || moment_dtype == at::kBFloat16,
-             "optimizer: moment dtype must be fp32 or bf16 (got ", moment_dtype, ")");
-  KILN_CHECK(placement != Placement::kNvme || !nvme_dir.empty(),
+  KILN_CHECK(moments == at::kFloat || moments == at::kBFloat16,
+             "optimizer: moment dtype must be fp32 or bf16 (got ", moments, ")");
+  KILN_CHECK(state != Placement::kNvme || !nvme_dir.empty(),
              "optimizer: state placement nvme needs a directory (optim.nvme_dir)");
 }
 
@@ -136,7 +136,7 @@ struct Optimizer::Impl {
       P.units = P.unit > 0 ? P.numel / P.unit : 0;
       const bool low_precision = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
       P.used = {cfg.master_weights && low_precision, true, P.kind == Kind::kAdamW};
-      P.dtype = {at::kFloat, cfg.moment_dtype, cfg.moment_dtype};
+      P.dtype = {at::kFloat, cfg.moments, cfg.moments};
       params.push_back(std::move(P));
     }
     pinned = device.is_cuda();
@@ -144,7 +144,7 @@ struct Optimizer::Impl {
     allocate();
   }
 
-  bool chunked() const { return cfg.placement != Placement::kDevice; }
+  bool chunked() const { return cfg.state != Placement::kDevice; }
   at::Device device() const { return params.front().p.device(); }
 
   void plan_chunks() {
@@ -168,7 +168,7 @@ struct Optimizer::Impl {
     for (Param& P : params) {
       for (int s = 0; s < kSlots; ++s) {
         if (!P.used[s]) continue;
-        switch (cfg.placement) {
+        switch (cfg.state) {
           case Placement::kDevice:
             P.state[s] = at::zeros({P.numel}, P.p.options().dtype(P.dtype[s]));
             break;
@@ -182,9 +182,9 @@ struct Optimizer::Impl {
             break;
         }
       }
-      if (P.used[kMaster] && cfg.placement != Placement::kNvme) P.state[kMaster].copy_(P.p.detach().view(-1));
+      if (P.used[kMaster] && cfg.state != Placement::kNvme) P.state[kMaster].copy_(P.p.detach().view(-1));
     }
-    if (cfg.placement == Placement::kNvme) {
+    if (cfg.state == Placement::kNvme) {
       file = std::make_unique<NvmeFile>(cfg.nvme_dir, "kiln-optimizer-" + cfg.state_tag + ".bin", file_bytes);
       for (auto& b : stage)
         b = at::empty({std::max<int64_t>(max_chunk_bytes, 1)},
@@ -192,7 +192,7 @@ struct Optimizer::Impl {
       reset_nvme_master();
     }
 #if KILN_WITH_CUDA
-    if (chunked() && device().is_cuda() && cfg.placement != Placement::kHostCpu) {
+    if (chunked() && device().is_cuda() && cfg.state != Placement::kHostCpu) {
       c10::cuda::CUDAGuard guard(device());
       cuda.reset(new Cuda{c10::cuda::getStreamFromPool(), c10::cuda::getStreamFromPool(), {}, {}, {}, {}});
       for (auto& b : cuda->buf) b = at::empty({max_chunk_bytes}, P0().p.options().dtype(at::kByte));
@@ -228,7 +228,7 @@ struct Optimizer::Impl {
 
   Views host_views(const Chunk& c, int b) const {
     const Param& P = params[c.param];
-    if (cfg.placement == Placement::kNvme) return buffer_views(c, stage[b]);
+    if (cfg.state == Placement::kNvme) return buffer_views(c, stage[b]);
     Views v;
     for (int s = 0; s < kSlots; ++s)
       if (P.used[s]) v[s] = P.state[s].narrow(0, c.u0 * P.unit, (c.u1 - c.u0) * P.unit);
@@ -312,9 +312,9 @@ struct Optimizer::Impl {
 
   // Chunk `c` with host-side state `hv`: on the CPU, or streamed through device buffer b.
   void compute_chunk(const Chunk& c, const Views& hv, int b) {
-    const bool on_cpu = cfg.placement == Placement::kHostCpu || !device().is_cuda();
+    const bool on_cpu = cfg.state == Placement::kHostCpu || !device().is_cuda();
     if (on_cpu) {
-      const bool eigen = cfg.placement != Placement::kHost;
+      const bool eigen = cfg.state != Placement::kHost;
       update(c, hv, eigen);
       return;
     }
@@ -356,7 +356,7 @@ struct Optimizer::Impl {
     std::vector<const Chunk*> todo;
     for (const Chunk& c : chunks)
       if (params[c.param].p.grad().defined()) todo.push_back(&c);
-    const bool nvme = cfg.placement == Placement::kNvme;
+    const bool nvme = cfg.state == Placement::kNvme;
     std::array<std::future<void>, 2> reading, writing;
     auto finish = [](std::future<void>& f) {
       if (f.valid()) f.get();
@@ -416,7 +416,7 @@ struct Optimizer::Impl {
 
   // The whole slot `s` of P as a CPU or device tensor shaped like the parameter.
   at::Tensor slot_tensor(const Param& P, int s) const {
-    if (cfg.placement != Placement::kNvme) return P.state[s].view(P.p.sizes());
+    if (cfg.state != Placement::kNvme) return P.state[s].view(P.p.sizes());
     const auto* base = static_cast<const uint8_t*>(file->map()) + P.offset[s];
     return at::from_blob(const_cast<uint8_t*>(base), P.p.sizes(), at::TensorOptions().dtype(P.dtype[s]));
   }
@@ -428,7 +428,7 @@ struct Optimizer::Impl {
         if (P.used[s]) out.push_back({P.name + "." + P.slot_name(s), slot_tensor(P, s)});
     safetensors::write_file(path, out,
                             {{"format", "kiln-optimizer"}, {"version", "1"}, {"step", std::to_string(step)},
-                             {"fingerprint", fingerprint()}, {"placement", placement_name(cfg.placement)}});
+                             {"fingerprint", fingerprint()}, {"placement", placement_name(cfg.state)}});
   }
 
   void load(const std::string& path) {
@@ -478,7 +478,7 @@ struct Optimizer::Impl {
     for (int64_t e = 0; e < P.numel; e += piece) {
       const int64_t n = std::min(piece, P.numel - e);
       at::Tensor part = src.narrow(0, e, n).to(P.dtype[s]).contiguous();
-      if (cfg.placement == Placement::kNvme)
+      if (cfg.state == Placement::kNvme)
         file->write(P.offset[s] + uint64_t(e * P.elem(s)), part.data_ptr(), uint64_t(part.nbytes()));
       else
         P.state[s].narrow(0, e, n).copy_(part);
@@ -522,7 +522,7 @@ std::string Optimizer::summary() const {
   }
   std::ostringstream os;
   os << "muon " << t[1] << " tensors (" << n[1] << " params), adamw " << t[0] << " tensors (" << n[0]
-     << " params); state " << placement_name(impl_->cfg.placement) << ", " << state_bytes() / (1 << 20) << " MiB";
+     << " params); state " << placement_name(impl_->cfg.state) << ", " << state_bytes() / (1 << 20) << " MiB";
   if (impl_->chunked()) os << " in " << impl_->chunks.size() << " chunks of <= " << impl_->max_chunk_bytes << " B";
   return os.str();
 }

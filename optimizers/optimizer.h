@@ -33,20 +33,22 @@ struct OptimizerConfig {
   MuonConfig muon;
   bool use_muon = true;                   // false: AdamW for everything
   std::vector<GroupRule> rules;           // tried before the default assignment
-  Placement placement = Placement::kDevice;
+  Placement state = Placement::kDevice;   // where the state lives and the update runs
   std::string nvme_dir;                   // kNvme
-  int64_t chunk_bytes = 64ll << 20;       // state bytes per chunk (rounded to whole Muon matrices)
+  int64_t chunk_bytes = 64ll << 20;       // state bytes per chunk (rounded to whole Muon matrices);
+                                          // the recipe's chunk_mb x 2^20
   bool master_weights = true;             // fp32 master copies of bf16/fp16 parameters
-  at::ScalarType moment_dtype = at::kFloat;  // or kBFloat16
+  at::ScalarType moments = at::kFloat;    // the moments' dtype: fp32 or bf16
   bool fused = true;  // AdamW on CUDA state: one multi-tensor kernel (false: ATen ops, the reference)
   std::string state_tag = "rank0";        // distinguishes the state files of ranks sharing nvme_dir
   void validate() const;
 };
 
 // The optimizer's keys of a recipe's optim: and sft: sections (optimizers/optimizer_yaml.cpp,
-// docs/CONFIG.md), under the recipe's names (muon for use_muon, state for placement, chunk_mb,
-// moments: fp32 | bf16), then validate(), a bad value named at its key's file and line. The
-// sections also hold the trainer's own keys, so the caller reads those and finishes the section.
+// docs/CONFIG.md): muon for use_muon (muon names the Muon settings here), the muon_* keys for
+// those settings, state by name, chunk_mb in MiB, moments fp32 | bf16; then validate(), a bad value
+// named at its key's file and line. The sections also hold the trainer's own keys, so the caller
+// reads those and finishes the section.
 void read_yaml(yaml::MapReader& m, OptimizerConfig& c);
 void write_yaml(YAML::Emitter& e, const OptimizerConfig& c);
 

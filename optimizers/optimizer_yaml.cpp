@@ -45,7 +45,7 @@ void read_yaml(yaml::MapReader& m, OptimizerConfig& o) {
   m.get("muon_weight_decay", o.muon.weight_decay);
   m.get("muon_nesterov", o.muon.nesterov);
   m.get("ns_steps", o.muon.ns_steps);
-  std::string state = placement_name(o.placement), moments = o.moment_dtype == at::kFloat ? "fp32" : "bf16";
+  std::string state = placement_name(o.state), moments = o.moments == at::kFloat ? "fp32" : "bf16";
   m.get("state", state);
   m.get("nvme_dir", o.nvme_dir);
   double chunk_mb = double(o.chunk_bytes) / kMiB;
@@ -54,9 +54,9 @@ void read_yaml(yaml::MapReader& m, OptimizerConfig& o) {
   m.get("master_weights", o.master_weights);
   m.get("moments", moments);
   read_rules(m, o.rules);
-  m.check("state", [&] { o.placement = parse_placement(state); });
+  m.check("state", [&] { o.state = parse_placement(state); });
   if (moments != "fp32" && moments != "bf16") m.fail("moments", "must be fp32 or bf16 (got " + moments + ")");
-  o.moment_dtype = moments == "bf16" ? at::kBFloat16 : at::kFloat;
+  o.moments = moments == "bf16" ? at::kBFloat16 : at::kFloat;
   m.check("", [&] { o.validate(); });
 }
 
@@ -72,11 +72,11 @@ void write_yaml(YAML::Emitter& e, const OptimizerConfig& o) {
   e << YAML::Key << "muon_weight_decay" << YAML::Value << o.muon.weight_decay;
   e << YAML::Key << "muon_nesterov" << YAML::Value << o.muon.nesterov;
   e << YAML::Key << "ns_steps" << YAML::Value << o.muon.ns_steps;
-  e << YAML::Key << "state" << YAML::Value << placement_name(o.placement);
+  e << YAML::Key << "state" << YAML::Value << placement_name(o.state);
   if (!o.nvme_dir.empty()) e << YAML::Key << "nvme_dir" << YAML::Value << o.nvme_dir;
   e << YAML::Key << "chunk_mb" << YAML::Value << double(o.chunk_bytes) / kMiB;
   e << YAML::Key << "master_weights" << YAML::Value << o.master_weights;
-  e << YAML::Key << "moments" << YAML::Value << (o.moment_dtype == at::kFloat ? "fp32" : "bf16");
+  e << YAML::Key << "moments" << YAML::Value << (o.moments == at::kFloat ? "fp32" : "bf16");
   if (o.rules.empty()) return;
   e << YAML::Key << "rules" << YAML::Value << YAML::BeginSeq;
   for (const GroupRule& r : o.rules)

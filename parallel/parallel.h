@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,7 +38,7 @@ RolloutPlacement parse_rollout_placement(const std::string& name);  // "auto", "
 const char* rollout_placement_name(RolloutPlacement p);
 
 struct ParallelConfig {
-  int64_t dp = 0;  // data-parallel ranks; 0: world size / ep
+  std::optional<int64_t> dp;  // data-parallel ranks; unset (the recipe's 0): world size / ep (resolve)
   int64_t ep = 1;  // expert-parallel ranks
   int64_t tp = 1;  // reserved: must be 1
   RolloutPlacement rollout = RolloutPlacement::kAuto;  // kSharded needs ep > 1
@@ -51,7 +52,7 @@ struct ParallelConfig {
   // (comm::set_collective_timeout); 0 = wait forever. Long enough for rank 0's checkpoint writes.
   double collective_timeout_s = 1800;
   bool sharded_rollout() const { return rollout == RolloutPlacement::kSharded; }
-  // Fills dp and checks dp * ep == world, ep | num_experts, tp == 1, rollout, dense. Errors list every value.
+  // Sets dp when unset and checks dp * ep == world, ep | num_experts, tp == 1, rollout, dense. Errors list every value.
   void resolve(int64_t world, int64_t num_experts);
   std::string describe() const;
 };

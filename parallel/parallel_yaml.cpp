@@ -10,7 +10,9 @@
 namespace kiln::parallel {
 
 void read_yaml(yaml::MapReader& m, ParallelConfig& c) {
-  m.get("dp", c.dp);
+  int64_t dp = c.dp.value_or(0);  // 0: unset, world size / ep (a negative one fails in resolve)
+  m.get("dp", dp);
+  c.dp = dp != 0 ? std::optional<int64_t>(dp) : std::nullopt;
   m.get("ep", c.ep);
   m.get("tp", c.tp);
   m.get("collective_timeout_s", c.collective_timeout_s);
@@ -22,7 +24,7 @@ void read_yaml(yaml::MapReader& m, ParallelConfig& c) {
 }
 
 void write_yaml(YAML::Emitter& e, const ParallelConfig& c) {
-  e << YAML::Key << "dp" << YAML::Value << c.dp;
+  e << YAML::Key << "dp" << YAML::Value << c.dp.value_or(0);
   e << YAML::Key << "ep" << YAML::Value << c.ep;
   e << YAML::Key << "tp" << YAML::Value << c.tp;
   e << YAML::Key << "rollout" << YAML::Value << rollout_placement_name(c.rollout);

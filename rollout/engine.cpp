@@ -52,7 +52,8 @@ void EngineConfig::validate() const {
   KILN_CHECK(kv_cache_bytes > 0, "rollout config: kv_cache_bytes must be positive (got ", kv_cache_bytes, ")");
   KILN_CHECK(block_size > 0, "rollout config: block_size must be positive (got ", block_size, ")");
   KILN_CHECK(max_num_seqs > 0, "rollout config: max_num_seqs must be positive (got ", max_num_seqs, ")");
-  KILN_CHECK(max_model_len >= 0, "rollout config: max_model_len must be >= 0 (0: any length; got ", max_model_len, ")");
+  KILN_CHECK(!max_model_len || *max_model_len > 0, "rollout config: max_model_len must be positive when set (got ",
+             max_model_len.value_or(0), "); leave it unset for any length");
   KILN_CHECK(max_batch_tokens > 0, "rollout config: max_batch_tokens must be positive (got ", max_batch_tokens, ")");
   KILN_CHECK(prefill_chunk > 0, "rollout config: prefill_chunk must be positive (got ", prefill_chunk, ")");
   KILN_CHECK(!share_weights || !expert_group, "rollout config: share_weights serves a whole frozen model; an expert ",

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,14 +60,16 @@ Quantization parse_quantization(const std::string& name);  // throws naming the 
 const char* quantization_name(Quantization q);
 
 struct EngineConfig {
-  int64_t kv_cache_bytes = 64ll << 20;  // budget for both KV pools
+  // The budget for both KV pools, in bytes: the recipe's rollout.kv_cache_mb x 2^20. Kept in bytes
+  // because the pools, kv_cache_bytes_for and the memory plan all count bytes.
+  int64_t kv_cache_bytes = 64ll << 20;
   int64_t block_size = 16;              // tokens per KV block
   int64_t max_num_seqs = 64;            // running sequences at once
-  int64_t max_model_len = 0;            // longest sequence (prompt + generation, every turn) the
-                                        // window pool is sized for: max_num_seqs x its ring slots
-                                        // rather than whole rings (rollout/kv_cache.h); 0: any length.
-                                        // Longer ones still run, preempting others for blocks. A
-                                        // recipe that caps prompts and is single-turn derives it
+  // The longest sequence (prompt + generation, every turn) the window pool is sized for:
+  // max_num_seqs x its ring slots rather than whole rings (rollout/kv_cache.h); unset (the
+  // recipe's 0): any length. Longer ones still run, preempting others for blocks. A recipe that
+  // caps prompts and is single-turn derives it.
+  std::optional<int64_t> max_model_len;
   int64_t max_batch_tokens = 2048;      // tokens per engine step (decode + prefill chunks)
   int64_t prefill_chunk = 512;          // longest prefill piece of one sequence per step
   bool fused_rope_cache = true;         // graph decode: RoPE and the KV-cache write in one kernel
@@ -106,10 +109,9 @@ struct EngineConfig {
   void validate() const;
 };
 
-// The engine's keys of a recipe's rollout: section (rollout/engine_yaml.cpp, docs/CONFIG.md), under
-// the recipe's names: kv_cache_mb for kv_cache_bytes, numerics (standard | bitwise) for
-// batch_invariant. The section also holds the trainer's weight-sync check, so the caller reads
-// those keys and finishes the section.
+// The engine's keys of a recipe's rollout: section (rollout/engine_yaml.cpp, docs/CONFIG.md):
+// kv_cache_mb in MiB, max_model_len 0 for unset, numerics standard | bitwise. The section also
+// holds the trainer's weight-sync check, so the caller reads those keys and finishes the section.
 void read_yaml(yaml::MapReader& m, EngineConfig& c);
 void write_yaml(YAML::Emitter& e, const EngineConfig& c);
 

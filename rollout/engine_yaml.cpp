@@ -19,8 +19,10 @@ void read_yaml(yaml::MapReader& m, EngineConfig& c) {
   c.kv_cache_bytes = int64_t(mb * kMiB);
   m.get("block_size", c.block_size);
   m.get("max_num_seqs", c.max_num_seqs);
-  m.get("max_model_len", c.max_model_len);
-  if (c.max_model_len < 0) m.fail("max_model_len", "expected tokens >= 0 (0: sequences of any length)");
+  int64_t max_model_len = c.max_model_len.value_or(0);
+  m.get("max_model_len", max_model_len);
+  if (max_model_len < 0) m.fail("max_model_len", "expected tokens >= 0 (0: sequences of any length)");
+  c.max_model_len = max_model_len > 0 ? std::optional<int64_t>(max_model_len) : std::nullopt;
   m.get("max_batch_tokens", c.max_batch_tokens);
   m.get("prefill_chunk", c.prefill_chunk);
   m.get("cuda_graphs", c.cuda_graphs);
@@ -39,7 +41,7 @@ void write_yaml(YAML::Emitter& e, const EngineConfig& c) {
   e << YAML::Key << "kv_cache_mb" << YAML::Value << double(c.kv_cache_bytes) / kMiB;
   e << YAML::Key << "block_size" << YAML::Value << c.block_size;
   e << YAML::Key << "max_num_seqs" << YAML::Value << c.max_num_seqs;
-  e << YAML::Key << "max_model_len" << YAML::Value << c.max_model_len;
+  e << YAML::Key << "max_model_len" << YAML::Value << c.max_model_len.value_or(0);
   e << YAML::Key << "max_batch_tokens" << YAML::Value << c.max_batch_tokens;
   e << YAML::Key << "prefill_chunk" << YAML::Value << c.prefill_chunk;
   e << YAML::Key << "cuda_graphs" << YAML::Value << c.cuda_graphs;

@@ -17,11 +17,11 @@ KvLayout KvLayout::of(const model::ModelConfig& cfg, int64_t block_size, int64_t
   return {nf * block, (cfg.num_layers - nf) * block, (cfg.sliding_window + block_size - 1) / block_size + 1, block_size};
 }
 
-int64_t KvLayout::window_blocks_per_seq(int64_t max_model_len) const {
-  return max_model_len > 0 ? std::min(ring_blocks, (max_model_len + block_size - 1) / block_size) : ring_blocks;
+int64_t KvLayout::window_blocks_per_seq(std::optional<int64_t> max_model_len) const {
+  return max_model_len ? std::min(ring_blocks, (*max_model_len + block_size - 1) / block_size) : ring_blocks;
 }
 
-int64_t KvLayout::window_pool_blocks(int64_t max_seqs, int64_t max_model_len) const {
+int64_t KvLayout::window_pool_blocks(int64_t max_seqs, std::optional<int64_t> max_model_len) const {
   return window_block_bytes > 0 ? std::max(ring_blocks, max_seqs * window_blocks_per_seq(max_model_len)) : 0;
 }
 
@@ -42,7 +42,7 @@ void BlockPool::release(int64_t b) {
 }
 
 KvCache::KvCache(const model::ModelConfig& cfg, int64_t block_size, int64_t cache_bytes, int64_t max_seqs,
-                 at::ScalarType dtype, at::Device device, int64_t max_model_len)
+                 at::ScalarType dtype, at::Device device, std::optional<int64_t> max_model_len)
     : B_(block_size), W_(cfg.sliding_window) {
   layout_ = KvLayout::of(cfg, B_, int64_t(c10::elementSize(dtype)));
   R_ = layout_.ring_blocks;
@@ -53,9 +53,9 @@ KvCache::KvCache(const model::ModelConfig& cfg, int64_t block_size, int64_t cach
   const int64_t full_blocks = left / layout_.full_block_bytes;
   KILN_CHECK(full_blocks >= 1, "rollout: kv_cache_bytes=", cache_bytes, " cannot hold the window rings (", win_blocks,
              " blocks of ", layout_.window_block_bytes, " bytes for max_num_seqs=", max_seqs,
-             max_model_len > 0 ? " of max_model_len=" + std::to_string(max_model_len) : std::string(),
+             max_model_len ? " of max_model_len=" + std::to_string(*max_model_len) : std::string(),
              ") and one full-attention block of ", layout_.full_block_bytes,
-             " bytes; raise kv_cache_bytes or lower max_num_seqs", max_model_len > 0 ? " or max_model_len" : "");
+             " bytes; raise kv_cache_bytes or lower max_num_seqs", max_model_len ? " or max_model_len" : "");
   full_pool_ = BlockPool(full_blocks);
   win_pool_ = BlockPool(win_blocks);
   const auto opts = at::TensorOptions().dtype(dtype).device(device);

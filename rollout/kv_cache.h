@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -29,11 +30,11 @@ struct KvLayout {
   int64_t full_block_bytes = 0, window_block_bytes = 0, ring_blocks = 0, block_size = 0;
   static KvLayout of(const model::ModelConfig& cfg, int64_t block_size, int64_t elem_bytes);
   // Window blocks the pool reserves per sequence: the whole ring, or for sequences of at most
-  // max_model_len tokens (> 0) the ceil(max_model_len / block_size) ring slots they can touch.
-  int64_t window_blocks_per_seq(int64_t max_model_len) const;
+  // max_model_len tokens (when given) the ceil(max_model_len / block_size) ring slots they can touch.
+  int64_t window_blocks_per_seq(std::optional<int64_t> max_model_len) const;
   // The window pool for max_seqs such sequences: never less than one whole ring, so that a single
   // sequence of any length fits. 0 without window layers.
-  int64_t window_pool_blocks(int64_t max_seqs, int64_t max_model_len) const;
+  int64_t window_pool_blocks(int64_t max_seqs, std::optional<int64_t> max_model_len) const;
 };
 
 // Fixed-size blocks with reference counts: a block returns to the free list when its last holder
@@ -64,12 +65,12 @@ struct BlockTable {
 class KvCache {
  public:
   // Sizes the pools from `cache_bytes`: max_seqs window rings first (each cut to what a sequence
-  // of max_model_len tokens touches, when > 0), the rest in full-attention blocks (at least one,
+  // of max_model_len tokens touches, when given), the rest in full-attention blocks (at least one,
   // else an error that names what does not fit). Window blocks are handed out on demand either way,
   // so a longer sequence still runs; it may preempt others for ring blocks. The K/V tensors hold one
   // spare block per pool after the last: padded rows of a graph decode step write there.
   KvCache(const model::ModelConfig& cfg, int64_t block_size, int64_t cache_bytes, int64_t max_seqs,
-          at::ScalarType dtype, at::Device device, int64_t max_model_len = 0);
+          at::ScalarType dtype, at::Device device, std::optional<int64_t> max_model_len = std::nullopt);
 
   int64_t block_size() const { return B_; }
   const KvLayout& layout() const { return layout_; }

@@ -48,7 +48,7 @@ int64_t numel(const Named& ps) {
 OptimizerConfig adamw_only(Placement where, const std::string& nvme_dir, double chunk_mb) {
   OptimizerConfig c;
   c.use_muon = false;
-  c.placement = where;
+  c.state = where;
   c.nvme_dir = nvme_dir;
   c.chunk_bytes = int64_t(chunk_mb * double(1 << 20));
   c.adamw.weight_decay = 0.01;

@@ -159,7 +159,7 @@ void bench_forward(at::Device device, const std::string& config, int64_t seqs, i
     m.set_requires_grad(train);
     double t[2];
     for (int g = 0; g < 2; ++g) {
-      opt.use_grouped_mm = g == 1;
+      opt.kernel_path = g == 1 ? model::KernelPath::kFused : model::KernelPath::kLoop;
       t[g] = time_it(device, [&] {
         if (train) {
           m.forward(batch, opt).logprobs.sum().backward();
@@ -207,31 +207,32 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
              "log-prob loss (optimizer excluded); {:.4g} TFLOP per step\n",
              cfg.name, at::toString(dtype), device.str(), seqs, len, flops / 1e12);
   fmt::print("{:>22} {:>12} {:>10} {:>10} {:>12}\n", "path", "tok/s", "TFLOP/s", "ms/step", "peak GB");
-  // The experts as a loop of per-expert GEMMs; torch's grouped GEMM with the MoE, attention and
-  // loss as ATen ops (use_fused off); and the fused training kernels. The grouped paths are
-  // CUDA-only: on the CPU the loop is the one path, timed once.
+  // The experts as a loop of per-expert GEMMs with ATen ops (KernelPath::kComposed); torch's
+  // grouped GEMM with the MoE, attention and loss as ATen ops (kGroupedMm); and the fused training
+  // kernels (kFused). The grouped paths are CUDA-only: on the CPU the loop is the one path, timed once.
+  using model::KernelPath;
   struct Path {
     const char* name;
-    bool grouped, fused, recompute = false, bitwise = false;
+    KernelPath kernels;
+    bool recompute = false, bitwise = false;
   };
-  std::vector<Path> paths = {{"per-expert loop", false, false}};
+  std::vector<Path> paths = {{"per-expert loop", KernelPath::kComposed}};
   if (device.is_cuda()) {
     // 256 experts one GEMM at a time take seconds a step and say nothing new: the loop is left out.
     if (cfg.num_experts > 64 || only_fused) paths.clear();
-    if (!only_fused) paths.push_back({"grouped, ATen ops", true, false});
-    if (!only_fused) paths.push_back({"fused + recompute", true, true, true});  // the memory saving, and its cost
-    paths.push_back({"grouped + fused", true, true});
+    if (!only_fused) paths.push_back({"grouped, ATen ops", KernelPath::kGroupedMm});
+    if (!only_fused) paths.push_back({"fused + recompute", KernelPath::kFused, true});  // the memory saving, and its cost
+    paths.push_back({"grouped + fused", KernelPath::kFused});
   }
   // rollout.numerics: bitwise, the training forward and backward the trainer runs under it.
-  if (bitwise) paths.push_back({"bitwise", true, true, false, true});
+  if (bitwise) paths.push_back({"bitwise", KernelPath::kFused, false, true});
   std::vector<double> t, peak;
   auto step = [&] {
     for (auto& [n, p] : m.named_parameters()) p.mutable_grad() = at::Tensor();
     (-m.forward(batch, opt).logprobs.mean()).backward();
   };
   for (const Path& p : paths) {
-    opt.use_grouped_mm = p.grouped;
-    opt.use_fused = p.fused;
+    opt.kernel_path = p.kernels;
     opt.recompute = p.recompute;
     opt.numerics = p.bitwise ? model::Numerics::kBitwise : model::Numerics::kStandard;
     model::reset_peak_memory(device);
@@ -246,7 +247,7 @@ void bench_train(at::Device device, const std::string& config, int64_t seqs, int
   int64_t weight_bytes = 0;
   for (auto& [n, p] : m.named_parameters()) weight_bytes += p.numel() * int64_t(p.element_size());
   for (size_t i = 0; i < paths.size() && device.is_cuda(); ++i) {
-    if (!paths[i].fused) continue;
+    if (paths[i].kernels != KernelPath::kFused) continue;
     const double act = peak[i] * 1e9 - 2.0 * double(weight_bytes);
     fmt::print("memory ({}): weights {:.2f} GB, gradients {:.2f} GB, the rest of the peak {:.2f} GB = {:.1f} KB per "
                "token, {:.1f} KB per token and layer\n",

@@ -111,7 +111,7 @@ void check_plan(trainer::Recipe& r, const model::ModelConfig& cfg, const comm::G
   parallel::ParallelConfig par = r.grpo.parallel;
   // Under grpo.async.placement split the layout is the training half's; the plan puts the engine
   // on the other half.
-  const int trainers = r.grpo.async_split ? world.size() / 2 : world.size();  // even (prepare)
+  const int trainers = r.grpo.split_placement() ? world.size() / 2 : world.size();  // even (prepare)
   par.resolve(trainers, cfg.num_experts);
   trainer::Cluster c;
   c.nodes = 1;
@@ -120,7 +120,7 @@ void check_plan(trainer::Recipe& r, const model::ModelConfig& cfg, const comm::G
   c.gpu_bytes = world.all_reduce(model::device_memory_bytes(device), comm::ReduceOp::kMin);
   c.host_bytes = c.nvme_bytes = std::numeric_limits<double>::infinity();  // not checked here
   const trainer::Plan plan = trainer::make_plan(cfg, trainer::plan_job(r.grpo, r.dtype), c,
-                                                {par.dp, par.ep, 1, par.dense});
+                                                {*par.dp, par.ep, 1, par.dense});
   if (r.grpo.parallel.rollout == parallel::RolloutPlacement::kAuto) {
     r.grpo.parallel.rollout = plan.rollout_sharded ? parallel::RolloutPlacement::kSharded : parallel::RolloutPlacement::kReplica;
     if (world.rank() == 0 && par.ep > 1) fmt::print("train: parallel.rollout {}\n", plan.rollout_choice);
@@ -144,7 +144,7 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   if (!init_from.empty()) r.init_from = init_from, r.model_config.clear();
   const comm::Group& world = comm::Group::world();
   const bool train = resolved_name == std::string("recipe.yaml");
-  KILN_CHECK(!train || !r.grpo.async_split || (world.size() >= 2 && world.size() % 2 == 0), "train: ", path,
+  KILN_CHECK(!train || !r.grpo.split_placement() || (world.size() >= 2 && world.size() % 2 == 0), "train: ", path,
              " sets grpo.async.placement split, which needs an even number of ranks, the first half to train and the ",
              "second to roll out (got ", world.size(), "); launch with mpirun -np 2, 4, ...");
   comm::set_collective_timeout(r.grpo.parallel.collective_timeout_s);
@@ -331,8 +331,7 @@ Run add_sft(CLI::App& app) {
     sft.save_model(r.run.out + "/sft");  // every rank its own tensors
     // Held-out accuracy of the warm-started model, measured the way GRPO measures it.
     trainer::GrpoConfig g = r.grpo;
-    g.async_staleness = -1;  // every rank evaluates, none waits to roll out for another
-    g.async_split = false;
+    g.async.reset();  // every rank evaluates, none waits to roll out for another
     trainer::GrpoTrainer probe(*s.policy, g, s.tokenizer, s.data);
     const trainer::EvalMetrics e = probe.evaluate(r.run.eval);
     if (lead)
@@ -379,7 +378,7 @@ Run add_train(CLI::App& app) {
     const bool lead = world.rank() == 0;
     parallel::ParallelConfig layout = r.grpo.parallel;
     // Under grpo.async.placement split the second half of the ranks only roll out.
-    const int trainers = r.grpo.async_split ? world.size() / 2 : world.size();
+    const int trainers = r.grpo.split_placement() ? world.size() / 2 : world.size();
     try {
       layout.resolve(trainers, policy.config().num_experts);
     } catch (const Error&) {
@@ -406,7 +405,7 @@ Run add_train(CLI::App& app) {
                  "mean {:.0f}, max {} tokens); tokenizer {}; {} rank(s), {}; run dir {} (checkpoint {})\n",
                  r.run.steps, r.grpo.prompts_per_step, r.grpo.samples_per_prompt, tp.kept, trainer.test_prompts().kept,
                  tp.too_long + trainer.test_prompts().too_long, tp.mean_tokens, tp.max_tokens, s.tokenizer->name(),
-                 world.size(), layout.describe() + (r.grpo.async_split ? fmt::format(", {} rollout rank(s)", trainers) : ""), r.run.out,
+                 world.size(), layout.describe() + (r.grpo.split_placement() ? fmt::format(", {} rollout rank(s)", trainers) : ""), r.run.out,
                  r.run.checkpoint_every > 0 ? fmt::format("every {} steps and at the end", r.run.checkpoint_every)
                                             : std::string("at the end only"));
     }

@@ -41,7 +41,7 @@ void reduce_rollout_counters(const ProducedBatch& p, const GrpoConfig& cfg, cons
   m.preemptions = int64_t(engine_sums.item<double>());
   m.kv_peak = group.all_reduce(p.kv_peak, comm::ReduceOp::kMax);
   m.expert_overflow_steps = int64_t(group.all_reduce(double(p.expert_overflow_steps), comm::ReduceOp::kMax));
-  if (cfg.async_staleness >= 0) m.rollout_wait_seconds = group.all_reduce(p.wait_seconds, comm::ReduceOp::kMax);
+  if (cfg.async) m.rollout_wait_seconds = group.all_reduce(p.wait_seconds, comm::ReduceOp::kMax);
   if (cfg.environment.enabled()) {
     at::Tensor sums = at::tensor({p.turns, p.observed}, at::kDouble);
     group.all_reduce(sums);

@@ -206,8 +206,12 @@ std::vector<Example> DataStream::next(int64_t n) {
 // ---- prompt format ----
 
 void PromptFormat::validate() const {
-  KILN_CHECK(max_prompt_tokens >= 0, "prompt: max_prompt_tokens must be >= 0 (got ", max_prompt_tokens,
-             "); 0 means no limit");
+  if (max_prompt_tokens) {
+    KILN_CHECK(*max_prompt_tokens >= 0, "prompt: max_prompt_tokens must be >= 0 (got ", *max_prompt_tokens,
+               "); 0 means no limit");
+    KILN_CHECK(*max_prompt_tokens > 0, "prompt: max_prompt_tokens must be positive when set (got 0); leave it ",
+               "unset for no limit");
+  }
   json kw;
   try {
     kw = json::parse(template_kwargs);
@@ -267,7 +271,7 @@ PrepareReport prepare_prompts(std::vector<Example>& examples, const text::Tokeni
     }
     KILN_CHECK(!ex.prompt_ids.empty(), "prompt: ", ex.origin, " encodes to no tokens; give a non-empty prompt");
     const int64_t n = int64_t(ex.prompt_ids.size());
-    if (format.max_prompt_tokens > 0 && n > format.max_prompt_tokens) {
+    if (format.max_prompt_tokens && n > *format.max_prompt_tokens) {
       ++r.too_long;
       continue;
     }

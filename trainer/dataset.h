@@ -3,6 +3,7 @@
 // stream, and the prompt format that renders chats and tokenizes once, dropping over-long prompts.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -111,7 +112,8 @@ struct PromptFormat {
   bool add_generation_prompt = true;
   std::string template_kwargs = "{}";  // a JSON object of extra template variables
                                        // (e.g. {"enable_thinking": false})
-  int64_t max_prompt_tokens = 0;    // longer prompts are dropped and counted; 0 = no limit
+  std::optional<int64_t> max_prompt_tokens;  // longer prompts are dropped and counted; unset (the
+                                             // recipe's 0): no limit
   void validate() const;
 };
 

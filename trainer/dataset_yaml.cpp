@@ -104,7 +104,9 @@ void read_yaml(yaml::MapReader& p, PromptFormat& f) {
   // Prompts and template variables become JSON for the chat template: text must be UTF-8.
   if (!text::unicode::is_valid_utf8(f.system_prompt)) p.fail("system", "must be UTF-8 text");
   p.get("add_generation_prompt", f.add_generation_prompt);
-  p.get("max_prompt_tokens", f.max_prompt_tokens);
+  int64_t max_prompt_tokens = f.max_prompt_tokens.value_or(0);  // 0: no limit; a negative fails in validate
+  p.get("max_prompt_tokens", max_prompt_tokens);
+  f.max_prompt_tokens = max_prompt_tokens != 0 ? std::optional<int64_t>(max_prompt_tokens) : std::nullopt;
   const YAML::Node kw = p.raw("template_kwargs");
   if (kw.IsDefined()) {
     if (!kw.IsMap()) p.fail("template_kwargs", "must be a mapping of template variables, e.g. {enable_thinking: false}");
@@ -122,7 +124,7 @@ void write_yaml(YAML::Emitter& e, const PromptFormat& f) {
   e << YAML::Key << "chat" << YAML::Value << chat_mode_name(f.chat);
   if (!f.system_prompt.empty()) e << YAML::Key << "system" << YAML::Value << YAML::DoubleQuoted << f.system_prompt;
   e << YAML::Key << "add_generation_prompt" << YAML::Value << f.add_generation_prompt;
-  e << YAML::Key << "max_prompt_tokens" << YAML::Value << f.max_prompt_tokens;
+  e << YAML::Key << "max_prompt_tokens" << YAML::Value << f.max_prompt_tokens.value_or(0);
   e << YAML::Key << "template_kwargs" << YAML::Value;
   write_json(e, nlohmann::json::parse(f.template_kwargs));
 }

@@ -26,7 +26,7 @@ namespace {
 
 // Under grpo.async.placement split, the half of `g` this rank is in (trainers first); else `g`.
 comm::Group role_group(const comm::Group& g, const GrpoConfig& c) {
-  if (!c.async_split) return g;
+  if (!c.split_placement()) return g;
   KILN_CHECK(g.size() >= 2 && g.size() % 2 == 0, "grpo: async.placement split needs an even number of ranks, the ",
              "first half to train and the second to roll out (got ", g.size(), ")");
   return g.split(g.rank() < g.size() / 2 ? 0 : 1, g.rank());
@@ -73,7 +73,7 @@ struct GrpoTrainer::Impl {
       : policy(p), cfg(std::move(c)), tok(std::move(t)), reward(std::move(r)), data(prepared(std::move(d))),
         stream(data.train, cfg.seed), group(role_group(g, cfg)) {
     cfg.validate();
-    rollout_side = cfg.async_split && g.rank() >= g.size() / 2;
+    rollout_side = cfg.split_placement() && g.rank() >= g.size() / 2;
     if (rollout_side) partner = g.rank() - g.size() / 2;
     cfg.parallel.resolve(group.size(), policy.config().num_experts);
     check_placement();
@@ -99,9 +99,9 @@ struct GrpoTrainer::Impl {
       return;
     }
     learner->prepare_training(note);
-    if (cfg.async_split)
+    if (cfg.split_placement())
       source = std::make_unique<RankRollout>(cfg, g, g.rank() + half, *learner, *probe, stream);
-    else if (cfg.async_staleness >= 0)
+    else if (cfg.async)
       source = std::make_unique<ThreadedRollout>(cfg, *producer, *learner, *probe, stream, data.test);
     else
       source = std::make_unique<ColocatedRollout>(cfg, *producer, *learner, *probe, stream, data.test);
@@ -109,7 +109,7 @@ struct GrpoTrainer::Impl {
 
   // What the layout, the placement and the model allow together.
   void check_placement() const {
-    KILN_CHECK(!cfg.async_split || (cfg.parallel.ep == 1 && !cfg.parallel.zero3()), "grpo: async.placement split ",
+    KILN_CHECK(!cfg.split_placement() || (cfg.parallel.ep == 1 && !cfg.parallel.zero3()), "grpo: async.placement split ",
                "sends whole weights from each trainer rank to its rollout rank, so every trainer must hold the whole ",
                "model: use parallel.ep 1 and dense replicated (got ep ", cfg.parallel.ep, ", dense ",
                parallel::dense_sharding_name(cfg.parallel.dense), ")");
@@ -122,15 +122,15 @@ struct GrpoTrainer::Impl {
     KILN_CHECK(tok->vocab_size() <= policy.config().vocab_size, "grpo: the tokenizer ", tok->name(), " has ",
                tok->vocab_size(), " ids but the model's vocab_size is ", policy.config().vocab_size,
                "; use a model config whose vocabulary covers the tokenizer");
-    KILN_CHECK(cfg.async_staleness < 0 || !cfg.parallel.sharded_rollout(), "grpo: async rollouts need a rollout ",
+    KILN_CHECK(!cfg.async || !cfg.parallel.sharded_rollout(), "grpo: async rollouts need a rollout ",
                "that serves the whole model on each rank (the expert-sharded one steps in lockstep with the ",
                "trainer's collectives); set parallel.rollout: replica");
     if (cfg.environment.enabled()) {
       KILN_CHECK(!cfg.parallel.sharded_rollout(), "grpo: multi-turn episodes (environment) need a rollout that ",
                  "serves the whole model on each rank, not the expert-sharded one (its ranks step in lockstep, ",
                  "episodes do not); set parallel.rollout: replica");
-      const int64_t longest = cfg.prompt.max_prompt_tokens + cfg.environment.max_episode_tokens;
-      KILN_CHECK(cfg.prompt.max_prompt_tokens <= 0 || longest <= policy.config().max_position_embeddings,
+      const int64_t longest = cfg.prompt.max_prompt_tokens.value_or(0) + cfg.environment.max_episode_tokens;
+      KILN_CHECK(!cfg.prompt.max_prompt_tokens || longest <= policy.config().max_position_embeddings,
                  "grpo: an episode may reach prompt.max_prompt_tokens + environment.max_episode_tokens = ", longest,
                  " tokens, beyond the model's max_position_embeddings (", policy.config().max_position_embeddings,
                  "); lower either");
@@ -146,9 +146,9 @@ struct GrpoTrainer::Impl {
   void build_engine() {
     rollout::EngineConfig ec = cfg.engine;
     if (cfg.parallel.sharded_rollout()) ec.expert_group = &learner->layout().ep_group();  // this rank's experts
-    ec.share_weights = (cfg.lora.enabled() && !learner->layout().sharded()) || learner->engine_reads_trained();
+    ec.share_weights = (cfg.lora && !learner->layout().sharded()) || learner->engine_reads_trained();
     if (rollout_side) build_rollout_engine(ec);
-    else if (!cfg.async_split) engine = std::make_unique<rollout::Engine>(learner->trained(), ec, learner->engine_source());
+    else if (!cfg.split_placement()) engine = std::make_unique<rollout::Engine>(learner->trained(), ec, learner->engine_source());
   }
 
   // A split rollout rank's engine, which holds the only copy of the weights: the policy becomes
@@ -156,7 +156,7 @@ struct GrpoTrainer::Impl {
   // them, takes each weight from the old policy, which lets it go at once. So no more than one
   // copy and one tensor are ever held. LoRA's engine shares the frozen base instead.
   void build_rollout_engine(const rollout::EngineConfig& ec) {
-    if (cfg.lora.enabled()) {
+    if (cfg.lora) {
       engine = std::make_unique<rollout::Engine>(policy, ec);
       return;
     }
@@ -183,7 +183,7 @@ struct GrpoTrainer::Impl {
     train_report = prepare_prompts(d.train, *tok, cfg.prompt);
     test_report = prepare_prompts(d.test, *tok, cfg.prompt);
     KILN_CHECK(!d.train.empty(), "grpo: no training prompt is left after the length filter (", train_report.too_long,
-               " longer than prompt.max_prompt_tokens=", cfg.prompt.max_prompt_tokens, "); raise the limit");
+               " longer than prompt.max_prompt_tokens=", cfg.prompt.max_prompt_tokens.value_or(0), "); raise the limit");
     return d;
   }
 
@@ -225,15 +225,15 @@ struct GrpoTrainer::Impl {
 
   // This step's batch; under grpo.async made ahead, exactly min(steps - 1, k) updates stale.
   ProducedBatch take_batch(StepMetrics& m) {
-    if (cfg.async_staleness < 0) return source->take(steps, m);
+    if (!cfg.async) return source->take(steps, m);
     const auto t = Clock::now();
     ProducedBatch p = source->take(steps, m);
     m.async_wait_seconds = seconds_since(t);
     m.staleness = (steps - 1) - p.version;
     // min(steps - 1, k) exactly, but fresher right after a resume (the loaded weights are all there is).
-    KILN_CHECK(p.batch.step == steps && m.staleness >= 0 && m.staleness <= cfg.async_staleness,
+    KILN_CHECK(p.batch.step == steps && m.staleness >= 0 && m.staleness <= cfg.async->max_staleness,
                "grpo: internal error: step ", steps, " got batch ", p.batch.step, " of weight version ", p.version,
-               " (max_staleness ", cfg.async_staleness, "); report this");
+               " (max_staleness ", cfg.async->max_staleness, "); report this");
     return p;
   }
 

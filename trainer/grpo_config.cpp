@@ -18,11 +18,9 @@ void GrpoConfig::validate() const {
   KILN_CHECK(top_k >= 0, "grpo: top_k must be >= 0 (got ", top_k, "); 0 is off");
   KILN_CHECK(!engine.bitwise() || (top_p >= 1 && top_k == 0), "grpo: rollout.numerics bitwise rescores the ",
              "whole softmax; top_p (", top_p, ") and top_k (", top_k, ") must stay at 1 and 0");
-  KILN_CHECK(async_staleness >= -1, "grpo: async.max_staleness must be >= 0 (got ", async_staleness,
-             "); leave async out for the synchronous step");
-  KILN_CHECK(async_staleness >= 0 || !async_split, "grpo: async.placement split needs async rollouts ",
-             "(async.max_staleness >= 0)");
-  KILN_CHECK(async_staleness < 0 || !dynamic_sampling, "grpo: dynamic_sampling needs every rank in step ",
+  KILN_CHECK(!async || async->max_staleness >= 0, "grpo: async.max_staleness must be >= 0 (got ",
+             async ? async->max_staleness : 0, "); leave async out for the synchronous step");
+  KILN_CHECK(!async || !dynamic_sampling, "grpo: dynamic_sampling needs every rank in step ",
              "(its extra rounds are collective), which async rollouts are not; use one or the other");
   KILN_CHECK(max_sampling_rounds >= 0, "grpo: max_sampling_rounds must be >= 0 (got ", max_sampling_rounds,
              "): the extra rounds dynamic sampling may spend");
@@ -50,16 +48,20 @@ void GrpoConfig::validate() const {
   prompt.validate();
   engine.validate();
   schedule.validate();
-  lora.validate();
+  if (lora) lora->validate();
   KILN_CHECK(sync_check_tokens >= 0, "grpo: sync_check_tokens must be >= 0 (got ", sync_check_tokens, ")");
+  KILN_CHECK(!sync_check_threshold || *sync_check_threshold >= 0, "grpo: sync_check_threshold must be >= 0 when ",
+             "set (got ", sync_check_threshold.value_or(0), "); leave it unset for the default by quantisation");
 }
 
 void EvalConfig::validate() const {
-  KILN_CHECK(limit >= 0, "eval: limit must be >= 0 (got ", limit, ")");
+  KILN_CHECK(prompts >= 0, "eval: limit must be >= 0 (got ", prompts, ")");
   KILN_CHECK(samples >= 1, "eval: samples must be at least 1 (got ", samples, ")");
   KILN_CHECK(std::isfinite(temperature) && temperature >= 0, "eval: temperature must be finite and >= 0 (got ",
              temperature, "); 0 is greedy");
-  KILN_CHECK(max_tokens >= 0, "eval: max_tokens must be >= 0 (got ", max_tokens, "); 0 uses grpo.max_tokens");
+  if (!max_tokens) return;
+  KILN_CHECK(*max_tokens >= 0, "eval: max_tokens must be >= 0 (got ", *max_tokens, "); 0 uses grpo.max_tokens");
+  KILN_CHECK(*max_tokens > 0, "eval: max_tokens must be positive when set (got 0); leave it unset for grpo.max_tokens");
 }
 
 }  // namespace kiln::trainer

@@ -2,6 +2,7 @@
 // as the trainer takes them) and the held-out evaluation's.
 #pragma once
 #include <cstdint>
+#include <optional>
 
 #include "core/yaml_fwd.h"
 #include "model/lora.h"
@@ -15,6 +16,23 @@
 #include "trainer/schedule.h"
 
 namespace kiln::trainer {
+
+// Asynchronous GRPO (the recipe's grpo.async). A producer rolls out and rewards batch i with the
+// weights of update max(0, i - 1 - max_staleness) while the trainer trains the batches before it:
+// every batch is exactly min(i - 1, max_staleness) updates stale, the same whatever the timing, and
+// the loss corrects for it through the rollout's log-probs (loss.tis, loss.mis). max_staleness 0
+// runs the producer but stays on-policy (bitwise the synchronous run). Weights reach the engine
+// between the producer's batches.
+struct AsyncConfig {
+  int64_t max_staleness = 0;
+  enum class Placement {
+    kColocated,  // the producer is a thread beside the trainer on every rank
+    kSplit,      // of 2T ranks the first T train and rank T + t rolls out for trainer t
+                 // (GrpoTrainer::serve_rollouts), the same batches with the same staleness;
+                 // weights go to the rollout ranks after every update, and evaluation runs there
+  };
+  Placement placement = Placement::kColocated;
+};
 
 struct GrpoConfig {
   int64_t prompts_per_step = 16;
@@ -37,18 +55,9 @@ struct GrpoConfig {
   // Data parallel only (expert parallelism needs equal counts per rank).
   bool dynamic_sampling = false;
   int64_t max_sampling_rounds = 2;
-  // Asynchronous GRPO (grpo.async.max_staleness = k; -1: off, the synchronous step). A producer
-  // thread rolls out and rewards batch i with the weights of update max(0, i - 1 - k) while the
-  // trainer trains the batches before it: every batch is exactly min(i - 1, k) updates stale, the
-  // same whatever the timing, and the loss corrects for it through the rollout's log-probs (loss.tis,
-  // loss.mis). k = 0 runs the thread but stays on-policy (bitwise the synchronous run). Weights
-  // reach the engine between the producer's batches.
-  int64_t async_staleness = -1;
-  // grpo.async.placement: false (colocated) runs the producer as a thread beside the trainer on
-  // every rank; true (split) gives it ranks of its own: of 2T ranks, the first T train and rank
-  // T + t rolls out for trainer t (GrpoTrainer::serve_rollouts), the same batches with the same
-  // staleness. Weights go to the rollout ranks after every update; evaluation runs there.
-  bool async_split = false;
+  std::optional<AsyncConfig> async;  // grpo.async; unset: the synchronous step
+  // True under grpo.async.placement split: this job's second half of the ranks roll out.
+  bool split_placement() const { return async && async->placement == AsyncConfig::Placement::kSplit; }
   PolicyLossConfig loss;
   RewardSpec reward;                // how responses are scored (trainer/rewards.h)
   // Multi-turn (trainer/environment.h): when its command is set, every sample is an episode whose
@@ -73,13 +82,14 @@ struct GrpoConfig {
   uint64_t seed = 0;
   rollout::EngineConfig engine;
   parallel::ParallelConfig parallel;    // resolved against the group's size by the trainer
-  model::LoraConfig lora;           // rank > 0: train adapters on a frozen base (model/lora.h);
-                                    // the KL reference is then the base with adapters disabled
+  std::optional<model::LoraConfig> lora;  // set: train adapters on a frozen base (model/lora.h);
+                                          // the KL reference is then the base with adapters disabled
   // After every weight sync the trainer and the rollout score the same probe tokens; a mean
-  // |log-prob difference| above the threshold stops the run. Threshold < 0: 1e-3 for an
-  // unquantised rollout, 1.0 for NVFP4 (which differs by its quantisation). 0 tokens: no check.
+  // |log-prob difference| above the threshold stops the run. Threshold unset (the recipe's
+  // rollout.sync_check_threshold below 0): 1e-3 for an unquantised rollout, 1.0 for NVFP4 (which
+  // differs by its quantisation). 0 tokens: no check.
   int64_t sync_check_tokens = 16;
-  double sync_check_threshold = -1;
+  std::optional<double> sync_check_threshold;
   void validate() const;
 };
 
@@ -88,24 +98,23 @@ struct GrpoConfig {
 // without one, its reward) is at least 0.5; mean@k averages correctness over all samples, pass@k
 // counts prompts with at least one correct sample.
 struct EvalConfig {
-  int64_t limit = 100;              // prompts evaluated (the first `limit` of the test set)
+  int64_t prompts = 100;            // prompts evaluated (the first of the test set)
   int64_t samples = 1;              // k
   double temperature = 0;           // 0 = greedy
-  int64_t max_tokens = 0;           // 0 = grpo.max_tokens
+  std::optional<int64_t> max_tokens;  // unset (the recipe's 0): grpo.max_tokens
   void validate() const;
 };
 
 // The recipe sections the GRPO step's settings come from (trainer/grpo_config_yaml.cpp,
 // docs/CONFIG.md): prompt, grpo, loss, optim, parallel, rollout, lora, reward and environment,
-// read from the recipe's top-level mapping, each finished and checked, errors at file:line. The
-// recipe's names that differ from the fields are mapped here: grpo.async.max_staleness to
-// async_staleness (-1 without grpo.async), grpo.async.placement to async_split. GrpoConfig::validate
-// and the settings derived from other sections are the caller's (Recipe::from_yaml_file).
+// read from the recipe's top-level mapping, each finished and checked, errors at file:line. An
+// unset sync_check_threshold is the recipe's -1. GrpoConfig::validate and the settings derived from
+// other sections are the caller's (Recipe::from_yaml_file).
 void read_yaml(yaml::MapReader& top, GrpoConfig& c);
 // Writes those sections as keys of the open top-level mapping, in that order.
 void write_yaml(YAML::Emitter& e, const GrpoConfig& c);
-// The evaluation's keys of a recipe's eval: section (prompts for limit, samples, temperature,
-// max_tokens); the section's `every` is RunConfig's, whose reader finishes and checks the section.
+// The evaluation's keys of a recipe's eval: section (prompts, samples, temperature, max_tokens: 0
+// for unset); the section's `every` is RunConfig's, whose reader finishes and checks the section.
 void read_yaml(yaml::MapReader& m, EvalConfig& c);
 void write_yaml(YAML::Emitter& e, const EvalConfig& c);
 

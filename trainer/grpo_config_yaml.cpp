@@ -10,17 +10,23 @@ namespace kiln::trainer {
 
 namespace {
 
-// grpo.async: asynchronous GRPO with bounded staleness (GrpoConfig::async_staleness, async_split).
+const char* placement_name(AsyncConfig::Placement p) {
+  return p == AsyncConfig::Placement::kSplit ? "split" : "colocated";
+}
+
+// grpo.async: asynchronous GRPO with bounded staleness (AsyncConfig).
 void read_async(yaml::MapReader& a, GrpoConfig& g) {
-  a.require("max_staleness", g.async_staleness);
-  std::string placement = g.async_split ? "split" : "colocated";
+  AsyncConfig async = g.async.value_or(AsyncConfig{});
+  a.require("max_staleness", async.max_staleness);
+  std::string placement = placement_name(async.placement);
   a.get("placement", placement);
   if (placement != "colocated" && placement != "split")
     a.fail("placement", "expected colocated (a producer thread on every rank) or split (the second half of the "
                         "ranks roll out for the first), got '" + placement + "'");
-  g.async_split = placement == "split";
+  async.placement = placement == "split" ? AsyncConfig::Placement::kSplit : AsyncConfig::Placement::kColocated;
   a.finish();
-  if (g.async_staleness < 0) a.fail("max_staleness", "must be >= 0 (leave async out for the synchronous step)");
+  if (async.max_staleness < 0) a.fail("max_staleness", "must be >= 0 (leave async out for the synchronous step)");
+  g.async = async;
 }
 
 void read_grpo(yaml::MapReader& s, GrpoConfig& g) {
@@ -68,10 +74,10 @@ void write_grpo(YAML::Emitter& e, const GrpoConfig& g) {
   // Written only when on: `kiln train --resume` compares the run's saved resolved recipe with this
   // one, and recipes saved without the key must still compare equal.
   if (g.score_lp_old) e << YAML::Key << "score_lp_old" << YAML::Value << true;
-  if (g.async_staleness >= 0) {
+  if (g.async) {
     e << YAML::Key << "async" << YAML::Value << YAML::BeginMap;
-    e << YAML::Key << "max_staleness" << YAML::Value << g.async_staleness;
-    e << YAML::Key << "placement" << YAML::Value << (g.async_split ? "split" : "colocated");
+    e << YAML::Key << "max_staleness" << YAML::Value << g.async->max_staleness;
+    e << YAML::Key << "placement" << YAML::Value << placement_name(g.async->placement);
     e << YAML::EndMap;
   }
 }
@@ -100,14 +106,17 @@ void write_optim(YAML::Emitter& e, const GrpoConfig& g) {
 void read_rollout(yaml::MapReader& ro, GrpoConfig& g) {
   read_yaml(ro, g.engine);
   ro.get("sync_check_tokens", g.sync_check_tokens);
-  ro.get("sync_check_threshold", g.sync_check_threshold);
+  double threshold = g.sync_check_threshold.value_or(-1);
+  ro.get("sync_check_threshold", threshold);
+  // Below 0: unset, the threshold by quantisation.
+  g.sync_check_threshold = threshold >= 0 ? std::optional<double>(threshold) : std::nullopt;
   ro.finish();
 }
 
 void write_rollout(YAML::Emitter& e, const GrpoConfig& g) {
   write_yaml(e, g.engine);
   e << YAML::Key << "sync_check_tokens" << YAML::Value << g.sync_check_tokens;
-  e << YAML::Key << "sync_check_threshold" << YAML::Value << g.sync_check_threshold;
+  e << YAML::Key << "sync_check_threshold" << YAML::Value << g.sync_check_threshold.value_or(-1);
 }
 
 }  // namespace
@@ -125,9 +134,10 @@ void read_yaml(yaml::MapReader& top, GrpoConfig& g) {
   read_yaml(parallel, g.parallel);
   auto rollout = top.child("rollout");
   read_rollout(rollout, g);
-  if (top.has("lora")) g.lora.rank = 32;  // a lora: section turns adapters on: rank 32, alpha 64
-  auto lora = top.child("lora");
-  read_yaml(lora, g.lora);
+  if (top.has("lora")) {  // a lora: section turns adapters on: rank 32, alpha 64 unless it says otherwise
+    auto lora = top.child("lora");
+    read_yaml(lora, g.lora);
+  }
   if (top.has("reward")) {
     auto reward = top.child("reward");
     read_yaml(reward, g.reward);
@@ -151,17 +161,19 @@ void write_yaml(YAML::Emitter& e, const GrpoConfig& g) {
 }
 
 void read_yaml(yaml::MapReader& m, EvalConfig& c) {
-  m.get("prompts", c.limit);
+  m.get("prompts", c.prompts);
   m.get("samples", c.samples);
   m.get("temperature", c.temperature);
-  m.get("max_tokens", c.max_tokens);
+  int64_t max_tokens = c.max_tokens.value_or(0);
+  m.get("max_tokens", max_tokens);
+  c.max_tokens = max_tokens != 0 ? std::optional<int64_t>(max_tokens) : std::nullopt;  // 0: grpo.max_tokens
 }
 
 void write_yaml(YAML::Emitter& e, const EvalConfig& c) {
-  e << YAML::Key << "prompts" << YAML::Value << c.limit;
+  e << YAML::Key << "prompts" << YAML::Value << c.prompts;
   e << YAML::Key << "samples" << YAML::Value << c.samples;
   e << YAML::Key << "temperature" << YAML::Value << c.temperature;
-  e << YAML::Key << "max_tokens" << YAML::Value << c.max_tokens;
+  e << YAML::Key << "max_tokens" << YAML::Value << c.max_tokens.value_or(0);
 }
 
 }  // namespace kiln::trainer

@@ -27,7 +27,7 @@ Learner::Learner(model::Muse& policy, const GrpoConfig& cfg, const comm::Group& 
     const parallel::PolicyShare share = parallel::policy_share(policy.config(), policy.dtype(), cfg.parallel, group);
     const at::Tensor& experts = policy.weights().layers.front().expert_gate;
     const bool expert_shard = experts.defined() && experts.dim() == 3 && experts.size(0) < policy.config().num_experts;
-    model::add_lora(policy, cfg.lora, cfg.seed,
+    model::add_lora(policy, *cfg.lora, cfg.seed,
                     expert_shard ? share.expert_rank * (policy.config().num_experts / share.expert_ranks) : 0);
   }
   layout_ = std::make_unique<parallel::ShardedModel>(policy, cfg.parallel, group);
@@ -69,7 +69,7 @@ model::ForwardOptions Learner::forward_options() const {
   model::ForwardOptions o;
   layout_->apply(o);  // the expert exchange, ZeRO-3's gathers
   o.numerics = cfg_.engine.numerics;  // rollout.numerics: bitwise
-  o.use_fused = cfg_.fused_kernels;
+  o.kernel_path = cfg_.fused_kernels ? model::KernelPath::kFused : model::KernelPath::kGroupedMm;
   o.recompute = cfg_.recompute;
   o.load_balance = false;  // the GRPO loss has no balance term: its per-layer kernels would be waste
   return o;
@@ -293,7 +293,7 @@ rollout::WeightSource Learner::engine_source() const {
 // included, always reads the trained weights. Async rollouts need weights frozen while the trainer
 // steps, a quantised engine its own codes, a sharded layout an engine filled from every rank's share.
 bool Learner::engine_reads_trained() const {
-  return !lora() && !layout_->sharded() && cfg_.async_staleness < 0 && !cfg_.async_split &&
+  return !lora() && !layout_->sharded() && !cfg_.async &&
          cfg_.engine.quantization == rollout::Quantization::kNone;
 }
 

@@ -47,7 +47,7 @@ class Learner {
  public:
   // Records the device memory allocated after each part it builds (construction_memory).
   using MemoryNote = std::function<void(const char* what)>;
-  // Adds LoRA's adapters (lora.rank > 0) and builds the layout's shards; `cfg.parallel` is
+  // Adds LoRA's adapters (cfg.lora set) and builds the layout's shards; `cfg.parallel` is
   // resolved. The optimizer comes with prepare_training(), after the rollout engine is built.
   // `tokenizer_files`: the folder whose tokenizer files go with every saved model (may be empty).
   Learner(model::Muse& policy, const GrpoConfig& cfg, const comm::Group& group, std::string tokenizer_files,
@@ -56,7 +56,7 @@ class Learner {
   // The KL reference, the trained tensors, the optimizer and the gradient reducer.
   void prepare_training(const MemoryNote& note);
 
-  bool lora() const { return cfg_.lora.enabled(); }
+  bool lora() const { return cfg_.lora.has_value(); }
   model::Muse& trained() { return layout_->trained(); }
   const model::Muse& trained() const { return layout_->trained(); }
   const model::ExpertDispatcher* dispatcher() const { return layout_->experts(); }

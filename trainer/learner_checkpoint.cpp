@@ -136,8 +136,8 @@ void Learner::save(const std::string& dir, int64_t step, uint64_t data_position)
                                    {"seed", cfg_.seed},
                                    {"world", g.size()},
                                    {"ep", cfg_.parallel.ep},
-                                   {"lora_rank", cfg_.lora.rank},
-                                   {"lora_alpha", cfg_.lora.alpha},
+                                   {"lora_rank", cfg_.lora ? cfg_.lora->rank : 0},  // 0: no adapters
+                                   {"lora_alpha", cfg_.lora.value_or(model::LoraConfig{}).alpha},
                                    {"base_fingerprint", fingerprint}}
                         .dump(2) + "\n");
     ck.commit();
@@ -162,10 +162,11 @@ TrainedState Learner::load(const std::string& dir) {
              "grpo: checkpoint ", dir, " was written by ", st.value("world", 1), " ranks with ep=",
              st.value("ep", int64_t(1)), "; this run has ", group_.size(), " ranks with ep=", cfg_.parallel.ep,
              ": resume with the same layout (each rank's optimizer shard belongs to it)");
-  const auto& lc = cfg_.lora;
-  KILN_CHECK(st.value("lora_rank", int64_t(0)) == lc.rank && (lc.rank == 0 || st.value("lora_alpha", 0.0) == lc.alpha),
+  const int64_t rank = cfg_.lora ? cfg_.lora->rank : 0;  // as the checkpoint spells it
+  const double alpha = cfg_.lora.value_or(model::LoraConfig{}).alpha;
+  KILN_CHECK(st.value("lora_rank", int64_t(0)) == rank && (!cfg_.lora || st.value("lora_alpha", 0.0) == alpha),
              "grpo: checkpoint ", dir, " was written with lora rank ", st.value("lora_rank", int64_t(0)), " alpha ",
-             st.value("lora_alpha", 0.0), "; the recipe says rank ", lc.rank, " alpha ", lc.alpha,
+             st.value("lora_alpha", 0.0), "; the recipe says rank ", rank, " alpha ", alpha,
              ": resume with the recipe the run was started with");
   KILN_CHECK(st.value("seed", uint64_t(0)) == cfg_.seed, "grpo: checkpoint ", dir, " was made with seed ",
              st.value("seed", uint64_t(0)), " but the recipe says ", cfg_.seed);

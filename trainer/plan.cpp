@@ -25,28 +25,30 @@ std::string Layout::describe() const {
 PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
   PlanJob j;
   j.weight_bytes = dtype == "fp32" || dtype == "float32" ? 4 : dtype == "fp64" || dtype == "float64" ? 8 : 2;
-  j.lora = g.lora.enabled();
-  j.synchronous = g.async_staleness < 0;
-  j.lora_rank = g.lora.rank;
-  j.lora_targets = g.lora.targets;
+  j.lora = g.lora.has_value();
+  j.synchronous = !g.async;
+  if (g.lora) {
+    j.lora_rank = g.lora->rank;
+    j.lora_targets = g.lora->targets;
+  }
   j.muon = g.optim.use_muon;
   j.master_weights = g.optim.master_weights;
-  j.moment_bytes = g.optim.moment_dtype == at::kBFloat16 ? 2 : 4;
-  j.state_placement = optimizers::placement_name(g.optim.placement);
+  j.moment_bytes = g.optim.moments == at::kBFloat16 ? 2 : 4;
+  j.state_placement = optimizers::placement_name(g.optim.state);
   j.chunk_bytes = double(g.optim.chunk_bytes);
   j.micro_batch_seqs = g.micro_batch_seqs;
   j.prompts_per_step = g.prompts_per_step;
   j.samples_per_prompt = g.samples_per_prompt;
   j.mini_steps = g.mini_steps;
   // A recipe without a prompt limit is planned for prompts of 256 tokens.
-  j.seq_len = (g.prompt.max_prompt_tokens > 0 ? g.prompt.max_prompt_tokens : 256) + g.max_tokens;
+  j.seq_len = g.prompt.max_prompt_tokens.value_or(256) + g.max_tokens;
   j.recompute = g.recompute;
   j.rollout_quantization = rollout::quantization_name(g.engine.quantization);
   j.rollout_sharded = g.parallel.sharded_rollout();
   j.rollout_auto = g.parallel.rollout == parallel::RolloutPlacement::kAuto;
   // What the trainer and the engine refuse on a sharded rollout today (grpo.cpp, EngineConfig).
-  j.rollout_shard_allowed = g.async_staleness < 0 && !g.environment.enabled();
-  j.rollout_split = g.async_split;
+  j.rollout_shard_allowed = !g.async && !g.environment.enabled();
+  j.rollout_split = g.split_placement();
   j.kv_cache_bytes = double(g.engine.kv_cache_bytes);
   return j;
 }

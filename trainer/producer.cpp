@@ -177,7 +177,7 @@ std::vector<RewardResult> Producer::sample_and_score(const std::vector<Example>&
     rollout::Request r;
     r.prompt = test[size_t(i)].prompt_ids;
     r.params.n = k;
-    r.params.max_tokens = ec.max_tokens > 0 ? ec.max_tokens : cfg_.max_tokens;
+    r.params.max_tokens = ec.max_tokens.value_or(cfg_.max_tokens);
     r.params.stop_token_ids = tok_.stop_ids();
     r.params.temperature = ec.temperature;
     r.params.top_p = cfg_.top_p;
@@ -203,7 +203,7 @@ EvalMetrics Producer::evaluate(const EvalConfig& ec, const std::vector<Example>&
   EvalMetrics em;
   em.step = step;
   em.k = ec.temperature == 0 ? 1 : ec.samples;
-  const int64_t count = std::min<int64_t>(ec.limit, int64_t(test.size()));
+  const int64_t count = std::min<int64_t>(ec.prompts, int64_t(test.size()));
   const int64_t e0 = count * group_.rank() / group_.size(), e1 = count * (group_.rank() + 1) / group_.size();
   const std::vector<RewardResult> results = sample_and_score(test, e0, e1, em.k, ec, step);
   // Per data_source: prompts, correct samples, prompts with one correct, reward sum.

@@ -125,10 +125,11 @@ Recipe Recipe::from_yaml_file(const std::string& path) {
   top.finish();
   r.sft.seed = g.seed;
   r.sync_schedules();
-  // rollout.max_model_len left 0 is known when prompts are capped and every sample is one turn:
+  // rollout.max_model_len left unset is known when prompts are capped and every sample is one turn:
   // the engine's window pool then holds what such sequences touch (rollout/kv_cache.h).
-  if (g.engine.max_model_len == 0 && g.prompt.max_prompt_tokens > 0 && !g.environment.enabled())
-    g.engine.max_model_len = g.prompt.max_prompt_tokens + std::max(g.max_tokens, r.run.eval.max_tokens);
+  if (!g.engine.max_model_len && g.prompt.max_prompt_tokens && !g.environment.enabled())
+    g.engine.max_model_len =
+        *g.prompt.max_prompt_tokens + std::max(g.max_tokens, r.run.eval.max_tokens.value_or(g.max_tokens));
   try {
     g.validate();
   } catch (const Error& e) {

@@ -114,18 +114,18 @@ at::Tensor RolloutLink::recv_tensor(const std::string& name, const at::Tensor& l
 }
 
 void write_eval_config(ByteWriter& w, const EvalConfig& c) {
-  w.put(c.limit);
+  w.put(c.prompts);
   w.put(c.samples);
   w.put(c.temperature);
-  w.put(c.max_tokens);
+  w.put(c.max_tokens.value_or(0));  // 0: unset
 }
 
 EvalConfig read_eval_config(ByteReader& r) {
   EvalConfig c;
-  c.limit = r.get<int64_t>("eval.limit");
+  c.prompts = r.get<int64_t>("eval.prompts");
   c.samples = r.get<int64_t>("eval.samples");
   c.temperature = r.get<double>("eval.temperature");
-  c.max_tokens = r.get<int64_t>("eval.max_tokens");
+  if (const auto n = r.get<int64_t>("eval.max_tokens"); n != 0) c.max_tokens = n;
   return c;
 }
 

@@ -54,7 +54,7 @@ ProducedBatch ThreadedRollout::take(int64_t step, StepMetrics&) {
 // The weight sync of update t waits for batch t + k, the last sampled with the weights before it,
 // and none past the last step.
 void ThreadedRollout::sync_weights(int64_t step, StepMetrics& m) {
-  const int64_t made = step + std::max<int64_t>(0, cfg_.async_staleness);
+  const int64_t made = step + cfg_.async->max_staleness;
   with_producer_paused(last_step_ > 0 ? std::min(made, last_step_) : made,
                        [&] { ColocatedRollout::sync_weights(step, m); });
 }
@@ -140,7 +140,7 @@ void ThreadedRollout::produce_batches() {
       cv_.wait(lk, [&] {
         i = produced_ + 1;
         return stopping_ || ((last_step_ <= 0 || i <= last_step_) &&
-                             producer_.weight_version() >= weight_version_for(i, cfg_.async_staleness));
+                             producer_.weight_version() >= weight_version_for(i, cfg_.async->max_staleness));
       });
       if (stopping_) return;
       producing_ = true;

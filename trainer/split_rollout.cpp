@@ -30,7 +30,7 @@ RankRollout::~RankRollout() {
 }
 
 bool RankRollout::can_make(int64_t i) const {
-  return (sent_last_ <= 0 || i <= sent_last_) && sent_version_ >= weight_version_for(i, cfg_.async_staleness);
+  return (sent_last_ <= 0 || i <= sent_last_) && sent_version_ >= weight_version_for(i, cfg_.async->max_staleness);
 }
 
 void RankRollout::drain() {
@@ -203,7 +203,7 @@ bool RolloutServer::serve_session() {
   double waited = 0;
   for (;;) {
     if ((last_step_ <= 0 || next <= last_step_) &&
-        producer_.weight_version() >= weight_version_for(next, cfg_.async_staleness)) {
+        producer_.weight_version() >= weight_version_for(next, cfg_.async->max_staleness)) {
       ProducedBatch p = producer_.produce_next(next++);
       p.wait_seconds = waited;
       p.sync_check = last_sync_check_;
@@ -257,7 +257,7 @@ void RolloutServer::receive_weights(ByteReader& r, int64_t version) {
     return link_.recv_tensor(name, own);
   };
   rollout::Engine& engine = producer_.engine();
-  if (cfg_.lora.enabled()) engine.update_adapters(model_, next);
+  if (cfg_.lora) engine.update_adapters(model_, next);
   else engine.update_weights(model_, next);
   producer_.rebase(version);
   last_sync_check_ = -1;

@@ -31,9 +31,8 @@ at::Tensor probe_logprobs(const model::Muse& m, const std::vector<int64_t>& prob
 }
 
 ProbeCheck::ProbeCheck(const GrpoConfig& cfg, const Dataset& data, const text::Tokenizer& tok)
-    : threshold_(cfg.sync_check_threshold >= 0                               ? cfg.sync_check_threshold
-                 : cfg.engine.quantization == rollout::Quantization::kNone ? 1e-3
-                                                                           : 1.0),
+    : threshold_(cfg.sync_check_threshold.value_or(cfg.engine.quantization == rollout::Quantization::kNone ? 1e-3
+                                                                                                          : 1.0)),
       numerics_(cfg.engine.numerics) {
   if (cfg.sync_check_tokens == 0 || data.train.empty()) return;
   std::vector<int64_t> probe = data.train[0].prompt_ids;

@@ -29,13 +29,13 @@ at::Tensor probe_logprobs(const model::Muse& m, const std::vector<int64_t>& prob
 
 class ProbeCheck {
  public:
-  // The probe: the first training prompt and its answer, at most grpo.sync_check_tokens; none
+  // The probe: the first training prompt and its answer, at most rollout.sync_check_tokens; none
   // when that is 0 or fewer than two tokens are left.
   ProbeCheck(const GrpoConfig& cfg, const Dataset& data, const text::Tokenizer& tok);
   const std::vector<int64_t>& tokens() const { return tokens_; }
   bool enabled() const { return !tokens_.empty(); }
   // The mean |difference| of the trainer's and the rollout's probe log-probs after `step`; above
-  // the threshold (grpo.sync_check_threshold, or by quantisation) the run stops.
+  // the threshold (rollout.sync_check_threshold, or by quantisation) the run stops.
   double compare(const at::Tensor& mine, const at::Tensor& theirs, int64_t step) const;
   // The rollout engine's probe log-probs (its own model; `experts` for an expert-sharded one).
   at::Tensor engine_logprobs(const rollout::Engine& engine, const model::ExpertDispatcher* experts) const;

@@ -81,7 +81,7 @@ TEST(CudaModel, GroupedGemmEqualsExpertLoop) {
   at::Tensor lps[3];
   for (int g = 0; g < 3; ++g) {
     Muse& m = g == 0 ? f32 : gpu;
-    opt.use_grouped_mm = g == 2;
+    opt.kernel_path = g == 2 ? model::KernelPath::kFused : model::KernelPath::kLoop;
     for (auto& [n, p] : m.named_parameters()) p.mutable_grad() = at::Tensor();
     auto out = m.forward(batch, opt);
     // The fp32 routing, replayed: a near tie that bf16 rounding flips would move a token's

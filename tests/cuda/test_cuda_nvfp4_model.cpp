@@ -410,7 +410,7 @@ TEST(CudaLora, GroupedGemmAdaptersMatchTheCpuLoopAndTrain) {
   // The grouped-GEMM adapters against the per-expert loop, both bf16 on the GPU: the LoRA paths
   // agree to GEMM rounding; against fp32 on the CPU, bf16 noise of a model with large adapters.
   model::ForwardOptions loop;
-  loop.use_grouped_mm = false;
+  loop.kernel_path = model::KernelPath::kLoop;
   model::PackedBatch lb = model::PackedBatch::from_sequences(seqs, at::kCUDA);
   loop.targets = (lb.tokens * 7 + 3).remainder(cfg.vocab_size);
   // The grouped path's routing, replayed: with adapters this large a near tie that the two paths'

@@ -37,9 +37,9 @@ void run(Optimizer& o, Named& ps, int64_t from, int64_t to) {
 
 OptimizerConfig config(Placement where, at::ScalarType moments, const std::string& dir) {
   OptimizerConfig c;
-  c.placement = where;
+  c.state = where;
   c.nvme_dir = dir;
-  c.moment_dtype = moments;
+  c.moments = moments;
   c.chunk_bytes = 2000;  // the 4097-vector and the expert stack each take several chunks
   c.adamw.lr = 1e-2;
   c.adamw.weight_decay = 0.01;

@@ -252,7 +252,7 @@ TEST(CudaTrainModel, FusedPathMatchesTheComposition) {
   model::PackedBatch batch = model::PackedBatch::from_sequences(seqs, at::kCUDA);
   auto run = [&](bool fused, const at::Tensor& replay, std::map<std::string, at::Tensor>& grads) {
     model::ForwardOptions opt;
-    opt.use_fused = fused;
+    opt.kernel_path = fused ? model::KernelPath::kFused : model::KernelPath::kGroupedMm;
     opt.targets = batch.tokens.roll(-1);
     opt.replay_routing = replay;
     for (auto& [n, p] : m.named_parameters()) p.mutable_grad() = at::Tensor();

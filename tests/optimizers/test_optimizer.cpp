@@ -35,7 +35,7 @@ void set_grads(Named& ps, int64_t step) {
 
 OptimizerConfig config(Placement where, const std::string& dir = "") {
   OptimizerConfig c;
-  c.placement = where;
+  c.state = where;
   c.nvme_dir = dir;
   c.chunk_bytes = 3000;  // many chunks, most parameters split at odd offsets
   c.adamw.lr = 1e-2;
@@ -68,7 +68,7 @@ TEST(Optimizer, EveryPlacementMatchesTheInMemoryUpdate) {
     Named ref = fresh_params(), host = fresh_params(), host_cpu = fresh_params(), nvme = fresh_params();
     auto make = [&](Named& ps, Placement p) {
       OptimizerConfig c = config(p, dir.path());
-      c.moment_dtype = moments;
+      c.moments = moments;
       return std::make_unique<Optimizer>(ps, c);
     };
     auto o_ref = make(ref, Placement::kDevice), o_host = make(host, Placement::kHost),
@@ -148,7 +148,7 @@ TEST(Optimizer, Bf16StateLoadsIntoFp32MomentsAndMasterlessFilesStartMastersFromT
   test::TempDir dir;
   Named a = fresh_params();
   OptimizerConfig c = config(Placement::kHost);
-  c.moment_dtype = at::kBFloat16;
+  c.moments = at::kBFloat16;
   Optimizer bf(a, c);
   run(bf, a, 0, 2);
   bf.save(dir / "bf16.safetensors");

@@ -28,7 +28,7 @@ GrpoConfig split_grpo(int64_t k) {
   g.reward.type = RewardType::kRegexFormat;  // a digit anywhere: varies within groups
   g.reward.regex_format.pattern = "(?s).*[0-9].*";
   g.loss.tis = true;
-  g.async_staleness = k;
+  g.async = AsyncConfig{k};
   return g;
 }
 
@@ -74,18 +74,18 @@ SplitRun run(const GrpoConfig& cfg, const Group& g, const std::string& dir) {
       t.serve_rollouts();
     } else {
       t.set_last_step(2);  // then moved to 3 before step 3: the rollout rank is told (kLastStep)
-      r.evals.push_back(t.evaluate(test::eval_limit(8)));
+      r.evals.push_back(t.evaluate(test::eval_prompts(8)));
       for (int s = 1; s <= 3; ++s) {
         if (s == 3) t.set_last_step(3);
         r.steps.push_back(t.step());
         if (s != 2) continue;
-        r.evals.push_back(t.evaluate(test::eval_limit(8)));
+        r.evals.push_back(t.evaluate(test::eval_prompts(8)));
         t.save(dir);
       }
       r.weights = weights_of(p);
     }
   }
-  model::Muse p = policy(cfg.lora.enabled() ? 4 : 5);  // LoRA resumes on its base alone (checked)
+  model::Muse p = policy(cfg.lora ? 4 : 5);  // LoRA resumes on its base alone (checked)
   GrpoTrainer t(p, cfg, test::byte_tokenizer(), data(), g);
   if (t.serves_rollouts()) {
     t.serve_rollouts();
@@ -125,7 +125,7 @@ TEST(AsyncSplit, EqualsTheColocatedRunBitwise) {
     SplitRun colocated;
     const std::string ref_dir = shared_dir("colocated" + std::to_string(k));
     if (trains) colocated = run(cfg, half, ref_dir);
-    cfg.async_split = true;
+    cfg.async->placement = AsyncConfig::Placement::kSplit;
     const std::string split_dir = shared_dir("split" + std::to_string(k));
     const SplitRun apart = run(cfg, w, split_dir);
     w.barrier();
@@ -175,15 +175,14 @@ TEST(AsyncSplit, LoraAndNvfp4RolloutsEqualTheColocatedRun) {
   for (const std::string variant : {"lora", "nvfp4"}) {
     GrpoConfig cfg = split_grpo(1);
     if (variant == "lora") {
-      cfg.lora.rank = 4;
-      cfg.lora.alpha = 8;
+      cfg.lora = model::LoraConfig{4, 8};
     } else {
       cfg.engine.quantization = rollout::Quantization::kNvfp4;
     }
     SplitRun colocated;
     const std::string ref_dir = shared_dir("colocated-" + variant), split_dir = shared_dir("split-" + variant);
     if (trains) colocated = run(cfg, half, ref_dir);
-    cfg.async_split = true;
+    cfg.async->placement = AsyncConfig::Placement::kSplit;
     const SplitRun apart = run(cfg, w, split_dir);
     w.barrier();
     if (w.rank() == 0) {
@@ -218,7 +217,7 @@ TEST(AsyncSplit, ARolloutRanksErrorReachesItsTrainer) {
   const Group& w = Group::world();
   if (w.size() % 2 != 0) GTEST_SKIP() << "the split placement needs an even number of ranks";
   GrpoConfig cfg = split_grpo(1);
-  cfg.async_split = true;
+  cfg.async->placement = AsyncConfig::Placement::kSplit;
   model::Muse p = policy(4);
   GrpoTrainer t(p, cfg, test::byte_tokenizer(), data(), w, std::make_shared<FailingReward>());
   if (t.serves_rollouts()) {
@@ -237,7 +236,7 @@ TEST(AsyncSplit, ATrainerSideFailureEndsTheSessionAndTheRunGoesOn) {
   const Group& w = Group::world();
   if (w.size() % 2 != 0) GTEST_SKIP() << "the split placement needs an even number of ranks";
   GrpoConfig cfg = split_grpo(1);
-  cfg.async_split = true;
+  cfg.async->placement = AsyncConfig::Placement::kSplit;
   cfg.stop_after_nonfinite = 1;
   model::Muse p = policy(4);
   GrpoTrainer t(p, cfg, test::byte_tokenizer(), data(), w);
@@ -266,16 +265,14 @@ TEST(AsyncSplit, ATrainerSideFailureEndsTheSessionAndTheRunGoesOn) {
     EXPECT_GE(m.sync_check, 0) << "step " << s;
     EXPECT_LT(m.sync_check, 1e-5) << "step " << s;
   }
-  EXPECT_EQ(t.evaluate(test::eval_limit(8)).all.prompts, 8);
+  EXPECT_EQ(t.evaluate(test::eval_prompts(8)).all.prompts, 8);
 }
 
 TEST(AsyncSplit, MisuseIsRefusedWithAMessage) {
   const Group& w = Group::world();
-  GrpoConfig cfg = split_grpo(-1);
-  cfg.async_split = true;
-  EXPECT_TRUE(test::throws_with([&] { cfg.validate(); }, {"async.placement split needs async rollouts"}));
   if (w.size() % 2 != 0) return;
-  cfg.async_staleness = 0;
+  GrpoConfig cfg = split_grpo(0);
+  cfg.async->placement = AsyncConfig::Placement::kSplit;
   cfg.parallel.dense = parallel::DenseSharding::kZero3;
   model::Muse p = policy(4);
   EXPECT_TRUE(test::throws_with([&] { GrpoTrainer t(p, cfg, test::byte_tokenizer(), data(), w); },

@@ -89,7 +89,7 @@ void check_zero_one(optimizers::Placement placement) {
   optimizers::OptimizerConfig oc;
   oc.adamw.lr = oc.muon.lr = 1e-2;
   optimizers::Optimizer whole(a.named_parameters(), oc);
-  oc.placement = placement;
+  oc.state = placement;
   oc.nvme_dir = dir.path();
   oc.state_tag = "rank" + std::to_string(w.rank());
   const std::vector<int> owners = zero_owners(pb, w.size());
@@ -169,8 +169,7 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
   cfg.loss.kl_coef = kl_coef;
   cfg.mismatch_ab = true;
   cfg.optim.adamw.lr = cfg.optim.muon.lr = 1e-2;
-  cfg.lora.rank = lora_rank;
-  cfg.lora.alpha = 2.0 * double(lora_rank);
+  if (lora_rank > 0) cfg.lora = model::LoraConfig{lora_rank, 2.0 * double(lora_rank)};
   GrpoTrainer one(m1, cfg, test::byte_tokenizer(), data, alone);
   cfg.parallel.ep = ep;
   cfg.parallel.rollout = parse_rollout_placement(rollout);
@@ -213,7 +212,8 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
     EXPECT_LT(b.sync_check, 1e-5) << "step " << s;
     EXPECT_NEAR(b.routing_disagreement, a.routing_disagreement, 1e-12) << "step " << s;
   }
-  EXPECT_NEAR(all.evaluate(test::eval_limit(20)).all.mean_at_k, one.evaluate(test::eval_limit(20)).all.mean_at_k, 1e-12);
+  EXPECT_NEAR(all.evaluate(test::eval_prompts(20)).all.mean_at_k, one.evaluate(test::eval_prompts(20)).all.mean_at_k,
+              1e-12);
   all.sync_policy();  // a share is current already
   auto p1 = m1.named_parameters(), pw = mw.named_parameters();
   if (lora_rank > 0) {  // the base is frozen; the adapters (the experts' gathered back) are what trained
@@ -494,9 +494,10 @@ TEST(DataParallel, LayoutErrorsNameEveryValue) {
   q.ep = 3;
   EXPECT_TRUE(test::throws_with([&] { q.resolve(4, 8); }, {"divide num_experts", "ep=3", "num_experts 8"}));
   ParallelConfig r;
-  r.dp = 0;
+  r.dp.reset();
   r.resolve(4, 8);
-  EXPECT_EQ(r.dp, 4);
+  ASSERT_TRUE(r.dp.has_value());
+  EXPECT_EQ(*r.dp, 4);
   ParallelConfig sharded_alone;
   sharded_alone.rollout = RolloutPlacement::kSharded;
   EXPECT_TRUE(test::throws_with([&] { sharded_alone.resolve(4, 8); }, {"rollout sharded needs ep > 1", "ep=1"}));

@@ -68,7 +68,7 @@ TEST(KvCache, SizesItsPoolsFromTheByteBudget) {
 TEST(KvCache, MaxModelLenCutsTheReservedRingsToWhatSequencesTouch) {
   const model::ModelConfig c = cache_config();
   const KvLayout l = KvLayout::of(c, kBlock, sizeof(float));
-  EXPECT_EQ(l.window_blocks_per_seq(0), 3);
+  EXPECT_EQ(l.window_blocks_per_seq(std::nullopt), 3);  // any length: the whole ring
   EXPECT_EQ(l.window_blocks_per_seq(4), 1);
   EXPECT_EQ(l.window_blocks_per_seq(5), 2);
   EXPECT_EQ(l.window_blocks_per_seq(1000), 3);

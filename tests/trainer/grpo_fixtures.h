@@ -28,10 +28,10 @@ inline trainer::GrpoConfig small_grpo(int64_t prompts, int64_t samples, int64_t 
   return g;
 }
 
-// A single-limit evaluation (greedy, one sample per prompt).
-inline trainer::EvalConfig eval_limit(int64_t limit) {
+// An evaluation of the first `prompts` test prompts (greedy, one sample per prompt).
+inline trainer::EvalConfig eval_prompts(int64_t prompts) {
   trainer::EvalConfig e;
-  e.limit = limit;
+  e.prompts = prompts;
   return e;
 }
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <optional>
 
 #include "tests/test_util.h"
 #include "tests/trainer/grpo_fixtures.h"
@@ -16,12 +17,13 @@
 namespace kiln::trainer {
 namespace {
 
-GrpoConfig async_grpo(int64_t k) {
+// grpo.async with max_staleness k; without k the synchronous step.
+GrpoConfig async_grpo(std::optional<int64_t> k) {
   GrpoConfig g = test::small_grpo(4, 4, 3);
   g.reward.type = RewardType::kRegexFormat;  // a digit anywhere: varies within groups
   g.reward.regex_format.pattern = "(?s).*[0-9].*";
   g.loss.tis = true;                          // off-policy batches: the rollout's log-probs correct
-  g.async_staleness = k;
+  if (k) g.async = AsyncConfig{*k};
   return g;
 }
 
@@ -55,7 +57,7 @@ void expect_same(const TrainedRun& a, const TrainedRun& b, const std::string& wh
 }
 
 TEST(GrpoAsync, StalenessZeroIsTheSynchronousRunBitwise) {
-  const TrainedRun sync = run(async_grpo(-1), 3), threaded = run(async_grpo(0), 3);
+  const TrainedRun sync = run(async_grpo(std::nullopt), 3), threaded = run(async_grpo(0), 3);
   expect_same(sync, threaded, "k = 0");
   for (const StepMetrics& m : threaded.steps) {
     EXPECT_EQ(m.staleness, 0) << m.to_json();
@@ -75,7 +77,7 @@ TEST(GrpoAsync, BatchesAreExactlyKStaleAndRunsRepeat) {
     expect_same(a, b, "k = " + std::to_string(k) + ", two runs");
   }
   // Stale batches train on other weights than the synchronous run's.
-  const TrainedRun sync = run(async_grpo(-1), 3), stale = run(async_grpo(1), 3);
+  const TrainedRun sync = run(async_grpo(std::nullopt), 3), stale = run(async_grpo(1), 3);
   EXPECT_EQ(sync.steps[0].loss, stale.steps[0].loss);  // step 1 is fresh either way
   EXPECT_NE(sync.steps[2].reward + sync.steps[2].loss, stale.steps[2].reward + stale.steps[2].loss);
 }
@@ -89,7 +91,7 @@ TEST(GrpoAsync, EvaluationCheckpointAndResumeWhileTheProducerRuns) {
   {
     GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data());
     trainer.step();
-    const EvalMetrics e = trainer.evaluate(test::eval_limit(4));  // pauses the producer, runs the engine
+    const EvalMetrics e = trainer.evaluate(test::eval_prompts(4));  // pauses the producer, runs the engine
     EXPECT_EQ(e.all.prompts, 4);
     trainer.step();
     trainer.save(dir + "/ckpt");
@@ -100,7 +102,7 @@ TEST(GrpoAsync, EvaluationCheckpointAndResumeWhileTheProducerRuns) {
   EXPECT_EQ(again.steps_done(), 2);
   {  // the checkpoint's data position is after two steps' prompts, not after the batch made ahead
     model::Muse other = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
-    GrpoTrainer sync(other, async_grpo(-1), test::byte_tokenizer(), data());
+    GrpoTrainer sync(other, async_grpo(std::nullopt), test::byte_tokenizer(), data());
     sync.step();
     sync.step();
     EXPECT_EQ(again.stream().position(), sync.stream().position());
@@ -132,7 +134,7 @@ TEST(GrpoAsync, NoBatchIsSampledPastTheLastStep) {
 // The step reports the rollout engine's preemptions and KV-cache peak: a cache short of what the
 // step's sequences need at their full length preempts, and is nearly full at its peak.
 TEST(GrpoEngineMetrics, PreemptionsAndKvPeakAreReported) {
-  GrpoConfig cfg = async_grpo(-1);
+  GrpoConfig cfg = async_grpo(std::nullopt);
   cfg.max_tokens = 8;
   cfg.engine.max_num_seqs = 16;
   const model::ModelConfig mc = test::byte_vocab_config();

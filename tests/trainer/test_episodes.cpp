@@ -196,7 +196,7 @@ TEST(Grpo, MultiTurnEpisodesTrainAndEvaluate) {
     EXPECT_EQ(double(m.mismatch.tokens), m.response_length * 8) << m.to_json();
     EXPECT_LT(m.mismatch.mean_abs_token, 1e-4) << m.to_json();
   }
-  const EvalMetrics e = trainer.evaluate(test::eval_limit(4));
+  const EvalMetrics e = trainer.evaluate(test::eval_prompts(4));
   EXPECT_EQ(e.all.prompts, 4);
   EXPECT_GE(e.all.reward, 0.0);
   GrpoConfig bad = cfg;

@@ -63,7 +63,7 @@ TEST(Grpo, StepsRunWithNearZeroMismatchUnderReplayAndSyncWeights) {
   EXPECT_GT(grad_seen, 0.0);
   EXPECT_FALSE(at::equal(before, policy.weights().layers[0].pooler.detach()));
   EXPECT_EQ(trainer.stream().position(), 12u);
-  const double acc = trainer.evaluate(test::eval_limit(8)).all.mean_at_k;
+  const double acc = trainer.evaluate(test::eval_prompts(8)).all.mean_at_k;
   EXPECT_GE(acc, 0.0);
   EXPECT_LE(acc, 1.0);
 }
@@ -88,10 +88,9 @@ void check_resume(double kl_coef, optimizers::Placement state = optimizers::Plac
   GrpoConfig cfg = small_grpo();
   cfg.max_tokens = 1;
   cfg.loss.kl_coef = kl_coef;
-  cfg.optim.placement = state;
+  cfg.optim.state = state;
   cfg.optim.nvme_dir = nvme.path();
-  cfg.lora.rank = lora_rank;
-  cfg.lora.alpha = 2.0 * double(lora_rank);
+  if (lora_rank > 0) cfg.lora = model::LoraConfig{lora_rank, 2.0 * double(lora_rank)};
   cfg.dynamic_sampling = dynamic_sampling;
   std::vector<std::string> straight;
   {
@@ -237,7 +236,7 @@ TEST(Grpo, BitwiseLpOldFromTheRolloutEqualsTheScoredOne) {
     EXPECT_EQ(m.mismatch.max_abs, 0.0);
   }
   GrpoConfig stale = cfg;
-  stale.async_staleness = 1;
+  stale.async = AsyncConfig{1};
   const Run async_run = run(stale);
   EXPECT_TRUE(async_run.steps[0].lp_old_from_rollout);  // the first batch is on-policy
   EXPECT_EQ(async_run.steps[1].staleness, 1);
@@ -276,7 +275,7 @@ TEST(Grpo, SyncCheckStopsTheRunWhenTheRolloutDisagrees) {
   EXPECT_TRUE(test::throws_with([&] { trainer.step(); },
                                 {"weight sync check failed after step", "threshold 0.001", "not the trainer's"}));
   // The default threshold for an NVFP4 rollout (1.0) lets the same run go on.
-  cfg.sync_check_threshold = -1;
+  cfg.sync_check_threshold.reset();
   GrpoTrainer lenient(policy, cfg, test::byte_tokenizer(), data);
   StepMetrics m = lenient.step();
   EXPECT_GT(m.sync_check, 1e-3) << m.to_json();
@@ -347,8 +346,7 @@ TEST(Grpo, LoraSyncsAdaptersOnlyAndChecksTheSync) {
   Dataset data = test::self_consistent_problems(policy, 200);
   GrpoConfig cfg = small_grpo();
   cfg.max_tokens = 1;
-  cfg.lora.rank = 4;
-  cfg.lora.alpha = 8;
+  cfg.lora = model::LoraConfig{4, 8};
   cfg.loss.kl_coef = 0.05;
   GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data);
   int64_t adapter_bytes = 0;
@@ -371,7 +369,7 @@ TEST(Grpo, LoraSyncsAdaptersOnlyAndChecksTheSync) {
     if (n.find("lora_B") != std::string::npos) moved += t.abs().sum().item<double>();
   EXPECT_GT(moved, 0.0);
   GrpoConfig bad = cfg;
-  bad.lora.targets = {"embed_tokens"};
+  bad.lora->targets = {"embed_tokens"};
   EXPECT_TRUE(test::throws_with([&] { GrpoTrainer t(policy, bad, test::byte_tokenizer(), data); }, {"unknown target"}));
 }
 

@@ -223,13 +223,10 @@ TEST(Plan, WithinTenPercentOfTheMeasuredPeaks) {
     g.prompts_per_step = 16;
     g.samples_per_prompt = 8;
     g.micro_batch_seqs = k.micro;
-    g.optim.placement = k.placement;
+    g.optim.state = k.placement;
     g.engine.quantization = k.quantization;
     g.engine.kv_cache_bytes = 2ll << 30;
-    if (k.lora) {
-      g.lora.rank = 32;
-      g.lora.alpha = 64;
-    }
+    if (k.lora) g.lora = model::LoraConfig{32, 64};
     PlanJob job = plan_job(g, "bf16");
     job.seq_len = 22;
     const Plan p = make_plan(small(), job, one_gpu(), {1, 1, 1, DenseSharding::kReplicated});
@@ -356,7 +353,7 @@ TEST(Plan, AutoRolloutTakesAReplicaWhereOneFitsElseTheShard) {
   g.engine.quantization = rollout::Quantization::kNvfp4;
   EXPECT_TRUE(plan_job(g, "bf16").rollout_shard_allowed);
   g.engine.quantization = rollout::Quantization::kNone;
-  g.async_staleness = 1;
+  g.async = AsyncConfig{1};
   EXPECT_FALSE(plan_job(g, "bf16").rollout_shard_allowed);
 }
 
