@@ -79,7 +79,7 @@ struct GrpoTrainer::Impl {
     check_placement();
     if (!reward) reward = make_reward(cfg.reward);
     if (cfg.environment.enabled()) env = std::make_unique<Environment>(cfg.environment);
-    if (!cfg.async_split || rollout_side) {  // the ranks that score: a worker that cannot run fails now
+    if (!cfg.split_placement() || rollout_side) {  // the ranks that score: a worker that cannot run fails now
       reward->start();
       if (env) env->start();
     }

@@ -162,7 +162,7 @@ TEST(FailureBudget, AWorkerThatFailsEveryRequestStopsTheRunAtStepOne) {
   GrpoTrainer lenient(policy, cfg, test::byte_tokenizer(), problems());
   RunConfig rc;
   rc.steps = 1;
-  rc.eval.limit = 2;
+  rc.eval.prompts = 2;
   rc.tensorboard = false;
   rc.out = dir / "run";
   std::FILE* progress = std::tmpfile();
