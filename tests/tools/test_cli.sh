@@ -310,6 +310,13 @@ fi
 check_fails "plot without metrics" "cannot open" "$kiln" plot "$tmp/none"
 check "sft runs and writes weights" "sft: done" "$kiln" sft "$tmp/recipe.yaml" --steps 3 --out "$tmp/run"
 [ "$(wc -l < "$tmp/run/sft-metrics.jsonl")" = 3 ] || { echo "FAIL: sft-metrics.jsonl lacks 3 lines"; fails=$((fails+1)); }
+# A diverging lr: stop_after_nonfinite (3) non-finite steps in a row end kiln sft with an error
+# naming the step and what to try, a non-zero exit and no weights, never "sft: done".
+{ cat "$tmp/recipe.yaml"; printf 'sft:\n  lr: 1000000.0\n'; } > "$tmp/recipe-sft-lr.yaml"
+check_fails "sft with a diverging lr" "not finite (grad norm" "$kiln" sft "$tmp/recipe-sft-lr.yaml" --steps 30 --out "$tmp/sft-lr"
+check_fails "sft with a diverging lr says what to try" "in 3 update(s) in a row (stop_after_nonfinite: 3): the run has diverged. None of these updates was applied; lower sft.lr" \
+  "$kiln" sft "$tmp/recipe-sft-lr.yaml" --steps 30 --out "$tmp/sft-lr" --overwrite
+[ -e "$tmp/sft-lr/sft" ] && { echo "FAIL: a diverged sft wrote weights"; fails=$((fails+1)); }
 check "train from the sft weights" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 1 --out "$tmp/run2" --init-from "$tmp/run/sft"
 # kiln quantize: an NVFP4 checkpoint (ModelOpt names), GRPO with an NVFP4 rollout from it, errors.
 sed 's/^hidden_size: 16/hidden_size: 32/; s/^latent_size: 8/latent_size: 16/; s/^expert_ffn_size: 8/expert_ffn_size: 16/;
