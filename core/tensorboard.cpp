@@ -11,6 +11,8 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <utility>
 
 #include "core/error.h"
@@ -201,6 +203,57 @@ std::string frame(const std::string& data) {
 
 std::string error_text(int err) { return err != 0 ? std::strerror(err) : "short write"; }
 
+// --- reading back (scan_event_file) ---
+
+uint64_t get_little_endian(const std::string& b, size_t pos, int num_bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < num_bytes; ++i) v |= uint64_t(static_cast<unsigned char>(b[pos + i])) << (8 * i);
+  return v;
+}
+
+// The varint at b[pos], moving pos past it; false when it runs past the end or beyond 10 bytes.
+bool get_varint(const std::string& b, size_t& pos, uint64_t& v) {
+  v = 0;
+  for (int shift = 0; shift < 70 && pos < b.size(); shift += 7) {
+    const auto byte = static_cast<unsigned char>(b[pos++]);
+    v |= uint64_t(byte & 0x7F) << shift;
+    if ((byte & 0x80) == 0) return true;
+  }
+  return false;
+}
+
+// Event.step of an encoded Event, walking its top-level fields; false when they do not parse.
+bool event_step(const std::string& e, int64_t& step) {
+  step = 0;
+  for (size_t pos = 0; pos < e.size();) {
+    uint64_t key = 0, v = 0;
+    if (!get_varint(e, pos, key) || (key >> 3) == 0) return false;
+    const size_t left = e.size() - pos;
+    switch (key & 7) {
+      case kVarint:
+        if (!get_varint(e, pos, v)) return false;
+        if ((key >> 3) == event::kStep) step = static_cast<int64_t>(v);
+        break;
+      case kFixed64:
+        if (left < 8) return false;
+        pos += 8;
+        break;
+      case kFixed32:
+        if (left < 4) return false;
+        pos += 4;
+        break;
+      case kLengthDelimited:
+        if (!get_varint(e, pos, v) || v > e.size() - pos) return false;
+        pos += v;
+        break;
+      default:
+        return false;
+    }
+    if ((key >> 3) == event::kStep && (key & 7) != kVarint) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 uint32_t crc32c_table(const void* data, size_t size) {
@@ -364,6 +417,39 @@ void EventWriter::fail_write(const char* what, int err) {
   std::fclose(std::exchange(file_, nullptr));
   KILN_FAIL("tensorboard: cannot ", what, " the event file (path=", path_, ", error=", error_,
             "); check free disk space and that the file is still writable");
+}
+
+EventFileScan scan_event_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  KILN_CHECK(in.good(), "tensorboard: cannot open the event file (path=", path, ", error=", std::strerror(errno),
+             ") to read it back; check its permissions");
+  const std::string b((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  KILN_CHECK(!in.bad(), "tensorboard: cannot read the event file (path=", path, ")");
+  EventFileScan scan;
+  scan.file_size = b.size();
+  constexpr uint64_t kHead = 12, kTail = 4;  // length and its CRC; the data's CRC
+  const char* hint = "; the file is damaged (a kill leaves only a record cut short at the end), so move it out "
+                     "of the run's tensorboard folder";
+  size_t pos = 0;
+  while (b.size() - pos >= kHead) {
+    const uint64_t len = get_little_endian(b, pos, 8);
+    KILN_CHECK(get_little_endian(b, pos + 8, 4) == mask_crc32c(crc32c(b.data() + pos, 8)),
+               "tensorboard: the record at offset ", pos, " of ", path, " fails its length CRC", hint);
+    const uint64_t left = b.size() - pos - kHead;
+    if (left < kTail || len > left - kTail) break;  // cut short
+    const std::string event = b.substr(pos + kHead, len);
+    KILN_CHECK(get_little_endian(b, pos + kHead + len, 4) == mask_crc32c(crc32c(event.data(), event.size())),
+               "tensorboard: the record at offset ", pos, " of ", path, " fails its data CRC", hint);
+    EventRecordSpan r;
+    r.offset = pos;
+    r.size = kHead + len + kTail;
+    KILN_CHECK(event_step(event, r.step), "tensorboard: the record at offset ", pos, " of ", path,
+               " is not an Event proto", hint);
+    scan.records.push_back(r);
+    pos += r.size;
+  }
+  scan.complete_size = pos;
+  return scan;
 }
 
 }  // namespace kiln::tensorboard

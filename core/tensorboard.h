@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 namespace kiln::tensorboard {
 
@@ -69,5 +70,22 @@ class EventWriter {
   std::FILE* file_ = nullptr;
   std::string error_;  // why a failed write closed the file, repeated by later calls
 };
+
+// Where the records of an event file lie and the step of each one's event: what a resumed run needs
+// to cut the events of the steps it redoes (core/step_logs.h). Any TFRecord file of Event protos
+// reads, not only kiln's.
+struct EventRecordSpan {
+  uint64_t offset = 0, size = 0;  // the whole record: its framing and its event
+  int64_t step = 0;               // Event.step (0 where absent, as proto3 reads it)
+};
+struct EventFileScan {
+  std::vector<EventRecordSpan> records;  // the complete records, in file order
+  uint64_t complete_size = 0;            // where the complete records end
+  uint64_t file_size = 0;                // beyond complete_size: a record cut short (a writer killed mid-record)
+};
+// Reads `path` record by record. A record cut short by the end of the file ends the scan (a kill
+// leaves that, and nothing after it); a length or data CRC that does not match, or an event that
+// is not an Event proto, is an error naming the file and the record's offset.
+EventFileScan scan_event_file(const std::string& path);
 
 }  // namespace kiln::tensorboard

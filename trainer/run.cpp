@@ -17,6 +17,7 @@
 
 #include "core/comm.h"
 #include "core/error.h"
+#include "core/step_logs.h"
 #include "core/stop_signal.h"
 #include "core/tensorboard.h"
 #include "core/yaml_util.h"
@@ -32,11 +33,21 @@ std::FILE* open_log(const std::string& path, bool append) {
 
 }  // namespace
 
-RunLog::RunLog(const std::string& dir, bool tensorboard, bool append) : dir_(dir) {
+RunLog::RunLog(const std::string& dir, bool tensorboard, int64_t resumed_at) : dir_(dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   KILN_CHECK(!ec, "run: cannot create the run directory ", dir, " (", ec.message(), ")");
-  metrics_ = open_log(dir + "/metrics.jsonl", append);
+  if (resumed_at > 0) {  // before the event writer adds its file to the folder
+    const LogCut m = keep_jsonl_through(dir + "/metrics.jsonl", resumed_at);
+    const LogCut s = keep_jsonl_through(dir + "/samples.jsonl", resumed_at);
+    const LogCut t = keep_events_through(dir + "/tensorboard", resumed_at);
+    const uint64_t torn = m.torn_bytes + s.torn_bytes + t.torn_bytes;
+    if (m.dropped + s.dropped + t.dropped > 0 || torn > 0)
+      cut_report_ = fmt::format("run: the interrupted run had logged past step {}: cut {} metrics.jsonl line(s), "
+                                "{} samples.jsonl line(s), {} TensorBoard record(s) and {} byte(s) of a write "
+                                "cut short", resumed_at, m.dropped, s.dropped, t.dropped, torn);
+  }
+  metrics_ = open_log(dir + "/metrics.jsonl", /*append=*/resumed_at > 0);
   if (tensorboard) tb_ = std::make_unique<tensorboard::EventWriter>(dir + "/tensorboard");
 }
 
@@ -113,7 +124,8 @@ RunResult run_grpo(GrpoTrainer& trainer, const RunConfig& c, std::FILE* progress
   const bool lead = world.rank() == 0;
   const int64_t first = trainer.steps_done() + 1;
   std::unique_ptr<RunLog> log;
-  if (lead) log = std::make_unique<RunLog>(c.out, c.tensorboard, /*append=*/first > 1);
+  if (lead) log = std::make_unique<RunLog>(c.out, c.tensorboard, /*resumed_at=*/first - 1);
+  if (lead && progress && !log->cut_report().empty()) std::fprintf(progress, "%s\n", log->cut_report().c_str());
   const std::string ckpt = c.out + "/checkpoint";
   auto evaluate = [&] {
     EvalMetrics e = trainer.evaluate(c.eval);

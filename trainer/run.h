@@ -22,8 +22,14 @@ namespace kiln::trainer {
 // an unwritable file is an error naming the file.
 class RunLog {
  public:
-  RunLog(const std::string& dir, bool tensorboard, bool append);
+  // `resumed_at`: 0 for a fresh run (metrics.jsonl starts empty); else the step of the checkpoint
+  // a resumed run continues from. What the interrupted run logged after that step (its lines in
+  // metrics.jsonl and samples.jsonl, evaluations included, and its TensorBoard records) is cut
+  // (core/step_logs.h), so each step the run redoes appears once; the rest is appended to.
+  RunLog(const std::string& dir, bool tensorboard, int64_t resumed_at);
   ~RunLog();
+  // What the cut of a resumed run removed, one line ("" when nothing was).
+  const std::string& cut_report() const { return cut_report_; }
   void step(const StepMetrics& m);
   void eval(const EvalMetrics& m);
   // One line per sample: step, prompt, response, label, data_source, reward, components.
@@ -33,7 +39,7 @@ class RunLog {
   void write_line(const std::string& file, std::FILE* f, const std::string& line);
   void scalars(const std::string& prefix, const std::string& json, int64_t step);
 
-  std::string dir_;
+  std::string dir_, cut_report_;
   std::FILE* metrics_ = nullptr;
   std::FILE* samples_ = nullptr;
   std::unique_ptr<tensorboard::EventWriter> tb_;

@@ -26,7 +26,7 @@ void SftConfig::validate() const {
   KILN_CHECK(std::isfinite(grad_clip) && grad_clip >= 0, "sft: grad_clip must be finite and >= 0 (got ", grad_clip,
              "); 0 turns clipping off");
   KILN_CHECK(stop_after_nonfinite >= 1, "sft: stop_after_nonfinite must be at least 1 (got ", stop_after_nonfinite,
-             "): that many non-finite gradient norms in a row stop the run");
+             "): that many non-finite losses or gradient norms in a row stop the run");
   optim.validate();
   schedule.validate();
   prompt.validate();
@@ -162,6 +162,8 @@ struct SftTrainer::Impl {
         parallel(std::move(par)) {
     cfg.validate();
     guard.limit = cfg.stop_after_nonfinite;
+    guard.loss_decides = true;  // the loss is reduced over the ranks before it decides (step)
+    guard.hint = "lower sft.lr (or sft.grad_clip) and run kiln sft again";
     KILN_CHECK(cfg.batch_size >= group.size(), "sft: batch_size (", cfg.batch_size,
                ") must be at least the ranks (", group.size(), "): every rank trains on a share of every batch");
     parallel.resolve(group.size(), model.config().num_experts);
@@ -223,13 +225,14 @@ struct SftTrainer::Impl {
     }
     SftMetrics m;
     m.step = ++steps;
-    m.skipped = !guard.admit(norm, loss.item<double>(), "sft", m.step);
-    if (!m.skipped) zero->step();
+    // The loss of all ranks decides with the norm, so every rank skips alike.
     at::Tensor right = out.logits.detach().argmax(-1).eq(o.targets).logical_and(mask);
     at::Tensor sums = at::tensor({loss.item<double>(), right.sum().item<double>()}, at::kDouble);
     group.all_reduce(sums);
     m.loss = sums[0].item<double>();
     m.token_accuracy = sums[1].item<double>() / n;
+    m.skipped = !guard.admit(norm, m.loss, "sft", m.step);
+    if (!m.skipped) zero->step();
     return m;
   }
 };

@@ -36,7 +36,7 @@ struct SftConfig {
   optimizers::OptimizerConfig optim = default_optim();
   LrSchedule schedule;
   double grad_clip = 1.0;
-  int64_t stop_after_nonfinite = 3;  // non-finite gradient norms in a row that stop the run; each is skipped
+  int64_t stop_after_nonfinite = 3;  // non-finite losses or gradient norms in a row that stop the run; each is skipped
   uint64_t seed = 0;
   PromptFormat prompt;         // the same rendering GRPO uses (the recipe's prompt: section)
   Demonstrations demonstrations = Demonstrations::kLabel;
@@ -59,7 +59,7 @@ struct SftMetrics {
   int64_t step = 0;
   double loss = 0;             // mean negative log-likelihood per answer token
   double token_accuracy = 0;   // answer tokens whose argmax was right
-  bool skipped = false;        // the gradient norm was not finite: the update was not applied
+  bool skipped = false;        // the loss or the gradient norm was not finite: the update was not applied
   std::string to_json() const;
 };
 

@@ -246,6 +246,66 @@ TEST(TensorBoard, PythonReaderCatchesCorruptedBytes) {
   EXPECT_NE(run.output.find("length CRC mismatch"), std::string::npos) << run.output;
 }
 
+// scan_event_file, what a resumed run cuts by: each record's offset, size and step agree with the
+// Python reader; a record cut short ends the scan; a damaged one is an error at its offset.
+TEST(TensorBoard, ScanFindsEveryRecordAndItsStep) {
+  ASSERT_TRUE(reader_ready());
+  test::TempDir dir;
+  const std::string path = dir / "events.out.tfevents.scan";
+  {
+    EventWriter w = EventWriter::open_file(path);
+    for (int64_t step : {int64_t{0}, int64_t{1}, int64_t{1}, int64_t{-1}, int64_t{1} << 40, int64_t{7}})
+      w.add_scalar("s", double(step), step, 100.0);
+    w.add_text("t", std::string(300, 'x'), 3, 101.0);  // a record longer than one varint byte's 127
+    w.close();
+  }
+  const std::string good = read_bytes(path);
+  const EventFileScan scan = scan_event_file(path);
+  const std::vector<json> lines = decode(path);
+  ASSERT_EQ(scan.records.size(), lines.size());
+  uint64_t end = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    EXPECT_EQ(scan.records[i].step, lines[i]["step"].get<int64_t>()) << i;
+    EXPECT_EQ(scan.records[i].offset, end) << i;
+    end += scan.records[i].size;
+  }
+  EXPECT_EQ(scan.complete_size, good.size());
+  EXPECT_EQ(scan.file_size, good.size());
+
+  // Every cut inside the last record leaves the records before it.
+  const EventRecordSpan last = scan.records.back();
+  for (uint64_t keep = last.offset; keep < good.size(); keep += 37) {
+    write_bytes(path, good.substr(0, keep));
+    const EventFileScan cut = scan_event_file(path);
+    EXPECT_EQ(cut.records.size(), scan.records.size() - 1) << keep;
+    EXPECT_EQ(cut.complete_size, last.offset) << keep;
+    EXPECT_EQ(cut.file_size, keep);
+  }
+  std::string bad = good;
+  bad[last.offset + 14] ^= 0x01;  // the last record's data
+  write_bytes(path, bad);
+  EXPECT_TRUE(throws_with([&] { scan_event_file(path); },
+                          {"record at offset " + std::to_string(last.offset), path, "data CRC", "damaged"}));
+  bad = good;
+  bad[scan.records[1].offset] ^= 0x01;  // the second record's length
+  write_bytes(path, bad);
+  EXPECT_TRUE(throws_with([&] { scan_event_file(path); },
+                          {"record at offset " + std::to_string(scan.records[1].offset), "length CRC"}));
+  // Framing and CRCs right, but the data no Event (a key whose varint never ends).
+  const std::string data = "\xff\xff";
+  std::string record;
+  auto put = [&](uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) record.push_back(char((v >> (8 * i)) & 0xFF));
+  };
+  put(data.size(), 8);
+  put(mask_crc32c(crc32c(record.data(), 8)), 4);
+  record += data;
+  put(mask_crc32c(crc32c(data.data(), data.size())), 4);
+  write_bytes(path, good + record);
+  EXPECT_TRUE(throws_with([&] { scan_event_file(path); },
+                          {"record at offset " + std::to_string(good.size()), "not an Event proto"}));
+}
+
 TEST(TensorBoard, ErrorsNameThePath) {
   test::TempDir dir;
   const std::string file = dir / "plain_file";

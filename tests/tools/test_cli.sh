@@ -241,6 +241,45 @@ for point in written synced moved_old moved_new removed_old; do
     "$kiln" train "$tmp/recipe-ck1.yaml" --steps 3 --resume "$tmp/kill"
   ls -d "$tmp/kill"/checkpoint.* > /dev/null 2>&1 && { echo "FAIL: kill at $point left $(ls -d "$tmp/kill"/checkpoint.*)"; fails=$((fails+1)); }
 done
+# A kill after a step past the last checkpoint (checkpoints at 2 and 4; killed writing the one at
+# 4): --resume from 2 cuts what steps 3-4 logged, so that every step, evaluation, sample and
+# TensorBoard record appears once, those up to step 2 byte for byte as they were, and the whole
+# run's logs equal an uninterrupted run's.
+sed 's/^run:/run:\n  checkpoint_every: 2\n  samples_every: 1\n  samples_per_dump: 2/' "$tmp/recipe.yaml" > "$tmp/recipe-ck2.yaml"
+"$kiln" train "$tmp/recipe-ck2.yaml" --steps 5 --out "$tmp/whole" > /dev/null 2>&1 || { echo "FAIL: the uninterrupted run"; fails=$((fails+1)); }
+KILN_CRASH_AT=checkpoint.written:2 "$kiln" train "$tmp/recipe-ck2.yaml" --steps 5 --out "$tmp/cut" > /dev/null 2>&1
+rc=$?; [ $rc -eq 86 ] || { echo "FAIL: kill writing the step-4 checkpoint: exit $rc, expected 86"; fails=$((fails+1)); }
+head -n 5 "$tmp/cut/metrics.jsonl" > "$tmp/cut-kept.jsonl"  # the evaluation at 0, steps 1-2 and their evaluations
+check "resume cuts the interrupted run's later steps" \
+  "run: the interrupted run had logged past step 2: cut 4 metrics.jsonl line(s), 4 samples.jsonl line(s)" \
+  "$kiln" train "$tmp/recipe-ck2.yaml" --steps 5 --resume "$tmp/cut"
+no_times() { sed -E 's/"[a-z_]*(seconds|per_second|gbps)":[^,}]*,?//g' "$1"; }
+[ "$(head -n 5 "$tmp/cut/metrics.jsonl")" = "$(cat "$tmp/cut-kept.jsonl")" ] \
+  || { echo "FAIL: resume changed the metrics of the steps before its checkpoint"; fails=$((fails+1)); }
+[ "$(no_times "$tmp/cut/metrics.jsonl")" = "$(no_times "$tmp/whole/metrics.jsonl")" ] \
+  || { echo "FAIL: resumed metrics.jsonl differs from the uninterrupted run's:"; diff <(no_times "$tmp/whole/metrics.jsonl") \
+       <(no_times "$tmp/cut/metrics.jsonl") | head -5; fails=$((fails+1)); }
+cmp -s "$tmp/cut/samples.jsonl" "$tmp/whole/samples.jsonl" \
+  || { echo "FAIL: resumed samples.jsonl differs from the uninterrupted run's"; fails=$((fails+1)); }
+tb_records() {  # "tag step value" of every event in a run's event files, timings left out, sorted
+  for f in "$1"/tensorboard/*tfevents*; do /usr/bin/python3 "$src/tests/core/read_tfevents.py" "$f" || echo "UNREADABLE $f"; done \
+    | /usr/bin/python3 -c 'import json, sys
+for l in sys.stdin:
+    if l.startswith("UNREADABLE"):
+        print(l.strip()); continue
+    e = json.loads(l)
+    if "tag" in e and not any(t in e["tag"] for t in ("seconds", "per_second", "gbps")):
+        print(e["tag"], e["step"], repr(e.get("simple_value", e.get("text"))))' | sort
+}
+if /usr/bin/python3 -c 'import google.protobuf' 2> /dev/null; then
+  tb_whole=$(tb_records "$tmp/whole"); tb_cut=$(tb_records "$tmp/cut")
+  [ -n "$tb_whole" ] && [ -z "$(echo "$tb_whole" | cut -d' ' -f1,2 | uniq -d)" ] \
+    || { echo "FAIL: the uninterrupted run's events are missing or repeat a step"; fails=$((fails+1)); }
+  [ "$tb_cut" = "$tb_whole" ] || { echo "FAIL: resumed TensorBoard events differ from the uninterrupted run's:"
+    diff <(echo "$tb_whole") <(echo "$tb_cut") | head -5; fails=$((fails+1)); }
+else
+  echo "SKIP: TensorBoard events after a resume (no python3-protobuf; tools/setup.sh installs it)"
+fi
 # A scheduler's warning (SIGTERM, or SIGUSR1, which mpirun passes on to every rank): the run
 # checkpoints the step it is on, exits 0 saying how to continue, and --resume goes on from there.
 stop_and_resume() {  # stop_and_resume <name> <signal> <launcher...>
@@ -271,6 +310,13 @@ fi
 check_fails "plot without metrics" "cannot open" "$kiln" plot "$tmp/none"
 check "sft runs and writes weights" "sft: done" "$kiln" sft "$tmp/recipe.yaml" --steps 3 --out "$tmp/run"
 [ "$(wc -l < "$tmp/run/sft-metrics.jsonl")" = 3 ] || { echo "FAIL: sft-metrics.jsonl lacks 3 lines"; fails=$((fails+1)); }
+# A diverging lr: stop_after_nonfinite (3) non-finite steps in a row end kiln sft with an error
+# naming the step and what to try, a non-zero exit and no weights, never "sft: done".
+{ cat "$tmp/recipe.yaml"; printf 'sft:\n  lr: 1000000.0\n'; } > "$tmp/recipe-sft-lr.yaml"
+check_fails "sft with a diverging lr" "not finite (grad norm" "$kiln" sft "$tmp/recipe-sft-lr.yaml" --steps 30 --out "$tmp/sft-lr"
+check_fails "sft with a diverging lr says what to try" "in 3 update(s) in a row (stop_after_nonfinite: 3): the run has diverged. None of these updates was applied; lower sft.lr" \
+  "$kiln" sft "$tmp/recipe-sft-lr.yaml" --steps 30 --out "$tmp/sft-lr" --overwrite
+[ -e "$tmp/sft-lr/sft" ] && { echo "FAIL: a diverged sft wrote weights"; fails=$((fails+1)); }
 check "train from the sft weights" "train: done" "$kiln" train "$tmp/recipe.yaml" --steps 1 --out "$tmp/run2" --init-from "$tmp/run/sft"
 # kiln quantize: an NVFP4 checkpoint (ModelOpt names), GRPO with an NVFP4 rollout from it, errors.
 sed 's/^hidden_size: 16/hidden_size: 32/; s/^latent_size: 8/latent_size: 16/; s/^expert_ffn_size: 8/expert_ffn_size: 16/;

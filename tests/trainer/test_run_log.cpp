@@ -14,7 +14,7 @@ TEST(RunLog, AFullDiskIsAnErrorNamingTheFile) {
   if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
   test::TempDir dir;
   std::filesystem::create_symlink("/dev/full", dir / "metrics.jsonl");
-  RunLog log(dir.path(), /*tensorboard=*/false, /*append=*/true);
+  RunLog log(dir.path(), /*tensorboard=*/false, /*resumed_at=*/1);
   StepMetrics m;
   m.step = 1;
   EXPECT_TRUE(test::throws_with([&] { log.step(m); }, {dir / "metrics.jsonl", "cannot write", "disk space"}));

@@ -129,5 +129,33 @@ TEST(Sft, ANonFiniteGradientSkipsTheUpdateAndTooManyInARowStopTheRun) {
   EXPECT_NE(nan_loss.to_json().find("\"loss\":null"), std::string::npos) << nan_loss.to_json();
 }
 
+// A loss can be non-finite while the gradient norm is not (a target log-prob that overflows to
+// -inf has a finite gradient): here the head is NaN and every gradient hook zeroes the NaNs, so
+// only the loss shows it. The update is skipped all the same, and stop_after_nonfinite of them in
+// a row stop the run with an error naming the step, the loss and what to try.
+TEST(Sft, ANonFiniteLossSkipsTheUpdateEvenWithAFiniteGradientNorm) {
+  model::ModelConfig c = test::byte_vocab_config();
+  model::Muse m = model::Muse::init(c, 1, at::kFloat, at::kCPU);
+  SftConfig cfg;
+  cfg.batch_size = 4;
+  cfg.stop_after_nonfinite = 2;
+  SftTrainer sft(m, cfg, test::byte_tokenizer(), arithmetic_problems(8, 1, 3));
+  {
+    at::NoGradGuard no_grad;
+    m.weights().lm_head.fill_(std::nan(""));
+  }
+  std::vector<std::pair<at::Tensor, unsigned>> hooks;
+  for (auto& [name, p] : m.named_parameters())
+    hooks.emplace_back(p, p.register_hook([](const at::Tensor& g) { return g.nan_to_num(0.0, 0.0, 0.0); }));
+  const at::Tensor before = m.weights().final_norm.detach().clone();
+  const SftMetrics first = sft.step();
+  EXPECT_TRUE(std::isnan(first.loss)) << first.to_json();
+  EXPECT_TRUE(first.skipped) << "a NaN loss with a finite gradient norm was applied: " << first.to_json();
+  EXPECT_TRUE(at::equal(m.weights().final_norm.detach(), before));
+  EXPECT_TRUE(test::throws_with([&] { sft.step(); },
+                                {"sft: step 2", "the loss is not finite", "stop_after_nonfinite: 2", "lower sft.lr"}));
+  for (auto& [p, h] : hooks) p.remove_hook(h);
+}
+
 }  // namespace
 }  // namespace kiln::trainer
