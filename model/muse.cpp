@@ -513,10 +513,7 @@ MoeOut latent_moe(const ModelConfig& cfg, const LayerWeights& lw, int64_t layer,
   MoeOut r;
   r.out = project(m.to(h.scalar_type()), lw, detail::kUnpooler, layer, opt);
   r.ids = ids;
-  if (opt.load_balance) {
-    at::Tensor f = counts.to(acc) / double(T * k);
-    r.balance = (f * route.scores.mean(0)).sum() * double(E);
-  }
+  if (opt.load_balance) r.balance = load_balance_term(counts.to(acc), route.scores, k, opt.batch_reduce);
   return r;
 }
 

@@ -140,6 +140,19 @@ class ExpertDispatcher {
   virtual at::Tensor combine(const at::Tensor& y, const Routed& routed) const = 0;
 };
 
+// Sums a batch's statistics over ranks that each hold part of its tokens (context parallelism,
+// parallel/context_parallel.h), so that a batch-level term (the load-balance loss) is the whole
+// batch's on every rank. Applied from outside like WeightGather; every rank of the group calls it
+// for every layer, in the same order.
+class BatchReduce {
+ public:
+  virtual ~BatchReduce() = default;
+  // The sum over the group of t (the same shape on every rank), the same bits on every rank. Its
+  // backward passes each rank's gradient to its own t unchanged: every rank computes the same term
+  // from the sum, and the caller sums the parameter gradients over the group, which counts it once.
+  virtual at::Tensor sum(const at::Tensor& t) const = 0;
+};
+
 // How the forward orders its arithmetic (the recipe's rollout.numerics). kBitwise is batch-invariant
 // (model/batch_invariant.h): every linear, norm, routing decision, attention query and log-prob is
 // computed row by row by calls whose shapes do not depend on the batch (kernels/invariant.h on the
@@ -206,6 +219,9 @@ struct ForwardOptions {
   // layers are recomputed in the backward (as with `recompute`), so that only one layer's full
   // weights are held at a time.
   const WeightGather* gather = nullptr;
+  // This rank holds part of each sequence (context parallelism): batch-level statistics (the
+  // load-balance loss) are summed over the ranks through it; null: the batch is whole. Not owned.
+  const BatchReduce* batch_reduce = nullptr;
 };
 
 struct ForwardOutput {
@@ -281,6 +297,11 @@ at::Tensor sequence_attention(const at::Tensor& q, const at::Tensor& k, const at
 // batch for many sequences, else one sequence at a time. window <= 0: full. Differentiable.
 at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const std::vector<int64_t>& cu_seqlens, int64_t window);
+// One layer's load-balance term E * sum_i f_i * P_i: f_i the share of the T * top_k slots routed to
+// expert i (counts [E]), P_i its mean router score (scores [T, E]). With `reduce` the counts, score
+// sums and T are the group's (a batch split over ranks); without, the ops the forward always ran.
+at::Tensor load_balance_term(const at::Tensor& counts, const at::Tensor& scores, int64_t top_k,
+                             const BatchReduce* reduce);
 // [Hkv, n, hd] -> [Hq, n, hd]: query head h reads KV head h / group.
 at::Tensor expand_kv_heads(const at::Tensor& x, int64_t group);
 
