@@ -282,15 +282,18 @@ at::Tensor ContextParallel::sum(const at::Tensor& t) const {
 }
 
 at::Tensor ContextParallel::gather(const at::Tensor& local) const {
-  at::NoGradGuard no_grad;
-  std::vector<int64_t> counts, order;
+  std::vector<int64_t> counts, where;  // where[row of the whole batch] = its row in the gather
+  std::vector<int64_t> order;
   for (int r = 0; r < split_.ranks(); ++r) {
     counts.push_back(split_.num_tokens(r));
     const std::vector<int64_t> rows = split_.rows(r);
     order.insert(order.end(), rows.begin(), rows.end());
   }
-  at::Tensor all = gather_known(group_, local.detach(), counts);
-  return at::empty_like(all).index_copy_(0, long_tensor(order, all.device()), all);
+  where.assign(order.size(), 0);
+  for (size_t i = 0; i < order.size(); ++i) where[size_t(order[i])] = int64_t(i);
+  const at::Tensor all = local.requires_grad() ? GatherRows::apply(local, reinterpret_cast<int64_t>(&group_), counts)
+                                               : gather_known(group_, local, counts);
+  return all.index_select(0, long_tensor(where, all.device()));
 }
 
 model::ForwardOptions ContextParallel::options(model::ForwardOptions o) {

@@ -95,7 +95,9 @@ class ContextParallel final : public model::AttentionBackend, public model::Batc
   model::PackedBatch local_batch(const at::Tensor& tokens) const { return split_.local_batch(tokens, rank_); }
   at::Tensor local_rows(const at::Tensor& whole) const { return split_.local_rows(whole, rank_); }
   // Every rank's per-token rows [num_tokens(rank), ...] back in the whole batch's order [T, ...], on
-  // every rank (log-probs for metrics or a caller that needs whole sequences). No gradient.
+  // every rank (log-probs for a loss over whole sequences, or metrics). Differentiable: the backward
+  // sends each row's gradient to its owner, which adds the ranks' in rank order, so a loss that
+  // every rank computes alike over the whole batch is scaled by 1 / ranks before its backward.
   at::Tensor gather(const at::Tensor& local) const;
   // `o` with this object as its attention backend and batch reduction.
   model::ForwardOptions options(model::ForwardOptions o);

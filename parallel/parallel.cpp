@@ -1,4 +1,4 @@
-// dp x ep validation, bucketed gradient all-reduce, ZeRO-1 owners and the broadcast back.
+// dp x ep x cp validation, bucketed gradient all-reduce, ZeRO-1 owners and the broadcast back.
 #include "parallel/parallel.h"
 
 #include <ATen/ATen.h>
@@ -44,12 +44,13 @@ const char* rollout_placement_name(RolloutPlacement p) {
 }
 
 std::string ParallelConfig::describe() const {
-  return str_cat("dp=", dp.value_or(0), " ep=", ep, " tp=", tp, " dense=", dense_sharding_name(dense),
+  return str_cat("dp=", dp.value_or(0), " ep=", ep, cp > 1 ? str_cat(" cp=", cp) : std::string(), " tp=", tp,
+                 " dense=", dense_sharding_name(dense),
                  ep > 1 ? str_cat(" rollout=", rollout_placement_name(rollout)) : std::string());
 }
 
 void ParallelConfig::resolve(int64_t world, int64_t num_experts) {
-  const std::string given = str_cat("(given dp=", dp.value_or(0), ", ep=", ep, ", tp=", tp, "; world size ", world,
+  const std::string given = str_cat("(given dp=", dp.value_or(0), ", ep=", ep, ", cp=", cp, ", tp=", tp, "; world size ", world,
                                     ", num_experts ", num_experts, ")");
   KILN_CHECK(tp == 1, "parallel: tp is reserved for later and must be 1 ", given);
   KILN_CHECK(dense != DenseSharding::kTensor, "parallel: dense tp is planned (kiln plan) but not implemented; use ",
@@ -57,11 +58,12 @@ void ParallelConfig::resolve(int64_t world, int64_t num_experts) {
   KILN_CHECK(!sharded_rollout() || ep > 1, "parallel: rollout sharded needs ep > 1 ", given);
   KILN_CHECK(ep >= 1 && ep <= num_experts && num_experts % ep == 0,
              "parallel: ep must be at least 1, at most num_experts, and divide num_experts evenly ", given);
+  KILN_CHECK(cp >= 1, "parallel: cp must be at least 1 ", given);
   if (!dp) {
-    KILN_CHECK(world % ep == 0, "parallel: the world size must be a multiple of ep ", given);
-    dp = world / ep;
+    KILN_CHECK(world % (ep * cp) == 0, "parallel: the world size must be a multiple of ep x cp ", given);
+    dp = world / (ep * cp);
   }
-  KILN_CHECK(*dp >= 1 && *dp * ep == world, "parallel: dp x ep must equal the world size ", given);
+  KILN_CHECK(*dp >= 1 && *dp * ep * cp == world, "parallel: dp x ep x cp must equal the world size ", given);
 }
 
 void all_reduce_grads(const comm::Group& group, const std::vector<at::Tensor>& params, int64_t bucket_bytes) {

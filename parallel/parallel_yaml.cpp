@@ -10,10 +10,12 @@
 namespace kiln::parallel {
 
 void read_yaml(yaml::MapReader& m, ParallelConfig& c) {
-  int64_t dp = c.dp.value_or(0);  // 0: unset, world size / ep (a negative one fails in resolve)
+  int64_t dp = c.dp.value_or(0);  // 0: unset, world size / (ep x cp) (a negative one fails in resolve)
   m.get("dp", dp);
   c.dp = dp != 0 ? std::optional<int64_t>(dp) : std::nullopt;
   m.get("ep", c.ep);
+  m.get("cp", c.cp);
+  if (c.cp < 1) m.fail("cp", "must be at least 1 (1: no context parallelism)");
   m.get("tp", c.tp);
   m.get("collective_timeout_s", c.collective_timeout_s);
   if (!std::isfinite(c.collective_timeout_s) || c.collective_timeout_s < 0)
@@ -26,6 +28,7 @@ void read_yaml(yaml::MapReader& m, ParallelConfig& c) {
 void write_yaml(YAML::Emitter& e, const ParallelConfig& c) {
   e << YAML::Key << "dp" << YAML::Value << c.dp.value_or(0);
   e << YAML::Key << "ep" << YAML::Value << c.ep;
+  e << YAML::Key << "cp" << YAML::Value << c.cp;
   e << YAML::Key << "tp" << YAML::Value << c.tp;
   e << YAML::Key << "rollout" << YAML::Value << rollout_placement_name(c.rollout);
   e << YAML::Key << "dense" << YAML::Value << dense_sharding_name(c.dense);

@@ -135,6 +135,15 @@ struct GrpoTrainer::Impl {
                  " tokens, beyond the model's max_position_embeddings (", policy.config().max_position_embeddings,
                  "); lower either");
     }
+    if (cfg.parallel.cp > 1) {
+      // A micro-batch holds at least one trajectory of its prompt and one sampled token.
+      size_t shortest = SIZE_MAX;
+      for (const Example& e : data.train) shortest = std::min(shortest, e.prompt_ids.size());
+      KILN_CHECK(int64_t(shortest) + 1 >= cfg.parallel.cp, "grpo: parallel.cp ", cfg.parallel.cp, " splits each ",
+                 "micro-batch's tokens over ", cfg.parallel.cp, " ranks, but the shortest prompt has ", shortest,
+                 " tokens, so a micro-batch may hold fewer tokens than ranks; lower parallel.cp (it is for long ",
+                 "sequences)");
+    }
     if (cfg.parallel.ep > 1 || cfg.parallel.zero3())
       KILN_CHECK(cfg.prompts_per_step % group.size() == 0, "grpo: expert parallel and ZeRO-3 need prompts_per_step (",
                  cfg.prompts_per_step, ") divisible by the ranks (", group.size(),
@@ -205,6 +214,7 @@ struct GrpoTrainer::Impl {
     PromptBatch b = produced.batch;
     std::vector<Trajectory> trajs = finish_rewards(std::move(produced), cfg, group, m, last);
     if (cfg.dynamic_sampling) b = keep_informative_groups(trajs, m);
+    learner->share_context(trajs, b);  // parallel.cp: the group trains its ranks' trajectories together
     m.rollout_peak_gb = peaks.next();
     auto t = Clock::now();
     const OldLogprobs old = learner->score_old(trajs, b, m);

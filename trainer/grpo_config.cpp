@@ -48,6 +48,15 @@ void GrpoConfig::validate() const {
   prompt.validate();
   engine.validate();
   schedule.validate();
+  // The rollout engine attends a sequence's keys in one order; the cp ranks attend their pieces over
+  // gathered keys in another, so the trainer's log-probs could not equal the rollout's bit for bit.
+  KILN_CHECK(parallel.cp == 1 || !engine.bitwise(), "grpo: rollout.numerics bitwise needs the trainer to attend ",
+             "whole sequences as the rollout engine does; parallel.cp ", parallel.cp, " splits them over ranks and ",
+             "attends gathered keys in another order, so the mismatch could not stay 0. Use parallel.cp 1 or ",
+             "rollout.numerics standard");
+  KILN_CHECK(parallel.cp == 1 || !split_placement(), "grpo: async.placement split with parallel.cp ", parallel.cp,
+             " is not supported: the rollout ranks pair one to one with trainer ranks, which cp groups share; use ",
+             "async.placement colocated or parallel.cp 1");
   if (lora) lora->validate();
   KILN_CHECK(sync_check_tokens >= 0, "grpo: sync_check_tokens must be >= 0 (got ", sync_check_tokens, ")");
   KILN_CHECK(!sync_check_threshold || *sync_check_threshold >= 0, "grpo: sync_check_threshold must be >= 0 when ",

@@ -22,6 +22,12 @@ Learner::Learner(model::Muse& policy, const GrpoConfig& cfg, const comm::Group& 
                  const MemoryNote& note)
     : policy_(policy), cfg_(cfg), group_(group), tokenizer_files_(std::move(tokenizer_files)) {
   guard_.limit = cfg.stop_after_nonfinite;
+  data_group_ = group;
+  if (cfg.parallel.cp > 1) {  // consecutive ranks: their trajectories are consecutive in the batch
+    const int cp = int(cfg.parallel.cp), r = group.rank();
+    cp_group_ = group.split(r / cp, r);
+    data_group_ = group.split(r % cp, r);
+  }
   if (lora() && model::lora_rank(policy) == 0) {
     // A share's adapters are drawn for its own experts (the same values as the whole model's).
     const parallel::PolicyShare share = parallel::policy_share(policy.config(), policy.dtype(), cfg.parallel, group);
@@ -53,7 +59,9 @@ void Learner::prepare_training(const MemoryNote& note) {
   oc.fused = cfg_.fused_kernels;
   zero_ = std::make_unique<parallel::ZeroOne>(named, is_expert_, group_, layout_->expert_dp(), oc, layout_->zero3());
   note("optimizer");
-  if (!layout_->sharded() && group_.size() > 1)
+  // A cp group's backward exchanges gradients of keys and values: the overlapped reducer's
+  // all-reduces would interleave with them (parallel.h), so cp reduces after the backward.
+  if (!layout_->sharded() && group_.size() > 1 && cfg_.parallel.cp == 1)
     reducer_ = std::make_unique<parallel::OverlappedGradReducer>(group_, params_);
   if (reducer_) note("gradient reducer");
 }
@@ -82,7 +90,7 @@ Scored Learner::score(const model::Muse& model, const std::vector<Trajectory>& t
   model::ForwardOptions o = forward_options();
   o.gather = zero_of(model);
   o.disable_lora = base_only;
-  return score_trajectories(model, trajs, replay, cfg_.micro_batch_seqs, cfg_.temperature, o);
+  return score_trajectories(model, trajs, replay, cfg_.micro_batch_seqs, cfg_.temperature, o, &cp_group_);
 }
 
 // Under batch-invariant numerics an on-policy batch's rollout log-probs are the trainer's bit
@@ -96,13 +104,34 @@ bool Learner::lp_old_from_rollout(const StepMetrics& m) const {
          !cfg_.score_lp_old && policy_.dtype() != at::kDouble;
 }
 
+void Learner::share_context(std::vector<Trajectory>& trajs, PromptBatch& b) const {
+  if (cp_group_.size() == 1) return;
+  ByteWriter w;
+  w.put(int64_t(trajs.size()));
+  for (const Trajectory& t : trajs) write_trajectory(w, t);
+  const at::Tensor mine = w.tensor();
+  const at::Tensor sizes = cp_group_.all_gather(at::tensor(std::vector<int64_t>{mine.numel(), b.first}));
+  const at::Tensor all = cp_group_.all_gather_v(mine);
+  std::vector<Trajectory> shared;
+  int64_t at = 0;
+  for (int r = 0; r < cp_group_.size(); ++r) {
+    const int64_t n = sizes[2 * r].item<int64_t>();
+    ByteReader rd(all.data_ptr<uint8_t>() + at, size_t(n), str_cat("the trajectories of cp rank ", r));
+    const int64_t count = rd.get<int64_t>("the trajectory count");
+    for (int64_t i = 0; i < count; ++i) shared.push_back(read_trajectory(rd));
+    at += n;
+  }
+  b.first = sizes[1].item<int64_t>();  // cp rank 0's: the group's trajectories follow on from it
+  trajs = std::move(shared);
+}
+
 OldLogprobs Learner::score_old(const std::vector<Trajectory>& trajs, const PromptBatch& b, StepMetrics& m) {
   OldLogprobs o;
   Packed whole = pack(trajs, 0, trajs.size(), at::kCPU, at::kDouble);
   // The mismatch metrics see every rank's tokens (gathered; a copy on one rank).
   const int64_t n = b.total * cfg_.samples_per_prompt;
   const int64_t seq_offset = b.first * cfg_.samples_per_prompt;
-  m.tokens = int64_t(group_.all_reduce(double(whole.batch.num_tokens())));
+  m.tokens = int64_t(data_group_.all_reduce(double(whole.batch.num_tokens())));
   m.lp_old_from_rollout = o.from_rollout = lp_old_from_rollout(m);
   if (o.from_rollout) {
     o.old.logprobs = whole.rollout_lp;  // 0 off the responses; train() takes its own values there
@@ -114,18 +143,19 @@ OldLogprobs Learner::score_old(const std::vector<Trajectory>& trajs, const Promp
   // The whole batch's tokens, gathered where this step's metrics read them here.
   at::Tensor all_lp, all_mask, all_seq;
   if (!o.from_rollout || cfg_.mismatch_ab) {
-    all_lp = group_.all_gather_v(whole.rollout_lp);
-    all_mask = group_.all_gather_v(whole.mask);
-    all_seq = group_.all_gather_v(whole.seq_ids + seq_offset);
+    all_lp = data_group_.all_gather_v(whole.rollout_lp);
+    all_mask = data_group_.all_gather_v(whole.mask);
+    all_seq = data_group_.all_gather_v(whole.seq_ids + seq_offset);
   }
   if (!o.from_rollout)
-    m.mismatch = mismatch_metrics(group_.all_gather_v(o.old.logprobs.cpu()), all_lp, all_mask, all_seq, n);
+    m.mismatch = mismatch_metrics(data_group_.all_gather_v(o.old.logprobs.cpu()), all_lp, all_mask, all_seq, n);
   if (cfg_.mismatch_ab) {
     Scored other = score(trained(), trajs, !cfg_.routing_replay);
     const Scored& no_replay = cfg_.routing_replay ? other : o.old;
     m.has_no_replay = true;
-    m.mismatch_no_replay = mismatch_metrics(group_.all_gather_v(no_replay.logprobs.cpu()), all_lp, all_mask, all_seq, n);
-    at::Tensor own = group_.all_gather_v(no_replay.routing), replayed = group_.all_gather_v(whole.routing);
+    m.mismatch_no_replay =
+        mismatch_metrics(data_group_.all_gather_v(no_replay.logprobs.cpu()), all_lp, all_mask, all_seq, n);
+    at::Tensor own = data_group_.all_gather_v(no_replay.routing), replayed = data_group_.all_gather_v(whole.routing);
     m.routing_disagreement = routing_disagreement(own, replayed, at::ones({own.size(0)}));
   }
   // lp_ref for the k3 KL term, with the same expert sets as lp_old.
@@ -140,8 +170,8 @@ OldLogprobs Learner::score_old(const std::vector<Trajectory>& trajs, const Promp
 void Learner::measure_mismatch(const OldLogprobs& o, const at::Tensor& lp, int64_t first_token,
                                StepMetrics& m) const {
   const int64_t n = lp.size(0);
-  auto part = [&](const at::Tensor& t) { return group_.all_gather_v(t.narrow(0, first_token, n)); };
-  m.mismatch = mismatch_metrics(group_.all_gather_v(lp), part(o.whole.rollout_lp), part(o.whole.mask),
+  auto part = [&](const at::Tensor& t) { return data_group_.all_gather_v(t.narrow(0, first_token, n)); };
+  m.mismatch = mismatch_metrics(data_group_.all_gather_v(lp), part(o.whole.rollout_lp), part(o.whole.mask),
                                 part(o.whole.seq_ids + o.seq_offset), o.num_seqs);
 }
 
@@ -175,7 +205,7 @@ void Learner::train(const std::vector<Trajectory>& trajs, const OldLogprobs& o, 
     mini_step(ms, trajs, o, step, m);
   }
   at::Tensor loss_parts = at::tensor({ms.loss_sum, ms.clip_sum, ms.kl_sum, ms.mis_sum, ms.loss_tokens}, at::kDouble);
-  group_.all_reduce(loss_parts);
+  data_group_.all_reduce(loss_parts);  // a cp group's ranks computed the same sums
   const double in_loss = std::max(loss_parts[4].item<double>(), 1.0);
   m.loss = loss_parts[0].item<double>() / double(cfg_.mini_steps);
   m.clip_fraction = loss_parts[1].item<double>() / in_loss;
@@ -198,7 +228,7 @@ void Learner::mini_step(MiniStep& ms, const std::vector<Trajectory>& trajs, cons
       layout_->sharded() ? int64_t(group_.all_reduce(double(mine), comm::ReduceOp::kMax)) - mine : 0;
   const double local_tokens =
       ms.mb < ms.me ? pack(trajs, ms.mb, ms.me, at::kCPU, at::kDouble).loss_mask.sum().item<double>() : 0.0;
-  const double slice_tokens = std::max(group_.all_reduce(local_tokens), 1.0);
+  const double slice_tokens = std::max(data_group_.all_reduce(local_tokens), 1.0);
   for (at::Tensor& p : params_) p.mutable_grad().reset();
   if (ms.index == 0) m.train_start_gb = model::current_memory_gb(device);
   bool armed = false;
@@ -212,7 +242,8 @@ void Learner::mini_step(MiniStep& ms, const std::vector<Trajectory>& trajs, cons
     fo.targets = p.targets;
     fo.temperature = cfg_.temperature;
     if (cfg_.routing_replay) fo.replay_routing = p.routing;
-    auto out = trained().forward(p.batch, fo);
+    const SplitForward f = forward_split(trained(), p, fo, &cp_group_);
+    const model::ForwardOutput& out = f.out;
     const int64_t t0 = token_offsets[mb0], nt = token_offsets[e] - token_offsets[mb0];
     PolicyLossInputs in;
     in.logprobs = out.logprobs;
@@ -232,7 +263,9 @@ void Learner::mini_step(MiniStep& ms, const std::vector<Trajectory>& trajs, cons
     in.total_tokens = slice_tokens;
     in.total_seqs = double(ms.ge - ms.gb);
     auto lo = policy_loss(in, cfg_.loss);
-    lo.loss.backward();
+    // Each rank of a cp group computes the whole micro-batch's loss; the gather's backward adds
+    // their gradients, so each carries its share.
+    (cp_group_.size() > 1 ? lo.loss / double(cp_group_.size()) : lo.loss).backward();
     ms.loss_sum += lo.loss.item<double>();
     const double tokens = p.loss_mask.sum().item<double>();  // what the fractions are over
     ms.clip_sum += lo.clip_fraction * tokens;
@@ -274,6 +307,8 @@ double Learner::reduce_and_clip(bool armed) {
   if (reducer_) {
     if (!armed) reducer_->arm();  // no trajectories here in this mini-step: still joins in
     reducer_->finish();
+  } else {
+    parallel::all_reduce_grads(group_, params_);  // a cp layout (a one-rank group does nothing)
   }
   return torch::nn::utils::clip_grad_norm_(params_, cfg_.grad_clip > 0 ? cfg_.grad_clip : INFINITY);
 }

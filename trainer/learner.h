@@ -63,6 +63,11 @@ class Learner {
   parallel::ShardedModel& layout() { return *layout_; }
 
   // ---- the step ----
+  // Under parallel.cp the trajectories of every rank of this rank's cp group, in rank order, and
+  // the batch they form (first and total; its prompts stay this rank's): what the group trains
+  // together, each micro-batch's tokens split over its ranks (collective over the group). Without
+  // cp it leaves both as they are.
+  void share_context(std::vector<Trajectory>& trajs, PromptBatch& b) const;
   // lp_old (the rollout's log-probs where they are the trainer's bit for bit, else a forward under
   // replay), lp_ref, and the mismatch metrics over every rank's tokens (collective).
   OldLogprobs score_old(const std::vector<Trajectory>& trajs, const PromptBatch& b, StepMetrics& m);
@@ -109,7 +114,9 @@ class Learner {
 
   model::Muse& policy_;
   const GrpoConfig& cfg_;
-  const comm::Group& group_;
+  const comm::Group& group_;                     // every trainer rank: gradients, optimizer state
+  comm::Group cp_group_;                         // parallel.cp consecutive ranks that split each micro-batch
+  comm::Group data_group_;                       // one rank of each cp group: sums over the data (metrics)
   std::string tokenizer_files_;
   std::unique_ptr<parallel::ShardedModel> layout_;
   std::unique_ptr<model::Muse> reference_;       // frozen copy of the starting policy, when kl_coef != 0

@@ -25,6 +25,8 @@ Example read_example(ByteReader& r) {
   return e;
 }
 
+}  // namespace
+
 void write_trajectory(ByteWriter& w, const Trajectory& t) {
   w.put(t.tokens);
   w.put(t.prompt_len);
@@ -48,6 +50,8 @@ Trajectory read_trajectory(ByteReader& r) {
   t.in_loss = r.get<uint8_t>("a trajectory's loss flag") != 0;
   return t;
 }
+
+namespace {
 
 void write_request(ByteWriter& w, const RewardRequest& q) {
   w.put(q.id);

@@ -40,6 +40,10 @@ struct ProducedBatch {
   double sync_check = -1;             // split ranks: the probe check of the weights it was sampled with
 };
 
+// One trajectory's fields, in order; read_trajectory gives back an equal one (routing on the CPU).
+void write_trajectory(ByteWriter& w, const Trajectory& t);
+Trajectory read_trajectory(ByteReader& r);
+
 // Every field, in order; read_produced gives back an equal batch (tensors on the CPU).
 void write_produced(ByteWriter& w, const ProducedBatch& p);
 ProducedBatch read_produced(ByteReader& r);

@@ -62,13 +62,31 @@ void for_each_micro_batch(const model::Muse& model, const std::vector<Trajectory
 }
 }  // namespace
 
+SplitForward forward_split(const model::Muse& model, const Packed& p, model::ForwardOptions o,
+                           const comm::Group* context) {
+  SplitForward f;
+  if (!context || context->size() == 1) {
+    f.out = model.forward(p.batch, o);
+    return f;
+  }
+  f.split = std::make_unique<parallel::ContextParallel>(*context, p.batch.cu_seqlens, model.config(), model.device());
+  const parallel::ContextParallel& c = *f.split;
+  if (o.targets.defined()) o.targets = c.local_rows(o.targets);
+  if (o.replay_routing.defined()) o.replay_routing = c.local_rows(o.replay_routing);
+  f.out = model.forward(c.local_batch(p.batch.tokens), f.split->options(o));
+  if (f.out.logprobs.defined()) f.out.logprobs = c.gather(f.out.logprobs);
+  if (f.out.routing.defined()) f.out.routing = c.gather(f.out.routing);
+  return f;
+}
+
 Scored score_trajectories(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay,
-                          int64_t micro_batch_seqs, double temperature, const model::ForwardOptions& base) {
+                          int64_t micro_batch_seqs, double temperature, const model::ForwardOptions& base,
+                          const comm::Group* context) {
   std::vector<at::Tensor> lps, routes;
   for_each_micro_batch(model, trajs, micro_batch_seqs, replay, base, [&](const Packed& p, model::ForwardOptions& o) {
     o.targets = p.targets;
     o.temperature = temperature;
-    auto out = model.forward(p.batch, o);
+    auto out = forward_split(model, p, o, context).out;
     lps.push_back(out.logprobs.to(at::kDouble));
     routes.push_back(out.routing.cpu());
   });

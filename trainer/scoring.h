@@ -5,9 +5,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "core/comm.h"
 #include "model/muse.h"
+#include "parallel/context_parallel.h"
 
 namespace kiln::trainer {
 
@@ -36,6 +39,18 @@ struct Packed {
 // Trajectories [begin, end) packed on `device`; mask, rollout_lp and advantages in `dtype`.
 Packed pack(const std::vector<Trajectory>& trajs, size_t begin, size_t end, at::Device device, at::ScalarType dtype);
 
+// The forward of a packed micro-batch whose tokens are split over the ranks of `context` (a cp
+// group, parallel/context_parallel.h; null or one rank: the whole batch here). Every rank of the
+// group runs it together on the same micro-batch; the log-probs and routing come back in the whole
+// batch's order on every rank, the log-probs differentiable. `split` holds the exchange that the
+// backward (and a recomputed layer) needs: keep it until the backward is done.
+struct SplitForward {
+  std::unique_ptr<parallel::ContextParallel> split;
+  model::ForwardOutput out;
+};
+SplitForward forward_split(const model::Muse& model, const Packed& p, model::ForwardOptions o,
+                           const comm::Group* context);
+
 struct Scored {
   at::Tensor logprobs;  // [T] float64, every position of the packed trajectories (0 where no target)
   at::Tensor routing;   // [T, L, k] uint8 on the CPU: the routing the forward used
@@ -43,9 +58,11 @@ struct Scored {
 
 // Log-probs of every target of `trajs` under `model` at `temperature`, in micro-batches of
 // `micro_batch_seqs` trajectories, with the rollout's routing replayed or the model's own. `base`
-// carries the other forward options (the expert group, disable_lora). No gradient.
+// carries the other forward options (the expert group, disable_lora); `context` splits each
+// micro-batch's tokens over a cp group (forward_split). No gradient.
 Scored score_trajectories(const model::Muse& model, const std::vector<Trajectory>& trajs, bool replay,
-                          int64_t micro_batch_seqs, double temperature, const model::ForwardOptions& base);
+                          int64_t micro_batch_seqs, double temperature, const model::ForwardOptions& base,
+                          const comm::Group* context = nullptr);
 
 // The entropy (nats) of the model's next-token distribution at `temperature` at every position of
 // the packed trajectories, [T] float64, with the rollout's routing replayed; the lm_head runs over

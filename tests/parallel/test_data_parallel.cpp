@@ -157,7 +157,7 @@ std::vector<std::pair<std::string, std::pair<at::Tensor, at::Tensor>>> held(cons
 // (trainer::policy_share, drawn by Muse::init_owned, as kiln train builds it): the trainer then
 // never holds the whole model, and the share is compared with the same slice of the one-rank run.
 void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::string& rollout = "replica",
-                int64_t lora_rank = 0, bool zero3 = false, bool share = false) {
+                int64_t lora_rank = 0, bool zero3 = false, bool share = false, int64_t cp = 1) {
   const Group& w = Group::world();
   const Group alone = w.split(w.rank(), 0);  // a one-rank group: the reference run
   model::ModelConfig mc = test::byte_vocab_config();
@@ -172,6 +172,7 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
   if (lora_rank > 0) cfg.lora = model::LoraConfig{lora_rank, 2.0 * double(lora_rank)};
   GrpoTrainer one(m1, cfg, test::byte_tokenizer(), data, alone);
   cfg.parallel.ep = ep;
+  cfg.parallel.cp = cp;
   cfg.parallel.rollout = parse_rollout_placement(rollout);
   if (zero3) cfg.parallel.dense = DenseSharding::kZero3;
   const PolicyShare ps = policy_share(mc, at::kFloat, cfg.parallel, w);
@@ -229,7 +230,8 @@ void check_grpo(int64_t ep, int64_t mini_steps, double kl_coef = 0, const std::s
     at::Tensor id = at::tensor(std::vector<int64_t>{int64_t(::getpid())});
     w.broadcast(id, 0);  // one directory for every rank (they share the machine)
     const std::string dir = "/tmp/kiln-mpi-ckpt-" + std::to_string(id.item<int64_t>()) + "-" + rollout +
-                            std::to_string(ep) + (kl_coef != 0 ? "kl" : "") + (zero3 ? "z3" : "");
+                            std::to_string(ep) + (kl_coef != 0 ? "kl" : "") + (zero3 ? "z3" : "") + "cp" +
+                            std::to_string(cp);
     all.save(dir);
     {  // every rank: what it holds is what was written
       const model::Muse saved = model::load_checkpoint(dir + "/model", at::kFloat, at::kCPU);
@@ -283,6 +285,21 @@ TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
   check_grpo(Group::world().size(), 1, 0.05, "replica", /*lora_rank=*/4);
   if (Group::world().size() > 1) check_grpo(Group::world().size(), 1, 0, "sharded", 4);
   if (Group::world().size() == 4) check_grpo(2, 1, 0, "sharded");
+}
+
+// Context parallelism (parallel.cp): each cp group trains the trajectories its ranks rolled out,
+// every micro-batch's tokens split over the group, and the run is one rank's: cp over every rank,
+// with the KL reference scored split too, with LoRA; at 4 ranks dp 2 x cp 2, ep 2 x cp 2 (tokens
+// of each cp rank go to the expert owners) and ZeRO-3 under cp 2, each resumed from its checkpoint.
+TEST(DataParallel, GrpoWithContextParallelMatchesOneRank) {
+  const int64_t world = Group::world().size();
+  check_grpo(1, 3, 0, "replica", 0, false, false, /*cp=*/world);
+  check_grpo(1, 1, /*kl_coef=*/0.05, "replica", /*lora_rank=*/4, false, false, world);
+  if (world == 4) {
+    check_grpo(1, 3, 0.05, "replica", 0, false, false, 2);
+    check_grpo(2, 1, 0, "replica", 0, false, false, 2);
+    check_grpo(1, 1, 0, "replica", 0, /*zero3=*/true, false, 2);
+  }
 }
 
 // rollout.numerics bitwise over every rank, data parallel and with the experts sharded: lp_old is
@@ -489,7 +506,7 @@ TEST(DataParallel, AFailureBudgetPassedOnSomeRanksStopsEveryRank) {
 TEST(DataParallel, LayoutErrorsNameEveryValue) {
   ParallelConfig p;
   p.dp = 3;
-  EXPECT_TRUE(test::throws_with([&] { p.resolve(4, 8); }, {"dp x ep must equal the world size", "dp=3", "world size 4"}));
+  EXPECT_TRUE(test::throws_with([&] { p.resolve(4, 8); }, {"dp x ep x cp must equal the world size", "dp=3", "world size 4"}));
   ParallelConfig q;
   q.ep = 3;
   EXPECT_TRUE(test::throws_with([&] { q.resolve(4, 8); }, {"divide num_experts", "ep=3", "num_experts 8"}));
@@ -498,6 +515,14 @@ TEST(DataParallel, LayoutErrorsNameEveryValue) {
   r.resolve(4, 8);
   ASSERT_TRUE(r.dp.has_value());
   EXPECT_EQ(*r.dp, 4);
+  ParallelConfig with_cp;
+  with_cp.cp = 2;
+  with_cp.resolve(4, 8);
+  EXPECT_EQ(*with_cp.dp, 2);
+  EXPECT_NE(with_cp.describe().find("cp=2"), std::string::npos) << with_cp.describe();
+  ParallelConfig odd_cp;
+  odd_cp.cp = 3;
+  EXPECT_TRUE(test::throws_with([&] { odd_cp.resolve(4, 8); }, {"multiple of ep x cp", "cp=3", "world size 4"}));
   ParallelConfig sharded_alone;
   sharded_alone.rollout = RolloutPlacement::kSharded;
   EXPECT_TRUE(test::throws_with([&] { sharded_alone.resolve(4, 8); }, {"rollout sharded needs ep > 1", "ep=1"}));

@@ -554,7 +554,7 @@ check_fails "bad dense sharding" "parallel.dense: parallel: unknown dense shardi
   "$kiln" train "$tmp/z3bad.yaml" --steps 1 --out "$tmp/z3bad"
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  dp: 3\n'; } > "$tmp/dp3.yaml"
 out=$(mpi -np 2 "$kiln" train "$tmp/dp3.yaml" --steps 1 --out "$tmp/dp3" 2>&1); rc=$?
-[ $rc -ne 0 ] && [[ "$out" == *"error on rank 0"*"dp x ep must equal the world size"* ]] && [[ "$out" != *"train: 1 steps"* ]] \
+[ $rc -ne 0 ] && [[ "$out" == *"error on rank 0"*"dp x ep x cp must equal the world size"* ]] && [[ "$out" != *"train: 1 steps"* ]] \
   && [[ "$out" != *"error on rank 1"* ]] \
   || { echo "FAIL: bad layout on 2 ranks (rc=$rc): $out" | head -5; fails=$((fails+1)); }
 start=$(date +%s)
