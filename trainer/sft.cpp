@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/yaml_util.h"
+#include "parallel/context_parallel.h"
 #include "parallel/parallel.h"
 #include "parallel/sharded_model.h"
 #include "model/expert_parallel.h"
@@ -147,6 +148,7 @@ struct SftTrainer::Impl {
   DemoReport demos;  // what the environment demonstrated (sft.demonstrations: environment)
   DataStream stream;
   comm::Group group;
+  comm::Group cp_group;  // parallel.cp consecutive ranks: one share of the batch, its tokens split
   parallel::ParallelConfig parallel;
   std::unique_ptr<parallel::ShardedModel> layout;  // the trained model under the layout
   std::vector<at::Tensor> params;  // all trained tensors: clipping and the gradient reduction
@@ -164,9 +166,11 @@ struct SftTrainer::Impl {
     guard.limit = cfg.stop_after_nonfinite;
     guard.loss_decides = true;  // the loss is reduced over the ranks before it decides (step)
     guard.hint = "lower sft.lr (or sft.grad_clip) and run kiln sft again";
-    KILN_CHECK(cfg.batch_size >= group.size(), "sft: batch_size (", cfg.batch_size,
-               ") must be at least the ranks (", group.size(), "): every rank trains on a share of every batch");
     parallel.resolve(group.size(), model.config().num_experts);
+    const int64_t shards = group.size() / parallel.cp;
+    KILN_CHECK(cfg.batch_size >= shards, "sft: batch_size (", cfg.batch_size, ") must be at least the data shards (",
+               shards, " = ranks / parallel.cp): every shard trains on a share of every batch");
+    if (parallel.cp > 1) cp_group = group.split(int(group.rank() / parallel.cp), group.rank());
     layout = std::make_unique<parallel::ShardedModel>(model, parallel, group);
     model::Muse& trained = layout->trained();
     trained.set_requires_grad(true);
@@ -176,7 +180,10 @@ struct SftTrainer::Impl {
       is_expert.push_back(parallel.ep > 1 && model::is_expert_tensor(name));
     }
     zero = std::make_unique<parallel::ZeroOne>(named, is_expert, group, layout->expert_dp(), cfg.optim, layout->zero3());
-    if (!layout->sharded() && group.size() > 1) reducer = std::make_unique<parallel::OverlappedGradReducer>(group, params);
+    // A cp group's backward exchanges key and value gradients, which the overlapped reducer's
+    // all-reduces must not interleave with: under cp the gradients are summed after it.
+    if (!layout->sharded() && group.size() > 1 && parallel.cp == 1)
+      reducer = std::make_unique<parallel::OverlappedGradReducer>(group, params);
   }
 
   std::vector<Example> prepared(std::vector<Example> train, Environment* env) {
@@ -193,9 +200,9 @@ struct SftTrainer::Impl {
   SftMetrics step() {
     std::vector<std::vector<int64_t>> seqs;
     std::vector<int64_t> targets;
-    // Every rank draws the same batch and takes its contiguous share.
+    // Every rank draws the same batch and takes its contiguous share (a cp group one share).
     std::vector<Example> batch_all = stream.next(cfg.batch_size);
-    const size_t R = size_t(group.size()), r = size_t(group.rank());
+    const size_t R = size_t(group.size() / parallel.cp), r = size_t(group.rank() / parallel.cp);
     for (size_t i = batch_all.size() * r / R; i < batch_all.size() * (r + 1) / R; ++i) {
       auto [seq, t] = sft_sequence(batch_all[i], *tok);
       targets.insert(targets.end(), t.begin(), t.end());
@@ -207,6 +214,14 @@ struct SftTrainer::Impl {
     layout->apply(o);  // the expert exchange, ZeRO-3's gathers
     o.targets = at::tensor(targets, at::kLong).to(model.device());
     o.return_logits = true;
+    // Under cp this rank holds its pieces of the share's tokens: each token's loss on one rank.
+    std::unique_ptr<parallel::ContextParallel> split;
+    if (cp_group.size() > 1) {
+      split = std::make_unique<parallel::ContextParallel>(cp_group, batch.cu_seqlens, model.config(), model.device());
+      batch = split->local_batch(batch.tokens);
+      o.targets = split->local_rows(o.targets);
+      o = split->options(o);
+    }
     auto out = trained.forward(batch, o);
     at::Tensor mask = o.targets.ne(-100);
     const double n = std::max(group.all_reduce(mask.sum().item<double>()), 1.0);  // answer tokens, all ranks
@@ -221,6 +236,7 @@ struct SftTrainer::Impl {
       norm = parallel::clip_grads_expert_parallel(params, is_expert, layout->ep_group(), cfg.grad_clip, layout->zero3());
     } else {
       if (reducer) reducer->finish();
+      else parallel::all_reduce_grads(group, params);  // under cp (a one-rank group does nothing)
       norm = torch::nn::utils::clip_grad_norm_(params, cfg.grad_clip > 0 ? cfg.grad_clip : INFINITY);
     }
     SftMetrics m;

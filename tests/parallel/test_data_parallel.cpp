@@ -398,7 +398,7 @@ TEST(DataParallel, GrpoFromSharesMatchesOneRank) {
 // whole model or from shares, against the same steps on one rank: the same losses and token
 // accuracies, each rank's tensors the same slice of the one-rank run's, and save_model written by
 // share loads as what the ranks hold.
-void check_sft(int64_t ep, bool zero3, bool share) {
+void check_sft(int64_t ep, bool zero3, bool share, int64_t cp = 1) {
   const Group& w = Group::world();
   const Group alone = w.split(w.rank(), 0);
   const model::ModelConfig mc = test::byte_vocab_config();
@@ -410,13 +410,14 @@ void check_sft(int64_t ep, bool zero3, bool share) {
   SftTrainer one(m1, sc, test::byte_tokenizer(), train, alone);
   ParallelConfig par;
   par.ep = ep;
+  par.cp = cp;
   if (zero3) par.dense = DenseSharding::kZero3;
   const PolicyShare ps = policy_share(mc, at::kFloat, par, w);
   const auto keep = ps.keep ? ps.keep : [](const std::string&) { return true; };
   model::Muse mw = share ? model::Muse::init_owned(mc, 3, at::kFloat, at::kCPU, ps.expert_rank, ps.expert_ranks, keep)
                          : model::Muse::init(mc, 3, at::kFloat, at::kCPU);
   SftTrainer all(mw, sc, test::byte_tokenizer(), train, w, nullptr, par);
-  const std::string what = str_cat("ep=", ep, " zero3=", zero3, " share=", share);
+  const std::string what = str_cat("ep=", ep, " zero3=", zero3, " share=", share, " cp=", cp);
   for (int s = 0; s < 3; ++s) {
     const SftMetrics a = one.step(), b = all.step();
     EXPECT_NEAR(b.loss, a.loss, 1e-5 * std::max(1.0, std::abs(a.loss))) << what << " step " << s;
@@ -429,7 +430,7 @@ void check_sft(int64_t ep, bool zero3, bool share) {
   }
   at::Tensor id = at::tensor(std::vector<int64_t>{int64_t(::getpid())});
   w.broadcast(id, 0);
-  const std::string dir = str_cat("/tmp/kiln-mpi-sft-", id.item<int64_t>(), "-", ep, zero3, share);
+  const std::string dir = str_cat("/tmp/kiln-mpi-sft-", id.item<int64_t>(), "-", ep, zero3, share, cp);
   all.save_model(dir);
   const model::Muse saved = model::load_checkpoint(dir, at::kFloat, at::kCPU);
   for (const auto& [name, t] : held(saved.named_parameters(), mw.named_parameters(), ps.expert_rank))
@@ -443,6 +444,17 @@ TEST(DataParallel, SftUnderExpertParallelAndZero3MatchesOneRank) {
   check_sft(W, false, false);  // experts sharded from a whole model
   check_sft(1, true, true);    // every tensor under ZeRO-3, from shares
   check_sft(W, true, true);    // experts sharded and the dense part under ZeRO-3, from shares
+}
+
+// SFT under parallel.cp: each cp group trains one share of the batch, its sequences' tokens split
+// over the group; cp over every rank, and at 4 ranks ep 2 x cp 2 and ZeRO-3 from shares x cp 2.
+TEST(DataParallel, SftUnderContextParallelMatchesOneRank) {
+  const int64_t W = Group::world().size();
+  check_sft(1, false, false, /*cp=*/W);
+  if (W == 4) {
+    check_sft(2, false, false, 2);
+    check_sft(1, true, true, 2);
+  }
 }
 
 // Dynamic sampling over every rank: each rank drops its flat groups, the rounds continue while
