@@ -549,6 +549,18 @@ check_fails "split on one rank" "split, which needs an even number of ranks, the
 resumes_exactly "train with the dense part under ZeRO-3" "dense=zero3" "$tmp/z3.yaml" "$tmp/z3"
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  dense: zero3\n  ep: 2\n  rollout: sharded\n'; } > "$tmp/z3s.yaml"
 check "ZeRO-3 beside sharded engines" "dense=zero3 rollout=sharded" mpi -np 2 "$kiln" train "$tmp/z3s.yaml" --steps 2 --out "$tmp/z3s"
+# Context parallelism: the 2 ranks train their trajectories together, every micro-batch's tokens
+# split over both; the layout line names cp, and a resume is exact. A cp the ranks cannot hold and
+# cp beside bitwise numerics are refused by name before anything is built.
+{ cat "$tmp/recipe.yaml"; printf 'parallel:\n  cp: 2\n'; } > "$tmp/cp2.yaml"
+resumes_exactly "train with context parallelism" "dp=1 ep=1 cp=2" "$tmp/cp2.yaml" "$tmp/cp2"
+{ cat "$tmp/recipe.yaml"; printf 'parallel:\n  cp: 3\n'; } > "$tmp/cp3.yaml"
+out=$(mpi -np 2 "$kiln" train "$tmp/cp3.yaml" --steps 1 --out "$tmp/cp3" 2>&1); rc=$?
+[ $rc -ne 0 ] && [[ "$out" == *"the world size must be a multiple of ep x cp"*"cp=3"* ]] \
+  || { echo "FAIL: cp 3 on 2 ranks (rc=$rc): $out" | head -5; fails=$((fails+1)); }
+sed 's/^  kv_cache_mb: 4$/  kv_cache_mb: 4\n  numerics: bitwise/' "$tmp/cp2.yaml" > "$tmp/cpbit.yaml"
+check_fails "cp with bitwise numerics" "rollout.numerics bitwise needs the trainer to attend whole sequences" \
+  "$kiln" train "$tmp/cpbit.yaml" --steps 1 --out "$tmp/cpbit"
 sed 's/^  dense: zero3$/  dense: zero2/' "$tmp/z3.yaml" > "$tmp/z3bad.yaml"
 check_fails "bad dense sharding" "parallel.dense: parallel: unknown dense sharding 'zero2'; expected replicated, zero3 or tp" \
   "$kiln" train "$tmp/z3bad.yaml" --steps 1 --out "$tmp/z3bad"
