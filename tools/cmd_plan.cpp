@@ -59,6 +59,8 @@ const trainer::Plan* best(const std::vector<trainer::Plan>& plans, bool implemen
 void run_plan(const PlanArgs& a) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(a.model);
   const trainer::Recipe r = trainer::Recipe::from_yaml_file(a.recipe);
+  KILN_CHECK(a.ep > 0 || (a.cp & (a.cp - 1)) == 0, "plan: --cp ", a.cp, ": the search tries cp in powers of two; ",
+             "give --ep as well to check one layout with cp ", a.cp);
   trainer::PlanJob job = trainer::plan_job(r.grpo, r.dtype);
   if (a.seq_len > 0) job.seq_len = a.seq_len;
   trainer::Cluster c;
