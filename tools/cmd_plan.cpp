@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "core/error.h"
@@ -18,7 +19,7 @@ struct PlanArgs {
   std::string model, recipe;
   int64_t nodes = 1, gpus_per_node = 8, seq_len = 0, show = 6, max_nodes = 1024;
   std::string gpu_mem = "140GiB", reserve = "6GiB", host_mem = "2TiB", nvme = "0";
-  int64_t dp = 0, ep = 0, tp = 1;
+  int64_t dp = 0, ep = 0, tp = 1, cp = 0;  // cp 0: searched (1 in a layout checked with --ep)
   std::string dense = "replicated";
   bool implemented_only = false;
 };
@@ -38,6 +39,16 @@ std::optional<trainer::Cluster> training_half(trainer::Cluster c) {
   return std::nullopt;
 }
 
+// The searched layouts of `c`, only those of --cp where it is given.
+std::vector<trainer::Plan> layouts(const model::ModelConfig& cfg, const trainer::PlanJob& job,
+                                   const trainer::Cluster& c, int64_t cp) {
+  std::vector<trainer::Plan> plans = trainer::search_layouts(cfg, job, c);
+  if (cp > 0)
+    plans.erase(std::remove_if(plans.begin(), plans.end(), [&](const trainer::Plan& p) { return p.layout.cp != cp; }),
+                plans.end());
+  return plans;
+}
+
 // The best plan on `c` (implemented layouts only when asked), or none.
 const trainer::Plan* best(const std::vector<trainer::Plan>& plans, bool implemented_only) {
   for (const trainer::Plan& p : plans)
@@ -48,6 +59,8 @@ const trainer::Plan* best(const std::vector<trainer::Plan>& plans, bool implemen
 void run_plan(const PlanArgs& a) {
   const model::ModelConfig cfg = model::ModelConfig::from_yaml_file(a.model);
   const trainer::Recipe r = trainer::Recipe::from_yaml_file(a.recipe);
+  KILN_CHECK(a.ep > 0 || (a.cp & (a.cp - 1)) == 0, "plan: --cp ", a.cp, ": the search tries cp in powers of two; ",
+             "give --ep as well to check one layout with cp ", a.cp);
   trainer::PlanJob job = trainer::plan_job(r.grpo, r.dtype);
   if (a.seq_len > 0) job.seq_len = a.seq_len;
   trainer::Cluster c;
@@ -84,8 +97,9 @@ void run_plan(const PlanArgs& a) {
     trainer::Layout l;
     l.ep = a.ep;
     l.tp = a.tp;
+    l.cp = a.cp > 0 ? a.cp : 1;
     l.dense = trainer::parse_dense_sharding(a.dense);
-    l.dp = a.dp > 0 ? a.dp : c.world() / std::max<int64_t>(1, a.ep * a.tp);
+    l.dp = a.dp > 0 ? a.dp : c.world() / std::max<int64_t>(1, a.ep * a.tp * l.cp);
     fmt::print("{}", trainer::make_plan(cfg, job, c, l).report());
     return;
   }
@@ -94,14 +108,14 @@ void run_plan(const PlanArgs& a) {
       c.nodes = n;
       const std::optional<trainer::Cluster> half = job.rollout_split ? training_half(c) : c;
       if (!half) continue;
-      const std::vector<trainer::Plan> plans = trainer::search_layouts(cfg, job, *half);
+      const std::vector<trainer::Plan> plans = layouts(cfg, job, *half, a.cp);
       if (const trainer::Plan* p = best(plans, a.implemented_only)) {
         fmt::print("fewest nodes of {} GPUs that fit{}: {}{}\n{}", c.gpus_per_node,
                    a.implemented_only ? " (layouts kiln trains today)" : "", n,
                    job.rollout_split ? fmt::format(" (the training half: {} x {} GPUs)", half->nodes, half->gpus_per_node)
                                      : std::string(), p->report());
         if (const trainer::Plan* today = best(plans, true); !a.implemented_only && today != p)
-          fmt::print("with a layout kiln trains today (dense replicated, tp 1): {}\n",
+          fmt::print("with a layout kiln trains today (tp 1, dense replicated or zero3): {}\n",
                      today ? today->layout.describe() : std::string("none fits on this many nodes"));
         return;
       }
@@ -109,16 +123,22 @@ void run_plan(const PlanArgs& a) {
     KILN_CHECK(!job.rollout_split || a.gpus_per_node % 2 == 0 || a.max_nodes > 1, "plan: ", a.recipe,
                " puts the rollout on ranks of its own (grpo.async.placement split), which needs an even number of ",
                "nodes or of GPUs on one node");
-    KILN_FAIL("plan: no layout fits on up to ", a.max_nodes, " nodes of ", c.gpus_per_node, " GPUs (raise --max-nodes)");
+    KILN_FAIL("plan: no layout", a.cp > 0 ? fmt::format(" with --cp {}", a.cp) : std::string(), " fits on up to ",
+              a.max_nodes, " nodes of ", c.gpus_per_node, " GPUs (raise --max-nodes)");
   }
-  const std::vector<trainer::Plan> plans = trainer::search_layouts(cfg, job, c);
-  KILN_CHECK(!plans.empty(), "plan: no valid dp x ep x tp layout for ", c.world(), " GPUs and ", cfg.num_experts,
-             " experts");
+  const std::vector<trainer::Plan> plans = layouts(cfg, job, c, a.cp);
+  KILN_CHECK(!plans.empty(), "plan: no valid dp x ep x cp x tp layout for ", c.world(), " GPUs and ", cfg.num_experts,
+             " experts", a.cp > 0 ? fmt::format(" with --cp {} (searched: powers of two that divide the GPUs left by "
+                                               "ep x tp, at most half the sequence's {} tokens)", a.cp, job.seq_len)
+                                  : std::string());
   const trainer::Plan* p = best(plans, a.implemented_only);
   fmt::print("{}", (p ? *p : plans.front()).report());
-  fmt::print("\nlayouts, best first (GPU memory used of {}):\n", trainer::format_bytes(c.gpu_bytes));
+  fmt::print("\nlayouts, best first (fitting, implemented, smaller cp, most memory left; per GPU of {}):\n",
+             trainer::format_bytes(c.gpu_bytes));
+  fmt::print("  {:<46} {:>4} {:>12} {:>12}\n", "layout", "cp", "activations", "used");
   for (size_t i = 0; i < plans.size() && int64_t(i) < a.show; ++i)
-    fmt::print("  {:<40} {:>12}  {}{}\n", plans[i].layout.describe(), trainer::format_bytes(plans[i].gpu_used),
+    fmt::print("  {:<46} {:>4} {:>12} {:>12}  {}{}\n", plans[i].layout.describe(), plans[i].layout.cp,
+               trainer::format_bytes(plans[i].activations), trainer::format_bytes(plans[i].gpu_used),
                plans[i].fits() ? "fits" : "does not fit", plans[i].layout.implemented() ? "" : " (not implemented yet)");
 }
 
@@ -139,10 +159,13 @@ Run add_plan(CLI::App& app) {
   cmd->add_option("--ep", a->ep, "Check this layout instead of searching: expert-parallel ranks")->check(CLI::PositiveNumber);
   cmd->add_option("--dp", a->dp, "... data-parallel ranks (default: the rest)")->check(CLI::PositiveNumber);
   cmd->add_option("--tp", a->tp, "... tensor-parallel ranks")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--cp", a->cp, "Context-parallel ranks: with --ep part of the layout checked (default 1), else "
+                                 "the search keeps only layouts of this cp (default: searched)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--dense", a->dense, "... dense part: replicated, zero3 or tp")->capture_default_str();
   cmd->add_option("--show", a->show, "Layouts listed after the best one")->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--max-nodes", a->max_nodes, "Largest cluster tried with --nodes 0")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_flag("--implemented", a->implemented_only, "Only layouts kiln trains today (tp 1, dense replicated)");
+  cmd->add_flag("--implemented", a->implemented_only, "Only layouts kiln trains today (tp 1, dense replicated or zero3)");
   return [a] { run_plan(*a); };
 }
 

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "model/lora.h"
 #include "model/nvfp4_model.h"
+#include "parallel/context_parallel.h"
 #include "trainer/grpo.h"
 
 namespace kiln::trainer {
@@ -19,7 +20,8 @@ namespace kiln::trainer {
 bool Layout::implemented() const { return tp == 1 && dense != DenseSharding::kTensor; }
 
 std::string Layout::describe() const {
-  return fmt::format("dp {} x ep {} x tp {}, dense {}", dp, ep, tp, dense_sharding_name(dense));
+  return fmt::format("dp {} x ep {}{} x tp {}, dense {}", dp, ep, cp > 1 ? fmt::format(" x cp {}", cp) : "", tp,
+                     dense_sharding_name(dense));
 }
 
 PlanJob plan_job(const GrpoConfig& g, const std::string& dtype) {
@@ -157,6 +159,7 @@ struct PlanBuilder {
 
   void check_layout();
   void sizes();
+  double cp_gather(double micro_seqs, std::string& what) const;
   void weights();
   void optimizer_state();
   void training_peak();
@@ -166,9 +169,15 @@ struct PlanBuilder {
 
 // The layout against the cluster and the model: its GPU count, and the experts and heads it splits.
 void PlanBuilder::check_layout() {
-  if (L.dp * L.ep * L.tp != world)
-    plan.problems.push_back(fmt::format("the layout's dp x ep x tp = {} is not the cluster's {} GPUs",
-                                        L.dp * L.ep * L.tp, world));
+  if (L.dp * L.ep * L.cp * L.tp != world)
+    plan.problems.push_back(fmt::format("the layout's dp x ep{} x tp = {} is not the cluster's {} GPUs",
+                                        L.cp != 1 ? " x cp" : "", L.dp * L.ep * L.cp * L.tp, world));
+  if (L.cp < 1)
+    plan.problems.push_back(fmt::format("cp {} must be at least 1", L.cp));
+  else if (L.cp > 1 && job.seq_len < 2 * L.cp)  // the zigzag split cuts each sequence into 2 cp chunks
+    plan.problems.push_back(fmt::format("cp {} cuts each {}-token sequence into {} chunks: it needs sequences of at "
+                                        "least 2 x cp = {} tokens",
+                                        L.cp, job.seq_len, 2 * L.cp, 2 * L.cp));
   if (cfg.num_experts % L.ep != 0)
     plan.problems.push_back(fmt::format("ep {} does not divide the {} experts", L.ep, cfg.num_experts));
   if (L.tp > cluster.gpus_per_node || cfg.num_kv_heads % L.tp != 0 || cfg.num_q_heads % L.tp != 0)
@@ -236,26 +245,31 @@ void PlanBuilder::optimizer_state() {
 void PlanBuilder::training_peak() {
   // The training step's peak beyond what stays: the backward's (activations, and the gradients as
   // they fill) or the optimizer step's (the gradients and its temporaries), whichever is higher.
-  // A micro-batch holds at most what one rank trains in one mini-step. The trainer gives each rank
-  // a contiguous block of the step's prompts and each mini-step a contiguous range of its
-  // sequences, so a rank trains at most the smaller of its block and a mini-step's range.
+  // A micro-batch holds at most what one data shard (the ranks of a cp group) trains in one
+  // mini-step. The trainer gives each shard a contiguous block of the step's prompts and each
+  // mini-step a contiguous range of its sequences, so a shard trains at most the smaller of its
+  // block and a mini-step's range.
+  const int64_t shards = std::max<int64_t>(1, world / L.cp);
   const int64_t seqs = job.prompts_per_step * job.samples_per_prompt;
   const int64_t per_rank =
       job.prompts_per_step > 0
-          ? std::max<int64_t>(1, std::min((job.prompts_per_step + world - 1) / world * job.samples_per_prompt,
+          ? std::max<int64_t>(1, std::min((job.prompts_per_step + shards - 1) / shards * job.samples_per_prompt,
                                           (seqs + job.mini_steps - 1) / std::max<int64_t>(1, job.mini_steps)))
           : job.micro_batch_seqs;
   const int64_t micro_seqs = std::min(job.micro_batch_seqs, per_rank);
   const bool accumulates = job.prompts_per_step <= 0 || per_rank > job.micro_batch_seqs;
   const double tokens = double(micro_seqs) * double(job.seq_len);
+  // Everything per token stays on the rank that holds the token: under cp a rank holds its share of
+  // the micro-batch (the zigzag split's shares differ by at most one token).
+  const double local = std::ceil(tokens / double(L.cp));
   const double layer = layer_activation_bytes_per_token(cfg, L.tp);
   const double logits = 2.0 * double(cfg.vocab_size) / tp;  // bf16, saved by kernels::token_logprobs
   // Every layer's activations and the head's; the logit gradient of one chunk; the fixed workspace.
-  const double head = tokens * (logits + 8.0 * double(cfg.hidden_size)) +
-                      std::min(tokens, double(kLogprobChunk)) * logits + kBackwardWorkspace;
-  const double stored = tokens * double(cfg.num_layers) * layer + head;
+  const double head = local * (logits + 8.0 * double(cfg.hidden_size)) +
+                      std::min(local, double(kLogprobChunk)) * logits + kBackwardWorkspace;
+  const double stored = local * double(cfg.num_layers) * layer + head;
   // Recomputed: every layer's input and one layer's activations.
-  const double recomputed = tokens * (double(cfg.num_layers) * double(cfg.hidden_size) * wb + layer) + head;
+  const double recomputed = local * (double(cfg.num_layers) * double(cfg.hidden_size) * wb + layer) + head;
   const double acts = job.recompute ? recomputed : stored;
   const double grads = (trained_experts / ep + (job.lora ? trained_dense : dense_held)) * wb;
   // With one micro-batch the gradients fill as the layers' activations free; with more, the later
@@ -269,17 +283,55 @@ void PlanBuilder::training_peak() {
   const double optimizer = !on_gpu ? (job.state_placement == "cpu_update" ? 0.0 : kStreamedTempChunks * job.chunk_bytes)
                            : job.muon && !job.lora ? kMuonTempBytes * biggest_muon
                                                    : 0.0;
+  std::string gather_what;
+  const double gather = cp_gather(double(micro_seqs), gather_what);
+  plan.activations = backward + gather;
   const std::string recompute_note =
       job.recompute ? "layers recomputed" : fmt::format("recompute: {}", format_bytes(recomputed));
-  if (backward >= optimizer)
-    gpu(fmt::format("activations at the backward's peak, micro-batches of {} tokens{} ({}; {} in all)",
-                    int64_t(tokens), accumulates ? "" : ", beside the gradients as they fill", recompute_note,
+  const std::string cp_note = L.cp > 1 ? fmt::format(", cp {}: {} per rank", L.cp, int64_t(local)) : "";
+  if (plan.activations >= optimizer) {
+    gpu(fmt::format("activations at the backward's peak, micro-batches of {} tokens{}{} ({}; {} in all)",
+                    int64_t(tokens), cp_note, accumulates ? "" : ", beside the gradients as they fill", recompute_note,
                     format_bytes(acts)),
         backward);
-  else
-    gpu(fmt::format("the optimizer step's temporaries (the training peak; activations {}, {})", format_bytes(backward),
-                    recompute_note),
+    gpu(gather_what, gather);
+  } else {
+    gpu(fmt::format("the optimizer step's temporaries (the training peak; activations {}, {})",
+                    format_bytes(plan.activations), recompute_note),
         optimizer);
+  }
+}
+
+// Context parallelism's keys and values beyond the per-token activations (none at cp 1). A full
+// layer all-gathers the whole micro-batch's keys and values; a window layer only the halo, the last
+// min(W - 1, length) rows of every piece that does not end its sequence (parallel/context_parallel.h).
+// With recompute a layer's gather lives while the layer runs, in the forward and again in the
+// backward, where the gradient of the gathered rows (as large) goes back to their owners: one full
+// layer's gather twice, the largest of any layer (a halo is never more than the whole micro-batch).
+// Without recompute the attention keeps every layer's gather for the backward, and the layer being
+// differentiated adds its gradient.
+double PlanBuilder::cp_gather(double micro_seqs, std::string& what) const {
+  if (L.cp == 1) return 0;
+  const double tokens = micro_seqs * double(job.seq_len);
+  const double row = 2.0 * double(cfg.kv_size()) / tp * wb;  // one token's key and value
+  if (job.recompute) {
+    what = "cp K/V gather (one full layer: the whole micro-batch's keys and values, and their gradient)";
+    return 2 * tokens * row;
+  }
+  // One window layer's halo rows: the split of a micro-batch of seq_len-long sequences.
+  std::vector<int64_t> cu_seqlens(size_t(micro_seqs) + 1, 0);
+  for (size_t i = 1; i < cu_seqlens.size(); ++i) cu_seqlens[i] = cu_seqlens[i - 1] + job.seq_len;
+  const parallel::ContextSplit split(std::move(cu_seqlens), int(L.cp));
+  const int64_t halo = std::max<int64_t>(cfg.sliding_window - 1, 0);
+  int64_t halo_rows = 0;
+  for (int r = 0; r < split.ranks(); ++r)
+    for (const parallel::ContextPiece& c : split.pieces(r))
+      if (!c.last) halo_rows += std::min(halo, c.length);
+  const int64_t full = cfg.num_full_layers(), window = cfg.num_window_layers();
+  what = fmt::format("cp K/V gathers kept for the backward ({} full layers' whole micro-batch, {} window layers' "
+                     "halos of {} rows, one layer's gradient)",
+                     full, window, halo_rows);
+  return (double(full) * tokens + double(window) * double(halo_rows) + tokens) * row;
 }
 
 void PlanBuilder::rollout_weights() {
@@ -420,18 +472,23 @@ std::vector<Plan> search_layouts(const model::ModelConfig& cfg, const PlanJob& j
     if (cfg.num_experts % ep != 0 || world % ep != 0) continue;
     for (int64_t tp = 1; tp <= cluster.gpus_per_node; tp *= 2) {
       if ((world / ep) % tp != 0) continue;
-      for (DenseSharding d : {DenseSharding::kReplicated, DenseSharding::kZero3, DenseSharding::kTensor}) {
-        if ((tp > 1) != (d == DenseSharding::kTensor)) continue;
-        // The split placement sends whole weights from each trainer: ep 1, the dense part replicated.
-        if (job.rollout_split && (ep > 1 || d != DenseSharding::kReplicated)) continue;
-        Plan p = make_plan(cfg, job, cluster, {world / ep / tp, ep, tp, d});
-        if (p.problems.empty() || p.gpu_used > 0) plans.push_back(std::move(p));
+      // cp ranks need at least 2 tokens of every sequence (the zigzag split's 2 cp chunks).
+      for (int64_t cp = 1; cp <= world / ep / tp && (cp == 1 || job.seq_len >= 2 * cp); cp *= 2) {
+        if ((world / ep / tp) % cp != 0) continue;
+        for (DenseSharding d : {DenseSharding::kReplicated, DenseSharding::kZero3, DenseSharding::kTensor}) {
+          if ((tp > 1) != (d == DenseSharding::kTensor)) continue;
+          // The split placement sends whole weights from each trainer: ep 1, the dense part replicated.
+          if (job.rollout_split && (ep > 1 || d != DenseSharding::kReplicated)) continue;
+          Plan p = make_plan(cfg, job, cluster, {world / ep / tp / cp, ep, tp, d, cp});
+          if (p.problems.empty() || p.gpu_used > 0) plans.push_back(std::move(p));
+        }
       }
     }
   }
   std::stable_sort(plans.begin(), plans.end(), [](const Plan& a, const Plan& b) {
     if (a.fits() != b.fits()) return a.fits();
     if (a.layout.implemented() != b.layout.implemented()) return a.layout.implemented();
+    if (a.fits() && a.layout.cp != b.layout.cp) return a.layout.cp < b.layout.cp;
     return a.kv_left > b.kv_left;
   });
   return plans;

@@ -1,5 +1,5 @@
 // The memory plan of a GRPO job (issue 21): what each GPU, each node's host memory and its NVMe
-// hold for a model, a recipe and a cluster under a dp x ep x tp layout with the dense part
+// hold for a model, a recipe and a cluster under a dp x ep x cp x tp layout with the dense part
 // replicated or sharded. `kiln plan` prints it and searches layouts; `kiln train` checks its own.
 #pragma once
 #include <cstdint>
@@ -27,11 +27,19 @@ using parallel::DenseSharding;
 using parallel::dense_sharding_name;
 using parallel::parse_dense_sharding;
 
+// dp x ep x cp x tp is the world. ep ranks are data ranks too (each trains its own prompts), and
+// cp ranks (parallel/context_parallel.h) share their micro-batches, split by tokens: the data
+// shards are world / cp. The parameters, gradients and optimizer state are replicated over cp as
+// over dp, so ZeRO-1 state and ZeRO-3 shards spread over every rank. cp comes last so that
+// {dp, ep, tp, dense} still reads as before.
 struct Layout {
   int64_t dp = 1, ep = 1, tp = 1;
   DenseSharding dense = DenseSharding::kReplicated;
-  bool implemented() const;  // what kiln trains today: tp 1, dense replicated (ZeRO-1 state) or ZeRO-3
-  std::string describe() const;
+  int64_t cp = 1;
+  // What kiln trains: tp 1 with the dense part replicated (ZeRO-1 state) or under ZeRO-3, any ep
+  // and any cp.
+  bool implemented() const;
+  std::string describe() const;  // names cp only where it is above 1
 };
 
 // What the recipe decides about memory, read from its GRPO section (or set by hand in tests).
@@ -77,6 +85,7 @@ struct Plan {
   std::vector<PlanItem> gpu, host, nvme;  // per GPU; per node
   std::vector<PlanItem> rollout_gpu;      // per rollout rank under job.rollout_split (then not in gpu)
   double gpu_used = 0, host_used = 0, nvme_used = 0, rollout_gpu_used = 0;
+  double activations = 0;                 // per GPU at the backward's peak, cp's key-value gathers included
   double kv_left = 0;                     // per GPU (per rollout rank when split) after everything else and the reserve
   int64_t kv_tokens = 0;                  // tokens of seq_len-long sequences the left-over holds
   std::vector<std::string> problems;      // empty: it fits
@@ -94,9 +103,11 @@ double layer_activation_bytes_per_token(const model::ModelConfig& cfg, int64_t t
 Plan make_plan(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster, const Layout& layout);
 
 // Every layout of the cluster's world (ep dividing the experts, tp a power of two within a node
-// dividing the heads, each dense sharding; under job.rollout_split only those the split trains:
-// ep 1, dense replicated), best first: fitting before not, implemented before not, then the most
-// memory left per GPU.
+// dividing the heads, cp a power of two that leaves every rank at least 2 tokens of a sequence,
+// each dense sharding; under job.rollout_split only those the split trains: ep 1, dense
+// replicated), best first: fitting before not, implemented before not; among those that fit the
+// smaller cp first (cp gathers keys and values in every full layer's forward and backward, so it
+// is taken only as far as memory needs it); then the most memory left per GPU.
 std::vector<Plan> search_layouts(const model::ModelConfig& cfg, const PlanJob& job, const Cluster& cluster);
 
 // "141GiB", "2 TB", "512MiB", "0": bytes. Throws naming `what` on anything else.

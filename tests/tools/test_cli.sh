@@ -110,6 +110,15 @@ check_fails "plan split with expert parallel" "--ep 2 --dense replicated is not 
   "$kiln" plan "$src/configs/muse-small.yaml" "$tmp/split-small.yaml" --ep 2
 check_fails "plan with a bad size" "plan: --gpu-mem: unknown unit 'parsecs'" \
   "$kiln" plan "$src/configs/muse-small.yaml" "$src/recipes/grpo-arith-small-gpu.yaml" --gpu-mem 3parsecs
+# Context parallelism: the fewest nodes for 128K-token LoRA responses, a checked cp layout, a cp
+# the search cannot try.
+check "plan 816B LoRA with 128K-token responses" "layout: dp 1 x ep 64 x cp 4 x tp 1, dense zero3 on 32 node(s)" \
+  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/lora-grpo-816b.yaml" --nodes 0 --seq-len 132096
+check "plan a cp layout" "cp K/V gather (one full layer" \
+  "$kiln" plan "$src/configs/muse-spark-open-816b.yaml" "$src/recipes/grpo-816b.yaml" --nodes 16 --ep 64 --cp 2 \
+  --dense zero3 --seq-len 66560
+check_fails "plan a cp the search skips" "plan: --cp 3: the search tries cp in powers of two" \
+  "$kiln" plan "$src/configs/muse-small.yaml" "$src/recipes/grpo-arith-small-gpu.yaml" --cp 3
 mkdir -p "$tmp/adir"
 check_fails "a folder as the recipe" "config: $tmp/adir is a directory; give a YAML file" "$kiln" train "$tmp/adir"
 check_fails "a folder as the prompts" "generate: --prompts: $tmp/adir is a directory" "$kiln" generate --model "$tmp/ckpt" --prompts "$tmp/adir"

@@ -1,9 +1,11 @@
 // The memory plan (trainer/plan.h): each item against the arithmetic done here from the parameter
 // counts, layouts that cannot exist, the state placements, LoRA, recompute, the training peak, the
-// plan against the peaks the H200 measured, and the 816B plans the README quotes.
+// plan against the peaks the H200 measured, the 816B plans the README quotes, and context
+// parallelism's share of the activations and its key-value gathers.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <set>
 
 #include "model/config.h"
 #include "model/nvfp4_model.h"
@@ -355,6 +357,103 @@ TEST(Plan, AutoRolloutTakesAReplicaWhereOneFitsElseTheShard) {
   g.engine.quantization = rollout::Quantization::kNone;
   g.async = AsyncConfig{1};
   EXPECT_FALSE(plan_job(g, "bf16").rollout_shard_allowed);
+}
+
+// cp ranks share a micro-batch split by tokens: the per-token activations divide by cp, a full layer
+// gathers the whole micro-batch's keys and values, and the weights, gradients and optimizer state
+// are those of as many data ranks.
+TEST(Plan, ContextParallelSplitsTheTokensAndGathersKeysAndValues) {
+  const model::ModelConfig cfg = small();  // 8 layers: 2 full, 6 with a 2048-token window
+  Cluster two = one_gpu();
+  two.gpus_per_node = 2;
+  PlanJob job;  // micro-batches of 64 sequences of 1024 tokens that accumulate
+  job.recompute = true;
+  const Plan dp = make_plan(cfg, job, two, {2, 1, 1, DenseSharding::kReplicated});
+  const Plan cp = make_plan(cfg, job, two, {1, 1, 1, DenseSharding::kReplicated, 2});
+  ASSERT_TRUE(dp.problems.empty() || dp.gpu_used > 0) << dp.report();
+  ASSERT_TRUE(cp.problems.empty() || cp.gpu_used > 0) << cp.report();
+  EXPECT_EQ(dp.layout.describe(), "dp 2 x ep 1 x tp 1, dense replicated");
+  EXPECT_EQ(cp.layout.describe(), "dp 1 x ep 1 x cp 2 x tp 1, dense replicated");
+  EXPECT_TRUE(cp.layout.implemented());
+  EXPECT_TRUE((Layout{1, 1, 1, DenseSharding::kZero3, 2}.implemented()));
+  for (const char* what : {"expert weights", "dense weights", "gradients", "optimizer state"})
+    EXPECT_DOUBLE_EQ(item(cp, what), item(dp, what)) << what;
+  // Per token: half of the 65,536 tokens. The fixed workspace and the head's one chunk of logit
+  // gradients (2048 rows: both ranks hold more tokens than that) stay.
+  const double fixed = 0.63 * double(1ll << 30) + 2048.0 * 2.0 * double(cfg.vocab_size);
+  const double whole = item(dp, "activations at the backward's peak, micro-batches of 65536 tokens (");
+  const double half = item(cp, "activations at the backward's peak, micro-batches of 65536 tokens, cp 2: 32768 per rank (");
+  ASSERT_GT(whole, 0) << dp.report();
+  ASSERT_GT(half, 0) << cp.report();
+  EXPECT_NEAR(half - fixed, (whole - fixed) / 2, 1.0);
+  // One full layer's gather of the whole micro-batch's keys and values, and their gradient.
+  const double row = 2.0 * double(cfg.kv_size()) * 2;  // bf16 key and value
+  EXPECT_DOUBLE_EQ(item(cp, "cp K/V gather (one full layer"), 2 * 65536 * row);
+  EXPECT_LT(item(dp, "cp K/V"), 0);
+  EXPECT_DOUBLE_EQ(dp.activations, whole);
+  EXPECT_DOUBLE_EQ(cp.activations, half + item(cp, "cp K/V"));
+  EXPECT_NEAR(dp.gpu_used - cp.gpu_used, whole - cp.activations, 1.0);
+  // Without recompute every layer keeps its gather. Each sequence is cut into 4 chunks of 256:
+  // rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2 (one piece); chunk 3 ends the sequence, so
+  // a window layer's halo is 256 + 512 rows a sequence.
+  job.recompute = false;
+  const Plan kept = make_plan(cfg, job, two, {1, 1, 1, DenseSharding::kReplicated, 2});
+  EXPECT_DOUBLE_EQ(item(kept, "cp K/V gathers kept for the backward"),
+                   (2 * 65536.0 + 6 * 64.0 * (256 + 512) + 65536) * row)
+      << kept.report();
+  // The data shards are world / cp: 2 prompts x 8 samples are one micro-batch of 8 on each of two
+  // data ranks, but two micro-batches that accumulate on one cp group.
+  job.prompts_per_step = 2;
+  job.samples_per_prompt = 8;
+  job.micro_batch_seqs = 8;
+  EXPECT_GT(item(make_plan(cfg, job, two, {2, 1, 1, DenseSharding::kReplicated}),
+                 "activations at the backward's peak, micro-batches of 8192 tokens, beside the gradients"),
+            0);
+  EXPECT_GT(item(make_plan(cfg, job, two, {1, 1, 1, DenseSharding::kReplicated, 2}),
+                 "activations at the backward's peak, micro-batches of 8192 tokens, cp 2: 4096 per rank ("),
+            0);
+}
+
+// The search tries cp over powers of two while each rank keeps at least 2 tokens of a sequence,
+// and takes cp where the memory needs it: among layouts that fit, the smaller cp first.
+TEST(Plan, SearchTriesContextParallelOnLongEnoughSequences) {
+  const model::ModelConfig cfg = small();
+  Cluster eight = one_gpu();
+  eight.gpus_per_node = 8;
+  PlanJob job;
+  job.seq_len = 4;  // cp 1 and 2; cp 4 would cut a sequence into 8 chunks
+  std::set<int64_t> cps;
+  for (const Plan& p : search_layouts(cfg, job, eight)) {
+    cps.insert(p.layout.cp);
+    EXPECT_EQ(p.layout.dp * p.layout.ep * p.layout.cp * p.layout.tp, 8) << p.layout.describe();
+  }
+  EXPECT_EQ(cps, (std::set<int64_t>{1, 2}));
+  const Plan short_seqs = make_plan(cfg, job, eight, {2, 1, 1, DenseSharding::kReplicated, 4});
+  ASSERT_FALSE(short_seqs.fits());
+  EXPECT_NE(short_seqs.problems[0].find("cp 4 cuts each 4-token sequence into 8 chunks"), std::string::npos)
+      << short_seqs.problems[0];
+  // Sequences of 64K tokens: on GPUs between what cp 1 and the best cp need, only cp fits.
+  job.seq_len = 65536;
+  job.micro_batch_seqs = 1;
+  job.recompute = true;
+  double least_cp1 = 1e300, least_cp = 1e300;
+  cps.clear();
+  for (const Plan& p : search_layouts(cfg, job, eight)) {
+    cps.insert(p.layout.cp);
+    double& least = p.layout.cp == 1 ? least_cp1 : least_cp;
+    least = std::min(least, p.gpu_used);
+  }
+  EXPECT_EQ(cps, (std::set<int64_t>{1, 2, 4, 8}));
+  ASSERT_LT(least_cp, least_cp1);
+  eight.gpu_bytes = eight.reserve_bytes + job.kv_cache_bytes + (least_cp + least_cp1) / 2;
+  const std::vector<Plan> plans = search_layouts(cfg, job, eight);
+  ASSERT_TRUE(!plans.empty() && plans.front().fits());
+  EXPECT_GT(plans.front().layout.cp, 1) << plans.front().report();
+  for (size_t i = 1; i < plans.size() && plans[i].fits(); ++i) {
+    EXPECT_GT(plans[i].layout.cp, 1) << plans[i].layout.describe();
+    if (plans[i].layout.implemented() == plans[i - 1].layout.implemented())
+      EXPECT_GE(plans[i].layout.cp, plans[i - 1].layout.cp) << plans[i].layout.describe();
+  }
 }
 
 TEST(Plan, SizesParseWithUnits) {
