@@ -1,4 +1,4 @@
-// dp x ep x cp validation, bucketed gradient all-reduce, ZeRO-1 owners and the broadcast back.
+// dp x ep (and cp) validation, bucketed gradient all-reduce, ZeRO-1 owners and the broadcast back.
 #include "parallel/parallel.h"
 
 #include <ATen/ATen.h>
@@ -58,12 +58,13 @@ void ParallelConfig::resolve(int64_t world, int64_t num_experts) {
   KILN_CHECK(!sharded_rollout() || ep > 1, "parallel: rollout sharded needs ep > 1 ", given);
   KILN_CHECK(ep >= 1 && ep <= num_experts && num_experts % ep == 0,
              "parallel: ep must be at least 1, at most num_experts, and divide num_experts evenly ", given);
-  KILN_CHECK(cp >= 1, "parallel: cp must be at least 1 ", given);
+  KILN_CHECK(cp >= 1 && world % cp == 0, "parallel: cp must divide the world size (its groups are consecutive ranks) ",
+             given);
   if (!dp) {
-    KILN_CHECK(world % (ep * cp) == 0, "parallel: the world size must be a multiple of ep x cp ", given);
-    dp = world / (ep * cp);
+    KILN_CHECK(world % ep == 0, "parallel: the world size must be a multiple of ep ", given);
+    dp = world / ep;
   }
-  KILN_CHECK(*dp >= 1 && *dp * ep * cp == world, "parallel: dp x ep x cp must equal the world size ", given);
+  KILN_CHECK(*dp >= 1 && *dp * ep == world, "parallel: dp x ep must equal the world size ", given);
 }
 
 void all_reduce_grads(const comm::Group& group, const std::vector<at::Tensor>& params, int64_t bucket_bytes) {

@@ -38,11 +38,12 @@ RolloutPlacement parse_rollout_placement(const std::string& name);  // "auto", "
 const char* rollout_placement_name(RolloutPlacement p);
 
 struct ParallelConfig {
-  std::optional<int64_t> dp;  // data-parallel ranks; unset (the recipe's 0): world size / (ep x cp) (resolve)
+  std::optional<int64_t> dp;  // copies of each expert shard; unset (the recipe's 0): world size / ep (resolve)
   int64_t ep = 1;  // expert-parallel ranks
   // Context-parallel ranks (parallel/context_parallel.h): each packed micro-batch's tokens are split
-  // over cp consecutive ranks, which train the trajectories all of them rolled out. dp x ep x cp is
-  // the world size; the data shards are world / cp.
+  // over cp consecutive ranks, which train the trajectories all of them rolled out. cp folds over
+  // dp x ep (it divides the world; a cp group's ranks may hold different experts, to which they
+  // send their own tokens), so the data shards are world / cp.
   int64_t cp = 1;
   int64_t tp = 1;  // reserved: must be 1
   RolloutPlacement rollout = RolloutPlacement::kAuto;  // kSharded needs ep > 1
@@ -56,8 +57,8 @@ struct ParallelConfig {
   // (comm::set_collective_timeout); 0 = wait forever. Long enough for rank 0's checkpoint writes.
   double collective_timeout_s = 1800;
   bool sharded_rollout() const { return rollout == RolloutPlacement::kSharded; }
-  // Sets dp when unset and checks dp * ep * cp == world, ep | num_experts, tp == 1, rollout, dense.
-  // Errors list every value.
+  // Sets dp when unset and checks dp * ep == world, cp | world, ep | num_experts, tp == 1, rollout,
+  // dense. Errors list every value.
   void resolve(int64_t world, int64_t num_experts);
   std::string describe() const;
 };

@@ -10,7 +10,7 @@
 namespace kiln::parallel {
 
 void read_yaml(yaml::MapReader& m, ParallelConfig& c) {
-  int64_t dp = c.dp.value_or(0);  // 0: unset, world size / (ep x cp) (a negative one fails in resolve)
+  int64_t dp = c.dp.value_or(0);  // 0: unset, world size / ep (a negative one fails in resolve)
   m.get("dp", dp);
   c.dp = dp != 0 ? std::optional<int64_t>(dp) : std::nullopt;
   m.get("ep", c.ep);

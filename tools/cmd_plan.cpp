@@ -99,7 +99,7 @@ void run_plan(const PlanArgs& a) {
     l.tp = a.tp;
     l.cp = a.cp > 0 ? a.cp : 1;
     l.dense = trainer::parse_dense_sharding(a.dense);
-    l.dp = a.dp > 0 ? a.dp : c.world() / std::max<int64_t>(1, a.ep * a.tp * l.cp);
+    l.dp = a.dp > 0 ? a.dp : c.world() / std::max<int64_t>(1, a.ep * a.tp);
     fmt::print("{}", trainer::make_plan(cfg, job, c, l).report());
     return;
   }
@@ -127,7 +127,7 @@ void run_plan(const PlanArgs& a) {
               a.max_nodes, " nodes of ", c.gpus_per_node, " GPUs (raise --max-nodes)");
   }
   const std::vector<trainer::Plan> plans = layouts(cfg, job, c, a.cp);
-  KILN_CHECK(!plans.empty(), "plan: no valid dp x ep x cp x tp layout for ", c.world(), " GPUs and ", cfg.num_experts,
+  KILN_CHECK(!plans.empty(), "plan: no valid dp x ep x tp layout (cp folded over it) for ", c.world(), " GPUs and ", cfg.num_experts,
              " experts", a.cp > 0 ? fmt::format(" with --cp {} (searched: powers of two that divide the GPUs left by "
                                                "ep x tp, at most half the sequence's {} tokens)", a.cp, job.seq_len)
                                   : std::string());

@@ -120,7 +120,7 @@ void check_plan(trainer::Recipe& r, const model::ModelConfig& cfg, const comm::G
   c.gpu_bytes = world.all_reduce(model::device_memory_bytes(device), comm::ReduceOp::kMin);
   c.host_bytes = c.nvme_bytes = std::numeric_limits<double>::infinity();  // not checked here
   const trainer::Plan plan = trainer::make_plan(cfg, trainer::plan_job(r.grpo, r.dtype), c,
-                                                {*par.dp, par.ep, 1, par.dense});
+                                                {*par.dp, par.ep, 1, par.dense, par.cp});
   if (r.grpo.parallel.rollout == parallel::RolloutPlacement::kAuto) {
     r.grpo.parallel.rollout = plan.rollout_sharded ? parallel::RolloutPlacement::kSharded : parallel::RolloutPlacement::kReplica;
     if (world.rank() == 0 && par.ep > 1) fmt::print("train: parallel.rollout {}\n", plan.rollout_choice);

@@ -142,7 +142,7 @@ std::string check_plan(const Recipe& r, const DryRunOptions& o, const Found& f) 
   }
   parallel::ParallelConfig par = r.grpo.parallel;
   par.resolve(trainers.world(), f.config->num_experts);
-  const Plan plan = make_plan(*f.config, job, trainers, {*par.dp, par.ep, 1, par.dense});
+  const Plan plan = make_plan(*f.config, job, trainers, {*par.dp, par.ep, 1, par.dense, par.cp});
   KILN_CHECK(plan.fits(), "does not fit ", format_bytes(c.gpu_bytes), " GPUs as ", par.describe(), ": ",
              fmt::format("{}", fmt::join(plan.problems, "; ")), " (`kiln plan` prints the whole plan and searches layouts)");
   return fmt::format("{} on {} x {} GPUs of {}: {} of each GPU used, {} left for the KV cache", par.describe(), c.nodes,

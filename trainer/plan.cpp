@@ -20,7 +20,7 @@ namespace kiln::trainer {
 bool Layout::implemented() const { return tp == 1 && dense != DenseSharding::kTensor; }
 
 std::string Layout::describe() const {
-  return fmt::format("dp {} x ep {}{} x tp {}, dense {}", dp, ep, cp > 1 ? fmt::format(" x cp {}", cp) : "", tp,
+  return fmt::format("dp {} x ep {} x tp {}{}, dense {}", dp, ep, tp, cp > 1 ? fmt::format(", cp {}", cp) : "",
                      dense_sharding_name(dense));
 }
 
@@ -169,9 +169,13 @@ struct PlanBuilder {
 
 // The layout against the cluster and the model: its GPU count, and the experts and heads it splits.
 void PlanBuilder::check_layout() {
-  if (L.dp * L.ep * L.cp * L.tp != world)
-    plan.problems.push_back(fmt::format("the layout's dp x ep{} x tp = {} is not the cluster's {} GPUs",
-                                        L.cp != 1 ? " x cp" : "", L.dp * L.ep * L.cp * L.tp, world));
+  // ep folds into the ranks that cp splits tokens over (a cp group's ranks may hold different
+  // experts), so cp is not a factor of dp x ep x tp: it only has to divide the ranks.
+  if (L.dp * L.ep * L.tp != world)
+    plan.problems.push_back(
+        fmt::format("the layout's dp x ep x tp = {} is not the cluster's {} GPUs", L.dp * L.ep * L.tp, world));
+  if (L.cp >= 1 && (world / std::max<int64_t>(1, L.tp)) % L.cp != 0)
+    plan.problems.push_back(fmt::format("cp {} does not divide the cluster's {} GPUs / tp", L.cp, world));
   if (L.cp < 1)
     plan.problems.push_back(fmt::format("cp {} must be at least 1", L.cp));
   else if (L.cp > 1 && job.seq_len < 2 * L.cp)  // the zigzag split cuts each sequence into 2 cp chunks
@@ -473,13 +477,13 @@ std::vector<Plan> search_layouts(const model::ModelConfig& cfg, const PlanJob& j
     for (int64_t tp = 1; tp <= cluster.gpus_per_node; tp *= 2) {
       if ((world / ep) % tp != 0) continue;
       // cp ranks need at least 2 tokens of every sequence (the zigzag split's 2 cp chunks).
-      for (int64_t cp = 1; cp <= world / ep / tp && (cp == 1 || job.seq_len >= 2 * cp); cp *= 2) {
-        if ((world / ep / tp) % cp != 0) continue;
+      for (int64_t cp = 1; cp <= world / tp && (cp == 1 || job.seq_len >= 2 * cp); cp *= 2) {
+        if ((world / tp) % cp != 0) continue;
         for (DenseSharding d : {DenseSharding::kReplicated, DenseSharding::kZero3, DenseSharding::kTensor}) {
           if ((tp > 1) != (d == DenseSharding::kTensor)) continue;
           // The split placement sends whole weights from each trainer: ep 1, the dense part replicated.
           if (job.rollout_split && (ep > 1 || d != DenseSharding::kReplicated)) continue;
-          Plan p = make_plan(cfg, job, cluster, {world / ep / tp / cp, ep, tp, d, cp});
+          Plan p = make_plan(cfg, job, cluster, {world / ep / tp, ep, tp, d, cp});
           if (p.problems.empty() || p.gpu_used > 0) plans.push_back(std::move(p));
         }
       }

@@ -1,5 +1,5 @@
 // The memory plan of a GRPO job (issue 21): what each GPU, each node's host memory and its NVMe
-// hold for a model, a recipe and a cluster under a dp x ep x cp x tp layout with the dense part
+// hold for a model, a recipe and a cluster under a dp x ep x tp layout, cp folded over it, with the dense part
 // replicated or sharded. `kiln plan` prints it and searches layouts; `kiln train` checks its own.
 #pragma once
 #include <cstdint>
@@ -27,11 +27,12 @@ using parallel::DenseSharding;
 using parallel::dense_sharding_name;
 using parallel::parse_dense_sharding;
 
-// dp x ep x cp x tp is the world. ep ranks are data ranks too (each trains its own prompts), and
-// cp ranks (parallel/context_parallel.h) share their micro-batches, split by tokens: the data
-// shards are world / cp. The parameters, gradients and optimizer state are replicated over cp as
-// over dp, so ZeRO-1 state and ZeRO-3 shards spread over every rank. cp comes last so that
-// {dp, ep, tp, dense} still reads as before.
+// dp x ep x tp is the world. ep ranks are data ranks too (each trains its own prompts), and cp
+// consecutive ranks (parallel/context_parallel.h) share their micro-batches, split by tokens: the
+// data shards are world / cp. cp folds over the ranks that dp and ep lay out (it divides the world
+// / tp, and a cp group's ranks may hold different experts), so a rank's experts are 1/ep of them
+// while its tokens are 1/cp of a micro-batch. ZeRO-1 state and ZeRO-3 shards spread over every
+// rank. cp comes last so that {dp, ep, tp, dense} still reads as before.
 struct Layout {
   int64_t dp = 1, ep = 1, tp = 1;
   DenseSharding dense = DenseSharding::kReplicated;

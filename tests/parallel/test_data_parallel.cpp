@@ -289,13 +289,18 @@ TEST(DataParallel, GrpoWithExpertParallelMatchesOneRank) {
 
 // Context parallelism (parallel.cp): each cp group trains the trajectories its ranks rolled out,
 // every micro-batch's tokens split over the group, and the run is one rank's: cp over every rank,
-// with the KL reference scored split too, with LoRA; at 4 ranks dp 2 x cp 2, ep 2 x cp 2 (tokens
-// of each cp rank go to the expert owners) and ZeRO-3 under cp 2, each resumed from its checkpoint.
+// with the KL reference scored split too, with LoRA; cp folded over expert parallelism (the ranks
+// of a cp group hold different experts and send their own tokens to the owners), with sharded
+// engines; at 4 ranks dp 2 x cp 2, ep 2 and ep 4 under cp 2, and ZeRO-3 under cp 2, each of the
+// sharded layouts resumed from its checkpoint.
 TEST(DataParallel, GrpoWithContextParallelMatchesOneRank) {
   const int64_t world = Group::world().size();
   check_grpo(1, 3, 0, "replica", 0, false, false, /*cp=*/world);
   check_grpo(1, 1, /*kl_coef=*/0.05, "replica", /*lora_rank=*/4, false, false, world);
+  check_grpo(world, 3, 0, "replica", 0, false, false, world);
+  check_grpo(world, 1, 0, "sharded", 0, false, false, world);
   if (world == 4) {
+    check_grpo(4, 1, 0, "replica", 0, false, false, 2);
     check_grpo(1, 3, 0.05, "replica", 0, false, false, 2);
     check_grpo(2, 1, 0, "replica", 0, false, false, 2);
     check_grpo(1, 1, 0, "replica", 0, /*zero3=*/true, false, 2);
@@ -447,10 +452,12 @@ TEST(DataParallel, SftUnderExpertParallelAndZero3MatchesOneRank) {
 }
 
 // SFT under parallel.cp: each cp group trains one share of the batch, its sequences' tokens split
-// over the group; cp over every rank, and at 4 ranks ep 2 x cp 2 and ZeRO-3 from shares x cp 2.
+// over the group; cp over every rank, also with the experts over every rank, and at 4 ranks ep 2
+// with cp 2 and ZeRO-3 from shares with cp 2.
 TEST(DataParallel, SftUnderContextParallelMatchesOneRank) {
   const int64_t W = Group::world().size();
   check_sft(1, false, false, /*cp=*/W);
+  check_sft(W, false, false, W);  // cp folded over ep: a cp group's ranks hold different experts
   if (W == 4) {
     check_sft(2, false, false, 2);
     check_sft(1, true, true, 2);
@@ -518,7 +525,7 @@ TEST(DataParallel, AFailureBudgetPassedOnSomeRanksStopsEveryRank) {
 TEST(DataParallel, LayoutErrorsNameEveryValue) {
   ParallelConfig p;
   p.dp = 3;
-  EXPECT_TRUE(test::throws_with([&] { p.resolve(4, 8); }, {"dp x ep x cp must equal the world size", "dp=3", "world size 4"}));
+  EXPECT_TRUE(test::throws_with([&] { p.resolve(4, 8); }, {"dp x ep must equal the world size", "dp=3", "world size 4"}));
   ParallelConfig q;
   q.ep = 3;
   EXPECT_TRUE(test::throws_with([&] { q.resolve(4, 8); }, {"divide num_experts", "ep=3", "num_experts 8"}));
@@ -529,12 +536,13 @@ TEST(DataParallel, LayoutErrorsNameEveryValue) {
   EXPECT_EQ(*r.dp, 4);
   ParallelConfig with_cp;
   with_cp.cp = 2;
+  with_cp.ep = 4;  // cp folds over the ranks ep lays out
   with_cp.resolve(4, 8);
-  EXPECT_EQ(*with_cp.dp, 2);
+  EXPECT_EQ(*with_cp.dp, 1);
   EXPECT_NE(with_cp.describe().find("cp=2"), std::string::npos) << with_cp.describe();
   ParallelConfig odd_cp;
   odd_cp.cp = 3;
-  EXPECT_TRUE(test::throws_with([&] { odd_cp.resolve(4, 8); }, {"multiple of ep x cp", "cp=3", "world size 4"}));
+  EXPECT_TRUE(test::throws_with([&] { odd_cp.resolve(4, 8); }, {"cp must divide the world size", "cp=3", "world size 4"}));
   ParallelConfig sharded_alone;
   sharded_alone.rollout = RolloutPlacement::kSharded;
   EXPECT_TRUE(test::throws_with([&] { sharded_alone.resolve(4, 8); }, {"rollout sharded needs ep > 1", "ep=1"}));

@@ -369,11 +369,11 @@ TEST(Plan, ContextParallelSplitsTheTokensAndGathersKeysAndValues) {
   PlanJob job;  // micro-batches of 64 sequences of 1024 tokens that accumulate
   job.recompute = true;
   const Plan dp = make_plan(cfg, job, two, {2, 1, 1, DenseSharding::kReplicated});
-  const Plan cp = make_plan(cfg, job, two, {1, 1, 1, DenseSharding::kReplicated, 2});
+  const Plan cp = make_plan(cfg, job, two, {2, 1, 1, DenseSharding::kReplicated, 2});
   ASSERT_TRUE(dp.problems.empty() || dp.gpu_used > 0) << dp.report();
   ASSERT_TRUE(cp.problems.empty() || cp.gpu_used > 0) << cp.report();
   EXPECT_EQ(dp.layout.describe(), "dp 2 x ep 1 x tp 1, dense replicated");
-  EXPECT_EQ(cp.layout.describe(), "dp 1 x ep 1 x cp 2 x tp 1, dense replicated");
+  EXPECT_EQ(cp.layout.describe(), "dp 2 x ep 1 x tp 1, cp 2, dense replicated");
   EXPECT_TRUE(cp.layout.implemented());
   EXPECT_TRUE((Layout{1, 1, 1, DenseSharding::kZero3, 2}.implemented()));
   for (const char* what : {"expert weights", "dense weights", "gradients", "optimizer state"})
@@ -397,7 +397,7 @@ TEST(Plan, ContextParallelSplitsTheTokensAndGathersKeysAndValues) {
   // rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2 (one piece); chunk 3 ends the sequence, so
   // a window layer's halo is 256 + 512 rows a sequence.
   job.recompute = false;
-  const Plan kept = make_plan(cfg, job, two, {1, 1, 1, DenseSharding::kReplicated, 2});
+  const Plan kept = make_plan(cfg, job, two, {2, 1, 1, DenseSharding::kReplicated, 2});
   EXPECT_DOUBLE_EQ(item(kept, "cp K/V gathers kept for the backward"),
                    (2 * 65536.0 + 6 * 64.0 * (256 + 512) + 65536) * row)
       << kept.report();
@@ -409,9 +409,18 @@ TEST(Plan, ContextParallelSplitsTheTokensAndGathersKeysAndValues) {
   EXPECT_GT(item(make_plan(cfg, job, two, {2, 1, 1, DenseSharding::kReplicated}),
                  "activations at the backward's peak, micro-batches of 8192 tokens, beside the gradients"),
             0);
-  EXPECT_GT(item(make_plan(cfg, job, two, {1, 1, 1, DenseSharding::kReplicated, 2}),
+  EXPECT_GT(item(make_plan(cfg, job, two, {2, 1, 1, DenseSharding::kReplicated, 2}),
                  "activations at the backward's peak, micro-batches of 8192 tokens, cp 2: 4096 per rank ("),
             0);
+  // cp folds over ep: two ranks each with half the experts and half the tokens.
+  const Plan folded = make_plan(cfg, job, two, {1, 2, 1, DenseSharding::kReplicated, 2});
+  const Plan ep_only = make_plan(cfg, job, two, {1, 2, 1, DenseSharding::kReplicated});
+  EXPECT_TRUE(folded.problems.empty() || folded.gpu_used > 0) << folded.report();
+  EXPECT_DOUBLE_EQ(item(folded, "expert weights"), item(ep_only, "expert weights"));
+  EXPECT_LT(folded.activations, ep_only.activations);
+  const Plan odd = make_plan(cfg, job, two, {2, 1, 1, DenseSharding::kReplicated, 3});
+  ASSERT_FALSE(odd.fits());
+  EXPECT_NE(odd.problems[0].find("cp 3 does not divide the cluster's 2 GPUs"), std::string::npos) << odd.problems[0];
 }
 
 // The search tries cp over powers of two while each rank keeps at least 2 tokens of a sequence,
@@ -425,10 +434,11 @@ TEST(Plan, SearchTriesContextParallelOnLongEnoughSequences) {
   std::set<int64_t> cps;
   for (const Plan& p : search_layouts(cfg, job, eight)) {
     cps.insert(p.layout.cp);
-    EXPECT_EQ(p.layout.dp * p.layout.ep * p.layout.cp * p.layout.tp, 8) << p.layout.describe();
+    EXPECT_EQ(p.layout.dp * p.layout.ep * p.layout.tp, 8) << p.layout.describe();
+    EXPECT_EQ(8 % p.layout.cp, 0) << p.layout.describe();
   }
   EXPECT_EQ(cps, (std::set<int64_t>{1, 2}));
-  const Plan short_seqs = make_plan(cfg, job, eight, {2, 1, 1, DenseSharding::kReplicated, 4});
+  const Plan short_seqs = make_plan(cfg, job, eight, {8, 1, 1, DenseSharding::kReplicated, 4});
   ASSERT_FALSE(short_seqs.fits());
   EXPECT_NE(short_seqs.problems[0].find("cp 4 cuts each 4-token sequence into 8 chunks"), std::string::npos)
       << short_seqs.problems[0];
