@@ -69,5 +69,7 @@ double peak_memory_gb(at::Device device);
 double current_memory_gb(at::Device device);
 // The device's total memory in bytes (cudaMemGetInfo); 0 on the CPU.
 double device_memory_bytes(at::Device device);
+// Waits for the device's queued work (a no-op on the CPU): what a host clock around GPU work needs.
+void synchronize(at::Device device);
 
 }  // namespace kiln::model

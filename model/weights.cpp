@@ -234,6 +234,14 @@ double allocated_gb(at::Device device, bool peak) {
 }  // namespace
 
 double peak_memory_gb(at::Device device) { return allocated_gb(device, true); }
+
+void synchronize(at::Device device) {
+#if KILN_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::device_synchronize();
+#else
+  (void)device;
+#endif
+}
 double current_memory_gb(at::Device device) { return allocated_gb(device, false); }
 
 std::vector<std::pair<std::string, at::Tensor>> Muse::named_parameters() const {

@@ -6,8 +6,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "core/error.h"
+#include "model/checkpoint.h"
 
 namespace kiln::parallel {
 namespace {
@@ -35,25 +37,42 @@ at::Tensor gather_known(const comm::Group& g, const at::Tensor& x, const std::ve
   return at::cat(parts, 0);
 }
 
+// Runs fn() and, when `clock` is the address of a double, adds its seconds there with the device
+// synchronised before and after.
+template <typename F>
+auto timed(int64_t clock, at::Device device, const F& fn) {
+  if (!clock) return fn();
+  model::synchronize(device);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto out = fn();
+  model::synchronize(device);
+  *reinterpret_cast<double*>(clock) += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
 // gather_known under a gradient. The backward is its transpose: every rank sends the gradient of
 // each gathered block to the block's owner (all-to-all), which adds what the ranks sent in rank
-// order. The group rides in saved_data as an address: it outlives the backward (ContextParallel).
+// order. The group (and the clock, when timed) ride in saved_data as addresses: they outlive the
+// backward (ContextParallel).
 struct GatherRows : public torch::autograd::Function<GatherRows> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group,
-                            std::vector<int64_t> counts) {
+                            std::vector<int64_t> counts, int64_t clock) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["counts"] = counts;
-    return gather_known(*reinterpret_cast<const comm::Group*>(group), x, counts);
+    ctx->saved_data["clock"] = clock;
+    return timed(clock, x.device(), [&] { return gather_known(*reinterpret_cast<const comm::Group*>(group), x, counts); });
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto* g = reinterpret_cast<const comm::Group*>(ctx->saved_data["group"].toInt());
     const std::vector<int64_t> counts = ctx->saved_data["counts"].toIntVector();
     const int64_t mine = counts[size_t(g->rank())];
-    at::Tensor back = g->all_to_all_known(grads[0].contiguous(), counts, std::vector<int64_t>(counts.size(), mine));
+    at::Tensor back = timed(ctx->saved_data["clock"].toInt(), grads[0].device(), [&] {
+      return g->all_to_all_known(grads[0].contiguous(), counts, std::vector<int64_t>(counts.size(), mine));
+    });
     at::Tensor sum = back.narrow(0, 0, mine).clone();
     for (int64_t r = 1; r < int64_t(counts.size()); ++r) sum.add_(back.narrow(0, r * mine, mine));
-    return {sum, at::Tensor(), at::Tensor()};
+    return {sum, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -247,14 +266,15 @@ at::Tensor ContextParallel::attend(int64_t layer, bool full, const model::Packed
   int64_t total = 0;
   for (int64_t c : p.send_counts) total += c;
   const int64_t group = reinterpret_cast<int64_t>(&group_);
+  const int64_t clock = timed_ ? reinterpret_cast<int64_t>(&exchanged_.seconds) : 0;
   at::Tensor src = kv;
   if (full) {
-    src = GatherRows::apply(kv, group, p.send_counts);
+    src = GatherRows::apply(kv, group, p.send_counts, clock);
     exchanged_.full_rows += src.size(0);
     ++exchanged_.full_layers;
   } else {
     if (total > 0) {  // every rank sees the same counts, so all skip or all gather
-      at::Tensor halo = GatherRows::apply(kv.index_select(0, p.send_rows), group, p.send_counts);
+      at::Tensor halo = GatherRows::apply(kv.index_select(0, p.send_rows), group, p.send_counts, clock);
       exchanged_.window_rows += halo.size(0);
       src = at::cat({kv, halo}, 0);
     }
@@ -291,8 +311,9 @@ at::Tensor ContextParallel::gather(const at::Tensor& local) const {
   }
   where.assign(order.size(), 0);
   for (size_t i = 0; i < order.size(); ++i) where[size_t(order[i])] = int64_t(i);
-  const at::Tensor all = local.requires_grad() ? GatherRows::apply(local, reinterpret_cast<int64_t>(&group_), counts)
-                                               : gather_known(group_, local, counts);
+  const at::Tensor all = local.requires_grad()
+                             ? GatherRows::apply(local, reinterpret_cast<int64_t>(&group_), counts, int64_t(0))
+                             : gather_known(group_, local, counts);
   return all.index_select(0, long_tensor(where, all.device()));
 }
 

@@ -79,6 +79,7 @@ class ContextParallel final : public model::AttentionBackend, public model::Batc
   struct Exchanged {
     int64_t full_rows = 0, window_rows = 0;
     int64_t full_layers = 0, window_layers = 0;
+    double seconds = 0;  // in the gathers, forward and backward, while timed (set_timed)
   };
 
   // The group's ranks split the whole batch (cu_seqlens, the same on every rank) by ContextSplit;
@@ -102,6 +103,9 @@ class ContextParallel final : public model::AttentionBackend, public model::Batc
   // `o` with this object as its attention backend and batch reduction.
   model::ForwardOptions options(model::ForwardOptions o);
   const Exchanged& exchanged() const { return exchanged_; }
+  // Times every gather and its backward into exchanged().seconds, the device synchronised around
+  // each (for `kiln bench train --cp`: it serialises what would overlap).
+  void set_timed(bool on) { timed_ = on; }
 
   at::Tensor attend(int64_t layer, bool full, const model::PackedBatch& batch, const at::Tensor& q,
                     const at::Tensor& k, const at::Tensor& v) override;
@@ -129,6 +133,7 @@ class ContextParallel final : public model::AttentionBackend, public model::Batc
   int64_t window_ = 0;
   KindPlan full_plan_, window_plan_;
   Exchanged exchanged_;
+  bool timed_ = false;
 };
 
 }  // namespace kiln::parallel

@@ -3,7 +3,7 @@
 // grouped GEMM vs per-expert loop), decode (engine decode vs full recompute vs the bytes roofline),
 // rollout (the RL workload through the engine: tools/bench_rollout.cpp),
 // train (one training step's forward+backward on 8192 packed tokens: tok/s, model TFLOP/s, grouped
-// GEMM vs per-expert loop), optim (tools/bench_optim.cpp), nvfp4 (W4A16 GEMMs vs BF16: tools/bench_nvfp4.cpp),
+// GEMM vs per-expert loop; with --cp under mpirun: tools/bench_cp.cpp), optim (tools/bench_optim.cpp), nvfp4 (W4A16 GEMMs vs BF16: tools/bench_nvfp4.cpp),
 // attention (paged decode, tensor cores vs SIMT: tools/bench_attention.cpp),
 // tokenize (kiln vs HF tokenizers' Node binding: tools/bench_tokenize.cpp).
 #include <ATen/ATen.h>
@@ -409,9 +409,9 @@ Run add_bench(CLI::App& app) {
     std::string name, device, config = "configs/muse-small.yaml", model, nvme_dir = "/tmp",
                 quantization = "none";
     double chunk_mb = 64;
-    int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192;
+    int64_t seqs = 8, len = 1024, gen = 32, tokens = 8192, cp = 1;
     std::string profile;
-    bool only_fused = false, bitwise = false;
+    bool only_fused = false, bitwise = false, cp_only = false;
     RolloutBenchShape rollout;
     std::vector<int64_t> shape, grouped;
     KernelFlags kernels;
@@ -446,6 +446,10 @@ Run add_bench(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->excludes(shape);
   cmd->add_flag("--bitwise", a->bitwise, "Also time the batch-invariant numerics (rollout.numerics bitwise): train, profiled last; rollout");
+  cmd->add_option("--cp", a->cp, "Context-parallel ranks (train, under mpirun -np N): the step split over them against one "
+                                 "rank's")->check(CLI::PositiveNumber);
+  cmd->add_flag("--cp-only", a->cp_only, "With --cp: time the cp step alone, no one-rank baseline (for a memory "
+                                        "limit on the cp ranks)");
   cmd->add_flag("--only-fused", a->only_fused, "Time only the grouped + fused path (train; for ncu and quick runs)");
   add_kernel_flags(cmd, a->kernels);
   return [a, cmd] {
@@ -462,6 +466,7 @@ Run add_bench(CLI::App& app) {
       shape.bitwise = a->bitwise;
       bench_rollout(device, config, shape, a->quantization, a->profile);
     }
+    else if (a->name == "train" && a->cp > 1) bench_train_cp(device, config, a->seqs, a->tokens, a->cp, a->cp_only);
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused, a->bitwise);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
     else if (a->name == "nvfp4") bench_nvfp4(device, a->shape, a->grouped);

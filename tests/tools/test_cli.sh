@@ -565,6 +565,10 @@ check "ZeRO-3 beside sharded engines" "dense=zero3 rollout=sharded" mpi -np 2 "$
 # cp beside bitwise numerics are refused by name before anything is built.
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  cp: 2\n'; } > "$tmp/cp2.yaml"
 resumes_exactly "train with context parallelism" "dp=2 ep=1 cp=2" "$tmp/cp2.yaml" "$tmp/cp2"
+check "bench train --cp 2" "cp 2 step / the ideal (one rank on 1/2 of each sequence)" \
+  mpi -np 2 "$kiln" bench train --cp 2 "$src/configs/muse-tiny.yaml" --tokens 256 --seqs 2 --device cpu
+check_fails "bench train --cp without its ranks" "bench train: --cp 2 runs under mpirun -np 2" \
+  "$kiln" bench train --cp 2 "$src/configs/muse-tiny.yaml" --tokens 256 --device cpu
 { cat "$tmp/recipe.yaml"; printf 'parallel:\n  cp: 3\n'; } > "$tmp/cp3.yaml"
 out=$(mpi -np 2 "$kiln" train "$tmp/cp3.yaml" --steps 1 --out "$tmp/cp3" 2>&1); rc=$?
 [ $rc -ne 0 ] && [[ "$out" == *"cp must divide the world size"*"cp=3"* ]] \
