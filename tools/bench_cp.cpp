@@ -59,7 +59,7 @@ Step measure(at::Device device, const std::function<void()>& fn) {
 }  // namespace
 
 void bench_train_cp(at::Device device, const std::string& config, int64_t seqs, int64_t tokens, int64_t cp,
-                    bool cp_only) {
+                    bool cp_only, const std::string& profile) {
   const comm::Group& world = comm::Group::world();
   KILN_CHECK(world.size() == cp, "bench train: --cp ", cp, " runs under mpirun -np ", cp, " (one rank per cp rank; got ",
              world.size(), " ranks)");
@@ -122,6 +122,10 @@ void bench_train_cp(at::Device device, const std::string& config, int64_t seqs, 
   split.set_timed(false);
   if (world.rank() == 0 && baselines) w = measure(device, [&] { loss_step(whole, whole_opt); });
   world.barrier();
+  if (!profile.empty()) {  // every rank steps (the gathers need them all); rank 0's trace is kept
+    profile_to(world.rank() == 0 ? profile : profile + ".rank" + std::to_string(world.rank()), device, cp_step);
+    if (world.rank() == 0) fmt::print("profile of one cp step (rank 0): {}\n", profile);
+  }
   if (world.rank() != 0) return;
   if (!baselines) {  // what a memory limit on the cp ranks alone shows
     fmt::print("cp {}: {:.1f} ms a step, {:.0f} tok/s; exchange {:.1f} ms, gradient all-reduce {:.1f} ms; peak resident "

@@ -33,9 +33,9 @@ model::PackedBatch random_batch(const model::ModelConfig& cfg, int64_t seqs, int
 
 // `kiln bench train --cp N` under mpirun -np N (tools/bench_cp.cpp): the step split over cp ranks
 // against one rank's on the whole batch and on 1/N of each sequence; cp_only: the cp step alone
-// (what a memory limit on the cp ranks shows).
+// (what a memory limit on the cp ranks shows); profile: a Chrome trace of one cp step per rank.
 void bench_train_cp(at::Device device, const std::string& config, int64_t seqs, int64_t tokens, int64_t cp,
-                    bool cp_only);
+                    bool cp_only, const std::string& profile);
 // `kiln bench optim`: the optimizer's placements, CPU AdamW against torch::optim::AdamW, Muon.
 void bench_optim(at::Device device, const std::string& config, const std::string& nvme_dir, double chunk_mb);
 // `kiln bench rollout`: the RL rollout workload through the engine, BF16 and `quantization`

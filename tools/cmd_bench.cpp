@@ -466,7 +466,7 @@ Run add_bench(CLI::App& app) {
       shape.bitwise = a->bitwise;
       bench_rollout(device, config, shape, a->quantization, a->profile);
     }
-    else if (a->name == "train" && a->cp > 1) bench_train_cp(device, config, a->seqs, a->tokens, a->cp, a->cp_only);
+    else if (a->name == "train" && a->cp > 1) bench_train_cp(device, config, a->seqs, a->tokens, a->cp, a->cp_only, a->profile);
     else if (a->name == "train") bench_train(device, config, a->seqs, a->tokens, a->profile, a->only_fused, a->bitwise);
     else if (a->name == "optim") bench_optim(device, config, a->nvme_dir, a->chunk_mb);
     else if (a->name == "nvfp4") bench_nvfp4(device, a->shape, a->grouped);
