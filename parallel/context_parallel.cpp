@@ -108,6 +108,12 @@ std::vector<std::vector<int64_t>> local_begins(const ContextSplit& split) {
 
 }  // namespace
 
+comm::Group context_group(const comm::Group& group, int64_t cp) {
+  if (cp <= 1) return comm::Group();
+  KILN_CHECK(group.size() % cp == 0, "context parallel: cp ", cp, " does not divide the ", group.size(), " ranks");
+  return group.split(int(group.rank() / cp), group.rank());
+}
+
 ContextSplit::ContextSplit(std::vector<int64_t> cu_seqlens, int ranks)
     : cu_seqlens_(std::move(cu_seqlens)), pieces_(size_t(std::max(ranks, 0))) {
   KILN_CHECK(ranks >= 1, "context parallel: the split needs at least one rank (got ", ranks, ")");

@@ -59,6 +59,11 @@ class ContextSplit {
   std::vector<std::vector<ContextPiece>> pieces_;  // [rank]
 };
 
+// This rank's cp group of `group`: `cp` consecutive ranks (parallel.cp), so that the trajectories
+// or batch shares of a group's ranks are consecutive too. Collective over `group`; cp 1: a
+// one-rank group.
+comm::Group context_group(const comm::Group& group, int64_t cp);
+
 // The attention of this rank's pieces under a split (ForwardOptions::attention) and the sums of
 // batch statistics over the cp group (ForwardOptions::batch_reduce), for Muse::forward on
 // split.local_batch(...). Every rank of the group runs the same forward (and backward) together.

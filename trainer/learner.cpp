@@ -22,12 +22,8 @@ Learner::Learner(model::Muse& policy, const GrpoConfig& cfg, const comm::Group& 
                  const MemoryNote& note)
     : policy_(policy), cfg_(cfg), group_(group), tokenizer_files_(std::move(tokenizer_files)) {
   guard_.limit = cfg.stop_after_nonfinite;
-  data_group_ = group;
-  if (cfg.parallel.cp > 1) {  // consecutive ranks: their trajectories are consecutive in the batch
-    const int cp = int(cfg.parallel.cp), r = group.rank();
-    cp_group_ = group.split(r / cp, r);
-    data_group_ = group.split(r % cp, r);
-  }
+  cp_group_ = parallel::context_group(group, cfg.parallel.cp);
+  data_group_ = cfg.parallel.cp > 1 ? group.split(int(group.rank() % cfg.parallel.cp), group.rank()) : group;
   if (lora() && model::lora_rank(policy) == 0) {
     // A share's adapters are drawn for its own experts (the same values as the whole model's).
     const parallel::PolicyShare share = parallel::policy_share(policy.config(), policy.dtype(), cfg.parallel, group);

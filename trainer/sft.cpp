@@ -170,7 +170,7 @@ struct SftTrainer::Impl {
     const int64_t shards = group.size() / parallel.cp;
     KILN_CHECK(cfg.batch_size >= shards, "sft: batch_size (", cfg.batch_size, ") must be at least the data shards (",
                shards, " = ranks / parallel.cp): every shard trains on a share of every batch");
-    if (parallel.cp > 1) cp_group = group.split(int(group.rank() / parallel.cp), group.rank());
+    cp_group = parallel::context_group(group, parallel.cp);
     layout = std::make_unique<parallel::ShardedModel>(model, parallel, group);
     model::Muse& trained = layout->trained();
     trained.set_requires_grad(true);

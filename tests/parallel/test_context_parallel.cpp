@@ -15,6 +15,7 @@
 #include "model/muse.h"
 #include "parallel/context_parallel.h"
 #include "tests/test_util.h"
+#include "tests/trainer/small_model.h"
 
 namespace kiln::parallel {
 namespace {
@@ -28,21 +29,13 @@ constexpr double kBalanceWeight = 0.1;  // the load-balance term's weight in the
 // Four layers, the last full (period 4), the others windows of 8 tokens: shorter than every long
 // sequence and longer than the chunks of the 19-token one at 4 ranks, so halos span several chunks.
 model::ModelConfig cp_config() {
-  model::ModelConfig c;
+  model::ModelConfig c = test::byte_vocab_config();
   c.name = "cp-test";
-  c.vocab_size = 128;
-  c.hidden_size = 32;
-  c.latent_size = 16;
   c.num_layers = 4;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.expert_ffn_size = 32;
   c.num_q_heads = 4;
   c.num_kv_heads = 2;
   c.head_dim = 8;
-  c.sliding_window = 8;
   c.full_attention_period = 4;
-  c.init_std = 0.1;
   return c;
 }
 
