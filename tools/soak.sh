@@ -2,10 +2,9 @@
 # The soak test: muse-tiny GRPO on the CPU for many steps, rollouts async, scored by reward workers
 # that crash every 80-120 requests and now and then hang past their timeout. It samples the run's
 # resident memory, open file descriptors and child processes every second and counts the workers'
-# restarts from metrics.jsonl. Then a synchronous run of up to 60 steps is killed at a random step
-# and resumed, and its metrics (times and worker counters aside) must equal an uninterrupted one's:
-# an async run restarts its staleness schedule at a resume (the batches made ahead are not in the
-# checkpoint), so it is not compared. Exit 0 when all hold.
+# restarts from metrics.jsonl. Then a run of up to 60 steps of the same recipe is killed at a
+# random step and resumed, and its metrics (times and worker counters aside) must equal an
+# uninterrupted one's: its checkpoints keep the batches made ahead. Exit 0 when all hold.
 # Usage: tools/soak.sh [steps, default 2000] [out dir, default /tmp/kiln-soak] [kiln binary]
 # (the kiln_soak ctest runs 60 steps; docs/RELIABILITY.md has the figures of the long run).
 set -uo pipefail
@@ -93,15 +92,15 @@ sample "$pid" "$out/samples.txt"
 wait "$pid" || { echo "soak: the run failed:"; tail -5 "$out/whole.log"; exit 1; }
 seconds=$(( $(date +%s) - start ))
 
-# The synchronous runs: one whole, one killed (SIGKILL, no checkpoint of its own) at a random step
-# after its first checkpoint and resumed to the end.
+# The short runs (async too): one whole, one killed (SIGKILL, no checkpoint of its own) at a
+# random step after its first checkpoint and resumed to the end.
 short=$(( steps < 60 ? steps : 60 ))
-sed -e "/^  async:/d; /^    max_staleness:/d; s/^  steps: .*/  steps: $short/; s/^  checkpoint_every: .*/  checkpoint_every: 10/" \
-  "$out/recipe.yaml" > "$out/sync.yaml"
-"$kiln" train "$out/sync.yaml" --out "$out/sync" > "$out/sync.log" 2>&1 \
-  || { echo "soak: the synchronous run failed:"; tail -5 "$out/sync.log"; exit 1; }
+sed -e "s/^  steps: .*/  steps: $short/; s/^  checkpoint_every: .*/  checkpoint_every: 10/" \
+  "$out/recipe.yaml" > "$out/short.yaml"
+"$kiln" train "$out/short.yaml" --out "$out/short" > "$out/short.log" 2>&1 \
+  || { echo "soak: the short run failed:"; tail -5 "$out/short.log"; exit 1; }
 kill_at=$(( 11 + RANDOM % (short - 11) ))
-"$kiln" train "$out/sync.yaml" --out "$out/killed" > "$out/killed.log" 2>&1 &
+"$kiln" train "$out/short.yaml" --out "$out/killed" > "$out/killed.log" 2>&1 &
 pid=$!
 logged() { local n; n=$(grep -c '"reward"' "$out/killed/metrics.jsonl" 2>/dev/null); echo "${n:-0}"; }
 while kill -0 "$pid" 2>/dev/null && [ "$(logged)" -lt "$kill_at" ]; do
@@ -109,7 +108,7 @@ while kill -0 "$pid" 2>/dev/null && [ "$(logged)" -lt "$kill_at" ]; do
 done
 kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
 pkill -9 -f "$out/worker.py" 2>/dev/null  # the killed run's workers (their stdin closes too)
-"$kiln" train "$out/sync.yaml" --resume "$out/killed" > "$out/resumed.log" 2>&1 \
+"$kiln" train "$out/short.yaml" --resume "$out/killed" > "$out/resumed.log" 2>&1 \
   || { echo "soak: the resume failed:"; tail -5 "$out/resumed.log"; fails=$((fails + 1)); }
 
 python3 - "$out" "$steps" "$seconds" "$kill_at" <<'PY' || fails=$((fails + 1))
@@ -139,7 +138,7 @@ growth = (max(levels) - min(levels)) / min(levels)
 print(f"soak: {len(whole)} steps in {seconds} s; resident memory after warm-up {min(rss) / 1024:.1f}-{max(rss) / 1024:.1f} MiB, "
       f"its level (the mean of each tenth) {min(levels) / 1024:.1f}-{max(levels) / 1024:.1f} MiB ({100 * growth:.1f}% apart); open fds {min(fds)}-{max(fds)}; children {min(kids)}-{max(kids)}; "
       f"{answered} requests answered, {restarts} worker restarts, {timeouts} timeouts, {failures} failed samples; "
-      f"a synchronous run killed at step {kill_at} and resumed")
+      f"an async run killed at step {kill_at} and resumed")
 ok = True
 def check(cond, what):
     global ok
@@ -154,7 +153,7 @@ check(max(fds) - min(fds) <= 4, f"open file descriptors went from {min(fds)} to 
 check(max(kids) <= 2, f"up to {max(kids)} child processes (2 workers)")
 check(restarts > 0, "no worker restarted: the crashes did not happen")
 check(any(j.get("grad_norm", 0) > 0 for j in whole), "no step had a gradient: the comparison would be empty")
-check(training(f"{out}/killed/metrics.jsonl") == training(f"{out}/sync/metrics.jsonl"),
+check(training(f"{out}/killed/metrics.jsonl") == training(f"{out}/short/metrics.jsonl"),
       "the run killed and resumed differs from the uninterrupted one")
 sys.exit(0 if ok else 1)
 PY

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <iterator>
 
 #include "core/clock.h"
@@ -307,6 +308,24 @@ struct GrpoTrainer::Impl {
     return source->evaluate(ec, steps);
   }
 
+  // The batches a checkpoint kept, made ahead of step `steps` + 1 on: trained first, so that the
+  // resumed run is the uninterrupted one. Made under another max_staleness they do not fit this
+  // run's schedule; then they go and the run samples again from the oldest one's prompts.
+  void resume_ahead(BatchesAhead ahead, const std::string& dir) {
+    if (ahead.max_staleness != cfg.async->max_staleness) {
+      std::fprintf(stderr, "grpo: %s holds %zu batches made ahead under async.max_staleness %lld; this run's is %lld, "
+                   "so they are sampled again\n", dir.c_str(), ahead.batches.size(),
+                   static_cast<long long>(ahead.max_staleness), static_cast<long long>(cfg.async->max_staleness));
+      return;
+    }
+    for (size_t j = 0; j < ahead.batches.size(); ++j)
+      KILN_CHECK(ahead.batches[j].batch.step == steps + 1 + int64_t(j), "grpo: checkpoint ", dir,
+                 ": batch ", j + 1, " made ahead is for step ", ahead.batches[j].batch.step, " where step ",
+                 steps + 1 + int64_t(j), " was due; the checkpoint is damaged");
+    stream.seek(ahead.next_position);
+    source->preload(std::move(ahead.batches));
+  }
+
   // A failed step leaves the weight versions out of step with the producer's schedule (grpo.async):
   // it would wait for an update that never comes. The batches made ahead go; the engine's weights
   // start the next schedule. A rollout rank starts a new session from the weights there are (unless
@@ -342,9 +361,14 @@ void GrpoTrainer::set_last_step(int64_t step) {
   if (impl_->source) impl_->source->set_last_step(step);
 }
 
+// Under grpo.async the batches made ahead go with the checkpoint: they were sampled with weights
+// older than its own, which a resumed run no longer has.
 void GrpoTrainer::save(const std::string& dir) const {
   impl_->trainer_only("save checkpoints");
-  impl_->learner->save(dir, impl_->steps, impl_->source->data_position());
+  if (!impl_->cfg.async) return impl_->learner->save(dir, impl_->steps, impl_->source->data_position());
+  const BatchesAhead ahead = impl_->source->ahead();
+  const uint64_t oldest = ahead.batches.empty() ? ahead.next_position : ahead.batches.front().data_position;
+  impl_->learner->save(dir, impl_->steps, oldest, &ahead);
 }
 
 void GrpoTrainer::save_model(const std::string& dir) const {
@@ -355,9 +379,10 @@ void GrpoTrainer::save_model(const std::string& dir) const {
 void GrpoTrainer::load(const std::string& dir) {
   impl_->trainer_only("load checkpoints");
   impl_->source->stop();  // its batches were drawn from the old position with the old weights
-  const TrainedState st = impl_->learner->load(dir);
+  TrainedState st = impl_->learner->load(dir);
   impl_->steps = st.step;
   impl_->stream.seek(st.data_position);
+  if (st.ahead && impl_->cfg.async) impl_->resume_ahead(std::move(*st.ahead), dir);
   // LoRA's base is frozen (and checked): the engine keeps its (perhaps NVFP4) base and takes the
   // adapters. Under the split placement the next session sends the weights.
   impl_->source->restart(impl_->steps, /*push=*/true);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,10 +38,12 @@ struct OldLogprobs {
   int64_t seq_offset = 0, num_seqs = 0;
 };
 
-// What a checkpoint's state.json says of where training stood.
+// What a checkpoint says of where training stood: its state.json, and this rank's batches made
+// ahead (grpo.async) where it kept them.
 struct TrainedState {
   int64_t step = 0;
-  uint64_t data_position = 0;
+  uint64_t data_position = 0;  // before the oldest batch made ahead
+  std::optional<BatchesAhead> ahead;
 };
 
 class Learner {
@@ -91,7 +94,8 @@ class Learner {
   void update_policy() { layout_->update_policy(); }
 
   // ---- checkpoints (learner_checkpoint.cpp; collective) ----
-  void save(const std::string& dir, int64_t step, uint64_t data_position) const;
+  // `ahead`: this rank's batches made ahead, kept with the checkpoint (grpo.async), or null.
+  void save(const std::string& dir, int64_t step, uint64_t data_position, const BatchesAhead* ahead = nullptr) const;
   TrainedState load(const std::string& dir);
   void save_model(const std::string& dir, int64_t step) const;
 

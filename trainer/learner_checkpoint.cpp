@@ -6,7 +6,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
+#include "core/bytes.h"
 #include "core/checkpoint_dir.h"
 #include "core/error.h"
 #include "model/checkpoint.h"
@@ -21,6 +23,31 @@ namespace {
 std::string optimizer_file(const comm::Group& g) {
   return g.size() == 1 ? "optimizer.safetensors"
                        : str_cat("optimizer-rank", g.rank(), "-of-", g.size(), ".safetensors");
+}
+
+// This rank's batches made ahead of the trainer in a checkpoint (grpo.async).
+std::string ahead_file(const comm::Group& g) {
+  return g.size() == 1 ? "ahead.bin" : str_cat("ahead-rank", g.rank(), "-of-", g.size(), ".bin");
+}
+
+void write_ahead_file(const std::string& path, const BatchesAhead& a) {
+  ByteWriter w;
+  write_ahead(w, a);
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(w.bytes().data()), std::streamsize(w.bytes().size()));
+  f.close();
+  KILN_CHECK(f.good(), "grpo: cannot write ", path, " (", w.bytes().size(), " bytes; is the disk full?)");
+}
+
+BatchesAhead read_ahead_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  KILN_CHECK(f.good(), "grpo: checkpoint file ", path, " is missing; its state.json says the batches made ahead "
+             "(grpo.async) were saved there. Resume from a complete checkpoint");
+  const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  ByteReader r(bytes.data(), bytes.size(), path);
+  BatchesAhead a = read_ahead(r);
+  r.expect_end();
+  return a;
 }
 
 nlohmann::json read_state(const std::string& dir) {
@@ -115,7 +142,7 @@ void Learner::restore_adapters(const std::string& dir) {
   }
 }
 
-void Learner::save(const std::string& dir, int64_t step, uint64_t data_position) const {
+void Learner::save(const std::string& dir, int64_t step, uint64_t data_position, const BatchesAhead* ahead) const {
   const comm::Group& g = group_;
   const CheckpointDir ck(dir);  // written as dir.tmp, state.json last, then swapped in
   const std::string tmp = ck.tmp();
@@ -128,11 +155,13 @@ void Learner::save(const std::string& dir, int64_t step, uint64_t data_position)
   if (reference_) layout_->write(*reference_, ref_zero3_.get(), tmp + "/reference");
   g.barrier();
   if (auto* opt = zero_->optimizer()) opt->save(tmp + "/" + optimizer_file(g));  // each rank its own shard
+  if (ahead) write_ahead_file(tmp + "/" + ahead_file(g), *ahead);
   g.barrier();
   // state.json last: it marks the checkpoint complete; the old one goes only once the new one is in place.
   if (g.rank() == 0) {
     ck.write_marker(nlohmann::json{{"step", step},
                                    {"data_position", data_position},
+                                   {"ahead", ahead != nullptr},
                                    {"seed", cfg_.seed},
                                    {"world", g.size()},
                                    {"ep", cfg_.parallel.ep},
@@ -186,7 +215,9 @@ TrainedState Learner::load(const std::string& dir) {
   }
   // An optimizer file without master weights starts them from the parameters just read.
   if (auto* opt = zero_->optimizer()) opt->load(dir + "/" + optimizer_file(group_));
-  return {st["step"].get<int64_t>(), st["data_position"].get<uint64_t>()};
+  TrainedState out{st["step"].get<int64_t>(), st["data_position"].get<uint64_t>(), std::nullopt};
+  if (st.value("ahead", false)) out.ahead = read_ahead_file(dir + "/" + ahead_file(group_));
+  return out;
 }
 
 }  // namespace kiln::trainer

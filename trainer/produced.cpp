@@ -169,4 +169,18 @@ ProducedBatch read_produced(ByteReader& r) {
   return p;
 }
 
+void write_ahead(ByteWriter& w, const BatchesAhead& a) {
+  w.put(a.max_staleness);
+  w.put(a.next_position);
+  write_all(w, a.batches, write_produced);
+}
+
+BatchesAhead read_ahead(ByteReader& r) {
+  BatchesAhead a;
+  a.max_staleness = r.get<int64_t>("the max_staleness");
+  a.next_position = r.get<uint64_t>("the data position after them");
+  a.batches = read_all(r, "the batches", 100, read_produced);
+  return a;
+}
+
 }  // namespace kiln::trainer

@@ -48,4 +48,15 @@ Trajectory read_trajectory(ByteReader& r);
 void write_produced(ByteWriter& w, const ProducedBatch& p);
 ProducedBatch read_produced(ByteReader& r);
 
+// The batches a rollout made ahead of the trainer under grpo.async and the trainer has not taken,
+// as a checkpoint keeps them: a resumed run trains them first, as the uninterrupted run would have
+// (they were sampled with weights older than the checkpoint's).
+struct BatchesAhead {
+  int64_t max_staleness = 0;   // the schedule they were made under
+  uint64_t next_position = 0;  // the data stream's position after the last of them
+  std::vector<ProducedBatch> batches;
+};
+void write_ahead(ByteWriter& w, const BatchesAhead& a);
+BatchesAhead read_ahead(ByteReader& r);
+
 }  // namespace kiln::trainer

@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "core/clock.h"
+#include "core/error.h"
 
 namespace kiln::trainer {
 
@@ -31,6 +32,11 @@ EvalMetrics ColocatedRollout::evaluate(const EvalConfig& ec, int64_t step) {
   return producer_.evaluate(ec, test_, step);
 }
 
+void RolloutSource::preload(std::vector<ProducedBatch> batches) {
+  KILN_CHECK(batches.empty(), "grpo: internal error: a synchronous rollout was given ", batches.size(),
+             " batches made ahead; report this");
+}
+
 void ColocatedRollout::restart(int64_t step, bool push) {
   if (push) learner_.push_to(producer_.engine());
   producer_.rebase(step);
@@ -40,7 +46,7 @@ void ColocatedRollout::restart(int64_t step, bool push) {
 
 ProducedBatch ThreadedRollout::take(int64_t step, StepMetrics&) {
   if (!thread_.joinable()) {
-    produced_ = step - 1;  // the batches of the steps already trained
+    produced_ = step - 1 + int64_t(ready_.size());  // the steps already trained and the batches preloaded
     thread_ = std::thread([this] { produce_loop(); });
   }
   std::unique_lock<std::mutex> lk(mu_);
@@ -71,6 +77,23 @@ uint64_t ThreadedRollout::data_position() {
   return position;
 }
 
+BatchesAhead ThreadedRollout::ahead() {
+  BatchesAhead a;
+  a.max_staleness = cfg_.async->max_staleness;
+  with_producer_paused(0, [&] {
+    a.batches.assign(ready_.begin(), ready_.end());
+    // Between batches the stream is past the last one made; a producer that failed drew the
+    // prompts of a batch it did not make.
+    a.next_position = error_ ? making_from_ : stream_.position();
+  });
+  return a;
+}
+
+void ThreadedRollout::preload(std::vector<ProducedBatch> batches) {
+  KILN_CHECK(!thread_.joinable() && ready_.empty(), "grpo: internal error: batches preloaded into a running producer; report this");
+  ready_.assign(std::make_move_iterator(batches.begin()), std::make_move_iterator(batches.end()));
+}
+
 void ThreadedRollout::set_last_step(int64_t step) {
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -80,15 +103,16 @@ void ThreadedRollout::set_last_step(int64_t step) {
 }
 
 void ThreadedRollout::stop() {
-  if (!thread_.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    stopping_ = true;
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+    thread_ = std::thread();
   }
-  cv_.notify_all();
-  thread_.join();
-  thread_ = std::thread();
-  ready_.clear();
+  ready_.clear();  // made ahead, or preloaded from a checkpoint
   producing_ = stopping_ = false;
   error_ = nullptr;
 }
@@ -144,6 +168,7 @@ void ThreadedRollout::produce_batches() {
       });
       if (stopping_) return;
       producing_ = true;
+      making_from_ = stream_.position();
     }
     const double waited = seconds_since(waiting);
     ProducedBatch p = producer_.produce_next(i);

@@ -31,6 +31,12 @@ class RolloutSource {
   virtual EvalMetrics evaluate(const EvalConfig& ec, int64_t step) = 0;
   // Where a resumed run draws its next prompts: before the oldest batch made but not trained.
   virtual uint64_t data_position() = 0;
+  // The batches made ahead and not yet taken, with the data position after them, for a checkpoint
+  // (grpo.async); a synchronous source has none.
+  virtual BatchesAhead ahead() { return {0, data_position(), {}}; }
+  // A resumed run's next batches, from its checkpoint's ahead(): taken before any this source
+  // makes, which start after them (the stream is already at their next_position).
+  virtual void preload(std::vector<ProducedBatch> batches);
   // The last step the caller will run (0: unknown): no batch is made past it.
   virtual void set_last_step(int64_t step) = 0;
   // Drops every batch made ahead (before a checkpoint is loaded, or after a failed step).
@@ -80,6 +86,8 @@ class ThreadedRollout : public ColocatedRollout {
   void sync_weights(int64_t step, StepMetrics& m) override;
   EvalMetrics evaluate(const EvalConfig& ec, int64_t step) override;
   uint64_t data_position() override;
+  BatchesAhead ahead() override;
+  void preload(std::vector<ProducedBatch> batches) override;
   void set_last_step(int64_t step) override;
   void stop() override;
   Producer* local() override { return nullptr; }
@@ -95,6 +103,7 @@ class ThreadedRollout : public ColocatedRollout {
   std::condition_variable cv_;
   std::deque<ProducedBatch> ready_;
   int64_t produced_ = 0;  // batches made: 1 .. produced_
+  uint64_t making_from_ = 0;  // the data position of the batch being made (or that failed)
   bool producing_ = false, stopping_ = false;
   std::exception_ptr error_;
 };

@@ -77,14 +77,14 @@ int64_t RankRollout::send_weights(LinkKind kind, const std::vector<int64_t>& hea
 }
 
 // A session: the rollout rank starts from this rank's data position and weights, those of
-// `trained` updates.
+// `trained` updates, with the first batch not already here (preloaded from a checkpoint).
 void RankRollout::start_session(int64_t trained) {
   KILN_CHECK(!broken(), "grpo: an earlier error left rollout rank ", link_.peer(),
              peer_gone_ ? " stopped" : " mid-exchange", "; build a new trainer to go on");
   if (started_) return;
-  ready_.clear();
-  received_ = sent_version_ = trained;
-  send_weights(LinkKind::kStart, {trained, int64_t(stream_.position())}, trained);
+  sent_version_ = trained;
+  received_ = trained + int64_t(ready_.size());
+  send_weights(LinkKind::kStart, {trained, int64_t(stream_.position()), received_ + 1}, trained);
   started_ = true;
 }
 
@@ -150,14 +150,28 @@ uint64_t RankRollout::data_position() {
   return ready_.empty() ? stream_.position() : ready_.front().data_position;
 }
 
+// Every batch the rollout rank can make with the weights sent is received first: the stream here
+// follows the rollout rank's only as batches arrive.
+BatchesAhead RankRollout::ahead() {
+  if (started_ && !broken()) drain();
+  return {cfg_.async->max_staleness, stream_.position(), std::vector<ProducedBatch>(ready_.begin(), ready_.end())};
+}
+
+void RankRollout::preload(std::vector<ProducedBatch> batches) {
+  KILN_CHECK(!started_ && ready_.empty(), "grpo: internal error: batches preloaded mid-session; report this");
+  ready_.assign(std::make_move_iterator(batches.begin()), std::make_move_iterator(batches.end()));
+}
+
 void RankRollout::stop() {
-  if (!started_ || broken()) return;
-  drain();
-  Exchange x(*this);
-  link_.send(LinkKind::kStop);
-  x.done();
-  started_ = false;
-  ready_.clear();
+  if (broken()) return;
+  if (started_) {
+    drain();
+    Exchange x(*this);
+    link_.send(LinkKind::kStop);
+    x.done();
+    started_ = false;
+  }
+  ready_.clear();  // received, or preloaded from a checkpoint
 }
 
 // ---- the rollout rank's end ----
@@ -192,14 +206,16 @@ void RolloutServer::serve_sessions() {
     ByteReader r = msg.body("the start from rank " + std::to_string(link_.peer()));
     steps_ = r.get<int64_t>("the step");
     stream_.seek(uint64_t(r.get<int64_t>("the data position")));
+    const int64_t first = r.get<int64_t>("the first batch");
     receive_weights(r, steps_);
-    if (!serve_session()) return;
+    if (!serve_session(first)) return;
   }
 }
 
-// Makes every batch it can, and between them answers the trainer; false once told to exit.
-bool RolloutServer::serve_session() {
-  int64_t next = steps_ + 1;
+// Makes every batch it can from `first` on, and between them answers the trainer; false once told
+// to exit.
+bool RolloutServer::serve_session(int64_t first) {
+  int64_t next = first;
   double waited = 0;
   for (;;) {
     if ((last_step_ <= 0 || next <= last_step_) &&

@@ -25,6 +25,8 @@ class RankRollout : public RolloutSource {
   void sync_weights(int64_t step, StepMetrics& m) override;
   EvalMetrics evaluate(const EvalConfig& ec, int64_t step) override;
   uint64_t data_position() override;
+  BatchesAhead ahead() override;
+  void preload(std::vector<ProducedBatch> batches) override;
   void set_last_step(int64_t step) override { last_step_ = step; }
   void stop() override;  // ends the session: a resume starts a new one from the checkpoint
   void restart(int64_t, bool) override {}  // the next session sends the weights
@@ -73,7 +75,7 @@ class RolloutServer {
 
  private:
   void serve_sessions();
-  bool serve_session();
+  bool serve_session(int64_t first);
   void receive_weights(ByteReader& r, int64_t version);
 
   const GrpoConfig& cfg_;

@@ -1,13 +1,14 @@
 // grpo.async.placement split at the world size mpirun gives: the first half of the ranks train and
 // the second half roll out for them. The run equals the colocated async run of the trainers alone
 // bit for bit (k = 0, itself the synchronous run, and k = 1), with evaluations, a checkpoint and a
-// resume; a rollout rank's error reaches its trainer, a trainer-side failure ends the session and
+// resume (the batches made ahead kept with the checkpoint); a rollout rank's error reaches its trainer, a trainer-side failure ends the session and
 // the run goes on; misuse is refused with a message.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <memory>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -203,6 +204,62 @@ TEST(AsyncSplit, LoraAndNvfp4RolloutsEqualTheColocatedRun) {
     expect_same_step(apart.resumed, colocated.resumed, variant + ", resumed step 3");
     expect_same_weights(apart.resumed_weights, colocated.resumed_weights, variant + ", resumed");
   }
+}
+
+// Four steps with the last step unknown, so that batches are made ahead of every checkpoint; with
+// `dir`, a checkpoint after step 2 and a trainer of other initial weights resumed from it for steps
+// 3 and 4. Returns steps 3 and 4 (in `steps`) and the final weights.
+SplitRun run_through_a_resume(const GrpoConfig& cfg, const Group& g, const std::string& dir) {
+  SplitRun r;
+  model::Muse first = policy(4);
+  auto trainer = std::make_unique<GrpoTrainer>(first, cfg, test::byte_tokenizer(), data(), g);
+  if (trainer->serves_rollouts()) {
+    trainer->serve_rollouts();
+    if (dir.empty()) return r;
+    model::Muse second = policy(5);
+    GrpoTrainer again(second, cfg, test::byte_tokenizer(), data(), g);
+    again.serve_rollouts();
+    return r;
+  }
+  trainer->step();
+  trainer->step();
+  model::Muse second = policy(5);
+  model::Muse* trained = &first;
+  if (!dir.empty()) {
+    trainer->save(dir);
+    trainer.reset();  // its rollout rank returns from serving, and serves the next trainer
+    trainer = std::make_unique<GrpoTrainer>(second, cfg, test::byte_tokenizer(), data(), g);
+    trainer->load(dir);
+    trained = &second;
+  }
+  for (int s = 3; s <= 4; ++s) r.steps.push_back(trainer->step());
+  r.weights = weights_of(*trained);
+  return r;
+}
+
+// The batches the rollout rank made ahead of a checkpoint go with it: the resumed run is the
+// uninterrupted colocated one bit for bit.
+TEST(AsyncSplit, AResumeKeepsTheBatchesMadeAhead) {
+  const Group& w = Group::world();
+  if (w.size() % 2 != 0) GTEST_SKIP() << "the split placement needs an even number of ranks";
+  const bool trains = w.rank() < w.size() / 2;
+  const Group half = w.split(trains ? 0 : 1, w.rank());
+  GrpoConfig cfg = split_grpo(1);
+  SplitRun whole;
+  if (trains) whole = run_through_a_resume(cfg, half, "");
+  cfg.async->placement = AsyncConfig::Placement::kSplit;
+  const std::string dir = shared_dir("resume-ahead");
+  const SplitRun apart = run_through_a_resume(cfg, w, dir);
+  w.barrier();
+  if (w.rank() == 0) remove_tree(dir);
+  if (!trains) return;
+  ASSERT_EQ(apart.steps.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    const std::string at = "step " + std::to_string(s + 3);
+    expect_same_step(apart.steps[s], whole.steps[s], at);
+    EXPECT_EQ(apart.steps[s].staleness, 1) << at << ": the batch made ahead was sampled again";
+  }
+  expect_same_weights(apart.weights, whole.weights, "after step 4");
 }
 
 // A reward that fails on the rollout rank: its trainer's step says which rank and why, and the

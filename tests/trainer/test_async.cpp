@@ -1,11 +1,13 @@
 // Asynchronous GRPO (grpo.async): with staleness 0 the producer thread gives the synchronous run
 // bit for bit; with k > 0 every batch is exactly min(step - 1, k) updates stale, runs repeat bit
-// for bit whatever the threads' timing, and evaluation, checkpoints and resume work meanwhile. And
-// the rollout engine's counters the step reports.
+// for bit whatever the threads' timing, and evaluation, checkpoints and resume work meanwhile (a
+// resume keeps the batches made ahead and is the uninterrupted run bit for bit). And the rollout
+// engine's counters the step reports.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <optional>
 
 #include "tests/test_util.h"
@@ -82,37 +84,92 @@ TEST(GrpoAsync, BatchesAreExactlyKStaleAndRunsRepeat) {
   EXPECT_NE(sync.steps[2].reward + sync.steps[2].loss, stale.steps[2].reward + stale.steps[2].loss);
 }
 
-TEST(GrpoAsync, EvaluationCheckpointAndResumeWhileTheProducerRuns) {
-  const test::TempDir tmp;
-  const std::string dir = tmp.path();
-  GrpoConfig cfg = async_grpo(1);
-  model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
-  std::vector<StepMetrics> later;
+// Steps 1 and 2 with an evaluation between them, a checkpoint after step 2 (the producer may be
+// mid-batch: the save waits for it), then a trainer of other initial weights resumed from it for
+// `more` steps.
+std::vector<StepMetrics> interrupted_run(const GrpoConfig& cfg, const std::string& ckpt, int more,
+                                         std::vector<at::Tensor>* weights = nullptr) {
   {
+    model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
     GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data());
     trainer.step();
     const EvalMetrics e = trainer.evaluate(test::eval_prompts(4));  // pauses the producer, runs the engine
     EXPECT_EQ(e.all.prompts, 4);
     trainer.step();
-    trainer.save(dir + "/ckpt");
+    trainer.save(ckpt);
   }  // the destructor stops the producer mid-batch or between batches
   model::Muse resumed = model::Muse::init(test::byte_vocab_config(), 9, at::kFloat, at::kCPU);
   GrpoTrainer again(resumed, cfg, test::byte_tokenizer(), data());
-  again.load(dir + "/ckpt");
+  again.load(ckpt);
   EXPECT_EQ(again.steps_done(), 2);
-  {  // the checkpoint's data position is after two steps' prompts, not after the batch made ahead
-    model::Muse other = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
-    GrpoTrainer sync(other, async_grpo(std::nullopt), test::byte_tokenizer(), data());
-    sync.step();
-    sync.step();
-    EXPECT_EQ(again.stream().position(), sync.stream().position());
+  std::vector<StepMetrics> out;
+  for (int s = 0; s < more; ++s) out.push_back(again.step());
+  if (weights)
+    for (const auto& [name, t] : resumed.named_parameters()) weights->push_back(t.detach().clone());
+  return out;
+}
+
+// The checkpoint keeps the batches made ahead (sampled with weights older than its own): the
+// resumed run trains them and is the uninterrupted run bit for bit, staleness included.
+TEST(GrpoAsync, ResumeKeepsTheBatchesMadeAheadAndIsTheUninterruptedRunBitwise) {
+  const test::TempDir tmp;
+  for (int64_t k : {1, 2}) {
+    const std::string what = "k = " + std::to_string(k);
+    const GrpoConfig cfg = async_grpo(k);
+    TrainedRun whole;
+    {
+      model::Muse policy = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
+      GrpoTrainer trainer(policy, cfg, test::byte_tokenizer(), data());
+      whole.steps.push_back(trainer.step());
+      trainer.evaluate(test::eval_prompts(4));
+      for (int s = 0; s < 3; ++s) whole.steps.push_back(trainer.step());
+      for (const auto& [name, t] : policy.named_parameters()) whole.weights.push_back(t.detach().clone());
+    }
+    TrainedRun resumed;
+    resumed.steps = interrupted_run(cfg, tmp.path() + "/ckpt" + std::to_string(k), 2, &resumed.weights);
+    for (size_t s = 0; s < 2; ++s) {
+      EXPECT_EQ(resumed.steps[s].step, int64_t(3 + s)) << what;
+      EXPECT_EQ(resumed.steps[s].staleness, std::min<int64_t>(2 + int64_t(s), k)) << what << " " << resumed.steps[s].to_json();
+      EXPECT_EQ(resumed.steps[s].staleness, whole.steps[2 + s].staleness) << what;
+      EXPECT_TRUE(std::isfinite(resumed.steps[s].loss)) << what;
+    }
+    whole.steps.erase(whole.steps.begin(), whole.steps.begin() + 2);
+    expect_same(resumed, whole, what + ", resumed against uninterrupted");
   }
-  for (int s = 0; s < 2; ++s) {
+}
+
+TEST(GrpoAsync, CheckpointsOfOtherStalenessOrWithoutTheirBatchesAreHandled) {
+  const test::TempDir tmp;
+  const std::string dir = tmp.path() + "/ckpt";
+  interrupted_run(async_grpo(1), dir, 0);
+  {  // another max_staleness: the kept batches do not fit its schedule and are sampled again
+    model::Muse policy = model::Muse::init(test::byte_vocab_config(), 9, at::kFloat, at::kCPU);
+    GrpoTrainer again(policy, async_grpo(2), test::byte_tokenizer(), data());
+    again.load(dir);
+    {  // from the oldest batch's prompts: where the synchronous run is after two steps
+      model::Muse other = model::Muse::init(test::byte_vocab_config(), 4, at::kFloat, at::kCPU);
+      GrpoTrainer sync(other, async_grpo(std::nullopt), test::byte_tokenizer(), data());
+      sync.step();
+      sync.step();
+      EXPECT_EQ(again.stream().position(), sync.stream().position());
+      sync.load(dir);  // a synchronous run resumes from the same prompts
+      EXPECT_EQ(sync.stream().position(), again.stream().position());
+    }
     const StepMetrics m = again.step();
-    EXPECT_EQ(m.step, 3 + s);
-    EXPECT_EQ(m.staleness, s == 0 ? 0 : 1) << m.to_json();  // the resumed producer starts from the loaded weights
-    EXPECT_TRUE(std::isfinite(m.loss));
+    EXPECT_EQ(m.step, 3);
+    EXPECT_EQ(m.staleness, 0) << m.to_json();  // sampled with the loaded weights, all there are
   }
+  // A damaged or missing file of batches is named.
+  const std::string file = dir + "/ahead.bin";
+  std::filesystem::resize_file(file, std::filesystem::file_size(file) / 2);
+  model::Muse policy = model::Muse::init(test::byte_vocab_config(), 9, at::kFloat, at::kCPU);
+  GrpoTrainer again(policy, async_grpo(1), test::byte_tokenizer(), data());
+  EXPECT_TRUE(test::throws_with([&] { again.load(dir); }, {file}));
+  std::filesystem::remove(file);
+  EXPECT_TRUE(test::throws_with([&] { again.load(dir); }, {file, "missing"}));
+}
+
+TEST(GrpoAsync, MisuseIsRefused) {
   GrpoConfig bad = async_grpo(1);
   bad.dynamic_sampling = true;
   EXPECT_TRUE(test::throws_with([&] { bad.validate(); }, {"dynamic_sampling", "async"}));
