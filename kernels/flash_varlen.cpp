@@ -30,17 +30,18 @@ struct HasFlashVarlen<T, std::void_t<decltype(at::_flash_attention_forward(
     : std::true_type {};
 
 template <typename T>
-T call_flash(const T& q, const T& k, const T& v, const T& cu, int64_t max_len, int64_t window) {
+T call_flash(const T& q, const T& k, const T& v, const T& cu_q, const T& cu_k, int64_t max_q, int64_t max_k,
+             int64_t window) {
   if constexpr (HasFlashVarlen<T>::value) {
     const double scale = 1.0 / std::sqrt(double(q.size(-1)));
     // flash's left window counts the keys before the query: i - j <= left.
     const std::optional<int64_t> left = window > 0 ? std::optional<int64_t>(window - 1) : std::optional<int64_t>(-1);
-    auto out = at::_flash_attention_forward(q, k, v, std::optional<T>(cu), std::optional<T>(cu), max_len, max_len,
+    auto out = at::_flash_attention_forward(q, k, v, std::optional<T>(cu_q), std::optional<T>(cu_k), max_q, max_k,
                                             /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false, scale,
                                             left, std::optional<int64_t>(0));
     return std::get<0>(out);
   } else {
-    (void)q, (void)k, (void)v, (void)cu, (void)max_len, (void)window;
+    (void)q, (void)k, (void)v, (void)cu_q, (void)cu_k, (void)max_q, (void)max_k, (void)window;
     KILN_FAIL("flash_varlen_attention: this libtorch's _flash_attention_forward has another signature");
   }
 }
@@ -53,17 +54,26 @@ constexpr bool kCompiledIn = false;
 
 at::Tensor flash_varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens, int64_t max_len, int64_t window) {
-  KILN_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
-                 q.size(2) == k.size(2) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-             "flash_varlen_attention: q [T, Hq, hd], k and v [T, Hkv, hd] with Hkv dividing Hq (got ", q.sizes(),
+  KILN_CHECK(q.dim() == 3 && q.size(0) == k.size(0), "flash_varlen_attention: q and k must hold the same tokens (got ",
+             q.sizes(), " and ", k.sizes(), ")");
+  return flash_varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, window);
+}
+
+at::Tensor flash_varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
+                                  int64_t window) {
+  KILN_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) && k.size(1) > 0 &&
+                 q.size(1) % k.size(1) == 0,
+             "flash_varlen_attention: q [Tq, Hq, hd], k and v [Tk, Hkv, hd] with Hkv dividing Hq (got ", q.sizes(),
              ", ", k.sizes(), ", ", v.sizes(), ")");
-  KILN_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.scalar_type() == at::kInt && cu_seqlens.device() == q.device(),
-             "flash_varlen_attention: cu_seqlens must be int32 [S + 1] on ", q.device(), " (got ", cu_seqlens.sizes(),
-             " ", cu_seqlens.scalar_type(), " on ", cu_seqlens.device(), ")");
+  for (const at::Tensor* cu : {&cu_q, &cu_k})
+    KILN_CHECK(cu->dim() == 1 && cu->scalar_type() == at::kInt && cu->device() == q.device() && cu->size(0) == cu_q.size(0),
+               "flash_varlen_attention: cu_seqlens must be int32 [S + 1] on ", q.device(), ", the same S for queries "
+               "and keys (got ", cu->sizes(), " ", cu->scalar_type(), " on ", cu->device(), ")");
 #if KILN_WITH_CUDA && KILN_TORCH_AT_LEAST(2, 5)
-  return call_flash<at::Tensor>(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_len, window);
+  return call_flash<at::Tensor>(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, window);
 #else
-  (void)max_len, (void)window;
+  (void)max_q, (void)max_k, (void)window;
   KILN_FAIL("flash_varlen_attention: needs a CUDA build against torch >= 2.5");
 #endif
 }
@@ -84,6 +94,37 @@ bool flash_varlen_available(at::Device device, at::ScalarType dtype, int64_t hea
       at::Tensor cu = at::tensor(std::vector<int32_t>{0, 5, 8}, at::kInt).to(device);
       flash_varlen_attention(q, kv, kv, cu, 5, 3).sum().backward();
       works = q.grad().defined() && kv.grad().defined();
+    } catch (const std::exception&) {
+      works = false;
+    }
+  });
+  return works;
+}
+
+bool flash_varlen_offsets_available(at::Device device, at::ScalarType dtype, int64_t head_dim) {
+  if (!flash_varlen_available(device, dtype, head_dim)) return false;
+  // One probe per process: 3 queries at the end of 7 keys, full and a window of 3, against the
+  // attention written out in fp32 on the same values.
+  static std::once_flag once;
+  static bool works = false;
+  std::call_once(once, [&] {
+    try {
+      c10::InferenceMode not_inference(false);
+      auto opt = at::TensorOptions().dtype(dtype).device(device);
+      const at::Tensor q = at::randn({3, 2, 64}, opt), k = at::randn({7, 2, 64}, opt), v = at::randn({7, 2, 64}, opt);
+      const at::Tensor cu_q = at::tensor(std::vector<int32_t>{0, 3}, at::kInt).to(device);
+      const at::Tensor cu_k = at::tensor(std::vector<int32_t>{0, 7}, at::kInt).to(device);
+      works = true;
+      for (int64_t window : {0, 3}) {
+        const at::Tensor out = flash_varlen_attention(q, k, v, cu_q, cu_k, 3, 7, window).to(at::kFloat);
+        const at::Tensor qi = at::arange(4, 7, at::kLong).unsqueeze(1), kj = at::arange(0, 7, at::kLong).unsqueeze(0);
+        at::Tensor allowed = kj.le(qi);
+        if (window > 0) allowed = allowed.logical_and(kj.gt(qi - window));
+        const at::Tensor scores = at::einsum("qhd,khd->hqk", {q.to(at::kFloat), k.to(at::kFloat)}) / 8.0;
+        const at::Tensor p = at::softmax(scores.masked_fill(allowed.logical_not().to(device), -1e30), -1);
+        const at::Tensor ref = at::einsum("hqk,khd->qhd", {p, v.to(at::kFloat)});
+        works = works && (out - ref).abs().max().item<double>() < 5e-2;
+      }
     } catch (const std::exception&) {
       works = false;
     }

@@ -21,4 +21,17 @@ bool flash_varlen_available(at::Device device, at::ScalarType dtype, int64_t hea
 at::Tensor flash_varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens, int64_t max_len, int64_t window);
 
+// Queries and keys of other lengths: sequence s has the queries cu_q[s]..cu_q[s+1] of q and the keys
+// cu_k[s]..cu_k[s+1] of k and v, its last query at the position of its last key (a context-parallel
+// piece: its own tokens, and keys from earlier in the sequence). Query i of n against m keys sees
+// keys j <= i + m - n, within `window` of it unless window <= 0: the bottom-right alignment.
+at::Tensor flash_varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
+                                  int64_t window);
+
+// Whether the form above runs on `device` as described: flash_varlen_available, and a one-time
+// probe of more keys than queries agrees with the reference attention (a libtorch whose causal
+// mask aligned queries and keys at the top left would not).
+bool flash_varlen_offsets_available(at::Device device, at::ScalarType dtype, int64_t head_dim);
+
 }  // namespace kiln::kernels

@@ -61,6 +61,9 @@ at::Device parse_device(const std::string& name, const std::string& where);
 // devices it can see. Under `srun --gpus-per-task=1` each rank sees one device (index 0) while its
 // local rank counts the node's ranks. visible must be positive.
 int64_t device_for_rank(int64_t local_rank, int64_t visible);
+// `device` for a rank of a job of `ranks`: with more than one rank, "cuda" without an index
+// becomes the rank's GPU (device_for_rank), made the current device; anything else as given.
+at::Device rank_device(at::Device device, int64_t local_rank, int64_t ranks);
 
 // Peak memory allocated on a CUDA device since the last reset, in GB; 0 on the CPU.
 void reset_peak_memory(at::Device device);

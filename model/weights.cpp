@@ -188,6 +188,17 @@ int64_t device_for_rank(int64_t local_rank, int64_t visible) {
   return local_rank % visible;
 }
 
+at::Device rank_device(at::Device device, int64_t local_rank, int64_t ranks) {
+  if (!device.is_cuda() || device.has_index() || ranks <= 1) return device;
+#if KILN_WITH_CUDA
+  device = at::Device(at::kCUDA, c10::DeviceIndex(device_for_rank(local_rank, c10::cuda::device_count())));
+  c10::cuda::set_device(device.index());
+#else
+  (void)local_rank;
+#endif
+  return device;
+}
+
 #if KILN_WITH_CUDA
 namespace {
 c10::DeviceIndex cuda_index(at::Device d) { return d.has_index() ? d.index() : c10::cuda::current_device(); }

@@ -9,6 +9,7 @@
 #include <chrono>
 
 #include "core/error.h"
+#include "kernels/flash_varlen.h"
 #include "model/checkpoint.h"
 
 namespace kiln::parallel {
@@ -258,6 +259,22 @@ ContextParallel::KindPlan ContextParallel::plan(bool full, at::Device device, in
   }
   p.padded = model::PaddedLayout::build(q_rows, q_pos, k_rows, k_pos, device);
   p.use_padded = p.padded.score_bytes(heads) <= max_padded_score_bytes;
+  if (device.is_cuda()) {
+    std::vector<int64_t> all_k;
+    std::vector<int32_t> cu_q = {0}, cu_k = {0};
+    for (size_t i = 0; i < k_rows.size(); ++i) {
+      KILN_CHECK(p.q_begin[i] == cu_q.back(), "context parallel: rank ", rank_, "'s piece ", i, " starts at local row ",
+                 p.q_begin[i], ", not after the pieces before it; report this");
+      all_k.insert(all_k.end(), k_rows[i].begin(), k_rows[i].end());
+      cu_q.push_back(cu_q.back() + int32_t(p.q_length[i]));
+      cu_k.push_back(cu_k.back() + int32_t(k_rows[i].size()));
+      p.max_q = std::max(p.max_q, p.q_length[i]);
+      p.max_k = std::max(p.max_k, int64_t(k_rows[i].size()));
+    }
+    p.flash_k_rows = long_tensor(all_k, device);
+    p.cu_q = at::tensor(cu_q, at::kInt).to(device);
+    p.cu_k = at::tensor(cu_k, at::kInt).to(device);
+  }
   return p;
 }
 
@@ -286,11 +303,17 @@ at::Tensor ContextParallel::attend(int64_t layer, bool full, const model::Packed
     }
     ++exchanged_.window_layers;
   }
-  return attend_kind(p, full, q, src.narrow(1, 0, heads), src.narrow(1, heads, heads));
+  const bool flash =
+      fused_ && p.cu_q.defined() && kernels::flash_varlen_offsets_available(q.device(), q.scalar_type(), q.size(2));
+  exchanged_.flash_layers += flash;
+  return attend_kind(p, full, flash, q, src.narrow(1, 0, heads), src.narrow(1, heads, heads));
 }
 
-at::Tensor ContextParallel::attend_kind(const KindPlan& p, bool full, const at::Tensor& q, const at::Tensor& k_src,
-                                        const at::Tensor& v_src) const {
+at::Tensor ContextParallel::attend_kind(const KindPlan& p, bool full, bool flash, const at::Tensor& q,
+                                        const at::Tensor& k_src, const at::Tensor& v_src) const {
+  if (flash)
+    return kernels::flash_varlen_attention(q, k_src.index_select(0, p.flash_k_rows), v_src.index_select(0, p.flash_k_rows),
+                                           p.cu_q, p.cu_k, p.max_q, p.max_k, full ? 0 : window_);
   if (p.use_padded) return model::padded_attention(p.padded, q, k_src, v_src, full, window_);
   const int64_t group = q.size(1) / k_src.size(1);
   std::vector<at::Tensor> outs;
@@ -324,6 +347,7 @@ at::Tensor ContextParallel::gather(const at::Tensor& local) const {
 }
 
 model::ForwardOptions ContextParallel::options(model::ForwardOptions o) {
+  fused_ = o.fused_kernels() && !o.bitwise();
   o.attention = this;
   o.batch_reduce = this;
   return o;

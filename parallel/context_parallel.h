@@ -84,6 +84,7 @@ class ContextParallel final : public model::AttentionBackend, public model::Batc
   struct Exchanged {
     int64_t full_rows = 0, window_rows = 0;
     int64_t full_layers = 0, window_layers = 0;
+    int64_t flash_layers = 0;  // of those, attended through FlashAttention
     double seconds = 0;  // in the gathers, forward and backward, while timed (set_timed)
   };
 
@@ -105,7 +106,9 @@ class ContextParallel final : public model::AttentionBackend, public model::Batc
   // sends each row's gradient to its owner, which adds the ranks' in rank order, so a loss that
   // every rank computes alike over the whole batch is scaled by 1 / ranks before its backward.
   at::Tensor gather(const at::Tensor& local) const;
-  // `o` with this object as its attention backend and batch reduction.
+  // `o` with this object as its attention backend and batch reduction. On a CUDA device in bf16 or
+  // fp16 with o's fused kernels on, attention runs through FlashAttention's varlen kernel (each
+  // piece's queries against its keys), as the one-rank forward does; else as described above.
   model::ForwardOptions options(model::ForwardOptions o);
   const Exchanged& exchanged() const { return exchanged_; }
   // Times every gather and its backward into exchanged().seconds, the device synchronised around
@@ -127,9 +130,13 @@ class ContextParallel final : public model::AttentionBackend, public model::Batc
     std::vector<at::Tensor> k_rows;
     model::PaddedLayout padded;  // the same problems as one padded batch
     bool use_padded = false;
+    // FlashAttention's form on a CUDA device: every piece's key rows in one index, and the pieces'
+    // query and key counts as int32 cu_seqlens (a piece's last query is at its last key's position).
+    at::Tensor flash_k_rows, cu_q, cu_k;
+    int64_t max_q = 0, max_k = 0;
   };
   KindPlan plan(bool full, at::Device device, int64_t heads, int64_t max_padded_score_bytes) const;
-  at::Tensor attend_kind(const KindPlan& plan, bool full, const at::Tensor& q, const at::Tensor& k_src,
+  at::Tensor attend_kind(const KindPlan& plan, bool full, bool flash, const at::Tensor& q, const at::Tensor& k_src,
                          const at::Tensor& v_src) const;
 
   const comm::Group& group_;
@@ -139,6 +146,7 @@ class ContextParallel final : public model::AttentionBackend, public model::Batc
   KindPlan full_plan_, window_plan_;
   Exchanged exchanged_;
   bool timed_ = false;
+  bool fused_ = false;  // the options' fused kernels: FlashAttention where it runs
 };
 
 }  // namespace kiln::parallel

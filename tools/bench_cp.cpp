@@ -61,6 +61,7 @@ Step measure(at::Device device, const std::function<void()>& fn) {
 void bench_train_cp(at::Device device, const std::string& config, int64_t seqs, int64_t tokens, int64_t cp,
                     bool cp_only, const std::string& profile) {
   const comm::Group& world = comm::Group::world();
+  device = model::rank_device(device, world.local_rank(), world.size());  // --device cuda: a GPU per rank
   KILN_CHECK(world.size() == cp, "bench train: --cp ", cp, " runs under mpirun -np ", cp, " (one rank per cp rank; got ",
              world.size(), " ranks)");
   KILN_CHECK(seqs >= 1 && tokens % seqs == 0 && tokens / seqs >= 2 * cp, "bench train: --tokens ", tokens,

@@ -5,9 +5,6 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#if KILN_WITH_CUDA
-#include <c10/cuda/CUDAFunctions.h>
-#endif
 
 #include <chrono>
 #include <cerrno>
@@ -165,13 +162,8 @@ Setup prepare(const std::string& path, const std::string& out, const std::string
   std::error_code ec;
   std::filesystem::create_directories(r.run.out, ec);  // ranks race here; a real failure shows at the first write
   const at::ScalarType dtype = model::parse_dtype(r.dtype);
-  at::Device device = model::parse_device(r.device, "recipe model.device");
-  if (device.is_cuda() && !device.has_index() && world.size() > 1) {
-#if KILN_WITH_CUDA
-    device = at::Device(at::kCUDA, c10::DeviceIndex(model::device_for_rank(world.local_rank(), c10::cuda::device_count())));
-    c10::cuda::set_device(device.index());
-#endif
-  }
+  const at::Device device =
+      model::rank_device(model::parse_device(r.device, "recipe model.device"), world.local_rank(), world.size());
   const model::ModelConfig config = r.init_from.empty() ? model::ModelConfig::from_yaml_file(r.model_config)
                                                         : model::ModelConfig::from_json_file(r.init_from + "/config.json");
   if (train && device.is_cuda()) check_plan(r, config, world, device);

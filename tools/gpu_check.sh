@@ -19,8 +19,10 @@
 # mpigpus the MPI tests' CUDA ones at a rank per GPU (NCCL between GPUs: a machine with 2 or more, mpi.txt);
 # async the synchronous GRPO step against grpo.async (async.txt); split (grpo.async.placement split
 # with two CUDA ranks on the one GPU, split.txt); long (long responses, long.txt),
-# tool (the multi-turn calculator recipe on muse-small, tool.txt) and bitwise (the GRPO step under
-# rollout.numerics: bitwise against the standard numerics, bitwise.txt).
+# tool (the multi-turn calculator recipe on muse-small, tool.txt), bitwise (the GRPO step under
+# rollout.numerics: bitwise against the standard numerics, bitwise.txt) and cp (context
+# parallelism: its FlashAttention test, a 32K-token step on one GPU, and with 2+ GPUs the MPI CUDA
+# tests and kiln bench train --cp at 2, 4 and 8 ranks, cp.txt).
 # The train section times kiln's training step against the plain-PyTorch peer (torch_peer.py in
 # KILN_PEER_DIR, default .cache/peers: copy it there and carry .cache/peers) and profiles both.
 # The machine lacks PCRE2 and utf8proc: run tools/device_deps.sh here first and carry
@@ -119,6 +121,27 @@ step "mpi tests on $gpus GPUs, a rank each: the CUDA ones"
   --gtest_filter='*Cuda*' 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -60 | tee "$tmp/mpigpus.log" | tee -a "$out/mpi.txt"
 symbolize "$tmp/mpigpus.log" mpi.txt
 fi
+if want cp; then  # context parallelism (cp.txt): FlashAttention's cp form, a 32K-token step, and cp over the GPUs there are
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+step "cp: FlashAttention with queries after earlier keys (one GPU)"
+./build-gpu/tests/kiln_test_cuda --gtest_filter='CudaTrainFlash.*' 2>&1 | grep -E "OK \]|FAILED|Failure|Expected|Which is|SKIPPED" | tee -a "$out/cp.txt"
+step "cp: muse-small train step, 32768 tokens in one sequence, one GPU"
+./build-gpu/kiln bench train configs/muse-small.yaml --tokens 32768 --seqs 1 --device cuda --only-fused 2>&1 | tail -6 | tee -a "$out/cp.txt"
+./build-gpu/kiln plan configs/muse-small.yaml recipes/grpo-arith-small-gpu.yaml --gpus-per-node 1 --seq-len 32768 2>&1 | head -30 >> "$out/cp.txt"
+if [ "$gpus" -ge 2 ]; then
+  step "cp: the MPI tests' CUDA ones on $gpus GPUs (NCCL), context parallelism's included"
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 300 \
+    mpiexec -np "$gpus" ./build-gpu/tests/kiln_test_parallel --gtest_filter='*Cuda*' 2>&1 | grep -vE "^\[ +(RUN|OK) " | tail -30 | tee -a "$out/cp.txt"
+  for n in 2 4 8; do
+    [ "$n" -le "$gpus" ] || break
+    step "cp $n: muse-small train step, 32768 tokens in one sequence, against one GPU"
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 300 \
+      mpiexec -np "$n" ./build-gpu/kiln bench train configs/muse-small.yaml --cp "$n" --tokens 32768 --seqs 1 --device cuda 2>&1 | tail -10 | tee -a "$out/cp.txt"
+  done
+else
+  echo "cp: $gpus GPU(s) here; cp across GPUs needs 2 or more (nvidia-h100-x2)" | tee -a "$out/cp.txt"
+fi
+fi  # cp
 if want tests; then
 step "ctest -L cuda"
 (cd build-gpu && ctest -L cuda --output-on-failure -V > "$tmp/ctest-cuda.log" 2>&1)

@@ -1,6 +1,7 @@
 // The fused training kernels against float64 references on odd sizes, in fp32 and bf16, forward
 // and backward: RMSNorm (shared weight, per-segment, the gradient by formula), RoPE, SwiGLU, MoE
-// dispatch and combine (indices exact), varlen flash attention, and the whole model fused and not.
+// dispatch and combine (indices exact), varlen flash attention (queries after earlier keys too, as
+// context parallelism reads them), and the whole model fused and not.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/function.h>
@@ -226,6 +227,54 @@ TEST(CudaTrainFlash, VarlenMatchesFloat64WithWindowsAndGqa) {
       auto part = [&](const at::Tensor& t) { return t.narrow(0, cu[s], lens[s]).transpose(0, 1); };
       outs.push_back(model::sequence_attention(part(qr), model::expand_kv_heads(part(kr), Hq / Hkv),
                                                model::expand_kv_heads(part(vr), Hq / Hkv), window == 0, window)
+                         .transpose(0, 1));
+    }
+    at::Tensor ref = at::cat(outs, 0);
+    ref.backward(dout.to(at::kBFloat16).to(at::kDouble));
+    EXPECT_LT(rel_err(o, ref), 1.2e-2) << "window " << window;
+    EXPECT_LT(rel_err(qc.grad(), qr.grad()), 2e-2) << "window " << window;
+    EXPECT_LT(rel_err(kc.grad(), kr.grad()), 2e-2) << "window " << window;
+    EXPECT_LT(rel_err(vc.grad(), vr.grad()), 2e-2) << "window " << window;
+  }
+}
+
+// Context parallelism's form: each piece's queries are the last of its keys' positions (a query
+// block after earlier keys, as a cp rank's pieces read their sequence's gathered keys). Against
+// the float64 reference at the same absolute positions; fp32 does not take this path.
+TEST(CudaTrainFlash, QueriesAfterEarlierKeysMatchFloat64) {
+  EXPECT_FALSE(kernels::flash_varlen_offsets_available(at::Device(at::kCUDA), at::kFloat, 64))
+      << "fp32 must keep the reference attention";
+  if (!kernels::flash_varlen_offsets_available(at::Device(at::kCUDA), at::kBFloat16, 64))
+    GTEST_SKIP() << "this libtorch's flash attention does not align queries after earlier keys";
+  at::manual_seed(15);
+  // (queries, keys): one token, a back chunk, a piece after a long prefix, queries = keys.
+  const std::vector<std::pair<int64_t, int64_t>> pieces = {{1, 1}, {19, 40}, {111, 4097}, {19, 19}, {1, 111}};
+  const int64_t Hq = 4, Hkv = 2, hd = 64;
+  std::vector<int32_t> cu_q = {0}, cu_k = {0};
+  int64_t max_q = 0, max_k = 0;
+  for (auto [n, m] : pieces) {
+    cu_q.push_back(cu_q.back() + int32_t(n));
+    cu_k.push_back(cu_k.back() + int32_t(m));
+    max_q = std::max(max_q, n);
+    max_k = std::max(max_k, m);
+  }
+  for (int64_t window : {0, 7, 64}) {
+    at::Tensor q = at::randn({cu_q.back(), Hq, hd}), k = at::randn({cu_k.back(), Hkv, hd}),
+               v = at::randn({cu_k.back(), Hkv, hd}), dout = at::randn({cu_q.back(), Hq, hd});
+    at::Tensor qc = cuda(q, at::kBFloat16), kc = cuda(k, at::kBFloat16), vc = cuda(v, at::kBFloat16);
+    at::Tensor o = kernels::flash_varlen_attention(qc, kc, vc, at::tensor(cu_q, at::kInt).cuda(),
+                                                   at::tensor(cu_k, at::kInt).cuda(), max_q, max_k, window);
+    o.backward(dout.to(at::kCUDA, at::kBFloat16));
+    at::Tensor qr = cpu64(q.to(at::kBFloat16)), kr = cpu64(k.to(at::kBFloat16)), vr = cpu64(v.to(at::kBFloat16));
+    std::vector<at::Tensor> outs;
+    for (size_t s = 0; s < pieces.size(); ++s) {
+      const auto [n, m] = pieces[s];
+      auto keys = [&](const at::Tensor& t) {
+        return model::expand_kv_heads(t.narrow(0, cu_k[s], m).transpose(0, 1), Hq / Hkv);
+      };
+      // The keys at positions 0..m-1 of the sequence, the queries at m-n..m-1.
+      outs.push_back(model::sequence_attention(qr.narrow(0, cu_q[s], n).transpose(0, 1), keys(kr), keys(vr),
+                                               window == 0, window, m - n, 0)
                          .transpose(0, 1));
     }
     at::Tensor ref = at::cat(outs, 0);

@@ -2,8 +2,12 @@
 // window layers to one full one, GQA) over sequences of 1, 19, 111 and 203 tokens split over the cp
 // ranks; per-token log-probs, routing, the load-balance loss and every parameter gradient (summed
 // over the cp group) equal one rank's forward and backward over the whole batch: within 1e-10 in
-// fp64, within fp32 tolerance in fp32. Window layers receive only the halo rows.
+// fp64, within fp32 tolerance in fp32; with a GPU per rank, through FlashAttention in bf16. Window
+// layers receive only the halo rows.
 #include <ATen/ATen.h>
+#if KILN_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -124,6 +128,53 @@ TEST(ContextParallel, Fp64PiecewiseAttentionMatchesOneRank) { check({at::kDouble
 TEST(ContextParallel, Fp64RecomputeMatchesOneRank) { check({at::kDouble, false, true}); }
 TEST(ContextParallel, Fp32ReplayMatchesOneRank) { check({at::kFloat, true}); }
 TEST(ContextParallel, Fp64TwoRankGroupsOfTheWorld) { check({at::kDouble, false, false, int64_t(256) << 20, 2}); }
+
+#if KILN_WITH_CUDA
+// A GPU per rank, bf16, fused kernels: every layer attends through FlashAttention (each piece's
+// queries after its gathered keys), against one rank's forward of the whole batch, which runs
+// FlashAttention over whole sequences. The routing is replayed (bf16 near-ties); log-probs and
+// gradients agree to bf16's precision.
+TEST(ContextParallel, CudaFlashBf16MatchesOneRank) {
+  const Group& w = Group::world();
+  if (!at::hasCUDA() || c10::cuda::device_count() < w.size()) GTEST_SKIP() << "needs a GPU per rank";
+  c10::cuda::set_device(c10::DeviceIndex(w.local_rank()));
+  const at::Device gpu(at::kCUDA, c10::DeviceIndex(w.local_rank()));
+  const model::ModelConfig cfg = cp_config();
+  std::vector<int64_t> target_list;
+  model::PackedBatch whole = whole_batch(&target_list);
+  whole.tokens = whole.tokens.to(gpu);
+  const at::Tensor targets = at::tensor(target_list, at::kLong).to(gpu);
+  const double norm = double(whole.num_tokens() - whole.num_sequences());
+  auto model_on_gpu = [&] {
+    Muse m = Muse::init(cfg, 7, at::kBFloat16, gpu);
+    m.set_requires_grad(true);
+    return m;
+  };
+  Muse one = model_on_gpu();
+  ForwardOptions o;
+  o.targets = targets;
+  const auto ref = run(one, whole, o, norm);
+
+  Muse m = model_on_gpu();
+  ContextParallel ctx(w, whole.cu_seqlens, cfg, gpu);
+  ForwardOptions lo = ctx.options(ForwardOptions{});
+  lo.targets = ctx.local_rows(targets);
+  lo.replay_routing = ctx.local_rows(ref.routing);
+  const auto got = run(m, ctx.local_batch(whole.tokens), lo, norm);
+  EXPECT_EQ(ctx.exchanged().flash_layers, cfg.num_layers) << "a layer did not take FlashAttention";
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    const at::Tensor x = a.detach().cpu().to(at::kDouble), y = b.detach().cpu().to(at::kDouble);
+    return (x - y).norm().item<double>() / std::max(y.norm().item<double>(), 1e-6);
+  };
+  EXPECT_LT(rel(ctx.gather(got.logprobs), ref.logprobs), 2e-2);
+  const auto names = m.named_parameters();
+  for (size_t i = 0; i < names.size(); ++i) {
+    at::Tensor g = got.grads[i].contiguous().clone();
+    w.all_reduce(g);
+    EXPECT_LT(rel(g, ref.grads[i]), 5e-2) << names[i].first;
+  }
+}
+#endif
 
 // A window layer receives the last min(W - 1, length) rows of every piece that does not end its
 // sequence, counted here from the split itself: far fewer than the batch. A full layer receives all.
