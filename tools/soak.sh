@@ -136,7 +136,7 @@ tenth = max(1, len(warm) // 9)
 levels = [sum(rss[i:i + tenth]) / len(rss[i:i + tenth]) for i in range(0, len(rss), tenth)]
 growth = (max(levels) - min(levels)) / min(levels)
 print(f"soak: {len(whole)} steps in {seconds} s; resident memory after warm-up {min(rss) / 1024:.1f}-{max(rss) / 1024:.1f} MiB, "
-      f"its level (the mean of each tenth) {min(levels) / 1024:.1f}-{max(levels) / 1024:.1f} MiB ({100 * growth:.1f}% apart); open fds {min(fds)}-{max(fds)}; children {min(kids)}-{max(kids)}; "
+      f"its level (the mean of each tenth) {min(levels) / 1024:.1f}-{max(levels) / 1024:.1f} MiB ({100 * growth:.1f}% apart); open fds {min(fds)}-{max(fds)} (usually {sorted(fds)[len(fds) // 2]}); children {min(kids)}-{max(kids)}; "
       f"{answered} requests answered, {restarts} worker restarts, {timeouts} timeouts, {failures} failed samples; "
       f"an async run killed at step {kill_at} and resumed")
 ok = True
@@ -149,7 +149,9 @@ check(len(whole) == steps, f"the run logged {len(whole)} steps, not {steps}")
 # A short run is mostly warm-up (the allocator's pools still fill): the bound holds for long ones.
 if steps >= 500:
     check(growth <= 0.05, f"resident memory's level moved {100 * growth:.1f}% after warm-up (more than 5%)")
-check(max(fds) - min(fds) <= 4, f"open file descriptors went from {min(fds)} to {max(fds)}")
+# A leak raises the count above its usual level; a worker mid-restart dips below it for a moment.
+usual = sorted(fds)[len(fds) // 2]
+check(max(fds) <= usual + 4, f"open file descriptors rose to {max(fds)}, {max(fds) - usual} above their usual {usual}")
 check(max(kids) <= 2, f"up to {max(kids)} child processes (2 workers)")
 check(restarts > 0, "no worker restarted: the crashes did not happen")
 check(any(j.get("grad_norm", 0) > 0 for j in whole), "no step had a gradient: the comparison would be empty")
