@@ -805,6 +805,13 @@ at::Tensor Muse::logits(const at::Tensor& hidden, Numerics numerics) const {
   return head_logits(hidden, w_.lm_head, numerics == Numerics::kBitwise);
 }
 
+bool piece_flash_available(at::Device d, at::ScalarType t, int64_t hd) { return kernels::flash_varlen_offsets_available(d, t, hd); }
+
+at::Tensor piece_flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+                                 const at::Tensor& cu_k, int64_t max_q, int64_t max_k, int64_t window) {
+  return kernels::flash_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, window);
+}
+
 at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::vector<int64_t>& cu_seqlens, int64_t window) {
   FlashPlan flash;

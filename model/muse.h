@@ -292,6 +292,13 @@ std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, int64
 // (full=false) lets the query at position i see keys at positions i-W < j <= i. Returns [H, n, hd].
 at::Tensor sequence_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool full,
                               int64_t window, int64_t q_start = 0, int64_t k_start = 0);
+// FlashAttention of pieces whose queries come after earlier keys (context parallelism's): q
+// [Tq, Hq, hd] at cu_q, k and v [Tk, Hkv, hd] at cu_k (int32 on q's device), each piece's last query
+// at its last key's position (kernels/flash_varlen.h). Whether it runs for this device, dtype and
+// head dim (compiled in, and its one-time probe agreed with the reference), and the call.
+bool piece_flash_available(at::Device device, at::ScalarType dtype, int64_t head_dim);
+at::Tensor piece_flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+                                 const at::Tensor& cu_k, int64_t max_q, int64_t max_k, int64_t window);
 // Causal attention of packed sequences (cu_seqlens [S + 1]), q [T, Hq, hd], k and v [T, Hkv, hd]
 // -> [T, Hq, hd], by the standard forward's numerics: varlen flash where it runs, else one padded
 // batch for many sequences, else one sequence at a time. window <= 0: full. Differentiable.

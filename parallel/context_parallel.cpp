@@ -9,7 +9,6 @@
 #include <chrono>
 
 #include "core/error.h"
-#include "kernels/flash_varlen.h"
 #include "model/checkpoint.h"
 
 namespace kiln::parallel {
@@ -304,7 +303,7 @@ at::Tensor ContextParallel::attend(int64_t layer, bool full, const model::Packed
     ++exchanged_.window_layers;
   }
   const bool flash =
-      fused_ && p.cu_q.defined() && kernels::flash_varlen_offsets_available(q.device(), q.scalar_type(), q.size(2));
+      fused_ && p.cu_q.defined() && model::piece_flash_available(q.device(), q.scalar_type(), q.size(2));
   exchanged_.flash_layers += flash;
   return attend_kind(p, full, flash, q, src.narrow(1, 0, heads), src.narrow(1, heads, heads));
 }
@@ -312,8 +311,8 @@ at::Tensor ContextParallel::attend(int64_t layer, bool full, const model::Packed
 at::Tensor ContextParallel::attend_kind(const KindPlan& p, bool full, bool flash, const at::Tensor& q,
                                         const at::Tensor& k_src, const at::Tensor& v_src) const {
   if (flash)
-    return kernels::flash_varlen_attention(q, k_src.index_select(0, p.flash_k_rows), v_src.index_select(0, p.flash_k_rows),
-                                           p.cu_q, p.cu_k, p.max_q, p.max_k, full ? 0 : window_);
+    return model::piece_flash_attention(q, k_src.index_select(0, p.flash_k_rows), v_src.index_select(0, p.flash_k_rows),
+                                        p.cu_q, p.cu_k, p.max_q, p.max_k, full ? 0 : window_);
   if (p.use_padded) return model::padded_attention(p.padded, q, k_src, v_src, full, window_);
   const int64_t group = q.size(1) / k_src.size(1);
   std::vector<at::Tensor> outs;

@@ -116,6 +116,12 @@ std::string read_file(const std::string& path, const std::string& what) {
 
 // ---- Tokenizer ----
 
+std::string Tokenizer::token_bytes(int64_t id, bool skip_special_tokens) const {
+  std::string out;
+  append_bytes(id, skip_special_tokens, out);
+  return out;
+}
+
 std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const {
   std::string bytes;
   for (int64_t id : ids) append_bytes(id, skip_special_tokens, bytes);

@@ -35,6 +35,9 @@ class Tokenizer {
   // The default concatenates append_bytes and replaces invalid UTF-8; a subclass overrides this or
   // append_bytes (the default of each calls the other).
   virtual std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens = false) const;
+  // One id's bytes as decode concatenates them: possibly part of a UTF-8 character (an API's
+  // per-token "bytes").
+  std::string token_bytes(int64_t id, bool skip_special_tokens = false) const;
   virtual int64_t vocab_size() const = 0;                                        // 1 + the largest id
   virtual std::optional<int64_t> token_to_id(std::string_view token) const = 0;  // specials included
   virtual std::string id_to_token(int64_t id) const = 0;                         // raw vocab string ("" if none)

@@ -22,5 +22,6 @@ Run add_mismatch(CLI::App& app);
 Run add_quantize(CLI::App& app);
 Run add_merge(CLI::App& app);
 Run add_plan(CLI::App& app);
+Run add_serve(CLI::App& app);  // built with cpp-httplib (KILN_WITH_SERVE)
 
 }  // namespace kiln::tools

@@ -82,6 +82,9 @@ int main(int argc, char** argv) {
       {"quantize", kiln::tools::add_quantize(app)},
       {"merge", kiln::tools::add_merge(app)},
       {"plan", kiln::tools::add_plan(app)},
+#if KILN_WITH_SERVE
+      {"serve", kiln::tools::add_serve(app)},
+#endif
   };
   if (argc > 1 && argv[1][0] != '-' && !runs.count(argv[1])) return fail(unknown_command(argv[1], runs));
   try {

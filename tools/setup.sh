@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # unless OpenBLAS provides it (10x on the muse-tiny forward).
 packages=(build-essential cmake ninja-build ccache pkg-config libtorch-dev libopenmpi-dev openmpi-bin
           libopenblas0-pthread libhdf5-dev libyaml-cpp-dev libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev libfmt-dev
-          libspdlog-dev libcli11-dev nlohmann-json3-dev gnuplot-nox libpcre2-dev libutf8proc-dev
+          libspdlog-dev libcli11-dev nlohmann-json3-dev gnuplot-nox libpcre2-dev libutf8proc-dev libcpp-httplib-dev
           python3 python3-protobuf git)
 # node and npm fetch and run the text tests' references (tools/fetch_references.sh); a machine
 # that already has a node toolchain keeps it.
