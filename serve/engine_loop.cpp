@@ -12,8 +12,8 @@ EngineLoop::EngineLoop(rollout::Engine& engine) : engine_(engine), thread_([this
 
 EngineLoop::~EngineLoop() { stop(); }
 
-std::future<rollout::RequestOutput> EngineLoop::submit(rollout::Request request) {
-  Pending p{std::move(request), {}};
+std::future<rollout::RequestOutput> EngineLoop::submit(rollout::Request request, TokenListener listener) {
+  Pending p{std::move(request), {}, std::move(listener)};
   std::future<rollout::RequestOutput> f = p.done.get_future();
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -41,9 +41,24 @@ void EngineLoop::stop() {
 
 void EngineLoop::fail_running(const std::exception_ptr& error) {
   for (auto& [id, done] : running_) done.set_exception(error);
+  listeners_.clear();
   std::lock_guard<std::mutex> lk(mu_);
   in_flight_ -= int64_t(running_.size());
   running_.clear();
+}
+
+// The engine's step trace (which costs a copy of each step's routing) only while a request streams.
+void EngineLoop::trace_while_listened() {
+  if (listeners_.empty() == !tracing_) return;
+  tracing_ = !listeners_.empty();
+  if (!tracing_) return engine_.set_trace({});
+  engine_.set_trace([this](const rollout::StepTrace& trace) {
+    for (const rollout::StepTrace::Item& item : trace.items) {
+      auto it = listeners_.find(item.request_id);
+      if (it == listeners_.end()) continue;
+      for (const auto& [sample, token] : item.drawn) it->second(sample, token);
+    }
+  });
 }
 
 void EngineLoop::run() {
@@ -59,7 +74,9 @@ void EngineLoop::run() {
     }
     for (Pending& p : arrived) {
       try {
-        running_.emplace(engine_.add_request(p.request), std::move(p.done));
+        const int64_t id = engine_.add_request(p.request);
+        running_.emplace(id, std::move(p.done));
+        if (p.listener) listeners_.emplace(id, std::move(p.listener));
       } catch (...) {  // refused by the engine: this request alone
         p.done.set_exception(std::current_exception());
         std::lock_guard<std::mutex> lk(mu_);
@@ -67,6 +84,7 @@ void EngineLoop::run() {
       }
     }
     if (running_.empty()) continue;
+    trace_while_listened();
     std::vector<rollout::RequestOutput> finished;
     try {
       finished = engine_.step();
@@ -77,6 +95,7 @@ void EngineLoop::run() {
     for (rollout::RequestOutput& out : finished) {
       auto it = running_.find(out.request_id);
       if (it == running_.end()) continue;
+      listeners_.erase(out.request_id);
       it->second.set_value(std::move(out));
       running_.erase(it);
       std::lock_guard<std::mutex> lk(mu_);

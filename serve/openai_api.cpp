@@ -20,8 +20,8 @@ constexpr int64_t kMaxN = 128;
 // What each endpoint accepts. Keys outside these are refused by name: a client that sends one
 // expects it to act, and silence would sample something else than it asked for.
 const std::set<std::string> kCommonKeys = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
-                                           "stop_token_ids", "stream", "logprobs", "user", "frequency_penalty",
-                                           "presence_penalty", "kiln"};
+                                           "stop_token_ids", "stream", "stream_options", "logprobs", "user",
+                                           "frequency_penalty", "presence_penalty", "kiln"};
 const std::set<std::string> kChatKeys = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                          "parallel_tool_calls", "response_format", "chat_template_kwargs", "metadata",
                                          "store"};
@@ -69,14 +69,19 @@ Job common(const json& body, const ServedModel& model, const std::set<std::strin
   if (name != model.name)
     throw ApiError(404, "the model '" + name + "' does not exist; this server serves '" + model.name + "'", "model",
                    "model_not_found");
-  if (flag(body, "stream"))
-    throw bad("stream", "'stream' is not supported yet: send the request without it for the whole response");
   if (body.contains("stop") && !body["stop"].is_null() && !(body["stop"].is_array() && body["stop"].empty()))
     throw bad("stop", "stop strings are not supported; give token ids in 'stop_token_ids'");
   for (const char* penalty : {"frequency_penalty", "presence_penalty"})
     if (number_in(body, penalty, -2.0, 2.0, false, 0.0) != 0.0)
       throw bad(penalty, std::string("'") + penalty + "' is not supported (only 0)");
   Job job;
+  job.stream = flag(body, "stream");
+  if (body.contains("stream_options") && !body["stream_options"].is_null()) {
+    const json& so = body["stream_options"];
+    if (!job.stream) throw bad("stream_options", "'stream_options' is for streamed requests ('stream': true)");
+    if (!so.is_object()) throw bad("stream_options", "'stream_options' must be an object");
+    job.include_usage = flag(so, "include_usage");
+  }
   rollout::SamplingParams& p = job.request.params;
   p.n = int_in(body, "n", 1, kMaxN, 1);
   p.temperature = number_in(body, "temperature", 0.0, 2.0, false, 1.0);
@@ -224,6 +229,8 @@ Job parse_chat(const json& body, const ServedModel& model, uint64_t default_seed
     messages.push_back(std::move(copy));
   }
   job.logprobs = flag(body, "logprobs");
+  if (job.logprobs && job.stream)
+    throw bad("logprobs", "'logprobs' while streaming is not supported yet; the last chunk's 'kiln' holds every log-prob");
   if (int_in(body, "top_logprobs", 0, 20, 0) > 0)
     throw bad("top_logprobs", "'top_logprobs' is not supported yet (each sampled token's log-prob is: logprobs true)");
   if (body.contains("tool_choice") && !body["tool_choice"].is_null() &&
@@ -277,11 +284,15 @@ Job parse_completion(const json& body, const ServedModel& model, uint64_t defaul
   } else {
     throw bad("prompt", "'prompt' must be one string or one list of token ids (one prompt per request)");
   }
+  if (job.stream && !model.tokenizer) throw bad("stream", "streaming needs the server's tokenizer");
   job.echo = flag(body, "echo");
+  if (job.echo && job.stream) throw bad("echo", "'echo' while streaming is not supported yet");
   const int64_t logprobs = int_in(body, "logprobs", 0, 5, 0);
   if (logprobs > 1)
     throw bad("logprobs", "'logprobs' above 1 (alternatives per token) is not supported yet; 1 gives each sampled token's");
   job.logprobs = logprobs == 1;
+  if (job.logprobs && job.stream)
+    throw bad("logprobs", "'logprobs' while streaming is not supported yet; the last chunk's 'kiln' holds every log-prob");
   if (job.echo && job.logprobs) throw bad("echo", "'echo' with 'logprobs' (the prompt's log-probs) is not supported yet");
   finish(job, body, model, "prompt", {"max_tokens"}, 16);
   return job;
@@ -354,6 +365,36 @@ json completion_response(const Job& job, const rollout::RequestOutput& out, cons
 json models_response(const ServedModel& model) {
   return {{"object", "list"},
           {"data", json::array({{{"id", model.name}, {"object", "model"}, {"created", model.created}, {"owned_by", "kiln"}}})}};
+}
+
+json stream_chunk(const Job& job, const ServedModel& model, const std::string& id, uint64_t created, int64_t index,
+                  const std::string& text, const char* finish, bool first) {
+  json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", finish ? json(finish) : json()}};
+  if (job.chat) {
+    json delta = json::object();
+    if (first) delta["role"] = "assistant";
+    if (!finish) delta["content"] = text;
+    choice["delta"] = std::move(delta);
+  } else {
+    choice["text"] = text;
+  }
+  return {{"id", id},
+          {"object", job.chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", model.name},
+          {"choices", json::array({std::move(choice)})}};
+}
+
+json stream_last_chunk(const Job& job, const rollout::RequestOutput& out, const ServedModel& model,
+                       const std::string& id, uint64_t created) {
+  json chunk = {{"id", id},
+                {"object", job.chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", created},
+                {"model", model.name},
+                {"choices", json::array()},
+                {"kiln", kiln_extras(job, out)}};
+  if (job.include_usage) chunk["usage"] = usage(job, out);
+  return chunk;
 }
 
 }  // namespace kiln::serve

@@ -49,11 +49,13 @@ struct Job {
   bool echo = false;         // completions: the prompt before each choice's text
   bool routing = false;      // kiln extension: each choice's routing record
   bool seeded = false;       // the request gave a seed
+  bool stream = false;       // server-sent events, a chunk per token
+  bool include_usage = false;  // stream_options.include_usage: usage in the last chunk
 };
 
 // POST /v1/chat/completions and /v1/completions bodies -> a job, or an ApiError naming the field.
-// Unsupported parameters (stream, stop strings, tools' parsing, top_logprobs > 0, several prompts)
-// are refused by name rather than ignored. `default_seed` serves a request without "seed".
+// Unsupported parameters (stop strings, top_logprobs > 0, logprobs while streaming, several
+// prompts) are refused by name rather than ignored. `default_seed` serves a request without "seed".
 Job parse_chat(const nlohmann::json& body, const ServedModel& model, uint64_t default_seed);
 Job parse_completion(const nlohmann::json& body, const ServedModel& model, uint64_t default_seed);
 
@@ -65,5 +67,13 @@ nlohmann::json chat_response(const Job& job, const rollout::RequestOutput& out, 
 nlohmann::json completion_response(const Job& job, const rollout::RequestOutput& out, const ServedModel& model,
                                    const std::string& id, uint64_t created);
 nlohmann::json models_response(const ServedModel& model);
+
+// Streaming: choice `index`'s next piece of text (chat: a delta, with the role in the first), or
+// with `finish` its last chunk; and the stream's last chunk, with no choices: usage (when asked
+// for) and kiln's extras. Each is one server-sent event's data.
+nlohmann::json stream_chunk(const Job& job, const ServedModel& model, const std::string& id, uint64_t created,
+                            int64_t index, const std::string& text, const char* finish, bool first);
+nlohmann::json stream_last_chunk(const Job& job, const rollout::RequestOutput& out, const ServedModel& model,
+                                 const std::string& id, uint64_t created);
 
 }  // namespace kiln::serve

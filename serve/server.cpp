@@ -4,11 +4,17 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <mutex>
 #include <random>
 
 #include "core/error.h"
 #include "serve/engine_loop.h"
+#include "text/tokenizer.h"
 
 namespace kiln::serve {
 namespace {
@@ -16,6 +22,7 @@ namespace {
 using json = nlohmann::json;
 
 constexpr size_t kConnectionThreads = 256;
+constexpr time_t kSocketTimeoutSeconds = 60;
 
 // Strings of generated text may hold part of a UTF-8 character: written with U+FFFD for the
 // invalid bytes (the exact bytes are in the token ids and "bytes").
@@ -46,6 +53,10 @@ struct Server::Impl {
     // A thread per connection waiting on the engine: enough that the engine's batch, not the
     // pool, bounds how many requests run at once (httplib's default is 8).
     http.new_task_queue = [] { return new httplib::ThreadPool(kConnectionThreads); };
+    // httplib's 5 s defaults cut connections that wait behind a busy engine on a loaded machine.
+    http.set_read_timeout(kSocketTimeoutSeconds, 0);
+    http.set_write_timeout(kSocketTimeoutSeconds, 0);
+    http.set_keep_alive_timeout(kSocketTimeoutSeconds);
   }
 
   EngineLoop loop;
@@ -80,6 +91,7 @@ struct Server::Impl {
       }
       const uint64_t n = next_id++;
       const Job job = parse(body, model, seed_base + n);
+      if (job.stream) return stream(job, res, prefix + std::to_string(n), now_seconds());
       rollout::RequestOutput out;
       try {
         out = loop.submit(job.request).get();
@@ -90,6 +102,75 @@ struct Server::Impl {
     } catch (const ApiError& e) {
       reply_error(res, e);
     }
+  }
+
+  // Server-sent events: each sample's text as its tokens are drawn (whole UTF-8 characters, no
+  // stop token; a chat's first chunk names the role), its finish, then the last chunk (usage when
+  // asked, kiln's extras) and [DONE]. A client that goes away stops the writing; its request
+  // runs to its end in the engine.
+  void stream(const Job& job, httplib::Response& res, const std::string& id, uint64_t created) {
+    struct Drawn {
+      std::mutex mu;
+      std::condition_variable cv;
+      std::deque<std::pair<int64_t, int64_t>> tokens;  // (sample, id) not yet written
+      std::future<rollout::RequestOutput> out;
+    };
+    auto drawn = std::make_shared<Drawn>();
+    try {
+      drawn->out = loop.submit(job.request, [drawn](int64_t sample, int64_t token) {
+        {
+          std::lock_guard<std::mutex> lk(drawn->mu);
+          drawn->tokens.emplace_back(sample, token);
+        }
+        drawn->cv.notify_all();
+      });
+    } catch (const std::exception& e) {
+      throw ApiError(503, e.what(), "", "unavailable", "server_error");
+    }
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider("text/event-stream", [this, drawn, job, id, created](size_t, httplib::DataSink& sink) {
+      auto send = [&](const std::string& data) {
+        const std::string event = "data: " + data + "\n\n";
+        return sink.write(event.data(), event.size());
+      };
+      const std::vector<int64_t>& stops = job.request.params.stop_token_ids;
+      std::vector<text::StreamDecoder> decoders(size_t(job.request.params.n), text::StreamDecoder(*model.tokenizer));
+      std::vector<bool> first(decoders.size(), true);
+      auto piece = [&](int64_t sample, const std::string& t, const char* finish) {
+        const bool write = finish || !t.empty() || (job.chat && first[size_t(sample)]);
+        const bool ok = !write || send(dump(stream_chunk(job, model, id, created, sample, t, finish, first[size_t(sample)])));
+        if (write) first[size_t(sample)] = false;
+        return ok;
+      };
+      for (bool done = false; !done;) {
+        done = drawn->out.wait_for(std::chrono::seconds(0)) == std::future_status::ready;  // before taking the tokens
+        std::deque<std::pair<int64_t, int64_t>> tokens;
+        {
+          std::unique_lock<std::mutex> lk(drawn->mu);
+          if (!done) drawn->cv.wait_for(lk, std::chrono::milliseconds(50), [&] { return !drawn->tokens.empty(); });
+          tokens.swap(drawn->tokens);
+        }
+        for (const auto& [sample, token] : tokens)
+          if (std::find(stops.begin(), stops.end(), token) == stops.end() && !piece(sample, decoders[size_t(sample)].push(token), nullptr))
+            return false;  // the client went away
+      }
+      try {
+        const rollout::RequestOutput out = drawn->out.get();
+        for (size_t i = 0; i < out.samples.size(); ++i) {
+          const rollout::Sample& s = out.samples[i];
+          if (!piece(int64_t(i), decoders[i].flush(), nullptr) ||
+              !piece(int64_t(i), "", s.finish == rollout::FinishReason::kStop ? "stop" : "length"))
+            return false;
+        }
+        send(dump(stream_last_chunk(job, out, model, id, created)));
+      } catch (const std::exception& e) {
+        send(dump(error_body(ApiError(500, std::string("the engine failed mid-stream: ") + e.what(), "", "internal_error",
+                                      "server_error"))));
+      }
+      send("[DONE]");
+      sink.done();
+      return true;
+    });
   }
 
   void routes() {
