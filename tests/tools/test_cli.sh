@@ -62,6 +62,46 @@ printf '{"prompt_ids": [1, 2, 3]}\n\n{"prompt_ids": [4, 5], "n": 3, "temperature
 check "generate to hdf5" "in 5 samples (2 prompts)" \
   "$kiln" generate --model "$tmp/ckpt" --prompts "$tmp/prompts.jsonl" -n 2 --max-tokens 4 --out "$tmp/s.h5"
 [ -s "$tmp/s.h5" ] || { echo "FAIL: no generate hdf5 output"; fails=$((fails+1)); }
+# kiln serve (where cpp-httplib was found): 64 clients at once each get what the same request gets
+# alone, the resident set comes back to its level before them, SIGTERM ends the server with 0.
+if "$kiln" serve --help > /dev/null 2>&1; then
+  "$kiln" serve "$tmp/ckpt" --port 0 --max-num-seqs 16 > "$tmp/serve.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 300); do grep -q "on http" "$tmp/serve.log" && break; sleep 0.1; done
+  port=$(sed -n 's|.*http://127.0.0.1:\([0-9]*\)/v1.*|\1|p' "$tmp/serve.log")
+  check "serve: 64 clients at once" "64 clients answered as alone" python3 - "$port" "$spid" <<'PY'
+import http.client, json, sys, threading
+port, pid = int(sys.argv[1]), sys.argv[2]
+def ask(i):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    c.request("POST", "/v1/completions", json.dumps({"model": "ckpt", "prompt": [1, 2, 1 + i % 30], "max_tokens": 8,
+                                                     "seed": i, "temperature": 0.9}), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    body = json.loads(r.read())
+    assert r.status == 200, body
+    return body["kiln"]["choices"][0]["token_ids"]
+def rss():
+    return int(next(l.split()[1] for l in open(f"/proc/{pid}/status") if l.startswith("VmRSS")))
+alone = [ask(i) for i in range(64)]
+ask(0)
+idle = rss()
+got = [None] * 64
+def run(i):
+    got[i] = ask(i)
+threads = [threading.Thread(target=run, args=(i,)) for i in range(64)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+[ask(i) for i in range(4)]  # the engine idle again
+after = rss()
+wrong = [i for i in range(64) if got[i] != alone[i]]
+assert not wrong, f"clients {wrong} got another answer than alone"
+assert after <= idle * 1.25 + 16384, f"resident set {idle} KiB idle, {after} KiB after the 64 clients"
+print(f"64 clients answered as alone; resident set {idle} KiB before them, {after} KiB after")
+PY
+  kill -TERM "$spid"; wait "$spid"; rc=$?
+  check "serve exits 0 on SIGTERM" "stopped (SIGTERM) rc=0" echo "$(tail -1 "$tmp/serve.log") rc=$rc"
+fi
+
 # kiln mismatch: the same sampling, rescored by the trainer's forward. In fp32 on the CPU the two
 # agree to rounding, with the rollout's routing and with the model's own. The random micro model is
 # near uniform over its 32 ids: entropies just under ln 32 = 3.47.
