@@ -6,7 +6,7 @@
 # random step and resumed, and its metrics (times and worker counters aside) must equal an
 # uninterrupted one's: its checkpoints keep the batches made ahead. Exit 0 when all hold.
 # Usage: tools/soak.sh [steps, default 2000] [out dir, default /tmp/kiln-soak] [kiln binary]
-# (the kiln_soak ctest runs 60 steps; docs/RELIABILITY.md has the figures of the long run).
+# (the kiln_soak ctest runs 24 steps; docs/RELIABILITY.md has the figures of the long run).
 set -uo pipefail
 steps=${1:-2000}
 out=${2:-/tmp/kiln-soak}
