@@ -182,6 +182,11 @@ json kiln_extras(const Job& job, const rollout::RequestOutput& out) {
   return {{"prompt_token_ids", job.request.prompt}, {"choices", std::move(choices)}};
 }
 
+// What every response and chunk starts with.
+json envelope(const char* object, const std::string& id, uint64_t created, const ServedModel& model, json choices) {
+  return {{"id", id}, {"object", object}, {"created", created}, {"model", model.name}, {"choices", std::move(choices)}};
+}
+
 json usage(const Job& job, const rollout::RequestOutput& out) {
   int64_t generated = 0;
   for (const rollout::Sample& s : out.samples) generated += int64_t(s.tokens.size());
@@ -318,13 +323,10 @@ json chat_response(const Job& job, const rollout::RequestOutput& out, const Serv
     }
     choices.push_back(std::move(c));
   }
-  return {{"id", id},
-          {"object", "chat.completion"},
-          {"created", created},
-          {"model", model.name},
-          {"choices", std::move(choices)},
-          {"usage", usage(job, out)},
-          {"kiln", kiln_extras(job, out)}};
+  json r = envelope("chat.completion", id, created, model, std::move(choices));
+  r["usage"] = usage(job, out);
+  r["kiln"] = kiln_extras(job, out);
+  return r;
 }
 
 json completion_response(const Job& job, const rollout::RequestOutput& out, const ServedModel& model,
@@ -353,13 +355,10 @@ json completion_response(const Job& job, const rollout::RequestOutput& out, cons
     }
     choices.push_back(std::move(c));
   }
-  return {{"id", id},
-          {"object", "text_completion"},
-          {"created", created},
-          {"model", model.name},
-          {"choices", std::move(choices)},
-          {"usage", usage(job, out)},
-          {"kiln", kiln_extras(job, out)}};
+  json r = envelope("text_completion", id, created, model, std::move(choices));
+  r["usage"] = usage(job, out);
+  r["kiln"] = kiln_extras(job, out);
+  return r;
 }
 
 json models_response(const ServedModel& model) {
@@ -378,21 +377,14 @@ json stream_chunk(const Job& job, const ServedModel& model, const std::string& i
   } else {
     choice["text"] = text;
   }
-  return {{"id", id},
-          {"object", job.chat ? "chat.completion.chunk" : "text_completion"},
-          {"created", created},
-          {"model", model.name},
-          {"choices", json::array({std::move(choice)})}};
+  return envelope(job.chat ? "chat.completion.chunk" : "text_completion", id, created, model,
+                  json::array({std::move(choice)}));
 }
 
 json stream_last_chunk(const Job& job, const rollout::RequestOutput& out, const ServedModel& model,
                        const std::string& id, uint64_t created) {
-  json chunk = {{"id", id},
-                {"object", job.chat ? "chat.completion.chunk" : "text_completion"},
-                {"created", created},
-                {"model", model.name},
-                {"choices", json::array()},
-                {"kiln", kiln_extras(job, out)}};
+  json chunk = envelope(job.chat ? "chat.completion.chunk" : "text_completion", id, created, model, json::array());
+  chunk["kiln"] = kiln_extras(job, out);
   if (job.include_usage) chunk["usage"] = usage(job, out);
   return chunk;
 }

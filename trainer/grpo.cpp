@@ -365,10 +365,9 @@ void GrpoTrainer::set_last_step(int64_t step) {
 // older than its own, which a resumed run no longer has.
 void GrpoTrainer::save(const std::string& dir) const {
   impl_->trainer_only("save checkpoints");
-  if (!impl_->cfg.async) return impl_->learner->save(dir, impl_->steps, impl_->source->data_position());
   const BatchesAhead ahead = impl_->source->ahead();
   const uint64_t oldest = ahead.batches.empty() ? ahead.next_position : ahead.batches.front().data_position;
-  impl_->learner->save(dir, impl_->steps, oldest, &ahead);
+  impl_->learner->save(dir, impl_->steps, oldest, impl_->cfg.async ? &ahead : nullptr);
 }
 
 void GrpoTrainer::save_model(const std::string& dir) const {

@@ -71,12 +71,6 @@ EvalMetrics ThreadedRollout::evaluate(const EvalConfig& ec, int64_t step) {
   return em;
 }
 
-uint64_t ThreadedRollout::data_position() {
-  uint64_t position = 0;
-  with_producer_paused(0, [&] { position = ready_.empty() ? stream_.position() : ready_.front().data_position; });
-  return position;
-}
-
 BatchesAhead ThreadedRollout::ahead() {
   BatchesAhead a;
   a.max_staleness = cfg_.async->max_staleness;

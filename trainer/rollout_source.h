@@ -29,11 +29,10 @@ class RolloutSource {
   virtual void sync_weights(int64_t step, StepMetrics& m) = 0;
   // The held-out evaluation with the weights of `step` updates (collective over the trainers).
   virtual EvalMetrics evaluate(const EvalConfig& ec, int64_t step) = 0;
-  // Where a resumed run draws its next prompts: before the oldest batch made but not trained.
-  virtual uint64_t data_position() = 0;
   // The batches made ahead and not yet taken, with the data position after them, for a checkpoint
-  // (grpo.async); a synchronous source has none.
-  virtual BatchesAhead ahead() { return {0, data_position(), {}}; }
+  // (grpo.async; a synchronous source has none): a resumed run draws its next prompts after them,
+  // or, without them, from the oldest one's position.
+  virtual BatchesAhead ahead() = 0;
   // A resumed run's next batches, from its checkpoint's ahead(): taken before any this source
   // makes, which start after them (the stream is already at their next_position).
   virtual void preload(std::vector<ProducedBatch> batches);
@@ -57,7 +56,7 @@ class ColocatedRollout : public RolloutSource {
   ProducedBatch take(int64_t step, StepMetrics& m) override;
   void sync_weights(int64_t step, StepMetrics& m) override;
   EvalMetrics evaluate(const EvalConfig& ec, int64_t step) override;
-  uint64_t data_position() override { return stream_.position(); }
+  BatchesAhead ahead() override { return {0, stream_.position(), {}}; }
   void set_last_step(int64_t step) override { last_step_ = step; }
   void stop() override {}
   void restart(int64_t step, bool push) override;
@@ -85,7 +84,6 @@ class ThreadedRollout : public ColocatedRollout {
   ProducedBatch take(int64_t step, StepMetrics& m) override;
   void sync_weights(int64_t step, StepMetrics& m) override;
   EvalMetrics evaluate(const EvalConfig& ec, int64_t step) override;
-  uint64_t data_position() override;
   BatchesAhead ahead() override;
   void preload(std::vector<ProducedBatch> batches) override;
   void set_last_step(int64_t step) override;

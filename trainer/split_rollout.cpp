@@ -146,10 +146,6 @@ EvalMetrics RankRollout::evaluate(const EvalConfig& ec, int64_t step) {
   return em;
 }
 
-uint64_t RankRollout::data_position() {
-  return ready_.empty() ? stream_.position() : ready_.front().data_position;
-}
-
 // Every batch the rollout rank can make with the weights sent is received first: the stream here
 // follows the rollout rank's only as batches arrive.
 BatchesAhead RankRollout::ahead() {

@@ -24,7 +24,6 @@ class RankRollout : public RolloutSource {
   ProducedBatch take(int64_t step, StepMetrics& m) override;
   void sync_weights(int64_t step, StepMetrics& m) override;
   EvalMetrics evaluate(const EvalConfig& ec, int64_t step) override;
-  uint64_t data_position() override;
   BatchesAhead ahead() override;
   void preload(std::vector<ProducedBatch> batches) override;
   void set_last_step(int64_t step) override { last_step_ = step; }

@@ -207,6 +207,17 @@ TEST(CudaTrainMoeRows, DispatchAndCombineMatchFloat64) {
   }
 }
 
+// Flash's output `o` (its backward already run with `dout`) against the float64 reference `ref` of
+// the same bf16-rounded inputs: the output, and the gradients of q, k and v (`got` against `want`).
+void expect_flash_matches(const at::Tensor& o, const at::Tensor& ref, const at::Tensor& dout,
+                          const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want, int64_t window) {
+  ref.backward(dout.to(at::kBFloat16).to(at::kDouble));
+  EXPECT_LT(rel_err(o, ref), 1.2e-2) << "window " << window;
+  const char* names[] = {"q", "k", "v"};
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_LT(rel_err(got[i].grad(), want[i].grad()), 2e-2) << names[i] << " gradient, window " << window;
+}
+
 TEST(CudaTrainFlash, VarlenMatchesFloat64WithWindowsAndGqa) {
   if (!kernels::flash_varlen_available(at::Device(at::kCUDA), at::kBFloat16, 64))
     GTEST_SKIP() << "this libtorch has no usable _flash_attention_forward; the padded attention serves";
@@ -229,12 +240,7 @@ TEST(CudaTrainFlash, VarlenMatchesFloat64WithWindowsAndGqa) {
                                                model::expand_kv_heads(part(vr), Hq / Hkv), window == 0, window)
                          .transpose(0, 1));
     }
-    at::Tensor ref = at::cat(outs, 0);
-    ref.backward(dout.to(at::kBFloat16).to(at::kDouble));
-    EXPECT_LT(rel_err(o, ref), 1.2e-2) << "window " << window;
-    EXPECT_LT(rel_err(qc.grad(), qr.grad()), 2e-2) << "window " << window;
-    EXPECT_LT(rel_err(kc.grad(), kr.grad()), 2e-2) << "window " << window;
-    EXPECT_LT(rel_err(vc.grad(), vr.grad()), 2e-2) << "window " << window;
+    expect_flash_matches(o, at::cat(outs, 0), dout, {qc, kc, vc}, {qr, kr, vr}, window);
   }
 }
 
@@ -277,12 +283,7 @@ TEST(CudaTrainFlash, QueriesAfterEarlierKeysMatchFloat64) {
                                                window == 0, window, m - n, 0)
                          .transpose(0, 1));
     }
-    at::Tensor ref = at::cat(outs, 0);
-    ref.backward(dout.to(at::kBFloat16).to(at::kDouble));
-    EXPECT_LT(rel_err(o, ref), 1.2e-2) << "window " << window;
-    EXPECT_LT(rel_err(qc.grad(), qr.grad()), 2e-2) << "window " << window;
-    EXPECT_LT(rel_err(kc.grad(), kr.grad()), 2e-2) << "window " << window;
-    EXPECT_LT(rel_err(vc.grad(), vr.grad()), 2e-2) << "window " << window;
+    expect_flash_matches(o, at::cat(outs, 0), dout, {qc, kc, vc}, {qr, kr, vr}, window);
   }
 }
 
